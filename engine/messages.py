@@ -10,6 +10,10 @@ import enum
 from dataclasses import dataclass, field
 
 
+class DeviceError(RuntimeError):
+    """A device (worker) failed; the requests on it cannot continue."""
+
+
 class CacheType(enum.Enum):
     """How a request keeps its context: K and V per layer, or the layer input."""
     KV = "kv"

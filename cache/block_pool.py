@@ -1,0 +1,125 @@
+"""Bookkeeping for one device's unified block pool.
+
+A block holds ``block_size`` rows of ``unit`` elements in every layer. A
+KV-cache request takes a (K, V) pair of blocks per ``block_size`` tokens:
+
+    block table of a KV request:  [K0, V0, K1, V1, ...]   tokens 0..B-1 -> (K0, V0), ...
+
+The pool answers with an ``Allocation`` or ``None``; it never touches tensors
+and never sees a request object, only its id.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.messages import CacheType, Direction
+
+
+@dataclass(frozen=True, slots=True)
+class PoolGeometry:
+    num_blocks: int             # blocks in the pool
+    block_size: int             # token slots per block
+
+    def blocks_per_token_block(self, cache_type: CacheType) -> int:
+        """Blocks a request needs per block_size tokens (2 for KV: one K, one V)."""
+        if cache_type is CacheType.KV:
+            return 2
+        raise ValueError(f"cache type {cache_type.value} is not supported by this pool")
+
+    def blocks_for(self, num_tokens: int, cache_type: CacheType = CacheType.KV) -> int:
+        """Blocks needed to hold num_tokens tokens."""
+        token_blocks = -(-num_tokens // self.block_size)
+        return token_blocks * self.blocks_per_token_block(cache_type)
+
+
+@dataclass(slots=True)
+class Allocation:
+    block_ids: list[int]                 # appended to the request's table, in order
+    directions: list[Direction]          # fill direction of each new block
+
+
+@dataclass(slots=True)
+class _Table:
+    cache_type: CacheType
+    block_ids: list[int] = field(default_factory=list)
+    directions: list[Direction] = field(default_factory=list)
+
+
+class BlockPool:
+    def __init__(self, geometry: PoolGeometry):
+        self.geometry = geometry
+        # pop() from the end hands out low ids first; purely cosmetic
+        self._free: list[int] = list(range(geometry.num_blocks - 1, -1, -1))
+        self._owner: list[str | None] = [None] * geometry.num_blocks
+        self._tables: dict[str, _Table] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.geometry.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use, 0..1."""
+        return self.num_used / max(1, self.geometry.num_blocks)
+
+    def num_blocks_of(self, req_id: str) -> int:
+        t = self._tables.get(req_id)
+        return len(t.block_ids) if t else 0
+
+    def table(self, req_id: str) -> list[int]:
+        t = self._tables.get(req_id)
+        return list(t.block_ids) if t else []
+
+    def grow(self, req_id: str, num_tokens: int, cache_type: CacheType = CacheType.KV) -> Allocation | None:
+        """Make req_id's table hold num_tokens tokens; None (and no change) if blocks run out."""
+        t = self._tables.get(req_id)
+        if t is not None and t.cache_type is not cache_type:
+            raise ValueError(f"request {req_id} holds {t.cache_type.value} blocks, asked for {cache_type.value}")
+        have = len(t.block_ids) if t else 0
+        need = self.geometry.blocks_for(num_tokens, cache_type) - have
+        if need <= 0:
+            return Allocation([], [])
+        if need > len(self._free):
+            return None
+        if t is None:
+            t = self._tables[req_id] = _Table(cache_type)
+        new = [self._free.pop() for _ in range(need)]
+        for b in new:
+            self._owner[b] = req_id
+        dirs = [Direction.LEFT] * need
+        t.block_ids.extend(new)
+        t.directions.extend(dirs)
+        return Allocation(new, dirs)
+
+    def free(self, req_id: str) -> int:
+        """Return all of req_id's blocks to the free list; how many were freed."""
+        t = self._tables.pop(req_id, None)
+        if t is None:
+            return 0
+        for b in t.block_ids:
+            self._owner[b] = None
+        self._free.extend(reversed(t.block_ids))
+        return len(t.block_ids)
+
+    def check_invariants(self) -> None:
+        """free + used = total; every used block has exactly one owner whose table lists it."""
+        n = self.geometry.num_blocks
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError("a block is on the free list twice")
+        listed: dict[int, str] = {}
+        for rid, t in self._tables.items():
+            for b in t.block_ids:
+                if b in listed:
+                    raise AssertionError(f"block {b} owned by {listed[b]} and {rid}")
+                listed[b] = rid
+                if self._owner[b] != rid:
+                    raise AssertionError(f"block {b}: owner {self._owner[b]} but listed by {rid}")
+        if free & listed.keys():
+            raise AssertionError("a block is both free and owned")
+        if len(free) + len(listed) != n:
+            raise AssertionError(f"free {len(free)} + used {len(listed)} != total {n}")

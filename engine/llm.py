@@ -1,0 +1,209 @@
+"""Offline API, as vLLM users know it: ``LLM(model=...).generate(prompts, params)``."""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from engine.messages import DeviceError
+from engine.models.loader import load_spec, load_tokenizer, resolve_model
+from engine.params import SamplingParams
+from engine.worker import DTYPES, WorkerConfig, WorkerHandle, wait_all
+from sched.request import FinishReason, Request, RequestState
+from sched.scheduler import SchedConfig, Scheduler
+
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tandem"
+DEFAULT_KV_CACHE_BYTES = 2 << 30      # per device, when no budget is given (vLLM CPU's usual 2 GiB)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    req_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]           # generated ids (EOS / stop id included when it ended the request)
+    text: str                      # generated text, special tokens skipped, stop string cut
+    finish_reason: str             # "stop" | "length" | "abort" | "error"
+
+
+def parse_devices(devices: str) -> list[str]:
+    """'cpu', 'cpu:N' (N CPU workers) or 'cuda:0,1' -> per-worker device strings."""
+    if not isinstance(devices, str):
+        raise ValueError("devices: must be a string like 'cpu:2' or 'cuda:0,1'")
+    kind, _, rest = devices.partition(":")
+    if kind == "cpu":
+        n = int(rest) if rest.isdigit() else (1 if rest == "" else 0)
+        if n < 1:
+            raise ValueError(f"devices: {devices!r}: use 'cpu:N' with N >= 1")
+        return ["cpu"] * n
+    if kind == "cuda" and rest:
+        ids = rest.split(",")
+        if not all(i.isdigit() for i in ids) or len(set(ids)) != len(ids):
+            raise ValueError(f"devices: {devices!r}: use 'cuda:0,1,...'")
+        return [f"cuda:{i}" for i in ids]
+    raise ValueError(f"devices: {devices!r} is not 'cpu:N' or 'cuda:i,j,...'")
+
+
+class LLM:
+    """Load a model onto worker processes and generate offline.
+
+    model: "smollm2", a HF checkpoint directory or a .gguf path.
+    devices: "cpu:N" (N worker processes) or "cuda:0,1".
+    """
+
+    def __init__(self, model: str = "smollm2", devices: str = "cpu:1", *, dtype: str = "float32",
+                 block_size: int = 16, kv_cache_bytes: int | None = None,
+                 kv_cache_fraction: float | None = None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
+                 max_model_len: int | None = None, threads_per_worker: int | None = None,
+                 cache_dir: str | os.PathLike | None = None, compile: bool = False,
+                 policy: str = "fcfs"):
+        self._workers: list[WorkerHandle] = []
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)}")
+        names = parse_devices(devices)
+        _positive("block_size", block_size)
+        _positive("max_num_seqs", max_num_seqs)
+        _positive("max_num_batched_tokens", max_num_batched_tokens)
+        if kv_cache_bytes is not None:
+            _positive("kv_cache_bytes", kv_cache_bytes)
+        if kv_cache_fraction is not None and not 0 < kv_cache_fraction <= 1:
+            raise ValueError(f"kv_cache_fraction: must be in (0, 1], got {kv_cache_fraction!r}")
+        hf_dir = resolve_model(model, cache_dir or DEFAULT_CACHE_DIR)
+        self.spec = load_spec(hf_dir)
+        self.max_model_len = min(self.spec.max_model_len, max_model_len or self.spec.max_model_len)
+        if not enable_chunked_prefill and max_num_batched_tokens < self.max_model_len:
+            raise ValueError("max_num_batched_tokens: must be >= max_model_len without chunked prefill")
+        self.tokenizer = load_tokenizer(hf_dir)
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")    # inherited by the spawned workers
+        ncpu = sum(n == "cpu" for n in names)
+        threads = threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, ncpu))
+        if kv_cache_bytes is None and kv_cache_fraction is None:
+            kv_cache_bytes = DEFAULT_KV_CACHE_BYTES
+        for i, dev in enumerate(names):
+            wc = WorkerConfig(str(hf_dir), dtype, dev, block_size, kv_cache_bytes, kv_cache_fraction,
+                              ncpu, threads, compile)
+            self._workers.append(WorkerHandle(f"{dev}#{i}" if dev == "cpu" else dev, wc))
+        try:
+            wait_all(self._workers)
+        except BaseException:
+            self.shutdown()
+            raise
+        detok = self._detokenize if self.tokenizer is not None else None
+        self.scheduler = Scheduler(
+            SchedConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, policy),
+            self._workers, self.spec.eos_token_ids, self.max_model_len, detok)
+        self._ids = itertools.count()
+
+    # ---- prompts -------------------------------------------------------------
+    def _detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def encode_prompt(self, prompt: Any) -> tuple[list[int], str | None]:
+        """A string, a token id list, or chat messages -> (token ids, text or None)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token id lists")
+            return list(self.tokenizer(prompt)["input_ids"]), prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer for chat messages")
+            if not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt):
+                raise ValueError("prompt: chat messages need string 'role' and 'content'")
+            text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), text
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if min(prompt) < 0 or max(prompt) >= self.spec.vocab_size:
+                raise ValueError(f"prompt: token ids must be in [0, {self.spec.vocab_size})")
+            return list(prompt), None
+        raise ValueError("prompt: must be a non-empty string, token id list or chat message list")
+
+    def _check_length(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt: is empty after tokenization")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate in the model "
+                             f"context of {self.max_model_len}")
+
+    # ---- generation ------------------------------------------------------------
+    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for each prompt; outputs in prompt order. Validates everything before queueing."""
+        plist = _as_prompt_list(prompts)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(plist)
+        if len(params) != len(plist):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(plist)} prompts")
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ValueError("sampling_params: must be SamplingParams")
+            p.validate()
+        encoded = [self.encode_prompt(p) for p in plist]
+        for ids, _ in encoded:
+            self._check_length(ids)
+        now = time.monotonic()
+        reqs = [Request(f"gen-{next(self._ids)}", ids, sp, arrival_time=now, prompt=text)
+                for (ids, text), sp in zip(encoded, params)]
+        states = [self.scheduler.add(r) for r in reqs]
+        bar = _progress(len(reqs)) if use_tqdm else None
+        while any(st.finish_reason is None for st in states):
+            ups = self.scheduler.step()
+            if bar is not None:
+                bar.update(sum(u.finish_reason is not None for u in ups))
+        if bar is not None:
+            bar.close()
+        failed = [st for st in states if st.finish_reason is FinishReason.ERROR]
+        if failed:
+            raise DeviceError(f"{len(failed)} request(s) failed: {failed[0].error}")
+        return [self._output(st) for st in states]
+
+    def _output(self, st: RequestState) -> RequestOutput:
+        text = self._detokenize(st.output_token_ids) if self.tokenizer is not None else ""
+        if st.stop_text_end is not None:
+            text = text[:st.stop_text_end]
+        return RequestOutput(st.req_id, st.request.prompt, st.request.prompt_token_ids,
+                             list(st.output_token_ids), text, st.finish_reason.value)
+
+    # ---- lifecycle --------------------------------------------------------------
+    def shutdown(self) -> None:
+        for w in self._workers:
+            w.shutdown()
+        self._workers = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+
+def _positive(name: str, v) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ValueError(f"{name}: must be a positive integer, got {v!r}")
+
+
+def _as_prompt_list(prompts: Any) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(x, int) for x in prompts):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(x, dict) for x in prompts):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts:
+        return list(prompts)
+    raise ValueError("prompts: give a prompt or a non-empty list of prompts")
+
+
+def _progress(n: int):
+    from tqdm import tqdm
+    return tqdm(total=n, desc="generate", unit="req")

@@ -1,0 +1,53 @@
+"""SamplingParams: what a user asks of generation (vLLM's names and meanings)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16                    # tokens to generate at most
+    temperature: float = 1.0                # 0 = greedy
+    top_p: float = 1.0                      # nucleus mass in (0, 1]
+    top_k: int = -1                         # -1 or 0 = off
+    seed: int | None = None                 # per-request seed; None = random
+    stop: list[str] = field(default_factory=list)          # stop strings (not included in text)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0                     # EOS and stop ids are suppressed before this many
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        def bad(name, why):
+            raise ValueError(f"{name}: {why}")
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
+            bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        if not _is_num(self.temperature) or self.temperature < 0:
+            bad("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            bad("top_k", f"must be -1 (off) or a non-negative integer, got {self.top_k!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            bad("seed", f"must be an integer, got {self.seed!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of non-negative integers")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "must be a boolean")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x

@@ -1,0 +1,155 @@
+"""One worker process per device: weights, block pool, StepInput -> StepOutput.
+
+Started with torch.multiprocessing 'spawn'. The pool is sized from a memory
+budget (bytes, or a fraction of the device's memory) and allocated in shared
+memory on the CPU.
+"""
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from cache import PoolGeometry
+from engine.messages import Command, DeviceError, StepInput, StepOutput
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    hf_dir: str
+    dtype: str                      # key of DTYPES
+    device: str                     # "cpu" or "cuda:i"
+    block_size: int                 # token slots per block
+    kv_cache_bytes: int | None      # pool budget in bytes, or
+    kv_cache_fraction: float | None  # fraction of device memory (CPU: of RAM / num CPU workers)
+    num_cpu_workers: int            # CPU workers sharing this machine's RAM
+    threads: int                    # torch intra-op threads in this process
+    compile: bool                   # torch.compile the model step
+
+
+def pool_blocks(cfg: WorkerConfig, bytes_per_block: int) -> int:
+    """Number of blocks the memory budget buys."""
+    if cfg.kv_cache_bytes is not None:
+        budget = cfg.kv_cache_bytes
+    elif cfg.device.startswith("cuda"):
+        free, _total = torch.cuda.mem_get_info(torch.device(cfg.device))
+        budget = int(free * (cfg.kv_cache_fraction or 0.9))
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        budget = int(total * (cfg.kv_cache_fraction or 0.1) / max(1, cfg.num_cpu_workers))
+    return budget // bytes_per_block
+
+
+def _build_runner(cfg: WorkerConfig):
+    from engine.models.loader import build_model, load_spec
+    from engine.runner import ModelRunner
+    torch.set_num_threads(cfg.threads)
+    dtype = DTYPES[cfg.dtype]
+    spec = load_spec(Path(cfg.hf_dir))
+    model = build_model(Path(cfg.hf_dir), spec, dtype, cfg.device)
+    elem = torch.empty((), dtype=dtype).element_size()
+    bytes_per_block = spec.num_layers * cfg.block_size * spec.unit * elem
+    num_blocks = pool_blocks(cfg, bytes_per_block)
+    if num_blocks < 2:
+        raise ValueError(f"kv cache budget buys {num_blocks} blocks of {bytes_per_block} bytes; need >= 2")
+    pool = torch.zeros(spec.num_layers, num_blocks * cfg.block_size, spec.unit, dtype=dtype,
+                       device=cfg.device)
+    if cfg.device == "cpu":
+        pool.share_memory_()
+    if cfg.compile:
+        from engine.compiled import compile_model
+        model = compile_model(model)
+    return ModelRunner(model, spec, pool, cfg.block_size), num_blocks
+
+
+def worker_main(conn, cfg: WorkerConfig) -> None:
+    """Process entry point: load, report ready, then serve steps until SHUTDOWN."""
+    try:
+        runner, num_blocks = _build_runner(cfg)
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready", num_blocks))
+    while True:
+        try:
+            msg: StepInput = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg.command is Command.SHUTDOWN:
+            return
+        try:
+            out = runner.step(msg)
+        except Exception:
+            out = StepOutput(msg.step_id, {}, 0, 0.0, 0.0, error=traceback.format_exc())
+        conn.send(out)
+
+
+class WorkerHandle:
+    """The scheduler's view of one worker process (implements sched.scheduler.Device)."""
+
+    POLL_S = 0.1      # how often a blocked collect() checks that the process lives
+
+    def __init__(self, name: str, cfg: WorkerConfig):
+        self.name = name
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=worker_main, args=(child, cfg), daemon=True,
+                                name=f"tandem-worker-{name}")
+        self.proc.start()
+        child.close()
+        self.geometry: PoolGeometry | None = None
+        self.block_size = cfg.block_size
+
+    def wait_ready(self) -> PoolGeometry:
+        kind, payload = self._recv()
+        if kind == "error":
+            self.proc.join(timeout=5)
+            raise RuntimeError(f"{self.name}: worker failed to start:\n{payload}")
+        self.geometry = PoolGeometry(num_blocks=payload, block_size=self.block_size)
+        return self.geometry
+
+    def submit(self, inp: StepInput) -> None:
+        try:
+            self.conn.send(inp)
+        except (BrokenPipeError, OSError) as e:
+            raise DeviceError(f"{self.name}: worker is gone ({e})") from e
+
+    def collect(self) -> StepOutput:
+        return self._recv()
+
+    def _recv(self):
+        while not self.conn.poll(self.POLL_S):
+            if not self.proc.is_alive():
+                raise DeviceError(f"{self.name}: worker process died (exit code {self.proc.exitcode})")
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError) as e:
+            raise DeviceError(f"{self.name}: worker connection lost ({e})") from e
+
+    def shutdown(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(StepInput(Command.SHUTDOWN, -1))
+            except (BrokenPipeError, OSError):
+                pass
+            self.proc.join(timeout=3)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=3)
+        self.conn.close()
+
+
+def wait_all(handles: list[WorkerHandle], timeout_s: float = 600.0) -> None:
+    """Wait until every worker is ready (they load in parallel)."""
+    t0 = time.monotonic()
+    for h in handles:
+        h.wait_ready()
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError("workers did not start in time")

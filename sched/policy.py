@@ -1,0 +1,119 @@
+"""Scheduling policies: pure functions from a snapshot to a plan.
+
+They see plain numbers (tokens, blocks, limits), never tensors or request
+objects, so tests and the simulator can drive them without a model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.messages import Phase
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    req_id: str
+    num_tokens: int            # tokens known (prompt + generated)
+    num_computed: int          # tokens already in the cache
+    num_blocks: int            # blocks held now
+    arrival: float             # seconds; FCFS order key
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_num_seqs: int          # requests per iteration
+    max_num_batched_tokens: int  # new tokens per iteration
+    chunked_prefill: bool      # may a prompt be split across iterations
+
+
+@dataclass(slots=True)
+class Snapshot:
+    running: list[Candidate]   # holding blocks, in priority order (earliest arrival first)
+    waiting: list[Candidate]   # not holding blocks, in FCFS order (preempted first)
+    num_free_blocks: int
+    block_size: int
+    blocks_per_token_block: int  # 2 for a KV cache (K and V)
+    limits: Limits
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    req_id: str
+    num_new_tokens: int
+    phase: Phase
+    sample: bool               # this chunk ends at the last known token
+
+
+@dataclass(slots=True)
+class Plan:
+    scheduled: list[Decision] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)   # lose their cache, recompute later
+    reasons: dict[str, str] = field(default_factory=dict)
+
+
+def _blocks(snap: Snapshot, num_tokens: int) -> int:
+    return -(-num_tokens // snap.block_size) * snap.blocks_per_token_block
+
+
+def _decide(c: Candidate, n: int) -> Decision:
+    end = c.num_computed + n
+    decode = n == 1 and c.num_computed > 0 and end == c.num_tokens
+    return Decision(c.req_id, n, Phase.DECODE if decode else Phase.PREFILL, end == c.num_tokens)
+
+
+def fcfs(snap: Snapshot) -> Plan:
+    """vLLM-style first-come-first-served continuous batching.
+
+    1. Running requests, in arrival order, each get their next chunk (1 token
+       when decoding). When blocks run out, the latest-arrived running request
+       is preempted (its cache discarded, recomputed later) until the chunk fits.
+    2. If nothing was preempted, waiting requests are admitted in FCFS order
+       while sequences, tokens and blocks allow; the first that does not fit
+       stops admission (no overtaking).
+    """
+    plan = Plan()
+    lim = snap.limits
+    free = snap.num_free_blocks
+    tokens_left = lim.max_num_batched_tokens
+    running = list(snap.running)
+    i = 0
+    while i < len(running) and tokens_left > 0:
+        c = running[i]
+        n = min(c.num_tokens - c.num_computed, tokens_left)
+        need = _blocks(snap, c.num_computed + n) - c.num_blocks
+        while need > free and running[-1] is not c:
+            victim = running.pop()
+            free += victim.num_blocks
+            plan.preempted.append(victim.req_id)
+            plan.reasons[victim.req_id] = "preempted: blocks ran out for an earlier request"
+        if need > free:
+            running.pop()
+            plan.preempted.append(c.req_id)
+            plan.reasons[c.req_id] = "preempted: its own next chunk does not fit"
+            break
+        free -= need
+        tokens_left -= n
+        plan.scheduled.append(_decide(c, n))
+        plan.reasons[c.req_id] = "running"
+        i += 1
+    if plan.preempted:
+        return plan
+    num_seqs = len(running)
+    for c in snap.waiting:
+        n = c.num_tokens - c.num_computed
+        if num_seqs >= lim.max_num_seqs or tokens_left <= 0:
+            break
+        if n > tokens_left and not lim.chunked_prefill:
+            plan.reasons[c.req_id] = "waiting: prompt exceeds this iteration's token budget"
+            break
+        n = min(n, tokens_left)
+        need = _blocks(snap, c.num_computed + n) - c.num_blocks
+        if need > free:
+            plan.reasons[c.req_id] = "waiting: not enough free blocks"
+            break
+        free -= need
+        tokens_left -= n
+        num_seqs += 1
+        plan.scheduled.append(_decide(c, n))
+        plan.reasons[c.req_id] = "admitted"
+    return plan

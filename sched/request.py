@@ -1,0 +1,69 @@
+"""Request (server/ -> sched/) and the scheduler's own per-request state."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.messages import CacheType
+from engine.params import SamplingParams
+
+
+class ServiceClass(enum.Enum):
+    RT = "rt"     # interactive, with latency SLOs
+    BE = "be"     # best effort (batch jobs)
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"       # never prefilled, or preempted (cache discarded)
+    RUNNING = "running"       # holds blocks on a device
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"             # EOS, a stop token id or a stop string
+    LENGTH = "length"         # max_tokens or the model context
+    ABORT = "abort"           # cancelled by the client
+    ERROR = "error"           # the device failed
+
+
+@dataclass(slots=True)
+class Request:
+    """What a client asked for. Immutable by convention once submitted."""
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    service_class: ServiceClass = ServiceClass.RT
+    arrival_time: float = 0.0          # seconds, time.monotonic()
+    slo_ttft_s: float | None = None    # time-to-first-token target, seconds
+    slo_tbt_s: float | None = None     # time-between-tokens target, seconds
+    prompt: str | None = None          # original text, when there was one
+
+
+@dataclass(slots=True)
+class RequestState:
+    """sched/'s mutable view of a request; nothing outside sched/ changes it."""
+    request: Request
+    seed: int                          # the seed actually used
+    device: int = 0                    # index of the device holding it
+    status: Status = Status.WAITING
+    cache_type: CacheType = CacheType.KV
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0              # tokens whose cache is on the device
+    sent_to_device: bool = False       # NewRequest already sent
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_text_end: int | None = None   # char index where a stop string matched
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    error: str | None = None
+
+    @property
+    def req_id(self) -> str:
+        return self.request.req_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_token_ids) + len(self.output_token_ids)
+
+    def all_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids + self.output_token_ids

@@ -1,0 +1,235 @@
+"""The Scheduler: owns request state and per-device queues, runs one iteration per step().
+
+Each step, per device: snapshot -> policy (pure) -> apply the plan to the
+block pool bookkeeping -> StepInput; then all devices run in parallel and
+their StepOutputs update the requests.
+"""
+from __future__ import annotations
+
+import bisect
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from cache import BlockPool, PoolGeometry
+from engine.messages import (CacheType, Command, DeviceError, NewRequest, SamplingSpec, ScheduledRequest,
+                             StepInput, StepOutput)
+from sched.policy import Candidate, Limits, Plan, Snapshot, fcfs
+from sched.request import FinishReason, Request, RequestState, Status
+from sched.stops import check_stop
+
+
+class Device(Protocol):
+    """What the scheduler needs of a device: its pool geometry and one step at a time."""
+    name: str
+    geometry: PoolGeometry
+
+    def submit(self, inp: StepInput) -> None: ...
+    def collect(self) -> StepOutput: ...          # raises DeviceError
+
+
+@dataclass(frozen=True, slots=True)
+class SchedConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    chunked_prefill: bool = True
+    policy: str = "fcfs"
+
+
+@dataclass(slots=True)
+class Update:
+    """What happened to one request in a step (new tokens and/or its end)."""
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class _DeviceQueues:
+    pool: BlockPool
+    waiting: deque[str] = field(default_factory=deque)
+    running: list[str] = field(default_factory=list)   # sorted by arrival
+    new: list[NewRequest] = field(default_factory=list)
+    reset_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+    dead: str | None = None
+    num_preemptions: int = 0
+
+
+POLICIES = {"fcfs": fcfs}
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedConfig, devices: list[Device], eos_ids: tuple[int, ...],
+                 max_model_len: int, detokenize: Callable[[list[int]], str] | None = None):
+        if cfg.policy not in POLICIES:
+            raise ValueError(f"policy: {cfg.policy!r} is not one of {sorted(POLICIES)}")
+        self.cfg = cfg
+        self.policy = POLICIES[cfg.policy]
+        self.devices = devices
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
+        self.detokenize = detokenize
+        self.queues = [_DeviceQueues(BlockPool(d.geometry)) for d in devices]
+        self.states: dict[str, RequestState] = {}
+        self._step_id = 0
+        self._rng = random.Random()
+
+    # ---- intake --------------------------------------------------------------
+    def add(self, req: Request) -> RequestState:
+        """Queue a request on the least-loaded live device; ValueError if it can never fit."""
+        if req.req_id in self.states:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        live = [i for i, q in enumerate(self.queues) if q.dead is None]
+        if not live:
+            raise DeviceError("no live device: " + "; ".join(q.dead or "" for q in self.queues))
+        d = min(live, key=lambda i: len(self.queues[i].waiting) + len(self.queues[i].running))
+        q = self.queues[d]
+        longest = min(len(req.prompt_token_ids) + req.sampling.max_tokens, self.max_model_len)
+        if q.pool.geometry.blocks_for(longest) > q.pool.geometry.num_blocks:
+            raise ValueError(f"prompt: {longest} tokens of context need "
+                             f"{q.pool.geometry.blocks_for(longest)} blocks; the pool has "
+                             f"{q.pool.geometry.num_blocks}")
+        seed = req.sampling.seed if req.sampling.seed is not None else self._rng.getrandbits(63)
+        st = RequestState(req, seed=seed, device=d, last_token_time=req.arrival_time)
+        self.states[req.req_id] = st
+        q.waiting.append(req.req_id)
+        return st
+
+    def abort(self, req_id: str) -> Update | None:
+        """Cancel a request now; its blocks are freed at once."""
+        st = self.states.get(req_id)
+        if st is None or st.status is Status.FINISHED:
+            return None
+        return self._finish(st, FinishReason.ABORT)
+
+    def has_unfinished(self) -> bool:
+        return any(q.waiting or q.running for q in self.queues)
+
+    # ---- one iteration ---------------------------------------------------------
+    def step(self) -> list[Update]:
+        """Plan, run and account one iteration on every device with work."""
+        self._step_id += 1
+        sent: dict[int, tuple[StepInput, Plan]] = {}
+        for d, q in enumerate(self.queues):
+            if q.dead is not None:
+                continue
+            plan = self.policy(self._snapshot(q))
+            inp = self._apply(d, q, plan)
+            if inp.scheduled or inp.finished_ids or inp.reset_ids or inp.new_requests:
+                self.devices[d].submit(inp)
+                sent[d] = (inp, plan)
+        updates: list[Update] = []
+        for d, (inp, plan) in sent.items():
+            try:
+                out = self.devices[d].collect()
+                if out.error:
+                    raise DeviceError(f"{self.devices[d].name}: step failed: {out.error}")
+            except DeviceError as e:
+                updates.extend(self._fail_device(d, str(e)))
+                continue
+            updates.extend(self._account(plan, out))
+        return updates
+
+    def _snapshot(self, q: _DeviceQueues) -> Snapshot:
+        def cand(rid):
+            st = self.states[rid]
+            return Candidate(rid, st.num_tokens, st.num_computed, q.pool.num_blocks_of(rid),
+                             st.request.arrival_time)
+        c = self.cfg
+        return Snapshot([cand(r) for r in q.running], [cand(r) for r in q.waiting],
+                        q.pool.num_free, q.pool.geometry.block_size,
+                        q.pool.geometry.blocks_per_token_block(CacheType.KV),
+                        Limits(c.max_num_seqs, c.max_num_batched_tokens, c.chunked_prefill))
+
+    def _apply(self, d: int, q: _DeviceQueues, plan: Plan) -> StepInput:
+        """Carry out the plan in the bookkeeping and describe it to the device."""
+        preempted = [self.states[r] for r in plan.preempted]
+        for st in preempted:
+            q.pool.free(st.req_id)
+            q.running.remove(st.req_id)
+            st.status, st.num_computed = Status.WAITING, 0
+            st.num_preemptions += 1
+            q.num_preemptions += 1
+            if st.sent_to_device:
+                q.reset_ids.append(st.req_id)
+        for st in sorted(preempted, key=lambda s: s.request.arrival_time, reverse=True):
+            q.waiting.appendleft(st.req_id)
+        inp = StepInput(Command.STEP, self._step_id, q.new, [], q.reset_ids, q.finished_ids)
+        q.new, q.reset_ids, q.finished_ids = [], [], []
+        for dec in plan.scheduled:
+            st = self.states[dec.req_id]
+            alloc = q.pool.grow(st.req_id, st.num_computed + dec.num_new_tokens, st.cache_type)
+            if alloc is None:
+                raise AssertionError(f"policy over-committed blocks for {st.req_id}")
+            if st.status is Status.WAITING:
+                q.waiting.remove(st.req_id)
+                bisect.insort(q.running, st.req_id, key=lambda r: self.states[r].request.arrival_time)
+                st.status = Status.RUNNING
+            if not st.sent_to_device:
+                inp.new_requests.append(self._new_request(st))
+                st.sent_to_device = True
+            inp.scheduled.append(ScheduledRequest(st.req_id, dec.phase, dec.num_new_tokens,
+                                                  alloc.block_ids, alloc.directions, dec.sample))
+        return inp
+
+    def _new_request(self, st: RequestState) -> NewRequest:
+        sp = st.request.sampling
+        stop_ids = tuple(sp.stop_token_ids) + (() if sp.ignore_eos else self.eos_ids)
+        spec = SamplingSpec(float(sp.temperature), float(sp.top_p), sp.top_k, st.seed,
+                            sp.min_tokens, stop_ids)
+        return NewRequest(st.req_id, st.all_token_ids(), len(st.request.prompt_token_ids),
+                          st.cache_type, spec)
+
+    def _account(self, plan: Plan, out: StepOutput) -> list[Update]:
+        now = time.monotonic()
+        for dec in plan.scheduled:
+            st = self.states[dec.req_id]
+            if st.status is Status.RUNNING:
+                st.num_computed += dec.num_new_tokens
+        updates = []
+        for rid, tok in out.sampled.items():
+            st = self.states[rid]
+            if st.status is not Status.RUNNING:
+                continue
+            st.output_token_ids.append(tok)
+            st.first_token_time = st.first_token_time or now
+            st.last_token_time = now
+            reason = check_stop(st, self.eos_ids, self.max_model_len, self.detokenize)
+            if reason is not None:
+                updates.append(self._finish(st, reason, new=[tok]))
+            else:
+                updates.append(Update(rid, [tok]))
+        return updates
+
+    def _finish(self, st: RequestState, reason: FinishReason, new: list[int] | None = None,
+                error: str | None = None) -> Update:
+        q = self.queues[st.device]
+        q.pool.free(st.req_id)
+        if st.status is Status.RUNNING:
+            q.running.remove(st.req_id)
+        elif st.status is Status.WAITING:
+            q.waiting.remove(st.req_id)
+        if st.sent_to_device:
+            q.finished_ids.append(st.req_id)
+        st.status, st.finish_reason, st.error = Status.FINISHED, reason, error
+        return Update(st.req_id, new or [], reason, error)
+
+    def _fail_device(self, d: int, why: str) -> list[Update]:
+        q = self.queues[d]
+        q.dead = why
+        victims = [self.states[r] for r in [*q.running, *q.waiting]]
+        return [self._finish(st, FinishReason.ERROR, error=why) for st in victims]
+
+    def check_invariants(self) -> None:
+        for q in self.queues:
+            q.pool.check_invariants()
+            held = {r for r in q.running}
+            for r in q.waiting:
+                if q.pool.num_blocks_of(r):
+                    raise AssertionError(f"waiting request {r} holds blocks")
+            if any(self.states[r].status is not Status.RUNNING for r in held):
+                raise AssertionError("running list holds a non-running request")
