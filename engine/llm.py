@@ -84,7 +84,7 @@ class LLM:
         if kv_cache_bytes is None and kv_cache_fraction is None:
             kv_cache_bytes = DEFAULT_KV_CACHE_BYTES
         for i, dev in enumerate(names):
-            wc = WorkerConfig(str(hf_dir), dtype, dev, block_size, kv_cache_bytes, kv_cache_fraction,
+            wc = WorkerConfig(str(hf_dir), self.spec, dtype, dev, block_size, kv_cache_bytes, kv_cache_fraction,
                               ncpu, threads, compile)
             self._workers.append(WorkerHandle(f"{dev}#{i}" if dev == "cpu" else dev, wc))
         try:

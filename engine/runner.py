@@ -81,12 +81,12 @@ class ModelRunner:
         for s in inp.scheduled:
             self._append_blocks(self.reqs[s.req_id], s.new_block_ids, s.new_directions)
         ids, pos, batch, rows, samplers = self._build(prefills, decodes)
-        with torch.inference_mode():
-            logits = self.model(ids, pos, self.pool, batch, rows)
-        t1 = time.perf_counter()
         specs = [self.reqs[r].sampling for r in samplers]
         ngen = [len(self.reqs[r].token_ids) - self.reqs[r].num_prompt for r in samplers]
-        tokens = sample(logits, specs, ngen)
+        with torch.inference_mode():
+            logits = self.model(ids, pos, self.pool, batch, rows)
+            t1 = time.perf_counter()
+            tokens = sample(logits, specs, ngen)
         for s in inp.scheduled:
             self.reqs[s.req_id].num_computed += s.num_new_tokens
         sampled = {}

@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 from cache import PoolGeometry
 from engine.messages import Command, DeviceError, StepInput, StepOutput
+from engine.models.spec import ModelSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -24,6 +25,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     hf_dir: str
+    spec: ModelSpec                 # parsed by the parent, so workers never import transformers
     dtype: str                      # key of DTYPES
     device: str                     # "cpu" or "cuda:i"
     block_size: int                 # token slots per block
@@ -48,11 +50,11 @@ def pool_blocks(cfg: WorkerConfig, bytes_per_block: int) -> int:
 
 
 def _build_runner(cfg: WorkerConfig):
-    from engine.models.loader import build_model, load_spec
+    from engine.models.loader import build_model
     from engine.runner import ModelRunner
     torch.set_num_threads(cfg.threads)
     dtype = DTYPES[cfg.dtype]
-    spec = load_spec(Path(cfg.hf_dir))
+    spec = cfg.spec
     model = build_model(Path(cfg.hf_dir), spec, dtype, cfg.device)
     elem = torch.empty((), dtype=dtype).element_size()
     bytes_per_block = spec.num_layers * cfg.block_size * spec.unit * elem
@@ -131,7 +133,8 @@ class WorkerHandle:
         try:
             return self.conn.recv()
         except (EOFError, OSError) as e:
-            raise DeviceError(f"{self.name}: worker connection lost ({e})") from e
+            self.proc.join(timeout=self.POLL_S)
+            raise DeviceError(f"{self.name}: worker process died (exit code {self.proc.exitcode})") from e
 
     def shutdown(self) -> None:
         if self.proc.is_alive():

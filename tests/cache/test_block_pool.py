@@ -1,0 +1,53 @@
+"""Block pool bookkeeping: exact counts, no double ownership, nothing leaks."""
+from hypothesis import given, settings, strategies as st
+
+from cache import BlockPool, PoolGeometry
+from engine.messages import CacheType
+
+
+def test_grow_free_counts():
+    pool = BlockPool(PoolGeometry(num_blocks=10, block_size=4))
+    a = pool.grow("a", 5)                     # 2 token-blocks -> 4 blocks (K, V each)
+    assert len(a.block_ids) == 4 and pool.num_free == 6
+    assert pool.grow("a", 8).block_ids == []  # still fits in 2 token-blocks
+    assert len(pool.grow("a", 9).block_ids) == 2
+    assert pool.grow("b", 9) is None and pool.num_free == 4, "a failed grow changes nothing"
+    assert pool.free("a") == 6 and pool.num_free == 10
+    pool.check_invariants()
+
+
+def test_geometry_blocks_for():
+    g = PoolGeometry(num_blocks=100, block_size=16)
+    assert g.blocks_for(1) == 2 and g.blocks_for(16) == 2 and g.blocks_for(17) == 4
+    assert g.blocks_for(0, CacheType.KV) == 0
+
+
+ops = st.lists(st.tuples(st.sampled_from(["grow", "free"]), st.integers(0, 5), st.integers(1, 40)),
+               max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops)
+def test_random_operations_keep_invariants(seq):
+    pool = BlockPool(PoolGeometry(num_blocks=24, block_size=4))
+    held: dict[str, int] = {}          # independent model: tokens each request holds room for
+    for op, rid_n, tokens in seq:
+        rid = f"r{rid_n}"
+        if op == "grow":
+            want = max(tokens, held.get(rid, 0))
+            need = -(-want // 4) * 2 - -(-held.get(rid, 0) // 4) * 2
+            free_before = pool.num_free
+            got = pool.grow(rid, want)
+            if need > free_before:
+                assert got is None and pool.num_free == free_before
+            else:
+                assert got is not None and len(got.block_ids) == need
+                held[rid] = want
+        else:
+            freed = pool.free(rid)
+            assert freed == -(-held.pop(rid, 0) // 4) * 2
+        pool.check_invariants()
+        assert pool.num_used == sum(-(-t // 4) * 2 for t in held.values())
+    for rid in list(held):
+        pool.free(rid)
+    assert pool.num_free == 24

@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny random checkpoints, HF reference generation, invariant checks."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    from engine.models.tiny import write_tiny_model
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_opt(tmp_path_factory):
+    from engine.models.tiny import write_tiny_model
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-opt"), "opt", seed=2)
+
+
+@pytest.fixture(autouse=True)
+def scheduler_invariants(monkeypatch):
+    """Check block pool and queue invariants after every scheduler step, in every test."""
+    from sched.scheduler import Scheduler
+    real = Scheduler.step
+
+    def checked(self):
+        out = real(self)
+        self.check_invariants()
+        return out
+    monkeypatch.setattr(Scheduler, "step", checked)
+
+
+def mixed_prompts(n: int, vocab: int, seed: int, lo: int = 2, hi: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int, eos: bool = False) -> list[list[int]]:
+    """Reference: HF transformers generate, one unpadded prompt at a time, fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for p in prompts:
+        kw = {} if eos else {"eos_token_id": None}
+        g = hf.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
+                        pad_token_id=0, **kw)
+        out.append(g[0, len(p):].tolist())
+    return out
+
+
+def assert_pool_free(llm) -> None:
+    for q in llm.scheduler.queues:
+        q.pool.check_invariants()
+        assert q.pool.num_free == q.pool.geometry.num_blocks, "blocks leaked"
+        assert not q.running and not q.waiting

@@ -1,0 +1,123 @@
+"""Offline API behaviour on a tiny model: sampling controls, stops, validation, failures."""
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.messages import DeviceError
+from tests.conftest import assert_pool_free, hf_greedy, mixed_prompts
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    with LLM(str(tiny_llama), "cpu:1", block_size=8, kv_cache_bytes=1 << 22, threads_per_worker=1) as m:
+        yield m
+
+
+def test_seeded_sampling_is_reproducible_across_batches(llm):
+    prompts = mixed_prompts(6, 512, seed=3)
+    sp = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = llm.generate([prompts[0]], sp)[0].token_ids
+    together = llm.generate(prompts, sp)[0].token_ids
+    assert alone == together
+    other_seed = llm.generate([prompts[0]], SamplingParams(
+        max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=99, ignore_eos=True))[0].token_ids
+    assert other_seed != alone
+    assert_pool_free(llm)
+
+
+def test_top_k_one_is_greedy(llm, tiny_llama):
+    p = mixed_prompts(1, 512, seed=4)
+    out = llm.generate(p, SamplingParams(max_tokens=10, temperature=1.5, top_k=1, seed=5, ignore_eos=True))
+    assert out[0].token_ids == hf_greedy(tiny_llama, p, 10)[0]
+
+
+def test_stop_token_ids_and_min_tokens(llm, tiny_llama):
+    p = mixed_prompts(1, 512, seed=11, lo=10, hi=11)
+    ref = hf_greedy(tiny_llama, p, 16)[0]
+    stop = ref[3]
+    first = ref.index(stop)
+    out = llm.generate(p, SamplingParams(max_tokens=16, stop_token_ids=[stop], **GREEDY))[0]
+    assert out.token_ids == ref[:first + 1] and out.finish_reason == "stop"
+    # below min_tokens the stop id is masked, so generation must run past `first`
+    out = llm.generate(p, SamplingParams(max_tokens=16, stop_token_ids=[stop], min_tokens=first + 2,
+                                         **GREEDY))[0]
+    assert stop not in out.token_ids[:first + 2]
+    assert len(out.token_ids) >= first + 2
+
+
+def test_eos_stops_unless_ignored(llm, tiny_llama):
+    prompts = mixed_prompts(12, 512, seed=21)
+    ref = hf_greedy(tiny_llama, prompts, 16, eos=True)     # HF stops at EOS id 2
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
+    for o, r in zip(outs, ref):
+        assert o.token_ids == r
+        assert o.finish_reason == ("stop" if r[-1] == 2 else "length")
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-3), "max_tokens"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(seed="x"), "seed"),
+    (dict(stop=[""]), "stop"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(min_tokens=50, max_tokens=10), "min_tokens"),
+])
+def test_bad_sampling_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_fail_before_any_work(llm):
+    before = len(llm.scheduler.states)
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([[5, 6, 7], list(range(3, 3 + llm.max_model_len))], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([[5, 6, 7], [5, 100000]], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate(["text needs a tokenizer"], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate([[5, 6], [7, 8]], [SamplingParams()])
+    assert len(llm.scheduler.states) == before, "nothing may be queued by a rejected call"
+
+
+@pytest.mark.parametrize("model, devices", [
+    ("no-such-model", "cpu:1"), ("/nonexistent/dir", "cpu:1"), ("/nonexistent/m.gguf", "cpu:1")])
+def test_unknown_model_is_a_value_error(model, devices):
+    with pytest.raises(ValueError, match="model"):
+        LLM(model, devices)
+
+
+@pytest.mark.parametrize("devices", ["gpu:1", "cpu:0", "cuda:", "cpu:x"])
+def test_bad_devices(devices, tiny_llama):
+    with pytest.raises(ValueError, match="devices"):
+        LLM(str(tiny_llama), devices)
+
+
+def test_dead_worker_fails_requests_fast(tiny_llama):
+    llm = LLM(str(tiny_llama), "cpu:1", kv_cache_bytes=1 << 22, threads_per_worker=1)
+    try:
+        pid = llm._workers[0].proc.pid
+        killed = {}
+
+        def kill():
+            time.sleep(0.5)
+            killed["t"] = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+        threading.Thread(target=kill, daemon=True).start()
+        with pytest.raises(DeviceError, match="died"):
+            llm.generate(mixed_prompts(8, 512, seed=1), SamplingParams(max_tokens=400, **GREEDY))
+        assert time.monotonic() - killed["t"] < 1.0, "death must be noticed within a second"
+        with pytest.raises(DeviceError):
+            llm.generate([[5, 6]], SamplingParams(max_tokens=2))
+    finally:
+        llm.shutdown()

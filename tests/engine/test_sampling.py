@@ -1,0 +1,47 @@
+"""The sampler draws from the right distribution (checked against numpy softmax)."""
+import numpy as np
+import pytest
+import torch
+
+from engine.messages import SamplingSpec
+from engine.sampling import sample
+
+LOGITS = np.array([2.0, 1.5, 1.0, 0.2, -0.5, -3.0], dtype=np.float64)
+
+
+def expected(temperature, top_k, top_p):
+    p = np.exp(LOGITS / temperature)
+    p /= p.sum()
+    keep = np.ones_like(p, dtype=bool)
+    if top_k > 0:
+        keep &= p >= np.sort(p)[::-1][top_k - 1]
+    if top_p < 1:
+        order = np.argsort(-p)
+        cum_before = np.cumsum(p[order]) - p[order]
+        nucleus = np.zeros_like(keep)
+        nucleus[order[cum_before <= top_p]] = True
+        keep &= nucleus
+    q = np.where(keep, p, 0)
+    return q / q.sum()
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [
+    (1.0, -1, 1.0), (0.5, -1, 1.0), (1.3, 3, 1.0), (1.0, -1, 0.7), (0.8, 4, 0.8)])
+def test_frequencies_match_softmax(temperature, top_k, top_p):
+    n = 6000
+    counts = np.zeros(len(LOGITS))
+    specs = [SamplingSpec(temperature, top_p, top_k, seed=s, min_tokens=0, stop_token_ids=())
+             for s in range(n)]
+    logits = torch.tensor(LOGITS, dtype=torch.float32).repeat(n, 1)
+    for t in sample(logits, specs, [0] * n):
+        counts[t] += 1
+    want = expected(temperature, top_k, top_p)
+    assert np.all(counts[want == 0] == 0), "sampled outside the allowed support"
+    se = np.sqrt(want * (1 - want) / n)
+    assert np.all(np.abs(counts / n - want) <= 5 * se + 1e-9), (counts / n, want)
+
+
+def test_greedy_and_min_tokens_mask():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
+    specs = [SamplingSpec(0.0, 1.0, -1, 0, min_tokens=2, stop_token_ids=(1,))] * 2
+    assert sample(logits, specs, [0, 2]) == [2, 1]

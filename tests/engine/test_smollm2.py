@@ -1,0 +1,58 @@
+"""The real model: SmolLM2-135M-Instruct from the packaged GGUF, against HF transformers."""
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.models.loader import packaged_smollm2
+from tests.conftest import assert_pool_free
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about autumn leaves."}],
+    [{"role": "system", "content": "You are a terse assistant."},
+     {"role": "user", "content": "List three prime numbers."}],
+    [{"role": "user", "content": "Explain in one sentence why the sky is blue."}],
+]
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def smol():
+    with LLM("smollm2", "cpu:1", kv_cache_bytes=256 << 20) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def hf_smol():
+    from transformers import AutoModelForCausalLM
+    gguf = packaged_smollm2()
+    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                dtype=torch.float32).eval()
+
+
+def test_chat_greedy_matches_hf(smol, hf_smol):
+    outs = smol.generate(CHATS, SamplingParams(max_tokens=MAX_NEW, temperature=0))
+    for o in outs:
+        g = hf_smol.generate(torch.tensor([o.prompt_token_ids]), max_new_tokens=MAX_NEW,
+                             do_sample=False, pad_token_id=2)
+        ref = g[0, len(o.prompt_token_ids):].tolist()
+        assert o.token_ids == ref
+        assert o.finish_reason == ("stop" if ref[-1] == 2 else "length")
+        assert o.text == smol.tokenizer.decode(ref, skip_special_tokens=True)
+    assert outs[0].prompt.startswith("<|im_start|>") and "Paris" in outs[0].text
+    assert_pool_free(smol)
+
+
+def test_stop_string_cuts_text(smol):
+    full = smol.generate(CHATS[3], SamplingParams(max_tokens=MAX_NEW, temperature=0))[0]
+    assert " " in full.text
+    word = full.text.split()[2]
+    cut = smol.generate(CHATS[3], SamplingParams(max_tokens=MAX_NEW, temperature=0, stop=[word]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[:full.text.index(word)]
+    assert full.token_ids[:len(cut.token_ids)] == cut.token_ids
+
+
+def test_string_prompt(smol):
+    out = smol.generate("The quick brown fox", SamplingParams(max_tokens=5, temperature=0))
+    assert len(out) == 1 and len(out[0].token_ids) == 5 and out[0].finish_reason == "length"
