@@ -1,19 +1,25 @@
 """Paged attention, torch reference path.
 
-Pool layout (one tensor per worker, shared memory on the CPU)::
+Pool layout (one tensor per worker, shared memory on the CPU), head-major so
+that gathered keys feed batched matmuls without a transposing copy::
 
-    pool[layer] : [num_blocks * block_size, unit]      unit = num_kv_heads * head_dim
-                   └ block b owns rows b*B .. b*B+B-1
+    pool[layer] : [num_kv_heads, num_blocks * block_size, head_dim]
+                   block b owns rows b*B .. b*B+B-1 of every head
 
 A KV-cache request uses one block for K and one for V per block_size tokens.
-A slot is addressed by (block, offset, direction): physical row
-``b*B + offset`` for Direction.LEFT, ``b*B + (B-1-offset)`` for RIGHT. The
-worker turns each request's block table into flat per-token slot lists once,
-when blocks are appended, so the per-step work here is pure tensor indexing.
+A slot is addressed by (block, offset, direction): row ``b*B + offset`` for
+Direction.LEFT, ``b*B + (B-1-offset)`` for RIGHT. The worker turns each
+request's block table into per-token rows once, when blocks are appended, so
+the per-step work here is pure tensor indexing.
 
 A step's tokens are laid out prefills first, then decodes (one token each)::
 
     rows: [ prefill r0 (n0 tokens) | prefill r1 (n1) | ... | decode d0 | d1 | ... ]
+
+Decode attention reads each request's context through its per-token rows,
+so a block filled right to left, or shared with another owner, reads
+correctly. On the CPU a compiled kernel (engine/csrc/paged_decode.cpp) reads
+those rows in place; the torch path below gathers them and is the reference.
 """
 from __future__ import annotations
 
@@ -27,8 +33,8 @@ import torch.nn.functional as F
 class PrefillSegment:
     start: int                       # first row of this request in the step
     end: int                         # one past its last row
-    k_ctx: torch.Tensor | None       # [ctx] K slots of the full context, None if no cached prefix
-    v_ctx: torch.Tensor | None       # [ctx] V slots
+    k_ctx: torch.Tensor | None       # [ctx] K rows of the full context, None if no cached prefix
+    v_ctx: torch.Tensor | None       # [ctx] V rows
 
 
 @dataclass(slots=True)
@@ -38,9 +44,16 @@ class AttnBatch:
     v_slots: torch.Tensor            # [T] long, pool row for V
     prefills: list[PrefillSegment]   # one per prefill request
     decode_start: int                # first decode row (== T when there are none)
-    dec_k: torch.Tensor | None       # [nd, Lmax] long, K rows of each decode's context (padded)
-    dec_v: torch.Tensor | None       # [nd, Lmax] long
-    dec_mask: torch.Tensor | None    # [nd, 1, 1, Lmax] float, 0 for real keys, -inf for padding
+    dec_k_rows: torch.Tensor | None  # [nd, L] long, K row of each context token, padded past dec_lens
+    dec_v_rows: torch.Tensor | None  # [nd, L] long
+    dec_lens: torch.Tensor | None    # [nd] long, context length of each decode (this token included)
+    kernel: object | None = None     # compiled CPU ops module, or None for the torch path
+
+
+def write_kv(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """pool: [Hkv, S, hd]; x: [T, Hkv*hd] -> rows ``slots`` of every head."""
+    h, _, hd = pool.shape
+    pool.index_copy_(1, slots, x.view(-1, h, hd).transpose(0, 1))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -50,18 +63,25 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Write this step's K/V into ``pool`` and attend.
 
     q: [T, num_heads*head_dim]; k, v: [T, num_kv_heads*head_dim];
-    pool: [num_slots, num_kv_heads*head_dim] (this layer). Returns [T, num_heads*head_dim].
+    pool: [num_kv_heads, num_slots, head_dim] (this layer). Returns [T, num_heads*head_dim].
     """
-    pool.index_copy_(0, batch.k_slots, k)
-    pool.index_copy_(0, batch.v_slots, v)
+    write_kv(pool, batch.k_slots, k)
+    write_kv(pool, batch.v_slots, v)
     out = torch.empty_like(q)
     for seg in batch.prefills:
         out[seg.start:seg.end] = _prefill(q[seg.start:seg.end], k[seg.start:seg.end],
                                           v[seg.start:seg.end], pool, seg,
                                           num_heads, num_kv_heads, head_dim, scale)
-    if batch.dec_k is not None:
-        out[batch.decode_start:] = _decode(q[batch.decode_start:], pool, batch,
-                                           num_kv_heads, head_dim, scale)
+    if batch.dec_lens is not None:
+        qd = q[batch.decode_start:]
+        nd = qd.shape[0]
+        qg = qd.reshape(nd, num_kv_heads, -1, head_dim)                  # [nd, Hkv, g, hd]
+        if batch.kernel is not None:
+            o = batch.kernel.paged_decode(qg.contiguous(), pool, batch.dec_k_rows,
+                                          batch.dec_v_rows, batch.dec_lens, scale)
+        else:
+            o = decode_attention(qg, pool, batch.dec_k_rows, batch.dec_v_rows, batch.dec_lens, scale)
+        out[batch.decode_start:] = o.reshape(nd, -1)
     return out
 
 
@@ -69,34 +89,33 @@ def _prefill(q, k, v, pool, seg: PrefillSegment, num_heads, num_kv_heads, head_d
     """Causal attention of n new tokens over (cached prefix + themselves)."""
     n = q.shape[0]
     qh = q.view(n, num_heads, head_dim).transpose(0, 1)               # [H, n, hd]
+    gqa = num_heads != num_kv_heads
     if seg.k_ctx is None:
         kh = k.view(n, num_kv_heads, head_dim).transpose(0, 1)        # [Hkv, n, hd]
         vh = v.view(n, num_kv_heads, head_dim).transpose(0, 1)
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
-                                           enable_gqa=num_heads != num_kv_heads)
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         ctx = seg.k_ctx.shape[0]
-        kh = pool[seg.k_ctx].view(ctx, num_kv_heads, head_dim).transpose(0, 1)
-        vh = pool[seg.v_ctx].view(ctx, num_kv_heads, head_dim).transpose(0, 1)
+        kh, vh = pool[:, seg.k_ctx], pool[:, seg.v_ctx]               # [Hkv, ctx, hd]
         # query i sits at position ctx-n+i and sees keys 0..ctx-n+i
         mask = torch.ones(n, ctx, dtype=torch.bool).tril(diagonal=ctx - n)
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
-                                           enable_gqa=num_heads != num_kv_heads)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return o.transpose(0, 1).reshape(n, num_heads * head_dim)
 
 
-def _decode(q, pool, batch: AttnBatch, num_kv_heads, head_dim, scale):
-    """One query token per request over its padded, gathered context.
+def decode_attention(qg: torch.Tensor, pool: torch.Tensor, k_rows: torch.Tensor,
+                     v_rows: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Torch reference: one query token per request over its gathered context.
 
-    Grouped-query attention without repeating K/V: the query heads of a group
-    are a matrix [group, hd] multiplied against that group's K [hd, L].
+    Grouped-query attention without repeating K/V: the ``g`` query heads
+    sharing a KV head form a [g, hd] matrix against that head's keys.
+    qg: [nd, Hkv, g, hd]; pool: [Hkv, S, hd]; k_rows, v_rows: [nd, L]; lens: [nd].
     """
-    nd, lmax = batch.dec_k.shape
-    group = q.shape[1] // (num_kv_heads * head_dim)
-    qg = q.view(nd, num_kv_heads, group, head_dim)
-    kk = pool[batch.dec_k].view(nd, lmax, num_kv_heads, head_dim).permute(0, 2, 3, 1)  # [nd,Hkv,hd,L]
-    scores = torch.matmul(qg, kk) * scale                                # [nd, Hkv, group, L]
-    scores = scores + batch.dec_mask
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    vv = pool[batch.dec_v].view(nd, lmax, num_kv_heads, head_dim).transpose(1, 2)      # [nd,Hkv,L,hd]
-    return torch.matmul(probs, vv).reshape(nd, -1)
+    kk = pool[:, k_rows]                                                  # [Hkv, nd, L, hd]
+    vv = pool[:, v_rows]
+    qh = qg.transpose(0, 1)                                               # [Hkv, nd, g, hd]
+    scores = torch.matmul(qh, kk.transpose(-1, -2)) * scale              # [Hkv, nd, g, L]
+    pad = torch.arange(k_rows.shape[1]) >= lens[:, None]                  # [nd, L]
+    scores = scores.masked_fill(pad[:, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(qg.dtype)
+    return torch.matmul(probs, vv).transpose(0, 1)                        # [nd, Hkv, g, hd]

@@ -60,7 +60,7 @@ class LLM:
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
                  max_model_len: int | None = None, threads_per_worker: int | None = None,
                  cache_dir: str | os.PathLike | None = None, compile: bool = False,
-                 policy: str = "fcfs"):
+                 cpu_kernels: bool = True, policy: str = "fcfs"):
         self._workers: list[WorkerHandle] = []
         if dtype not in DTYPES:
             raise ValueError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)}")
@@ -83,9 +83,12 @@ class LLM:
         threads = threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, ncpu))
         if kv_cache_bytes is None and kv_cache_fraction is None:
             kv_cache_bytes = DEFAULT_KV_CACHE_BYTES
+        if ncpu and cpu_kernels:
+            from engine.kernels import cpu_ops
+            cpu_kernels = cpu_ops() is not None      # build once here, before the workers load it
         for i, dev in enumerate(names):
             wc = WorkerConfig(str(hf_dir), self.spec, dtype, dev, block_size, kv_cache_bytes, kv_cache_fraction,
-                              ncpu, threads, compile)
+                              ncpu, threads, compile, cpu_kernels)
             self._workers.append(WorkerHandle(f"{dev}#{i}" if dev == "cpu" else dev, wc))
         try:
             wait_all(self._workers)

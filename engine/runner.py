@@ -26,18 +26,24 @@ class ReqState:
     capacity: int               # tokens the block table can hold
     sampling: SamplingSpec
 
+    def clear_cache(self) -> None:
+        self.num_computed = self.capacity = 0
+        self.slots = torch.empty(2, 0, dtype=torch.long)
 
-def block_slots(block: int, block_size: int, direction: Direction) -> torch.Tensor:
-    """Pool rows of one block's offsets 0..B-1 in fill order (see engine.attention)."""
-    rows = torch.arange(block * block_size, (block + 1) * block_size)
-    return rows if direction is Direction.LEFT else rows.flip(0)
+
+def block_offsets(block_size: int, direction: Direction) -> torch.Tensor:
+    """Physical offset of a block's logical offsets 0..B-1 (see engine.attention)."""
+    offs = torch.arange(block_size)
+    return offs if direction is Direction.LEFT else offs.flip(0)
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, spec: ModelSpec, pool: torch.Tensor, block_size: int):
+    def __init__(self, model: torch.nn.Module, spec: ModelSpec, pool: torch.Tensor, block_size: int,
+                 kernel: object | None = None):
+        self.kernel = kernel             # compiled CPU decode attention, None = torch path
         self.model = model
         self.spec = spec
-        self.pool = pool                 # [layers, num_blocks * block_size, unit]
+        self.pool = pool                 # [layers, kv_heads, num_blocks * block_size, head_dim]
         self.block_size = block_size
         self.reqs: dict[str, ReqState] = {}
 
@@ -45,8 +51,9 @@ class ModelRunner:
     def _add(self, nr: NewRequest) -> None:
         if nr.cache_type is not CacheType.KV:
             raise ValueError(f"cache type {nr.cache_type.value} is not supported by this engine")
-        self.reqs[nr.req_id] = ReqState(list(nr.token_ids), nr.num_prompt_tokens, 0,
-                                        torch.empty(2, 0, dtype=torch.long), 0, nr.sampling)
+        st = ReqState(list(nr.token_ids), nr.num_prompt_tokens, 0, None, 0, nr.sampling)
+        st.clear_cache()
+        self.reqs[nr.req_id] = st
 
     def _append_blocks(self, st: ReqState, block_ids: list[int], dirs: list[Direction]) -> None:
         """KV cache: blocks arrive in (K, V) pairs, each pair holds block_size tokens."""
@@ -54,19 +61,23 @@ class ModelRunner:
             raise ValueError("KV blocks must come in (K, V) pairs")
         if not block_ids:
             return
-        k = [block_slots(b, self.block_size, d) for b, d in zip(block_ids[0::2], dirs[0::2])]
-        v = [block_slots(b, self.block_size, d) for b, d in zip(block_ids[1::2], dirs[1::2])]
-        new = torch.stack([torch.cat(k), torch.cat(v)])
-        st.slots = torch.cat([st.slots[:, :st.capacity], new], dim=1)
+        B = self.block_size
+        k_rows, v_rows = [], []
+        for kb, vb, kd, vd in zip(block_ids[0::2], block_ids[1::2], dirs[0::2], dirs[1::2]):
+            if kd is not vd:
+                raise ValueError("a token-block's K and V blocks must share a direction")
+            offs = block_offsets(B, kd)
+            k_rows.append(kb * B + offs)
+            v_rows.append(vb * B + offs)
+        new = torch.stack([torch.cat(k_rows), torch.cat(v_rows)])
+        st.slots = torch.cat([st.slots, new], dim=1)
         st.capacity += new.shape[1]
 
     def _apply_bookkeeping(self, inp: StepInput) -> None:
         for rid in inp.finished_ids:
             self.reqs.pop(rid, None)
         for rid in inp.reset_ids:
-            st = self.reqs[rid]
-            st.num_computed, st.capacity = 0, 0
-            st.slots = torch.empty(2, 0, dtype=torch.long)
+            self.reqs[rid].clear_cache()
         for nr in inp.new_requests:
             self._add(nr)
 
@@ -115,31 +126,31 @@ class ModelRunner:
                 rows.append(row - 1)
                 samplers.append(s.req_id)
         decode_start = row
-        dec_k = dec_v = mask = None
-        if decodes:
-            sts = [self.reqs[s.req_id] for s in decodes]
-            lens = []
-            for s, st in zip(decodes, sts):
-                p = st.num_computed
-                self._check(s.req_id, st, p + 1)
-                ids.append(st.token_ids[p])
-                lens.append(p + 1)
-                rows.append(row)
-                samplers.append(s.req_id)
-                row += 1
-            lens_t = torch.tensor(lens)
-            pos.append(lens_t - 1)
-            dec_k = torch.nn.utils.rnn.pad_sequence([st.slots[0, :n] for st, n in zip(sts, lens)], batch_first=True)
-            dec_v = torch.nn.utils.rnn.pad_sequence([st.slots[1, :n] for st, n in zip(sts, lens)], batch_first=True)
-            idx = lens_t - 1
-            k_w.append(dec_k[torch.arange(len(sts)), idx])
-            v_w.append(dec_v[torch.arange(len(sts)), idx])
-            pad = torch.arange(dec_k.shape[1])[None, :] >= lens_t[:, None]
-            mask = torch.zeros(pad.shape, dtype=self.pool.dtype).masked_fill_(pad, float("-inf"))
-            mask = mask[:, None, None, :]
-        batch = AttnBatch(torch.cat(k_w), torch.cat(v_w), segs, decode_start, dec_k, dec_v, mask)
+        dec = self._decode_meta(decodes, ids, pos, k_w, v_w) if decodes else (None, None, None)
+        for s in decodes:
+            rows.append(row)
+            samplers.append(s.req_id)
+            row += 1
+        batch = AttnBatch(torch.cat(k_w), torch.cat(v_w), segs, decode_start, *dec, self.kernel)
         return (torch.tensor(ids, dtype=torch.long), torch.cat(pos), batch,
                 torch.tensor(rows, dtype=torch.long), samplers)
+
+    def _decode_meta(self, decodes, ids, pos, k_w, v_w):
+        """Padded per-token K/V rows and context lengths of the decode requests."""
+        sts = [self.reqs[s.req_id] for s in decodes]
+        lens = []
+        for s, st in zip(decodes, sts):
+            self._check(s.req_id, st, st.num_computed + 1)
+            ids.append(st.token_ids[st.num_computed])
+            lens.append(st.num_computed + 1)
+        lens_t = torch.tensor(lens)
+        pos.append(lens_t - 1)
+        k_rows = torch.nn.utils.rnn.pad_sequence([st.slots[0, :n] for st, n in zip(sts, lens)], batch_first=True)
+        v_rows = torch.nn.utils.rnn.pad_sequence([st.slots[1, :n] for st, n in zip(sts, lens)], batch_first=True)
+        last = lens_t - 1
+        k_w.append(k_rows.gather(1, last[:, None]).view(-1))
+        v_w.append(v_rows.gather(1, last[:, None]).view(-1))
+        return k_rows, v_rows, lens_t
 
     @staticmethod
     def _check(rid: str, st: ReqState, need: int) -> None:

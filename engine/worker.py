@@ -34,6 +34,7 @@ class WorkerConfig:
     num_cpu_workers: int            # CPU workers sharing this machine's RAM
     threads: int                    # torch intra-op threads in this process
     compile: bool                   # torch.compile the model step
+    cpu_kernels: bool = True        # compiled CPU attention (else the torch reference path)
 
 
 def pool_blocks(cfg: WorkerConfig, bytes_per_block: int) -> int:
@@ -61,14 +62,18 @@ def _build_runner(cfg: WorkerConfig):
     num_blocks = pool_blocks(cfg, bytes_per_block)
     if num_blocks < 2:
         raise ValueError(f"kv cache budget buys {num_blocks} blocks of {bytes_per_block} bytes; need >= 2")
-    pool = torch.zeros(spec.num_layers, num_blocks * cfg.block_size, spec.unit, dtype=dtype,
-                       device=cfg.device)
+    pool = torch.zeros(spec.num_layers, spec.num_kv_heads, num_blocks * cfg.block_size,
+                       spec.head_dim, dtype=dtype, device=cfg.device)
     if cfg.device == "cpu":
         pool.share_memory_()
     if cfg.compile:
         from engine.compiled import compile_model
         model = compile_model(model)
-    return ModelRunner(model, spec, pool, cfg.block_size), num_blocks
+    kernel = None
+    if cfg.device == "cpu" and cfg.cpu_kernels:
+        from engine.kernels import cpu_ops
+        kernel = cpu_ops()
+    return ModelRunner(model, spec, pool, cfg.block_size, kernel), num_blocks
 
 
 def worker_main(conn, cfg: WorkerConfig) -> None:
@@ -156,3 +161,20 @@ def wait_all(handles: list[WorkerHandle], timeout_s: float = 600.0) -> None:
         h.wait_ready()
         if time.monotonic() - t0 > timeout_s:
             raise RuntimeError("workers did not start in time")
+
+
+class InProcessDevice:
+    """A device that runs steps in the calling process (profiling, debugging)."""
+
+    def __init__(self, name: str, cfg: WorkerConfig):
+        self.name = name
+        self.runner, num_blocks = _build_runner(cfg)
+        self.geometry = PoolGeometry(num_blocks=num_blocks, block_size=cfg.block_size)
+        self._out: StepOutput | None = None
+
+    def submit(self, inp: StepInput) -> None:
+        self._out = self.runner.step(inp)
+
+    def collect(self) -> StepOutput:
+        out, self._out = self._out, None
+        return out

@@ -84,7 +84,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
                 batch: AttnBatch, logit_rows: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T]; pool: [layers, slots, unit]; returns logits [len(logit_rows), V]."""
+        """input_ids, positions: [T]; pool: [layers, kv_heads, slots, head_dim]; returns logits [len(logit_rows), V]."""
         s = self.spec
         h = F.embedding(input_ids, self.embed)                       # [T, d]
         cos, sin = self.cos[positions], self.sin[positions]         # [T, hd]

