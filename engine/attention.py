@@ -86,21 +86,28 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _prefill(q, k, v, pool, seg: PrefillSegment, num_heads, num_kv_heads, head_dim, scale):
-    """Causal attention of n new tokens over (cached prefix + themselves)."""
+    """Causal attention of n new tokens over (cached prefix + themselves).
+
+    Inputs are made 4-D with K/V repeated per query head: that is the shape
+    SDPA's fused CPU kernel takes (2-3x faster than its enable_gqa path here).
+    """
     n = q.shape[0]
-    qh = q.view(n, num_heads, head_dim).transpose(0, 1)               # [H, n, hd]
-    gqa = num_heads != num_kv_heads
+    group = num_heads // num_kv_heads
+    qh = q.view(n, num_heads, head_dim).transpose(0, 1)[None]        # [1, H, n, hd]
     if seg.k_ctx is None:
         kh = k.view(n, num_kv_heads, head_dim).transpose(0, 1)        # [Hkv, n, hd]
         vh = v.view(n, num_kv_heads, head_dim).transpose(0, 1)
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+        mask, causal = None, True
     else:
         ctx = seg.k_ctx.shape[0]
         kh, vh = pool[:, seg.k_ctx], pool[:, seg.v_ctx]               # [Hkv, ctx, hd]
         # query i sits at position ctx-n+i and sees keys 0..ctx-n+i
-        mask = torch.ones(n, ctx, dtype=torch.bool).tril(diagonal=ctx - n)
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return o.transpose(0, 1).reshape(n, num_heads * head_dim)
+        mask, causal = torch.ones(n, ctx, dtype=torch.bool).tril(diagonal=ctx - n), False
+    if group > 1:
+        kh, vh = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
+    o = F.scaled_dot_product_attention(qh, kh[None], vh[None], attn_mask=mask, is_causal=causal,
+                                       scale=scale)
+    return o[0].transpose(0, 1).reshape(n, num_heads * head_dim)
 
 
 def decode_attention(qg: torch.Tensor, pool: torch.Tensor, k_rows: torch.Tensor,

@@ -60,7 +60,8 @@ class LLM:
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
                  max_model_len: int | None = None, threads_per_worker: int | None = None,
                  cache_dir: str | os.PathLike | None = None, compile: bool = False,
-                 cpu_kernels: bool = True, policy: str = "fcfs"):
+                 cpu_kernels: bool = True, omp_wait_policy: str | None = None,
+                 policy: str = "fcfs"):
         self._workers: list[WorkerHandle] = []
         if dtype not in DTYPES:
             raise ValueError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)}")
@@ -78,9 +79,12 @@ class LLM:
         if not enable_chunked_prefill and max_num_batched_tokens < self.max_model_len:
             raise ValueError("max_num_batched_tokens: must be >= max_model_len without chunked prefill")
         self.tokenizer = load_tokenizer(hf_dir)
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")    # inherited by the spawned workers
         ncpu = sum(n == "cpu" for n in names)
         threads = threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, ncpu))
+        if omp_wait_policy is None:   # spin between ops only when the workers leave no core idle to steal
+            omp_wait_policy = "ACTIVE" if threads * ncpu <= (os.cpu_count() or 1) else "PASSIVE"
+        if omp_wait_policy not in ("ACTIVE", "PASSIVE"):
+            raise ValueError(f"omp_wait_policy: {omp_wait_policy!r} is not ACTIVE or PASSIVE")
         if kv_cache_bytes is None and kv_cache_fraction is None:
             kv_cache_bytes = DEFAULT_KV_CACHE_BYTES
         if ncpu and cpu_kernels:
@@ -88,7 +92,7 @@ class LLM:
             cpu_kernels = cpu_ops() is not None      # build once here, before the workers load it
         for i, dev in enumerate(names):
             wc = WorkerConfig(str(hf_dir), self.spec, dtype, dev, block_size, kv_cache_bytes, kv_cache_fraction,
-                              ncpu, threads, compile, cpu_kernels)
+                              ncpu, threads, compile, cpu_kernels, omp_wait_policy)
             self._workers.append(WorkerHandle(f"{dev}#{i}" if dev == "cpu" else dev, wc))
         try:
             wait_all(self._workers)

@@ -35,6 +35,7 @@ class WorkerConfig:
     threads: int                    # torch intra-op threads in this process
     compile: bool                   # torch.compile the model step
     cpu_kernels: bool = True        # compiled CPU attention (else the torch reference path)
+    omp_wait_policy: str = "PASSIVE"  # OpenMP threads between ops: ACTIVE spins (fast), PASSIVE sleeps
 
 
 def pool_blocks(cfg: WorkerConfig, bytes_per_block: int) -> int:
@@ -109,7 +110,16 @@ class WorkerHandle:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=worker_main, args=(child, cfg), daemon=True,
                                 name=f"tandem-worker-{name}")
-        self.proc.start()
+        # libgomp reads its wait policy when torch loads in the child: set it for the spawn only
+        saved = os.environ.get("OMP_WAIT_POLICY")
+        os.environ["OMP_WAIT_POLICY"] = cfg.omp_wait_policy
+        try:
+            self.proc.start()
+        finally:
+            if saved is None:
+                os.environ.pop("OMP_WAIT_POLICY", None)
+            else:
+                os.environ["OMP_WAIT_POLICY"] = saved
         child.close()
         self.geometry: PoolGeometry | None = None
         self.block_size = cfg.block_size

@@ -33,6 +33,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rot * sin[:, None, :]
 
 
+def attn_in(h, in_norm, qkv_w, cos, sin, eps: float, nh: int, nkv: int, hd: int):
+    """Pre-attention: RMSNorm, fused QKV projection, rotary embeddings. h: [T, d]."""
+    x = rms_norm(h, in_norm, eps)
+    q, k, v = F.linear(x, qkv_w).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+    t = q.shape[0]
+    q = apply_rope(q.view(t, nh, hd), cos, sin).reshape(t, nh * hd)
+    k = apply_rope(k.view(t, nkv, hd), cos, sin).reshape(t, nkv * hd)
+    return q, k, v.contiguous()
+
+
+def attn_out_mlp(h, a, o_w, post_norm, gate_up_w, down_w, eps: float):
+    """Post-attention: output projection + residual, RMSNorm, SiLU MLP + residual."""
+    h = h + F.linear(a, o_w)
+    x = rms_norm(h, post_norm, eps)
+    gate, up = F.linear(x, gate_up_w).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, down_w)
+
+
 class LlamaLayer(nn.Module):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype):
         super().__init__()
@@ -60,6 +78,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaLayer(spec, dtype) for _ in range(spec.num_layers))
         self.norm = nn.Parameter(torch.empty(spec.d_model, dtype=dtype), requires_grad=False)
         self.lm_head = self.embed      # replaced when embeddings are not tied
+        self.attn_in, self.attn_out_mlp = attn_in, attn_out_mlp   # engine.compiled may swap these
         cos, sin = rope_tables(spec, dtype)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -88,20 +107,13 @@ class LlamaModel(nn.Module):
         s = self.spec
         h = F.embedding(input_ids, self.embed)                       # [T, d]
         cos, sin = self.cos[positions], self.sin[positions]         # [T, hd]
-        nq, nkv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         scale = s.head_dim ** -0.5
         for li, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.in_norm, s.norm_eps)
-            qkv = F.linear(x, layer.qkv)
-            q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
-            t = q.shape[0]
-            q = apply_rope(q.view(t, s.num_heads, s.head_dim), cos, sin).reshape(t, nq)
-            k = apply_rope(k.view(t, s.num_kv_heads, s.head_dim), cos, sin).reshape(t, nkv)
-            a = paged_attention(q, k, v.contiguous(), pool[li], batch, s.num_heads,
-                                s.num_kv_heads, s.head_dim, scale)
-            h = h + F.linear(a, layer.o)
-            x = rms_norm(h, layer.post_norm, s.norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            q, k, v = self.attn_in(h, layer.in_norm, layer.qkv, cos, sin, s.norm_eps,
+                                   s.num_heads, s.num_kv_heads, s.head_dim)
+            a = paged_attention(q, k, v, pool[li], batch, s.num_heads, s.num_kv_heads,
+                                s.head_dim, scale)
+            h = self.attn_out_mlp(h, a, layer.o, layer.post_norm, layer.gate_up, layer.down,
+                                  s.norm_eps)
         h = rms_norm(h[logit_rows], self.norm, s.norm_eps)
         return F.linear(h, self.lm_head).float()
