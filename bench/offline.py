@@ -71,7 +71,7 @@ def run_hf_cb(hf_dir, prompts, max_tokens) -> Row:
     from transformers import GenerationConfig
     model = _hf_model(hf_dir)
     cfg = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    with torch.inference_mode():
+    with torch.no_grad():       # not inference_mode: generate_batch steps on its own thread
         t = time.perf_counter()
         res = model.generate_batch(inputs=prompts, generation_config=cfg)
         dt = time.perf_counter() - t

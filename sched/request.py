@@ -53,6 +53,7 @@ class RequestState:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     stop_text_end: int | None = None   # char index where a stop string matched
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     error: str | None = None

@@ -45,6 +45,8 @@ class Update:
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
     error: str | None = None
+    text_end: int | None = None       # at the end: cut the text here (a stop string matched)
+    queue_s: float | None = None      # at the end: seconds from arrival to first being scheduled
 
 
 @dataclass(slots=True)
@@ -88,11 +90,7 @@ class Scheduler:
             raise DeviceError("no live device: " + "; ".join(q.dead or "" for q in self.queues))
         d = min(live, key=lambda i: len(self.queues[i].waiting) + len(self.queues[i].running))
         q = self.queues[d]
-        longest = min(len(req.prompt_token_ids) + req.sampling.max_tokens, self.max_model_len)
-        if q.pool.geometry.blocks_for(longest) > q.pool.geometry.num_blocks:
-            raise ValueError(f"prompt: {longest} tokens of context need "
-                             f"{q.pool.geometry.blocks_for(longest)} blocks; the pool has "
-                             f"{q.pool.geometry.num_blocks}")
+        self.check_fits(len(req.prompt_token_ids), req.sampling.max_tokens)
         seed = req.sampling.seed if req.sampling.seed is not None else self._rng.getrandbits(63)
         st = RequestState(req, seed=seed, device=d, last_token_time=req.arrival_time)
         self.states[req.req_id] = st
@@ -105,6 +103,14 @@ class Scheduler:
         if st is None or st.status is Status.FINISHED:
             return None
         return self._finish(st, FinishReason.ABORT)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """ValueError if such a request could never fit a device's pool (safe from any thread)."""
+        longest = min(num_prompt_tokens + max_tokens, self.max_model_len)
+        g = self.queues[0].pool.geometry
+        if g.blocks_for(longest) > g.num_blocks:
+            raise ValueError(f"prompt: {longest} tokens of context need {g.blocks_for(longest)} "
+                             f"blocks; the pool has {g.num_blocks}")
 
     def has_unfinished(self) -> bool:
         return any(q.waiting or q.running for q in self.queues)
@@ -166,6 +172,8 @@ class Scheduler:
             if alloc is None:
                 raise AssertionError(f"policy over-committed blocks for {st.req_id}")
             if st.status is Status.WAITING:
+                if st.first_scheduled_time is None:
+                    st.first_scheduled_time = time.monotonic()
                 q.waiting.remove(st.req_id)
                 bisect.insort(q.running, st.req_id, key=lambda r: self.states[r].request.arrival_time)
                 st.status = Status.RUNNING
@@ -216,7 +224,10 @@ class Scheduler:
         if st.sent_to_device:
             q.finished_ids.append(st.req_id)
         st.status, st.finish_reason, st.error = Status.FINISHED, reason, error
-        return Update(st.req_id, new or [], reason, error)
+        self.states.pop(st.req_id, None)          # the caller keeps its RequestState if it wants it
+        queue_s = (st.first_scheduled_time - st.request.arrival_time
+                   if st.first_scheduled_time is not None else None)
+        return Update(st.req_id, new or [], reason, error, st.stop_text_end, queue_s)
 
     def _fail_device(self, d: int, why: str) -> list[Update]:
         q = self.queues[d]

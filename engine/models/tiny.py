@@ -9,14 +9,20 @@ import torch
 def write_tiny_model(path: str | Path, family: str = "llama", *, seed: int = 0,
                      vocab_size: int = 512, d_model: int = 64, num_layers: int = 2,
                      num_heads: int = 4, num_kv_heads: int = 2, max_len: int = 512,
-                     init_std: float = 0.2) -> Path:
+                     init_std: float = 0.2, tokenizer_from: str | Path | None = None) -> Path:
     """Save a random LlamaForCausalLM (grouped-query) or OPTForCausalLM (multi-head).
 
     ``init_std`` is larger than HF's default so that logits are well separated and
-    greedy decoding is not decided by round-off.
+    greedy decoding is not decided by round-off. ``tokenizer_from``: a checkpoint
+    directory whose tokenizer is copied in (the vocabulary grows to fit it), so
+    text prompts and chat templates work.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
     path = Path(path)
+    tok = None
+    if tokenizer_from is not None:
+        tok = AutoTokenizer.from_pretrained(tokenizer_from)
+        vocab_size = max(vocab_size, len(tok))
     torch.manual_seed(seed)
     if family == "llama":
         cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=2 * d_model,
@@ -39,4 +45,6 @@ def write_tiny_model(path: str | Path, family: str = "llama", *, seed: int = 0,
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(path)
+    if tok is not None:
+        tok.save_pretrained(path)
     return path

@@ -1,0 +1,86 @@
+"""python -m server: start the OpenAI-compatible server."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from server.config import ServerConfig
+
+
+def parse_args(argv=None) -> ServerConfig:
+    d = ServerConfig()
+    ap = argparse.ArgumentParser(prog="python -m server", description="Tandem LLM server")
+    ap.add_argument("--model", default=d.model, help="'smollm2', a HF checkpoint dir or a .gguf file")
+    ap.add_argument("--served-model-name", default=None, help="name clients use (default: smollm2 or the dir name)")
+    ap.add_argument("--devices", default=d.devices, help="cpu:N or cuda:0,1,...")
+    ap.add_argument("--host", default=d.host)
+    ap.add_argument("--port", type=int, default=d.port)
+    ap.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
+                    help="required bearer key (default: $TANDEM_API_KEY; none = open)")
+    ap.add_argument("--data-dir", default=d.data_dir)
+    ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    ap.add_argument("--policy", default=d.policy, choices=["fcfs"])
+    ap.add_argument("--slo-ttft-ms", type=float, default=d.slo_ttft_ms)
+    ap.add_argument("--slo-tbt-ms", type=float, default=d.slo_tbt_ms)
+    ap.add_argument("--max-waiting", type=int, default=d.max_waiting)
+    ap.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
+    ap.add_argument("--kv-cache-bytes", type=int, default=None)
+    ap.add_argument("--watch-parent", type=int, default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    name = a.served_model_name or (a.model if a.model == "smollm2" else os.path.basename(a.model.rstrip("/")))
+    return ServerConfig(model=a.model, served_model_name=name, devices=a.devices, host=a.host, port=a.port,
+                        api_key=a.api_key, data_dir=a.data_dir, max_num_seqs=a.max_num_seqs,
+                        policy=a.policy, slo_ttft_ms=a.slo_ttft_ms, slo_tbt_ms=a.slo_tbt_ms,
+                        max_waiting=a.max_waiting, dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
+                        watch_parent=a.watch_parent)
+
+
+async def _watch_parent(pid: int) -> None:
+    """Tests pass their pid: the server stops itself if that process goes away."""
+    import asyncio
+    import signal
+
+    async def watch():
+        while True:
+            await asyncio.sleep(1)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+    asyncio.get_running_loop().create_task(watch())
+
+
+def main(argv=None) -> None:
+    cfg = parse_args(argv)
+    from aiohttp import web
+
+    from engine.async_engine import AsyncEngine
+    from engine.llm import LLM
+    from server.app import create_app
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+
+    def build_engine() -> AsyncEngine:
+        llm = LLM(cfg.model, cfg.devices, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
+                  kv_cache_bytes=cfg.kv_cache_bytes, policy=cfg.policy)
+        return AsyncEngine(llm)
+
+    app = create_app(cfg, build_engine)
+    if cfg.watch_parent:
+        app.on_startup.append(lambda app_: _watch_parent(cfg.watch_parent))
+    t0 = time.monotonic()
+    print(f"tandem: listening on http://{cfg.host}:{cfg.port} (model {cfg.model!r} loading; "
+          f"/health is 503 until ready)", flush=True)
+    web.run_app(app, host=cfg.host, port=cfg.port, print=None, handler_cancellation=True,
+                shutdown_timeout=30)
+    print(f"tandem: stopped after {time.monotonic() - t0:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

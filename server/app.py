@@ -1,0 +1,329 @@
+"""aiohttp application: OpenAI-compatible endpoints over the AsyncEngine. Thin by design:
+validate, build Requests, stream results. No scheduling decisions live here."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+
+import orjson
+from aiohttp import web
+
+from engine.async_engine import AsyncEngine
+from sched.request import Request, ServiceClass
+from server.config import ServerConfig
+from server.errors import ApiError, bad_request
+from server.metrics import Metrics
+from server.protocol import GenRequest, check_model, parse_chat, parse_completion
+from server.textstream import TextStream
+
+OPEN_PATHS = ("/health", "/metrics")
+
+
+@dataclass
+class AppState:
+    cfg: ServerConfig
+    metrics: Metrics
+    engine: AsyncEngine | None = None
+    load_error: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+STATE = web.AppKey("state", AppState)
+
+
+def json_response(obj, status: int = 200, headers: dict | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json",
+                        headers=headers)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return json_response(e.body(), e.status, e.headers)
+    except web.HTTPRequestEntityTooLarge as e:
+        return json_response(ApiError(413, f"request body too large: {e.text}").body(), 413)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+        return json_response(ApiError(e.status, e.reason, type=kind).body(), e.status)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    key = request.app[STATE].cfg.api_key
+    if key and request.path not in OPEN_PATHS:
+        if request.headers.get("Authorization", "") != f"Bearer {key}":
+            raise ApiError(401, "Incorrect or missing API key", code="invalid_api_key")
+    return await handler(request)
+
+
+def ready_engine(request: web.Request) -> AsyncEngine:
+    st = request.app[STATE]
+    if st.engine is None:
+        msg = f"model failed to load: {st.load_error}" if st.load_error else "model is loading"
+        raise ApiError(503, msg, type="service_unavailable", headers={"Retry-After": "5"})
+    if st.engine.dead:
+        raise ApiError(503, f"engine failed: {st.engine.dead}", type="service_unavailable")
+    return st.engine
+
+
+async def read_json(request: web.Request) -> dict:
+    raw = await request.read()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise bad_request(f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
+
+
+# ---- generation ------------------------------------------------------------------
+@dataclass
+class Prepared:
+    gen: GenRequest
+    model: str
+    rid: str
+    prompt_ids: list[int]
+    requests: list[Request]
+
+
+def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool,
+            force_be: bool = False) -> Prepared:
+    """Validate a body and build its n engine Requests (raises ApiError)."""
+    model = check_model(body, cfg.served_model_name)
+    defaults = dict(default_ttft_s=cfg.slo_ttft_ms / 1000, default_tbt_s=cfg.slo_tbt_ms / 1000)
+    gen = parse_chat(body, **defaults) if chat else parse_completion(body, **defaults)
+    if force_be:                      # batch-job lines are best-effort whatever they ask
+        gen.service_class = ServiceClass.BE
+    param = "messages" if chat else "prompt"
+    try:
+        ids, text = engine.llm.encode_prompt(gen.prompt)
+    except ValueError as e:
+        raise bad_request(str(e), param=param) from None
+    limit = engine.llm.max_model_len
+    if len(ids) >= limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens; the prompt has "
+                          f"{len(ids)}", param=param, code="context_length_exceeded")
+    sp = gen.sampling
+    if sp.max_tokens is None:
+        sp.max_tokens = limit - len(ids)
+    elif len(ids) + sp.max_tokens > limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens; the prompt has "
+                          f"{len(ids)} and max_tokens asks for {sp.max_tokens}", param="max_tokens",
+                          code="context_length_exceeded")
+    try:
+        sp.validate()
+        engine.scheduler.check_fits(len(ids), sp.max_tokens)
+    except ValueError as e:
+        field_name = str(e).split(":", 1)[0]
+        raise bad_request(str(e), param=field_name) from None
+    if not force_be and engine.num_waiting() >= cfg.max_waiting:
+        raise ApiError(429, "too many requests are waiting; retry later", type="rate_limit_error",
+                       headers={"Retry-After": "1"})
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    now = time.monotonic()
+    reqs = [Request(f"{rid}-{i}", ids,
+                    replace(sp, seed=None if sp.seed is None else sp.seed + i, stop=list(sp.stop),
+                            stop_token_ids=list(sp.stop_token_ids)),
+                    gen.service_class, now, gen.slo_ttft_s, gen.slo_tbt_s, text)
+            for i in range(gen.n)]
+    return Prepared(gen, model, rid, ids, reqs)
+
+
+@dataclass
+class Choice:
+    index: int
+    stream: TextStream
+    token_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str = ""
+
+
+async def run_choice(engine: AsyncEngine, metrics: Metrics, req: Request, ch: Choice, sink=None) -> None:
+    """Drive one request to its end, appending text; ``sink(choice, delta)`` gets streamed deltas.
+
+    If the caller goes away (cancellation), the request is aborted in the engine
+    and counted with finish reason "abort".
+    """
+    queue_s = None
+
+    def record(reason: str, end: float) -> None:
+        metrics.request_done(req.service_class.value, prompt_tokens=len(req.prompt_token_ids),
+                             token_times=ch.token_times, arrival=req.arrival_time, end=end,
+                             queue_s=queue_s, finish_reason=reason,
+                             slo_ttft_s=req.slo_ttft_s, slo_tbt_s=req.slo_tbt_s)
+    try:
+        async for ev in engine.generate(req):
+            if ev.rejected:
+                raise bad_request(ev.error or "rejected", param="prompt")
+            now = time.monotonic()
+            ch.token_ids.extend(ev.new_token_ids)
+            ch.token_times.extend([now] * len(ev.new_token_ids))
+            if ev.finish_reason is None:
+                delta = ch.stream.push(ev.new_token_ids)
+            else:
+                ch.stream.ids.extend(ev.new_token_ids)
+                delta = ch.stream.finish(ev.text_end)
+                ch.finish_reason, queue_s = ev.finish_reason.value, ev.queue_s
+                record(ch.finish_reason, now)
+            ch.text += delta
+            if sink is not None and (delta or ev.finish_reason is not None):
+                await sink(ch, delta)
+            if ev.finish_reason is not None and ev.error:
+                raise ApiError(500, f"generation failed: {ev.error}", type="server_error")
+    except ApiError:
+        raise
+    except BaseException:           # cancelled, or the client's connection broke mid-stream
+        if ch.finish_reason is None:
+            record("abort", time.monotonic())
+        raise
+
+
+def usage(p: Prepared, choices: list[Choice]) -> dict:
+    c = sum(len(ch.token_ids) for ch in choices)
+    return {"prompt_tokens": len(p.prompt_ids), "completion_tokens": c,
+            "total_tokens": len(p.prompt_ids) + c}
+
+
+def choice_json(chat: bool, ch: Choice) -> dict:
+    if chat:
+        return {"index": ch.index, "message": {"role": "assistant", "content": ch.text},
+                "logprobs": None, "finish_reason": ch.finish_reason}
+    return {"index": ch.index, "text": ch.text, "logprobs": None, "finish_reason": ch.finish_reason}
+
+
+def new_choices(engine: AsyncEngine, p: Prepared) -> list[Choice]:
+    return [Choice(i, TextStream(engine.llm._detokenize, r.sampling.stop)) for i, r in enumerate(p.requests)]
+
+
+async def complete(engine: AsyncEngine, st: AppState, p: Prepared, chat: bool) -> dict:
+    """Run a prepared, non-streamed request to its end; the OpenAI response body."""
+    choices = new_choices(engine, p)
+    created = int(time.time())
+    await asyncio.gather(*(run_choice(engine, st.metrics, r, ch) for r, ch in zip(p.requests, choices)))
+    return {"id": p.rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": p.model, "choices": [choice_json(chat, ch) for ch in choices], "usage": usage(p, choices)}
+
+
+async def generate_handler(request: web.Request, chat: bool) -> web.StreamResponse:
+    st = request.app[STATE]
+    engine = ready_engine(request)
+    p = prepare(engine, st.cfg, await read_json(request), chat)
+    if p.gen.stream:
+        return await stream_handler(request, engine, st, p, new_choices(engine, p), chat, int(time.time()))
+    return json_response(await complete(engine, st, p, chat))
+
+
+async def stream_handler(request, engine, st, p: Prepared, choices, chat, created) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    async def send(payload) -> None:
+        await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
+
+    def chunk(ch: Choice, delta: str, finish: str | None, first: bool = False) -> dict:
+        if chat:
+            d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
+            c = {"index": ch.index, "delta": d, "logprobs": None, "finish_reason": finish}
+        else:
+            c = {"index": ch.index, "text": delta, "logprobs": None, "finish_reason": finish}
+        return {"id": p.rid, "object": obj, "created": created, "model": p.model, "choices": [c]}
+
+    if chat:
+        for ch in choices:
+            await send(chunk(ch, "", None, first=True))
+
+    async def sink(ch: Choice, delta: str) -> None:
+        if delta:
+            await send(chunk(ch, delta, None))
+        if ch.finish_reason is not None:
+            await send(chunk(ch, "", ch.finish_reason))
+
+    try:
+        await asyncio.gather(*(run_choice(engine, st.metrics, r, ch, sink)
+                               for r, ch in zip(p.requests, choices)))
+        if p.gen.include_usage:
+            await send({"id": p.rid, "object": obj, "created": created, "model": p.model,
+                        "choices": [], "usage": usage(p, choices)})
+    except ApiError as e:                 # headers are out: report in-band, as OpenAI does
+        await send(e.body())
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+# ---- small endpoints ----------------------------------------------------------------
+async def chat_completions(request):
+    return await generate_handler(request, chat=True)
+
+
+async def completions(request):
+    return await generate_handler(request, chat=False)
+
+
+async def models(request):
+    st = request.app[STATE]
+    return json_response({"object": "list", "data": [
+        {"id": st.cfg.served_model_name, "object": "model", "created": st.created, "owned_by": "tandem",
+         "max_model_len": st.engine.llm.max_model_len if st.engine else None}]})
+
+
+async def health(request):
+    st = request.app[STATE]
+    if st.engine is None or st.engine.dead:
+        return json_response({"status": "loading" if st.load_error is None else "failed"}, 503)
+    return json_response({"status": "ok"})
+
+
+async def metrics(request):
+    return web.Response(body=request.app[STATE].metrics.render(),
+                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+def create_app(cfg: ServerConfig, build_engine) -> web.Application:
+    """``build_engine()`` runs in a thread at start-up and returns an AsyncEngine."""
+    app = web.Application(middlewares=[errors_middleware, auth_middleware],
+                          client_max_size=cfg.max_upload_bytes)
+    state = AppState(cfg, Metrics(cfg.served_model_name))
+    app[STATE] = state
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    from server import routes_batch
+    routes_batch.add_routes(app)
+
+    async def load(app_):
+        t0 = time.monotonic()
+        try:
+            engine = await asyncio.get_running_loop().run_in_executor(None, build_engine)
+        except Exception as e:     # keep serving /health with the reason
+            state.load_error = f"{type(e).__name__}: {e}"
+            print(f"tandem: model failed to load: {state.load_error}", flush=True)
+            return
+        engine.step_listeners.append(lambda _u: state.metrics.engine_step(engine.scheduler))
+        state.engine = engine
+        routes_batch.engine_ready(app_)
+        print(f"tandem: model {cfg.model!r} ready in {time.monotonic() - t0:.1f} s", flush=True)
+
+    async def on_startup(app_):
+        app_["loader"] = asyncio.create_task(load(app_))
+
+    async def on_cleanup(app_):
+        app_["loader"].cancel()
+        await routes_batch.stop(app_)
+        if state.engine is not None:
+            await asyncio.get_running_loop().run_in_executor(None, state.engine.shutdown)
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app

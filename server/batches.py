@@ -1,0 +1,178 @@
+"""Batch jobs: validate the input file, run every line as a BE request, write OpenAI-format output.
+
+States: validating -> in_progress -> finalizing -> completed, or failed (bad
+input), cancelling -> cancelled, expired. The store records each line's result
+as it completes; on start-up every active batch resumes where it stopped.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Awaitable, Callable
+
+from server.errors import ApiError
+from server.store import Store
+
+ENDPOINTS = {"/v1/chat/completions": True, "/v1/completions": False}   # -> chat?
+WINDOWS = {"24h": 24 * 3600}
+MAX_LINES = 50_000
+
+# run_line(body, chat) -> (status_code, response body); BE class forced by the caller
+RunLine = Callable[[dict, bool], Awaitable[tuple[int, dict]]]
+
+
+def validate_lines(raw: bytes, endpoint: str) -> tuple[list[tuple[int, str, dict]], list[dict]]:
+    """Parse a JSONL batch input; errors name 1-based line numbers, as OpenAI's do."""
+    lines, errors, seen = [], [], set()
+
+    def err(n, msg, param=None):
+        errors.append({"code": "invalid_request", "message": msg, "param": param, "line": n})
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return [], [{"code": "invalid_file", "message": "the input file is not UTF-8", "param": None,
+                     "line": None}]
+    rows = [(i + 1, s) for i, s in enumerate(text.splitlines()) if s.strip()]
+    if not rows:
+        return [], [{"code": "empty_file", "message": "the input file has no requests", "param": None, "line": None}]
+    if len(rows) > MAX_LINES:
+        return [], [{"code": "too_many_requests", "message": f"at most {MAX_LINES} lines", "param": None,
+                     "line": None}]
+    for n, s in rows:
+        try:
+            obj = json.loads(s)
+        except json.JSONDecodeError as e:
+            err(n, f"line is not valid JSON: {e.msg}")
+            continue
+        if not isinstance(obj, dict):
+            err(n, "line must be a JSON object")
+            continue
+        cid = obj.get("custom_id")
+        if not isinstance(cid, str) or not cid:
+            err(n, "custom_id must be a non-empty string", "custom_id")
+        elif cid in seen:
+            err(n, f"custom_id {cid!r} is used twice", "custom_id")
+        if obj.get("method") != "POST":
+            err(n, "method must be POST", "method")
+        if obj.get("url") != endpoint:
+            err(n, f"url must be the batch's endpoint {endpoint}", "url")
+        if not isinstance(obj.get("body"), dict):
+            err(n, "body must be an object", "body")
+        elif obj["body"].get("stream"):
+            err(n, "stream is not allowed in a batch", "body.stream")
+        if isinstance(cid, str) and cid:
+            seen.add(cid)
+            lines.append((n, cid, obj.get("body")))
+    return lines, errors
+
+
+class BatchRunner:
+    def __init__(self, store: Store, run_line: RunLine, concurrency: int):
+        self.store = store
+        self.run_line = run_line
+        self.concurrency = max(1, concurrency)
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    def resume_all(self) -> None:
+        for bid in self.store.active_batches():
+            self.start(bid)
+
+    def start(self, bid: str) -> None:
+        self.tasks[bid] = asyncio.get_running_loop().create_task(self._run(bid))
+
+    def cancel(self, bid: str) -> dict:
+        b = self.store.get_batch(bid)
+        if b["status"] in ("validating", "in_progress"):
+            self.store.set_status(bid, "cancelling")
+        return self.store.get_batch(bid)
+
+    async def stop(self) -> None:
+        """Stop running lines; the pending ones stay pending in the store (resumed on restart)."""
+        for t in self.tasks.values():
+            t.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+    async def _run(self, bid: str) -> None:
+        b = self.store.get_batch(bid)
+        if b["status"] == "validating":
+            raw = self.store.file_content(b["input_file_id"])
+            if raw is None:
+                return self._fail(bid, [{"code": "file_not_found", "message": "input file was deleted",
+                                         "param": "input_file_id", "line": None}])
+            lines, errors = validate_lines(raw, b["endpoint"])
+            if errors:
+                return self._fail(bid, errors)
+            self.store.add_lines(bid, lines)
+        if self.store.status(bid) == "in_progress":
+            await self._run_lines(bid, ENDPOINTS[b["endpoint"]], b["expires_at"])
+        status = self.store.status(bid)
+        if status in ("in_progress", "finalizing"):
+            self.store.set_status(bid, "finalizing")
+            self._finalize(bid, "completed")
+        elif status == "cancelling":
+            self._finalize(bid, "cancelled")
+        elif status == "expired":
+            self._finalize(bid, "expired")
+
+    async def _run_lines(self, bid: str, chat: bool, expires_at: int) -> None:
+        sem = asyncio.Semaphore(self.concurrency)
+        stop = asyncio.Event()
+
+        async def one(line_no: int, body: dict) -> None:
+            async with sem:
+                if stop.is_set():
+                    return
+                try:
+                    code, resp = await self.run_line(body, chat)
+                except ApiError as e:
+                    code, resp = e.status, e.body()
+                self.store.finish_line(bid, line_no, code, resp)
+
+        async def watch() -> None:
+            while not stop.is_set():
+                await asyncio.sleep(0.5)
+                if self.store.status(bid) == "cancelling":
+                    stop.set()
+                elif time.time() > expires_at:
+                    self.store.set_status(bid, "expired")
+                    stop.set()
+
+        watcher = asyncio.create_task(watch())
+        jobs = [asyncio.create_task(one(n, body)) for n, _cid, body in self.store.pending_lines(bid)]
+        try:
+            while jobs and not stop.is_set():
+                done, _ = await asyncio.wait(jobs + [watcher], return_when=asyncio.FIRST_COMPLETED)
+                jobs = [j for j in jobs if not j.done()]
+            for j in jobs:            # cancelled or expired: in-flight requests are aborted
+                j.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+        finally:
+            stop.set()
+            watcher.cancel()
+
+    def _fail(self, bid: str, errors: list[dict]) -> None:
+        self.store.set_status(bid, "failed", errors=json.dumps({"object": "list", "data": errors}))
+
+    def _finalize(self, bid: str, final: str) -> None:
+        """Write the output and error files from the recorded results, then the final status."""
+        out, errs = [], []
+        reason = {"cancelled": ("batch_cancelled", "the batch was cancelled"),
+                  "expired": ("batch_expired", "the batch expired before this request ran")}.get(final)
+        for r in self.store.line_results(bid):
+            rid = f"batch_req_{uuid.uuid4().hex[:24]}"
+            if r["status"] == "pending":
+                if reason:
+                    errs.append({"id": rid, "custom_id": r["custom_id"], "response": None,
+                                 "error": {"code": reason[0], "message": reason[1]}})
+                continue
+            body = json.loads(r["result"])
+            line = {"id": rid, "custom_id": r["custom_id"],
+                    "response": {"status_code": r["status_code"], "request_id": body.get("id", rid),
+                                 "body": body}, "error": None}
+            (out if r["status_code"] == 200 else errs).append(line)
+        jsonl = lambda rows: "".join(json.dumps(x) + "\n" for x in rows).encode()  # noqa: E731
+        out_id = self.store.add_file(jsonl(out), f"{bid}_output.jsonl", "batch_output")["id"] if out else None
+        err_id = self.store.add_file(jsonl(errs), f"{bid}_error.jsonl", "batch_output")["id"] if errs else None
+        self.store.set_status(bid, final, output_file_id=out_id, error_file_id=err_id)

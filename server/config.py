@@ -1,0 +1,24 @@
+"""Server configuration, composed in server/__main__.py (the only place reading the environment)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    model: str = "smollm2"
+    served_model_name: str = "smollm2"
+    devices: str = "cpu:1"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    data_dir: str = "./tandem-data"
+    max_num_seqs: int = 64
+    policy: str = "fcfs"
+    slo_ttft_ms: float = 1000.0        # default RT time-to-first-token target
+    slo_tbt_ms: float = 200.0          # default RT time-between-tokens target
+    max_waiting: int = 1024            # waiting requests before 429
+    max_upload_bytes: int = 200 << 20  # largest request body / file upload
+    dtype: str = "float32"
+    kv_cache_bytes: int | None = None
+    watch_parent: int | None = None    # stop when this pid is gone (tests)

@@ -1,0 +1,156 @@
+"""Files and Batch API routes (OpenAI semantics), backed by server/store.py and server/batches.py."""
+from __future__ import annotations
+
+from aiohttp import web
+
+from server.app import STATE, complete, json_response, prepare, read_json
+from server.batches import ENDPOINTS, WINDOWS, BatchRunner
+from server.errors import ApiError, bad_request
+from server.store import Store
+
+STORE = web.AppKey("store", Store)
+RUNNER = web.AppKey("runner", BatchRunner)
+PURPOSES = ("batch", "user_data")
+
+
+def add_routes(app: web.Application) -> None:
+    cfg = app[STATE].cfg
+    store = Store(cfg.data_dir)
+    app[STORE] = store
+
+    async def run_line(body: dict, chat: bool):
+        engine = app[STATE].engine
+        p = prepare(engine, app[STATE].cfg, body, chat, force_be=True)
+        return 200, await complete(engine, app[STATE], p, chat)
+    app[RUNNER] = BatchRunner(store, run_line, concurrency=2 * cfg.max_num_seqs)
+    r = app.router
+    r.add_post("/v1/files", upload_file)
+    r.add_get("/v1/files", list_files)
+    r.add_get("/v1/files/{id}", get_file)
+    r.add_get("/v1/files/{id}/content", file_content)
+    r.add_delete("/v1/files/{id}", delete_file)
+    r.add_post("/v1/batches", create_batch)
+    r.add_get("/v1/batches", list_batches)
+    r.add_get("/v1/batches/{id}", get_batch)
+    r.add_post("/v1/batches/{id}/cancel", cancel_batch)
+
+
+def engine_ready(app: web.Application) -> None:
+    """Batches wait for the model; once it is loaded every unfinished batch resumes."""
+    app[RUNNER].resume_all()
+
+
+async def stop(app: web.Application) -> None:
+    await app[RUNNER].stop()
+    app[STORE].close()
+
+
+def _store(request) -> Store:
+    return request.app[STORE]
+
+
+async def upload_file(request: web.Request):
+    limit = request.app[STATE].cfg.max_upload_bytes
+    if request.content_type != "multipart/form-data":
+        raise bad_request("upload with multipart/form-data (fields 'purpose' and 'file')")
+    reader = await request.multipart()
+    purpose, data, filename = None, None, "upload.jsonl"
+    async for part in reader:
+        if part.name == "purpose":
+            purpose = (await part.text()).strip()
+        elif part.name == "file":
+            filename = part.filename or filename
+            buf = bytearray()
+            while chunk := await part.read_chunk(1 << 16):
+                buf.extend(chunk)
+                if len(buf) > limit:
+                    raise ApiError(413, f"file larger than the {limit}-byte limit", param="file")
+            data = bytes(buf)
+    if purpose not in PURPOSES:
+        raise bad_request(f"'purpose' must be one of {', '.join(PURPOSES)}", param="purpose")
+    if data is None:
+        raise bad_request("missing 'file' part", param="file")
+    return json_response(_store(request).add_file(data, filename, purpose))
+
+
+def _file_or_404(request) -> dict:
+    f = _store(request).get_file(request.match_info["id"])
+    if f is None:
+        raise ApiError(404, f"No such file: {request.match_info['id']}", param="file_id", code="not_found")
+    return f
+
+
+async def list_files(request):
+    data = _store(request).list_files(request.query.get("purpose"))
+    return json_response({"object": "list", "data": data, "has_more": False})
+
+
+async def get_file(request):
+    return json_response(_file_or_404(request))
+
+
+async def file_content(request):
+    f = _file_or_404(request)
+    return web.Response(body=_store(request).file_content(f["id"]), content_type="application/octet-stream")
+
+
+async def delete_file(request):
+    f = _file_or_404(request)
+    _store(request).delete_file(f["id"])
+    return json_response({"id": f["id"], "object": "file", "deleted": True})
+
+
+async def create_batch(request):
+    body = await read_json(request)
+    fid = body.get("input_file_id")
+    if not isinstance(fid, str):
+        raise bad_request("'input_file_id' must be a string", param="input_file_id")
+    f = _store(request).get_file(fid)
+    if f is None:
+        raise ApiError(404, f"No such file: {fid}", param="input_file_id", code="not_found")
+    if f["purpose"] != "batch":
+        raise bad_request("the input file's purpose must be 'batch'", param="input_file_id")
+    endpoint = body.get("endpoint")
+    if endpoint not in ENDPOINTS:
+        raise bad_request(f"'endpoint' must be one of {', '.join(ENDPOINTS)}", param="endpoint")
+    window = body.get("completion_window", "24h")
+    if window not in WINDOWS:
+        raise bad_request("'completion_window' must be '24h'", param="completion_window")
+    meta = body.get("metadata")
+    if meta is not None and (not isinstance(meta, dict) or len(meta) > 16 or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in meta.items())):
+        raise bad_request("'metadata' must map up to 16 string keys to string values", param="metadata")
+    b = _store(request).add_batch(fid, endpoint, WINDOWS[window], window, meta)
+    if request.app[STATE].engine is not None:
+        request.app[RUNNER].start(b["id"])      # else it starts when the model is ready
+    return json_response(b)
+
+
+def _batch_or_404(request) -> dict:
+    b = _store(request).get_batch(request.match_info["id"])
+    if b is None:
+        raise ApiError(404, f"No such batch: {request.match_info['id']}", param="batch_id", code="not_found")
+    return b
+
+
+async def get_batch(request):
+    return json_response(_batch_or_404(request))
+
+
+async def list_batches(request):
+    try:
+        limit = int(request.query.get("limit", "20"))
+    except ValueError:
+        raise bad_request("'limit' must be an integer", param="limit") from None
+    if not 1 <= limit <= 100:
+        raise bad_request("'limit' must be in [1, 100]", param="limit")
+    data, more = _store(request).list_batches(limit, request.query.get("after"))
+    return json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                          "last_id": data[-1]["id"] if data else None, "has_more": more})
+
+
+async def cancel_batch(request):
+    b = _batch_or_404(request)
+    if b["status"] not in ("validating", "in_progress", "cancelling"):
+        raise ApiError(409, f"cannot cancel a batch that is {b['status']}", param="batch_id")
+    return json_response(request.app[RUNNER].cancel(b["id"]))

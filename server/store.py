@@ -1,0 +1,174 @@
+"""Durable store for files and batches: SQLite (stdlib) plus file bodies under the data dir.
+
+Every batch line's result is committed as soon as it exists, exactly once
+(``UPDATE ... WHERE status = 'pending'``), so a server killed at any point and
+restarted resumes the pending lines and the output lists each custom_id once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+import uuid
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (
+    id TEXT PRIMARY KEY, bytes INTEGER NOT NULL, created_at INTEGER NOT NULL,
+    filename TEXT NOT NULL, purpose TEXT NOT NULL, deleted INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS batches (
+    id TEXT PRIMARY KEY, seq INTEGER NOT NULL, input_file_id TEXT NOT NULL, endpoint TEXT NOT NULL,
+    completion_window TEXT NOT NULL, status TEXT NOT NULL, created_at INTEGER NOT NULL,
+    expires_at INTEGER, metadata TEXT, errors TEXT, output_file_id TEXT, error_file_id TEXT,
+    in_progress_at INTEGER, finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER,
+    cancelling_at INTEGER, cancelled_at INTEGER, expired_at INTEGER);
+CREATE TABLE IF NOT EXISTS batch_lines (
+    batch_id TEXT NOT NULL, line_no INTEGER NOT NULL, custom_id TEXT NOT NULL, body TEXT NOT NULL,
+    status TEXT NOT NULL DEFAULT 'pending', status_code INTEGER, result TEXT,
+    PRIMARY KEY (batch_id, line_no));
+"""
+
+ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "cancelling_at",
+              "cancelled_at", "expired_at")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+class Store:
+    def __init__(self, data_dir: str | os.PathLike):
+        self.root = Path(data_dir)
+        self.files_dir = self.root / "files"
+        self.files_dir.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(self.root / "tandem.sqlite3", isolation_level=None)
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.executescript(SCHEMA)
+
+    # ---- files ---------------------------------------------------------------
+    def add_file(self, data: bytes, filename: str, purpose: str) -> dict:
+        fid = new_id("file")
+        tmp = self.files_dir / f".{fid}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.files_dir / fid)
+        self.db.execute("INSERT INTO files (id, bytes, created_at, filename, purpose) VALUES (?,?,?,?,?)",
+                        (fid, len(data), int(time.time()), filename, purpose))
+        return self.get_file(fid)
+
+    def get_file(self, fid: str) -> dict | None:
+        r = self.db.execute("SELECT * FROM files WHERE id=? AND deleted=0", (fid,)).fetchone()
+        if r is None:
+            return None
+        return {"id": r["id"], "object": "file", "bytes": r["bytes"], "created_at": r["created_at"],
+                "filename": r["filename"], "purpose": r["purpose"], "status": "processed",
+                "status_details": None}
+
+    def list_files(self, purpose: str | None = None) -> list[dict]:
+        rows = self.db.execute("SELECT id FROM files WHERE deleted=0 AND (? IS NULL OR purpose=?) "
+                               "ORDER BY created_at DESC, rowid DESC", (purpose, purpose)).fetchall()
+        return [self.get_file(r["id"]) for r in rows]
+
+    def file_content(self, fid: str) -> bytes | None:
+        if self.get_file(fid) is None:
+            return None
+        return (self.files_dir / fid).read_bytes()
+
+    def delete_file(self, fid: str) -> bool:
+        cur = self.db.execute("UPDATE files SET deleted=1 WHERE id=? AND deleted=0", (fid,))
+        if cur.rowcount:
+            (self.files_dir / fid).unlink(missing_ok=True)
+        return bool(cur.rowcount)
+
+    # ---- batches ---------------------------------------------------------------
+    def add_batch(self, input_file_id: str, endpoint: str, window_s: int, window: str,
+                  metadata: dict | None) -> dict:
+        bid = new_id("batch")
+        now = int(time.time())
+        seq = self.db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM batches").fetchone()[0]
+        self.db.execute("INSERT INTO batches (id, seq, input_file_id, endpoint, completion_window, status,"
+                        " created_at, expires_at, metadata) VALUES (?,?,?,?,?,?,?,?,?)",
+                        (bid, seq, input_file_id, endpoint, window, "validating", now, now + window_s,
+                         json.dumps(metadata) if metadata is not None else None))
+        return self.get_batch(bid)
+
+    def set_status(self, bid: str, status: str, **fields) -> None:
+        stamp = f"{status}_at" if f"{status}_at" in TIMESTAMPS else None
+        sets = {"status": status, **fields}
+        if stamp:
+            sets[stamp] = int(time.time())
+        cols = ", ".join(f"{k}=?" for k in sets)
+        self.db.execute(f"UPDATE batches SET {cols} WHERE id=?", (*sets.values(), bid))
+
+    def add_lines(self, bid: str, lines: list[tuple[int, str, dict]]) -> None:
+        """Insert validated lines and move to in_progress in one transaction."""
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.executemany("INSERT OR IGNORE INTO batch_lines (batch_id, line_no, custom_id, body) "
+                                "VALUES (?,?,?,?)", [(bid, n, cid, json.dumps(b)) for n, cid, b in lines])
+            self.db.execute("UPDATE batches SET status='in_progress', in_progress_at=? WHERE id=?",
+                            (int(time.time()), bid))
+
+    def pending_lines(self, bid: str) -> list[tuple[int, str, dict]]:
+        rows = self.db.execute("SELECT line_no, custom_id, body FROM batch_lines WHERE batch_id=? AND "
+                               "status='pending' ORDER BY line_no", (bid,)).fetchall()
+        return [(r["line_no"], r["custom_id"], json.loads(r["body"])) for r in rows]
+
+    def finish_line(self, bid: str, line_no: int, status_code: int, result: dict) -> bool:
+        """Record a line's result once; False if it already had one."""
+        cur = self.db.execute("UPDATE batch_lines SET status=?, status_code=?, result=? WHERE batch_id=? "
+                              "AND line_no=? AND status='pending'",
+                              ("done" if status_code == 200 else "error", status_code,
+                               json.dumps(result), bid, line_no))
+        return bool(cur.rowcount)
+
+    def line_results(self, bid: str) -> list[sqlite3.Row]:
+        return self.db.execute("SELECT line_no, custom_id, status, status_code, result FROM batch_lines "
+                               "WHERE batch_id=? ORDER BY line_no", (bid,)).fetchall()
+
+    def counts(self, bid: str) -> dict:
+        r = self.db.execute("SELECT COUNT(*) t, SUM(status='done') c, SUM(status='error') f FROM batch_lines "
+                            "WHERE batch_id=?", (bid,)).fetchone()
+        return {"total": r["t"] or 0, "completed": r["c"] or 0, "failed": r["f"] or 0}
+
+    def get_batch(self, bid: str) -> dict | None:
+        r = self.db.execute("SELECT * FROM batches WHERE id=?", (bid,)).fetchone()
+        if r is None:
+            return None
+        out = {"id": r["id"], "object": "batch", "endpoint": r["endpoint"], "errors": json.loads(r["errors"])
+               if r["errors"] else None, "input_file_id": r["input_file_id"],
+               "completion_window": r["completion_window"], "status": r["status"],
+               "output_file_id": r["output_file_id"], "error_file_id": r["error_file_id"],
+               "created_at": r["created_at"], "expires_at": r["expires_at"],
+               "request_counts": self.counts(bid),
+               "metadata": json.loads(r["metadata"]) if r["metadata"] else None}
+        for k in TIMESTAMPS:
+            out[k] = r[k]
+        return out
+
+    def list_batches(self, limit: int, after: str | None) -> tuple[list[dict], bool]:
+        seq = None
+        if after is not None:
+            row = self.db.execute("SELECT seq FROM batches WHERE id=?", (after,)).fetchone()
+            seq = row["seq"] if row else None
+            if row is None:
+                return [], False
+        rows = self.db.execute("SELECT id FROM batches WHERE (? IS NULL OR seq < ?) ORDER BY seq DESC LIMIT ?",
+                               (seq, seq, limit + 1)).fetchall()
+        return [self.get_batch(r["id"]) for r in rows[:limit]], len(rows) > limit
+
+    def active_batches(self) -> list[str]:
+        q = f"SELECT id FROM batches WHERE status IN ({','.join('?' * len(ACTIVE))}) ORDER BY seq"
+        return [r["id"] for r in self.db.execute(q, ACTIVE).fetchall()]
+
+    def status(self, bid: str) -> str:
+        return self.db.execute("SELECT status FROM batches WHERE id=?", (bid,)).fetchone()["status"]
+
+    def close(self) -> None:
+        self.db.close()

@@ -1,0 +1,84 @@
+"""Start the real server (python -m server) on loopback for the server tests."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+API_KEY = "test-key"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    model: str
+    log: Path
+
+    def headers(self, key: str | None = API_KEY) -> dict:
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory):
+    """Tiny random Llama with SmolLM2's real tokenizer and chat template."""
+    from engine.llm import DEFAULT_CACHE_DIR
+    from engine.models.loader import resolve_model
+    from engine.models.tiny import write_tiny_model
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-chat"), "llama", seed=3,
+                            tokenizer_from=resolve_model("smollm2", DEFAULT_CACHE_DIR))
+
+
+def start_server(model_dir: Path, tmp: Path, *extra: str) -> Server:
+    port = free_port()
+    log = tmp / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "server", "--model", str(model_dir), "--port", str(port),
+           "--api-key", API_KEY, "--data-dir", str(tmp / "data"), "--kv-cache-bytes", str(64 << 20),
+           "--watch-parent", str(os.getpid()), *extra]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode}:\n{log.read_text()}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return Server(url, proc, model_dir.name, log)
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError(f"server did not become healthy:\n{log.read_text()}")
+
+
+def stop_server(s: Server) -> int:
+    if s.proc.poll() is None:
+        s.proc.send_signal(signal.SIGTERM)
+        try:
+            s.proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            s.proc.kill()
+            s.proc.wait()
+    return s.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model, tmp_path_factory):
+    s = start_server(tiny_chat_model, tmp_path_factory.mktemp("srv"))
+    yield s
+    stop_server(s)

@@ -1,0 +1,137 @@
+"""Files + Batches API: round trip with the openai client, validation, cancel, and SIGKILL resume."""
+import io
+import json
+import signal
+import time
+
+import openai
+import pytest
+
+from tests.server.conftest import API_KEY, start_server, stop_server
+
+
+def jsonl(rows) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def chat_line(i, max_tokens=6):
+    return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "M", "messages": [{"role": "user", "content": f"Question {i}?"}],
+                     "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}
+
+
+def wait_batch(client, bid, statuses=("completed", "failed", "cancelled", "expired"), timeout=240):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        b = client.batches.retrieve(bid)
+        if b.status in statuses:
+            return b
+        time.sleep(0.3)
+    raise AssertionError(f"batch {bid} stuck in {b.status}")
+
+
+def fix_model(rows, model):
+    for r in rows:
+        r["body"]["model"] = model
+    return rows
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def test_batch_round_trip(server, client):
+    rows = fix_model([chat_line(i) for i in range(12)], server.model)
+    rows.append({"custom_id": "bad-temp", "method": "POST", "url": "/v1/chat/completions",
+                 "body": {"model": server.model, "messages": [{"role": "user", "content": "x"}],
+                          "temperature": 7}})
+    f = client.files.create(file=("in.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
+    assert f.purpose == "batch" and f.bytes == len(jsonl(rows))
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                              completion_window="24h", metadata={"job": "t1"})
+    assert b.status in ("validating", "in_progress") and b.metadata == {"job": "t1"}
+    b = wait_batch(client, b.id)
+    assert b.status == "completed", b
+    assert (b.request_counts.total, b.request_counts.completed, b.request_counts.failed) == (13, 12, 1)
+    out = [json.loads(x) for x in client.files.content(b.output_file_id).text.splitlines()]
+    assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(12))
+    direct = client.chat.completions.create(model=server.model, max_tokens=6, temperature=0,
+                                            messages=[{"role": "user", "content": "Question 3?"}],
+                                            extra_body={"ignore_eos": True})
+    for o in out:
+        assert o["error"] is None and o["response"]["status_code"] == 200
+        body = o["response"]["body"]
+        assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] == 6
+        if o["custom_id"] == "req-3":
+            assert body["choices"][0]["message"]["content"] == direct.choices[0].message.content
+    errs = [json.loads(x) for x in client.files.content(b.error_file_id).text.splitlines()]
+    assert [e["custom_id"] for e in errs] == ["bad-temp"]
+    assert errs[0]["response"]["status_code"] == 400
+    assert errs[0]["response"]["body"]["error"]["param"] == "temperature"
+    listed = client.batches.list(limit=5)
+    assert b.id in [x.id for x in listed.data]
+    assert client.files.delete(f.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(f.id)
+
+
+def test_bad_lines_fail_the_batch_with_line_numbers(server, client):
+    good = fix_model([chat_line(0)], server.model)[0]
+    raw = jsonl([good]) + b"{not json}\n" + jsonl([dict(good, url="/v1/completions"), good])
+    f = client.files.create(file=("bad.jsonl", io.BytesIO(raw)), purpose="batch")
+    b = wait_batch(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                 completion_window="24h").id)
+    assert b.status == "failed"
+    lines = {(e.line, e.param) for e in b.errors.data}
+    assert (2, None) in lines and (3, "url") in lines and (4, "custom_id") in lines
+
+
+def test_batch_request_validation(server, client):
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
+    f = client.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="batch")
+    with pytest.raises(openai.BadRequestError):
+        client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch-nope")
+
+
+def test_cancel(server, client):
+    rows = fix_model([chat_line(i, max_tokens=60) for i in range(300)], server.model)
+    f = client.files.create(file=("big.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    wait_batch(client, b.id, statuses=("in_progress",))
+    client.batches.cancel(b.id)
+    b = wait_batch(client, b.id)
+    assert b.status == "cancelled" and b.cancelled_at
+    done = client.files.content(b.output_file_id).text.splitlines() if b.output_file_id else []
+    errs = [json.loads(x) for x in client.files.content(b.error_file_id).text.splitlines()]
+    assert len(done) + len(errs) == 300 and len(done) < 300
+    assert {e["error"]["code"] for e in errs} == {"batch_cancelled"}
+
+
+def test_sigkill_mid_batch_then_resume(tiny_chat_model, tmp_path):
+    srv = start_server(tiny_chat_model, tmp_path)
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0)
+    n = 120
+    rows = fix_model([chat_line(i, max_tokens=24) for i in range(n)], srv.model)
+    f = c.files.create(file=("in.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while c.batches.retrieve(b.id).request_counts.completed < 10:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    srv.proc.send_signal(signal.SIGKILL)
+    srv.proc.wait()
+    srv2 = start_server(tiny_chat_model, tmp_path)       # same data dir
+    try:
+        c2 = openai.OpenAI(base_url=srv2.url + "/v1", api_key=API_KEY, max_retries=0)
+        done = wait_batch(c2, b.id)
+        assert done.status == "completed"
+        out = [json.loads(x) for x in c2.files.content(done.output_file_id).text.splitlines()]
+        ids = [o["custom_id"] for o in out]
+        assert sorted(ids) == sorted(f"req-{i}" for i in range(n)), "every custom_id exactly once"
+        assert done.request_counts.completed == n
+    finally:
+        stop_server(srv2)

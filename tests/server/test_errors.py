@@ -1,0 +1,104 @@
+"""Malformed requests: each gets the right status and OpenAI error shape, and the server stays healthy."""
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.server.conftest import API_KEY
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+MSG = [{"role": "user", "content": "hi"}]
+LONG = "word " * 5000          # far past the tiny model's 512-token context
+
+CASES = [
+    # (name, method, path, raw body or dict, headers override, status, error type, param)
+    ("malformed json", "POST", CHAT, b"{not json", None, 400, "invalid_request_error", None),
+    ("body is a list", "POST", CHAT, b"[1,2]", None, 400, "invalid_request_error", None),
+    ("empty body", "POST", COMP, b"", None, 400, "invalid_request_error", None),
+    ("no messages", "POST", CHAT, {"model": "M"}, None, 400, "invalid_request_error", "messages"),
+    ("messages not a list", "POST", CHAT, {"messages": "hi"}, None, 400, "invalid_request_error", "messages"),
+    ("empty messages", "POST", CHAT, {"messages": []}, None, 400, "invalid_request_error", "messages"),
+    ("bad role", "POST", CHAT, {"messages": [{"role": "robot", "content": "x"}]}, None, 400,
+     "invalid_request_error", "messages[0].role"),
+    ("content not string", "POST", CHAT, {"messages": [{"role": "user", "content": 5}]}, None, 400,
+     "invalid_request_error", "messages[0].content"),
+    ("image content part", "POST", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, None, 400, "invalid_request_error",
+     "messages[0].content"),
+    ("max_tokens zero", "POST", CHAT, {"messages": MSG, "max_tokens": 0}, None, 400, "invalid_request_error", "max_tokens"),
+    ("max_tokens negative", "POST", COMP, {"prompt": "a", "max_tokens": -5}, None, 400, "invalid_request_error", "max_tokens"),
+    ("max_tokens string", "POST", COMP, {"prompt": "a", "max_tokens": "10"}, None, 400, "invalid_request_error", "max_tokens"),
+    ("max_completion_tokens float", "POST", CHAT, {"messages": MSG, "max_completion_tokens": 1.5}, None, 400,
+     "invalid_request_error", "max_completion_tokens"),
+    ("temperature too high", "POST", CHAT, {"messages": MSG, "temperature": 3}, None, 400, "invalid_request_error", "temperature"),
+    ("temperature string", "POST", CHAT, {"messages": MSG, "temperature": "hot"}, None, 400, "invalid_request_error", "temperature"),
+    ("top_p zero", "POST", COMP, {"prompt": "a", "top_p": 0}, None, 400, "invalid_request_error", "top_p"),
+    ("top_p above one", "POST", COMP, {"prompt": "a", "top_p": 1.2}, None, 400, "invalid_request_error", "top_p"),
+    ("top_k below -1", "POST", COMP, {"prompt": "a", "top_k": -3}, None, 400, "invalid_request_error", "top_k"),
+    ("n zero", "POST", CHAT, {"messages": MSG, "n": 0}, None, 400, "invalid_request_error", "n"),
+    ("n too large", "POST", CHAT, {"messages": MSG, "n": 1000}, None, 400, "invalid_request_error", "n"),
+    ("seed string", "POST", COMP, {"prompt": "a", "seed": "x"}, None, 400, "invalid_request_error", "seed"),
+    ("stop not strings", "POST", COMP, {"prompt": "a", "stop": [1, 2]}, None, 400, "invalid_request_error", "stop"),
+    ("stop empty string", "POST", COMP, {"prompt": "a", "stop": ""}, None, 400, "invalid_request_error", "stop"),
+    ("stream not bool", "POST", COMP, {"prompt": "a", "stream": "yes"}, None, 400, "invalid_request_error", "stream"),
+    ("stream_options without stream", "POST", COMP, {"prompt": "a", "stream_options": {"include_usage": True}},
+     None, 400, "invalid_request_error", "stream_options"),
+    ("min_tokens over max", "POST", COMP, {"prompt": "a", "max_tokens": 2, "min_tokens": 5}, None, 400,
+     "invalid_request_error", "min_tokens"),
+    ("logprobs unsupported", "POST", CHAT, {"messages": MSG, "logprobs": True}, None, 400, "invalid_request_error", "logprobs"),
+    ("tools unsupported", "POST", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, None, 400,
+     "invalid_request_error", "tools"),
+    ("presence penalty", "POST", CHAT, {"messages": MSG, "presence_penalty": 0.5}, None, 400,
+     "invalid_request_error", "presence_penalty"),
+    ("bad service tier", "POST", CHAT, {"messages": MSG, "service_tier": "turbo"}, None, 400,
+     "invalid_request_error", "service_tier"),
+    ("bad slo", "POST", CHAT, {"messages": MSG, "slo_ttft_ms": -1}, None, 400, "invalid_request_error", "slo_ttft_ms"),
+    ("empty prompt", "POST", COMP, {"prompt": ""}, None, 400, "invalid_request_error", "prompt"),
+    ("prompt wrong type", "POST", COMP, {"prompt": {"text": "a"}}, None, 400, "invalid_request_error", "prompt"),
+    ("token id out of vocab", "POST", COMP, {"prompt": [1, 2, 10 ** 9]}, None, 400, "invalid_request_error", "prompt"),
+    ("prompt too long", "POST", COMP, {"prompt": LONG}, None, 400, "invalid_request_error", "prompt"),
+    ("chat too long", "POST", CHAT, {"messages": [{"role": "user", "content": LONG}]}, None, 400,
+     "invalid_request_error", "messages"),
+    ("max_tokens past context", "POST", COMP, {"prompt": "a", "max_tokens": 100000}, None, 400,
+     "invalid_request_error", "max_tokens"),
+    ("unknown model", "POST", CHAT, {"model": "gpt-9", "messages": MSG}, None, 404, "invalid_request_error", "model"),
+    ("model not string", "POST", CHAT, {"model": 3, "messages": MSG}, None, 400, "invalid_request_error", "model"),
+    ("missing key", "POST", CHAT, {"messages": MSG}, {}, 401, "invalid_request_error", None),
+    ("wrong key", "POST", CHAT, {"messages": MSG}, {"Authorization": "Bearer nope"}, 401, "invalid_request_error", None),
+    ("unknown path", "GET", "/v1/nothing", None, None, 404, "not_found_error", None),
+    ("wrong method", "GET", CHAT, None, None, 405, "invalid_request_error", None),
+]
+
+
+def call(server, method, path, body, headers):
+    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+    h = {"Content-Type": "application/json"}
+    h.update(server.headers() if headers is None else headers)
+    req = urllib.request.Request(server.url + path, data=data, headers=h, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+@pytest.mark.parametrize("name, method, path, body, headers, status, etype, param", CASES,
+                         ids=[c[0] for c in CASES])
+def test_malformed_request(server, name, method, path, body, headers, status, etype, param):
+    if isinstance(body, dict) and body.get("model") == "M":
+        body = dict(body, model=server.model)
+    got, payload = call(server, method, path, body, headers)
+    assert got == status, payload
+    err = payload["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == etype
+    if param is not None:
+        assert err["param"] == param
+    ok, _ = call(server, "POST", COMP, {"prompt": "a", "max_tokens": 2}, None)
+    assert ok == 200, "the server must keep serving after a bad request"
+
+
+def test_at_least_thirty_cases():
+    assert len(CASES) >= 30

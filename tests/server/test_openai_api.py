@@ -1,0 +1,73 @@
+"""The real server on loopback, driven by the official openai client and by aiohttp."""
+import asyncio
+import json
+import re
+
+import aiohttp
+import openai
+import pytest
+
+from tests.server.conftest import API_KEY
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def test_models_and_health(server, client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [server.model]
+
+
+def test_streamed_chat_with_usage(server, client):
+    stream = client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "Say hi"}], max_tokens=12,
+        temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].choices == []
+    full = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Say hi"}],
+                                          max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    assert full.choices[0].message.content == text, "streamed and whole text must agree (greedy)"
+    assert full.usage.prompt_tokens == chunks[-1].usage.prompt_tokens
+
+
+def test_completion_n2_seed_and_stop(server, client):
+    r = client.completions.create(model=server.model, prompt="Once upon a time", max_tokens=10, n=2,
+                                  temperature=0.8, seed=7, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.completion_tokens == 20
+    again = client.completions.create(model=server.model, prompt="Once upon a time", max_tokens=10, n=2,
+                                      temperature=0.8, seed=7, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in r.choices], "seeded sampling reproduces"
+    base = client.completions.create(model=server.model, prompt="Once upon a time", max_tokens=20,
+                                     temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+    words = re.findall(r"\w{2,}", base)
+    assert words, base
+    cut = client.completions.create(model=server.model, prompt="Once upon a time", max_tokens=20,
+                                    temperature=0, stop=[words[0]], extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == base[:base.index(words[0])]
+
+
+def test_streamed_stop_string_never_leaks(server):
+    async def run():
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as s:
+            body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": 20,
+                    "temperature": 0, "ignore_eos": True}
+            async with s.post(server.url + "/v1/completions", json=body) as r:
+                base = (await r.json())["choices"][0]["text"]
+            stop = base[len(base) // 2: len(base) // 2 + 3]
+            pieces = []
+            async with s.post(server.url + "/v1/completions", json=body | {"stop": stop, "stream": True}) as r:
+                assert r.headers["Content-Type"].startswith("text/event-stream")
+                async for line in r.content:
+                    if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                        pieces.append(json.loads(line[6:]))
+            text = "".join(p["choices"][0]["text"] for p in pieces if p.get("choices"))
+            return base, stop, text
+    base, stop, text = asyncio.run(run())
+    assert text == base[:base.index(stop)]
