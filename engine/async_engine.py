@@ -43,24 +43,12 @@ class AsyncEngine:
         self._thread.start()
 
     # ---- called from the event loop -----------------------------------------
-    async def generate(self, req: Request) -> AsyncIterator[Event]:
-        """Submit ``req`` and yield its events; cancelling the consumer aborts the request."""
-        loop = asyncio.get_running_loop()
+    def submit(self, req: Request) -> "Submission":
+        """Queue ``req`` now (it counts as waiting at once); read it with ``Submission.events()``."""
         q: asyncio.Queue = asyncio.Queue()
-        self._queues[req.req_id] = (loop, q)
+        self._queues[req.req_id] = (asyncio.get_running_loop(), q)
         self._post("add", req)
-        finished = False
-        try:
-            while True:
-                ev: Event = await q.get()
-                yield ev
-                if ev.finish_reason is not None or ev.rejected:
-                    finished = True
-                    return
-        finally:
-            self._queues.pop(req.req_id, None)
-            if not finished:
-                self._post("abort", req.req_id)
+        return Submission(self, req.req_id, q)
 
     def num_waiting(self) -> int:
         return sum(len(q.waiting) for q in self.scheduler.queues) + len(self._inbox)
@@ -71,6 +59,11 @@ class AsyncEngine:
             self._wake.notify()
         self._thread.join(timeout=10)
         self.llm.shutdown()
+
+    def _forget(self, req_id: str, abort: bool) -> None:
+        self._queues.pop(req_id, None)
+        if abort:
+            self._post("abort", req_id)
 
     def _post(self, kind: str, payload) -> None:
         with self._wake:
@@ -110,3 +103,25 @@ class AsyncEngine:
         if target is not None:
             loop, q = target
             loop.call_soon_threadsafe(q.put_nowait, ev)
+
+
+class Submission:
+    """One submitted request as seen by its caller."""
+
+    def __init__(self, engine: AsyncEngine, req_id: str, q: asyncio.Queue):
+        self.engine, self.req_id, self._q = engine, req_id, q
+        self.done = False
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Yield events until the request ends (finish or rejection)."""
+        while not self.done:
+            ev: Event = await self._q.get()
+            self.done = ev.finish_reason is not None or ev.rejected
+            yield ev
+        self.engine._forget(self.req_id, abort=False)
+
+    def close(self) -> None:
+        """Abort the request if it has not ended (idempotent; frees its blocks at once)."""
+        if not self.done:
+            self.done = True
+            self.engine._forget(self.req_id, abort=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import random
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -79,6 +79,7 @@ class Scheduler:
         self.states: dict[str, RequestState] = {}
         self._step_id = 0
         self._rng = random.Random()
+        self.preemptions_by_class: Counter = Counter()
 
     # ---- intake --------------------------------------------------------------
     def add(self, req: Request) -> RequestState:
@@ -103,6 +104,20 @@ class Scheduler:
         if st is None or st.status is Status.FINISHED:
             return None
         return self._finish(st, FinishReason.ABORT)
+
+    def load_by_class(self) -> dict:
+        """{ServiceClass: (running, waiting, blocks held)} over all devices (for metrics)."""
+        out: dict = {}
+        for q in self.queues:
+            for ids, k in ((q.running, 0), (q.waiting, 1)):
+                for r in ids:
+                    st = self.states.get(r)
+                    if st is None:
+                        continue
+                    row = out.setdefault(st.request.service_class, [0, 0, 0])
+                    row[k] += 1
+                    row[2] += q.pool.num_blocks_of(r)
+        return {c: tuple(v) for c, v in out.items()}
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """ValueError if such a request could never fit a device's pool (safe from any thread)."""
@@ -160,6 +175,7 @@ class Scheduler:
             st.status, st.num_computed = Status.WAITING, 0
             st.num_preemptions += 1
             q.num_preemptions += 1
+            self.preemptions_by_class[st.request.service_class] += 1
             if st.sent_to_device:
                 q.reset_ids.append(st.req_id)
         for st in sorted(preempted, key=lambda s: s.request.arrival_time, reverse=True):

@@ -24,7 +24,9 @@ def parse_args(argv=None) -> ServerConfig:
     ap.add_argument("--policy", default=d.policy, choices=["fcfs"])
     ap.add_argument("--slo-ttft-ms", type=float, default=d.slo_ttft_ms)
     ap.add_argument("--slo-tbt-ms", type=float, default=d.slo_tbt_ms)
-    ap.add_argument("--max-waiting", type=int, default=d.max_waiting)
+    ap.add_argument("--max-waiting", type=int, default=d.max_waiting, help="waiting requests before 429")
+    ap.add_argument("--max-upload-mb", type=float, default=d.max_upload_bytes / 2**20,
+                    help="largest request body or file upload (413 beyond)")
     ap.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
     ap.add_argument("--kv-cache-bytes", type=int, default=None)
     ap.add_argument("--watch-parent", type=int, default=None, help=argparse.SUPPRESS)
@@ -33,7 +35,7 @@ def parse_args(argv=None) -> ServerConfig:
     return ServerConfig(model=a.model, served_model_name=name, devices=a.devices, host=a.host, port=a.port,
                         api_key=a.api_key, data_dir=a.data_dir, max_num_seqs=a.max_num_seqs,
                         policy=a.policy, slo_ttft_ms=a.slo_ttft_ms, slo_tbt_ms=a.slo_tbt_ms,
-                        max_waiting=a.max_waiting, dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
+                        max_waiting=a.max_waiting, max_upload_bytes=int(a.max_upload_mb * 2**20), dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
                         watch_parent=a.watch_parent)
 
 

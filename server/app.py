@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 import orjson
 from aiohttp import web
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, Submission
 from sched.request import Request, ServiceClass
 from server.config import ServerConfig
 from server.errors import ApiError, bad_request
@@ -91,6 +91,12 @@ class Prepared:
     rid: str
     prompt_ids: list[int]
     requests: list[Request]
+    subs: list[Submission]          # already queued in the engine
+
+    def close(self) -> None:
+        """Abort whatever has not finished (client gone, or an error)."""
+        for sub in self.subs:
+            sub.close()
 
 
 def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool,
@@ -133,7 +139,7 @@ def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool,
                             stop_token_ids=list(sp.stop_token_ids)),
                     gen.service_class, now, gen.slo_ttft_s, gen.slo_tbt_s, text)
             for i in range(gen.n)]
-    return Prepared(gen, model, rid, ids, reqs)
+    return Prepared(gen, model, rid, ids, reqs, [engine.submit(r) for r in reqs])
 
 
 @dataclass
@@ -146,7 +152,7 @@ class Choice:
     text: str = ""
 
 
-async def run_choice(engine: AsyncEngine, metrics: Metrics, req: Request, ch: Choice, sink=None) -> None:
+async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice, sink=None) -> None:
     """Drive one request to its end, appending text; ``sink(choice, delta)`` gets streamed deltas.
 
     If the caller goes away (cancellation), the request is aborted in the engine
@@ -160,7 +166,7 @@ async def run_choice(engine: AsyncEngine, metrics: Metrics, req: Request, ch: Ch
                              queue_s=queue_s, finish_reason=reason,
                              slo_ttft_s=req.slo_ttft_s, slo_tbt_s=req.slo_tbt_s)
     try:
-        async for ev in engine.generate(req):
+        async for ev in sub.events():
             if ev.rejected:
                 raise bad_request(ev.error or "rejected", param="prompt")
             now = time.monotonic()
@@ -207,7 +213,11 @@ async def complete(engine: AsyncEngine, st: AppState, p: Prepared, chat: bool) -
     """Run a prepared, non-streamed request to its end; the OpenAI response body."""
     choices = new_choices(engine, p)
     created = int(time.time())
-    await asyncio.gather(*(run_choice(engine, st.metrics, r, ch) for r, ch in zip(p.requests, choices)))
+    try:
+        await asyncio.gather(*(run_choice(sub, st.metrics, r, ch)
+                               for sub, r, ch in zip(p.subs, p.requests, choices)))
+    finally:
+        p.close()
     return {"id": p.rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": p.model, "choices": [choice_json(chat, ch) for ch in choices], "usage": usage(p, choices)}
 
@@ -217,7 +227,10 @@ async def generate_handler(request: web.Request, chat: bool) -> web.StreamRespon
     engine = ready_engine(request)
     p = prepare(engine, st.cfg, await read_json(request), chat)
     if p.gen.stream:
-        return await stream_handler(request, engine, st, p, new_choices(engine, p), chat, int(time.time()))
+        try:
+            return await stream_handler(request, engine, st, p, new_choices(engine, p), chat, int(time.time()))
+        finally:
+            p.close()
     return json_response(await complete(engine, st, p, chat))
 
 
@@ -248,8 +261,8 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
             await send(chunk(ch, "", ch.finish_reason))
 
     try:
-        await asyncio.gather(*(run_choice(engine, st.metrics, r, ch, sink)
-                               for r, ch in zip(p.requests, choices)))
+        await asyncio.gather(*(run_choice(sub, st.metrics, r, ch, sink)
+                               for sub, r, ch in zip(p.subs, p.requests, choices)))
         if p.gen.include_usage:
             await send({"id": p.rid, "object": obj, "created": created, "model": p.model,
                         "choices": [], "usage": usage(p, choices)})

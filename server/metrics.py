@@ -25,28 +25,28 @@ class Metrics:
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", lab, registry=r)
         self.requests = Counter("vllm:request_success", "Finished requests", lab + ["finished_reason"],
                                 registry=r)
-        self.running = Gauge("vllm:num_requests_running", "Requests holding cache", ["model_name"], registry=r)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", ["model_name"], registry=r)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of pool blocks in use (0-1)",
-                              ["model_name"], registry=r)
-        self.preemptions = Counter("vllm:num_preemptions", "Preemptions (cache discarded)", ["model_name"],
-                                   registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Requests holding cache", lab, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", lab, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of pool blocks held (0-1)", lab, registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Preemptions (cache discarded)", lab, registry=r)
         self.slo = Counter("tandem:slo_requests", "Finished requests by SLO outcome",
                            lab + ["slo", "met"], registry=r)
-        self._preempt_seen = 0
+        self._preempt_seen: dict = {}
 
     def engine_step(self, scheduler) -> None:
-        """Gauges from the scheduler; called on the engine thread after each step."""
-        qs = scheduler.queues
-        self.running.labels(self.model).set(sum(len(q.running) for q in qs))
-        self.waiting.labels(self.model).set(sum(len(q.waiting) for q in qs))
-        used = sum(q.pool.num_used for q in qs)
-        total = sum(q.pool.geometry.num_blocks for q in qs)
-        self.kv_usage.labels(self.model).set(used / max(1, total))
-        n = sum(q.num_preemptions for q in qs)
-        if n > self._preempt_seen:
-            self.preemptions.labels(self.model).inc(n - self._preempt_seen)
-            self._preempt_seen = n
+        """Gauges per service class from the scheduler; called on the engine thread."""
+        load = {c.value: v for c, v in scheduler.load_by_class().items()}
+        total = sum(q.pool.geometry.num_blocks for q in scheduler.queues)
+        for cls in CLASSES:
+            running, waiting, blocks = load.get(cls, (0, 0, 0))
+            self.running.labels(self.model, cls).set(running)
+            self.waiting.labels(self.model, cls).set(waiting)
+            self.kv_usage.labels(self.model, cls).set(blocks / max(1, total))
+        for c, n in scheduler.preemptions_by_class.items():
+            seen = self._preempt_seen.get(c.value, 0)
+            if n > seen:
+                self.preemptions.labels(self.model, c.value).inc(n - seen)
+                self._preempt_seen[c.value] = n
 
     def request_done(self, cls: str, *, prompt_tokens: int, token_times: list[float], arrival: float,
                      end: float, queue_s: float | None, finish_reason: str,

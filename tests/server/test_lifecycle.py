@@ -1,0 +1,107 @@
+"""Start-up (503 while loading), back-pressure (429), upload limit (413), SIGTERM drain."""
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import aiohttp
+
+from tests.server.conftest import API_KEY, ROOT, free_port, start_server, stop_server
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def test_503_while_loading_then_ready(tiny_chat_model, tmp_path):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "server", "--model", str(tiny_chat_model), "--port",
+                             str(port), "--api-key", API_KEY, "--data-dir", str(tmp_path)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    seen = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            req = urllib.request.Request(url + "/v1/completions", method="POST", headers=AUTH | {
+                "Content-Type": "application/json"}, data=json.dumps({"prompt": "a", "max_tokens": 1}).encode())
+            try:
+                with urllib.request.urlopen(req, timeout=5) as r:
+                    seen.append(r.status)
+                    break
+            except urllib.error.HTTPError as e:
+                body = json.loads(e.read())
+                assert e.code == 503 and body["error"]["type"] == "service_unavailable"
+                assert e.headers["Retry-After"]
+                seen.append(503)
+            except OSError:
+                pass                       # not listening yet
+            time.sleep(0.05)
+        assert seen and seen[-1] == 200
+        assert 503 in seen, "the server listens before the model is loaded and says so"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_429_and_413(tiny_chat_model, tmp_path):
+    srv = start_server(tiny_chat_model, tmp_path, "--max-waiting", "2", "--max-num-seqs", "2",
+                       "--max-upload-mb", "0.01")
+    try:
+        async def flood():
+            async with aiohttp.ClientSession(headers=AUTH) as s:
+                body = {"prompt": "Long story:", "max_tokens": 40, "ignore_eos": True}
+
+                async def one():
+                    async with s.post(srv.url + "/v1/completions", json=body) as r:
+                        return r.status, r.headers.get("Retry-After"), await r.json()
+                return await asyncio.gather(*(one() for _ in range(24)))
+        res = asyncio.run(flood())
+        statuses = [r[0] for r in res]
+        assert statuses.count(200) >= 2 and statuses.count(429) >= 1, statuses
+        for status, retry, body in res:
+            if status == 429:
+                assert retry and body["error"]["type"] == "rate_limit_error"
+        big = b"x" * 20_000
+        boundary = "tandemboundary"
+        payload = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+                   f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.jsonl\"\r\n"
+                   f"Content-Type: application/octet-stream\r\n\r\n").encode() + big + f"\r\n--{boundary}--\r\n".encode()
+        req = urllib.request.Request(srv.url + "/v1/files", data=payload, method="POST", headers=AUTH | {
+            "Content-Type": f"multipart/form-data; boundary={boundary}"})
+        try:
+            urllib.request.urlopen(req, timeout=30)
+            raise AssertionError("an upload over the limit must be refused")
+        except urllib.error.HTTPError as e:
+            assert e.code == 413 and "error" in json.loads(e.read())
+        with urllib.request.urlopen(srv.url + "/health", timeout=5) as r:
+            assert r.status == 200
+    finally:
+        stop_server(srv)
+
+
+def test_sigterm_finishes_in_flight_stream(tiny_chat_model, tmp_path):
+    srv = start_server(tiny_chat_model, tmp_path)
+
+    async def run():
+        async with aiohttp.ClientSession(headers=AUTH) as s:
+            body = {"prompt": "Count:", "max_tokens": 150, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            async with s.post(srv.url + "/v1/completions", json=body) as r:
+                await r.content.readline()
+                srv.proc.send_signal(signal.SIGTERM)
+                usage, done = None, False
+                async for line in r.content:
+                    if line.strip() == b"data: [DONE]":
+                        done = True
+                    elif line.startswith(b"data: "):
+                        usage = json.loads(line[6:]).get("usage") or usage
+                return done, usage
+    try:
+        done, usage = asyncio.run(run())
+        assert done and usage["completion_tokens"] == 150, "the in-flight request finishes"
+        assert srv.proc.wait(timeout=40) == 0
+    finally:
+        stop_server(srv)
