@@ -73,11 +73,14 @@ async def upload_file(request: web.Request):
     return json_response(_store(request).add_file(data, filename, purpose))
 
 
+def _found(obj: dict | None, kind: str, ident: str) -> dict:
+    if obj is None:
+        raise ApiError(404, f"No such {kind}: {ident}", param=f"{kind}_id", code="not_found")
+    return obj
+
+
 def _file_or_404(request) -> dict:
-    f = _store(request).get_file(request.match_info["id"])
-    if f is None:
-        raise ApiError(404, f"No such file: {request.match_info['id']}", param="file_id", code="not_found")
-    return f
+    return _found(_store(request).get_file(request.match_info["id"]), "file", request.match_info["id"])
 
 
 async def list_files(request):
@@ -105,9 +108,7 @@ async def create_batch(request):
     fid = body.get("input_file_id")
     if not isinstance(fid, str):
         raise bad_request("'input_file_id' must be a string", param="input_file_id")
-    f = _store(request).get_file(fid)
-    if f is None:
-        raise ApiError(404, f"No such file: {fid}", param="input_file_id", code="not_found")
+    f = _found(_store(request).get_file(fid), "file", fid)
     if f["purpose"] != "batch":
         raise bad_request("the input file's purpose must be 'batch'", param="input_file_id")
     endpoint = body.get("endpoint")
@@ -127,10 +128,7 @@ async def create_batch(request):
 
 
 def _batch_or_404(request) -> dict:
-    b = _store(request).get_batch(request.match_info["id"])
-    if b is None:
-        raise ApiError(404, f"No such batch: {request.match_info['id']}", param="batch_id", code="not_found")
-    return b
+    return _found(_store(request).get_batch(request.match_info["id"]), "batch", request.match_info["id"])
 
 
 async def get_batch(request):
