@@ -16,10 +16,23 @@ def main() -> None:
     off.add_argument("--devices", default="cpu:1")
     off.add_argument("--skip", nargs="*", default=[],
                      help="systems to skip: tandem hf_generate hf_cb vllm_bfloat16 vllm_float32")
+    on = sub.add_parser("online", help="a ShareGPT trace at several rates: SLO attainment and latencies")
+    on.add_argument("--systems", nargs="+", default=["tandem"], choices=["tandem", "vllm", "vllm-priority"])
+    on.add_argument("--rates", nargs="+", type=float, default=[1.0, 2.0])
+    on.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
+    on.add_argument("--drain", type=float, default=120.0, help="seconds to wait after the last arrival")
+    on.add_argument("--seed", type=int, default=0)
+    on.add_argument("--max-output", type=int, default=512, help="cap on a request's output tokens")
+    on.add_argument("--max-num-seqs", type=int, default=64)
+    on.add_argument("--ttft-factor", type=float, default=10.0, help="TTFT SLO = factor x unloaded TTFT")
+    on.add_argument("--tbt-factor", type=float, default=5.0, help="TBT SLO = factor x unloaded TBT")
     args = ap.parse_args()
     if args.cmd == "offline":
         from bench.offline import main as offline
         offline(args)
+    elif args.cmd == "online":
+        from bench.online import main as online
+        online(args)
 
 
 if __name__ == "__main__":

