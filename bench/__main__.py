@@ -26,10 +26,27 @@ def main() -> None:
     on.add_argument("--max-num-seqs", type=int, default=64)
     on.add_argument("--ttft-factor", type=float, default=10.0, help="TTFT SLO = factor x unloaded TTFT")
     on.add_argument("--tbt-factor", type=float, default=5.0, help="TBT SLO = factor x unloaded TBT")
+    pr = sub.add_parser("profile", help="fit the iteration cost model from our engine's measured steps")
+    pr.add_argument("--max-num-seqs", type=int, default=64)
+    sm = sub.add_parser("sim", help="simulated FCFS at paper scale (or with the fitted cost model)")
+    sm.add_argument("--preset", default="opt13b", choices=["opt13b", "fitted"])
+    sm.add_argument("--rates", nargs="+", type=float, default=[1, 2, 3, 4, 5, 6, 7, 8])
+    sm.add_argument("--num-requests", type=int, default=1000)
+    sm.add_argument("--kv-tokens", type=int, default=40000, help="pool size in tokens (fitted preset)")
+    sm.add_argument("--max-num-seqs", type=int, default=256)
+    sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--ttft-factor", type=float, default=10.0)
+    sm.add_argument("--tbt-factor", type=float, default=5.0)
+    sv = sub.add_parser("sim-validate", help="simulate the trace of the last `online` run and compare")
+    sv.add_argument("--max-num-seqs", type=int, default=64)
+    sv.add_argument("--max-output", type=int, default=512)
     args = ap.parse_args()
     if args.cmd == "offline":
         from bench.offline import main as offline
         offline(args)
+    elif args.cmd in ("profile", "sim", "sim-validate"):
+        from bench import sim_cli
+        {"profile": sim_cli.profile, "sim": sim_cli.sim, "sim-validate": sim_cli.sim_validate}[args.cmd](args)
     elif args.cmd == "online":
         from bench.online import main as online
         online(args)

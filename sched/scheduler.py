@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from cache import BlockPool, PoolGeometry
-from engine.messages import (CacheType, Command, DeviceError, NewRequest, SamplingSpec, ScheduledRequest,
-                             StepInput, StepOutput)
+from engine.messages import (CacheType, Command, DeviceError, NewRequest, Phase, SamplingSpec,
+                             ScheduledRequest, StepInput, StepOutput)
+from sched.cost_model import StepShape
 from sched.policy import Candidate, Limits, Plan, Snapshot, fcfs
 from sched.request import FinishReason, Request, RequestState, Status
 from sched.stops import check_stop
@@ -66,7 +67,8 @@ POLICIES = {"fcfs": fcfs}
 
 class Scheduler:
     def __init__(self, cfg: SchedConfig, devices: list[Device], eos_ids: tuple[int, ...],
-                 max_model_len: int, detokenize: Callable[[list[int]], str] | None = None):
+                 max_model_len: int, detokenize: Callable[[list[int]], str] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         if cfg.policy not in POLICIES:
             raise ValueError(f"policy: {cfg.policy!r} is not one of {sorted(POLICIES)}")
         self.cfg = cfg
@@ -80,6 +82,8 @@ class Scheduler:
         self._step_id = 0
         self._rng = random.Random()
         self.preemptions_by_class: Counter = Counter()
+        self.clock = clock                  # time.monotonic, or the simulator's virtual clock
+        self.step_log: list[tuple[StepShape, float]] | None = None   # set to a list to record steps
 
     # ---- intake --------------------------------------------------------------
     def add(self, req: Request) -> RequestState:
@@ -134,17 +138,18 @@ class Scheduler:
     def step(self) -> list[Update]:
         """Plan, run and account one iteration on every device with work."""
         self._step_id += 1
-        sent: dict[int, tuple[StepInput, Plan]] = {}
+        sent: dict[int, tuple[StepInput, Plan, StepShape]] = {}
+        t0 = self.clock()
         for d, q in enumerate(self.queues):
             if q.dead is not None:
                 continue
             plan = self.policy(self._snapshot(q))
-            inp = self._apply(d, q, plan)
+            inp, shape = self._apply(d, q, plan)
             if inp.scheduled or inp.finished_ids or inp.reset_ids or inp.new_requests:
                 self.devices[d].submit(inp)
-                sent[d] = (inp, plan)
+                sent[d] = (inp, plan, shape)
         updates: list[Update] = []
-        for d, (inp, plan) in sent.items():
+        for d, (inp, plan, shape) in sent.items():
             try:
                 out = self.devices[d].collect()
                 if out.error:
@@ -152,6 +157,8 @@ class Scheduler:
             except DeviceError as e:
                 updates.extend(self._fail_device(d, str(e)))
                 continue
+            if self.step_log is not None and inp.scheduled:
+                self.step_log.append((shape, self.clock() - t0))
             updates.extend(self._account(plan, out))
         return updates
 
@@ -166,8 +173,8 @@ class Scheduler:
                         q.pool.geometry.blocks_per_token_block(CacheType.KV),
                         Limits(c.max_num_seqs, c.max_num_batched_tokens, c.chunked_prefill))
 
-    def _apply(self, d: int, q: _DeviceQueues, plan: Plan) -> StepInput:
-        """Carry out the plan in the bookkeeping and describe it to the device."""
+    def _apply(self, d: int, q: _DeviceQueues, plan: Plan) -> tuple[StepInput, StepShape]:
+        """Carry out the plan in the bookkeeping; describe it to the device (and its cost shape)."""
         preempted = [self.states[r] for r in plan.preempted]
         for st in preempted:
             q.pool.free(st.req_id)
@@ -182,14 +189,17 @@ class Scheduler:
             q.waiting.appendleft(st.req_id)
         inp = StepInput(Command.STEP, self._step_id, q.new, [], q.reset_ids, q.finished_ids)
         q.new, q.reset_ids, q.finished_ids = [], [], []
+        shape = StepShape()
         for dec in plan.scheduled:
             st = self.states[dec.req_id]
             alloc = q.pool.grow(st.req_id, st.num_computed + dec.num_new_tokens, st.cache_type)
             if alloc is None:
                 raise AssertionError(f"policy over-committed blocks for {st.req_id}")
+            shape = shape.add(dec.num_new_tokens, st.num_computed + dec.num_new_tokens,
+                              dec.phase is Phase.DECODE)
             if st.status is Status.WAITING:
                 if st.first_scheduled_time is None:
-                    st.first_scheduled_time = time.monotonic()
+                    st.first_scheduled_time = self.clock()
                 q.waiting.remove(st.req_id)
                 bisect.insort(q.running, st.req_id, key=lambda r: self.states[r].request.arrival_time)
                 st.status = Status.RUNNING
@@ -198,7 +208,7 @@ class Scheduler:
                 st.sent_to_device = True
             inp.scheduled.append(ScheduledRequest(st.req_id, dec.phase, dec.num_new_tokens,
                                                   alloc.block_ids, alloc.directions, dec.sample))
-        return inp
+        return inp, shape
 
     def _new_request(self, st: RequestState) -> NewRequest:
         sp = st.request.sampling
@@ -209,7 +219,7 @@ class Scheduler:
                           st.cache_type, spec)
 
     def _account(self, plan: Plan, out: StepOutput) -> list[Update]:
-        now = time.monotonic()
+        now = self.clock()
         for dec in plan.scheduled:
             st = self.states[dec.req_id]
             if st.status is Status.RUNNING:

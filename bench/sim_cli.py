@@ -1,0 +1,131 @@
+"""python -m bench profile | sim | sim-validate."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from bench.metrics import attainment, meets_apt, meets_bros, summarize
+from bench.simulator import SimSetup, simulate
+from bench.workloads import sharegpt_trace
+from cache import PoolGeometry
+from sched.cost_model import OPT_13B_A100, OPT_13B_A100_KV_TOKENS, CostModel, StepShape
+from sched.scheduler import SchedConfig
+
+RESULTS = Path(__file__).parent / "results"
+COST_FILE = RESULTS / "cost_smollm2_cpu.json"
+
+
+def _tokenizer():
+    from engine.llm import DEFAULT_CACHE_DIR
+    from engine.models.loader import load_tokenizer, resolve_model
+    return load_tokenizer(resolve_model("smollm2", DEFAULT_CACHE_DIR))
+
+
+def profile(args) -> CostModel:
+    """Fit the cost model from our engine's measured steps (SmolLM2, cpu:1, fp32)."""
+    from bench.workloads import chat_ids, sharegpt_prompts
+    from engine import LLM, SamplingParams
+    RESULTS.mkdir(exist_ok=True)
+    with LLM("smollm2", "cpu:1", max_num_seqs=args.max_num_seqs) as llm:
+        prompts = [chat_ids(llm.tokenizer, p.prompt) for p in sharegpt_prompts(96, llm.tokenizer)]
+        llm.scheduler.step_log = log = []
+        for n, out in ((1, 48), (4, 48), (16, 48), (64, 40), (96, 24)):
+            llm.generate(prompts[:n], SamplingParams(max_tokens=out, temperature=0, ignore_eos=True))
+    cost = CostModel.fit(log)
+    err = cost.mean_abs_error(log)
+    COST_FILE.write_text(json.dumps({"cost": asdict(cost), "steps": len(log), "mean_abs_error": err}, indent=2))
+    print(f"fitted on {len(log)} steps, mean |error| {err:.1%}: {cost}\nwrote {COST_FILE}")
+    return cost
+
+
+def load_fitted() -> CostModel:
+    if not COST_FILE.is_file():
+        raise SystemExit(f"{COST_FILE} is missing: run `python -m bench profile` first")
+    return CostModel(**json.loads(COST_FILE.read_text())["cost"])
+
+
+def slos(cost: CostModel, ttft_factor: float, tbt_factor: float, prompt: int = 128, ctx: int = 192):
+    """Unloaded TTFT/TBT predicted by the cost model for a typical request, times the factors."""
+    ttft0 = cost.predict(StepShape().add(prompt, prompt, decode=False))
+    tbt0 = cost.predict(StepShape().add(1, ctx, decode=True))
+    return ttft0 * ttft_factor, tbt0 * tbt_factor, ttft0, tbt0
+
+
+def run_rates(trace_for, setup: SimSetup, rates, ttft_slo, tbt_slo) -> list[dict]:
+    rows = []
+    for rate in rates:
+        recs, makespan = simulate(trace_for(rate), setup)
+        rows.append({"rate": rate, "requests": len(recs), "makespan_s": makespan,
+                     "attain_apt": attainment(recs, lambda r: meets_apt(r, ttft_slo, tbt_slo)),
+                     "attain_bros": attainment(recs, lambda r: meets_bros(r, ttft_slo, tbt_slo)),
+                     "summary": summarize(recs, makespan)})
+        s = rows[-1]["summary"]["rt"]
+        print(f"  rate {rate:>5}: attainment {rows[-1]['attain_apt']:.0%} (TTFT & P99 TBT), "
+              f"{rows[-1]['attain_bros']:.0%} (TTFT & TPOT); TTFT p50 {s['ttft_s'][50]:.3f} s, "
+              f"p99 {s['ttft_s'][99]:.3f} s; TPOT p50 {s['tpot_s'][50] * 1e3:.1f} ms", flush=True)
+    return rows
+
+
+def sim(args) -> None:
+    """Paper-scale FCFS: OPT-13B-like cost model on one A100-40GB, ShareGPT arrivals."""
+    RESULTS.mkdir(exist_ok=True)
+    tok = _tokenizer()
+    cost = OPT_13B_A100 if args.preset == "opt13b" else load_fitted()
+    kv_tokens = OPT_13B_A100_KV_TOKENS if args.preset == "opt13b" else args.kv_tokens
+    setup = SimSetup(cost, PoolGeometry(2 * kv_tokens // 16, 16),
+                     SchedConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048), 2048)
+    ttft_slo, tbt_slo, ttft0, tbt0 = slos(cost, args.ttft_factor, args.tbt_factor)
+    print(f"cost model {args.preset}: {cost}\nSLOs: TTFT {ttft_slo:.3f} s (= {args.ttft_factor} x {ttft0:.3f}), "
+          f"TBT {tbt_slo:.3f} s (= {args.tbt_factor} x {tbt0:.3f}); {args.num_requests} ShareGPT requests per rate")
+    trace_for = lambda rate: sharegpt_trace(tok, rate, args.num_requests / rate, args.seed,  # noqa: E731
+                                            max_context=2048, max_output_tokens=1024)
+    rows = run_rates(trace_for, setup, args.rates, ttft_slo, tbt_slo)
+    out = RESULTS / f"sim_{args.preset}_fcfs.json"
+    out.write_text(json.dumps({"preset": args.preset, "cost": asdict(cost), "kv_tokens": kv_tokens,
+                               "slo": {"ttft_s": ttft_slo, "tbt_s": tbt_slo}, "rows": rows}, indent=2))
+    plot_attainment({"FCFS": rows}, RESULTS / f"sim_{args.preset}_attainment.png",
+                    f"{args.preset}: SLO attainment vs rate (simulated)")
+    print(f"wrote {out}")
+
+
+def sim_validate(args) -> None:
+    """Replay the trace of `bench online` (tandem rows) in the simulator with the fitted cost model."""
+    real = json.loads((RESULTS / "online.json").read_text())
+    tok = _tokenizer()
+    cost = load_fitted()
+    slo, tr = real["slo"], real["trace"]
+    from engine.llm import DEFAULT_KV_CACHE_BYTES
+    kv_tokens = DEFAULT_KV_CACHE_BYTES // (30 * 2 * 192 * 4)          # SmolLM2 fp32: K+V per token
+    setup = SimSetup(cost, PoolGeometry(2 * kv_tokens // 16, 16),
+                     SchedConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048), 8192)
+    print("| rate | real attainment (TTFT & P99 TBT) | simulated | real (TTFT & TPOT) | simulated |")
+    print("|---|---|---|---|---|")
+    rows = []
+    for r in [x for x in real["rows"] if x["system"] == "tandem"]:
+        trace = sharegpt_trace(tok, r["rate"], tr["duration_s"], tr["seed"], max_output_tokens=args.max_output)
+        recs, _ = simulate(trace, setup)
+        sa = attainment(recs, lambda x: meets_apt(x, slo["ttft_s"], slo["tbt_s"]))
+        sb = attainment(recs, lambda x: meets_bros(x, slo["ttft_s"], slo["tbt_s"]))
+        rows.append({"rate": r["rate"], "real_apt": r["attain_apt"], "sim_apt": sa,
+                     "real_bros": r["attain_bros"], "sim_bros": sb})
+        print(f"| {r['rate']} | {r['attain_apt']:.1%} | {sa:.1%} | {r['attain_bros']:.1%} | {sb:.1%} |")
+    (RESULTS / "sim_validate.json").write_text(json.dumps(rows, indent=2))
+
+
+def plot_attainment(curves: dict[str, list[dict]], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, rows in curves.items():
+        ax.plot([r["rate"] for r in rows], [100 * r["attain_apt"] for r in rows], marker="o", label=name)
+    ax.axhline(90, color="grey", linestyle="--", linewidth=1)
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("SLO attainment (%), TTFT & P99 TBT")
+    ax.set_title(title)
+    ax.set_ylim(0, 101)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,34 @@
+"""Cost model: the fit recovers known coefficients; shapes add up as defined."""
+import random
+
+import pytest
+
+from sched.cost_model import CostModel, StepShape
+
+
+def test_shape_accumulates():
+    s = StepShape().add(10, 10, decode=False).add(1, 50, decode=True).add(1, 70, decode=True)
+    assert s == StepShape(prefill_tokens=10, prefill_attn=100, decode_tokens=2, decode_ctx=120)
+
+
+def test_fit_recovers_coefficients_and_stays_non_negative():
+    true = CostModel(0.01, 2e-4, 1e-8, 5e-4, 3e-6)
+    rng = random.Random(0)
+    samples = []
+    for _ in range(200):
+        s = StepShape()
+        for _ in range(rng.randint(0, 3)):
+            n = rng.randint(1, 512)
+            s = s.add(n, n + rng.randint(0, 512), decode=False)
+        for _ in range(rng.randint(0, 64)):
+            s = s.add(1, rng.randint(1, 1024), decode=True)
+        samples.append((s, true.predict(s) * (1 + rng.uniform(-0.01, 0.01))))
+    fit = CostModel.fit(samples)
+    for a, b in zip((fit.base, fit.per_prefill_token, fit.per_decode_token, fit.per_decode_ctx),
+                    (true.base, true.per_prefill_token, true.per_decode_token, true.per_decode_ctx)):
+        assert a == pytest.approx(b, rel=0.1)
+    assert fit.mean_abs_error(samples) < 0.02
+    # a feature that only hurts the fit gets 0, not a negative coefficient
+    flat = [(StepShape(decode_tokens=d, decode_ctx=1000 - d), 0.05) for d in range(1, 60)]
+    assert min(CostModel.fit(flat).__getattribute__(f) for f in
+               ("base", "per_prefill_token", "per_prefill_attn", "per_decode_token", "per_decode_ctx")) >= 0
