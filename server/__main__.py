@@ -21,6 +21,8 @@ def parse_args(argv=None) -> ServerConfig:
                     help="required bearer key (default: $TANDEM_API_KEY; none = open)")
     ap.add_argument("--data-dir", default=d.data_dir)
     ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                    help="new tokens per iteration (smaller: shorter decode stalls behind prefills)")
     ap.add_argument("--policy", default=d.policy, choices=["fcfs"])
     ap.add_argument("--slo-ttft-ms", type=float, default=d.slo_ttft_ms)
     ap.add_argument("--slo-tbt-ms", type=float, default=d.slo_tbt_ms)
@@ -34,6 +36,7 @@ def parse_args(argv=None) -> ServerConfig:
     name = a.served_model_name or (a.model if a.model == "smollm2" else os.path.basename(a.model.rstrip("/")))
     return ServerConfig(model=a.model, served_model_name=name, devices=a.devices, host=a.host, port=a.port,
                         api_key=a.api_key, data_dir=a.data_dir, max_num_seqs=a.max_num_seqs,
+                        max_num_batched_tokens=a.max_num_batched_tokens,
                         policy=a.policy, slo_ttft_ms=a.slo_ttft_ms, slo_tbt_ms=a.slo_tbt_ms,
                         max_waiting=a.max_waiting, max_upload_bytes=int(a.max_upload_mb * 2**20), dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
                         watch_parent=a.watch_parent)
@@ -70,6 +73,7 @@ def main(argv=None) -> None:
 
     def build_engine() -> AsyncEngine:
         llm = LLM(cfg.model, cfg.devices, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
+                  max_num_batched_tokens=cfg.max_num_batched_tokens,
                   kv_cache_bytes=cfg.kv_cache_bytes, policy=cfg.policy)
         return AsyncEngine(llm)
 

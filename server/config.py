@@ -14,6 +14,7 @@ class ServerConfig:
     api_key: str | None = None
     data_dir: str = "./tandem-data"
     max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
     policy: str = "fcfs"
     slo_ttft_ms: float = 1000.0        # default RT time-to-first-token target
     slo_tbt_ms: float = 200.0          # default RT time-between-tokens target
