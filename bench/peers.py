@@ -79,3 +79,35 @@ def post_json(url: str, body: dict, timeout_s: float = 600) -> dict:
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         return json.loads(r.read())
+
+
+def llama_server_bin() -> Path | None:
+    b = PEERS_DIR / "llama.cpp" / "build" / "bin" / "llama-server"
+    return b if b.is_file() else None
+
+
+@contextlib.contextmanager
+def llama_server(gguf: Path, *, slots: int, ctx_per_slot: int, log_path: Path | None = None):
+    """llama.cpp's own server on the same GGUF, ``slots`` parallel sequences; yields its base URL."""
+    binary = llama_server_bin()
+    if binary is None:
+        raise FileNotFoundError(f"no llama-server under {PEERS_DIR} (run bench/setup_peers.sh llama.cpp)")
+    port = free_port()
+    threads = str(os.cpu_count() or 2)
+    cmd = [str(binary), "-m", str(gguf), "-a", "smollm2", "-t", threads, "-tb", threads,
+           "-c", str(slots * ctx_per_slot), "-np", str(slots), "-cb", "--no-cache-prompt",
+           "--cache-ram", "0", "--no-webui", "--host", "127.0.0.1", "--port", str(port)]
+    log = open(log_path or os.devnull, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 300, proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
