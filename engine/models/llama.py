@@ -10,7 +10,9 @@ from engine.models.spec import ModelSpec
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32 and cast back, as HF does."""
+    """RMSNorm computed in fp32 and cast back, as HF does (one fused op in fp32)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -36,11 +38,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def attn_in(h, in_norm, qkv_w, cos, sin, eps: float, nh: int, nkv: int, hd: int):
     """Pre-attention: RMSNorm, fused QKV projection, rotary embeddings. h: [T, d]."""
     x = rms_norm(h, in_norm, eps)
-    q, k, v = F.linear(x, qkv_w).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-    t = q.shape[0]
-    q = apply_rope(q.view(t, nh, hd), cos, sin).reshape(t, nh * hd)
-    k = apply_rope(k.view(t, nkv, hd), cos, sin).reshape(t, nkv * hd)
-    return q, k, v.contiguous()
+    qkv = F.linear(x, qkv_w)
+    t = qkv.shape[0]
+    qk = apply_rope(qkv[:, :(nh + nkv) * hd].view(t, nh + nkv, hd), cos, sin)   # Q and K heads at once
+    q, k = qk.reshape(t, -1).split([nh * hd, nkv * hd], dim=-1)
+    return q, k.contiguous(), qkv[:, (nh + nkv) * hd:].contiguous()
 
 
 def attn_out_mlp(h, a, o_w, post_norm, gate_up_w, down_w, eps: float):
