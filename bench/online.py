@@ -12,40 +12,26 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 from bench.client import run_trace
 from bench.metrics import attainment, effective_throughput, meets_apt, meets_bros, summarize
-from bench.peers import free_port, vllm_server, wait_http
+from bench.peers import free_port, serve, vllm_server
 from bench.workloads import TraceItem, chat_ids, sharegpt_trace
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@contextlib.contextmanager
 def tandem_server(model: str, max_num_seqs: int, extra: list[str] = ()):
+    """Our server (python -m server) on loopback, stopped with SIGTERM afterwards."""
     port = free_port()
-    log = open(RESULTS / "tandem-server.log", "w")
     cmd = [sys.executable, "-m", "server", "--model", model, "--port", str(port),
            "--max-num-seqs", str(max_num_seqs), "--data-dir", str(RESULTS / "tandem-data"),
            "--watch-parent", str(os.getpid()), *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", 600, proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    return serve(cmd, port, log_path=RESULTS / "tandem-server.log", cwd=ROOT)
 
 
 def start(system: str, hf_dir: Path, max_num_seqs: int):

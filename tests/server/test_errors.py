@@ -5,8 +5,6 @@ import urllib.request
 
 import pytest
 
-from tests.server.conftest import API_KEY
-
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]

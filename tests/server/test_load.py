@@ -24,7 +24,7 @@ async def stream_one(session, url, i):
     body = {"prompt": f"Story number {i}:", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True},
             "service_tier": "flex" if i % 4 == 0 else None}
-    tokens, usage, done = 0, None, False
+    usage, done = None, False
     async with session.post(url + "/v1/completions", json=body) as r:
         assert r.status == 200
         async for line in r.content:
