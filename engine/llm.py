@@ -99,14 +99,15 @@ class LLM:
         except BaseException:
             self.shutdown()
             raise
-        detok = self._detokenize if self.tokenizer is not None else None
+        detok = self.detokenize if self.tokenizer is not None else None
         self.scheduler = Scheduler(
             SchedConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, policy),
             self._workers, self.spec.eos_token_ids, self.max_model_len, detok)
         self._ids = itertools.count()
 
     # ---- prompts -------------------------------------------------------------
-    def _detokenize(self, ids: list[int]) -> str:
+    def detokenize(self, ids: list[int]) -> str:
+        """Generated ids to text, special tokens skipped."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def encode_prompt(self, prompt: Any) -> tuple[list[int], str | None]:
@@ -169,7 +170,7 @@ class LLM:
         return [self._output(st) for st in states]
 
     def _output(self, st: RequestState) -> RequestOutput:
-        text = self._detokenize(st.output_token_ids) if self.tokenizer is not None else ""
+        text = self.detokenize(st.output_token_ids) if self.tokenizer is not None else ""
         if st.stop_text_end is not None:
             text = text[:st.stop_text_end]
         return RequestOutput(st.req_id, st.request.prompt, st.request.prompt_token_ids,

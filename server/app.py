@@ -206,7 +206,7 @@ def choice_json(chat: bool, ch: Choice) -> dict:
 
 
 def new_choices(engine: AsyncEngine, p: Prepared) -> list[Choice]:
-    return [Choice(i, TextStream(engine.llm._detokenize, r.sampling.stop)) for i, r in enumerate(p.requests)]
+    return [Choice(i, TextStream(engine.llm.detokenize, r.sampling.stop)) for i, r in enumerate(p.requests)]
 
 
 async def complete(engine: AsyncEngine, st: AppState, p: Prepared, chat: bool) -> dict:
