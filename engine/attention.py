@@ -102,7 +102,8 @@ def _prefill(q, k, v, pool, seg: PrefillSegment, num_heads, num_kv_heads, head_d
         ctx = seg.k_ctx.shape[0]
         kh, vh = pool[:, seg.k_ctx], pool[:, seg.v_ctx]               # [Hkv, ctx, hd]
         # query i sits at position ctx-n+i and sees keys 0..ctx-n+i
-        mask, causal = torch.ones(n, ctx, dtype=torch.bool).tril(diagonal=ctx - n), False
+        mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(diagonal=ctx - n)
+        causal = False
     if group > 1:
         kh, vh = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
     o = F.scaled_dot_product_attention(qh, kh[None], vh[None], attn_mask=mask, is_causal=causal,
@@ -122,7 +123,7 @@ def decode_attention(qg: torch.Tensor, pool: torch.Tensor, k_rows: torch.Tensor,
     vv = pool[:, v_rows]
     qh = qg.transpose(0, 1)                                               # [Hkv, nd, g, hd]
     scores = torch.matmul(qh, kk.transpose(-1, -2)) * scale              # [Hkv, nd, g, L]
-    pad = torch.arange(k_rows.shape[1]) >= lens[:, None]                  # [nd, L]
+    pad = torch.arange(k_rows.shape[1], device=k_rows.device) >= lens[:, None]   # [nd, L]
     scores = scores.masked_fill(pad[:, None, :], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(qg.dtype)
     return torch.matmul(probs, vv).transpose(0, 1)                        # [nd, Hkv, g, hd]

@@ -41,6 +41,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, pool: torch.Tensor, block_size: int,
                  kernel: object | None = None):
         self.kernel = kernel             # compiled CPU decode attention, None = torch path
+        self.device = pool.device        # step metadata is built on the CPU and moved here once
         self.model = model
         self.spec = spec
         self.pool = pool                 # [layers, kv_heads, num_blocks * block_size, head_dim]
@@ -95,7 +96,7 @@ class ModelRunner:
         specs = [self.reqs[r].sampling for r in samplers]
         ngen = [len(self.reqs[r].token_ids) - self.reqs[r].num_prompt for r in samplers]
         with torch.inference_mode():
-            logits = self.model(ids, pos, self.pool, batch, rows)
+            logits = self.model(ids, pos, self.pool, batch, rows).cpu()   # samplers' generators are CPU
             t1 = time.perf_counter()
             tokens = sample(logits, specs, ngen)
         for s in inp.scheduled:
@@ -131,9 +132,13 @@ class ModelRunner:
             rows.append(row)
             samplers.append(s.req_id)
             row += 1
-        batch = AttnBatch(torch.cat(k_w), torch.cat(v_w), segs, decode_start, *dec, self.kernel)
-        return (torch.tensor(ids, dtype=torch.long), torch.cat(pos), batch,
-                torch.tensor(rows, dtype=torch.long), samplers)
+        dev = self.device
+        to = (lambda t: t if t is None or dev.type == "cpu" else t.to(dev, non_blocking=True))  # noqa: E731
+        segs = [PrefillSegment(g.start, g.end, to(g.k_ctx), to(g.v_ctx)) for g in segs]
+        batch = AttnBatch(to(torch.cat(k_w)), to(torch.cat(v_w)), segs, decode_start,
+                          *(to(t) for t in dec), self.kernel)
+        return (to(torch.tensor(ids, dtype=torch.long)), to(torch.cat(pos)), batch,
+                to(torch.tensor(rows, dtype=torch.long)), samplers)
 
     def _decode_meta(self, decodes, ids, pos, k_w, v_w):
         """Padded per-token K/V rows and context lengths of the decode requests."""
