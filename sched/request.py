@@ -53,9 +53,8 @@ class RequestState:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     stop_text_end: int | None = None   # char index where a stop string matched
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
+    first_scheduled_time: float | None = None   # for the queue-time metric
+    last_token_time: float | None = None        # arrival, then each token: pending time (SPEC §1.1, §2.1)
     error: str | None = None
 
     @property

@@ -230,7 +230,6 @@ class Scheduler:
             if st.status is not Status.RUNNING:
                 continue
             st.output_token_ids.append(tok)
-            st.first_token_time = st.first_token_time or now
             st.last_token_time = now
             reason = check_stop(st, self.eos_ids, self.max_model_len, self.detokenize)
             if reason is not None:
