@@ -15,9 +15,9 @@ def main() -> None:
     off.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     off.add_argument("--devices", default="cpu:1")
     off.add_argument("--skip", nargs="*", default=[],
-                     help="systems to skip: tandem hf_generate hf_cb vllm_bfloat16 vllm_float32 llamacpp")
+                     help="systems to skip: tandem hf_generate hf_cb vllm_bfloat16 vllm_float32 llamacpp transformers")
     on = sub.add_parser("online", help="a ShareGPT trace at several rates: SLO attainment and latencies")
-    on.add_argument("--systems", nargs="+", default=["tandem"], choices=["tandem", "vllm", "vllm-priority", "llamacpp"])
+    on.add_argument("--systems", nargs="+", default=["tandem"], choices=["tandem", "vllm", "vllm-priority", "llamacpp", "transformers"])
     on.add_argument("--rates", nargs="+", type=float, default=[1.0, 2.0])
     on.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
     on.add_argument("--drain", type=float, default=120.0, help="seconds to wait after the last arrival")

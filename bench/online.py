@@ -19,7 +19,7 @@ from pathlib import Path
 from bench.client import run_trace
 from bench.metrics import attainment, effective_throughput, meets_apt, meets_bros, summarize
 from bench.peers import free_port, serve, vllm_server
-from bench.workloads import TraceItem, chat_ids, sharegpt_trace
+from bench.workloads import TraceItem, chat_text, sharegpt_trace
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,6 +45,9 @@ def start(system: str, hf_dir: Path, max_num_seqs: int):
         from engine.models.loader import packaged_smollm2
         return llama_server(packaged_smollm2(), slots=16, ctx_per_slot=2048,
                             log_path=RESULTS / "llamacpp-online.log")
+    if system == "transformers":
+        from bench.peers import transformers_server
+        return transformers_server(hf_dir, log_path=RESULTS / "transformers-online.log")
     if system == "vllm-priority":
         return vllm_server(hf_dir, dtype="float32", max_num_seqs=max_num_seqs,
                            extra=["--scheduling-policy", "priority"], log_path=RESULTS / "vllm-online.log")
@@ -53,8 +56,8 @@ def start(system: str, hf_dir: Path, max_num_seqs: int):
 
 def calibrate(url: str, tokenizer, n: int = 5) -> tuple[float, float]:
     """Unloaded median TTFT and median TBT of n sequential 64-token requests."""
-    ids = chat_ids(tokenizer, "Write a short paragraph about the history of tea in three sentences.")
-    items = [TraceItem(0.0, ids, 64, "rt")]
+    text = chat_text(tokenizer, "Write a short paragraph about the history of tea in three sentences.")
+    items = [TraceItem(0.0, tokenizer(text, add_special_tokens=False)["input_ids"], 64, "rt", text)]
     ttfts, gaps = [], []
     for _ in range(n):
         recs, _ = asyncio.run(run_trace(url, "smollm2", items, "tandem", progress=False))

@@ -104,3 +104,32 @@ def llama_server(gguf: Path, *, slots: int, ctx_per_slot: int, log_path: Path | 
            "-c", str(slots * ctx_per_slot), "-np", str(slots), "-cb", "--no-cache-prompt",
            "--cache-ram", "0", "--no-webui", "--host", "127.0.0.1", "--port", str(port)]
     return serve(cmd, port, log_path=log_path, start_timeout_s=300)
+
+
+def transformers_cli() -> Path | None:
+    b = PEERS_DIR / "transformers" / "bin" / "transformers"
+    return b if b.is_file() else None
+
+
+def transformers_server(hf_dir: Path, *, log_path: Path | None = None):
+    """`transformers serve --continuous-batching` with the model preloaded; yields its base URL.
+
+    It takes text prompts only and has no ``ignore_eos``: the client sends the chat-templated
+    text and a ``generation_config`` with an EOS id that never occurs (see bench/client.py).
+    """
+    binary = transformers_cli()
+    if binary is None:
+        raise FileNotFoundError(f"no transformers venv under {PEERS_DIR} (run bench/setup_peers.sh transformers)")
+    # it serves the model under the name it was given: a link named like every other server's model
+    models = PEERS_DIR / "transformers" / "models"
+    models.mkdir(exist_ok=True)
+    link = models / "smollm2"
+    if link.is_symlink() and link.resolve() != Path(hf_dir).resolve():
+        link.unlink()
+    if not link.is_symlink():
+        link.symlink_to(Path(hf_dir).resolve(), target_is_directory=True)
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(os.cpu_count() or 2))
+    cmd = [str(binary), "serve", "smollm2", "--continuous-batching", "--device", "cpu",
+           "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    return serve(cmd, port, env=env, log_path=log_path, start_timeout_s=300, cwd=models)

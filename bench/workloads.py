@@ -77,10 +77,13 @@ def sharegpt_prompts(n: int, tokenizer, *, max_prompt_tokens: int = 1024, min_pr
     return out
 
 
-def chat_ids(tokenizer, text: str) -> list[int]:
+def chat_text(tokenizer, text: str) -> str:
     msgs = [{"role": "user", "content": text}]
-    t = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(t, add_special_tokens=False)["input_ids"])
+    return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(chat_text(tokenizer, text), add_special_tokens=False)["input_ids"])
 
 
 # ---- traces ------------------------------------------------------------------------
@@ -90,6 +93,7 @@ class TraceItem:
     prompt_ids: list[int]
     max_tokens: int             # output length to force (EOS ignored)
     service_class: str          # "rt" | "be"
+    prompt_text: str = ""       # the same prompt as text, for servers that take only strings
 
 
 def arrivals(rate: float, n: int, seed: int, cv: float = 1.0) -> list[float]:
@@ -113,10 +117,11 @@ def sharegpt_trace(tokenizer, rate: float, duration_s: float, seed: int, *, max_
                              held_out=held_out)
     items = []
     for t, p in zip(arrivals(rate, n, seed, cv), pairs):
-        ids = chat_ids(tokenizer, p.prompt)
+        text = chat_text(tokenizer, p.prompt)
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         out = len(tokenizer(p.reply, add_special_tokens=False)["input_ids"])
         out = max(1, min(out, max_output_tokens, max_context - len(ids)))
-        items.append(TraceItem(t, ids, out, service_class))
+        items.append(TraceItem(t, ids, out, service_class, text))
     return items
 
 

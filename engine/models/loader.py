@@ -56,6 +56,7 @@ def convert_gguf(path: Path, cache_dir: Path) -> Path:
     key = _content_key(path)
     out = cache_dir / f"{path.stem}-{key}"
     if (out / "model.safetensors").is_file():
+        _name_architecture(out)
         return out
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -67,6 +68,7 @@ def convert_gguf(path: Path, cache_dir: Path) -> Path:
         cfg = hf.config
         if hasattr(cfg, "quantization_config"):
             del cfg.quantization_config
+        cfg.architectures = [type(hf).__name__]     # GGUF configs lack it; other loaders need it
         sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
         if getattr(cfg, "tie_word_embeddings", False):
             sd.pop("lm_head.weight", None)
@@ -82,6 +84,16 @@ def convert_gguf(path: Path, cache_dir: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _name_architecture(hf_dir: Path) -> None:
+    """Add `architectures` to a directory converted before it was written (transformers serve needs it)."""
+    p = hf_dir / "config.json"
+    cfg = json.loads(p.read_text())
+    arch = {"llama": "LlamaForCausalLM", "opt": "OPTForCausalLM"}.get(cfg.get("model_type"))
+    if not cfg.get("architectures") and arch:
+        cfg["architectures"] = [arch]
+        p.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def _content_key(path: Path) -> str:

@@ -1,0 +1,51 @@
+"""The bench's mixed-trace client against the real server: RT online, BE as Batch API jobs or online."""
+from __future__ import annotations
+
+import asyncio
+import re
+import urllib.request
+
+from bench.mixed import run_mixed
+from bench.workloads import TraceItem
+from tests.server.conftest import API_KEY
+
+
+def rt_items(n: int, spread_s: float) -> list[TraceItem]:
+    return [TraceItem(spread_s * i / max(1, n - 1), [5 + i, 17, 33, 99], 12, "rt") for i in range(n)]
+
+
+def be_items(n: int) -> list[TraceItem]:
+    return [TraceItem(0.0, list(range(40, 70 + i)), 7, "be") for i in range(n)]
+
+
+def be_tokens_served(server) -> float:
+    """BE generation tokens as the server's own /metrics counts them (independent of the client)."""
+    req = urllib.request.Request(server.url + "/metrics", headers=server.headers())
+    text = urllib.request.urlopen(req).read().decode()
+    m = re.search(r'^vllm:generation_tokens_total\{[^}]*service_class="be"[^}]*\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_rt_with_batch_jobs(server):
+    before = be_tokens_served(server)
+    recs, be = asyncio.run(run_mixed(server.url, server.model, rt_items(4, 3.0), be_items(6), "tandem",
+                                     be_mode="batches", job_size=3, drain_s=60, api_key=API_KEY))
+    assert all(r.ok for r in recs), [r.error for r in recs]
+    assert [r.output_tokens for r in recs] == [12] * 4          # ignore_eos + max_tokens honoured
+    assert be.window_s >= 3.0
+    assert be.jobs and all(j.status in ("completed", "cancelled") for j in be.jobs)
+    assert all(j.status == "completed" for j in be.jobs[:-1])   # only the one running at the end is cut
+    assert be.completed >= 3                                     # at least one whole job inside the window
+    assert be.output_tokens == 7 * be.completed                  # each BE line made exactly 7 tokens
+    # every token the client counts, the server generated as BE (it may have made more: aborted lines)
+    assert be_tokens_served(server) - before >= be.output_tokens
+    s = be.summary()
+    assert s["tokens_per_s"] == be.output_tokens / be.window_s
+
+
+def test_rt_with_online_be(server):
+    recs, be = asyncio.run(run_mixed(server.url, server.model, rt_items(3, 1.0), be_items(4), "tandem",
+                                     be_mode="online", be_concurrency=2, drain_s=60, api_key=API_KEY))
+    assert all(r.ok for r in recs)
+    assert be.records and all(r.ok and r.service_class == "be" and r.output_tokens == 7 for r in be.records)
+    assert be.output_tokens == 7 * be.completed
