@@ -17,15 +17,27 @@ def main() -> None:
     off.add_argument("--skip", nargs="*", default=[],
                      help="systems to skip: tandem hf_generate hf_cb vllm_bfloat16 vllm_float32 llamacpp transformers")
     on = sub.add_parser("online", help="a ShareGPT trace at several rates: SLO attainment and latencies")
-    on.add_argument("--systems", nargs="+", default=["tandem"], choices=["tandem", "vllm", "vllm-priority", "llamacpp", "transformers"])
-    on.add_argument("--rates", nargs="+", type=float, default=[1.0, 2.0])
-    on.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
-    on.add_argument("--drain", type=float, default=120.0, help="seconds to wait after the last arrival")
-    on.add_argument("--seed", type=int, default=0)
-    on.add_argument("--max-output", type=int, default=512, help="cap on a request's output tokens")
-    on.add_argument("--max-num-seqs", type=int, default=64)
-    on.add_argument("--ttft-factor", type=float, default=10.0, help="TTFT SLO = factor x unloaded TTFT")
-    on.add_argument("--tbt-factor", type=float, default=5.0, help="TBT SLO = factor x unloaded TBT")
+    mx = sub.add_parser("mixed", help="RT ShareGPT online while BE work (batch jobs) is always pending")
+    for p in (on, mx):
+        p.add_argument("--systems", nargs="+", default=["tandem"],
+                       help="tandem (FCFS), tandem-<policy>, vllm, vllm-priority, llamacpp, transformers")
+        p.add_argument("--rates", nargs="+", type=float, default=[1.0, 2.0])
+        p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
+        p.add_argument("--drain", type=float, default=120.0, help="seconds to wait after the last arrival")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--max-output", type=int, default=512, help="cap on a request's output tokens")
+        p.add_argument("--max-num-seqs", type=int, default=64)
+        p.add_argument("--ttft-factor", type=float, default=10.0, help="TTFT SLO = factor x unloaded TTFT")
+        p.add_argument("--tbt-factor", type=float, default=5.0, help="TBT SLO = factor x unloaded TBT")
+        p.add_argument("--slo-ttft-ms", type=float, default=None, help="fix the SLOs instead of calibrating")
+        p.add_argument("--slo-tbt-ms", type=float, default=None)
+        p.add_argument("--out", default=f"{p.prog.split()[-1]}.json", help="result file under bench/results")
+    mx.add_argument("--be-mode", default="auto", choices=["auto", "batches", "online"],
+                    help="auto: Batch API jobs for tandem*, online low-priority requests for the others")
+    mx.add_argument("--be-job-size", type=int, default=16, help="requests per batch job")
+    mx.add_argument("--be-concurrency", type=int, default=16, help="BE requests outstanding (online mode)")
+    mx.add_argument("--be-scale", type=float, default=1.0, help="scale of BROS's 512-1024 in / 32-128 out")
+    mx.add_argument("--be-pool", type=int, default=256, help="distinct BE requests, cycled")
     on.add_argument("--search", nargs=2, type=float, metavar=("LO", "HI"), default=None,
                     help="also search the effective throughput (90%% attainment) between these rates")
     on.add_argument("--search-metric", default="bros", choices=["apt", "bros"])
@@ -53,6 +65,9 @@ def main() -> None:
     elif args.cmd == "online":
         from bench.online import main as online
         online(args)
+    elif args.cmd == "mixed":
+        from bench.online import mixed
+        mixed(args)
 
 
 if __name__ == "__main__":

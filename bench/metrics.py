@@ -53,6 +53,13 @@ class RequestRecord:
         return self.latency / n if self.latency is not None and n else None
 
 
+def record_dict(r: RequestRecord) -> dict:
+    """A record as JSON-ready numbers (times relative to its arrival, ms precision for gaps)."""
+    return {"cls": r.service_class, "error": r.error, "output_tokens": r.output_tokens,
+            "ttft": r.ttft, "tpot": r.tpot, "latency": r.latency,
+            "gaps": [round(g, 5) for g in r.gaps]}
+
+
 def percentile(values: Iterable[float], q: float) -> float:
     """q-th percentile (0..100), linear interpolation between order statistics (numpy's default)."""
     xs = sorted(values)

@@ -9,7 +9,6 @@ throughput.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import statistics
@@ -17,7 +16,8 @@ import sys
 from pathlib import Path
 
 from bench.client import run_trace
-from bench.metrics import attainment, effective_throughput, meets_apt, meets_bros, summarize
+from bench import plots
+from bench.metrics import attainment, effective_throughput, meets_apt, meets_bros, record_dict, summarize
 from bench.peers import free_port, serve, vllm_server
 from bench.workloads import TraceItem, chat_text, sharegpt_trace
 
@@ -35,11 +35,14 @@ def tandem_server(model: str, max_num_seqs: int, extra: list[str] = ()):
 
 
 def start(system: str, hf_dir: Path, max_num_seqs: int):
-    if system == "tandem":
-        return tandem_server("smollm2", max_num_seqs)
-    if system == "vllm":
-        return vllm_server(hf_dir, dtype="float32", max_num_seqs=max_num_seqs,
-                           log_path=RESULTS / "vllm-online.log")
+    """Start ``system`` on loopback; a context yielding its URL. ``tandem-<policy>`` picks our policy."""
+    if system == "tandem" or system.startswith("tandem-"):
+        policy = system.partition("-")[2] or "fcfs"
+        return tandem_server("smollm2", max_num_seqs, ["--policy", policy])
+    if system in ("vllm", "vllm-priority"):
+        extra = ["--scheduling-policy", "priority"] if system == "vllm-priority" else []
+        return vllm_server(hf_dir, dtype="float32", max_num_seqs=max_num_seqs, extra=extra,
+                           log_path=RESULTS / f"{system}-online.log")
     if system == "llamacpp":
         from bench.peers import llama_server
         from engine.models.loader import packaged_smollm2
@@ -48,9 +51,6 @@ def start(system: str, hf_dir: Path, max_num_seqs: int):
     if system == "transformers":
         from bench.peers import transformers_server
         return transformers_server(hf_dir, log_path=RESULTS / "transformers-online.log")
-    if system == "vllm-priority":
-        return vllm_server(hf_dir, dtype="float32", max_num_seqs=max_num_seqs,
-                           extra=["--scheduling-policy", "priority"], log_path=RESULTS / "vllm-online.log")
     raise ValueError(f"unknown system {system!r}")
 
 
@@ -68,37 +68,54 @@ def calibrate(url: str, tokenizer, n: int = 5) -> tuple[float, float]:
     return statistics.median(ttfts), statistics.median(gaps)
 
 
-def main(args) -> None:
+def slo_for(args, hf_dir: Path, tok) -> dict:
+    """SLOs: given in ms on the command line, or factors x our engine's unloaded TTFT/TBT."""
+    if args.slo_ttft_ms and args.slo_tbt_ms:
+        slo = {"ttft_s": args.slo_ttft_ms / 1e3, "tbt_s": args.slo_tbt_ms / 1e3, "source": "given"}
+    else:
+        with start("tandem", hf_dir, args.max_num_seqs) as url:
+            ttft0, tbt0 = calibrate(url, tok)
+        slo = {"ttft_s": ttft0 * args.ttft_factor, "tbt_s": tbt0 * args.tbt_factor, "source": "calibrated",
+               "unloaded_ttft_s": ttft0, "unloaded_tbt_s": tbt0,
+               "ttft_factor": args.ttft_factor, "tbt_factor": args.tbt_factor}
+    how = (f" (= {args.ttft_factor} x unloaded {slo['unloaded_ttft_s'] * 1e3:.0f} ms, {args.tbt_factor} x "
+           f"unloaded {slo['unloaded_tbt_s'] * 1e3:.1f} ms)" if slo["source"] == "calibrated" else " (given)")
+    print(f"SLOs: TTFT {slo['ttft_s'] * 1e3:.0f} ms, TBT {slo['tbt_s'] * 1e3:.0f} ms{how}", flush=True)
+    return slo
+
+
+def judge(system: str, rate: float, recs, duration: float, slo: dict) -> dict:
+    """One result row: attainment both ways (over RT requests), summary, raw records."""
+    rt = [r for r in recs if r.service_class == "rt"]
+    return {"system": system, "rate": rate, "requests": len(rt), "duration_s": duration,
+            "attain_apt": attainment(rt, lambda r: meets_apt(r, slo["ttft_s"], slo["tbt_s"])),
+            "attain_bros": attainment(rt, lambda r: meets_bros(r, slo["ttft_s"], slo["tbt_s"])),
+            "summary": summarize(recs, duration), "records": [record_dict(r) for r in recs]}
+
+
+def _setup(args):
     from engine.llm import DEFAULT_CACHE_DIR
     from engine.models.loader import load_tokenizer, resolve_model
     RESULTS.mkdir(exist_ok=True)
     hf_dir = resolve_model("smollm2", DEFAULT_CACHE_DIR)
-    tok = load_tokenizer(hf_dir)
-    traces = {rate: sharegpt_trace(tok, rate, args.duration, args.seed, max_output_tokens=args.max_output)
-              for rate in args.rates}
-    slo = None
+    return hf_dir, load_tokenizer(hf_dir)
+
+
+def main(args) -> None:
+    hf_dir, tok = _setup(args)
+    traces = {}
+
+    def trace(rate: float):
+        if rate not in traces:
+            traces[rate] = sharegpt_trace(tok, rate, args.duration, args.seed, max_output_tokens=args.max_output)
+        return traces[rate]
+    slo = slo_for(args, hf_dir, tok)
     rows, searches = [], []
     for system in args.systems:
         with start(system, hf_dir, args.max_num_seqs) as url:
-            if slo is None:
-                with start("tandem", hf_dir, args.max_num_seqs) if system != "tandem" else \
-                        contextlib.nullcontext(url) as cal_url:
-                    ttft0, tbt0 = calibrate(cal_url, tok)
-                slo = {"ttft_s": ttft0 * args.ttft_factor, "tbt_s": tbt0 * args.tbt_factor,
-                       "unloaded_ttft_s": ttft0, "unloaded_tbt_s": tbt0,
-                       "ttft_factor": args.ttft_factor, "tbt_factor": args.tbt_factor}
-                print(f"SLOs: TTFT {slo['ttft_s'] * 1e3:.0f} ms (= {args.ttft_factor} x unloaded "
-                      f"{ttft0 * 1e3:.0f} ms), TBT {slo['tbt_s'] * 1e3:.0f} ms (= {args.tbt_factor} x "
-                      f"unloaded {tbt0 * 1e3:.1f} ms)", flush=True)
             def run_at(rate: float) -> dict:
-                if rate not in traces:
-                    traces[rate] = sharegpt_trace(tok, rate, args.duration, args.seed,
-                                                  max_output_tokens=args.max_output)
-                recs, dur = asyncio.run(run_trace(url, "smollm2", traces[rate], system, drain_s=args.drain))
-                row = {"system": system, "rate": rate, "requests": len(recs), "duration_s": dur,
-                       "attain_apt": attainment(recs, lambda r: meets_apt(r, slo["ttft_s"], slo["tbt_s"])),
-                       "attain_bros": attainment(recs, lambda r: meets_bros(r, slo["ttft_s"], slo["tbt_s"])),
-                       "summary": summarize(recs, dur)}
+                recs, dur = asyncio.run(run_trace(url, "smollm2", trace(rate), system, drain_s=args.drain))
+                row = judge(system, rate, recs, dur, slo)
                 print_row(row, flush=True)
                 return row
             for rate in args.rates:
@@ -110,12 +127,53 @@ def main(args) -> None:
                                  "effective_rps": eff, "probes": probes})
                 print(f"  {system}: effective throughput {eff:.2f} req/s (90% attainment, "
                       f"{args.search_metric})", flush=True)
-    out = RESULTS / "online.json"
+    out = RESULTS / args.out
     out.write_text(json.dumps({"slo": slo, "trace": {"dataset": "sharegpt", "seed": args.seed,
                                                      "duration_s": args.duration, "rates": args.rates},
                                "rows": rows, "effective_throughput": searches}, indent=2))
+    stem = out.stem
+    listed = [r for r in rows if r["rate"] in args.rates]
+    plots.attainment_vs_rate(listed, RESULTS / f"{stem}_attainment.png", "ShareGPT, SmolLM2, this CPU")
+    for rate in args.rates:
+        plots.latency_cdfs([r for r in listed if r["rate"] == rate], RESULTS / f"{stem}_cdf_{rate:g}.png",
+                           f"RT latency CDFs at {rate:g} req/s")
+    print_table(listed)
+    for e in searches:
+        print(f"effective throughput {e['system']}: {e['effective_rps']:.2f} req/s ({e['metric']})")
+    print(f"wrote {out} and {stem}_*.png")
+
+
+def mixed(args) -> None:
+    """RT ShareGPT online at each rate while BE work is always pending (Batch API jobs or online)."""
+    from bench.mixed import run_mixed
+    from bench.workloads import synthetic_be
+    hf_dir, tok = _setup(args)
+    slo = slo_for(args, hf_dir, tok)
+    be_items = synthetic_be(args.be_pool, args.seed + 1, len(tok), scale=args.be_scale, tokenizer=tok)
+    rows = []
+    for system in args.systems:
+        mode = args.be_mode if args.be_mode != "auto" else ("batches" if system.startswith("tandem") else "online")
+        with start(system, hf_dir, args.max_num_seqs) as url:
+            for rate in args.rates:
+                rt = sharegpt_trace(tok, rate, args.duration, args.seed, max_output_tokens=args.max_output)
+                recs, be = asyncio.run(run_mixed(url, "smollm2", rt, be_items, system, be_mode=mode,
+                                                 job_size=args.be_job_size, be_concurrency=args.be_concurrency,
+                                                 drain_s=args.drain))
+                row = judge(system, rate, recs, be.window_s, slo) | {"be": be.summary()}
+                print_row(row, flush=True)
+                rows.append(row)
+    out = RESULTS / args.out
+    out.write_text(json.dumps({"slo": slo, "be": {"mode": args.be_mode, "job_size": args.be_job_size,
+                                                  "concurrency": args.be_concurrency, "scale": args.be_scale},
+                               "rows": rows}, indent=2))
+    stem = out.stem
+    plots.attainment_vs_rate(rows, RESULTS / f"{stem}_attainment.png", "RT attainment with BE always pending")
+    plots.rt_latency_vs_be_throughput(rows, RESULTS / f"{stem}_rt_vs_be.png", "RT latency vs BE throughput")
+    for rate in args.rates:
+        plots.latency_cdfs([r for r in rows if r["rate"] == rate], RESULTS / f"{stem}_cdf_{rate:g}.png",
+                           f"RT latency CDFs at {rate:g} req/s, BE pending")
     print_table(rows)
-    print(f"wrote {out}")
+    print(f"wrote {out} and {stem}_*.png")
 
 
 def _ms(d: dict, p: int) -> str:
@@ -127,16 +185,22 @@ def print_row(r: dict, flush=False) -> None:
     s = r["summary"].get("rt", {})
     print(f"  {r['system']} @ {r['rate']} req/s: attainment apt {r['attain_apt']:.0%} bros "
           f"{r['attain_bros']:.0%}, TTFT p50/p99 {_ms(s.get('ttft_s', {}), 50)}/{_ms(s.get('ttft_s', {}), 99)} ms, "
-          f"TPOT p50 {_ms(s.get('tpot_s', {}), 50)} ms, failed {s.get('failed', 0)}", flush=flush)
+          f"TPOT p50 {_ms(s.get('tpot_s', {}), 50)} ms, failed {s.get('failed', 0)}{_be(r)}", flush=flush)
+
+
+def _be(r: dict) -> str:
+    be = r.get("be")
+    return f"; BE {be['tokens_per_s']:.0f} tok/s ({be['completed']} req)" if be else ""
 
 
 def print_table(rows: list[dict]) -> None:
     print("\n| system | rate (req/s) | SLO attainment (TTFT & P99 TBT) | (TTFT & TPOT) | TTFT p50 / p99 ms "
-          "| TBT p50 / p99 ms | TPOT p50 ms | norm. latency p50 ms/tok | tok/s | failed |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| TBT p50 / p99 ms | TPOT p50 ms | norm. latency p50 ms/tok | RT tok/s | failed | BE tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         s = r["summary"].get("rt", {})
+        be = f"{r['be']['tokens_per_s']:.0f}" if "be" in r else "-"
         print(f"| {r['system']} | {r['rate']} | {r['attain_apt']:.0%} | {r['attain_bros']:.0%} | "
               f"{_ms(s.get('ttft_s', {}), 50)} / {_ms(s.get('ttft_s', {}), 99)} | "
               f"{_ms(s.get('tbt_s', {}), 50)} / {_ms(s.get('tbt_s', {}), 99)} | {_ms(s.get('tpot_s', {}), 50)} | "
-              f"{_ms(s.get('normalized_latency_s', {}), 50)} | {s.get('tokens_per_s', 0):.0f} | {s.get('failed', 0)} |")
+              f"{_ms(s.get('normalized_latency_s', {}), 50)} | {s.get('tokens_per_s', 0):.0f} | {s.get('failed', 0)} | {be} |")

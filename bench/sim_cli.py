@@ -86,8 +86,9 @@ def sim(args) -> None:
     out = RESULTS / f"sim_{args.preset}_fcfs.json"
     out.write_text(json.dumps({"preset": args.preset, "cost": asdict(cost), "kv_tokens": kv_tokens,
                                "slo": {"ttft_s": ttft_slo, "tbt_s": tbt_slo}, "rows": rows}, indent=2))
-    plot_attainment({"FCFS": rows}, RESULTS / f"sim_{args.preset}_attainment.png",
-                    f"{args.preset}: SLO attainment vs rate (simulated)")
+    from bench.plots import attainment_vs_rate
+    attainment_vs_rate([r | {"system": "FCFS"} for r in rows], RESULTS / f"sim_{args.preset}_attainment.png",
+                       f"{args.preset}: SLO attainment vs rate (simulated)")
     print(f"wrote {out}")
 
 
@@ -113,21 +114,3 @@ def sim_validate(args) -> None:
                      "real_bros": r["attain_bros"], "sim_bros": sb})
         print(f"| {r['rate']} | {r['attain_apt']:.1%} | {sa:.1%} | {r['attain_bros']:.1%} | {sb:.1%} |")
     (RESULTS / "sim_validate.json").write_text(json.dumps(rows, indent=2))
-
-
-def plot_attainment(curves: dict[str, list[dict]], path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, rows in curves.items():
-        ax.plot([r["rate"] for r in rows], [100 * r["attain_apt"] for r in rows], marker="o", label=name)
-    ax.axhline(90, color="grey", linestyle="--", linewidth=1)
-    ax.set_xlabel("request rate (req/s)")
-    ax.set_ylabel("SLO attainment (%), TTFT & P99 TBT")
-    ax.set_title(title)
-    ax.set_ylim(0, 101)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

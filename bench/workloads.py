@@ -126,14 +126,22 @@ def sharegpt_trace(tokenizer, rate: float, duration_s: float, seed: int, *, max_
 
 
 def synthetic_be(n: int, seed: int, vocab_size: int, *, prompt_range=(512, 1024),
-                 output_range=(32, 128), scale: float = 1.0) -> list[TraceItem]:
-    """BROS-style best-effort jobs: uniform input and output lengths (scaled to the model's context)."""
+                 output_range=(32, 128), scale: float = 1.0, tokenizer=None) -> list[TraceItem]:
+    """BROS-style best-effort jobs: uniform input and output lengths (scaled to the model's context).
+
+    Prompts are random token ids; with a tokenizer they also carry their decoded text (for
+    servers that take only strings, where the re-tokenized length may differ slightly).
+    """
     import random
     rng = random.Random(seed)
     lo_p, hi_p = (max(1, int(x * scale)) for x in prompt_range)
     lo_o, hi_o = (max(1, int(x * scale)) for x in output_range)
-    return [TraceItem(0.0, [rng.randrange(3, vocab_size) for _ in range(rng.randint(lo_p, hi_p))],
-                      rng.randint(lo_o, hi_o), "be") for _ in range(n)]
+    items = []
+    for _ in range(n):
+        ids = [rng.randrange(3, vocab_size) for _ in range(rng.randint(lo_p, hi_p))]
+        text = tokenizer.decode(ids) if tokenizer is not None else ""
+        items.append(TraceItem(0.0, ids, rng.randint(lo_o, hi_o), "be", text))
+    return items
 
 
 def humaneval_prompts() -> list[str]:
