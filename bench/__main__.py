@@ -41,6 +41,12 @@ def main() -> None:
     on.add_argument("--search", nargs=2, type=float, metavar=("LO", "HI"), default=None,
                     help="also search the effective throughput (90%% attainment) between these rates")
     on.add_argument("--search-metric", default="bros", choices=["apt", "bros"])
+    tb = sub.add_parser("table", help="the whole peers table: offline + online + effective throughput")
+    tb.add_argument("--rates", nargs=2, type=float, default=[1.0, 2.0])
+    tb.add_argument("--duration", type=float, default=30.0)
+    tb.add_argument("--drain", type=float, default=90.0)
+    tb.add_argument("--search", nargs=2, type=float, default=[0.25, 3.0], metavar=("LO", "HI"))
+    tb.add_argument("--skip-offline", action="store_true", help="reuse results/offline.json")
     pr = sub.add_parser("profile", help="fit the iteration cost model from our engine's measured steps")
     pr.add_argument("--max-num-seqs", type=int, default=64)
     sm = sub.add_parser("sim", help="simulated FCFS at paper scale (or with the fitted cost model)")
@@ -55,6 +61,7 @@ def main() -> None:
     sv = sub.add_parser("sim-validate", help="simulate the trace of the last `online` run and compare")
     sv.add_argument("--max-num-seqs", type=int, default=64)
     sv.add_argument("--max-output", type=int, default=512)
+    sv.add_argument("--real", default="online.json", help="result file of the real run under bench/results")
     args = ap.parse_args()
     if args.cmd == "offline":
         from bench.offline import main as offline
@@ -65,6 +72,9 @@ def main() -> None:
     elif args.cmd == "online":
         from bench.online import main as online
         online(args)
+    elif args.cmd == "table":
+        from bench.table import run
+        run(args)
     elif args.cmd == "mixed":
         from bench.online import mixed
         mixed(args)

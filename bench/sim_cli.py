@@ -36,15 +36,18 @@ def profile(args) -> CostModel:
             llm.generate(prompts[:n], SamplingParams(max_tokens=out, temperature=0, ignore_eos=True))
     cost = CostModel.fit(log)
     err = cost.mean_abs_error(log)
-    COST_FILE.write_text(json.dumps({"cost": asdict(cost), "steps": len(log), "mean_abs_error": err}, indent=2))
+    COST_FILE.write_text(json.dumps({"cost": asdict(cost), "steps": len(log), "mean_abs_error": err,
+                                     "ratios": [round(x, 4) for x in cost.ratios(log)]}, indent=2))
     print(f"fitted on {len(log)} steps, mean |error| {err:.1%}: {cost}\nwrote {COST_FILE}")
     return cost
 
 
-def load_fitted() -> CostModel:
+def load_fitted() -> tuple[CostModel, tuple[float, ...]]:
+    """The fitted cost model and its measured/predicted step-time ratios."""
     if not COST_FILE.is_file():
         raise SystemExit(f"{COST_FILE} is missing: run `python -m bench profile` first")
-    return CostModel(**json.loads(COST_FILE.read_text())["cost"])
+    d = json.loads(COST_FILE.read_text())
+    return CostModel(**d["cost"]), tuple(d.get("ratios", ()))
 
 
 def slos(cost: CostModel, ttft_factor: float, tbt_factor: float, prompt: int = 128, ctx: int = 192):
@@ -73,7 +76,7 @@ def sim(args) -> None:
     """Paper-scale FCFS: OPT-13B-like cost model on one A100-40GB, ShareGPT arrivals."""
     RESULTS.mkdir(exist_ok=True)
     tok = _tokenizer()
-    cost = OPT_13B_A100 if args.preset == "opt13b" else load_fitted()
+    cost = OPT_13B_A100 if args.preset == "opt13b" else load_fitted()[0]
     kv_tokens = OPT_13B_A100_KV_TOKENS if args.preset == "opt13b" else args.kv_tokens
     setup = SimSetup(cost, PoolGeometry(2 * kv_tokens // 16, 16),
                      SchedConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048), 2048)
@@ -93,24 +96,33 @@ def sim(args) -> None:
 
 
 def sim_validate(args) -> None:
-    """Replay the trace of `bench online` (tandem rows) in the simulator with the fitted cost model."""
-    real = json.loads((RESULTS / "online.json").read_text())
+    """Replay the traces of a `bench online` run (tandem rows) in the simulator with the fitted cost
+    model, with and without the measured step-time spread, and compare attainment with the real one."""
+    real = json.loads((RESULTS / args.real).read_text())
     tok = _tokenizer()
-    cost = load_fitted()
+    cost, ratios = load_fitted()
     slo, tr = real["slo"], real["trace"]
     from engine.llm import DEFAULT_KV_CACHE_BYTES
     kv_tokens = DEFAULT_KV_CACHE_BYTES // (30 * 2 * 192 * 4)          # SmolLM2 fp32: K+V per token
-    setup = SimSetup(cost, PoolGeometry(2 * kv_tokens // 16, 16),
-                     SchedConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048), 8192)
-    print("| rate | real attainment (TTFT & P99 TBT) | simulated | real (TTFT & TPOT) | simulated |")
-    print("|---|---|---|---|---|")
+    setups = {"mean": SimSetup(cost, PoolGeometry(2 * kv_tokens // 16, 16),
+                               SchedConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048), 8192)}
+    if ratios:
+        setups["spread"] = SimSetup(**{**setups["mean"].__dict__, "noise": ratios})
+    print(f"SLOs TTFT {slo['ttft_s'] * 1e3:.0f} ms, TBT {slo['tbt_s'] * 1e3:.0f} ms; simulated with the mean "
+          f"cost model, and with measured step-time ratios drawn per step ({len(ratios)} of them)\n")
+    print("| rate | TTFT & P99 TBT: real | sim (mean) | sim (spread) | TTFT & TPOT: real | sim (mean) "
+          "| sim (spread) |")
+    print("|---|---|---|---|---|---|---|")
     rows = []
-    for r in [x for x in real["rows"] if x["system"] == "tandem"]:
+    for r in sorted((x for x in real["rows"] if x["system"] == "tandem"), key=lambda x: x["rate"]):
         trace = sharegpt_trace(tok, r["rate"], tr["duration_s"], tr["seed"], max_output_tokens=args.max_output)
-        recs, _ = simulate(trace, setup)
-        sa = attainment(recs, lambda x: meets_apt(x, slo["ttft_s"], slo["tbt_s"]))
-        sb = attainment(recs, lambda x: meets_bros(x, slo["ttft_s"], slo["tbt_s"]))
-        rows.append({"rate": r["rate"], "real_apt": r["attain_apt"], "sim_apt": sa,
-                     "real_bros": r["attain_bros"], "sim_bros": sb})
-        print(f"| {r['rate']} | {r['attain_apt']:.1%} | {sa:.1%} | {r['attain_bros']:.1%} | {sb:.1%} |")
+        row = {"rate": r["rate"], "real_apt": r["attain_apt"], "real_bros": r["attain_bros"]}
+        for name, setup in setups.items():
+            recs, _ = simulate(trace, setup)
+            row[f"sim_apt_{name}"] = attainment(recs, lambda x: meets_apt(x, slo["ttft_s"], slo["tbt_s"]))
+            row[f"sim_bros_{name}"] = attainment(recs, lambda x: meets_bros(x, slo["ttft_s"], slo["tbt_s"]))
+        rows.append(row)
+        f = lambda k: f"{row[k]:.1%}" if k in row else "-"  # noqa: E731
+        print(f"| {r['rate']} | {f('real_apt')} | {f('sim_apt_mean')} | {f('sim_apt_spread')} | "
+              f"{f('real_bros')} | {f('sim_bros_mean')} | {f('sim_bros_spread')} |")
     (RESULTS / "sim_validate.json").write_text(json.dumps(rows, indent=2))

@@ -2,11 +2,12 @@
 
 ``SimDevice`` implements the scheduler's Device protocol: it mirrors each
 request's computed tokens from the StepInputs it receives, prices the step with
-a CostModel and advances a virtual clock; all devices of a step start together
+a CostModel (times a drawn measured/predicted ratio, when given) and advances a virtual clock; all devices of a step start together
 and the step ends with the slowest. Tokens are dummies (id 0, never a stop id).
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 from bench.metrics import RequestRecord
@@ -28,8 +29,11 @@ class SimClock:
 
 
 class SimDevice:
-    def __init__(self, name: str, geometry: PoolGeometry, cost: CostModel, clock: SimClock):
+    def __init__(self, name: str, geometry: PoolGeometry, cost: CostModel, clock: SimClock,
+                 noise: tuple[float, ...] = (), seed: int = 0):
         self.name, self.geometry, self.cost, self.clock = name, geometry, cost, clock
+        self.noise = noise
+        self.rng = random.Random(seed)
         self.computed: dict[str, int] = {}
         self._end = 0.0
         self._out: StepOutput | None = None
@@ -50,6 +54,8 @@ class SimDevice:
             if s.sample:
                 sampled[s.req_id] = 0
         dur = self.cost.predict(shape) if inp.scheduled else 0.0
+        if self.noise and dur:
+            dur *= self.rng.choice(self.noise)
         self._end = self.clock.t + dur
         self._out = StepOutput(inp.step_id, sampled, tokens, dur, 0.0)
 
@@ -66,12 +72,17 @@ class SimSetup:
     sched: SchedConfig
     max_model_len: int
     num_devices: int = 1
+    # measured / predicted step-time ratios of the real engine; each simulated step draws one
+    # (seeded), so the simulated step times have the real spread, not only the fitted mean
+    noise: tuple[float, ...] = ()
+    seed: int = 0
 
 
 def simulate(trace: list[TraceItem], setup: SimSetup) -> tuple[list[RequestRecord], float]:
     """Replay ``trace`` (arrival offsets in seconds); returns per-request records and the makespan."""
     clock = SimClock()
-    devices = [SimDevice(f"sim{i}", setup.geometry, setup.cost, clock) for i in range(setup.num_devices)]
+    devices = [SimDevice(f"sim{i}", setup.geometry, setup.cost, clock, setup.noise, setup.seed + i)
+               for i in range(setup.num_devices)]
     sched = Scheduler(setup.sched, devices, eos_ids=(), max_model_len=setup.max_model_len, clock=clock)
     items = sorted(trace, key=lambda it: it.arrival_s)
     recs: dict[str, RequestRecord] = {}

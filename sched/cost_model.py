@@ -66,6 +66,10 @@ class CostModel:
         coef[active] = np.clip(sol, 0, None)
         return cls(*(coef / scale))
 
+    def ratios(self, samples: list[tuple[StepShape, float]]) -> list[float]:
+        """Measured / predicted per sample: the spread a mean model leaves out."""
+        return [t / p for s, t in samples if (p := self.predict(s)) > 0]
+
     def mean_abs_error(self, samples: list[tuple[StepShape, float]]) -> float:
         """Mean |predicted - measured| / measured over samples."""
         return sum(abs(self.predict(s) - t) / t for s, t in samples) / len(samples)

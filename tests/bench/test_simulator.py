@@ -39,3 +39,14 @@ def test_fcfs_preempts_the_later_request_under_memory_pressure():
 def test_rejects_impossible_trace():
     with pytest.raises(ValueError):
         simulate([TraceItem(0.0, list(range(100)), 100, "rt")], setup(num_blocks=4))
+
+
+def test_noise_scales_each_step_by_a_drawn_ratio():
+    trace = [TraceItem(0.0, list(range(10)), 50, "rt")]
+    base = SimSetup(COST, PoolGeometry(1000, 16), SchedConfig(), max_model_len=2048)
+    (r,), _ = simulate(trace, SimSetup(**{**base.__dict__, "noise": (2.0,)}))
+    assert r.ttft == pytest.approx(0.04) and r.gaps == pytest.approx([0.02] * 49)
+    (r,), _ = simulate(trace, SimSetup(**{**base.__dict__, "noise": (1.0, 3.0), "seed": 7}))
+    assert set(round(g, 6) for g in r.gaps) == {0.01, 0.03}       # both ratios drawn, nothing else
+    (r2,), _ = simulate(trace, SimSetup(**{**base.__dict__, "noise": (1.0, 3.0), "seed": 7}))
+    assert r2.gaps == r.gaps                                      # seeded

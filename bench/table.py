@@ -1,0 +1,85 @@
+"""python -m bench table: the whole peers comparison in one command.
+
+Runs `offline` (every installed system) and `online` (tandem, vLLM, llama.cpp,
+transformers serve: the same ShareGPT trace at two rates, plus an effective-
+throughput search per system), then joins them into one markdown table
+(results/peers_table.md) and JSON (results/peers_table.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+ONLINE_SYSTEMS = ["tandem", "vllm", "llamacpp", "transformers"]
+# offline row labels -> online system names
+OFFLINE_KEYS = {"tandem": "tandem", "vLLM CPU server (float32)": "vllm", "llama.cpp": "llamacpp",
+                "transformers serve": "transformers"}
+
+
+def installed(system: str) -> bool:
+    from bench import peers
+    return {"tandem": True, "vllm": peers.vllm_python() is not None,
+            "llamacpp": peers.llama_server_bin() is not None,
+            "transformers": peers.transformers_cli() is not None}[system]
+
+
+def run(args) -> None:
+    from bench.offline import main as offline
+    from bench.online import main as online
+    systems = [s for s in ONLINE_SYSTEMS if installed(s)]
+    missing = sorted(set(ONLINE_SYSTEMS) - set(systems))
+    if missing:
+        print(f"not installed (bench/setup_peers.sh): {', '.join(missing)}; left out")
+    if not args.skip_offline:
+        offline(argparse.Namespace(num_prompts=64, max_tokens=128, dtype="float32", devices="cpu:1",
+                                   skip=["hf_generate", "hf_cb", "vllm_bfloat16"]))
+    online(argparse.Namespace(systems=systems, rates=args.rates, duration=args.duration, drain=args.drain,
+                              seed=0, max_output=512, max_num_seqs=64, ttft_factor=10.0, tbt_factor=5.0,
+                              slo_ttft_ms=None, slo_tbt_ms=None, search=args.search, search_metric="bros",
+                              out="table_online.json"))
+    write_table(json.loads((RESULTS / "offline.json").read_text()),
+                json.loads((RESULTS / "table_online.json").read_text()), args.rates)
+
+
+def _offline_key(label: str) -> str | None:
+    return next((v for k, v in OFFLINE_KEYS.items() if label.startswith(k)), None)
+
+
+def _ms(d: dict, p: int) -> str:
+    v = d.get(str(p), d.get(p))
+    return f"{v * 1e3:.0f}" if v is not None and v == v else "-"
+
+
+def write_table(off: dict, on: dict, rates: list[float]) -> str:
+    """One row per system: offline tok/s, effective throughput, TTFT/TBT percentiles at each rate."""
+    tok_s = {_offline_key(r["system"]): r["tok_s"] for r in off["rows"] if _offline_key(r["system"])}
+    eff = {e["system"]: e["effective_rps"] for e in on["effective_throughput"]}
+    slo = on["slo"]
+    head = ["system", "offline tok/s", "effective throughput (req/s)"]
+    for rate in rates:
+        head += [f"@{rate:g} req/s: attainment (TTFT & TPOT / TTFT & P99 TBT)",
+                 f"@{rate:g}: TTFT p50/p90/p99 ms", f"@{rate:g}: TBT p50/p90/p99 ms"]
+    lines = [f"SLOs: TTFT {slo['ttft_s'] * 1e3:.0f} ms, TBT {slo['tbt_s'] * 1e3:.0f} ms; effective throughput = "
+             "highest rate with >= 90% of requests meeting TTFT & TPOT.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for system in dict.fromkeys(r["system"] for r in on["rows"]):
+        cells = [system, f"{tok_s[system]:.1f}" if system in tok_s else "-",
+                 f"{eff[system]:.2f}" if system in eff else "-"]
+        for rate in rates:
+            r = next((x for x in on["rows"] if x["system"] == system and x["rate"] == rate), None)
+            if r is None:
+                cells += ["-"] * 3
+                continue
+            s = r["summary"].get("rt", {})
+            cells += [f"{r['attain_bros']:.0%} / {r['attain_apt']:.0%}",
+                      "/".join(_ms(s.get("ttft_s", {}), p) for p in (50, 90, 99)),
+                      "/".join(_ms(s.get("tbt_s", {}), p) for p in (50, 90, 99))]
+        lines.append("| " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    (RESULTS / "peers_table.md").write_text(text)
+    (RESULTS / "peers_table.json").write_text(json.dumps({"offline_tok_s": tok_s, "effective_rps": eff,
+                                                          "slo": slo, "rates": rates}, indent=2))
+    print("\n" + text + f"wrote {RESULTS / 'peers_table.md'}")
+    return text
