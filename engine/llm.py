@@ -13,7 +13,7 @@ from engine.models.loader import load_spec, load_tokenizer, resolve_model
 from engine.params import SamplingParams
 from engine.worker import DTYPES, WorkerConfig, WorkerHandle, wait_all
 from sched.request import FinishReason, Request, RequestState
-from sched.scheduler import SchedConfig, Scheduler
+from sched.scheduler import POLICIES, SchedConfig, Scheduler
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tandem"
 DEFAULT_KV_CACHE_BYTES = 2 << 30      # per device, when no budget is given (vLLM CPU's usual 2 GiB)
@@ -68,6 +68,8 @@ class LLM:
         names = parse_devices(devices)
         _positive("block_size", block_size)
         _positive("max_num_seqs", max_num_seqs)
+        if policy not in POLICIES:
+            raise ValueError(f"policy: {policy!r} is not one of {list(POLICIES)}")
         _positive("max_num_batched_tokens", max_num_batched_tokens)
         if kv_cache_bytes is not None:
             _positive("kv_cache_bytes", kv_cache_bytes)
@@ -101,8 +103,17 @@ class LLM:
             raise
         detok = self.detokenize if self.tokenizer is not None else None
         self.scheduler = Scheduler(
-            SchedConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, policy),
+            SchedConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, "fcfs"),
             self._workers, self.spec.eos_token_ids, self.max_model_len, detok)
+        try:
+            if policy in ("bros",):         # policies that price iterations: profile first (seconds)
+                from sched.profiling import profile_cost
+                self.scheduler.use_policy(policy, profile_cost(self.scheduler, self.spec.vocab_size))
+            else:
+                self.scheduler.use_policy(policy)
+        except BaseException:
+            self.shutdown()
+            raise
         self._ids = itertools.count()
 
     # ---- prompts -------------------------------------------------------------

@@ -64,7 +64,7 @@ class CostModel:
             active.pop(int(sol.argmin()))
         coef = np.zeros(X.shape[1])
         coef[active] = np.clip(sol, 0, None)
-        return cls(*(coef / scale))
+        return cls(*(float(x) for x in coef / scale))
 
     def ratios(self, samples: list[tuple[StepShape, float]]) -> list[float]:
         """Measured / predicted per sample: the spread a mean model leaves out."""
@@ -73,6 +73,53 @@ class CostModel:
     def mean_abs_error(self, samples: list[tuple[StepShape, float]]) -> float:
         """Mean |predicted - measured| / measured over samples."""
         return sum(abs(self.predict(s) - t) / t for s, t in samples) / len(samples)
+
+
+@dataclass(frozen=True, slots=True)
+class SwapModel:
+    """t_swap = base + per_slot * M^cpu (SPEC §2.2), from a bandwidth probe of the device."""
+    base: float = 0.0
+    per_slot: float = 0.0
+
+    def predict(self, slots: int) -> float:
+        return self.base + self.per_slot * slots if slots else 0.0
+
+
+class OnlineCostModel:
+    """The iteration cost model the scheduler uses: fitted at start-up, refined from measured steps.
+
+    T = max(t_exec, t_swap): swaps are issued before the step and overlap it (SPEC §2.2).
+    Every ``refit_every`` observed steps it refits on the start-up samples plus the last
+    ``window`` measured steps (the start-up samples keep shapes covered that recent traffic
+    may lack). The relative prediction error of each observed step is tracked (EWMA and count).
+    """
+
+    def __init__(self, model: CostModel, startup: list[tuple[StepShape, float]] = (),
+                 swap: SwapModel = SwapModel(), window: int = 1024, refit_every: int = 128):
+        from collections import deque
+        self.model, self.swap = model, swap
+        self.startup = list(startup)
+        self.recent: deque = deque(maxlen=window)
+        self.refit_every = refit_every
+        self.observed = 0
+        self.refits = 0
+        self.error_ewma: float | None = None     # mean |pred - measured| / measured, EWMA (alpha 0.05)
+        self.last_error: float | None = None
+
+    def __call__(self, shape: StepShape, swap_slots: int = 0) -> float:
+        return max(self.model.predict(shape), self.swap.predict(swap_slots))
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        err = abs(self.model.predict(shape) - seconds) / seconds
+        self.last_error = err
+        self.error_ewma = err if self.error_ewma is None else 0.95 * self.error_ewma + 0.05 * err
+        self.recent.append((shape, seconds))
+        self.observed += 1
+        if self.observed % self.refit_every == 0:
+            self.model = CostModel.fit(self.startup + list(self.recent))
+            self.refits += 1
 
 
 # A paper-scale setting: OPT-13B in fp16 on one A100-40GB, from published figures

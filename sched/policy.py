@@ -17,6 +17,16 @@ class Candidate:
     num_computed: int          # tokens already in the cache
     num_blocks: int            # blocks held now
     arrival: float             # seconds; FCFS order key
+    rt: bool = True            # service class: real-time (else best-effort)
+    slo_s: float | None = None  # its current latency target: TTFT before the first token, TBT after
+    pending_s: float = 0.0     # t_i: seconds since it arrived or last returned a token
+    num_cpu: int = 0           # M^cpu: checkpointed slots to swap back in before it can run
+
+    def residual(self, t_avg: float = 0.0, k: int = 1) -> float:
+        """BROS residual time res_i = T_SLO,i - t_i - (k_i - 1) T_avg (inf without an SLO)."""
+        if self.slo_s is None:
+            return float("inf")
+        return self.slo_s - self.pending_s - (k - 1) * t_avg
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +44,7 @@ class Snapshot:
     block_size: int
     blocks_per_token_block: int  # 2 for a KV cache (K and V)
     limits: Limits
+    t_avg: float = 0.0         # moving average of the iteration time, seconds
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,9 +16,10 @@ from typing import Callable, Protocol
 from cache import BlockPool, PoolGeometry
 from engine.messages import (CacheType, Command, DeviceError, NewRequest, Phase, SamplingSpec,
                              ScheduledRequest, StepInput, StepOutput)
-from sched.cost_model import StepShape
+from sched.bros import Bros, RoundRobin
+from sched.cost_model import OnlineCostModel, StepShape
 from sched.policy import Candidate, Limits, Plan, Snapshot, fcfs
-from sched.request import FinishReason, Request, RequestState, Status
+from sched.request import FinishReason, Request, RequestState, ServiceClass, Status
 from sched.stops import check_stop
 
 
@@ -62,17 +63,30 @@ class _DeviceQueues:
     num_preemptions: int = 0
 
 
-POLICIES = {"fcfs": fcfs}
+POLICIES = ("fcfs", "rr", "bros")
+
+
+def make_policy(cfg: SchedConfig, cost: OnlineCostModel | None):
+    """The policy callable (Snapshot -> Plan) named by cfg.policy."""
+    if cfg.policy == "fcfs":
+        return fcfs
+    if cfg.policy == "rr":
+        return RoundRobin()
+    if cfg.policy == "bros":
+        if cost is None:
+            raise ValueError("policy: bros needs a cost model (profile the engine first)")
+        return Bros(cost, cfg.max_num_seqs)
+    raise ValueError(f"policy: {cfg.policy!r} is not one of {list(POLICIES)}")
 
 
 class Scheduler:
     def __init__(self, cfg: SchedConfig, devices: list[Device], eos_ids: tuple[int, ...],
                  max_model_len: int, detokenize: Callable[[list[int]], str] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
-        if cfg.policy not in POLICIES:
-            raise ValueError(f"policy: {cfg.policy!r} is not one of {sorted(POLICIES)}")
+                 clock: Callable[[], float] = time.monotonic, cost: OnlineCostModel | None = None):
         self.cfg = cfg
-        self.policy = POLICIES[cfg.policy]
+        self.cost = cost                    # refined from every measured step when given
+        self.policy = make_policy(cfg, cost)
+        self.t_avg = 0.0                    # EWMA of iteration wall time (BROS's T_avg)
         self.devices = devices
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
@@ -84,6 +98,13 @@ class Scheduler:
         self.preemptions_by_class: Counter = Counter()
         self.clock = clock                  # time.monotonic, or the simulator's virtual clock
         self.step_log: list[tuple[StepShape, float]] | None = None   # set to a list to record steps
+
+    def use_policy(self, name: str, cost: OnlineCostModel | None = None) -> None:
+        """Switch policy (e.g. to BROS once the start-up profile has produced its cost model)."""
+        from dataclasses import replace
+        cfg = replace(self.cfg, policy=name)
+        self.policy = make_policy(cfg, cost or self.cost)
+        self.cfg, self.cost = cfg, cost or self.cost
 
     # ---- intake --------------------------------------------------------------
     def add(self, req: Request) -> RequestState:
@@ -123,6 +144,15 @@ class Scheduler:
                     row[2] += q.pool.num_blocks_of(r)
         return {c: tuple(v) for c, v in out.items()}
 
+    def pool_view(self) -> dict[str, int]:
+        """Blocks by owner over all devices: rt, be, shared (RT and BE in one block), checkpointed
+        (BE slots parked on the CPU), free. Whole-block pools share nothing and checkpoint nothing."""
+        view = {"rt": 0, "be": 0, "shared": 0, "checkpointed": 0, "free": 0}
+        for c, (_run, _wait, blocks) in self.load_by_class().items():
+            view[c.value] += blocks
+        view["free"] = sum(q.pool.num_free for q in self.queues)
+        return view
+
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """ValueError if such a request could never fit a device's pool (safe from any thread)."""
         longest = min(num_prompt_tokens + max_tokens, self.max_model_len)
@@ -157,21 +187,32 @@ class Scheduler:
             except DeviceError as e:
                 updates.extend(self._fail_device(d, str(e)))
                 continue
-            if self.step_log is not None and inp.scheduled:
-                self.step_log.append((shape, self.clock() - t0))
+            if inp.scheduled:
+                self._observe(shape, self.clock() - t0)
             updates.extend(self._account(plan, out))
         return updates
 
+    def _observe(self, shape: StepShape, seconds: float) -> None:
+        if self.step_log is not None:
+            self.step_log.append((shape, seconds))
+        if self.cost is not None:
+            self.cost.observe(shape, seconds)
+        self.t_avg = seconds if self.t_avg == 0 else 0.9 * self.t_avg + 0.1 * seconds
+
     def _snapshot(self, q: _DeviceQueues) -> Snapshot:
+        now = self.clock()
+
         def cand(rid):
             st = self.states[rid]
-            return Candidate(rid, st.num_tokens, st.num_computed, q.pool.num_blocks_of(rid),
-                             st.request.arrival_time)
+            r = st.request
+            slo = r.slo_tbt_s if st.output_token_ids else r.slo_ttft_s
+            return Candidate(rid, st.num_tokens, st.num_computed, q.pool.num_blocks_of(rid), r.arrival_time,
+                             r.service_class is ServiceClass.RT, slo, now - (st.last_token_time or r.arrival_time))
         c = self.cfg
         return Snapshot([cand(r) for r in q.running], [cand(r) for r in q.waiting],
                         q.pool.num_free, q.pool.geometry.block_size,
                         q.pool.geometry.blocks_per_token_block(CacheType.KV),
-                        Limits(c.max_num_seqs, c.max_num_batched_tokens, c.chunked_prefill))
+                        Limits(c.max_num_seqs, c.max_num_batched_tokens, c.chunked_prefill), self.t_avg)
 
     def _apply(self, d: int, q: _DeviceQueues, plan: Plan) -> tuple[StepInput, StepShape]:
         """Carry out the plan in the bookkeeping; describe it to the device (and its cost shape)."""

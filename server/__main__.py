@@ -6,6 +6,7 @@ import os
 import sys
 import time
 
+from sched.scheduler import POLICIES
 from server.config import ServerConfig
 
 
@@ -23,7 +24,9 @@ def parse_args(argv=None) -> ServerConfig:
     ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     ap.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                     help="new tokens per iteration (smaller: shorter decode stalls behind prefills)")
-    ap.add_argument("--policy", default=d.policy, choices=["fcfs"])
+    ap.add_argument("--policy", default=d.policy, choices=list(POLICIES),
+                    help="fcfs: one queue (vLLM-like); rr: alternate RT and BE iterations; "
+                         "bros: RT by SLO slack, BE packed into what is left (profiles a few seconds at start)")
     ap.add_argument("--slo-ttft-ms", type=float, default=d.slo_ttft_ms)
     ap.add_argument("--slo-tbt-ms", type=float, default=d.slo_tbt_ms)
     ap.add_argument("--max-waiting", type=int, default=d.max_waiting, help="waiting requests before 429")

@@ -31,6 +31,14 @@ class Metrics:
         self.preemptions = Counter("vllm:num_preemptions", "Preemptions (cache discarded)", lab, registry=r)
         self.slo = Counter("tandem:slo_requests", "Finished requests by SLO outcome",
                            lab + ["slo", "met"], registry=r)
+        self.cost_error = Gauge("tandem:cost_model_error", "Iteration cost model: mean relative error "
+                                "|predicted - measured| / measured (EWMA over steps)", ["model_name"], registry=r)
+        self.cost_steps = Gauge("tandem:cost_model_observed_steps", "Steps the cost model has been checked "
+                                "against (and refitted from)", ["model_name"], registry=r)
+        self.t_avg = Gauge("tandem:iteration_seconds_avg", "Moving average of the iteration time (T_avg)",
+                           ["model_name"], registry=r)
+        self.pool_blocks = Gauge("tandem:pool_blocks", "Pool blocks by owner: rt, be, shared, checkpointed "
+                                 "(slots on the CPU), free", ["model_name", "owner"], registry=r)
         self._preempt_seen: dict = {}
 
     def engine_step(self, scheduler) -> None:
@@ -42,6 +50,13 @@ class Metrics:
             self.running.labels(self.model, cls).set(running)
             self.waiting.labels(self.model, cls).set(waiting)
             self.kv_usage.labels(self.model, cls).set(blocks / max(1, total))
+        for owner, n in scheduler.pool_view().items():
+            self.pool_blocks.labels(self.model, owner).set(n)
+        self.t_avg.labels(self.model).set(scheduler.t_avg)
+        cost = scheduler.cost
+        if cost is not None and cost.error_ewma is not None:
+            self.cost_error.labels(self.model).set(cost.error_ewma)
+            self.cost_steps.labels(self.model).set(cost.observed)
         for c, n in scheduler.preemptions_by_class.items():
             seen = self._preempt_seen.get(c.value, 0)
             if n > seen:

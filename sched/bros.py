@@ -1,0 +1,226 @@
+"""BROS: RT/BE co-serving policies (SPEC §2.3-2.4): SLO-slack packing, adaptive batch size, and
+the round-robin baseline. Pure over a Snapshot, like sched/policy.py::fcfs; the only state they
+keep across iterations is the adaptive batch size (BROS) or the turn (round-robin).
+
+Per iteration (Algorithm 1):
+  1. RT candidates (running and waiting) in order of residual time
+     res_i = T_SLO,i - t_i (token groups of one token: k_i = 1), polled from two queues:
+     the running ones sorted, the waiting ones already in urgency order (arrival order, one
+     TTFT target) -- a two-way merge instead of a global sort.
+  2. RT requests are taken while the batch has room (B_curr), blocks can be found (by
+     preempting best-effort work if needed) and the predicted iteration time C(batch) stays
+     within T_res_min = min_i res_i. The first failure of the time check is the *early
+     return*. [open choice] The most urgent RT request is always taken, even when it alone
+     cannot make its deadline (otherwise a late request would starve forever), and a prefill
+     chunk that does not fit the time budget is shortened to the longest chunk that does.
+  3. BE candidates by fewest checkpointed slots (then: already running, then arrival) are
+     packed while count, blocks and time allow; when one does not fit, the least urgent RT
+     request taken is replaced by it if that makes it fit [SPEC safeguard: only if that RT
+     request's slack after this iteration still covers one average iteration].
+  4. Adaptive batch size (TCP-like): B_curr resets to B_base after an early return and
+     doubles otherwise, never above max_num_seqs.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from typing import Callable, Iterable
+
+from sched.cost_model import StepShape
+from sched.policy import Candidate, Plan, Snapshot, _blocks, _decide, fcfs
+
+CostFn = Callable[[StepShape, int], float]      # (shape, slots to swap in) -> predicted seconds
+
+
+class BlockBudget:
+    """Provisional block reservations against the free count (released if a request is dropped)."""
+
+    def __init__(self, snap: Snapshot):
+        self.snap = snap
+        self.free = snap.num_free_blocks
+        self.held: dict[str, int] = {}
+
+    def need(self, c: Candidate, n: int) -> int:
+        return max(0, _blocks(self.snap, c.num_computed + n) - c.num_blocks)
+
+    def reserve(self, c: Candidate, n: int) -> bool:
+        k = self.need(c, n)
+        if k > self.free:
+            return False
+        self.free -= k
+        self.held[c.req_id] = k
+        return True
+
+    def release(self, c: Candidate) -> None:
+        self.free += self.held.pop(c.req_id, 0)
+
+
+def two_queue_merge(running: list[Candidate], waiting: Iterable[Candidate],
+                    key: Callable[[Candidate], float]) -> list[Candidate]:
+    """Poll the heads of the sorted running queue and the (urgency-ordered) waiting queue."""
+    return list(heapq.merge(sorted(running, key=key), waiting, key=key))
+
+
+def _shape(items: list[tuple[Candidate, int]]) -> StepShape:
+    s = StepShape()
+    for c, n in items:
+        s = s.add(n, c.num_computed + n, n == 1 and c.num_computed > 0 and c.num_computed + 1 == c.num_tokens)
+    return s
+
+
+class Bros:
+    """BROS packing with adaptive batch size; ``cost(shape, swap_slots)`` predicts an iteration."""
+
+    name = "bros"
+
+    def __init__(self, cost: CostFn, max_num_seqs: int, b_base: int | None = None,
+                 min_chunk: int = 16, safeguard: bool = True):
+        self.cost = cost
+        self.max_num_seqs = max_num_seqs
+        # [open choice] the paper's B_base is 128 of a 256-sequence vLLM; keep that ratio
+        self.b_base = max(1, min(b_base if b_base is not None else max_num_seqs // 2, max_num_seqs))
+        self.b_curr = self.b_base
+        self.min_chunk = min_chunk
+        self.safeguard = safeguard
+        self.last_early = False
+
+    # ---- helpers ---------------------------------------------------------------
+    def _time(self, items: list[tuple[Candidate, int]]) -> float:
+        return self.cost(_shape(items), sum(c.num_cpu for c, _ in items))
+
+    def _fit_chunk(self, items, c: Candidate, n: int, limit: float) -> int:
+        """Longest prefill chunk <= n (and >= min_chunk) keeping C(items + c) within ``limit``; 0 if none."""
+        if n <= 1:
+            return 0
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._time(items + [(c, mid)]) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo if lo >= min(self.min_chunk, n) and lo < n else 0
+
+    def _make_room(self, c: Candidate, n: int, snap: Snapshot, budget: BlockBudget, plan: Plan,
+                   taken: set[str], t_avg: float) -> bool:
+        """FindPreemptBlock on a whole-block pool: free blocks, else preempt best-effort work
+        (least computed first: least lost), else RT requests not in this batch (largest residual)."""
+        if budget.reserve(c, n):
+            return True
+        running = [x for x in snap.running if x.req_id not in taken and x.req_id != c.req_id
+                   and x.req_id not in plan.preempted]
+        victims = sorted((x for x in running if not x.rt), key=lambda x: x.num_computed) + \
+            sorted((x for x in running if x.rt), key=lambda x: -x.residual(t_avg))
+        for v in victims:
+            if budget.need(c, n) <= budget.free:
+                break
+            plan.preempted.append(v.req_id)
+            plan.reasons[v.req_id] = "preempted: its blocks went to a more urgent RT request"
+            budget.free += v.num_blocks
+        return budget.reserve(c, n)
+
+    # ---- Algorithm 1 -------------------------------------------------------------
+    def __call__(self, snap: Snapshot) -> Plan:
+        plan = Plan()
+        lim, t_avg = snap.limits, snap.t_avg
+        budget = BlockBudget(snap)
+        res = lambda c: c.residual(t_avg)  # noqa: E731
+        q_rt = deque(two_queue_merge([c for c in snap.running if c.rt], [c for c in snap.waiting if c.rt], res))
+        t_res_min = res(q_rt[0]) if q_rt else math.inf
+        tokens_left = lim.max_num_batched_tokens
+        rt_ready: list[tuple[Candidate, int]] = []
+        taken: set[str] = set()
+        early = False
+        while q_rt and len(rt_ready) < self.b_curr and tokens_left > 0:
+            r = q_rt[0]
+            n = min(r.num_tokens - r.num_computed, tokens_left)
+            if n < r.num_tokens - r.num_computed and not lim.chunked_prefill:
+                plan.reasons[r.req_id] = "waiting: prompt exceeds this iteration's token budget"
+                break
+            if rt_ready and self._time(rt_ready + [(r, n)]) > t_res_min:
+                n = self._fit_chunk(rt_ready, r, n, t_res_min) if lim.chunked_prefill else 0
+                early = True
+                if n == 0:
+                    plan.reasons[r.req_id] = "waiting: the batch would miss the most urgent RT deadline"
+                    break
+            elif not rt_ready and self._time([(r, n)]) > t_res_min:
+                early = True        # the most urgent request cannot make it: run it alone-first anyway
+            if not self._make_room(r, n, snap, budget, plan, taken, t_avg):
+                plan.reasons[r.req_id] = "waiting: no block can be found or preempted"
+                break
+            q_rt.popleft()
+            rt_ready.append((r, n))
+            taken.add(r.req_id)
+            tokens_left -= n
+            if early:
+                break
+        be_ready = self._pack_be(snap, budget, plan, rt_ready, q_rt, taken, t_res_min, tokens_left)
+        for c, n in rt_ready + be_ready:
+            plan.scheduled.append(_decide(c, n))
+            plan.reasons.setdefault(c.req_id, "scheduled (RT)" if c.rt else "scheduled (BE)")
+        self.last_early = early
+        self.b_curr = self.b_base if early else min(2 * self.b_curr, self.max_num_seqs)
+        return plan
+
+    def _pack_be(self, snap, budget, plan, rt_ready, q_rt, taken, t_res_min, tokens_left):
+        lim, t_avg = snap.limits, snap.t_avg
+        running_ids = {c.req_id for c in snap.running}
+        q_be = sorted((c for c in [*snap.running, *snap.waiting] if not c.rt and c.req_id not in plan.preempted),
+                      key=lambda c: (c.num_cpu, c.req_id not in running_ids, c.arrival))
+        be_ready: list[tuple[Candidate, int]] = []
+        for b in q_be:
+            n = min(b.num_tokens - b.num_computed, tokens_left)
+            if n <= 0 or (n < b.num_tokens - b.num_computed and not lim.chunked_prefill):
+                break
+            if not budget.reserve(b, n):                               # FindBlock
+                plan.reasons[b.req_id] = "pending: no block for it"
+                break
+            fits = lambda items, k: (len(items) + 1 <= self.b_curr  # noqa: E731
+                                     and self._time(items + [(b, k)]) <= t_res_min)
+            if not fits(rt_ready + be_ready, n) and lim.chunked_prefill and len(rt_ready + be_ready) < self.b_curr:
+                n = self._fit_chunk(rt_ready + be_ready, b, n, t_res_min) or n
+            if fits(rt_ready + be_ready, n):
+                be_ready.append((b, n))
+                tokens_left -= n
+                continue
+            if not rt_ready:
+                budget.release(b)
+                break
+            r, rn = rt_ready.pop()                                     # try replacing the least urgent RT
+            slack_ok = not self.safeguard or r.residual(t_avg) - self._time(rt_ready + be_ready + [(b, n)]) >= t_avg
+            if slack_ok and fits(rt_ready + be_ready, n):
+                budget.release(r)
+                q_rt.appendleft(r)
+                taken.discard(r.req_id)
+                tokens_left += rn - n
+                be_ready.append((b, n))
+                plan.reasons[r.req_id] = "pending: replaced by a BE request (RT slack allows it)"
+            else:
+                rt_ready.append((r, rn))
+                budget.release(b)
+                plan.reasons[b.req_id] = "pending: the batch's time budget is used by RT requests"
+                break
+        return be_ready
+
+
+class RoundRobin:
+    """BROS's second baseline: alternate RT and BE iterations (FCFS within the class); a class
+    with nothing to do gives its turn to the other."""
+
+    name = "rr"
+
+    def __init__(self) -> None:
+        self.turn_rt = True
+
+    def __call__(self, snap: Snapshot) -> Plan:
+        for rt in (self.turn_rt, not self.turn_rt):
+            sub = Snapshot([c for c in snap.running if c.rt == rt], [c for c in snap.waiting if c.rt == rt],
+                           snap.num_free_blocks, snap.block_size, snap.blocks_per_token_block, snap.limits,
+                           snap.t_avg)
+            if sub.running or sub.waiting:
+                plan = fcfs(sub)
+                if plan.scheduled or plan.preempted:
+                    self.turn_rt = not rt
+                    return plan
+        return Plan()

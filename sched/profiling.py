@@ -1,0 +1,49 @@
+"""Start-up profiling of the iteration cost model (SPEC §2.2): a few seconds of dummy steps.
+
+Dummy requests (random prompt ids, EOS ignored) go through the scheduler with FCFS so
+the measured steps cover the cost model's features independently: pure prefills of
+lengths at powers of two (prefill tokens and prefill attention), then decode batches
+of several sizes at short and long contexts (decode count and decode context).
+"""
+from __future__ import annotations
+
+import random
+
+from engine.params import SamplingParams
+from sched.cost_model import CostModel, OnlineCostModel
+from sched.request import Request
+
+# (requests, prompt tokens, output tokens): prefills alone, then decode batches
+PLAN = [(1, 32, 1), (1, 128, 1), (1, 512, 1), (1, 1024, 1), (2, 256, 1),
+        (1, 64, 8), (8, 64, 8), (8, 512, 8), (32, 128, 8), (16, 1024, 4)]
+
+
+def profile_cost(scheduler, vocab_size: int, seed: int = 0) -> OnlineCostModel:
+    """Run PLAN (shapes that do not fit the pool or context are scaled down) and fit the model."""
+    rng = random.Random(seed)
+    log = scheduler.step_log = []
+    n = 0
+    try:
+        for reqs, prompt, out in [(1, 8, 2)] + PLAN:          # the first is a warm-up, not fitted
+            prompt = max(1, min(prompt, scheduler.max_model_len - out - 1))
+            while reqs > 1 and not _fits(scheduler, reqs, prompt + out):
+                reqs //= 2
+            if not _fits(scheduler, reqs, prompt + out):
+                continue
+            for _ in range(reqs):
+                n += 1
+                ids = [rng.randrange(3, vocab_size) for _ in range(prompt)]
+                scheduler.add(Request(f"profile-{n}", ids, SamplingParams(max_tokens=out, temperature=0,
+                                                                          ignore_eos=True)))
+            while scheduler.has_unfinished():
+                scheduler.step()
+            if n == 1:
+                log.clear()
+    finally:
+        scheduler.step_log = None
+    return OnlineCostModel(CostModel.fit(log), startup=log)
+
+
+def _fits(scheduler, reqs: int, tokens: int) -> bool:
+    g = scheduler.queues[0].pool.geometry
+    return reqs * g.blocks_for(tokens) <= g.num_blocks

@@ -1,0 +1,135 @@
+"""BROS packing and the round-robin baseline on hand-made snapshots where the right plan is known.
+
+Cost model used throughout (seconds): 0.01 per step + 0.001 per prefill token + 0.005 per decode.
+"""
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine.messages import Phase
+from sched.bros import Bros, RoundRobin, two_queue_merge
+from sched.cost_model import StepShape
+from sched.policy import Candidate, Limits, Snapshot
+
+B = 4   # block size; a KV token-block costs 2 blocks
+
+
+def cost(shape: StepShape, swap_slots: int = 0) -> float:
+    return 0.01 + 0.001 * shape.prefill_tokens + 0.005 * shape.decode_tokens
+
+
+def snap(running=(), waiting=(), free=1000, seqs=8, tokens=512, chunked=True, t_avg=0.02):
+    return Snapshot(list(running), list(waiting), free, B, 2, Limits(seqs, tokens, chunked), t_avg)
+
+
+def dec(rid, slo, pending, rt=True, ctx=8, arrival=0.0, cpu=0):
+    """A running request about to decode its next token."""
+    return Candidate(rid, ctx + 1, ctx, -(-ctx // B) * 2, arrival, rt, slo, pending, cpu)
+
+
+def new(rid, prompt, slo=None, pending=0.0, rt=True, arrival=0.0, cpu=0):
+    """A waiting request (no blocks yet)."""
+    return Candidate(rid, prompt, 0, 0, arrival, rt, slo, pending, cpu)
+
+
+def planned(plan):
+    return [(d.req_id, d.num_new_tokens) for d in plan.scheduled]
+
+
+def test_most_urgent_first_and_early_return():
+    # residuals: a 0.05, b 0.2, c 0.013 -> order c, a, b; T_res_min = 0.013
+    # C(c) = 0.015 > 0.013: c cannot make it but is taken (alone); early return resets B_curr
+    p = Bros(cost, max_num_seqs=8, b_base=2)
+    p.b_curr = 8
+    plan = p(snap(running=[dec("a", 0.1, 0.05), dec("b", 0.2, 0.0), dec("c", 0.1, 0.087)]))
+    assert planned(plan) == [("c", 1)]
+    assert p.last_early and p.b_curr == 2
+
+
+def test_rt_packed_while_the_time_budget_holds():
+    # T_res_min = 0.1 - 0.07 = 0.03: C(1 decode) = .015, C(2) = .02, C(3) = .025, C(4) = .03, C(5) = .035
+    rts = [dec(f"r{i}", 0.1, 0.07 - 0.001 * i) for i in range(6)]
+    p = Bros(cost, max_num_seqs=8, b_base=8)
+    plan = p(snap(running=rts))
+    assert planned(plan) == [("r0", 1), ("r1", 1), ("r2", 1), ("r3", 1)]
+    assert p.last_early
+
+
+def test_prefill_chunk_shortened_to_fit_the_deadline():
+    # decode a: T_res_min = 0.04. With the 100-token prompt: .01+.005+.1 > .04; the longest chunk
+    # that fits is 25 tokens (.015 + .025 = .04)
+    p = Bros(cost, max_num_seqs=8)
+    plan = p(snap(running=[dec("a", 0.1, 0.06)], waiting=[new("w", 100, slo=1.0)]))
+    assert planned(plan) == [("a", 1), ("w", 25)]
+    assert plan.scheduled[1].phase is Phase.PREFILL and not plan.scheduled[1].sample
+
+
+def test_be_fills_the_batch_without_rt_and_fewest_checkpointed_first():
+    bes = [dec("be_many", None, 0, rt=False, cpu=5), dec("be_none", None, 0, rt=False, cpu=0),
+           new("be_new", 6, rt=False, cpu=0, arrival=1.0)]
+    p = Bros(cost, max_num_seqs=2, b_base=2)
+    plan = p(snap(running=bes[:2], waiting=bes[2:], seqs=2))
+    assert planned(plan) == [("be_none", 1), ("be_new", 6)]     # B_curr = 2: be_many waits
+
+
+def test_be_replaces_the_least_urgent_rt_when_its_slack_allows():
+    # a: res 0.04 (T_res_min); b: res 1.0. BE prompt of 22 tokens, unchunked:
+    # C(a, b, be) = .01 + .01 + .022 = .042 > .04; C(a, be) = .037 fits; b keeps 1.0 - .037 >= t_avg
+    a, b = dec("a", 0.1, 0.06), dec("b", 1.0, 0.0)
+    be = new("be", 22, rt=False)
+    plan = Bros(cost, max_num_seqs=8)(snap(running=[a, b], waiting=[be], chunked=False))
+    assert planned(plan) == [("a", 1), ("be", 22)]
+    assert "replaced" in plan.reasons["b"]
+
+
+def test_no_replacement_when_the_rt_request_would_lose_its_slack():
+    # b: res 0.05; after this iteration 0.05 - 0.037 = 0.013 < t_avg 0.02 -> keep b, BE waits
+    a, b = dec("a", 0.1, 0.06), dec("b", 0.1, 0.05)
+    plan = Bros(cost, max_num_seqs=8)(snap(running=[a, b], waiting=[new("be", 22, rt=False)], chunked=False))
+    assert planned(plan) == [("a", 1), ("b", 1)]
+
+
+def test_late_rt_takes_the_iteration_and_be_waits():
+    plan = Bros(cost, max_num_seqs=8)(snap(running=[dec("late", 0.1, 0.3), dec("be", None, 0, rt=False)]))
+    assert planned(plan) == [("late", 1)]
+
+
+def test_rt_preempts_best_effort_blocks_least_computed_first():
+    # the RT prompt needs 4 blocks (8 tokens); nothing free; BE x holds 4 blocks with 8 computed,
+    # BE y holds 6 blocks with 12 computed: x (least work lost) is preempted, y keeps running
+    x = Candidate("x", 9, 8, 4, 0.0, False, None, 0.0)
+    y = Candidate("y", 13, 12, 6, 0.0, False, None, 0.0)
+    plan = Bros(cost, max_num_seqs=8)(snap(running=[x, y], waiting=[new("rt", 8, slo=1.0)], free=0))
+    assert plan.preempted == ["x"]
+    assert ("rt", 8) in planned(plan) and "x" not in dict(planned(plan))
+
+
+def test_adaptive_batch_doubles_until_max_then_resets_on_early_return():
+    p = Bros(cost, max_num_seqs=16, b_base=2)
+    easy = snap(running=[dec("r", 10.0, 0.0)])
+    sizes = []
+    for _ in range(5):
+        p(easy)
+        sizes.append(p.b_curr)
+    assert sizes == [4, 8, 16, 16, 16]
+    p(snap(running=[dec("a", 0.1, 0.09), dec("b", 0.1, 0.0)]))     # res 0.01 < C: early
+    assert p.b_curr == 2
+
+
+def test_round_robin_alternates_classes():
+    rr = RoundRobin()
+    s = snap(running=[dec("rt", 1.0, 0.0), dec("be", None, 0.0, rt=False)])
+    assert planned(rr(s)) == [("rt", 1)]
+    assert planned(rr(s)) == [("be", 1)]
+    assert planned(rr(s)) == [("rt", 1)]
+    only_be = snap(running=[dec("be", None, 0.0, rt=False)])
+    assert planned(rr(only_be)) == [("be", 1)] and planned(rr(only_be)) == [("be", 1)]
+
+
+@given(st.lists(st.floats(-1, 1), max_size=20), st.lists(st.floats(-1, 1), max_size=20))
+def test_two_queue_merge_is_a_global_sort(run_res, wait_res):
+    run = [dec(f"r{i}", 1.0, 1.0 - x) for i, x in enumerate(run_res)]
+    wait = sorted((new(f"w{i}", 4, slo=1.0, pending=1.0 - x) for i, x in enumerate(wait_res)),
+                  key=lambda c: c.residual())
+    merged = two_queue_merge(run, wait, key=lambda c: c.residual())
+    assert [c.residual() for c in merged] == sorted(c.residual() for c in run + wait)
+    assert len(merged) == len(run) + len(wait)

@@ -1,0 +1,47 @@
+"""The server under --policy bros and rr: RT and BE batch work complete with the same greedy tokens
+as under FCFS, and /metrics shows the cost model's error and the pool by owner."""
+import asyncio
+import json
+import urllib.request
+
+import pytest
+
+from bench.mixed import run_mixed
+from bench.workloads import TraceItem
+from tests.server.conftest import API_KEY, start_server, stop_server
+from tests.server.test_load import metric
+
+PROMPTS = [[5 + i, 17, 33, 99, 7 * i + 1] for i in range(4)]
+
+
+def complete(server, prompt, tier=None) -> str:
+    body = {"model": server.model, "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "service_tier": tier}
+    req = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **server.headers()})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("policy", ["bros", "rr"])
+def test_policy_serves_mixed_work(policy, server, tiny_chat_model, tmp_path):
+    reference = [complete(server, p) for p in PROMPTS]            # the FCFS server
+    s = start_server(tiny_chat_model, tmp_path, "--policy", policy, "--slo-ttft-ms", "2000",
+                     "--slo-tbt-ms", "500")
+    try:
+        assert [complete(s, p, "flex" if i % 2 else None) for i, p in enumerate(PROMPTS)] == reference
+        rt = [TraceItem(0.3 * i, p, 12, "rt") for i, p in enumerate(PROMPTS)]
+        be = [TraceItem(0.0, list(range(40, 90 + i)), 6, "be") for i in range(6)]
+        recs, be_res = asyncio.run(run_mixed(s.url, s.model, rt, be, "tandem", be_mode="batches", job_size=3,
+                                             drain_s=60, api_key=API_KEY))
+        assert all(r.ok and r.output_tokens == 12 for r in recs)
+        assert be_res.output_tokens == 6 * be_res.completed
+        req = urllib.request.Request(s.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
+        text = urllib.request.urlopen(req).read().decode()
+        assert metric(text, "tandem:pool_blocks", owner="free") > 0
+        assert metric(text, "tandem:iteration_seconds_avg") > 0
+        if policy == "bros":
+            assert metric(text, "tandem:cost_model_observed_steps") > 0
+            assert 0 <= metric(text, "tandem:cost_model_error") < 10
+    finally:
+        assert stop_server(s) == 0
