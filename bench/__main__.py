@@ -58,6 +58,17 @@ def main() -> None:
     sm.add_argument("--seed", type=int, default=0)
     sm.add_argument("--ttft-factor", type=float, default=10.0)
     sm.add_argument("--tbt-factor", type=float, default=5.0)
+    sx = sub.add_parser("sim-mixed", help="simulated RT + always-pending BE jobs per policy (paper scale)")
+    sx.add_argument("--preset", default="opt13b", choices=["opt13b", "fitted"])
+    sx.add_argument("--policies", nargs="+", default=["fcfs", "rr", "bros"])
+    sx.add_argument("--rates", nargs="+", type=float, default=[1, 2, 3, 4])
+    sx.add_argument("--num-requests", type=int, default=1000)
+    sx.add_argument("--kv-tokens", type=int, default=40000, help="pool size in tokens (fitted preset)")
+    sx.add_argument("--max-num-seqs", type=int, default=256)
+    sx.add_argument("--be-job-size", type=int, default=32)
+    sx.add_argument("--seed", type=int, default=0)
+    sx.add_argument("--ttft-factor", type=float, default=10.0)
+    sx.add_argument("--tbt-factor", type=float, default=5.0)
     sv = sub.add_parser("sim-validate", help="simulate the trace of the last `online` run and compare")
     sv.add_argument("--max-num-seqs", type=int, default=64)
     sv.add_argument("--max-output", type=int, default=512)
@@ -66,9 +77,10 @@ def main() -> None:
     if args.cmd == "offline":
         from bench.offline import main as offline
         offline(args)
-    elif args.cmd in ("profile", "sim", "sim-validate"):
+    elif args.cmd in ("profile", "sim", "sim-validate", "sim-mixed"):
         from bench import sim_cli
-        {"profile": sim_cli.profile, "sim": sim_cli.sim, "sim-validate": sim_cli.sim_validate}[args.cmd](args)
+        {"profile": sim_cli.profile, "sim": sim_cli.sim, "sim-validate": sim_cli.sim_validate,
+         "sim-mixed": sim_cli.sim_mixed}[args.cmd](args)
     elif args.cmd == "online":
         from bench.online import main as online
         online(args)

@@ -133,6 +133,8 @@ def summarize(records: list[RequestRecord], duration_s: float) -> dict:
         out[cls] = {"requests": len(rs), "failed": len(rs) - len(ok),
                     "ttft_s": pct(r.ttft for r in ok), "tbt_s": pct(gaps), "tpot_s": pct(r.tpot for r in ok),
                     "normalized_latency_s": pct(r.normalized_latency for r in ok),
+                    "normalized_latency_mean_s": (sum(r.normalized_latency for r in ok) / len(ok)
+                                                  if ok else math.nan),
                     "requests_per_s": len(ok) / duration_s if duration_s else math.nan,
                     "tokens_per_s": tokens / duration_s if duration_s else math.nan}
     return out

@@ -95,6 +95,65 @@ def sim(args) -> None:
     print(f"wrote {out}")
 
 
+def sim_mixed(args) -> None:
+    """RT ShareGPT at each rate with BE batch jobs always pending, per policy, at paper scale."""
+    from dataclasses import replace
+    from bench.plots import attainment_vs_rate, rt_latency_vs_be_throughput
+    from bench.simulator import BeJobs
+    from bench.workloads import synthetic_be
+    RESULTS.mkdir(exist_ok=True)
+    tok = _tokenizer()
+    cost = OPT_13B_A100 if args.preset == "opt13b" else load_fitted()[0]
+    kv_tokens = OPT_13B_A100_KV_TOKENS if args.preset == "opt13b" else args.kv_tokens
+    ttft_slo, tbt_slo, ttft0, tbt0 = slos(cost, args.ttft_factor, args.tbt_factor)
+    print(f"cost model {args.preset}; SLOs TTFT {ttft_slo:.3f} s, TBT {tbt_slo:.3f} s; {args.num_requests} RT "
+          f"ShareGPT requests per rate; BE: jobs of {args.be_job_size} synthetic requests (512-1024 in, "
+          f"32-128 out), the next when one completes")
+    be_items = synthetic_be(256, args.seed + 1, len(tok))
+    rows = []
+    for policy in args.policies:
+        setup = SimSetup(cost, PoolGeometry(2 * kv_tokens // 16, 16),
+                         SchedConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048, policy=policy),
+                         2048, slo_ttft_s=ttft_slo, slo_tbt_s=tbt_slo)
+        for rate in args.rates:
+            trace = sharegpt_trace(tok, rate, args.num_requests / rate, args.seed, max_context=2048,
+                                   max_output_tokens=1024)
+            be = BeJobs(be_items, args.be_job_size)
+            recs, makespan = simulate(trace, setup, be)
+            row = {"system": policy, "rate": rate, "requests": len(recs), "makespan_s": makespan,
+                   "attain_apt": attainment(recs, lambda r: meets_apt(r, ttft_slo, tbt_slo)),
+                   "attain_bros": attainment(recs, lambda r: meets_bros(r, ttft_slo, tbt_slo)),
+                   "summary": summarize(recs, makespan),
+                   "be": {"completed": be.completed, "output_tokens": be.output_tokens,
+                          "tokens_per_s": be.output_tokens / makespan, "requests_per_s": be.completed / makespan}}
+            rows.append(row)
+            s = row["summary"]["rt"]
+            print(f"  {policy:>5} @ {rate:g} req/s: RT attainment {row['attain_bros']:.0%} (TTFT & TPOT), "
+                  f"{row['attain_apt']:.0%} (TTFT & P99 TBT); RT norm. latency p50 "
+                  f"{s['normalized_latency_s'][50] * 1e3:.1f} ms/tok; BE {row['be']['tokens_per_s']:.0f} tok/s",
+                  flush=True)
+    out = RESULTS / f"sim_mixed_{args.preset}.json"
+    out.write_text(json.dumps({"preset": args.preset, "slo": {"ttft_s": ttft_slo, "tbt_s": tbt_slo},
+                               "be_job_size": args.be_job_size, "rows": rows}, indent=2))
+    attainment_vs_rate(rows, RESULTS / f"sim_mixed_{args.preset}_attainment.png",
+                       f"{args.preset}: RT attainment with BE always pending (simulated)")
+    rt_latency_vs_be_throughput(rows, RESULTS / f"sim_mixed_{args.preset}_rt_vs_be.png",
+                                f"{args.preset}: RT latency vs BE throughput (simulated)")
+    print_mixed_table(rows)
+    print(f"wrote {out}")
+
+
+def print_mixed_table(rows: list[dict]) -> None:
+    print("\n| policy | RT rate | RT TTFT & TPOT | RT TTFT & P99 TBT | RT norm. latency p50 / mean ms/tok "
+          "| BE tok/s | BE req/s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        s = r["summary"]["rt"]
+        print(f"| {r['system']} | {r['rate']:g} | {r['attain_bros']:.0%} | {r['attain_apt']:.0%} | "
+              f"{s['normalized_latency_s'][50] * 1e3:.1f} / {s['normalized_latency_mean_s'] * 1e3:.1f} | "
+              f"{r['be']['tokens_per_s']:.0f} | {r['be']['requests_per_s']:.2f} |")
+
+
 def sim_validate(args) -> None:
     """Replay the traces of a `bench online` run (tandem rows) in the simulator with the fitted cost
     model, with and without the measured step-time spread, and compare attainment with the real one."""

@@ -8,14 +8,14 @@ and the step ends with the slowest. Tokens are dummies (id 0, never a stop id).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from bench.metrics import RequestRecord
 from bench.workloads import TraceItem
 from cache import PoolGeometry
 from engine.messages import Phase, StepInput, StepOutput
 from engine.params import SamplingParams
-from sched.cost_model import CostModel, StepShape
+from sched.cost_model import CostModel, OnlineCostModel, StepShape
 from sched.request import Request, ServiceClass
 from sched.scheduler import SchedConfig, Scheduler
 
@@ -76,37 +76,81 @@ class SimSetup:
     # (seeded), so the simulated step times have the real spread, not only the fitted mean
     noise: tuple[float, ...] = ()
     seed: int = 0
+    slo_ttft_s: float | None = None   # given to every RT request (the policy's deadlines)
+    slo_tbt_s: float | None = None
 
 
-def simulate(trace: list[TraceItem], setup: SimSetup) -> tuple[list[RequestRecord], float]:
-    """Replay ``trace`` (arrival offsets in seconds); returns per-request records and the makespan."""
+@dataclass
+class BeJobs:
+    """Best-effort work as batch jobs: ``job_size`` items submitted together, the next job when the
+    previous one has finished (items are cycled). The run then ends when the last RT request ends."""
+    items: list[TraceItem]
+    job_size: int
+    submitted: int = 0
+    completed: int = 0
+    output_tokens: int = 0
+
+
+def simulate(trace: list[TraceItem], setup: SimSetup,
+             be: BeJobs | None = None) -> tuple[list[RequestRecord], float]:
+    """Replay ``trace`` (arrival offsets in seconds); returns per-request records and the makespan.
+
+    With ``be``, BE jobs are kept pending alongside; only their completed counts are kept (in ``be``).
+    """
     clock = SimClock()
     devices = [SimDevice(f"sim{i}", setup.geometry, setup.cost, clock, setup.noise, setup.seed + i)
                for i in range(setup.num_devices)]
-    sched = Scheduler(setup.sched, devices, eos_ids=(), max_model_len=setup.max_model_len, clock=clock)
+    cost = OnlineCostModel(setup.cost, refit_every=1 << 60) if setup.sched.policy == "bros" else None
+    cfg = setup.sched if setup.sched.rt_budget_s is not None else replace(setup.sched, rt_budget_s=setup.slo_tbt_s)
+    sched = Scheduler(cfg, devices, eos_ids=(), max_model_len=setup.max_model_len, clock=clock,
+                      cost=cost)
     items = sorted(trace, key=lambda it: it.arrival_s)
     recs: dict[str, RequestRecord] = {}
     order: list[RequestRecord] = []
+    be_open: set[str] = set()
+    be_tokens: dict[str, int] = {}
+
+    def add(rid: str, it: TraceItem, at: float) -> None:
+        rt = it.service_class == "rt"
+        sched.add(Request(rid, it.prompt_ids, SamplingParams(max_tokens=it.max_tokens, temperature=0,
+                                                             ignore_eos=True),
+                          ServiceClass(it.service_class), arrival_time=at,
+                          slo_ttft_s=setup.slo_ttft_s if rt else None, slo_tbt_s=setup.slo_tbt_s if rt else None))
     i = 0
-    while i < len(items) or sched.has_unfinished():
+    trace_left = len(items)
+    while i < len(items) or (sched.has_unfinished() if be is None else trace_left > 0):
         while i < len(items) and items[i].arrival_s <= clock.t:
             it = items[i]
             rid = f"r{i}"
-            sched.add(Request(rid, it.prompt_ids, SamplingParams(max_tokens=it.max_tokens, temperature=0,
-                                                                 ignore_eos=True),
-                              ServiceClass(it.service_class), arrival_time=it.arrival_s))
+            add(rid, it, it.arrival_s)
             recs[rid] = RequestRecord(it.service_class, it.arrival_s)
             order.append(recs[rid])
             i += 1
+        if be is not None and not be_open:
+            for _ in range(be.job_size):
+                it = be.items[be.submitted % len(be.items)]
+                rid = f"be{be.submitted}"
+                add(rid, it, clock.t)
+                be_open.add(rid)
+                be.submitted += 1
         if not sched.has_unfinished():
             clock.t = items[i].arrival_s
             continue
         before = clock.t
         for u in sched.step():
+            if u.req_id in be_open:
+                if u.finish_reason is not None:
+                    be_open.discard(u.req_id)
+                    be.completed += 1
+                    be.output_tokens += len(u.new_token_ids) + be_tokens.pop(u.req_id, 0)
+                else:
+                    be_tokens[u.req_id] = be_tokens.get(u.req_id, 0) + len(u.new_token_ids)
+                continue
             r = recs[u.req_id]
             r.token_times.extend([clock.t] * len(u.new_token_ids))
             if u.finish_reason is not None:
                 r.end, r.output_tokens = clock.t, len(r.token_times)
+                trace_left -= 1
         if clock.t == before:          # nothing could run: jump to the next arrival (or stop)
             if i >= len(items):
                 raise RuntimeError("simulation stalled with requests that can never be scheduled")

@@ -61,7 +61,7 @@ class LLM:
                  max_model_len: int | None = None, threads_per_worker: int | None = None,
                  cache_dir: str | os.PathLike | None = None, compile: bool = False,
                  cpu_kernels: bool = True, omp_wait_policy: str | None = None,
-                 policy: str = "fcfs"):
+                 policy: str = "fcfs", rt_budget_s: float | None = None):
         self._workers: list[WorkerHandle] = []
         if dtype not in DTYPES:
             raise ValueError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)}")
@@ -103,7 +103,7 @@ class LLM:
             raise
         detok = self.detokenize if self.tokenizer is not None else None
         self.scheduler = Scheduler(
-            SchedConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, "fcfs"),
+            SchedConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, "fcfs", rt_budget_s),
             self._workers, self.spec.eos_token_ids, self.max_model_len, detok)
         try:
             if policy in ("bros",):         # policies that price iterations: profile first (seconds)

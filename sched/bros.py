@@ -9,7 +9,8 @@ Per iteration (Algorithm 1):
      TTFT target) -- a two-way merge instead of a global sort.
   2. RT requests are taken while the batch has room (B_curr), blocks can be found (by
      preempting best-effort work if needed) and the predicted iteration time C(batch) stays
-     within T_res_min = min_i res_i. The first failure of the time check is the *early
+     within T_res_min = min_i res_i (over requests that can still make it: see _budget).
+     The first failure of the time check is the *early
      return*. [open choice] The most urgent RT request is always taken, even when it alone
      cannot make its deadline (otherwise a late request would starve forever), and a prefill
      chunk that does not fit the time budget is shortened to the longest chunk that does.
@@ -19,6 +20,8 @@ Per iteration (Algorithm 1):
      request's slack after this iteration still covers one average iteration].
   4. Adaptive batch size (TCP-like): B_curr resets to B_base after an early return and
      doubles otherwise, never above max_num_seqs.
+  5. [open choice] Without RT requests an iteration is bounded by the tightest RT target
+     seen so far, so an RT arrival never waits behind an unbounded BE iteration.
 """
 from __future__ import annotations
 
@@ -75,7 +78,7 @@ class Bros:
     name = "bros"
 
     def __init__(self, cost: CostFn, max_num_seqs: int, b_base: int | None = None,
-                 min_chunk: int = 16, safeguard: bool = True):
+                 min_chunk: int = 16, safeguard: bool = True, idle_budget_s: float | None = None):
         self.cost = cost
         self.max_num_seqs = max_num_seqs
         # [open choice] the paper's B_base is 128 of a 256-sequence vLLM; keep that ratio
@@ -84,6 +87,10 @@ class Bros:
         self.min_chunk = min_chunk
         self.safeguard = safeguard
         self.last_early = False
+        # [open choice] with no RT request present an iteration is still bounded, by the tightest
+        # RT target seen so far (or this budget): an RT request arriving meanwhile waits at most
+        # one such iteration instead of a whole unbounded BE batch
+        self.idle_budget_s = idle_budget_s
 
     # ---- helpers ---------------------------------------------------------------
     def _time(self, items: list[tuple[Candidate, int]]) -> float:
@@ -101,6 +108,21 @@ class Bros:
             else:
                 hi = mid - 1
         return lo if lo >= min(self.min_chunk, n) and lo < n else 0
+
+    def _budget(self, q_rt, res) -> float:
+        """T_res_min over the RT requests that can still make their deadline.
+
+        [open choice] A request whose residual is below the cheapest possible iteration is
+        late whatever happens; letting it set the budget would shrink every iteration to one
+        request and turn lateness into collapse. Late requests are still served first (they
+        sort first), inside the budget of those that can be saved, or, if none can, of the
+        tightest RT target seen.
+        """
+        floor = self.cost(StepShape().add(1, 1, True), 0)
+        feasible = [res(c) for c in q_rt if res(c) >= floor]
+        if feasible:
+            return min(feasible)
+        return self.idle_budget_s or math.inf
 
     def _make_room(self, c: Candidate, n: int, snap: Snapshot, budget: BlockBudget, plan: Plan,
                    taken: set[str], t_avg: float) -> bool:
@@ -127,7 +149,10 @@ class Bros:
         budget = BlockBudget(snap)
         res = lambda c: c.residual(t_avg)  # noqa: E731
         q_rt = deque(two_queue_merge([c for c in snap.running if c.rt], [c for c in snap.waiting if c.rt], res))
-        t_res_min = res(q_rt[0]) if q_rt else math.inf
+        slos = [c.slo_s for c in q_rt if c.slo_s is not None]
+        if slos:
+            self.idle_budget_s = min(slos + ([self.idle_budget_s] if self.idle_budget_s else []))
+        t_res_min = self._budget(q_rt, res)
         tokens_left = lim.max_num_batched_tokens
         rt_ready: list[tuple[Candidate, int]] = []
         taken: set[str] = set()
@@ -206,7 +231,9 @@ class Bros:
 
 class RoundRobin:
     """BROS's second baseline: alternate RT and BE iterations (FCFS within the class); a class
-    with nothing to do gives its turn to the other."""
+    with nothing to do gives its turn to the other. When the turn's class cannot run for lack
+    of blocks, the other class's running requests are preempted (latest arrival first) before
+    its own."""
 
     name = "rr"
 
@@ -215,12 +242,28 @@ class RoundRobin:
 
     def __call__(self, snap: Snapshot) -> Plan:
         for rt in (self.turn_rt, not self.turn_rt):
-            sub = Snapshot([c for c in snap.running if c.rt == rt], [c for c in snap.waiting if c.rt == rt],
-                           snap.num_free_blocks, snap.block_size, snap.blocks_per_token_block, snap.limits,
-                           snap.t_avg)
-            if sub.running or sub.waiting:
-                plan = fcfs(sub)
-                if plan.scheduled or plan.preempted:
-                    self.turn_rt = not rt
-                    return plan
+            plan = self._class_plan(snap, rt)
+            if plan.scheduled or plan.preempted:
+                self.turn_rt = not rt
+                return plan
         return Plan()
+
+    @staticmethod
+    def _class_plan(snap: Snapshot, rt: bool) -> Plan:
+        running = [c for c in snap.running if c.rt == rt]
+        waiting = [c for c in snap.waiting if c.rt == rt]
+        if not running and not waiting:
+            return Plan()
+        others = sorted((c for c in snap.running if c.rt != rt), key=lambda c: -c.arrival)
+        free, taken = snap.num_free_blocks, []
+        while True:
+            plan = fcfs(Snapshot(running, waiting, free, snap.block_size, snap.blocks_per_token_block,
+                                 snap.limits, snap.t_avg))
+            if (plan.scheduled and not plan.preempted) or not others:
+                for v in taken:
+                    plan.reasons[v] = "preempted: its blocks went to the other class's turn"
+                plan.preempted[:0] = taken
+                return plan
+            v = others.pop(0)
+            taken.append(v.req_id)
+            free += v.num_blocks

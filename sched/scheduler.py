@@ -38,6 +38,7 @@ class SchedConfig:
     max_num_batched_tokens: int = 2048
     chunked_prefill: bool = True
     policy: str = "fcfs"
+    rt_budget_s: float | None = None   # tightest RT latency target (bounds BROS iterations without RT)
 
 
 @dataclass(slots=True)
@@ -75,7 +76,7 @@ def make_policy(cfg: SchedConfig, cost: OnlineCostModel | None):
     if cfg.policy == "bros":
         if cost is None:
             raise ValueError("policy: bros needs a cost model (profile the engine first)")
-        return Bros(cost, cfg.max_num_seqs)
+        return Bros(cost, cfg.max_num_seqs, idle_budget_s=cfg.rt_budget_s)
     raise ValueError(f"policy: {cfg.policy!r} is not one of {list(POLICIES)}")
 
 

@@ -77,7 +77,8 @@ def main(argv=None) -> None:
     def build_engine() -> AsyncEngine:
         llm = LLM(cfg.model, cfg.devices, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
                   max_num_batched_tokens=cfg.max_num_batched_tokens,
-                  kv_cache_bytes=cfg.kv_cache_bytes, policy=cfg.policy)
+                  kv_cache_bytes=cfg.kv_cache_bytes, policy=cfg.policy,
+                  rt_budget_s=cfg.slo_tbt_ms / 1000)
         return AsyncEngine(llm)
 
     app = create_app(cfg, build_engine)

@@ -50,3 +50,29 @@ def test_noise_scales_each_step_by_a_drawn_ratio():
     assert set(round(g, 6) for g in r.gaps) == {0.01, 0.03}       # both ratios drawn, nothing else
     (r2,), _ = simulate(trace, SimSetup(**{**base.__dict__, "noise": (1.0, 3.0), "seed": 7}))
     assert r2.gaps == r.gaps                                      # seeded
+
+
+def test_be_jobs_are_resubmitted_and_counted_until_the_trace_ends():
+    from bench.simulator import BeJobs
+    be = BeJobs([TraceItem(0.0, list(range(10)), 3, "be")], job_size=2)
+    (r,), end = simulate([TraceItem(0.5, list(range(10)), 5, "rt")], setup(), be)
+    assert r.end == pytest.approx(end)
+    # every BE request: one 10-token prefill with its first token, then 2 decodes
+    assert be.completed >= 2 and be.output_tokens == 3 * be.completed
+    assert be.submitted - be.completed in (0, 2)         # only the last job may be unfinished
+
+
+def test_bros_keeps_rt_deadlines_that_fcfs_misses_behind_be_prefills():
+    """Long BE prompts (FCFS serves them in arrival order) vs BROS packing them around RT deadlines."""
+    from bench.simulator import BeJobs
+    from dataclasses import replace
+    rt = [TraceItem(0.05 + 0.2 * i, list(range(20)), 20, "rt") for i in range(10)]
+    results = {}
+    for policy in ("fcfs", "bros"):
+        be = BeJobs([TraceItem(0.0, list(range(400)), 4, "be")], job_size=4)
+        s = replace(setup(max_num_batched_tokens=2048, policy=policy), slo_ttft_s=0.1, slo_tbt_s=0.05)
+        recs, _ = simulate(rt, s, be)
+        results[policy] = (sum(r.ttft <= 0.1 and max(r.gaps) <= 0.05 + 1e-9 for r in recs), be.output_tokens)
+    # FCFS: an RT arriving behind a 1600-token BE job waits >= 1.6 s of prefill; BROS serves RT first
+    assert results["bros"][0] == 10 and results["fcfs"][0] < 10
+    assert results["bros"][1] > 0

@@ -36,13 +36,22 @@ def planned(plan):
 
 
 def test_most_urgent_first_and_early_return():
-    # residuals: a 0.05, b 0.2, c 0.013 -> order c, a, b; T_res_min = 0.013
-    # C(c) = 0.015 > 0.013: c cannot make it but is taken (alone); early return resets B_curr
+    # residuals: a 0.022, b 0.2, c 0.03 -> order a, c, b; T_res_min = 0.022
+    # C(a) = .015, C(a, c) = .02 fit; C(a, c, b) = .025 > .022: early return, B_curr reset
     p = Bros(cost, max_num_seqs=8, b_base=2)
     p.b_curr = 8
-    plan = p(snap(running=[dec("a", 0.1, 0.05), dec("b", 0.2, 0.0), dec("c", 0.1, 0.087)]))
-    assert planned(plan) == [("c", 1)]
+    plan = p(snap(running=[dec("a", 0.1, 0.078), dec("b", 0.2, 0.0), dec("c", 0.1, 0.07)]))
+    assert planned(plan) == [("a", 1), ("c", 1)]
     assert p.last_early and p.b_curr == 2
+
+
+def test_late_requests_do_not_set_the_budget():
+    # late: residual below the cheapest iteration (.015). They go first, but the budget is the
+    # feasible request's 0.03: C(late1, late2, ok) = .025 fits, one more decode (.03) still fits
+    late = [dec(f"late{i}", 0.1, 0.2 + 0.01 * i) for i in range(2)]
+    ok = dec("ok", 0.1, 0.07)
+    plan = Bros(cost, max_num_seqs=8)(snap(running=[ok, *late, dec("be", None, 0, rt=False)]))
+    assert planned(plan) == [("late1", 1), ("late0", 1), ("ok", 1), ("be", 1)]
 
 
 def test_rt_packed_while_the_time_budget_holds():
@@ -88,9 +97,20 @@ def test_no_replacement_when_the_rt_request_would_lose_its_slack():
     assert planned(plan) == [("a", 1), ("b", 1)]
 
 
-def test_late_rt_takes_the_iteration_and_be_waits():
-    plan = Bros(cost, max_num_seqs=8)(snap(running=[dec("late", 0.1, 0.3), dec("be", None, 0, rt=False)]))
-    assert planned(plan) == [("late", 1)]
+def test_all_late_rt_served_together_inside_the_tightest_target():
+    # nobody can make it: the budget is the tightest target seen (0.025): three decodes (.025)
+    # run together; the BE decode would make it .03 and replacing a late RT is not allowed
+    late = [dec(f"late{i}", 0.1, 0.3 + 0.01 * i) for i in range(3)]
+    p = Bros(cost, max_num_seqs=8, idle_budget_s=0.025)
+    plan = p(snap(running=[*late, dec("be", None, 0, rt=False)]))
+    assert planned(plan) == [("late2", 1), ("late1", 1), ("late0", 1)]
+
+
+def test_without_rt_an_iteration_is_bounded_by_the_tightest_target():
+    # idle budget 0.1: a 500-token BE prompt is cut to 90 tokens (.01 + .09)
+    p = Bros(cost, max_num_seqs=8, idle_budget_s=0.1)
+    assert planned(p(snap(waiting=[new("be", 500, rt=False)]))) == [("be", 90)]
+    assert planned(Bros(cost, max_num_seqs=8)(snap(waiting=[new("be", 500, rt=False)]))) == [("be", 500)]
 
 
 def test_rt_preempts_best_effort_blocks_least_computed_first():
@@ -111,7 +131,7 @@ def test_adaptive_batch_doubles_until_max_then_resets_on_early_return():
         p(easy)
         sizes.append(p.b_curr)
     assert sizes == [4, 8, 16, 16, 16]
-    p(snap(running=[dec("a", 0.1, 0.09), dec("b", 0.1, 0.0)]))     # res 0.01 < C: early
+    p(snap(running=[dec(x, 0.1, 0.08) for x in "abc"]))          # C(3 decodes) .025 > res .02: early
     assert p.b_curr == 2
 
 
@@ -133,3 +153,10 @@ def test_two_queue_merge_is_a_global_sort(run_res, wait_res):
     merged = two_queue_merge(run, wait, key=lambda c: c.residual())
     assert [c.residual() for c in merged] == sorted(c.residual() for c in run + wait)
     assert len(merged) == len(run) + len(wait)
+
+
+def test_round_robin_takes_blocks_from_the_other_class_first():
+    # RT's turn; the waiting RT prompt needs 4 blocks; none free; BE holds 4: BE is preempted
+    be = Candidate("be", 9, 8, 4, 0.0, False, None, 0.0)
+    plan = RoundRobin()(snap(running=[be], waiting=[new("rt", 8, slo=1.0, arrival=1.0)], free=0))
+    assert plan.preempted == ["be"] and planned(plan) == [("rt", 8)]
