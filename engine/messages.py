@@ -58,6 +58,17 @@ class NewRequest:
     sampling: SamplingSpec
 
 
+@dataclass(frozen=True, slots=True)
+class SlotCopy:
+    """One token's K/V moving between a pool slot and the worker's CPU store (bidirectional
+    blocks: a BE token checkpointed before an RT owner overwrites it, or swapped back in).
+    Token-block ``block`` is the physical (K, V) block pair (2*block, 2*block + 1)."""
+    req_id: str
+    token: int                  # index of the token in its request
+    block: int                  # token-block
+    slot: int                   # physical slot in it, 0..block_size-1
+
+
 @dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of an iteration (only the difference since last time)."""
@@ -67,6 +78,7 @@ class ScheduledRequest:
     new_block_ids: list[int]    # physical blocks appended to its block table, in order
     new_directions: list[Direction]  # one per new block
     sample: bool                # whether this step ends at the last known token
+    new_slots: list[tuple[int, int]] | None = None   # bidirectional pools: (token-block, slot) per new token
 
 
 @dataclass(slots=True)
@@ -78,6 +90,10 @@ class StepInput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     reset_ids: list[str] = field(default_factory=list)    # preempted: drop cache state, keep tokens
     finished_ids: list[str] = field(default_factory=list)  # drop entirely
+    # run before the forward, in this order: copy these slots out to the CPU store, then copy
+    # stored tokens into their new slots (a token may be copied out and back in the same step)
+    checkpoints: list[SlotCopy] = field(default_factory=list)
+    swap_ins: list[SlotCopy] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -25,10 +25,12 @@ class ReqState:
     slots: torch.Tensor         # [2, capacity] long: pool rows of K (row 0) and V (row 1) per token
     capacity: int               # tokens the block table can hold
     sampling: SamplingSpec
+    cpu: dict | None = None     # token index -> its K/V [2, layers, kv_heads, head_dim], checkpointed
 
     def clear_cache(self) -> None:
         self.num_computed = self.capacity = 0
         self.slots = torch.empty(2, 0, dtype=torch.long)
+        self.cpu = {}
 
 
 def block_offsets(block_size: int, direction: Direction) -> torch.Tensor:
@@ -74,6 +76,35 @@ class ModelRunner:
         st.slots = torch.cat([st.slots, new], dim=1)
         st.capacity += new.shape[1]
 
+    def _append_slots(self, st: ReqState, slots: list[tuple[int, int]]) -> None:
+        """Bidirectional pools: explicit (token-block, physical slot) per new token."""
+        if slots:
+            st.slots = torch.cat([st.slots, self._rows(slots)], dim=1)
+            st.capacity += len(slots)
+
+    def _rows(self, slots) -> torch.Tensor:
+        """[2, n] pool rows of K and V for (token-block, slot) pairs: blocks 2t and 2t+1."""
+        t = torch.tensor(slots, dtype=torch.long).view(-1, 2)
+        B = self.block_size
+        return torch.stack([2 * t[:, 0] * B + t[:, 1], (2 * t[:, 0] + 1) * B + t[:, 1]])
+
+    def _move_slots(self, inp: StepInput) -> None:
+        """Checkpoint slots to the CPU store, then swap stored tokens into their new slots."""
+        if inp.checkpoints:
+            rows = self._rows([(c.block, c.slot) for c in inp.checkpoints]).to(self.device)
+            k = self.pool[:, :, rows[0], :].cpu()           # [layers, kv_heads, n, head_dim]
+            v = self.pool[:, :, rows[1], :].cpu()
+            for j, c in enumerate(inp.checkpoints):
+                self.reqs[c.req_id].cpu[c.token] = torch.stack([k[:, :, j], v[:, :, j]])
+        if inp.swap_ins:
+            rows = self._rows([(c.block, c.slot) for c in inp.swap_ins])
+            kv = torch.stack([self.reqs[c.req_id].cpu.pop(c.token) for c in inp.swap_ins], dim=3)
+            dev_rows = rows.to(self.device)
+            self.pool[:, :, dev_rows[0], :] = kv[0].to(self.device, self.pool.dtype)
+            self.pool[:, :, dev_rows[1], :] = kv[1].to(self.device, self.pool.dtype)
+            for j, c in enumerate(inp.swap_ins):
+                self.reqs[c.req_id].slots[:, c.token] = rows[:, j]
+
     def _apply_bookkeeping(self, inp: StepInput) -> None:
         for rid in inp.finished_ids:
             self.reqs.pop(rid, None)
@@ -85,6 +116,7 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------
     def step(self, inp: StepInput) -> StepOutput:
         self._apply_bookkeeping(inp)
+        self._move_slots(inp)
         if not inp.scheduled:
             return StepOutput(inp.step_id, {}, 0, 0.0, 0.0)
         t0 = time.perf_counter()
@@ -92,6 +124,7 @@ class ModelRunner:
         decodes = [s for s in inp.scheduled if s.phase is Phase.DECODE]
         for s in inp.scheduled:
             self._append_blocks(self.reqs[s.req_id], s.new_block_ids, s.new_directions)
+            self._append_slots(self.reqs[s.req_id], s.new_slots)
         ids, pos, batch, rows, samplers = self._build(prefills, decodes)
         specs = [self.reqs[r].sampling for r in samplers]
         ngen = [len(self.reqs[r].token_ids) - self.reqs[r].num_prompt for r in samplers]
@@ -159,6 +192,8 @@ class ModelRunner:
 
     @staticmethod
     def _check(rid: str, st: ReqState, need: int) -> None:
+        if st.cpu and min(st.cpu) < need:
+            raise RuntimeError(f"request {rid}: token {min(st.cpu)} is checkpointed on the CPU, not swapped in")
         if need > st.capacity:
             raise RuntimeError(f"request {rid}: block table holds {st.capacity} tokens, step needs {need}")
         if need > len(st.token_ids):

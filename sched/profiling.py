@@ -15,7 +15,7 @@ from sched.request import Request
 
 # (requests, prompt tokens, output tokens): prefills alone, then decode batches
 PLAN = [(1, 32, 1), (1, 128, 1), (1, 512, 1), (1, 1024, 1), (2, 256, 1),
-        (1, 64, 8), (8, 64, 8), (8, 512, 8), (32, 128, 8), (16, 1024, 4)]
+        (1, 64, 8), (8, 64, 8), (4, 512, 8), (32, 128, 8)]
 
 
 def profile_cost(scheduler, vocab_size: int, seed: int = 0) -> OnlineCostModel:

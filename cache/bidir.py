@@ -1,0 +1,292 @@
+"""Bidirectional blocks with lazy checkpointing (BROS §5, SPEC §2.5): the bookkeeping.
+
+The pool is cut into token-blocks of S slots; token-block ``t`` is the (K, V) pair of
+physical blocks (2t, 2t+1). A token-block has at most one RT owner, filling slots
+left to right from 0, and one BE owner, filling right to left from S-1 (its logical
+offset o sits at physical slot S-1-o: Direction.RIGHT).
+
+Every request keeps a slot map: for each of its tokens, the (token-block, physical
+slot) holding its K/V, or None while that token is checkpointed on the CPU.
+
+  RT growth (FindPreemptBlock), per token:
+    1. an empty slot in its last block;
+    2. else a free block;
+    3. else, if its last block is shared with a BE owner: overwrite the BE token at the
+       meeting point (BE's most recent token in that block) -- lazy checkpointing: that one
+       token is recorded for copy-out to the CPU *before* the step writes the slot;
+    4. else preempt the BE-only block with the most empty slots (becoming its RT owner);
+    5. else fail (the caller drops requests to the CPU).
+  BE growth (FindBlock), per token: an empty slot in its last block, else a new block
+  with the most empty slots (free blocks first, then RT-owned blocks with no BE owner);
+  BE never overwrites RT.
+  Swap-in: a BE (or dropped) request's checkpointed tokens get slots by the BE rule
+  (RT rule for RT requests) and are recorded for copy-in before the step.
+  Drop: every on-device token of a request is recorded for copy-out and its slots freed.
+
+Nothing here touches tensors: the caller turns the recorded copies into engine work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.messages import SlotCopy
+
+
+@dataclass(slots=True)
+class TokenBlock:
+    rt_id: str | None = None
+    rt_fill: int = 0
+    be_id: str | None = None
+    be_fill: int = 0
+    preempted: bool = False       # BE slots here were overwritten by the RT owner (or taken by it)
+
+    def empty(self, size: int) -> int:
+        return size - self.rt_fill - self.be_fill
+
+
+@dataclass(slots=True)
+class _Seq:
+    rt: bool
+    slots: list[tuple[int, int] | None] = field(default_factory=list)   # per token
+    blocks: list[int] = field(default_factory=list)                     # token-blocks used, in order
+
+    @property
+    def num_cpu(self) -> int:
+        return sum(s is None for s in self.slots)
+
+
+@dataclass(slots=True)
+class Growth:
+    """What one grow/swap-in did: slots for the new tokens, and the copies to run first."""
+    slots: list[tuple[int, int]] = field(default_factory=list)      # (token-block, slot) per token
+    checkpoints: list[SlotCopy] = field(default_factory=list)       # copy out before the step
+    swap_ins: list[SlotCopy] = field(default_factory=list)          # copy in before the step
+
+
+class BidirectionalPool:
+    def __init__(self, num_token_blocks: int, block_size: int):
+        self.size = block_size
+        self.blocks = [TokenBlock() for _ in range(num_token_blocks)]
+        self.free: set[int] = set(range(num_token_blocks))
+        self.seqs: dict[str, _Seq] = {}
+        self.preemption_table: list[tuple[int, str, str, int]] = []   # (block, rt_id, be_id, slot)
+
+    # ---- queries ---------------------------------------------------------------
+    def num_tokens(self, rid: str) -> int:
+        s = self.seqs.get(rid)
+        return len(s.slots) if s else 0
+
+    def num_cpu(self, rid: str) -> int:
+        s = self.seqs.get(rid)
+        return s.num_cpu if s else 0
+
+    def slots_of(self, rid: str) -> list[tuple[int, int] | None]:
+        return list(self.seqs[rid].slots)
+
+    def empty_slots(self) -> int:
+        return sum(b.empty(self.size) for b in self.blocks)
+
+    def view(self) -> dict[str, int]:
+        """Token-blocks by owner (rt, be, shared, free) and checkpointed tokens."""
+        v = {"rt": 0, "be": 0, "shared": 0, "free": len(self.free),
+             "checkpointed": sum(s.num_cpu for s in self.seqs.values())}
+        for b in self.blocks:
+            if b.rt_id and b.be_id:
+                v["shared"] += 1
+            elif b.rt_id:
+                v["rt"] += 1
+            elif b.be_id:
+                v["be"] += 1
+        return v
+
+    # ---- growth ------------------------------------------------------------------
+    def grow(self, rid: str, num_tokens: int, rt: bool) -> Growth | None:
+        """Give ``rid`` slots up to ``num_tokens`` tokens (checkpointed ones swapped in first);
+        None, with nothing changed, if the pool cannot."""
+        seq = self.seqs.get(rid)
+        if seq is not None and seq.rt != rt:
+            raise ValueError(f"request {rid} is {'RT' if seq.rt else 'BE'}, asked to grow as the other")
+        self._begin()
+        self._touch_seq(rid)
+        if seq is None:
+            seq = self.seqs[rid] = _Seq(rt)
+        g = Growth()
+        for t, s in enumerate(seq.slots):
+            if s is None:
+                slot = self._take(rid, seq, g)
+                if slot is None:
+                    self._rollback()
+                    return None
+                seq.slots[t] = slot
+                g.swap_ins.append(SlotCopy(rid, t, *slot))
+        while len(seq.slots) < num_tokens:
+            slot = self._take(rid, seq, g)
+            if slot is None:
+                self._rollback()
+                return None
+            seq.slots.append(slot)
+            g.slots.append(slot)
+        self._journal = None
+        return g
+
+    def _take(self, rid: str, seq: _Seq, g: Growth) -> tuple[int, int] | None:
+        return self._take_rt(rid, seq, g) if seq.rt else self._take_be(rid, seq)
+
+    def _take_rt(self, rid: str, seq: _Seq, g: Growth) -> tuple[int, int] | None:
+        last = seq.blocks[-1] if seq.blocks else None
+        if last is not None and self.blocks[last].rt_id == rid and self.blocks[last].empty(self.size) > 0:
+            return self._place_rt(rid, last)
+        if self.free:
+            return self._place_rt(rid, self._claim(seq))
+        if last is not None and self.blocks[last].rt_id == rid and self.blocks[last].be_fill > 0:
+            self._overwrite_be(last, g)
+            return self._place_rt(rid, last)
+        be_only = [i for i, b in enumerate(self.blocks) if b.be_id is not None and b.rt_id is None]
+        if not be_only:
+            return None
+        i = max(be_only, key=lambda i: (self.blocks[i].empty(self.size), -i))
+        self._touch_block(i).preempted = True
+        seq.blocks.append(i)
+        if self.blocks[i].empty(self.size) == 0:
+            self._overwrite_be(i, g)
+        return self._place_rt(rid, i)
+
+    def _place_rt(self, rid: str, i: int) -> tuple[int, int]:
+        b = self._touch_block(i)
+        b.rt_id = rid
+        slot = b.rt_fill
+        b.rt_fill += 1
+        return i, slot
+
+    def _overwrite_be(self, i: int, g: Growth) -> None:
+        """The meeting point: checkpoint BE's most recent token in block i, freeing its slot."""
+        b = self._touch_block(i)
+        slot = self.size - b.be_fill
+        self._touch_seq(b.be_id)
+        be = self.seqs[b.be_id]
+        t = be.slots.index((i, slot))
+        be.slots[t] = None
+        g.checkpoints.append(SlotCopy(b.be_id, t, i, slot))
+        self.preemption_table.append((i, b.rt_id, b.be_id, slot))
+        b.be_fill -= 1
+        b.preempted = True
+        if b.be_fill == 0:
+            be.blocks.remove(i)
+            b.be_id = None
+
+    def _take_be(self, rid: str, seq: _Seq) -> tuple[int, int] | None:
+        last = seq.blocks[-1] if seq.blocks else None
+        if last is not None and self.blocks[last].be_id == rid and self.blocks[last].empty(self.size) > 0:
+            return self._place_be(rid, last)
+        if self.free:
+            return self._place_be(rid, self._claim(seq))
+        cands = [i for i, b in enumerate(self.blocks) if b.be_id is None and b.empty(self.size) > 0]
+        if not cands:
+            return None
+        i = max(cands, key=lambda i: (self.blocks[i].empty(self.size), -i))
+        seq.blocks.append(i)
+        return self._place_be(rid, i)
+
+    def _place_be(self, rid: str, i: int) -> tuple[int, int]:
+        b = self._touch_block(i)
+        b.be_id = rid
+        b.be_fill += 1
+        return i, self.size - b.be_fill
+
+    def _claim(self, seq: _Seq) -> int:
+        i = self.free.pop()
+        seq.blocks.append(i)
+        return i
+
+    # ---- release -------------------------------------------------------------------
+    def free_request(self, rid: str) -> None:
+        """Forget rid: its slots (and checkpointed tokens) are released."""
+        seq = self.seqs.pop(rid, None)
+        if seq is None:
+            return
+        for i in set(seq.blocks):
+            self._leave(rid, i)
+
+    def drop(self, rid: str) -> list[SlotCopy]:
+        """Swap rid out whole: every on-device token is to be copied to the CPU, its slots freed."""
+        seq = self.seqs[rid]
+        out = [SlotCopy(rid, t, *s) for t, s in enumerate(seq.slots) if s is not None]
+        for i in set(seq.blocks):
+            self._leave(rid, i)
+        seq.slots = [None] * len(seq.slots)
+        seq.blocks = []
+        return out
+
+    def _leave(self, rid: str, i: int) -> None:
+        b = self.blocks[i]
+        if b.rt_id == rid:
+            b.rt_id, b.rt_fill = None, 0
+        if b.be_id == rid:
+            b.be_id, b.be_fill = None, 0
+        if b.rt_id is None and b.be_id is None:
+            b.preempted = False
+            self.free.add(i)
+
+    # ---- transactions: a failed grow leaves everything as it was ------------------------
+    _journal = None
+
+    def _begin(self) -> None:
+        self._journal = ({}, {}, set(self.free), len(self.preemption_table))
+
+    def _touch_block(self, i: int) -> TokenBlock:
+        b = self.blocks[i]
+        if self._journal is not None and i not in self._journal[0]:
+            self._journal[0][i] = TokenBlock(b.rt_id, b.rt_fill, b.be_id, b.be_fill, b.preempted)
+        return b
+
+    def _touch_seq(self, rid: str) -> None:
+        if self._journal is not None and rid not in self._journal[1]:
+            s = self.seqs.get(rid)
+            self._journal[1][rid] = None if s is None else _Seq(s.rt, list(s.slots), list(s.blocks))
+
+    def _rollback(self) -> None:
+        blocks, seqs, free, n = self._journal
+        for i, b in blocks.items():
+            self.blocks[i] = b
+        for rid, s in seqs.items():
+            if s is None:
+                self.seqs.pop(rid, None)
+            else:
+                self.seqs[rid] = s
+        self.free = free
+        del self.preemption_table[n:]
+        self._journal = None
+
+    # ---- invariants ------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Every slot owned at most once; fills match the slot maps; free blocks are empty;
+        RT slots form a prefix from the left, BE slots a prefix from the right; nothing leaks."""
+        S = self.size
+        owner: dict[tuple[int, int], tuple[str, int]] = {}
+        for rid, seq in self.seqs.items():
+            for t, s in enumerate(seq.slots):
+                if s is None:
+                    continue
+                if s in owner:
+                    raise AssertionError(f"slot {s} owned by {owner[s]} and {(rid, t)}")
+                owner[s] = (rid, t)
+                if s[0] not in seq.blocks:
+                    raise AssertionError(f"{rid}: token {t} in block {s[0]} not in its block list")
+        for i, b in enumerate(self.blocks):
+            if b.rt_fill + b.be_fill > S or b.rt_fill < 0 or b.be_fill < 0:
+                raise AssertionError(f"block {i}: fills {b.rt_fill} + {b.be_fill} exceed {S}")
+            if (i in self.free) != (b.rt_id is None and b.be_id is None):
+                raise AssertionError(f"block {i}: free-list membership disagrees with its owners")
+            for side, rid, fill, expect in (("rt", b.rt_id, b.rt_fill, range(b.rt_fill)),
+                                            ("be", b.be_id, b.be_fill, range(S - b.be_fill, S))):
+                held = {s for (blk, s), (r, _) in owner.items() if blk == i and r == rid} if rid else set()
+                if rid is None and fill:
+                    raise AssertionError(f"block {i}: {side} fill {fill} without an owner")
+                if rid is not None and held != set(expect):
+                    raise AssertionError(f"block {i}: {side} owner {rid} holds {sorted(held)}, fill says "
+                                         f"{list(expect)}")
+                if rid is not None and (rid not in self.seqs or self.seqs[rid].rt != (side == "rt")):
+                    raise AssertionError(f"block {i}: {side} owner {rid} is not a live {side} request")
+        used = sum(1 for (blk, _s) in owner)
+        if used != sum(b.rt_fill + b.be_fill for b in self.blocks):
+            raise AssertionError("slots owned by requests != slots counted in blocks")
