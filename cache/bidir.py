@@ -67,7 +67,7 @@ class BidirectionalPool:
     def __init__(self, num_token_blocks: int, block_size: int):
         self.size = block_size
         self.blocks = [TokenBlock() for _ in range(num_token_blocks)]
-        self.free: set[int] = set(range(num_token_blocks))
+        self.free_blocks: set[int] = set(range(num_token_blocks))
         self.seqs: dict[str, _Seq] = {}
         self.preemption_table: list[tuple[int, str, str, int]] = []   # (block, rt_id, be_id, slot)
 
@@ -88,7 +88,7 @@ class BidirectionalPool:
 
     def view(self) -> dict[str, int]:
         """Token-blocks by owner (rt, be, shared, free) and checkpointed tokens."""
-        v = {"rt": 0, "be": 0, "shared": 0, "free": len(self.free),
+        v = {"rt": 0, "be": 0, "shared": 0, "free": len(self.free_blocks),
              "checkpointed": sum(s.num_cpu for s in self.seqs.values())}
         for b in self.blocks:
             if b.rt_id and b.be_id:
@@ -136,7 +136,7 @@ class BidirectionalPool:
         last = seq.blocks[-1] if seq.blocks else None
         if last is not None and self.blocks[last].rt_id == rid and self.blocks[last].empty(self.size) > 0:
             return self._place_rt(rid, last)
-        if self.free:
+        if self.free_blocks:
             return self._place_rt(rid, self._claim(seq))
         if last is not None and self.blocks[last].rt_id == rid and self.blocks[last].be_fill > 0:
             self._overwrite_be(last, g)
@@ -178,7 +178,7 @@ class BidirectionalPool:
         last = seq.blocks[-1] if seq.blocks else None
         if last is not None and self.blocks[last].be_id == rid and self.blocks[last].empty(self.size) > 0:
             return self._place_be(rid, last)
-        if self.free:
+        if self.free_blocks:
             return self._place_be(rid, self._claim(seq))
         cands = [i for i, b in enumerate(self.blocks) if b.be_id is None and b.empty(self.size) > 0]
         if not cands:
@@ -194,7 +194,7 @@ class BidirectionalPool:
         return i, self.size - b.be_fill
 
     def _claim(self, seq: _Seq) -> int:
-        i = self.free.pop()
+        i = self.free_blocks.pop()
         seq.blocks.append(i)
         return i
 
@@ -225,13 +225,13 @@ class BidirectionalPool:
             b.be_id, b.be_fill = None, 0
         if b.rt_id is None and b.be_id is None:
             b.preempted = False
-            self.free.add(i)
+            self.free_blocks.add(i)
 
     # ---- transactions: a failed grow leaves everything as it was ------------------------
     _journal = None
 
     def _begin(self) -> None:
-        self._journal = ({}, {}, set(self.free), len(self.preemption_table))
+        self._journal = ({}, {}, set(self.free_blocks), len(self.preemption_table))
 
     def _touch_block(self, i: int) -> TokenBlock:
         b = self.blocks[i]
@@ -253,7 +253,7 @@ class BidirectionalPool:
                 self.seqs.pop(rid, None)
             else:
                 self.seqs[rid] = s
-        self.free = free
+        self.free_blocks = free
         del self.preemption_table[n:]
         self._journal = None
 
@@ -275,7 +275,7 @@ class BidirectionalPool:
         for i, b in enumerate(self.blocks):
             if b.rt_fill + b.be_fill > S or b.rt_fill < 0 or b.be_fill < 0:
                 raise AssertionError(f"block {i}: fills {b.rt_fill} + {b.be_fill} exceed {S}")
-            if (i in self.free) != (b.rt_id is None and b.be_id is None):
+            if (i in self.free_blocks) != (b.rt_id is None and b.be_id is None):
                 raise AssertionError(f"block {i}: free-list membership disagrees with its owners")
             for side, rid, fill, expect in (("rt", b.rt_id, b.rt_fill, range(b.rt_fill)),
                                             ("be", b.be_id, b.be_fill, range(S - b.be_fill, S))):
@@ -290,3 +290,32 @@ class BidirectionalPool:
         used = sum(1 for (blk, _s) in owner)
         if used != sum(b.rt_fill + b.be_fill for b in self.blocks):
             raise AssertionError("slots owned by requests != slots counted in blocks")
+
+
+class BidirBlockPool(BidirectionalPool):
+    """A BidirectionalPool over a device's pool geometry, answering the scheduler's block-pool
+    questions in physical blocks (a token-block is a (K, V) pair of blocks)."""
+
+    bidirectional = True
+
+    def __init__(self, geometry):
+        super().__init__(geometry.num_blocks // 2, geometry.block_size)
+        self.geometry = geometry
+
+    @property
+    def num_free(self) -> int:
+        return 2 * len(self.free_blocks)
+
+    @property
+    def num_be_only(self) -> int:
+        """Blocks an RT request could take from BE owners (BE-only token-blocks)."""
+        return 2 * sum(1 for b in self.blocks if b.be_id is not None and b.rt_id is None)
+
+    def num_blocks_of(self, rid: str) -> int:
+        s = self.seqs.get(rid)
+        return 2 * len(s.blocks) if s else 0
+
+    def free(self, rid: str) -> int:          # the scheduler's name for free_request
+        n = self.num_blocks_of(rid)
+        self.free_request(rid)
+        return n

@@ -61,7 +61,8 @@ class LLM:
                  max_model_len: int | None = None, threads_per_worker: int | None = None,
                  cache_dir: str | os.PathLike | None = None, compile: bool = False,
                  cpu_kernels: bool = True, omp_wait_policy: str | None = None,
-                 policy: str = "fcfs", rt_budget_s: float | None = None):
+                 policy: str = "fcfs", rt_budget_s: float | None = None,
+                 bidirectional_blocks: bool = False):
         self._workers: list[WorkerHandle] = []
         if dtype not in DTYPES:
             raise ValueError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)}")
@@ -70,6 +71,8 @@ class LLM:
         _positive("max_num_seqs", max_num_seqs)
         if policy not in POLICIES:
             raise ValueError(f"policy: {policy!r} is not one of {list(POLICIES)}")
+        if bidirectional_blocks and policy != "bros":
+            raise ValueError("bidirectional_blocks: needs policy='bros'")
         _positive("max_num_batched_tokens", max_num_batched_tokens)
         if kv_cache_bytes is not None:
             _positive("kv_cache_bytes", kv_cache_bytes)
@@ -108,7 +111,8 @@ class LLM:
         try:
             if policy in ("bros",):         # policies that price iterations: profile first (seconds)
                 from sched.profiling import profile_cost
-                self.scheduler.use_policy(policy, profile_cost(self.scheduler, self.spec.vocab_size))
+                self.scheduler.use_policy(policy, profile_cost(self.scheduler, self.spec.vocab_size),
+                                          bidirectional=bidirectional_blocks)
             else:
                 self.scheduler.use_policy(policy)
         except BaseException:

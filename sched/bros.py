@@ -49,7 +49,8 @@ class BlockBudget:
 
     def reserve(self, c: Candidate, n: int) -> bool:
         k = self.need(c, n)
-        if k > self.free:
+        room = self.free + (self.snap.be_only_blocks if c.rt and self.snap.block_preemption else 0)
+        if k > room:
             return False
         self.free -= k
         self.held[c.req_id] = k
@@ -120,9 +121,11 @@ class Bros:
         """
         floor = self.cost(StepShape().add(1, 1, True), 0)
         feasible = [res(c) for c in q_rt if res(c) >= floor]
-        if feasible:
-            return min(feasible)
-        return self.idle_budget_s or math.inf
+        budget = min(feasible) if feasible else (self.idle_budget_s or math.inf)
+        # [open choice] plan against the budget shrunk by the cost model's running relative error,
+        # so a step predicted to just fit does not overrun the deadline as often as it would
+        err = getattr(self.cost, "error_ewma", None)
+        return budget / (1 + min(err, 0.5)) if err else budget
 
     def _make_room(self, c: Candidate, n: int, snap: Snapshot, budget: BlockBudget, plan: Plan,
                    taken: set[str], t_avg: float) -> bool:
@@ -130,6 +133,8 @@ class Bros:
         (least computed first: least lost), else RT requests not in this batch (largest residual)."""
         if budget.reserve(c, n):
             return True
+        if snap.block_preemption:            # the bidirectional pool takes blocks from BE itself
+            return False
         running = [x for x in snap.running if x.req_id not in taken and x.req_id != c.req_id
                    and x.req_id not in plan.preempted]
         victims = sorted((x for x in running if not x.rt), key=lambda x: x.num_computed) + \

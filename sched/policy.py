@@ -45,6 +45,8 @@ class Snapshot:
     blocks_per_token_block: int  # 2 for a KV cache (K and V)
     limits: Limits
     t_avg: float = 0.0         # moving average of the iteration time, seconds
+    be_only_blocks: int = 0    # bidirectional pools: BE-only blocks an RT request may take over
+    block_preemption: bool = False  # bidirectional pools: the pool preempts blocks, not the policy
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ their StepOutputs update the requests.
 from __future__ import annotations
 
 import bisect
+import math
 import random
 import time
 from collections import Counter, deque
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from cache import BlockPool, PoolGeometry
+from cache.bidir import BidirBlockPool
 from engine.messages import (CacheType, Command, DeviceError, NewRequest, Phase, SamplingSpec,
                              ScheduledRequest, StepInput, StepOutput)
 from sched.bros import Bros, RoundRobin
@@ -39,6 +41,7 @@ class SchedConfig:
     chunked_prefill: bool = True
     policy: str = "fcfs"
     rt_budget_s: float | None = None   # tightest RT latency target (bounds BROS iterations without RT)
+    bidirectional: bool = False        # BROS bidirectional blocks with lazy checkpointing (cache/bidir.py)
 
 
 @dataclass(slots=True)
@@ -92,7 +95,10 @@ class Scheduler:
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
         self.detokenize = detokenize
-        self.queues = [_DeviceQueues(BlockPool(d.geometry)) for d in devices]
+        if cfg.bidirectional and cfg.policy != "bros":
+            raise ValueError("bidirectional: bidirectional blocks need the bros policy")
+        self.queues = [_DeviceQueues(BidirBlockPool(d.geometry) if cfg.bidirectional else BlockPool(d.geometry))
+                       for d in devices]
         self.states: dict[str, RequestState] = {}
         self._step_id = 0
         self._rng = random.Random()
@@ -100,12 +106,19 @@ class Scheduler:
         self.clock = clock                  # time.monotonic, or the simulator's virtual clock
         self.step_log: list[tuple[StepShape, float]] | None = None   # set to a list to record steps
 
-    def use_policy(self, name: str, cost: OnlineCostModel | None = None) -> None:
-        """Switch policy (e.g. to BROS once the start-up profile has produced its cost model)."""
+    def use_policy(self, name: str, cost: OnlineCostModel | None = None, bidirectional: bool = False) -> None:
+        """Switch policy (e.g. to BROS once the start-up profile has produced its cost model);
+        only while nothing is queued. ``bidirectional`` swaps in bidirectional block pools."""
         from dataclasses import replace
-        cfg = replace(self.cfg, policy=name)
+        if self.has_unfinished():
+            raise RuntimeError("policy: can only be switched while no request is queued")
+        cfg = replace(self.cfg, policy=name, bidirectional=bidirectional)
+        if bidirectional and name != "bros":
+            raise ValueError("bidirectional: bidirectional blocks need the bros policy")
         self.policy = make_policy(cfg, cost or self.cost)
         self.cfg, self.cost = cfg, cost or self.cost
+        for q, d in zip(self.queues, self.devices):
+            q.pool = BidirBlockPool(d.geometry) if bidirectional else BlockPool(d.geometry)
 
     # ---- intake --------------------------------------------------------------
     def add(self, req: Request) -> RequestState:
@@ -149,6 +162,11 @@ class Scheduler:
         """Blocks by owner over all devices: rt, be, shared (RT and BE in one block), checkpointed
         (BE slots parked on the CPU), free. Whole-block pools share nothing and checkpoint nothing."""
         view = {"rt": 0, "be": 0, "shared": 0, "checkpointed": 0, "free": 0}
+        if self.cfg.bidirectional:
+            for q in self.queues:
+                for k, n in q.pool.view().items():       # token-blocks (and checkpointed slots)
+                    view[k] += n if k == "checkpointed" else 2 * n
+            return view
         for c, (_run, _wait, blocks) in self.load_by_class().items():
             view[c.value] += blocks
         view["free"] = sum(q.pool.num_free for q in self.queues)
@@ -208,12 +226,15 @@ class Scheduler:
             r = st.request
             slo = r.slo_tbt_s if st.output_token_ids else r.slo_ttft_s
             return Candidate(rid, st.num_tokens, st.num_computed, q.pool.num_blocks_of(rid), r.arrival_time,
-                             r.service_class is ServiceClass.RT, slo, now - (st.last_token_time or r.arrival_time))
+                             r.service_class is ServiceClass.RT, slo, now - (st.last_token_time or r.arrival_time),
+                             q.pool.num_cpu(rid) if bidir else 0)
         c = self.cfg
+        bidir = c.bidirectional
         return Snapshot([cand(r) for r in q.running], [cand(r) for r in q.waiting],
                         q.pool.num_free, q.pool.geometry.block_size,
                         q.pool.geometry.blocks_per_token_block(CacheType.KV),
-                        Limits(c.max_num_seqs, c.max_num_batched_tokens, c.chunked_prefill), self.t_avg)
+                        Limits(c.max_num_seqs, c.max_num_batched_tokens, c.chunked_prefill), self.t_avg,
+                        q.pool.num_be_only if bidir else 0, bidir)
 
     def _apply(self, d: int, q: _DeviceQueues, plan: Plan) -> tuple[StepInput, StepShape]:
         """Carry out the plan in the bookkeeping; describe it to the device (and its cost shape)."""
@@ -232,11 +253,17 @@ class Scheduler:
         inp = StepInput(Command.STEP, self._step_id, q.new, [], q.reset_ids, q.finished_ids)
         q.new, q.reset_ids, q.finished_ids = [], [], []
         shape = StepShape()
-        for dec in plan.scheduled:
+        placed = []
+        decisions = plan.scheduled
+        if self.cfg.bidirectional:       # RT grows first: BE never overwrites RT, RT may overwrite BE
+            decisions = sorted(decisions, key=lambda d: self.states[d.req_id].request.service_class
+                               is not ServiceClass.RT)
+        for dec in decisions:
             st = self.states[dec.req_id]
-            alloc = q.pool.grow(st.req_id, st.num_computed + dec.num_new_tokens, st.cache_type)
-            if alloc is None:
-                raise AssertionError(f"policy over-committed blocks for {st.req_id}")
+            sr = self._place(q, st, dec, inp, {d.req_id for d in decisions})
+            if sr is None:
+                continue
+            placed.append(dec)
             shape = shape.add(dec.num_new_tokens, st.num_computed + dec.num_new_tokens,
                               dec.phase is Phase.DECODE)
             if st.status is Status.WAITING:
@@ -248,9 +275,48 @@ class Scheduler:
             if not st.sent_to_device:
                 inp.new_requests.append(self._new_request(st))
                 st.sent_to_device = True
-            inp.scheduled.append(ScheduledRequest(st.req_id, dec.phase, dec.num_new_tokens,
-                                                  alloc.block_ids, alloc.directions, dec.sample))
+            inp.scheduled.append(sr)
+        plan.scheduled = placed
         return inp, shape
+
+    def _place(self, q: _DeviceQueues, st: RequestState, dec, inp: StepInput,
+               planned: set[str]) -> ScheduledRequest | None:
+        """Grow the request's cache for this step: whole blocks, or slots of bidirectional blocks
+        (dropping other requests to the CPU when an RT request finds no slot; None = skip it)."""
+        tokens = st.num_computed + dec.num_new_tokens
+        if not self.cfg.bidirectional:
+            alloc = q.pool.grow(st.req_id, tokens, st.cache_type)
+            if alloc is None:
+                raise AssertionError(f"policy over-committed blocks for {st.req_id}")
+            return ScheduledRequest(st.req_id, dec.phase, dec.num_new_tokens, alloc.block_ids,
+                                    alloc.directions, dec.sample)
+        rt = st.request.service_class is ServiceClass.RT
+        g = q.pool.grow(st.req_id, tokens, rt)
+        while g is None and rt:
+            victim = self._drop_victim(q, planned)
+            if victim is None:
+                break
+            inp.checkpoints.extend(q.pool.drop(victim))
+            g = q.pool.grow(st.req_id, tokens, rt)
+        if g is None:
+            return None
+        inp.checkpoints.extend(g.checkpoints)
+        inp.swap_ins.extend(g.swap_ins)
+        return ScheduledRequest(st.req_id, dec.phase, dec.num_new_tokens, [], [], dec.sample, new_slots=g.slots)
+
+    def _drop_victim(self, q: _DeviceQueues, planned: set[str]) -> str | None:
+        """Who goes to the CPU whole when an RT request finds no slot: BE first (latest arrival
+        first), then RT by the largest residual time; never one planned for this step."""
+        now = self.clock()
+        held = [self.states[r] for r in q.running if r not in planned and q.pool.num_blocks_of(r)]
+        be = [s for s in held if s.request.service_class is ServiceClass.BE]
+        if be:
+            return max(be, key=lambda s: s.request.arrival_time).req_id
+        def residual(s):
+            r = s.request
+            slo = r.slo_tbt_s if s.output_token_ids else r.slo_ttft_s
+            return math.inf if slo is None else slo - (now - (s.last_token_time or r.arrival_time))
+        return max(held, key=residual).req_id if held else None
 
     def _new_request(self, st: RequestState) -> NewRequest:
         sp = st.request.sampling

@@ -27,6 +27,9 @@ def parse_args(argv=None) -> ServerConfig:
     ap.add_argument("--policy", default=d.policy, choices=list(POLICIES),
                     help="fcfs: one queue (vLLM-like); rr: alternate RT and BE iterations; "
                          "bros: RT by SLO slack, BE packed into what is left (profiles a few seconds at start)")
+    ap.add_argument("--bidirectional-blocks", action="store_true", default=d.bidirectional_blocks,
+                    help="with --policy bros: RT and BE share KV blocks from both ends; BE slots an RT request "
+                         "overwrites are checkpointed to the CPU and swapped back in (BROS)")
     ap.add_argument("--slo-ttft-ms", type=float, default=d.slo_ttft_ms)
     ap.add_argument("--slo-tbt-ms", type=float, default=d.slo_tbt_ms)
     ap.add_argument("--max-waiting", type=int, default=d.max_waiting, help="waiting requests before 429")
@@ -36,11 +39,13 @@ def parse_args(argv=None) -> ServerConfig:
     ap.add_argument("--kv-cache-bytes", type=int, default=None)
     ap.add_argument("--watch-parent", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.bidirectional_blocks and a.policy != "bros":
+        ap.error("--bidirectional-blocks needs --policy bros")
     name = a.served_model_name or (a.model if a.model == "smollm2" else os.path.basename(a.model.rstrip("/")))
     return ServerConfig(model=a.model, served_model_name=name, devices=a.devices, host=a.host, port=a.port,
                         api_key=a.api_key, data_dir=a.data_dir, max_num_seqs=a.max_num_seqs,
                         max_num_batched_tokens=a.max_num_batched_tokens,
-                        policy=a.policy, slo_ttft_ms=a.slo_ttft_ms, slo_tbt_ms=a.slo_tbt_ms,
+                        policy=a.policy, bidirectional_blocks=a.bidirectional_blocks, slo_ttft_ms=a.slo_ttft_ms, slo_tbt_ms=a.slo_tbt_ms,
                         max_waiting=a.max_waiting, max_upload_bytes=int(a.max_upload_mb * 2**20), dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
                         watch_parent=a.watch_parent)
 
@@ -78,7 +83,7 @@ def main(argv=None) -> None:
         llm = LLM(cfg.model, cfg.devices, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
                   max_num_batched_tokens=cfg.max_num_batched_tokens,
                   kv_cache_bytes=cfg.kv_cache_bytes, policy=cfg.policy,
-                  rt_budget_s=cfg.slo_tbt_ms / 1000)
+                  rt_budget_s=cfg.slo_tbt_ms / 1000, bidirectional_blocks=cfg.bidirectional_blocks)
         return AsyncEngine(llm)
 
     app = create_app(cfg, build_engine)

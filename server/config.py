@@ -16,6 +16,7 @@ class ServerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     policy: str = "fcfs"
+    bidirectional_blocks: bool = False  # BROS shared RT/BE blocks with lazy checkpointing
     slo_ttft_ms: float = 1000.0        # default RT time-to-first-token target
     slo_tbt_ms: float = 200.0          # default RT time-between-tokens target
     max_waiting: int = 1024            # waiting requests before 429

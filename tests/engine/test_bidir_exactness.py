@@ -90,3 +90,50 @@ def test_be_overwritten_and_swapped_back_matches_hf(tiny_llama):
     ref = hf_greedy(tiny_llama, [be_prompt, rt_prompt], max(be_new, rt_new))
     assert d.output("rt")[:rt_new] == ref[1][:rt_new]
     assert d.output("be")[:be_new] == ref[0][:be_new]
+
+
+def test_scheduler_with_bidirectional_blocks_matches_hf(tiny_llama):
+    """BROS + bidirectional blocks through the real Scheduler: BE requests fill the pool, RT
+    requests arrive and take BE blocks over (checkpointing BE slots, dropping BE requests to the
+    CPU when needed); every request still produces HF's greedy tokens and the pool ends empty."""
+    from cache import PoolGeometry
+    from engine.params import SamplingParams
+    from sched.cost_model import CostModel, OnlineCostModel
+    from sched.request import Request, ServiceClass
+    from sched.scheduler import SchedConfig, Scheduler
+
+    torch.set_num_threads(1)
+    spec = load_spec(tiny_llama)
+    cfg = WorkerConfig(str(tiny_llama), spec, "float32", "cpu", B, 1 << 20, None, 1, 1, False, False)
+    dev = InProcessDevice("cpu", cfg)
+    dev.geometry = PoolGeometry(num_blocks=2 * 20, block_size=B)      # 20 token-blocks of 4 slots
+    moves = {"checkpoints": 0, "swap_ins": 0}
+    submit = dev.submit
+
+    def counting_submit(inp):
+        moves["checkpoints"] += len(inp.checkpoints)
+        moves["swap_ins"] += len(inp.swap_ins)
+        submit(inp)
+    dev.submit = counting_submit
+    cost = OnlineCostModel(CostModel(0.001, 1e-5, 0.0, 1e-4, 0.0))
+    sched = Scheduler(SchedConfig(max_num_seqs=8, policy="bros", bidirectional=True), [dev],
+                      spec.eos_token_ids, spec.max_model_len, cost=cost)
+    g = torch.Generator().manual_seed(3)
+    be = [torch.randint(3, 500, (20,), generator=g).tolist() for _ in range(2)]
+    rt = [torch.randint(3, 500, (12,), generator=g).tolist() for _ in range(2)]
+    sp = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
+    states = [sched.add(Request(f"be{i}", p, sp(16), ServiceClass.BE)) for i, p in enumerate(be)]
+    for _ in range(6):
+        sched.step()
+    states += [sched.add(Request(f"rt{i}", p, sp(10), ServiceClass.RT, arrival_time=0.0, slo_ttft_s=60.0,
+                                 slo_tbt_s=60.0)) for i, p in enumerate(rt)]
+    for _ in range(2000):
+        if not sched.has_unfinished():
+            break
+        sched.step()
+    assert not sched.has_unfinished()
+    assert moves["checkpoints"] > 0, "no BE slot was ever overwritten"
+    assert moves["swap_ins"] == moves["checkpoints"]
+    assert [s.output_token_ids for s in states[:2]] == hf_greedy(tiny_llama, be, 16)
+    assert [s.output_token_ids for s in states[2:]] == hf_greedy(tiny_llama, rt, 10)
+    assert sched.queues[0].pool.view()["free"] == 20
