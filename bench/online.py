@@ -34,11 +34,16 @@ def tandem_server(model: str, max_num_seqs: int, extra: list[str] = ()):
     return serve(cmd, port, log_path=RESULTS / "tandem-server.log", cwd=ROOT)
 
 
-def start(system: str, hf_dir: Path, max_num_seqs: int):
-    """Start ``system`` on loopback; a context yielding its URL. ``tandem-<policy>`` picks our policy."""
+def start(system: str, hf_dir: Path, max_num_seqs: int, slo: dict | None = None):
+    """Start ``system`` on loopback; a context yielding its URL. ``tandem-<policy>`` picks our policy;
+    ``tandem-bros-bidir`` adds bidirectional blocks. Our server is told the SLOs the run judges by
+    (its RT targets); the peers have no such setting."""
     if system == "tandem" or system.startswith("tandem-"):
-        policy = system.partition("-")[2] or "fcfs"
-        return tandem_server("smollm2", max_num_seqs, ["--policy", policy])
+        policy = system.split("-")[1] if "-" in system else "fcfs"
+        extra = ["--policy", policy] + (["--bidirectional-blocks"] if system.endswith("-bidir") else [])
+        if slo:
+            extra += ["--slo-ttft-ms", f"{slo['ttft_s'] * 1e3:.1f}", "--slo-tbt-ms", f"{slo['tbt_s'] * 1e3:.1f}"]
+        return tandem_server("smollm2", max_num_seqs, extra)
     if system in ("vllm", "vllm-priority"):
         extra = ["--scheduling-policy", "priority"] if system == "vllm-priority" else []
         return vllm_server(hf_dir, dtype="float32", max_num_seqs=max_num_seqs, extra=extra,
@@ -112,7 +117,7 @@ def main(args) -> None:
     slo = slo_for(args, hf_dir, tok)
     rows, searches = [], []
     for system in args.systems:
-        with start(system, hf_dir, args.max_num_seqs) as url:
+        with start(system, hf_dir, args.max_num_seqs, slo) as url:
             def run_at(rate: float) -> dict:
                 recs, dur = asyncio.run(run_trace(url, "smollm2", trace(rate), system, drain_s=args.drain))
                 row = judge(system, rate, recs, dur, slo)
@@ -153,7 +158,7 @@ def mixed(args) -> None:
     rows = []
     for system in args.systems:
         mode = args.be_mode if args.be_mode != "auto" else ("batches" if system.startswith("tandem") else "online")
-        with start(system, hf_dir, args.max_num_seqs) as url:
+        with start(system, hf_dir, args.max_num_seqs, slo) as url:
             for rate in args.rates:
                 rt = sharegpt_trace(tok, rate, args.duration, args.seed, max_output_tokens=args.max_output)
                 recs, be = asyncio.run(run_mixed(url, "smollm2", rt, be_items, system, be_mode=mode,

@@ -36,18 +36,22 @@ def profile(args) -> CostModel:
             llm.generate(prompts[:n], SamplingParams(max_tokens=out, temperature=0, ignore_eos=True))
     cost = CostModel.fit(log)
     err = cost.mean_abs_error(log)
+    decode = [x for x in log if not x[0].prefill_tokens]
+    prefill = [x for x in log if x[0].prefill_tokens]
     COST_FILE.write_text(json.dumps({"cost": asdict(cost), "steps": len(log), "mean_abs_error": err,
-                                     "ratios": [round(x, 4) for x in cost.ratios(log)]}, indent=2))
+                                     "ratios": [round(x, 4) for x in cost.ratios(decode)],
+                                     "ratios_prefill": [round(x, 4) for x in cost.ratios(prefill)]}, indent=2))
     print(f"fitted on {len(log)} steps, mean |error| {err:.1%}: {cost}\nwrote {COST_FILE}")
     return cost
 
 
-def load_fitted() -> tuple[CostModel, tuple[float, ...]]:
-    """The fitted cost model and its measured/predicted step-time ratios."""
+def load_fitted() -> tuple[CostModel, tuple[float, ...], tuple[float, ...]]:
+    """The fitted cost model and its measured/predicted step-time ratios (decode-only steps,
+    steps with prefill work)."""
     if not COST_FILE.is_file():
         raise SystemExit(f"{COST_FILE} is missing: run `python -m bench profile` first")
     d = json.loads(COST_FILE.read_text())
-    return CostModel(**d["cost"]), tuple(d.get("ratios", ()))
+    return CostModel(**d["cost"]), tuple(d.get("ratios", ())), tuple(d.get("ratios_prefill", ()))
 
 
 def slos(cost: CostModel, ttft_factor: float, tbt_factor: float, prompt: int = 128, ctx: int = 192):
@@ -159,16 +163,18 @@ def sim_validate(args) -> None:
     model, with and without the measured step-time spread, and compare attainment with the real one."""
     real = json.loads((RESULTS / args.real).read_text())
     tok = _tokenizer()
-    cost, ratios = load_fitted()
+    cost, ratios, ratios_prefill = load_fitted()
     slo, tr = real["slo"], real["trace"]
     from engine.llm import DEFAULT_KV_CACHE_BYTES
     kv_tokens = DEFAULT_KV_CACHE_BYTES // (30 * 2 * 192 * 4)          # SmolLM2 fp32: K+V per token
     setups = {"mean": SimSetup(cost, PoolGeometry(2 * kv_tokens // 16, 16),
                                SchedConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048), 8192)}
     if ratios:
-        setups["spread"] = SimSetup(**{**setups["mean"].__dict__, "noise": ratios})
+        setups["spread"] = SimSetup(**{**setups["mean"].__dict__, "noise": ratios,
+                                       "noise_prefill": ratios_prefill})
     print(f"SLOs TTFT {slo['ttft_s'] * 1e3:.0f} ms, TBT {slo['tbt_s'] * 1e3:.0f} ms; simulated with the mean "
-          f"cost model, and with measured step-time ratios drawn per step ({len(ratios)} of them)\n")
+          f"cost model, and with measured step-time ratios drawn per step ({len(ratios)} decode-only, "
+          f"{len(ratios_prefill)} with prefill)\n")
     print("| rate | TTFT & P99 TBT: real | sim (mean) | sim (spread) | TTFT & TPOT: real | sim (mean) "
           "| sim (spread) |")
     print("|---|---|---|---|---|---|---|")

@@ -30,9 +30,9 @@ class SimClock:
 
 class SimDevice:
     def __init__(self, name: str, geometry: PoolGeometry, cost: CostModel, clock: SimClock,
-                 noise: tuple[float, ...] = (), seed: int = 0):
+                 noise: tuple[float, ...] = (), seed: int = 0, noise_prefill: tuple[float, ...] = ()):
         self.name, self.geometry, self.cost, self.clock = name, geometry, cost, clock
-        self.noise = noise
+        self.noise, self.noise_prefill = noise, noise_prefill or noise
         self.rng = random.Random(seed)
         self.computed: dict[str, int] = {}
         self._end = 0.0
@@ -54,8 +54,9 @@ class SimDevice:
             if s.sample:
                 sampled[s.req_id] = 0
         dur = self.cost.predict(shape) if inp.scheduled else 0.0
-        if self.noise and dur:
-            dur *= self.rng.choice(self.noise)
+        pool = self.noise_prefill if shape.prefill_tokens else self.noise
+        if pool and dur:
+            dur *= self.rng.choice(pool)
         self._end = self.clock.t + dur
         self._out = StepOutput(inp.step_id, sampled, tokens, dur, 0.0)
 
@@ -75,6 +76,7 @@ class SimSetup:
     # measured / predicted step-time ratios of the real engine; each simulated step draws one
     # (seeded), so the simulated step times have the real spread, not only the fitted mean
     noise: tuple[float, ...] = ()
+    noise_prefill: tuple[float, ...] = ()   # ratios of steps carrying prefill work (default: noise)
     seed: int = 0
     slo_ttft_s: float | None = None   # given to every RT request (the policy's deadlines)
     slo_tbt_s: float | None = None
@@ -98,7 +100,8 @@ def simulate(trace: list[TraceItem], setup: SimSetup,
     With ``be``, BE jobs are kept pending alongside; only their completed counts are kept (in ``be``).
     """
     clock = SimClock()
-    devices = [SimDevice(f"sim{i}", setup.geometry, setup.cost, clock, setup.noise, setup.seed + i)
+    devices = [SimDevice(f"sim{i}", setup.geometry, setup.cost, clock, setup.noise, setup.seed + i,
+                         setup.noise_prefill)
                for i in range(setup.num_devices)]
     cost = OnlineCostModel(setup.cost, refit_every=1 << 60) if setup.sched.policy == "bros" else None
     cfg = setup.sched if setup.sched.rt_budget_s is not None else replace(setup.sched, rt_budget_s=setup.slo_tbt_s)

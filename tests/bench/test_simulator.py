@@ -76,3 +76,10 @@ def test_bros_keeps_rt_deadlines_that_fcfs_misses_behind_be_prefills():
     # FCFS: an RT arriving behind a 1600-token BE job waits >= 1.6 s of prefill; BROS serves RT first
     assert results["bros"][0] == 10 and results["fcfs"][0] < 10
     assert results["bros"][1] > 0
+
+
+def test_prefill_steps_draw_from_their_own_ratios():
+    base = SimSetup(COST, PoolGeometry(1000, 16), SchedConfig(), max_model_len=2048)
+    (r,), _ = simulate([TraceItem(0.0, list(range(10)), 4, "rt")],
+                       SimSetup(**{**base.__dict__, "noise": (1.0,), "noise_prefill": (3.0,)}))
+    assert r.ttft == pytest.approx(0.06) and r.gaps == pytest.approx([0.01] * 3)
