@@ -164,6 +164,9 @@ class Bros:
         early = False
         while q_rt and len(rt_ready) < self.b_curr and tokens_left > 0:
             r = q_rt[0]
+            if r.req_id in plan.preempted:      # gave its blocks to a more urgent request this iteration
+                q_rt.popleft()
+                continue
             n = min(r.num_tokens - r.num_computed, tokens_left)
             if n < r.num_tokens - r.num_computed and not lim.chunked_prefill:
                 plan.reasons[r.req_id] = "waiting: prompt exceeds this iteration's token budget"

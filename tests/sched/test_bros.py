@@ -160,3 +160,10 @@ def test_round_robin_takes_blocks_from_the_other_class_first():
     be = Candidate("be", 9, 8, 4, 0.0, False, None, 0.0)
     plan = RoundRobin()(snap(running=[be], waiting=[new("rt", 8, slo=1.0, arrival=1.0)], free=0))
     assert plan.preempted == ["be"] and planned(plan) == [("rt", 8)]
+
+
+def test_an_rt_request_preempted_for_a_more_urgent_one_is_not_also_scheduled():
+    # urgent waiting RT needs 4 blocks, none free; the only victim is the running, less urgent RT
+    lax = Candidate("lax", 9, 8, 4, 0.0, True, 10.0, 0.0)
+    plan = Bros(cost, max_num_seqs=8)(snap(running=[lax], waiting=[new("urgent", 8, slo=0.5, pending=0.2)], free=0))
+    assert plan.preempted == ["lax"] and planned(plan) == [("urgent", 8)]
