@@ -49,10 +49,7 @@ class _Seq:
     rt: bool
     slots: list[tuple[int, int] | None] = field(default_factory=list)   # per token
     blocks: list[int] = field(default_factory=list)                     # token-blocks used, in order
-
-    @property
-    def num_cpu(self) -> int:
-        return sum(s is None for s in self.slots)
+    num_cpu: int = 0                                                    # tokens whose slot is None
 
 
 @dataclass(slots=True)
@@ -106,27 +103,27 @@ class BidirectionalPool:
         seq = self.seqs.get(rid)
         if seq is not None and seq.rt != rt:
             raise ValueError(f"request {rid} is {'RT' if seq.rt else 'BE'}, asked to grow as the other")
-        self._begin()
-        self._touch_seq(rid)
+        self._undo, self._touched = [], {}
         if seq is None:
             seq = self.seqs[rid] = _Seq(rt)
+            self._undo.append(lambda: self.seqs.pop(rid))
         g = Growth()
-        for t, s in enumerate(seq.slots):
-            if s is None:
-                slot = self._take(rid, seq, g)
-                if slot is None:
-                    self._rollback()
-                    return None
-                seq.slots[t] = slot
-                g.swap_ins.append(SlotCopy(rid, t, *slot))
+        for t in ([t for t, s in enumerate(seq.slots) if s is None] if seq.num_cpu else ()):
+            slot = self._take(rid, seq, g)
+            if slot is None:
+                return self._rollback()
+            seq.slots[t] = slot
+            seq.num_cpu -= 1
+            self._undo.append(lambda t=t: self._set_slot(seq, t, None))
+            g.swap_ins.append(SlotCopy(rid, t, *slot))
         while len(seq.slots) < num_tokens:
             slot = self._take(rid, seq, g)
             if slot is None:
-                self._rollback()
-                return None
+                return self._rollback()
             seq.slots.append(slot)
+            self._undo.append(seq.slots.pop)
             g.slots.append(slot)
-        self._journal = None
+        self._undo = None
         return g
 
     def _take(self, rid: str, seq: _Seq, g: Growth) -> tuple[int, int] | None:
@@ -146,7 +143,7 @@ class BidirectionalPool:
             return None
         i = max(be_only, key=lambda i: (self.blocks[i].empty(self.size), -i))
         self._touch_block(i).preempted = True
-        seq.blocks.append(i)
+        self._add_block(seq, i)
         if self.blocks[i].empty(self.size) == 0:
             self._overwrite_be(i, g)
         return self._place_rt(rid, i)
@@ -162,16 +159,19 @@ class BidirectionalPool:
         """The meeting point: checkpoint BE's most recent token in block i, freeing its slot."""
         b = self._touch_block(i)
         slot = self.size - b.be_fill
-        self._touch_seq(b.be_id)
         be = self.seqs[b.be_id]
         t = be.slots.index((i, slot))
-        be.slots[t] = None
+        self._set_slot(be, t, None)
+        self._undo.append(lambda: self._set_slot(be, t, (i, slot)))
         g.checkpoints.append(SlotCopy(b.be_id, t, i, slot))
         self.preemption_table.append((i, b.rt_id, b.be_id, slot))
+        self._undo.append(self.preemption_table.pop)
         b.be_fill -= 1
         b.preempted = True
         if b.be_fill == 0:
-            be.blocks.remove(i)
+            pos = be.blocks.index(i)
+            del be.blocks[pos]
+            self._undo.append(lambda: be.blocks.insert(pos, i))
             b.be_id = None
 
     def _take_be(self, rid: str, seq: _Seq) -> tuple[int, int] | None:
@@ -184,7 +184,7 @@ class BidirectionalPool:
         if not cands:
             return None
         i = max(cands, key=lambda i: (self.blocks[i].empty(self.size), -i))
-        seq.blocks.append(i)
+        self._add_block(seq, i)
         return self._place_be(rid, i)
 
     def _place_be(self, rid: str, i: int) -> tuple[int, int]:
@@ -195,8 +195,18 @@ class BidirectionalPool:
 
     def _claim(self, seq: _Seq) -> int:
         i = self.free_blocks.pop()
-        seq.blocks.append(i)
+        self._undo.append(lambda: self.free_blocks.add(i))
+        self._add_block(seq, i)
         return i
+
+    def _add_block(self, seq: _Seq, i: int) -> None:
+        seq.blocks.append(i)
+        self._undo.append(seq.blocks.pop)
+
+    @staticmethod
+    def _set_slot(seq: _Seq, t: int, slot: tuple[int, int] | None) -> None:
+        seq.num_cpu += (slot is None) - (seq.slots[t] is None)
+        seq.slots[t] = slot
 
     # ---- release -------------------------------------------------------------------
     def free_request(self, rid: str) -> None:
@@ -214,6 +224,7 @@ class BidirectionalPool:
         for i in set(seq.blocks):
             self._leave(rid, i)
         seq.slots = [None] * len(seq.slots)
+        seq.num_cpu = len(seq.slots)
         seq.blocks = []
         return out
 
@@ -228,34 +239,23 @@ class BidirectionalPool:
             self.free_blocks.add(i)
 
     # ---- transactions: a failed grow leaves everything as it was ------------------------
-    _journal = None
-
-    def _begin(self) -> None:
-        self._journal = ({}, {}, set(self.free_blocks), len(self.preemption_table))
+    # During a grow every change logs its inverse (blocks: a copy on first touch), so undoing
+    # costs what the grow changed, not the size of the pool or of the request.
+    _undo: list | None = None
+    _touched: dict | None = None
 
     def _touch_block(self, i: int) -> TokenBlock:
         b = self.blocks[i]
-        if self._journal is not None and i not in self._journal[0]:
-            self._journal[0][i] = TokenBlock(b.rt_id, b.rt_fill, b.be_id, b.be_fill, b.preempted)
+        if self._touched is not None and i not in self._touched:
+            self._touched[i] = TokenBlock(b.rt_id, b.rt_fill, b.be_id, b.be_fill, b.preempted)
         return b
 
-    def _touch_seq(self, rid: str) -> None:
-        if self._journal is not None and rid not in self._journal[1]:
-            s = self.seqs.get(rid)
-            self._journal[1][rid] = None if s is None else _Seq(s.rt, list(s.slots), list(s.blocks))
-
     def _rollback(self) -> None:
-        blocks, seqs, free, n = self._journal
-        for i, b in blocks.items():
+        for undo in reversed(self._undo):
+            undo()
+        for i, b in self._touched.items():
             self.blocks[i] = b
-        for rid, s in seqs.items():
-            if s is None:
-                self.seqs.pop(rid, None)
-            else:
-                self.seqs[rid] = s
-        self.free_blocks = free
-        del self.preemption_table[n:]
-        self._journal = None
+        self._undo = self._touched = None
 
     # ---- invariants ------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -264,6 +264,8 @@ class BidirectionalPool:
         S = self.size
         owner: dict[tuple[int, int], tuple[str, int]] = {}
         for rid, seq in self.seqs.items():
+            if seq.num_cpu != sum(s is None for s in seq.slots):
+                raise AssertionError(f"{rid}: checkpointed count {seq.num_cpu} disagrees with its slot map")
             for t, s in enumerate(seq.slots):
                 if s is None:
                     continue
