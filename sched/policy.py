@@ -21,6 +21,7 @@ class Candidate:
     slo_s: float | None = None  # its current latency target: TTFT before the first token, TBT after
     pending_s: float = 0.0     # t_i: seconds since it arrived or last returned a token
     num_cpu: int = 0           # M^cpu: checkpointed slots to swap back in before it can run
+    missed: bool = False       # RT whose first token came (or will come) after its TTFT target
 
     def residual(self, t_avg: float = 0.0, k: int = 1) -> float:
         """BROS residual time res_i = T_SLO,i - t_i - (k_i - 1) T_avg (inf without an SLO)."""

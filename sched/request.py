@@ -55,6 +55,7 @@ class RequestState:
     stop_text_end: int | None = None   # char index where a stop string matched
     first_scheduled_time: float | None = None   # for the queue-time metric
     last_token_time: float | None = None        # arrival, then each token: pending time (SPEC §1.1, §2.1)
+    first_token_time: float | None = None       # when its first output token came back
     error: str | None = None
 
     @property

@@ -227,7 +227,7 @@ class Scheduler:
             slo = r.slo_tbt_s if st.output_token_ids else r.slo_ttft_s
             return Candidate(rid, st.num_tokens, st.num_computed, q.pool.num_blocks_of(rid), r.arrival_time,
                              r.service_class is ServiceClass.RT, slo, now - (st.last_token_time or r.arrival_time),
-                             q.pool.num_cpu(rid) if bidir else 0)
+                             q.pool.num_cpu(rid) if bidir else 0, _missed_ttft(st, now))
         c = self.cfg
         bidir = c.bidirectional
         return Snapshot([cand(r) for r in q.running], [cand(r) for r in q.waiting],
@@ -316,7 +316,8 @@ class Scheduler:
             r = s.request
             slo = r.slo_tbt_s if s.output_token_ids else r.slo_ttft_s
             return math.inf if slo is None else slo - (now - (s.last_token_time or r.arrival_time))
-        return max(held, key=residual).req_id if held else None
+        # requests that already missed their TTFT go first: they can no longer meet their SLO
+        return max(held, key=lambda s: (_missed_ttft(s, now), residual(s))).req_id if held else None
 
     def _new_request(self, st: RequestState) -> NewRequest:
         sp = st.request.sampling
@@ -339,6 +340,8 @@ class Scheduler:
                 continue
             st.output_token_ids.append(tok)
             st.last_token_time = now
+            if st.first_token_time is None:
+                st.first_token_time = now
             reason = check_stop(st, self.eos_ids, self.max_model_len, self.detokenize)
             if reason is not None:
                 updates.append(self._finish(st, reason, new=[tok]))
@@ -377,3 +380,11 @@ class Scheduler:
                     raise AssertionError(f"waiting request {r} holds blocks")
             if any(self.states[r].status is not Status.RUNNING for r in held):
                 raise AssertionError("running list holds a non-running request")
+
+
+def _missed_ttft(st: RequestState, now: float) -> bool:
+    """Has this RT request's first token come, or can it now only come, after its TTFT target?"""
+    r = st.request
+    if r.slo_ttft_s is None or r.service_class is not ServiceClass.RT:
+        return False
+    return (st.first_token_time or now) - r.arrival_time > r.slo_ttft_s

@@ -97,13 +97,25 @@ def test_no_replacement_when_the_rt_request_would_lose_its_slack():
     assert planned(plan) == [("a", 1), ("b", 1)]
 
 
-def test_all_late_rt_served_together_inside_the_tightest_target():
-    # nobody can make it: the budget is the tightest target seen (0.025): three decodes (.025)
-    # run together; the BE decode would make it .03 and replacing a late RT is not allowed
+def test_when_no_rt_request_can_be_saved_the_iteration_is_not_bounded():
+    # nobody can make it: serving for throughput (as FCFS) beats bounding the iteration by the
+    # tightest target (0.025, which would fit the three late decodes only): BE joins too
     late = [dec(f"late{i}", 0.1, 0.3 + 0.01 * i) for i in range(3)]
     p = Bros(cost, max_num_seqs=8, idle_budget_s=0.025)
     plan = p(snap(running=[*late, dec("be", None, 0, rt=False)]))
-    assert planned(plan) == [("late2", 1), ("late1", 1), ("late0", 1)]
+    assert planned(plan) == [("late2", 1), ("late1", 1), ("late0", 1), ("be", 1)]
+
+
+def test_requests_past_their_ttft_come_after_savable_ones():
+    # "gone" waited 1 s for a 0.5 s TTFT: its SLO is lost, so although its residual is the most
+    # negative it runs after the savable one, within its budget: "ok" has residual .2, C(ok) =
+    # .11, and the lost prompt is cut to the 90 tokens that keep C at .2
+    gone = Candidate("gone", 100, 0, 0, 0.0, True, 0.5, 1.0, 0, missed=True)
+    ok = new("ok", 100, slo=0.5, pending=0.3, arrival=0.7)
+    plan = Bros(cost, max_num_seqs=8)(snap(waiting=[gone, ok]))
+    assert planned(plan) == [("ok", 100), ("gone", 90)]
+    # alone, the lost request is served for throughput: whole prompt, unbounded
+    assert planned(Bros(cost, max_num_seqs=8)(snap(waiting=[gone]))) == [("gone", 100)]
 
 
 def test_without_rt_an_iteration_is_bounded_by_the_tightest_target():
