@@ -94,6 +94,7 @@ class Bros:
         # RT target seen so far (or this budget): an RT request arriving meanwhile waits at most
         # one such iteration instead of a whole unbounded BE batch
         self.idle_budget_s = idle_budget_s
+        self.loosest_s: float | None = None     # the loosest RT target seen (a TTFT target)
 
     # ---- helpers ---------------------------------------------------------------
     def _time(self, items: list[tuple[Candidate, int]]) -> float:
@@ -135,18 +136,19 @@ class Bros:
         late whatever happens; letting it set the budget would shrink every iteration to one
         request and turn lateness into collapse. Late requests are still served first (they
         sort first), inside the budget of those that can be saved. [open choice] If none can,
-        the iteration is not bounded at all (as FCFS): past capacity what helps is throughput,
-        and best-effort requests that finish give their blocks back (bounding such iterations
-        by the tightest target, or keeping BE out of them, cut the paper-scale simulation's
-        attainment at 2 req/s from 96% to 65%). Only an iteration without any RT request is
-        bounded by the tightest RT target seen.
+        the iteration is bounded only by half the loosest RT target seen (a TTFT target, so a
+        request arriving meanwhile can still make its first token): past capacity what helps
+        is throughput, and best-effort requests that finish give their blocks back (bounding
+        such iterations by the tightest target, or keeping BE out of them, cut the paper-scale
+        simulation's attainment at 2 req/s from 96% to 65%). Only an iteration without any RT
+        request is bounded by the tightest RT target seen.
         """
         floor = self.cost(StepShape().add(1, 1, True), 0)
         feasible = [res(c) for c in q_rt if res(c) >= floor and not c.missed]
         if feasible:
             budget = min(feasible)
         elif q_rt:
-            budget = math.inf       # nobody can be saved this iteration: serve for throughput
+            budget = self.loosest_s / 2 if self.loosest_s else math.inf
         else:
             budget = self.idle_budget_s or math.inf
         # [open choice] plan against the budget shrunk by the cost model's running relative error,
@@ -183,6 +185,7 @@ class Bros:
         q_rt = deque(self._rt_order(snap, res))
         slos = [c.slo_s for c in q_rt if c.slo_s is not None]
         if slos:
+            self.loosest_s = max(slos + [self.loosest_s or 0.0])
             self.idle_budget_s = min(slos + ([self.idle_budget_s] if self.idle_budget_s else []))
         t_res_min = self._budget(q_rt, res)
         tokens_left = lim.max_num_batched_tokens

@@ -98,8 +98,8 @@ def test_no_replacement_when_the_rt_request_would_lose_its_slack():
 
 
 def test_when_no_rt_request_can_be_saved_the_iteration_is_not_bounded():
-    # nobody can make it: serving for throughput (as FCFS) beats bounding the iteration by the
-    # tightest target (0.025, which would fit the three late decodes only): BE joins too
+    # nobody can make it: serving for throughput beats bounding the iteration by the tightest
+    # target (0.025, which would fit the three late decodes only): BE joins too
     late = [dec(f"late{i}", 0.1, 0.3 + 0.01 * i) for i in range(3)]
     p = Bros(cost, max_num_seqs=8, idle_budget_s=0.025)
     plan = p(snap(running=[*late, dec("be", None, 0, rt=False)]))
@@ -114,8 +114,11 @@ def test_requests_past_their_ttft_come_after_savable_ones():
     ok = new("ok", 100, slo=0.5, pending=0.3, arrival=0.7)
     plan = Bros(cost, max_num_seqs=8)(snap(waiting=[gone, ok]))
     assert planned(plan) == [("ok", 100), ("gone", 90)]
-    # alone, the lost request is served for throughput: whole prompt, unbounded
-    assert planned(Bros(cost, max_num_seqs=8)(snap(waiting=[gone]))) == [("gone", 100)]
+    # alone, the lost request is served for throughput, bounded by half the loosest target seen
+    # (.25 s: after "gone" (.11) a second lost 1000-token prompt is cut to 140 tokens)
+    p = Bros(cost, max_num_seqs=8)
+    big = Candidate("big", 1000, 0, 0, 0.5, True, 0.5, 0.9, 0, missed=True)
+    assert planned(p(snap(waiting=[gone, big]))) == [("gone", 100), ("big", 140)]
 
 
 def test_without_rt_an_iteration_is_bounded_by_the_tightest_target():
