@@ -19,12 +19,21 @@ from engine.messages import CacheType, Direction
 class PoolGeometry:
     num_blocks: int             # blocks in the pool
     block_size: int             # token slots per block
+    hidden_blocks: int = 0      # blocks per block_size tokens of a hidden cache: d_model / unit
+                                # (1 for multi-head attention); 0 when d_model is not a multiple
 
     def blocks_per_token_block(self, cache_type: CacheType) -> int:
         """Blocks a request needs per block_size tokens (2 for KV: one K, one V)."""
         if cache_type is CacheType.KV:
             return 2
+        if self.hidden_blocks:
+            return self.hidden_blocks
         raise ValueError(f"cache type {cache_type.value} is not supported by this pool")
+
+    @property
+    def hidden_ratio(self) -> float:
+        """Apt-Serve's r: memory of a hidden cache relative to a KV cache (inf if unsupported)."""
+        return self.hidden_blocks / 2 if self.hidden_blocks else float("inf")
 
     def blocks_for(self, num_tokens: int, cache_type: CacheType = CacheType.KV) -> int:
         """Blocks needed to hold num_tokens tokens."""

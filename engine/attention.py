@@ -16,6 +16,16 @@ A step's tokens are laid out prefills first, then decodes (one token each)::
 
     rows: [ prefill r0 (n0 tokens) | prefill r1 (n1) | ... | decode d0 | d1 | ... ]
 
+Hidden-cache requests (Apt-Serve, SPEC §1.2) keep each layer's post-norm input
+instead of K and V: ``m = d_model / unit`` rows per token, one in each of the
+m blocks of a token-block. Their rows come after all KV-cache rows in a step::
+
+    rows: [ KV prefills | KV decodes | hidden prefills | hidden decodes ]
+
+Each step writes the new tokens' inputs first, then gathers the whole context,
+projects K and V from it (rotary embeddings at each token's own position) and
+attends, so a context never mixes fresh and stale K/V.
+
 Decode attention reads each request's context through its per-token rows,
 so a block filled right to left, or shared with another owner, reads
 correctly. On the CPU a compiled kernel (engine/csrc/paged_decode.cpp) reads
@@ -24,6 +34,7 @@ those rows in place; the torch path below gathers them and is the reference.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +49,23 @@ class PrefillSegment:
 
 
 @dataclass(slots=True)
+class HiddenSegment:
+    """One hidden-cache request in a step: rows [start, end) of the hidden part."""
+    start: int
+    end: int
+    ctx_rows: torch.Tensor           # [ctx * m] long: pool rows of every context token, token-major
+
+
+@dataclass(slots=True)
+class HiddenBatch:
+    """The hidden-cache part of a step (rows ``start`` .. T-1 of the step)."""
+    start: int                       # first hidden-cache row of the step
+    m: int                           # pool rows per token: d_model / (num_kv_heads * head_dim)
+    write_rows: torch.Tensor         # [(T - start) * m] long: pool rows for the new tokens' inputs
+    segs: list[HiddenSegment]        # per request, prefills and decodes alike
+
+
+@dataclass(slots=True)
 class AttnBatch:
     """Per-step attention metadata, built once and used by every layer."""
     k_slots: torch.Tensor            # [T] long, pool row to write each new token's K
@@ -48,6 +76,7 @@ class AttnBatch:
     dec_v_rows: torch.Tensor | None  # [nd, L] long
     dec_lens: torch.Tensor | None    # [nd] long, context length of each decode (this token included)
     kernel: object | None = None     # compiled CPU ops module, or None for the torch path
+    hidden: HiddenBatch | None = None  # hidden-cache requests of this step, if any
 
 
 def write_kv(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
@@ -56,18 +85,32 @@ def write_kv(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     pool.index_copy_(1, slots, x.view(-1, h, hd).transpose(0, 1))
 
 
+KvFromHidden = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     pool: torch.Tensor, batch: AttnBatch,
                     num_heads: int, num_kv_heads: int, head_dim: int,
-                    scale: float) -> torch.Tensor:
-    """Write this step's K/V into ``pool`` and attend.
+                    scale: float, x: torch.Tensor | None = None,
+                    kv_from_hidden: KvFromHidden | None = None) -> torch.Tensor:
+    """Write this step's K/V (or layer inputs) into ``pool`` and attend.
 
     q: [T, num_heads*head_dim]; k, v: [T, num_kv_heads*head_dim];
     pool: [num_kv_heads, num_slots, head_dim] (this layer). Returns [T, num_heads*head_dim].
+    With hidden-cache rows in the step: x [T, d_model] is the layer's post-norm input and
+    ``kv_from_hidden(x_rows, positions)`` projects K (rotated) and V from stored inputs.
     """
+    out = torch.empty_like(q)
+    hb = batch.hidden
+    kv_end = q.shape[0] if hb is None else hb.start
+    if hb is not None:
+        out[hb.start:] = hidden_attention(q[hb.start:], x[hb.start:], pool, hb, kv_from_hidden,
+                                          num_heads, num_kv_heads, head_dim, scale)
+        if hb.start == 0:
+            return out
+        q, k, v = q[:hb.start], k[:hb.start], v[:hb.start]
     write_kv(pool, batch.k_slots, k)
     write_kv(pool, batch.v_slots, v)
-    out = torch.empty_like(q)
     for seg in batch.prefills:
         out[seg.start:seg.end] = _prefill(q[seg.start:seg.end], k[seg.start:seg.end],
                                           v[seg.start:seg.end], pool, seg,
@@ -81,7 +124,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                           batch.dec_v_rows, batch.dec_lens, scale)
         else:
             o = decode_attention(qg, pool, batch.dec_k_rows, batch.dec_v_rows, batch.dec_lens, scale)
-        out[batch.decode_start:] = o.reshape(nd, -1)
+        out[batch.decode_start:kv_end] = o.reshape(nd, -1)
     return out
 
 
@@ -92,15 +135,23 @@ def _prefill(q, k, v, pool, seg: PrefillSegment, num_heads, num_kv_heads, head_d
     SDPA's fused CPU kernel takes (2-3x faster than its enable_gqa path here).
     """
     n = q.shape[0]
-    group = num_heads // num_kv_heads
-    qh = q.view(n, num_heads, head_dim).transpose(0, 1)[None]        # [1, H, n, hd]
     if seg.k_ctx is None:
         kh = k.view(n, num_kv_heads, head_dim).transpose(0, 1)        # [Hkv, n, hd]
         vh = v.view(n, num_kv_heads, head_dim).transpose(0, 1)
-        mask, causal = None, True
+        ctx = n
     else:
         ctx = seg.k_ctx.shape[0]
         kh, vh = pool[:, seg.k_ctx], pool[:, seg.v_ctx]               # [Hkv, ctx, hd]
+    return _dense(q, kh, vh, n, ctx, num_heads, num_kv_heads, head_dim, scale)
+
+
+def _dense(q, kh, vh, n, ctx, num_heads, num_kv_heads, head_dim, scale):
+    """n queries (the last n of ctx positions) over kh, vh [Hkv, ctx, hd], causal."""
+    group = num_heads // num_kv_heads
+    qh = q.view(n, num_heads, head_dim).transpose(0, 1)[None]        # [1, H, n, hd]
+    if ctx == n:
+        mask, causal = None, True
+    else:
         # query i sits at position ctx-n+i and sees keys 0..ctx-n+i
         mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(diagonal=ctx - n)
         causal = False
@@ -109,6 +160,35 @@ def _prefill(q, k, v, pool, seg: PrefillSegment, num_heads, num_kv_heads, head_d
     o = F.scaled_dot_product_attention(qh, kh[None], vh[None], attn_mask=mask, is_causal=causal,
                                        scale=scale)
     return o[0].transpose(0, 1).reshape(n, num_heads * head_dim)
+
+
+def write_hidden(pool: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> None:
+    """pool: [Hkv, S, hd]; x: [n, m * Hkv * hd] -> rows [n * m] (token-major) of every head."""
+    h, _, hd = pool.shape
+    pool.index_copy_(1, rows, x.reshape(-1, h, hd).transpose(0, 1))
+
+
+def read_hidden(pool: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of write_hidden: rows [n * m] -> [n, m * Hkv * hd]."""
+    return pool[:, rows].transpose(0, 1).reshape(n, -1)
+
+
+def hidden_attention(q, x, pool, hb: HiddenBatch, kv_from_hidden: KvFromHidden,
+                     num_heads, num_kv_heads, head_dim, scale) -> torch.Tensor:
+    """Attention of hidden-cache requests: store the new inputs, rebuild each context's K and V
+    from the stored inputs (positions 0..ctx-1), attend causally. q, x: the hidden rows only."""
+    write_hidden(pool, hb.write_rows, x)
+    out = torch.empty_like(q)
+    for seg in hb.segs:
+        n = seg.end - seg.start
+        ctx = seg.ctx_rows.shape[0] // hb.m
+        xs = read_hidden(pool, seg.ctx_rows, ctx)
+        k, v = kv_from_hidden(xs, torch.arange(ctx, device=q.device))
+        kh = k.reshape(ctx, num_kv_heads, head_dim).transpose(0, 1)     # [Hkv, ctx, hd]
+        vh = v.reshape(ctx, num_kv_heads, head_dim).transpose(0, 1)
+        out[seg.start:seg.end] = _dense(q[seg.start:seg.end], kh, vh, n, ctx, num_heads,
+                                        num_kv_heads, head_dim, scale)
+    return out
 
 
 def decode_attention(qg: torch.Tensor, pool: torch.Tensor, k_rows: torch.Tensor,

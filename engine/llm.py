@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from engine.messages import DeviceError
+from engine.messages import CacheType, DeviceError
 from engine.models.loader import load_spec, load_tokenizer, resolve_model
 from engine.params import SamplingParams
 from engine.worker import DTYPES, WorkerConfig, WorkerHandle, wait_all
@@ -27,6 +28,9 @@ class RequestOutput:
     token_ids: list[int]           # generated ids (EOS / stop id included when it ended the request)
     text: str                      # generated text, special tokens skipped, stop string cut
     finish_reason: str             # "stop" | "length" | "abort" | "error"
+
+
+log = logging.getLogger(__name__)
 
 
 def parse_devices(devices: str) -> list[str]:
@@ -62,7 +66,8 @@ class LLM:
                  cache_dir: str | os.PathLike | None = None, compile: bool = False,
                  cpu_kernels: bool = True, omp_wait_policy: str | None = None,
                  policy: str = "fcfs", rt_budget_s: float | None = None,
-                 bidirectional_blocks: bool = False):
+                 bidirectional_blocks: bool = False, cache_type: str = "kv",
+                 hybrid_cache: bool = True, adaptive: bool = True, slo_decay: float | None = None):
         self._workers: list[WorkerHandle] = []
         if dtype not in DTYPES:
             raise ValueError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)}")
@@ -73,6 +78,15 @@ class LLM:
             raise ValueError(f"policy: {policy!r} is not one of {list(POLICIES)}")
         if bidirectional_blocks and policy != "bros":
             raise ValueError("bidirectional_blocks: needs policy='bros'")
+        kinds = {c.value: c for c in CacheType}
+        if cache_type not in kinds:
+            raise ValueError(f"cache_type: {cache_type!r} is not one of {list(kinds)}")
+        if bidirectional_blocks and cache_type != "kv":
+            raise ValueError("cache_type: bidirectional blocks hold KV caches only")
+        if policy == "aptserve" and cache_type != "kv":
+            raise ValueError("cache_type: the aptserve policy chooses each request's cache type itself")
+        if slo_decay is not None and not 0 <= slo_decay <= 1:
+            raise ValueError(f"slo_decay: must be in [0, 1], got {slo_decay!r}")
         _positive("max_num_batched_tokens", max_num_batched_tokens)
         if kv_cache_bytes is not None:
             _positive("kv_cache_bytes", kv_cache_bytes)
@@ -105,14 +119,17 @@ class LLM:
             self.shutdown()
             raise
         detok = self.detokenize if self.tokenizer is not None else None
-        self.scheduler = Scheduler(
-            SchedConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, "fcfs", rt_budget_s),
-            self._workers, self.spec.eos_token_ids, self.max_model_len, detok)
         try:
+            self.scheduler = Scheduler(
+                SchedConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, "fcfs", rt_budget_s,
+                            cache_type=kinds[cache_type]),
+                self._workers, self.spec.eos_token_ids, self.max_model_len, detok)
             if policy in ("bros",):         # policies that price iterations: profile first (seconds)
                 from sched.profiling import profile_cost
                 self.scheduler.use_policy(policy, profile_cost(self.scheduler, self.spec.vocab_size),
                                           bidirectional=bidirectional_blocks)
+            elif policy == "aptserve":
+                self.scheduler.use_policy(policy, **self._aptserve_options(hybrid_cache, adaptive, slo_decay))
             else:
                 self.scheduler.use_policy(policy)
         except BaseException:
@@ -121,6 +138,21 @@ class LLM:
         self._ids = itertools.count()
 
     # ---- prompts -------------------------------------------------------------
+    def _aptserve_options(self, hybrid: bool, adaptive: bool, decay: float | None) -> dict:
+        """Apt-Serve's options; ρ profiled when a hidden cache saves memory on this model."""
+        g = self.scheduler.queues[0].pool.geometry
+        if hybrid and g.hidden_ratio >= 1:
+            log.warning("aptserve: a hidden cache takes %.2fx the memory of a KV cache for this model "
+                        "(grouped-query attention); offering KV caches only", g.hidden_ratio)
+            hybrid = False
+        rho = 0.0
+        if hybrid:
+            from sched.profiling import profile_rho
+            rho = profile_rho(self.scheduler, self.spec.vocab_size)
+            log.info("aptserve: hidden cache at %.2fx of KV, rho = %.3g s per KV block", g.hidden_ratio, rho)
+        self.rho = rho
+        return {"rho": rho, "hybrid_cache": hybrid, "adaptive": adaptive, "slo_decay": decay}
+
     def detokenize(self, ids: list[int]) -> str:
         """Generated ids to text, special tokens skipped."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttnBatch, PrefillSegment
+from engine.attention import AttnBatch, HiddenBatch, HiddenSegment, PrefillSegment
 from engine.messages import (CacheType, Direction, NewRequest, Phase, SamplingSpec,
                              StepInput, StepOutput)
 from engine.models.spec import ModelSpec
@@ -22,14 +22,16 @@ class ReqState:
     token_ids: list[int]        # prompt + generated, as this worker knows them
     num_prompt: int
     num_computed: int           # tokens whose K/V sit in the pool
-    slots: torch.Tensor         # [2, capacity] long: pool rows of K (row 0) and V (row 1) per token
+    slots: torch.Tensor         # [g, capacity] long: pool rows per token; KV: K (row 0) and V (row 1),
+                                # hidden: the m rows holding the token's layer input
     capacity: int               # tokens the block table can hold
     sampling: SamplingSpec
+    cache_type: CacheType = CacheType.KV
     cpu: dict | None = None     # token index -> its K/V [2, layers, kv_heads, head_dim], checkpointed
 
-    def clear_cache(self) -> None:
+    def clear_cache(self, rows_per_token: int = 2) -> None:
         self.num_computed = self.capacity = 0
-        self.slots = torch.empty(2, 0, dtype=torch.long)
+        self.slots = torch.empty(rows_per_token, 0, dtype=torch.long)
         self.cpu = {}
 
 
@@ -48,36 +50,50 @@ class ModelRunner:
         self.spec = spec
         self.pool = pool                 # [layers, kv_heads, num_blocks * block_size, head_dim]
         self.block_size = block_size
+        # a hidden-cache token takes m = d_model / unit pool rows; 0: not possible for this model
+        self.hidden_rows = spec.d_model // spec.unit if spec.d_model % spec.unit == 0 else 0
         self.reqs: dict[str, ReqState] = {}
 
     # ---- state mirroring -------------------------------------------------
+    def _rows_per_token(self, cache_type: CacheType) -> int:
+        if cache_type is CacheType.KV:
+            return 2
+        if not self.hidden_rows:
+            raise ValueError(f"hidden cache: d_model {self.spec.d_model} is not a multiple of "
+                             f"num_kv_heads * head_dim = {self.spec.unit}")
+        return self.hidden_rows
+
     def _add(self, nr: NewRequest) -> None:
-        if nr.cache_type is not CacheType.KV:
-            raise ValueError(f"cache type {nr.cache_type.value} is not supported by this engine")
-        st = ReqState(list(nr.token_ids), nr.num_prompt_tokens, 0, None, 0, nr.sampling)
-        st.clear_cache()
+        g = self._rows_per_token(nr.cache_type)
+        st = ReqState(list(nr.token_ids), nr.num_prompt_tokens, 0, None, 0, nr.sampling, nr.cache_type)
+        st.clear_cache(g)
         self.reqs[nr.req_id] = st
 
     def _append_blocks(self, st: ReqState, block_ids: list[int], dirs: list[Direction]) -> None:
-        """KV cache: blocks arrive in (K, V) pairs, each pair holds block_size tokens."""
-        if len(block_ids) % 2:
-            raise ValueError("KV blocks must come in (K, V) pairs")
+        """Blocks arrive in groups of g per block_size tokens: (K, V) pairs for a KV cache,
+        the m blocks of a token's layer input for a hidden cache."""
+        g = st.slots.shape[0]
+        if len(block_ids) % g:
+            raise ValueError(f"{st.cache_type.value} blocks must come in groups of {g}")
         if not block_ids:
             return
         B = self.block_size
-        k_rows, v_rows = [], []
-        for kb, vb, kd, vd in zip(block_ids[0::2], block_ids[1::2], dirs[0::2], dirs[1::2]):
-            if kd is not vd:
-                raise ValueError("a token-block's K and V blocks must share a direction")
-            offs = block_offsets(B, kd)
-            k_rows.append(kb * B + offs)
-            v_rows.append(vb * B + offs)
-        new = torch.stack([torch.cat(k_rows), torch.cat(v_rows)])
+        rows = [[] for _ in range(g)]
+        for i in range(0, len(block_ids), g):
+            group, gdirs = block_ids[i:i + g], dirs[i:i + g]
+            if any(d is not gdirs[0] for d in gdirs):
+                raise ValueError("a token-block's blocks must share a direction")
+            offs = block_offsets(B, gdirs[0])
+            for j, b in enumerate(group):
+                rows[j].append(b * B + offs)
+        new = torch.stack([torch.cat(r) for r in rows])
         st.slots = torch.cat([st.slots, new], dim=1)
         st.capacity += new.shape[1]
 
     def _append_slots(self, st: ReqState, slots: list[tuple[int, int]]) -> None:
         """Bidirectional pools: explicit (token-block, physical slot) per new token."""
+        if slots and st.cache_type is not CacheType.KV:
+            raise ValueError("bidirectional blocks hold KV caches only")
         if slots:
             st.slots = torch.cat([st.slots, self._rows(slots)], dim=1)
             st.capacity += len(slots)
@@ -109,7 +125,8 @@ class ModelRunner:
         for rid in inp.finished_ids:
             self.reqs.pop(rid, None)
         for rid in inp.reset_ids:
-            self.reqs[rid].clear_cache()
+            st = self.reqs[rid]
+            st.clear_cache(st.slots.shape[0])
         for nr in inp.new_requests:
             self._add(nr)
 
@@ -142,7 +159,12 @@ class ModelRunner:
                           time.perf_counter() - t1)
 
     def _build(self, prefills, decodes):
-        """Token ids, positions, attention metadata and sampling rows for one step."""
+        """Token ids, positions, attention metadata and sampling rows for one step
+        (rows: KV prefills, KV decodes, then hidden-cache prefills and decodes)."""
+        hidden = [s for s in prefills + decodes if self.reqs[s.req_id].cache_type is CacheType.HIDDEN]
+        if hidden:
+            prefills = [s for s in prefills if self.reqs[s.req_id].cache_type is CacheType.KV]
+            decodes = [s for s in decodes if self.reqs[s.req_id].cache_type is CacheType.KV]
         ids, pos, k_w, v_w, segs, rows, samplers = [], [], [], [], [], [], []
         row = 0
         for s in prefills:
@@ -167,11 +189,30 @@ class ModelRunner:
             row += 1
         dev = self.device
         to = (lambda t: t if t is None or dev.type == "cpu" else t.to(dev, non_blocking=True))  # noqa: E731
+        hb = self._hidden_meta(hidden, row, ids, pos, rows, samplers, to) if hidden else None
         segs = [PrefillSegment(g.start, g.end, to(g.k_ctx), to(g.v_ctx)) for g in segs]
-        batch = AttnBatch(to(torch.cat(k_w)), to(torch.cat(v_w)), segs, decode_start,
-                          *(to(t) for t in dec), self.kernel)
+        empty = torch.empty(0, dtype=torch.long)
+        batch = AttnBatch(to(torch.cat(k_w) if k_w else empty), to(torch.cat(v_w) if v_w else empty),
+                          segs, decode_start, *(to(t) for t in dec), self.kernel, hb)
         return (to(torch.tensor(ids, dtype=torch.long)), to(torch.cat(pos)), batch,
                 to(torch.tensor(rows, dtype=torch.long)), samplers)
+
+    def _hidden_meta(self, hidden, row, ids, pos, rows, samplers, to) -> HiddenBatch:
+        """Rows to store the new tokens' layer inputs and each request's context rows."""
+        start, write, segs = row, [], []
+        for s in hidden:
+            st = self.reqs[s.req_id]
+            a, b = st.num_computed, st.num_computed + s.num_new_tokens
+            self._check(s.req_id, st, b)
+            ids.extend(st.token_ids[a:b])
+            pos.append(torch.arange(a, b))
+            write.append(st.slots[:, a:b].T.reshape(-1))          # token-major: token i's m rows
+            segs.append(HiddenSegment(row - start, row - start + b - a, to(st.slots[:, :b].T.reshape(-1))))
+            row += b - a
+            if s.sample or s.phase is Phase.DECODE:
+                rows.append(row - 1)
+                samplers.append(s.req_id)
+        return HiddenBatch(start, self.hidden_rows, to(torch.cat(write)), segs)
 
     def _decode_meta(self, decodes, ids, pos, k_w, v_w):
         """Padded per-token K/V rows and context lengths of the decode requests."""

@@ -84,7 +84,7 @@ def worker_main(conn, cfg: WorkerConfig) -> None:
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
-    conn.send(("ready", num_blocks))
+    conn.send(("ready", (num_blocks, runner.hidden_rows)))
     while True:
         try:
             msg: StepInput = conn.recv()
@@ -129,7 +129,8 @@ class WorkerHandle:
         if kind == "error":
             self.proc.join(timeout=5)
             raise RuntimeError(f"{self.name}: worker failed to start:\n{payload}")
-        self.geometry = PoolGeometry(num_blocks=payload, block_size=self.block_size)
+        num_blocks, hidden_blocks = payload
+        self.geometry = PoolGeometry(num_blocks, self.block_size, hidden_blocks)
         return self.geometry
 
     def submit(self, inp: StepInput) -> None:
@@ -179,7 +180,7 @@ class InProcessDevice:
     def __init__(self, name: str, cfg: WorkerConfig):
         self.name = name
         self.runner, num_blocks = _build_runner(cfg)
-        self.geometry = PoolGeometry(num_blocks=num_blocks, block_size=cfg.block_size)
+        self.geometry = PoolGeometry(num_blocks, cfg.block_size, self.runner.hidden_rows)
         self._out: StepOutput | None = None
 
     def submit(self, inp: StepInput) -> None:

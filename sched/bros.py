@@ -30,6 +30,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from dataclasses import replace
 from typing import Callable, Iterable
 
 from sched.cost_model import StepShape
@@ -47,7 +48,7 @@ class BlockBudget:
         self.held: dict[str, int] = {}
 
     def need(self, c: Candidate, n: int) -> int:
-        return max(0, _blocks(self.snap, c.num_computed + n) - c.num_blocks)
+        return max(0, _blocks(self.snap, c.num_computed + n, c) - c.num_blocks)
 
     def reserve(self, c: Candidate, n: int) -> bool:
         k = self.need(c, n)
@@ -295,8 +296,7 @@ class RoundRobin:
         others = sorted((c for c in snap.running if c.rt != rt), key=lambda c: -c.arrival)
         free, taken = snap.num_free_blocks, []
         while True:
-            plan = fcfs(Snapshot(running, waiting, free, snap.block_size, snap.blocks_per_token_block,
-                                 snap.limits, snap.t_avg))
+            plan = fcfs(replace(snap, running=running, waiting=waiting, num_free_blocks=free))
             if (plan.scheduled and not plan.preempted) or not others:
                 for v in taken:
                     plan.reasons[v] = "preempted: its blocks went to the other class's turn"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.messages import Phase
+from engine.messages import CacheType, Phase
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +22,7 @@ class Candidate:
     pending_s: float = 0.0     # t_i: seconds since it arrived or last returned a token
     num_cpu: int = 0           # M^cpu: checkpointed slots to swap back in before it can run
     missed: bool = False       # RT whose first token came (or will come) after its TTFT target
+    cache_type: CacheType = CacheType.KV   # what its blocks hold
 
     def residual(self, t_avg: float = 0.0, k: int = 1) -> float:
         """BROS residual time res_i = T_SLO,i - t_i - (k_i - 1) T_avg (inf without an SLO)."""
@@ -48,6 +49,7 @@ class Snapshot:
     t_avg: float = 0.0         # moving average of the iteration time, seconds
     be_only_blocks: int = 0    # bidirectional pools: BE-only blocks an RT request may take over
     block_preemption: bool = False  # bidirectional pools: the pool preempts blocks, not the policy
+    hidden_blocks_per_token_block: int = 0   # hidden caches: d_model / unit (0: not possible)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,10 +65,15 @@ class Plan:
     scheduled: list[Decision] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)   # lose their cache, recompute later
     reasons: dict[str, str] = field(default_factory=dict)
+    # change of cache type: the request loses its cache and is planned again from scratch
+    cache_types: dict[str, CacheType] = field(default_factory=dict)
 
 
-def _blocks(snap: Snapshot, num_tokens: int) -> int:
-    return -(-num_tokens // snap.block_size) * snap.blocks_per_token_block
+def _blocks(snap: Snapshot, num_tokens: int, c: Candidate | None = None) -> int:
+    per = snap.blocks_per_token_block
+    if c is not None and c.cache_type is CacheType.HIDDEN:
+        per = snap.hidden_blocks_per_token_block
+    return -(-num_tokens // snap.block_size) * per
 
 
 def _decide(c: Candidate, n: int) -> Decision:
@@ -94,7 +101,7 @@ def fcfs(snap: Snapshot) -> Plan:
     while i < len(running) and tokens_left > 0:
         c = running[i]
         n = min(c.num_tokens - c.num_computed, tokens_left)
-        need = _blocks(snap, c.num_computed + n) - c.num_blocks
+        need = _blocks(snap, c.num_computed + n, c) - c.num_blocks
         while need > free and running[-1] is not c:
             victim = running.pop()
             free += victim.num_blocks
@@ -121,7 +128,7 @@ def fcfs(snap: Snapshot) -> Plan:
             plan.reasons[c.req_id] = "waiting: prompt exceeds this iteration's token budget"
             break
         n = min(n, tokens_left)
-        need = _blocks(snap, c.num_computed + n) - c.num_blocks
+        need = _blocks(snap, c.num_computed + n, c) - c.num_blocks
         if need > free:
             plan.reasons[c.req_id] = "waiting: not enough free blocks"
             break

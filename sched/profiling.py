@@ -47,3 +47,48 @@ def profile_cost(scheduler, vocab_size: int, seed: int = 0) -> OnlineCostModel:
 def _fits(scheduler, reqs: int, tokens: int) -> bool:
     g = scheduler.queues[0].pool.geometry
     return reqs * g.blocks_for(tokens) <= g.num_blocks
+
+
+def profile_rho(scheduler, vocab_size: int, seed: int = 0, contexts: tuple[int, ...] = (64, 256, 512),
+                batch: int = 4, out: int = 5) -> float:
+    """Apt-Serve's ρ (SPEC §1.3): extra seconds per KV block of context when a request keeps a
+    hidden cache, measured on the engine itself rather than on a bare matmul.
+
+    The same decode batches run twice, with KV caches and with hidden caches; ρ is the
+    least-squares slope, through the origin, of the mean extra decode-step time against the
+    batch's size in KV blocks. A few seconds on this CPU for SmolLM2-sized models.
+    """
+    from engine.messages import CacheType
+    rng = random.Random(seed)
+    g = scheduler.queues[0].pool.geometry
+    if not g.hidden_blocks:
+        raise ValueError("rho: this model cannot keep a hidden cache")
+    xs, ys = [], []
+    log = scheduler.step_log = []
+    try:
+        for ctx in contexts:
+            ctx = max(1, min(ctx, scheduler.max_model_len - out - 1))
+            b, need = batch, max(g.blocks_for(ctx + out), g.blocks_for(ctx + out, CacheType.HIDDEN))
+            while b > 1 and b * need > g.num_blocks:
+                b //= 2
+            if b * need > g.num_blocks:
+                continue
+            prompts = [[rng.randrange(3, vocab_size) for _ in range(ctx)] for _ in range(b)]
+            means = {}
+            for ct in (CacheType.KV, CacheType.HIDDEN):
+                log.clear()
+                for i, ids in enumerate(prompts):
+                    st = scheduler.add(Request(f"profile-rho-{ct.value}-{ctx}-{i}", ids,
+                                               SamplingParams(max_tokens=out, temperature=0, ignore_eos=True)))
+                    st.cache_type = ct
+                while scheduler.has_unfinished():
+                    scheduler.step()
+                dec = [s for shape, s in log if shape.prefill_tokens == 0 and shape.decode_tokens == b]
+                means[ct] = sum(dec) / len(dec) if dec else None
+            if means[CacheType.KV] is not None and means[CacheType.HIDDEN] is not None:
+                xs.append(b * g.blocks_for(ctx + out // 2))
+                ys.append(means[CacheType.HIDDEN] - means[CacheType.KV])
+    finally:
+        scheduler.step_log = None
+    den = sum(x * x for x in xs)
+    return max(0.0, sum(x * y for x, y in zip(xs, ys)) / den) if den else 0.0

@@ -18,6 +18,7 @@ from cache import BlockPool, PoolGeometry
 from cache.bidir import BidirBlockPool
 from engine.messages import (CacheType, Command, DeviceError, NewRequest, Phase, SamplingSpec,
                              ScheduledRequest, StepInput, StepOutput)
+from sched.aptserve import AptServe
 from sched.bros import Bros, RoundRobin
 from sched.cost_model import OnlineCostModel, StepShape
 from sched.policy import Candidate, Limits, Plan, Snapshot, fcfs
@@ -42,6 +43,14 @@ class SchedConfig:
     policy: str = "fcfs"
     rt_budget_s: float | None = None   # tightest RT latency target (bounds BROS iterations without RT)
     bidirectional: bool = False        # BROS bidirectional blocks with lazy checkpointing (cache/bidir.py)
+    cache_type: CacheType = CacheType.KV  # what every new request's blocks hold (hidden: Apt-Serve's
+                                          # layer inputs, K and V recomputed at each step)
+    # aptserve: seconds of recompute per KV block with a hidden cache (profiled), whether hidden
+    # caches are offered, adaptive (knapsack) or FCFS order, value decay past the SLO (None: ε)
+    rho: float = 0.0
+    hybrid_cache: bool = True
+    adaptive: bool = True
+    slo_decay: float | None = None
 
 
 @dataclass(slots=True)
@@ -67,7 +76,7 @@ class _DeviceQueues:
     num_preemptions: int = 0
 
 
-POLICIES = ("fcfs", "rr", "bros")
+POLICIES = ("fcfs", "rr", "bros", "aptserve")
 
 
 def make_policy(cfg: SchedConfig, cost: OnlineCostModel | None):
@@ -80,6 +89,8 @@ def make_policy(cfg: SchedConfig, cost: OnlineCostModel | None):
         if cost is None:
             raise ValueError("policy: bros needs a cost model (profile the engine first)")
         return Bros(cost, cfg.max_num_seqs, idle_budget_s=cfg.rt_budget_s)
+    if cfg.policy == "aptserve":
+        return AptServe(cfg.rho, cfg.hybrid_cache, cfg.adaptive, cfg.slo_decay)
     raise ValueError(f"policy: {cfg.policy!r} is not one of {list(POLICIES)}")
 
 
@@ -97,6 +108,12 @@ class Scheduler:
         self.detokenize = detokenize
         if cfg.bidirectional and cfg.policy != "bros":
             raise ValueError("bidirectional: bidirectional blocks need the bros policy")
+        if cfg.cache_type is CacheType.HIDDEN:
+            if cfg.bidirectional:
+                raise ValueError("cache_type: bidirectional blocks hold KV caches only")
+            if not all(d.geometry.hidden_blocks for d in devices):
+                raise ValueError("cache_type: this model's d_model is not a multiple of "
+                                 "num_kv_heads * head_dim, so it cannot keep a hidden cache")
         self.queues = [_DeviceQueues(BidirBlockPool(d.geometry) if cfg.bidirectional else BlockPool(d.geometry))
                        for d in devices]
         self.states: dict[str, RequestState] = {}
@@ -106,15 +123,18 @@ class Scheduler:
         self.clock = clock                  # time.monotonic, or the simulator's virtual clock
         self.step_log: list[tuple[StepShape, float]] | None = None   # set to a list to record steps
 
-    def use_policy(self, name: str, cost: OnlineCostModel | None = None, bidirectional: bool = False) -> None:
+    def use_policy(self, name: str, cost: OnlineCostModel | None = None, bidirectional: bool = False,
+                   **options) -> None:
         """Switch policy (e.g. to BROS once the start-up profile has produced its cost model);
         only while nothing is queued. ``bidirectional`` swaps in bidirectional block pools."""
         from dataclasses import replace
         if self.has_unfinished():
             raise RuntimeError("policy: can only be switched while no request is queued")
-        cfg = replace(self.cfg, policy=name, bidirectional=bidirectional)
+        cfg = replace(self.cfg, policy=name, bidirectional=bidirectional, **options)
         if bidirectional and name != "bros":
             raise ValueError("bidirectional: bidirectional blocks need the bros policy")
+        if bidirectional and cfg.cache_type is not CacheType.KV:
+            raise ValueError("cache_type: bidirectional blocks hold KV caches only")
         self.policy = make_policy(cfg, cost or self.cost)
         self.cfg, self.cost = cfg, cost or self.cost
         for q, d in zip(self.queues, self.devices):
@@ -132,7 +152,8 @@ class Scheduler:
         q = self.queues[d]
         self.check_fits(len(req.prompt_token_ids), req.sampling.max_tokens)
         seed = req.sampling.seed if req.sampling.seed is not None else self._rng.getrandbits(63)
-        st = RequestState(req, seed=seed, device=d, last_token_time=req.arrival_time)
+        st = RequestState(req, seed=seed, device=d, last_token_time=req.arrival_time,
+                          cache_type=self.cfg.cache_type)
         self.states[req.req_id] = st
         q.waiting.append(req.req_id)
         return st
@@ -176,8 +197,9 @@ class Scheduler:
         """ValueError if such a request could never fit a device's pool (safe from any thread)."""
         longest = min(num_prompt_tokens + max_tokens, self.max_model_len)
         g = self.queues[0].pool.geometry
-        if g.blocks_for(longest) > g.num_blocks:
-            raise ValueError(f"prompt: {longest} tokens of context need {g.blocks_for(longest)} "
+        need = g.blocks_for(longest, self.cfg.cache_type)
+        if need > g.num_blocks:
+            raise ValueError(f"prompt: {longest} tokens of context need {need} "
                              f"blocks; the pool has {g.num_blocks}")
 
     def has_unfinished(self) -> bool:
@@ -227,17 +249,25 @@ class Scheduler:
             slo = r.slo_tbt_s if st.output_token_ids else r.slo_ttft_s
             return Candidate(rid, st.num_tokens, st.num_computed, q.pool.num_blocks_of(rid), r.arrival_time,
                              r.service_class is ServiceClass.RT, slo, now - (st.last_token_time or r.arrival_time),
-                             q.pool.num_cpu(rid) if bidir else 0, _missed_ttft(st, now))
+                             q.pool.num_cpu(rid) if bidir else 0, _missed_ttft(st, now), st.cache_type)
         c = self.cfg
         bidir = c.bidirectional
         return Snapshot([cand(r) for r in q.running], [cand(r) for r in q.waiting],
                         q.pool.num_free, q.pool.geometry.block_size,
                         q.pool.geometry.blocks_per_token_block(CacheType.KV),
                         Limits(c.max_num_seqs, c.max_num_batched_tokens, c.chunked_prefill), self.t_avg,
-                        q.pool.num_be_only if bidir else 0, bidir)
+                        q.pool.num_be_only if bidir else 0, bidir, q.pool.geometry.hidden_blocks)
 
     def _apply(self, d: int, q: _DeviceQueues, plan: Plan) -> tuple[StepInput, StepShape]:
         """Carry out the plan in the bookkeeping; describe it to the device (and its cost shape)."""
+        switched = set()
+        for rid, ct in plan.cache_types.items():
+            st = self.states[rid]
+            if st.cache_type is not ct and self._switch_cache_type(q, st, ct):
+                switched.add(rid)     # planned again next iteration, from its first token
+        if switched:
+            plan.scheduled = [d for d in plan.scheduled if d.req_id not in switched]
+            plan.preempted = [r for r in plan.preempted if r not in switched]
         preempted = [self.states[r] for r in plan.preempted]
         for st in preempted:
             q.pool.free(st.req_id)
@@ -278,6 +308,26 @@ class Scheduler:
             inp.scheduled.append(sr)
         plan.scheduled = placed
         return inp, shape
+
+    def _switch_cache_type(self, q: _DeviceQueues, st: RequestState, ct: CacheType) -> bool:
+        """Give the request a new kind of cache. One holding nothing just changes type and may run
+        in this iteration (False); otherwise its cache (worker state too) is discarded and it is
+        queued first, to recompute every known token (True: not run in this iteration)."""
+        holds = st.num_computed > 0 or q.pool.num_blocks_of(st.req_id) > 0
+        q.pool.geometry.blocks_per_token_block(ct)          # ValueError if the pool cannot hold it
+        if self.cfg.bidirectional and ct is not CacheType.KV:
+            raise ValueError("cache_type: bidirectional blocks hold KV caches only")
+        q.pool.free(st.req_id)
+        if st.req_id in q.reset_ids:
+            q.reset_ids.remove(st.req_id)
+        if st.req_id in q.running:
+            q.running.remove(st.req_id)
+            q.waiting.appendleft(st.req_id)
+        st.status, st.num_computed, st.cache_type = Status.WAITING, 0, ct
+        if st.sent_to_device:
+            q.finished_ids.append(st.req_id)
+            st.sent_to_device = False
+        return holds
 
     def _place(self, q: _DeviceQueues, st: RequestState, dec, inp: StepInput,
                planned: set[str]) -> ScheduledRequest | None:

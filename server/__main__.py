@@ -26,10 +26,22 @@ def parse_args(argv=None) -> ServerConfig:
                     help="new tokens per iteration (smaller: shorter decode stalls behind prefills)")
     ap.add_argument("--policy", default=d.policy, choices=list(POLICIES),
                     help="fcfs: one queue (vLLM-like); rr: alternate RT and BE iterations; "
-                         "bros: RT by SLO slack, BE packed into what is left (profiles a few seconds at start)")
+                         "bros: RT by SLO slack, BE packed into what is left (profiles a few seconds at start); "
+                         "aptserve: a knapsack over pending time picks requests and a KV or hidden cache "
+                         "for each (Apt-Serve)")
+    ap.add_argument("--kv-only", action="store_true", help="with --policy aptserve: never a hidden cache (ablation)")
+    ap.add_argument("--aptserve-fcfs", action="store_true",
+                    help="with --policy aptserve: FCFS order, hidden caches only for requests that do not "
+                         "fit otherwise (ablation)")
+    ap.add_argument("--slo-decay", type=float, default=None,
+                    help="with --policy aptserve: requests past their SLO keep this fraction of their value")
     ap.add_argument("--bidirectional-blocks", action="store_true", default=d.bidirectional_blocks,
                     help="with --policy bros: RT and BE share KV blocks from both ends; BE slots an RT request "
                          "overwrites are checkpointed to the CPU and swapped back in (BROS)")
+    ap.add_argument("--cache-type", default=d.cache_type, choices=["kv", "hidden"],
+                    help="hidden: keep each layer's input instead of K and V and recompute them at every "
+                         "step: half the memory of KV with multi-head attention, more with grouped-query attention "
+                         "(SmolLM2: 1.5x), for measurements")
     ap.add_argument("--slo-ttft-ms", type=float, default=d.slo_ttft_ms)
     ap.add_argument("--slo-tbt-ms", type=float, default=d.slo_tbt_ms)
     ap.add_argument("--max-waiting", type=int, default=d.max_waiting, help="waiting requests before 429")
@@ -41,11 +53,19 @@ def parse_args(argv=None) -> ServerConfig:
     a = ap.parse_args(argv)
     if a.bidirectional_blocks and a.policy != "bros":
         ap.error("--bidirectional-blocks needs --policy bros")
+    if (a.kv_only or a.aptserve_fcfs or a.slo_decay is not None) and a.policy != "aptserve":
+        ap.error("--kv-only, --aptserve-fcfs and --slo-decay need --policy aptserve")
+    if a.policy == "aptserve" and a.cache_type != "kv":
+        ap.error("--policy aptserve chooses each request's cache type itself")
+    if a.bidirectional_blocks and a.cache_type != "kv":
+        ap.error("--bidirectional-blocks holds KV caches only")
     name = a.served_model_name or (a.model if a.model == "smollm2" else os.path.basename(a.model.rstrip("/")))
     return ServerConfig(model=a.model, served_model_name=name, devices=a.devices, host=a.host, port=a.port,
                         api_key=a.api_key, data_dir=a.data_dir, max_num_seqs=a.max_num_seqs,
                         max_num_batched_tokens=a.max_num_batched_tokens,
-                        policy=a.policy, bidirectional_blocks=a.bidirectional_blocks, slo_ttft_ms=a.slo_ttft_ms, slo_tbt_ms=a.slo_tbt_ms,
+                        policy=a.policy, bidirectional_blocks=a.bidirectional_blocks, cache_type=a.cache_type,
+                        hybrid_cache=not a.kv_only, adaptive=not a.aptserve_fcfs, slo_decay=a.slo_decay,
+                        slo_ttft_ms=a.slo_ttft_ms, slo_tbt_ms=a.slo_tbt_ms,
                         max_waiting=a.max_waiting, max_upload_bytes=int(a.max_upload_mb * 2**20), dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
                         watch_parent=a.watch_parent)
 
@@ -83,7 +103,9 @@ def main(argv=None) -> None:
         llm = LLM(cfg.model, cfg.devices, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
                   max_num_batched_tokens=cfg.max_num_batched_tokens,
                   kv_cache_bytes=cfg.kv_cache_bytes, policy=cfg.policy,
-                  rt_budget_s=cfg.slo_tbt_ms / 1000, bidirectional_blocks=cfg.bidirectional_blocks)
+                  rt_budget_s=cfg.slo_tbt_ms / 1000, bidirectional_blocks=cfg.bidirectional_blocks,
+                  cache_type=cfg.cache_type, hybrid_cache=cfg.hybrid_cache, adaptive=cfg.adaptive,
+                  slo_decay=cfg.slo_decay)
         return AsyncEngine(llm)
 
     app = create_app(cfg, build_engine)

@@ -17,6 +17,10 @@ class ServerConfig:
     max_num_batched_tokens: int = 2048
     policy: str = "fcfs"
     bidirectional_blocks: bool = False  # BROS shared RT/BE blocks with lazy checkpointing
+    cache_type: str = "kv"             # kv, or hidden: every request keeps layer inputs (Apt-Serve)
+    hybrid_cache: bool = True          # aptserve: offer hidden caches (False: the KV-only ablation)
+    adaptive: bool = True              # aptserve: knapsack order (False: the FCFS ablation)
+    slo_decay: float | None = None     # aptserve: value factor past the SLO (None: near zero)
     slo_ttft_ms: float = 1000.0        # default RT time-to-first-token target
     slo_tbt_ms: float = 200.0          # default RT time-between-tokens target
     max_waiting: int = 1024            # waiting requests before 429

@@ -36,13 +36,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attn_in(h, in_norm, qkv_w, cos, sin, eps: float, nh: int, nkv: int, hd: int):
-    """Pre-attention: RMSNorm, fused QKV projection, rotary embeddings. h: [T, d]."""
+    """Pre-attention: RMSNorm, fused QKV projection, rotary embeddings. h: [T, d].
+    Returns q, k, v and the post-norm input x (what a hidden cache stores)."""
     x = rms_norm(h, in_norm, eps)
     qkv = F.linear(x, qkv_w)
     t = qkv.shape[0]
     qk = apply_rope(qkv[:, :(nh + nkv) * hd].view(t, nh + nkv, hd), cos, sin)   # Q and K heads at once
     q, k = qk.reshape(t, -1).split([nh * hd, nkv * hd], dim=-1)
-    return q, k.contiguous(), qkv[:, (nh + nkv) * hd:].contiguous()
+    return q, k.contiguous(), qkv[:, (nh + nkv) * hd:].contiguous(), x
 
 
 def attn_out_mlp(h, a, o_w, post_norm, gate_up_w, down_w, eps: float):
@@ -103,6 +104,18 @@ class LlamaModel(nn.Module):
                 layer.gate_up.copy_(torch.cat([g(p + "mlp.gate_proj.weight"), g(p + "mlp.up_proj.weight")]))
                 layer.down.copy_(g(p + "mlp.down_proj.weight"))
 
+    def _kv_from_hidden(self, layer: LlamaLayer):
+        """K (rotated at the given positions) and V of stored post-norm inputs x: [n, d]."""
+        s = self.spec
+        w = layer.qkv[s.num_heads * s.head_dim:]
+        width = s.num_kv_heads * s.head_dim
+
+        def kv(x: torch.Tensor, pos: torch.Tensor):
+            k, v = F.linear(x, w).split([width, width], dim=-1)
+            k = apply_rope(k.reshape(-1, s.num_kv_heads, s.head_dim), self.cos[pos], self.sin[pos])
+            return k.reshape(-1, width), v.contiguous()
+        return kv
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
                 batch: AttnBatch, logit_rows: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]; pool: [layers, kv_heads, slots, head_dim]; returns logits [len(logit_rows), V]."""
@@ -111,10 +124,11 @@ class LlamaModel(nn.Module):
         cos, sin = self.cos[positions], self.sin[positions]         # [T, hd]
         scale = s.head_dim ** -0.5
         for li, layer in enumerate(self.layers):
-            q, k, v = self.attn_in(h, layer.in_norm, layer.qkv, cos, sin, s.norm_eps,
-                                   s.num_heads, s.num_kv_heads, s.head_dim)
+            q, k, v, x = self.attn_in(h, layer.in_norm, layer.qkv, cos, sin, s.norm_eps,
+                                      s.num_heads, s.num_kv_heads, s.head_dim)
+            kv = self._kv_from_hidden(layer) if batch.hidden is not None else None
             a = paged_attention(q, k, v, pool[li], batch, s.num_heads, s.num_kv_heads,
-                                s.head_dim, scale)
+                                s.head_dim, scale, x, kv)
             h = self.attn_out_mlp(h, a, layer.o, layer.post_norm, layer.gate_up, layer.down,
                                   s.norm_eps)
         h = rms_norm(h[logit_rows], self.norm, s.norm_eps)

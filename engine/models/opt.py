@@ -74,8 +74,11 @@ class OPTModel(nn.Module):
         for li, L in enumerate(self.layers):
             x = F.layer_norm(h, (d,), L.ln1_w, L.ln1_b, s.norm_eps)
             q, k, v = F.linear(x, L.qkv_w, L.qkv_b).split([d, d, d], dim=-1)
+            kv = None
+            if batch.hidden is not None:   # K and V of stored post-norm inputs (no positions in OPT attention)
+                kv = (lambda xs, pos, L=L: F.linear(xs, L.qkv_w[d:], L.qkv_b[d:]).split([d, d], dim=-1))  # noqa: E731
             a = paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), pool[li], batch,
-                                s.num_heads, s.num_kv_heads, s.head_dim, scale)
+                                s.num_heads, s.num_kv_heads, s.head_dim, scale, x, kv)
             h = h + F.linear(a, L.out_w, L.out_b)
             x = F.layer_norm(h, (d,), L.ln2_w, L.ln2_b, s.norm_eps)
             h = h + F.linear(F.relu(F.linear(x, L.fc1_w, L.fc1_b)), L.fc2_w, L.fc2_b)

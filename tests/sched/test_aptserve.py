@@ -1,0 +1,77 @@
+"""Apt-Serve's policy on hand-made snapshots where the right plan is known (SPEC §1.4-1.7)."""
+from engine.messages import CacheType
+from sched.aptserve import AptServe
+from sched.policy import Candidate, Limits, Snapshot
+
+B = 4
+KV, HID = CacheType.KV, CacheType.HIDDEN
+
+
+def snap(running=(), waiting=(), free=100, hidden_bpt=1, seqs=8, tokens=512):
+    return Snapshot(list(running), list(waiting), free, B, 2, Limits(seqs, tokens, True), 0.0,
+                    hidden_blocks_per_token_block=hidden_bpt)
+
+
+def waiting(rid, tokens, pending, slo=10.0):
+    return Candidate(rid, tokens, 0, 0, 0.0, True, slo, pending)
+
+
+def running(rid, ctx, pending, ct=KV, slo=10.0):
+    blocks = -(-ctx // B) * (2 if ct is KV else 1)
+    return Candidate(rid, ctx + 1, ctx, blocks, 0.0, True, slo, pending, cache_type=ct)
+
+
+def test_prefill_gives_hidden_caches_when_memory_is_short():
+    # three 8-token prompts: 4 KV blocks or 2 hidden blocks each, 8 blocks free. Hidden steps
+    # (densities ~.49, .44, .39 per block) come first (6 blocks), then a's upgrade (.006) fits;
+    # b's does not, and b alone (.9) is worth less than the plan
+    w = [waiting("a", 8, 1.0), waiting("b", 8, 0.9), waiting("c", 8, 0.8)]
+    plan = AptServe(rho=0.001)(snap(waiting=w, free=8))
+    assert {d.req_id for d in plan.scheduled} == {"a", "b", "c"}
+    assert plan.cache_types == {"a": KV, "b": HID, "c": HID}
+    # KV only: a and b (densities .25 and .225), c does not fit
+    plan = AptServe(rho=0.001, hybrid=False)(snap(waiting=w, free=8))
+    assert [d.req_id for d in plan.scheduled] == ["a", "b"] and set(plan.cache_types.values()) == {KV}
+
+
+def test_hidden_cache_not_offered_where_it_saves_no_memory():
+    w = [waiting("a", 8, 1.0), waiting("b", 8, 0.9), waiting("c", 8, 0.8)]
+    plan = AptServe(rho=0.001)(snap(waiting=w, free=8, hidden_bpt=3))
+    assert [d.req_id for d in plan.scheduled] == ["a", "b"] and set(plan.cache_types.values()) == {KV}
+
+
+def test_decode_iteration_switches_and_preempts_by_the_knapsack():
+    # running pending 1.0 > waiting 0.2: decode. Each needs 6 KV / 3 hidden blocks for 9 tokens;
+    # the pool holds 10. r1 keeps KV, r2 must switch to a hidden cache (recompute)
+    r = [running("r1", 8, 0.5), running("r2", 8, 0.5)]
+    plan = AptServe(rho=0.001)(snap(running=r, waiting=[waiting("w", 4, 0.2)], free=2))
+    assert [d.req_id for d in plan.scheduled] == ["r1"]
+    assert plan.cache_types == {"r2": HID} and not plan.preempted
+    # KV only: r2 does not fit and is preempted
+    plan = AptServe(rho=0.001, hybrid=False)(snap(running=r, waiting=[waiting("w", 4, 0.2)], free=2))
+    assert [d.req_id for d in plan.scheduled] == ["r1"] and plan.preempted == ["r2"]
+
+
+def test_iteration_type_follows_the_larger_cumulative_pending_time():
+    r = [running("r1", 8, 0.1)]
+    w = [waiting("w1", 8, 0.3)]
+    plan = AptServe(rho=0.0)(snap(running=r, waiting=w))
+    assert [d.req_id for d in plan.scheduled] == ["w1"]
+    plan = AptServe(rho=0.0)(snap(running=[running("r1", 8, 0.5)], waiting=w))
+    assert [d.req_id for d in plan.scheduled] == ["r1"]
+
+
+def test_violated_requests_come_last_unless_decayed():
+    # v is past its TTFT (pending 2 > 1): worth ε per block, so fresh f goes first; only one fits
+    w = [waiting("v", 8, 2.0, slo=1.0), waiting("f", 8, 0.5, slo=1.0)]
+    assert [d.req_id for d in AptServe(0.0, hybrid=False)(snap(waiting=w, free=4)).scheduled] == ["f"]
+    # decay 0.4: v is worth 0.8 > 0.5
+    assert [d.req_id for d in AptServe(0.0, hybrid=False, decay=0.4)(snap(waiting=w, free=4)).scheduled] == ["v"]
+
+
+def test_fcfs_ablation_admits_the_head_of_line_request_with_a_hidden_cache():
+    # a takes 4 of 6 free blocks; b's KV cache (4) does not fit, its hidden cache (2) does; c waits
+    w = [waiting("a", 8, 1.0), waiting("b", 8, 0.1), waiting("c", 8, 0.9)]
+    plan = AptServe(rho=0.0, adaptive=False)(snap(waiting=w, free=6))
+    assert [d.req_id for d in plan.scheduled] == ["a", "b"]
+    assert plan.cache_types == {"b": HID}
