@@ -63,6 +63,9 @@ def main() -> None:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--ttft-factor", type=float, default=10.0)
         p.add_argument("--tbt-factor", type=float, default=5.0)
+    ov = sub.add_parser("overhead", help="time per scheduling decision on random snapshots (no model)")
+    ov.add_argument("--candidates", nargs="+", type=int, default=[50, 400, 1600])
+    ov.add_argument("--repeats", type=int, default=50)
     sv = sub.add_parser("sim-validate", help="simulate the trace of the last `online` run and compare")
     sv.add_argument("--max-num-seqs", type=int, default=64)
     sv.add_argument("--max-output", type=int, default=512)
@@ -81,6 +84,9 @@ def main() -> None:
     elif args.cmd == "table":
         from bench.table import run
         run(args)
+    elif args.cmd == "overhead":
+        from bench.overhead import run as overhead
+        overhead(args)
     elif args.cmd == "mixed":
         from bench.online import mixed
         mixed(args)

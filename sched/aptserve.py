@@ -145,7 +145,9 @@ class AptServe:
             return self._fcfs_hybrid(snap)
         urg_w = sum(c.pending_s for c in snap.waiting)
         urg_r = sum(c.pending_s for c in snap.running)
+        if snap.running and urg_r > 0 and urg_r > urg_w:
+            return self._decode(snap)
         pre = self._prefill(snap) if snap.waiting else Plan()
-        if snap.running and urg_r > 0 and (urg_r > urg_w or not pre.scheduled):
+        if snap.running and urg_r > 0 and not pre.scheduled:
             return self._decode(snap)
         return pre
