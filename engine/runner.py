@@ -168,11 +168,7 @@ class ModelRunner:
         ids, pos, k_w, v_w, segs, rows, samplers = [], [], [], [], [], [], []
         row = 0
         for s in prefills:
-            st = self.reqs[s.req_id]
-            a, b = st.num_computed, st.num_computed + s.num_new_tokens
-            self._check(s.req_id, st, b)
-            ids.extend(st.token_ids[a:b])
-            pos.append(torch.arange(a, b))
+            st, a, b = self._take(s, ids, pos)
             k_w.append(st.slots[0, a:b])
             v_w.append(st.slots[1, a:b])
             ctx = (st.slots[0, :b], st.slots[1, :b]) if a > 0 else (None, None)
@@ -197,15 +193,20 @@ class ModelRunner:
         return (to(torch.tensor(ids, dtype=torch.long)), to(torch.cat(pos)), batch,
                 to(torch.tensor(rows, dtype=torch.long)), samplers)
 
+    def _take(self, s, ids: list[int], pos: list[torch.Tensor]) -> tuple[ReqState, int, int]:
+        """Append a scheduled request's new tokens [a, b) and their positions to the step."""
+        st = self.reqs[s.req_id]
+        a, b = st.num_computed, st.num_computed + s.num_new_tokens
+        self._check(s.req_id, st, b)
+        ids.extend(st.token_ids[a:b])
+        pos.append(torch.arange(a, b))
+        return st, a, b
+
     def _hidden_meta(self, hidden, row, ids, pos, rows, samplers, to) -> HiddenBatch:
         """Rows to store the new tokens' layer inputs and each request's context rows."""
         start, write, segs = row, [], []
         for s in hidden:
-            st = self.reqs[s.req_id]
-            a, b = st.num_computed, st.num_computed + s.num_new_tokens
-            self._check(s.req_id, st, b)
-            ids.extend(st.token_ids[a:b])
-            pos.append(torch.arange(a, b))
+            st, a, b = self._take(s, ids, pos)
             write.append(st.slots[:, a:b].T.reshape(-1))          # token-major: token i's m rows
             segs.append(HiddenSegment(row - start, row - start + b - a, to(st.slots[:, :b].T.reshape(-1))))
             row += b - a

@@ -79,6 +79,17 @@ class _DeviceQueues:
 POLICIES = ("fcfs", "rr", "bros", "aptserve")
 
 
+def _validate(cfg: SchedConfig, devices) -> None:
+    """ValueError for option combinations the scheduler or the devices cannot honour."""
+    if cfg.bidirectional and cfg.policy != "bros":
+        raise ValueError("bidirectional: bidirectional blocks need the bros policy")
+    if cfg.bidirectional and cfg.cache_type is not CacheType.KV:
+        raise ValueError("cache_type: bidirectional blocks hold KV caches only")
+    if cfg.cache_type is CacheType.HIDDEN and not all(d.geometry.hidden_blocks for d in devices):
+        raise ValueError("cache_type: this model's d_model is not a multiple of "
+                         "num_kv_heads * head_dim, so it cannot keep a hidden cache")
+
+
 def make_policy(cfg: SchedConfig, cost: OnlineCostModel | None):
     """The policy callable (Snapshot -> Plan) named by cfg.policy."""
     if cfg.policy == "fcfs":
@@ -106,14 +117,7 @@ class Scheduler:
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
         self.detokenize = detokenize
-        if cfg.bidirectional and cfg.policy != "bros":
-            raise ValueError("bidirectional: bidirectional blocks need the bros policy")
-        if cfg.cache_type is CacheType.HIDDEN:
-            if cfg.bidirectional:
-                raise ValueError("cache_type: bidirectional blocks hold KV caches only")
-            if not all(d.geometry.hidden_blocks for d in devices):
-                raise ValueError("cache_type: this model's d_model is not a multiple of "
-                                 "num_kv_heads * head_dim, so it cannot keep a hidden cache")
+        _validate(cfg, devices)
         self.queues = [_DeviceQueues(BidirBlockPool(d.geometry) if cfg.bidirectional else BlockPool(d.geometry))
                        for d in devices]
         self.states: dict[str, RequestState] = {}
@@ -131,10 +135,7 @@ class Scheduler:
         if self.has_unfinished():
             raise RuntimeError("policy: can only be switched while no request is queued")
         cfg = replace(self.cfg, policy=name, bidirectional=bidirectional, **options)
-        if bidirectional and name != "bros":
-            raise ValueError("bidirectional: bidirectional blocks need the bros policy")
-        if bidirectional and cfg.cache_type is not CacheType.KV:
-            raise ValueError("cache_type: bidirectional blocks hold KV caches only")
+        _validate(cfg, self.devices)
         self.policy = make_policy(cfg, cost or self.cost)
         self.cfg, self.cost = cfg, cost or self.cost
         for q, d in zip(self.queues, self.devices):
