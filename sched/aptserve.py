@@ -20,10 +20,16 @@ would not fit otherwise (the paper's "FCFS + hybrid cache" row).
 """
 from __future__ import annotations
 
-from sched.knapsack import KnapsackParams, KnapsackRequest, greedy
-from sched.policy import Candidate, Plan, Snapshot, _decide, fcfs
+from dataclasses import dataclass
 
-from engine.messages import CacheType
+import numpy as np
+
+from sched.knapsack import KnapsackParams, greedy_arrays
+from engine.messages import CacheType, Phase
+from sched.policy import Candidate, Decision, Plan, Snapshot, _decide, fcfs
+
+_KV, _HIDDEN, _DECODE = CacheType.KV, CacheType.HIDDEN, Phase.DECODE     # enum lookups are slow in loops
+_SWITCHED = {False: "switched to a kv cache (recompute)", True: "switched to a hidden cache (recompute)"}
 
 
 class AptServe:
@@ -36,39 +42,42 @@ class AptServe:
         self.decay = decay
 
     # ---- helpers ---------------------------------------------------------------
-    @staticmethod
-    def _violated(c: Candidate) -> bool:
-        return c.slo_s is not None and c.pending_s > c.slo_s
-
-    def _request(self, snap: Snapshot, c: Candidate, tokens: int) -> KnapsackRequest:
+    def _sizes(self, snap: Snapshot, tokens):
+        """(KV blocks, hidden blocks) for this many tokens (ints or arrays); hidden = KV where a
+        hidden cache saves nothing or is not offered."""
         tb = -(-tokens // snap.block_size)
         kv = tb * snap.blocks_per_token_block
-        hid = tb * snap.hidden_blocks_per_token_block
-        if not (self.hybrid and 0 < hid < kv):      # never offered where it saves no memory
-            hid = kv
-        violated = self._violated(c)
-        pending = c.pending_s
-        if violated and self.decay is not None:     # decay variant: a discounted value, both modes
-            pending, violated = self.decay * c.pending_s, False
-        return KnapsackRequest(c.req_id, pending, kv, hid, violated)
+        hb = snap.hidden_blocks_per_token_block
+        return kv, (tb * hb if self.hybrid and 0 < hb < snap.blocks_per_token_block else kv)
 
-    def _params(self, snap: Snapshot, budget: int) -> KnapsackParams:
-        cands = snap.waiting + snap.running
-        u = max(1, len(cands) - sum(map(self._violated, cands)))
-        total = snap.num_free_blocks + sum(c.num_blocks for c in snap.running)
-        eps = min(c.pending_s for c in snap.waiting) * 1e-4 / max(1, total) if snap.waiting else 1e-6
-        return KnapsackParams(budget, self.rho, u, max(eps, 1e-12))
+    @staticmethod
+    def _pending(cands: list[Candidate]) -> tuple[np.ndarray, np.ndarray]:
+        """(p_i, past its SLO) per candidate."""
+        n = len(cands)
+        pending = np.fromiter((c.pending_s for c in cands), float, n)
+        slo = np.array([c.slo_s for c in cands], dtype=float)      # None -> nan: never violated
+        return pending, pending > slo
+
+    def _greedy(self, snap: Snapshot, q: _Queue, tokens: np.ndarray, budget: int, u: int, eps: float):
+        """(indices into q's candidates, hidden flags) chosen, in the order the greedy took them."""
+        kv, hid = self._sizes(snap, tokens)
+        pending, violated = q.pending, q.violated
+        if self.decay is not None:       # decay variant: a discounted value, both modes
+            pending = np.where(violated, self.decay * pending, pending)
+            violated = np.zeros(len(pending), dtype=bool)
+        return greedy_arrays(pending, kv, hid, violated, KnapsackParams(budget, self.rho, u, eps))
 
     # ---- plans -------------------------------------------------------------------
-    def _prefill(self, snap: Snapshot) -> Plan:
+    def _prefill(self, snap: Snapshot, q: _Queue, u: int, eps: float) -> Plan:
         plan = Plan()
         lim = snap.limits
-        reqs = [self._request(snap, c, c.num_tokens) for c in snap.waiting]
-        chosen = greedy(reqs, self._params(snap, snap.num_free_blocks))
-        by_id = {c.req_id: c for c in snap.waiting}
         tokens_left, seqs = lim.max_num_batched_tokens, len(snap.running)
-        for rid, ct in chosen.items():
-            c = by_id[rid]
+        if seqs >= lim.max_num_seqs:
+            return plan
+        tokens = np.fromiter((c.num_tokens for c in q.cands), np.int64, len(q.cands))
+        idx, hidden = self._greedy(snap, q, tokens, snap.num_free_blocks, u, eps)
+        for i, h in zip(idx.tolist(), hidden.tolist()):
+            c = q.cands[i]
             n = c.num_tokens - c.num_computed
             if seqs >= lim.max_num_seqs or tokens_left <= 0:
                 break
@@ -76,32 +85,43 @@ class AptServe:
                 if not lim.chunked_prefill or plan.scheduled:
                     continue
                 n = tokens_left
+            ct = CacheType.HIDDEN if h else CacheType.KV
             plan.scheduled.append(_decide(c, n))
-            plan.cache_types[rid] = ct
-            plan.reasons[rid] = f"prefill ({ct.value} cache)"
+            plan.cache_types[c.req_id] = ct
+            plan.reasons[c.req_id] = f"prefill ({ct.value} cache)"
             tokens_left -= n
             seqs += 1
         return plan
 
-    def _decode(self, snap: Snapshot) -> Plan:
+    def _decode(self, snap: Snapshot, q: _Queue, total: int, u: int, eps: float) -> Plan:
         plan = Plan()
-        total = snap.num_free_blocks + sum(c.num_blocks for c in snap.running)
-        reqs = [self._request(snap, c, c.num_computed + 1) for c in snap.running]
-        chosen = greedy(reqs, self._params(snap, total))
+        n = len(q.cands)
+        tokens = np.fromiter((c.num_computed + 1 for c in q.cands), np.int64, n)
+        idx, hidden = self._greedy(snap, q, tokens, total, u, eps)
+        chosen = np.zeros(n, dtype=bool)
+        chosen[idx] = True
+        to_hidden = np.zeros(n, dtype=bool)
+        to_hidden[idx] = hidden
+        is_hidden = np.fromiter((c.cache_type is _HIDDEN for c in q.cands), bool, n)
+        switch = chosen & (to_hidden != is_hidden)
         tokens_left = snap.limits.max_num_batched_tokens
-        for c in snap.running:
-            ct = chosen.get(c.req_id)
-            if ct is None:
+        reasons, scheduled = plan.reasons, plan.scheduled
+        for c, keep, sw, h in zip(q.cands, chosen.tolist(), switch.tolist(), to_hidden.tolist()):
+            if not keep:
                 plan.preempted.append(c.req_id)
-                plan.reasons[c.req_id] = "preempted: not in the decode knapsack"
-            elif ct is not c.cache_type:
-                plan.cache_types[c.req_id] = ct
-                plan.reasons[c.req_id] = f"switched to a {ct.value} cache (recompute)"
+                reasons[c.req_id] = "preempted: not in the decode knapsack"
+            elif sw:
+                plan.cache_types[c.req_id] = _HIDDEN if h else _KV
+                reasons[c.req_id] = _SWITCHED[h]
             elif tokens_left > 0:
-                n = min(c.num_tokens - c.num_computed, tokens_left)
-                plan.scheduled.append(_decide(c, n))
-                plan.reasons[c.req_id] = "decode"
-                tokens_left -= n
+                k = c.num_tokens - c.num_computed
+                if k == 1 and c.num_computed:          # the usual case, without _decide's checks
+                    scheduled.append(Decision(c.req_id, 1, _DECODE, True))
+                else:
+                    k = min(k, tokens_left)
+                    scheduled.append(_decide(c, k))
+                reasons[c.req_id] = "decode"
+                tokens_left -= k
         return plan
 
     def _fcfs_hybrid(self, snap: Snapshot) -> Plan:
@@ -114,23 +134,22 @@ class AptServe:
             return plan
         admitted = {d.req_id for d in plan.scheduled}
         waiting_ids = {c.req_id for c in snap.waiting}
-        free = snap.num_free_blocks - sum(self._request(snap, c, c.num_computed + d.num_new_tokens).kv_blocks
-                                          - c.num_blocks
+        free = snap.num_free_blocks - sum(self._sizes(snap, c.num_computed + d.num_new_tokens)[0] - c.num_blocks
                                           for c, d in self._pairs(snap, plan))
         tokens_left = snap.limits.max_num_batched_tokens - sum(d.num_new_tokens for d in plan.scheduled)
         seqs = len(snap.running) + len(admitted & waiting_ids)
         for c in snap.waiting:
             if c.req_id in admitted:
                 continue
-            r = self._request(snap, c, c.num_tokens)
+            kv, hid = self._sizes(snap, c.num_tokens)
             n = c.num_tokens - c.num_computed
-            if not (r.hidden_blocks < r.kv_blocks and r.hidden_blocks <= free and n <= tokens_left
+            if not (hid < kv and hid <= free and n <= tokens_left
                     and seqs < snap.limits.max_num_seqs):
                 break                                  # FCFS: no overtaking
             plan.scheduled.append(_decide(c, n))
             plan.cache_types[c.req_id] = CacheType.HIDDEN
             plan.reasons[c.req_id] = "admitted with a hidden cache (FCFS + hybrid)"
-            free -= r.hidden_blocks
+            free -= hid
             tokens_left -= n
             seqs += 1
         return plan
@@ -143,11 +162,22 @@ class AptServe:
     def __call__(self, snap: Snapshot) -> Plan:
         if not self.adaptive:
             return self._fcfs_hybrid(snap)
-        urg_w = sum(c.pending_s for c in snap.waiting)
-        urg_r = sum(c.pending_s for c in snap.running)
-        if snap.running and urg_r > 0 and urg_r > urg_w:
-            return self._decode(snap)
-        pre = self._prefill(snap) if snap.waiting else Plan()
-        if snap.running and urg_r > 0 and not pre.scheduled:
-            return self._decode(snap)
+        w, r = _Queue(snap.waiting, *self._pending(snap.waiting)), _Queue(snap.running, *self._pending(snap.running))
+        u = max(1, len(w.cands) + len(r.cands) - int(w.violated.sum()) - int(r.violated.sum()))
+        total = snap.num_free_blocks + sum(c.num_blocks for c in snap.running)
+        eps = max(float(w.pending.min()) * 1e-4 / max(1, total), 1e-12) if w.cands else 1e-6
+        urg_w, urg_r = float(w.pending.sum()), float(r.pending.sum())
+        if r.cands and urg_r > 0 and urg_r > urg_w:
+            return self._decode(snap, r, total, u, eps)
+        pre = self._prefill(snap, w, u, eps) if w.cands else Plan()
+        if r.cands and urg_r > 0 and not pre.scheduled:
+            return self._decode(snap, r, total, u, eps)
         return pre
+
+
+@dataclass(slots=True)
+class _Queue:
+    """One queue's candidates with their pending times and SLO state as arrays."""
+    cands: list[Candidate]
+    pending: np.ndarray
+    violated: np.ndarray

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from engine.messages import CacheType
 
 
@@ -59,42 +61,56 @@ def blocks(r: KnapsackRequest, mode: CacheType) -> int:
     return r.hidden_blocks if mode is CacheType.HIDDEN else r.kv_blocks
 
 
-def _items(r: KnapsackRequest, p: KnapsackParams) -> list[tuple[float, int, CacheType]]:
-    """(density, Δblocks, mode reached) steps of one request, densest first."""
-    kv_fits = r.kv_blocks <= p.budget
-    hid_ok = (not r.violated and 0 < r.hidden_blocks < r.kv_blocks and r.hidden_blocks <= p.budget)
-    g_kv, g_hid = value(r, CacheType.KV, p), value(r, CacheType.HIDDEN, p)
-    if hid_ok and (g_hid >= g_kv * r.hidden_blocks / r.kv_blocks       # hidden step at least as dense as KV,
-                   or (not kv_fits and g_hid > 0)):                    # or the only mode that fits
-        steps = [(g_hid / r.hidden_blocks, r.hidden_blocks, CacheType.HIDDEN)]
-        if kv_fits:
-            steps.append(((g_kv - g_hid) / (r.kv_blocks - r.hidden_blocks),
-                          r.kv_blocks - r.hidden_blocks, CacheType.KV))
-        return steps
-    if kv_fits and r.kv_blocks > 0:
-        return [(g_kv / r.kv_blocks, r.kv_blocks, CacheType.KV)]
-    return []
+def greedy_arrays(pending: np.ndarray, kv: np.ndarray, hid: np.ndarray, violated: np.ndarray,
+                  p: KnapsackParams) -> tuple[np.ndarray, np.ndarray]:
+    """The greedy over arrays (one entry per request): (chosen request indices in the order the
+    greedy took them, whether each keeps a hidden cache). Vectorised: the taken items are the
+    longest prefix of the density order whose blocks fit, found with one cumulative sum."""
+    kv = kv.astype(np.int64, copy=False)
+    hid = hid.astype(np.int64, copy=False)
+    base = np.where(violated, p.eps * kv, pending)
+    g_kv = base
+    g_hid = base - p.u_cnt * p.rho * kv
+    kv_fits = kv <= p.budget
+    hid_ok = ~violated & (hid > 0) & (hid < kv) & (hid <= p.budget)
+    use_hid = hid_ok & ((g_hid * kv >= g_kv * hid) | (~kv_fits & (g_hid > 0)))
+    first_ok = use_hid | (kv_fits & (kv > 0))
+    first_dm = np.where(use_hid, hid, kv)
+    first_g = np.where(use_hid, g_hid, g_kv)
+    up_ok = use_hid & kv_fits
+    fi, ui = np.flatnonzero(first_ok), np.flatnonzero(up_ok)
+    req = np.concatenate((fi, ui))
+    dm = np.concatenate((first_dm[fi], kv[ui] - hid[ui]))
+    gain = np.concatenate((first_g[fi], g_kv[ui] - g_hid[ui]))
+    upgrade = np.zeros(len(req), dtype=bool)
+    upgrade[len(fi):] = True
+    order = np.argsort(-(gain / dm), kind="stable")    # first steps stay before upgrades at ties
+    used = np.cumsum(dm[order])
+    k = int(np.searchsorted(used, p.budget, side="right"))
+    taken = order[:k]
+    if k < len(order):                                 # the double check on the critical request
+        i = int(req[order[k]])
+        total = float(gain[taken].sum())
+        alone = [(float(g), h) for g, h, ok in ((g_kv[i], False, kv_fits[i]), (g_hid[i], True, hid_ok[i]))
+                 if ok]
+        if alone and (best := max(alone, key=lambda x: x[0]))[0] > total:
+            return np.array([i]), np.array([best[1]])
+    first = taken[~upgrade[taken]]                     # in the order the greedy took them
+    upgraded = np.zeros(len(pending), dtype=bool)
+    upgraded[req[taken[upgrade[taken]]]] = True
+    chosen = req[first]
+    return chosen, use_hid[chosen] & ~upgraded[chosen]
 
 
 def greedy(reqs: list[KnapsackRequest], p: KnapsackParams) -> dict[str, CacheType]:
     """The plan: req_id -> its cache type, for the requests chosen (SPEC §1.6 with the double check)."""
-    items = [(theta, dm, mode, i) for i, r in enumerate(reqs) for theta, dm, mode in _items(r, p)]
-    items.sort(key=lambda it: -it[0])       # stable: a request's hidden step stays before its upgrade
-    used, total, plan = 0, 0.0, {}
-    for theta, dm, mode, i in items:
-        if used + dm <= p.budget:
-            used += dm
-            total += theta * dm
-            plan[reqs[i].req_id] = mode
-            continue
-        r = reqs[i]
-        alone = max(((value(r, m, p), m) for m in (CacheType.KV, CacheType.HIDDEN)
-                     if (m is CacheType.KV or not r.violated) and blocks(r, m) <= p.budget),
-                    key=lambda vm: vm[0], default=None)
-        if alone is not None and alone[0] > total:
-            return {r.req_id: alone[1]}
-        break
-    return plan
+    if not reqs:
+        return {}
+    idx, hidden = greedy_arrays(np.array([r.pending_s for r in reqs], dtype=float),
+                                np.array([r.kv_blocks for r in reqs]),
+                                np.array([r.hidden_blocks for r in reqs]),
+                                np.array([r.violated for r in reqs], dtype=bool), p)
+    return {reqs[i].req_id: CacheType.HIDDEN if h else CacheType.KV for i, h in zip(idx.tolist(), hidden.tolist())}
 
 
 def plan_value(reqs: list[KnapsackRequest], plan: dict[str, CacheType], p: KnapsackParams) -> float:
