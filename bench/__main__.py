@@ -63,6 +63,23 @@ def main() -> None:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--ttft-factor", type=float, default=10.0)
         p.add_argument("--tbt-factor", type=float, default=5.0)
+    sa = sub.add_parser("sim-apt", help="simulated Apt-Serve vs FCFS at paper scale: effective throughput, ablations")
+    sa.add_argument("--systems", nargs="+", default=["fcfs", "aptserve", "aptserve-s", "aptserve-s-kv",
+                                                     "aptserve-s-fcfs"])
+    sa.add_argument("--datasets", nargs="+", default=["sharegpt", "long"], choices=["sharegpt", "long"])
+    sa.add_argument("--num-requests", type=int, default=1000)
+    sa.add_argument("--max-num-seqs", type=int, default=256)
+    sa.add_argument("--max-num-batched-tokens", type=int, default=512)
+    sa.add_argument("--ttft-factor", type=float, default=10.0, help="ShareGPT TTFT SLO = factor x unloaded")
+    sa.add_argument("--tbt-factor", type=float, default=5.0)
+    sa.add_argument("--search", nargs=2, type=float, default=[1.0, 16.0], metavar=("LO", "HI"))
+    sa.add_argument("--search-long", nargs=2, type=float, default=[0.125, 4.0], metavar=("LO", "HI"))
+    sa.add_argument("--rel-tol", type=float, default=0.05)
+    sa.add_argument("--ablation-systems", nargs="+", default=["aptserve-s-kv", "aptserve-s-fcfs", "aptserve-s"])
+    sa.add_argument("--ablation-rates", nargs="+", type=float, default=[4.0, 6.0])
+    sa.add_argument("--ablation-rates-long", nargs="+", type=float, default=[0.5, 1.0])
+    sa.add_argument("--cvs", nargs="+", type=float, default=[1.0, 5.0, 10.0])
+    sa.add_argument("--seed", type=int, default=0)
     ov = sub.add_parser("overhead", help="time per scheduling decision on random snapshots (no model)")
     ov.add_argument("--candidates", nargs="+", type=int, default=[50, 400, 1600])
     ov.add_argument("--repeats", type=int, default=50)
@@ -84,6 +101,9 @@ def main() -> None:
     elif args.cmd == "table":
         from bench.table import run
         run(args)
+    elif args.cmd == "sim-apt":
+        from bench.sim_apt import run as sim_apt
+        sim_apt(args)
     elif args.cmd == "overhead":
         from bench.overhead import run as overhead
         overhead(args)

@@ -2,8 +2,11 @@
 
 ``SimDevice`` implements the scheduler's Device protocol: it mirrors each
 request's computed tokens from the StepInputs it receives, prices the step with
-a CostModel (times a drawn measured/predicted ratio, when given) and advances a virtual clock; all devices of a step start together
-and the step ends with the slowest. Tokens are dummies (id 0, never a stop id).
+a CostModel (times a drawn measured/predicted ratio, when given) and advances a virtual clock;
+all devices of a step start together and the step ends with the slowest. A request keeping a
+hidden cache (Apt-Serve) adds ``rho`` seconds per KV block of the context it had before the
+step (its K and V are projected again from the stored hidden states). Tokens are dummies (id 0,
+never a stop id).
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from dataclasses import dataclass, replace
 from bench.metrics import RequestRecord
 from bench.workloads import TraceItem
 from cache import PoolGeometry
-from engine.messages import Phase, StepInput, StepOutput
+from engine.messages import CacheType, Phase, StepInput, StepOutput
 from engine.params import SamplingParams
 from sched.cost_model import CostModel, OnlineCostModel, StepShape
 from sched.request import Request, ServiceClass
@@ -30,8 +33,11 @@ class SimClock:
 
 class SimDevice:
     def __init__(self, name: str, geometry: PoolGeometry, cost: CostModel, clock: SimClock,
-                 noise: tuple[float, ...] = (), seed: int = 0, noise_prefill: tuple[float, ...] = ()):
+                 noise: tuple[float, ...] = (), seed: int = 0, noise_prefill: tuple[float, ...] = (),
+                 rho: float = 0.0):
         self.name, self.geometry, self.cost, self.clock = name, geometry, cost, clock
+        self.rho = rho
+        self.hidden: set[str] = set()
         self.noise, self.noise_prefill = noise, noise_prefill or noise
         self.rng = random.Random(seed)
         self.computed: dict[str, int] = {}
@@ -41,19 +47,25 @@ class SimDevice:
     def submit(self, inp: StepInput) -> None:
         for rid in inp.finished_ids:
             self.computed.pop(rid, None)
+            self.hidden.discard(rid)
         for rid in inp.reset_ids:
             self.computed[rid] = 0
         for nr in inp.new_requests:
             self.computed[nr.req_id] = 0
-        shape, sampled, tokens = StepShape(), {}, 0
+            if nr.cache_type is CacheType.HIDDEN:
+                self.hidden.add(nr.req_id)
+        shape, sampled, tokens, recompute = StepShape(), {}, 0, 0
         for s in inp.scheduled:
-            ctx = self.computed[s.req_id] + s.num_new_tokens
+            before = self.computed[s.req_id]
+            ctx = before + s.num_new_tokens
             self.computed[s.req_id] = ctx
+            if s.req_id in self.hidden:
+                recompute += self.geometry.blocks_for(before)
             shape = shape.add(s.num_new_tokens, ctx, s.phase is Phase.DECODE)
             tokens += s.num_new_tokens
             if s.sample:
                 sampled[s.req_id] = 0
-        dur = self.cost.predict(shape) if inp.scheduled else 0.0
+        dur = self.cost.predict(shape) + self.rho * recompute if inp.scheduled else 0.0
         pool = self.noise_prefill if shape.prefill_tokens else self.noise
         if pool and dur:
             dur *= self.rng.choice(pool)
@@ -80,6 +92,7 @@ class SimSetup:
     seed: int = 0
     slo_ttft_s: float | None = None   # given to every RT request (the policy's deadlines)
     slo_tbt_s: float | None = None
+    rho: float = 0.0                  # device's seconds per KV block of context re-projected (hidden caches)
 
 
 @dataclass
@@ -101,7 +114,7 @@ def simulate(trace: list[TraceItem], setup: SimSetup,
     """
     clock = SimClock()
     devices = [SimDevice(f"sim{i}", setup.geometry, setup.cost, clock, setup.noise, setup.seed + i,
-                         setup.noise_prefill)
+                         setup.noise_prefill, setup.rho)
                for i in range(setup.num_devices)]
     cost = OnlineCostModel(setup.cost, refit_every=1 << 60) if setup.sched.policy == "bros" else None
     cfg = setup.sched if setup.sched.rt_budget_s is not None else replace(setup.sched, rt_budget_s=setup.slo_tbt_s)

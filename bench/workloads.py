@@ -109,12 +109,13 @@ def arrivals(rate: float, n: int, seed: int, cv: float = 1.0) -> list[float]:
 
 def sharegpt_trace(tokenizer, rate: float, duration_s: float, seed: int, *, max_context: int = 2048,
                    max_prompt_tokens: int = 1024, max_output_tokens: int = 512, cv: float = 1.0,
-                   service_class: str = "rt", held_out: bool = False, start: int = 0) -> list[TraceItem]:
+                   service_class: str = "rt", held_out: bool = False, start: int = 0,
+                   min_prompt_tokens: int = 4) -> list[TraceItem]:
     """ShareGPT prompts arriving at ``rate`` for ``duration_s``; output length = the real reply's
     token length, capped to the context left and to ``max_output_tokens``."""
     n = max(1, round(rate * duration_s))
     pairs = sharegpt_prompts(n, tokenizer, max_prompt_tokens=max_prompt_tokens, start=start,
-                             held_out=held_out)
+                             held_out=held_out, min_prompt_tokens=min_prompt_tokens)
     items = []
     for t, p in zip(arrivals(rate, n, seed, cv), pairs):
         text = chat_text(tokenizer, p.prompt)

@@ -67,7 +67,8 @@ class LLM:
                  cpu_kernels: bool = True, omp_wait_policy: str | None = None,
                  policy: str = "fcfs", rt_budget_s: float | None = None,
                  bidirectional_blocks: bool = False, cache_type: str = "kv",
-                 hybrid_cache: bool = True, adaptive: bool = True, slo_decay: float | None = None):
+                 hybrid_cache: bool = True, adaptive: bool = True, slo_decay: float | None = None,
+                 mixed_batches: bool = False):
         self._workers: list[WorkerHandle] = []
         if dtype not in DTYPES:
             raise ValueError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)}")
@@ -129,7 +130,8 @@ class LLM:
                 self.scheduler.use_policy(policy, profile_cost(self.scheduler, self.spec.vocab_size),
                                           bidirectional=bidirectional_blocks)
             elif policy == "aptserve":
-                self.scheduler.use_policy(policy, **self._aptserve_options(hybrid_cache, adaptive, slo_decay))
+                self.scheduler.use_policy(policy, **self._aptserve_options(hybrid_cache, adaptive, slo_decay),
+                                          mixed_batches=mixed_batches)
             else:
                 self.scheduler.use_policy(policy)
         except BaseException:

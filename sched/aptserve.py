@@ -26,7 +26,7 @@ import numpy as np
 
 from sched.knapsack import KnapsackParams, greedy_arrays
 from engine.messages import CacheType, Phase
-from sched.policy import Candidate, Decision, Plan, Snapshot, _decide, fcfs
+from sched.policy import Candidate, Decision, Plan, Snapshot, _blocks, _decide, fcfs
 
 _KV, _HIDDEN, _DECODE = CacheType.KV, CacheType.HIDDEN, Phase.DECODE     # enum lookups are slow in loops
 _SWITCHED = {False: "switched to a kv cache (recompute)", True: "switched to a hidden cache (recompute)"}
@@ -35,8 +35,10 @@ _SWITCHED = {False: "switched to a kv cache (recompute)", True: "switched to a h
 class AptServe:
     name = "aptserve"
 
-    def __init__(self, rho: float, hybrid: bool = True, adaptive: bool = True, decay: float | None = None):
+    def __init__(self, rho: float, hybrid: bool = True, adaptive: bool = True, decay: float | None = None,
+                 mixed: bool = False):
         self.rho = rho
+        self.mixed = mixed
         self.hybrid = hybrid
         self.adaptive = adaptive
         self.decay = decay
@@ -68,23 +70,29 @@ class AptServe:
         return greedy_arrays(pending, kv, hid, violated, KnapsackParams(budget, self.rho, u, eps))
 
     # ---- plans -------------------------------------------------------------------
-    def _prefill(self, snap: Snapshot, q: _Queue, u: int, eps: float) -> Plan:
-        plan = Plan()
+    def _prefill(self, snap: Snapshot, q: _Queue, u: int, eps: float, plan: Plan | None = None,
+                 free: int | None = None, seqs: int | None = None) -> Plan:
+        """Waiting requests by the greedy over ``free`` blocks (default: the pool's free blocks),
+        added to ``plan`` (default: a new one) within the token and sequence limits left."""
+        plan = Plan() if plan is None else plan
         lim = snap.limits
-        tokens_left, seqs = lim.max_num_batched_tokens, len(snap.running)
-        if seqs >= lim.max_num_seqs:
+        tokens_left = lim.max_num_batched_tokens - sum(d.num_new_tokens for d in plan.scheduled)
+        seqs = len(snap.running) if seqs is None else seqs
+        if seqs >= lim.max_num_seqs or tokens_left <= 0:
             return plan
         tokens = np.fromiter((c.num_tokens for c in q.cands), np.int64, len(q.cands))
-        idx, hidden = self._greedy(snap, q, tokens, snap.num_free_blocks, u, eps)
+        budget = snap.num_free_blocks if free is None else free
+        idx, hidden = self._greedy(snap, q, tokens, budget, u, eps)
+        chunked = False
         for i, h in zip(idx.tolist(), hidden.tolist()):
             c = q.cands[i]
             n = c.num_tokens - c.num_computed
             if seqs >= lim.max_num_seqs or tokens_left <= 0:
                 break
             if n > tokens_left:
-                if not lim.chunked_prefill or plan.scheduled:
+                if not lim.chunked_prefill or chunked:
                     continue
-                n = tokens_left
+                n, chunked = tokens_left, True
             ct = CacheType.HIDDEN if h else CacheType.KV
             plan.scheduled.append(_decide(c, n))
             plan.cache_types[c.req_id] = ct
@@ -93,10 +101,26 @@ class AptServe:
             seqs += 1
         return plan
 
+    def _mixed(self, snap: Snapshot, w: _Queue, r: _Queue, total: int, u: int, eps: float) -> Plan:
+        """Apt-Serve-S (paper §6.6, chunked prefill and coalesced batches): the decode knapsack
+        over the running requests, then the prefill knapsack over the waiting ones on the blocks
+        left, in the same iteration."""
+        plan = self._decode(snap, r, total, u, eps) if r.cands else Plan()
+        if not w.cands:
+            return plan
+        by_id = {c.req_id: c for c in r.cands}
+        free = snap.num_free_blocks + sum(by_id[x].num_blocks for x in plan.preempted)
+        free += sum(by_id[x].num_blocks for x in plan.cache_types)
+        for d in plan.scheduled:
+            c = by_id[d.req_id]
+            free -= _blocks(snap, c.num_computed + d.num_new_tokens, c) - c.num_blocks
+        return self._prefill(snap, w, u, eps, plan, max(0, free), len(plan.scheduled))
+
     def _decode(self, snap: Snapshot, q: _Queue, total: int, u: int, eps: float) -> Plan:
         plan = Plan()
         n = len(q.cands)
-        tokens = np.fromiter((c.num_computed + 1 for c in q.cands), np.int64, n)
+        # blocks after one more token (after the whole prompt for a request still in prefill)
+        tokens = np.fromiter((max(c.num_computed + 1, c.num_tokens) for c in q.cands), np.int64, n)
         idx, hidden = self._greedy(snap, q, tokens, total, u, eps)
         chosen = np.zeros(n, dtype=bool)
         chosen[idx] = True
@@ -166,12 +190,14 @@ class AptServe:
         u = max(1, len(w.cands) + len(r.cands) - int(w.violated.sum()) - int(r.violated.sum()))
         total = snap.num_free_blocks + sum(c.num_blocks for c in snap.running)
         eps = max(float(w.pending.min()) * 1e-4 / max(1, total), 1e-12) if w.cands else 1e-6
+        if self.mixed:
+            return self._mixed(snap, w, r, total, u, eps)
         urg_w, urg_r = float(w.pending.sum()), float(r.pending.sum())
         if r.cands and urg_r > 0 and urg_r > urg_w:
             return self._decode(snap, r, total, u, eps)
         pre = self._prefill(snap, w, u, eps) if w.cands else Plan()
-        if r.cands and urg_r > 0 and not pre.scheduled:
-            return self._decode(snap, r, total, u, eps)
+        if r.cands and not pre.scheduled:      # (the code also asks urg_r > 0: with a virtual
+            return self._decode(snap, r, total, u, eps)   # clock that can stall the running queue)
         return pre
 
 

@@ -128,3 +128,8 @@ class OnlineCostModel:
 OPT_13B_A100 = CostModel(base=0.020, per_prefill_token=1.3e-4, per_prefill_attn=2.0e-9,
                          per_decode_token=6.0e-5, per_decode_ctx=4.0e-8)
 OPT_13B_A100_KV_TOKENS = 12_000      # ~12 GB left for KV at 0.8 MB per token (40 layers x 5120 x 2 x fp16)
+# Apt-Serve's hidden cache on that device: a hidden request re-projects K and V (2 x [d, d] per
+# layer) for every context token at every step. Per token that is 4 d^2 L flops = 16% of the
+# 2 x 13e9 flops a prefill token costs (per_prefill_token above), and one KV block of our pool
+# holds K or V of 16 tokens, i.e. 8 tokens' worth of K+V: seconds per KV block of context.
+OPT_13B_A100_RHO = 8 * (4 * 5120 ** 2 * 40) / (2 * 13e9) * OPT_13B_A100.per_prefill_token

@@ -51,6 +51,7 @@ class SchedConfig:
     hybrid_cache: bool = True
     adaptive: bool = True
     slo_decay: float | None = None
+    mixed_batches: bool = False          # aptserve: prefill and decode in one iteration (Apt-Serve-S)
 
 
 @dataclass(slots=True)
@@ -101,7 +102,7 @@ def make_policy(cfg: SchedConfig, cost: OnlineCostModel | None):
             raise ValueError("policy: bros needs a cost model (profile the engine first)")
         return Bros(cost, cfg.max_num_seqs, idle_budget_s=cfg.rt_budget_s)
     if cfg.policy == "aptserve":
-        return AptServe(cfg.rho, cfg.hybrid_cache, cfg.adaptive, cfg.slo_decay)
+        return AptServe(cfg.rho, cfg.hybrid_cache, cfg.adaptive, cfg.slo_decay, cfg.mixed_batches)
     raise ValueError(f"policy: {cfg.policy!r} is not one of {list(POLICIES)}")
 
 

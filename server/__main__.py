@@ -33,6 +33,9 @@ def parse_args(argv=None) -> ServerConfig:
     ap.add_argument("--aptserve-fcfs", action="store_true",
                     help="with --policy aptserve: FCFS order, hidden caches only for requests that do not "
                          "fit otherwise (ablation)")
+    ap.add_argument("--aptserve-mixed", action="store_true",
+                    help="with --policy aptserve: prefills and decodes in the same iteration (Apt-Serve-S, "
+                         "chunked prefill) instead of choosing one kind per iteration")
     ap.add_argument("--slo-decay", type=float, default=None,
                     help="with --policy aptserve: requests past their SLO keep this fraction of their value")
     ap.add_argument("--bidirectional-blocks", action="store_true", default=d.bidirectional_blocks,
@@ -53,8 +56,8 @@ def parse_args(argv=None) -> ServerConfig:
     a = ap.parse_args(argv)
     if a.bidirectional_blocks and a.policy != "bros":
         ap.error("--bidirectional-blocks needs --policy bros")
-    if (a.kv_only or a.aptserve_fcfs or a.slo_decay is not None) and a.policy != "aptserve":
-        ap.error("--kv-only, --aptserve-fcfs and --slo-decay need --policy aptserve")
+    if (a.kv_only or a.aptserve_fcfs or a.aptserve_mixed or a.slo_decay is not None) and a.policy != "aptserve":
+        ap.error("--kv-only, --aptserve-fcfs, --aptserve-mixed and --slo-decay need --policy aptserve")
     if a.policy == "aptserve" and a.cache_type != "kv":
         ap.error("--policy aptserve chooses each request's cache type itself")
     if a.bidirectional_blocks and a.cache_type != "kv":
@@ -65,6 +68,7 @@ def parse_args(argv=None) -> ServerConfig:
                         max_num_batched_tokens=a.max_num_batched_tokens,
                         policy=a.policy, bidirectional_blocks=a.bidirectional_blocks, cache_type=a.cache_type,
                         hybrid_cache=not a.kv_only, adaptive=not a.aptserve_fcfs, slo_decay=a.slo_decay,
+                        mixed_batches=a.aptserve_mixed,
                         slo_ttft_ms=a.slo_ttft_ms, slo_tbt_ms=a.slo_tbt_ms,
                         max_waiting=a.max_waiting, max_upload_bytes=int(a.max_upload_mb * 2**20), dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
                         watch_parent=a.watch_parent)
@@ -105,7 +109,7 @@ def main(argv=None) -> None:
                   kv_cache_bytes=cfg.kv_cache_bytes, policy=cfg.policy,
                   rt_budget_s=cfg.slo_tbt_ms / 1000, bidirectional_blocks=cfg.bidirectional_blocks,
                   cache_type=cfg.cache_type, hybrid_cache=cfg.hybrid_cache, adaptive=cfg.adaptive,
-                  slo_decay=cfg.slo_decay)
+                  slo_decay=cfg.slo_decay, mixed_batches=cfg.mixed_batches)
         return AsyncEngine(llm)
 
     app = create_app(cfg, build_engine)

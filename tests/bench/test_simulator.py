@@ -83,3 +83,18 @@ def test_prefill_steps_draw_from_their_own_ratios():
     (r,), _ = simulate([TraceItem(0.0, list(range(10)), 4, "rt")],
                        SimSetup(**{**base.__dict__, "noise": (1.0,), "noise_prefill": (3.0,)}))
     assert r.ttft == pytest.approx(0.06) and r.gaps == pytest.approx([0.01] * 3)
+
+
+def test_hidden_cache_steps_pay_rho_per_kv_block_of_context():
+    # 20-token prompt, 4 tokens out, hidden cache: the prefill re-projects nothing; the decode
+    # steps see 20, 21, 22 tokens of context = 2 token-blocks = 4 KV blocks each: +4 rho
+    from engine.messages import CacheType
+    rho = 0.002
+    trace = [TraceItem(0.0, list(range(20)), 4, "rt")]
+    hid = SimSetup(COST, PoolGeometry(100, 16, hidden_blocks=1), SchedConfig(cache_type=CacheType.HIDDEN),
+                   max_model_len=2048, rho=rho)
+    (r,), _ = simulate(trace, hid)
+    assert r.ttft == pytest.approx(0.03)
+    assert r.gaps == pytest.approx([0.01 + 4 * rho] * 3)
+    (k,), _ = simulate(trace, SimSetup(**{**hid.__dict__, "sched": SchedConfig()}))
+    assert k.gaps == pytest.approx([0.01] * 3)

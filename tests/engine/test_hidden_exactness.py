@@ -102,12 +102,13 @@ def test_hidden_cache_bookkeeping_uses_the_real_ratio(tiny_llama):
         LLM(str(tiny_llama), "cpu:1", cache_type="int8")
 
 
-def test_aptserve_policy_end_to_end_matches_hf(tiny_opt):
+@pytest.mark.parametrize("mixed", [False, True], ids=["iteration-types", "mixed-batches"])
+def test_aptserve_policy_end_to_end_matches_hf(tiny_opt, mixed):
     """--policy aptserve on a multi-head model with a small pool: the knapsack hands out hidden
     caches, switches and preempts; every output is still HF's greedy output."""
     prompts = mixed_prompts(16, 512, seed=33, lo=8, hi=60)
     with LLM(str(tiny_opt), "cpu:1", block_size=8, kv_cache_bytes=_pool_bytes(tiny_opt, 24),
-             max_num_batched_tokens=128, threads_per_worker=1, policy="aptserve") as llm:
+             max_num_batched_tokens=128, threads_per_worker=1, policy="aptserve", mixed_batches=mixed) as llm:
         assert llm.rho >= 0
         seen = set()
         step = llm.scheduler.step

@@ -75,3 +75,22 @@ def test_fcfs_ablation_admits_the_head_of_line_request_with_a_hidden_cache():
     plan = AptServe(rho=0.0, adaptive=False)(snap(waiting=w, free=6))
     assert [d.req_id for d in plan.scheduled] == ["a", "b"]
     assert plan.cache_types == {"b": HID}
+
+
+def test_mixed_batches_decode_and_prefill_on_the_blocks_left():
+    # r1 (8 tokens held in 4 KV blocks) needs 2 more for its 9th token; 6 free leaves 4 for
+    # prefills: a and b (8-token prompts, 4 KV or 2 hidden blocks each) both fit as hidden caches
+    r = [running("r1", 8, 0.05)]
+    w = [waiting("a", 8, 1.0), waiting("b", 8, 0.9)]
+    plan = AptServe(rho=0.001, mixed=True)(snap(running=r, waiting=w, free=6))
+    assert [d.req_id for d in plan.scheduled] == ["r1", "a", "b"]
+    assert plan.cache_types == {"a": HID, "b": HID}
+    # KV only: one prompt fits beside the decode, the one waiting longer
+    plan = AptServe(rho=0.001, mixed=True, hybrid=False)(snap(running=r, waiting=w, free=6))
+    assert [d.req_id for d in plan.scheduled] == ["r1", "a"]
+    # the token budget counts the decode: 8 tokens left a 9-token budget, so b is not admitted
+    plan = AptServe(rho=0.001, mixed=True)(snap(running=r, waiting=w, free=6, tokens=9))
+    assert [d.req_id for d in plan.scheduled] == ["r1", "a"]
+    # without mixing the same snapshot runs prefills only (waiting pending time is larger)
+    plan = AptServe(rho=0.001)(snap(running=r, waiting=w, free=6))
+    assert [d.req_id for d in plan.scheduled] == ["a", "b"]

@@ -23,10 +23,10 @@ def complete(server, prompt, tier=None) -> str:
         return json.loads(r.read())["choices"][0]["text"]
 
 
-@pytest.mark.parametrize("policy", ["bros", "rr", "aptserve"])
+@pytest.mark.parametrize("policy", ["bros", "rr", "aptserve", "aptserve --aptserve-mixed"])
 def test_policy_serves_mixed_work(policy, server, tiny_chat_model, tmp_path):
     reference = [complete(server, p) for p in PROMPTS]            # the FCFS server
-    s = start_server(tiny_chat_model, tmp_path, "--policy", policy, "--slo-ttft-ms", "2000",
+    s = start_server(tiny_chat_model, tmp_path, "--policy", *policy.split(), "--slo-ttft-ms", "2000",
                      "--slo-tbt-ms", "500")
     try:
         assert [complete(s, p, "flex" if i % 2 else None) for i, p in enumerate(PROMPTS)] == reference
