@@ -101,7 +101,6 @@ def sim(args) -> None:
 
 def sim_mixed(args) -> None:
     """RT ShareGPT at each rate with BE batch jobs always pending, per policy, at paper scale."""
-    from dataclasses import replace
     from bench.plots import attainment_vs_rate, rt_latency_vs_be_throughput
     from bench.simulator import BeJobs
     from bench.workloads import synthetic_be
