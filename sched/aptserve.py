@@ -3,7 +3,8 @@
 Per iteration:
   1. Iteration type by cumulative pending time: decode when the running queue's Σ p is larger
      than the waiting queue's, or when no waiting request fits; prefill otherwise. The two are
-     never mixed in one iteration (as in the paper).
+     never mixed in one iteration (as in the paper), unless ``mixed`` (Apt-Serve-S): then every
+     iteration runs the decode plan and a prefill plan on the blocks it leaves.
   2. Prefill: the greedy of sched/knapsack.py over the waiting requests, budget = free blocks,
      each chosen request with the cache type the greedy gave it; the token and sequence limits
      then cut the chosen list in the greedy's order.
@@ -108,13 +109,7 @@ class AptServe:
         plan = self._decode(snap, r, total, u, eps) if r.cands else Plan()
         if not w.cands:
             return plan
-        by_id = {c.req_id: c for c in r.cands}
-        free = snap.num_free_blocks + sum(by_id[x].num_blocks for x in plan.preempted)
-        free += sum(by_id[x].num_blocks for x in plan.cache_types)
-        for d in plan.scheduled:
-            c = by_id[d.req_id]
-            free -= _blocks(snap, c.num_computed + d.num_new_tokens, c) - c.num_blocks
-        return self._prefill(snap, w, u, eps, plan, max(0, free), len(plan.scheduled))
+        return self._prefill(snap, w, u, eps, plan, max(0, _free_after(snap, plan)), len(plan.scheduled))
 
     def _decode(self, snap: Snapshot, q: _Queue, total: int, u: int, eps: float) -> Plan:
         plan = Plan()
@@ -158,8 +153,7 @@ class AptServe:
             return plan
         admitted = {d.req_id for d in plan.scheduled}
         waiting_ids = {c.req_id for c in snap.waiting}
-        free = snap.num_free_blocks - sum(self._sizes(snap, c.num_computed + d.num_new_tokens)[0] - c.num_blocks
-                                          for c, d in self._pairs(snap, plan))
+        free = _free_after(snap, plan)
         tokens_left = snap.limits.max_num_batched_tokens - sum(d.num_new_tokens for d in plan.scheduled)
         seqs = len(snap.running) + len(admitted & waiting_ids)
         for c in snap.waiting:
@@ -178,11 +172,6 @@ class AptServe:
             seqs += 1
         return plan
 
-    @staticmethod
-    def _pairs(snap: Snapshot, plan: Plan):
-        by_id = {c.req_id: c for c in snap.running + snap.waiting}
-        return [(by_id[d.req_id], d) for d in plan.scheduled]
-
     def __call__(self, snap: Snapshot) -> Plan:
         if not self.adaptive:
             return self._fcfs_hybrid(snap)
@@ -199,6 +188,17 @@ class AptServe:
         if r.cands and not pre.scheduled:      # (the code also asks urg_r > 0: with a virtual
             return self._decode(snap, r, total, u, eps)   # clock that can stall the running queue)
         return pre
+
+
+def _free_after(snap: Snapshot, plan: Plan) -> int:
+    """Free blocks once ``plan`` has run: preempted and switching requests hand theirs back,
+    scheduled ones take what their new tokens need (in their own cache type)."""
+    by_id = {c.req_id: c for c in snap.running + snap.waiting}
+    free = snap.num_free_blocks + sum(by_id[x].num_blocks for x in (*plan.preempted, *plan.cache_types))
+    for d in plan.scheduled:
+        c = by_id[d.req_id]
+        free -= _blocks(snap, c.num_computed + d.num_new_tokens, c) - c.num_blocks
+    return free
 
 
 @dataclass(slots=True)
