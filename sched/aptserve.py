@@ -113,35 +113,48 @@ class AptServe:
 
     def _decode(self, snap: Snapshot, q: _Queue, total: int, u: int, eps: float) -> Plan:
         plan = Plan()
-        n = len(q.cands)
+        cands, n = q.cands, len(q.cands)
+        ntok = np.fromiter((c.num_tokens for c in cands), np.int64, n)
+        ncomp = np.fromiter((c.num_computed for c in cands), np.int64, n)
         # blocks after one more token (after the whole prompt for a request still in prefill)
-        tokens = np.fromiter((max(c.num_computed + 1, c.num_tokens) for c in q.cands), np.int64, n)
-        idx, hidden = self._greedy(snap, q, tokens, total, u, eps)
+        idx, hidden = self._greedy(snap, q, np.maximum(ncomp + 1, ntok), total, u, eps)
         chosen = np.zeros(n, dtype=bool)
         chosen[idx] = True
         to_hidden = np.zeros(n, dtype=bool)
         to_hidden[idx] = hidden
-        is_hidden = np.fromiter((c.cache_type is _HIDDEN for c in q.cands), bool, n)
+        is_hidden = np.fromiter((c.cache_type is _HIDDEN for c in cands), bool, n)
         switch = chosen & (to_hidden != is_hidden)
-        tokens_left = snap.limits.max_num_batched_tokens
-        reasons, scheduled = plan.reasons, plan.scheduled
-        for c, keep, sw, h in zip(q.cands, chosen.tolist(), switch.tolist(), to_hidden.tolist()):
-            if not keep:
-                plan.preempted.append(c.req_id)
-                reasons[c.req_id] = "preempted: not in the decode knapsack"
-            elif sw:
-                plan.cache_types[c.req_id] = _HIDDEN if h else _KV
-                reasons[c.req_id] = _SWITCHED[h]
-            elif tokens_left > 0:
-                k = c.num_tokens - c.num_computed
-                if k == 1 and c.num_computed:          # the usual case, without _decide's checks
-                    scheduled.append(Decision(c.req_id, 1, _DECODE, True))
-                else:
-                    k = min(k, tokens_left)
-                    scheduled.append(_decide(c, k))
-                reasons[c.req_id] = "decode"
-                tokens_left -= k
+        for i in np.flatnonzero(~chosen).tolist():
+            plan.preempted.append(cands[i].req_id)
+            plan.reasons[cands[i].req_id] = "preempted: not in the decode knapsack"
+        for i in np.flatnonzero(switch).tolist():
+            h = bool(to_hidden[i])
+            plan.cache_types[cands[i].req_id] = _HIDDEN if h else _KV
+            plan.reasons[cands[i].req_id] = _SWITCHED[h]
+        run = chosen & ~switch
+        k = ntok - ncomp
+        if np.all(k[run] == 1) and int(run.sum()) <= snap.limits.max_num_batched_tokens:
+            usual = (ncomp > 0).tolist()                   # a decode token, without _decide's checks
+            plan.scheduled = [Decision(cands[i].req_id, 1, _DECODE, True) if usual[i] else _decide(cands[i], 1)
+                              for i in np.flatnonzero(run).tolist()]
+        else:
+            plan.scheduled = self._decode_budget(cands, run, snap.limits.max_num_batched_tokens)
+        plan.reasons.update(dict.fromkeys((d.req_id for d in plan.scheduled), "decode"))
         return plan
+
+    @staticmethod
+    def _decode_budget(cands: list[Candidate], run: np.ndarray, tokens_left: int) -> list[Decision]:
+        """Decisions for the running requests kept, in queue order, within the token budget (a
+        request still in prefill takes a chunk of what is left)."""
+        out = []
+        for i in np.flatnonzero(run).tolist():
+            if tokens_left <= 0:
+                break
+            c = cands[i]
+            k = min(c.num_tokens - c.num_computed, tokens_left)
+            out.append(_decide(c, k))
+            tokens_left -= k
+        return out
 
     def _fcfs_hybrid(self, snap: Snapshot) -> Plan:
         """Ablation: FCFS order and admission; a waiting request whose KV cache does not fit

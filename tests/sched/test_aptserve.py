@@ -94,3 +94,15 @@ def test_mixed_batches_decode_and_prefill_on_the_blocks_left():
     # without mixing the same snapshot runs prefills only (waiting pending time is larger)
     plan = AptServe(rho=0.001)(snap(running=r, waiting=w, free=6))
     assert [d.req_id for d in plan.scheduled] == ["a", "b"]
+
+
+def test_decode_iteration_finishes_a_chunked_prompt_within_the_token_budget():
+    # r2 is a running request halfway through a 20-token prompt (chunked). With 6 tokens per
+    # iteration, r1 decodes one token and r2 takes the 5 left, in queue order; r3 gets nothing
+    r1 = running("r1", 8, 0.5)
+    r2 = Candidate("r2", 20, 10, 6, 0.0, True, 10.0, 0.5)
+    r3 = running("r3", 8, 0.5)
+    plan = AptServe(rho=0.0)(snap(running=[r1, r2, r3], free=100, tokens=6))
+    assert [(d.req_id, d.num_new_tokens, d.sample) for d in plan.scheduled] == [("r1", 1, True), ("r2", 5, False)]
+    plan = AptServe(rho=0.0)(snap(running=[r1, r2, r3], free=100, tokens=64))
+    assert [(d.req_id, d.num_new_tokens) for d in plan.scheduled] == [("r1", 1), ("r2", 10), ("r3", 1)]
