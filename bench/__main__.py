@@ -34,8 +34,8 @@ def main() -> None:
         p.add_argument("--out", default=f"{p.prog.split()[-1]}.json", help="result file under bench/results")
         p.add_argument("--model", default="smollm2", choices=["smollm2", "opt125m-random"],
                        help="opt125m-random: an OPT-125m-shaped multi-head model, random weights (Apt-Serve)")
-        p.add_argument("--kv-cache-gib", type=int, default=None,
-                       help="KV cache size for our server and vLLM alike (default: 2 GiB each)")
+        p.add_argument("--kv-cache-gib", type=float, default=None,
+                       help="KV cache size for our server and vLLM alike, may be a fraction (default: 2 GiB each)")
     mx.add_argument("--be-mode", default="auto", choices=["auto", "batches", "online"],
                     help="auto: Batch API jobs for tandem*, online low-priority requests for the others")
     mx.add_argument("--be-job-size", type=int, default=16, help="requests per batch job")

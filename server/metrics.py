@@ -39,7 +39,9 @@ class Metrics:
                            ["model_name"], registry=r)
         self.pool_blocks = Gauge("tandem:pool_blocks", "Pool blocks by owner: rt, be, shared, checkpointed "
                                  "(slots on the CPU), free", ["model_name", "owner"], registry=r)
-        self._preempt_seen: dict = {}
+        self.cache_tokens = Counter("tandem:cache_tokens", "Tokens computed into each cache type (kv, "
+                                    "hidden: Apt-Serve's hidden-state cache)", ["model_name", "cache_type"], registry=r)
+        self._seen: dict = {}
 
     def engine_step(self, scheduler) -> None:
         """Gauges per service class from the scheduler; called on the engine thread."""
@@ -57,11 +59,16 @@ class Metrics:
         if cost is not None and cost.error_ewma is not None:
             self.cost_error.labels(self.model).set(cost.error_ewma)
             self.cost_steps.labels(self.model).set(cost.observed)
-        for c, n in scheduler.preemptions_by_class.items():
-            seen = self._preempt_seen.get(c.value, 0)
+        self._count(self.preemptions, scheduler.preemptions_by_class)
+        self._count(self.cache_tokens, scheduler.tokens_by_cache_type)
+
+    def _count(self, counter: Counter, totals) -> None:
+        """Bring a Prometheus counter up to the scheduler's running totals (enum key -> count)."""
+        for key, n in list(totals.items()):
+            seen = self._seen.get((counter, key), 0)
             if n > seen:
-                self.preemptions.labels(self.model, c.value).inc(n - seen)
-                self._preempt_seen[c.value] = n
+                counter.labels(self.model, key.value).inc(n - seen)
+                self._seen[(counter, key)] = n
 
     def request_done(self, cls: str, *, prompt_tokens: int, token_times: list[float], arrival: float,
                      end: float, queue_s: float | None, finish_reason: str,

@@ -7,6 +7,7 @@ import urllib.request
 import pytest
 
 from bench.mixed import run_mixed
+from bench.online import server_counters
 from bench.workloads import TraceItem
 from tests.server.conftest import API_KEY, start_server, stop_server
 from tests.server.test_load import metric
@@ -40,6 +41,13 @@ def test_policy_serves_mixed_work(policy, server, tiny_chat_model, tmp_path):
         text = urllib.request.urlopen(req).read().decode()
         assert metric(text, "tandem:pool_blocks", owner="free") > 0
         assert metric(text, "tandem:iteration_seconds_avg") > 0     # T_avg is exported (any speed)
+        # every token computed is counted under its cache type: at least 4 x (5 + 9) for the
+        # completions, 4 x (5 + 11) RT and sum(50 + i + 5) BE tokens (more after preemptions)
+        computed = metric(text, "tandem:cache_tokens_total")
+        assert computed >= 4 * 14 + 4 * 16 + sum(55 + i for i in range(6))
+        seen = server_counters(s.url)                               # what the bench scrapes
+        assert seen["tokens_kv"] + seen.get("tokens_hidden", 0) >= computed
+        assert seen["preemptions"] == metric(text, "vllm:num_preemptions_total")
         if policy == "bros":
             assert metric(text, "tandem:cost_model_observed_steps") > 0
             assert 0 <= metric(text, "tandem:cost_model_error") < 10
