@@ -5,7 +5,7 @@ objects, so tests and the simulator can drive them without a model.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.messages import CacheType, Phase
 
@@ -138,3 +138,29 @@ def fcfs(snap: Snapshot) -> Plan:
         plan.scheduled.append(_decide(c, n))
         plan.reasons[c.req_id] = "admitted"
     return plan
+
+
+def fcfs_prefill_first(snap: Snapshot) -> Plan:
+    """vLLM's scheduler before chunked prefill (v0.5, the baseline of Apt-Serve's paper).
+
+    When the head of the waiting queue fits, the iteration is prefill-only: whole prompts are
+    admitted in FCFS order while sequences, tokens and blocks allow (the first one always fits
+    the token budget, as vLLM requires max_num_batched_tokens >= max_model_len). Otherwise it is
+    a decode iteration over the running requests, as in ``fcfs`` (preempting the latest-arrived
+    when blocks run out). Prefill iterations stall every running request's next token.
+    """
+    plan = Plan()
+    lim = snap.limits
+    free, tokens_left, seqs = snap.num_free_blocks, lim.max_num_batched_tokens, len(snap.running)
+    for c in snap.waiting:
+        n = c.num_tokens - c.num_computed
+        need = _blocks(snap, c.num_tokens, c) - c.num_blocks
+        if seqs >= lim.max_num_seqs or (n > tokens_left and plan.scheduled) or need > free:
+            plan.reasons[c.req_id] = "waiting: does not fit this prefill iteration"
+            break
+        plan.scheduled.append(_decide(c, n))
+        plan.reasons[c.req_id] = "admitted (prefill-only iteration)"
+        free -= need
+        tokens_left -= n
+        seqs += 1
+    return plan if plan.scheduled else fcfs(replace(snap, waiting=[]))

@@ -21,7 +21,7 @@ from engine.messages import (CacheType, Command, DeviceError, NewRequest, Phase,
 from sched.aptserve import AptServe
 from sched.bros import Bros, RoundRobin
 from sched.cost_model import OnlineCostModel, StepShape
-from sched.policy import Candidate, Limits, Plan, Snapshot, fcfs
+from sched.policy import Candidate, Limits, Plan, Snapshot, fcfs, fcfs_prefill_first
 from sched.request import FinishReason, Request, RequestState, ServiceClass, Status
 from sched.stops import check_stop
 
@@ -77,7 +77,7 @@ class _DeviceQueues:
     num_preemptions: int = 0
 
 
-POLICIES = ("fcfs", "rr", "bros", "aptserve")
+POLICIES = ("fcfs", "rr", "bros", "aptserve", "fcfs-prefill-first")
 
 
 def _validate(cfg: SchedConfig, devices) -> None:
@@ -95,6 +95,8 @@ def make_policy(cfg: SchedConfig, cost: OnlineCostModel | None):
     """The policy callable (Snapshot -> Plan) named by cfg.policy."""
     if cfg.policy == "fcfs":
         return fcfs
+    if cfg.policy == "fcfs-prefill-first":
+        return fcfs_prefill_first
     if cfg.policy == "rr":
         return RoundRobin()
     if cfg.policy == "bros":

@@ -1,6 +1,6 @@
 """FCFS policy on hand-made snapshots where the right plan is known."""
 from engine.messages import Phase
-from sched.policy import Candidate, Limits, Snapshot, fcfs
+from sched.policy import Candidate, Limits, Snapshot, fcfs, fcfs_prefill_first
 
 B = 4   # block size; a KV token-block costs 2 blocks
 
@@ -58,3 +58,17 @@ def test_partial_prefill_continues_before_admissions():
     plan = fcfs(snap(running=[c("r", 20, 8, arrival=0)], waiting=[c("w", 4, arrival=1)], tokens=14))
     assert [(d.req_id, d.num_new_tokens, d.phase, d.sample) for d in plan.scheduled] == [
         ("r", 12, Phase.PREFILL, True), ("w", 2, Phase.PREFILL, False)]
+
+
+def test_prefill_first_runs_whole_prompts_alone_then_decodes():
+    # vLLM 0.5: w1 and w2 fit (4 + 2 blocks of 7 free): a prefill-only iteration, r waits; w3
+    # (4 blocks) does not fit and stops admission
+    w = [c("w1", 8, arrival=1), c("w2", 3, arrival=2), c("w3", 8, arrival=3)]
+    plan = fcfs_prefill_first(snap(running=[c("r", 9, 8)], waiting=w, free=7))
+    assert [(d.req_id, d.num_new_tokens) for d in plan.scheduled] == [("w1", 8), ("w2", 3)]
+    # the head does not fit: a decode iteration (r takes one of the 3 free blocks it needs)
+    plan = fcfs_prefill_first(snap(running=[c("r", 9, 8)], waiting=w, free=3))
+    assert [(d.req_id, d.phase) for d in plan.scheduled] == [("r", Phase.DECODE)]
+    # a prompt longer than the token budget runs whole, alone; never chunked
+    plan = fcfs_prefill_first(snap(waiting=[c("w1", 80, arrival=1), c("w2", 3, arrival=2)], tokens=64))
+    assert [(d.req_id, d.num_new_tokens) for d in plan.scheduled] == [("w1", 80)]
