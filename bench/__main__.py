@@ -68,8 +68,9 @@ def main() -> None:
         p.add_argument("--ttft-factor", type=float, default=10.0)
         p.add_argument("--tbt-factor", type=float, default=5.0)
     sa = sub.add_parser("sim-apt", help="simulated Apt-Serve vs FCFS at paper scale: effective throughput, ablations")
-    sa.add_argument("--systems", nargs="+", default=["fcfs", "aptserve", "aptserve-s", "aptserve-s-kv",
-                                                     "aptserve-s-fcfs"])
+    sa.add_argument("--systems", nargs="+", default=["fcfs", "fcfs-prefill-first", "aptserve", "aptserve-s",
+                                                     "aptserve-s-kv", "aptserve-s-fcfs"])
+    sa.add_argument("--out", default="sim_aptserve.json", help="result file under bench/results")
     sa.add_argument("--datasets", nargs="+", default=["sharegpt", "long"], choices=["sharegpt", "long"])
     sa.add_argument("--num-requests", type=int, default=1000)
     sa.add_argument("--max-num-seqs", type=int, default=256)
@@ -80,8 +81,8 @@ def main() -> None:
     sa.add_argument("--search-long", nargs=2, type=float, default=[0.125, 4.0], metavar=("LO", "HI"))
     sa.add_argument("--rel-tol", type=float, default=0.05)
     sa.add_argument("--ablation-systems", nargs="+", default=["aptserve-s-kv", "aptserve-s-fcfs", "aptserve-s"])
-    sa.add_argument("--ablation-rates", nargs="+", type=float, default=[4.0, 6.0])
-    sa.add_argument("--ablation-rates-long", nargs="+", type=float, default=[0.5, 1.0])
+    sa.add_argument("--ablation-rates", nargs="*", type=float, default=[4.0, 6.0])
+    sa.add_argument("--ablation-rates-long", nargs="*", type=float, default=[0.5, 1.0])
     sa.add_argument("--cvs", nargs="+", type=float, default=[1.0, 5.0, 10.0])
     sa.add_argument("--seed", type=int, default=0)
     ov = sub.add_parser("overhead", help="time per scheduling decision on random snapshots (no model)")
@@ -91,6 +92,12 @@ def main() -> None:
     sv.add_argument("--max-num-seqs", type=int, default=64)
     sv.add_argument("--max-output", type=int, default=512)
     sv.add_argument("--real", default="online.json", help="result file of the real run under bench/results")
+    bb = sub.add_parser("bros-bound", help="the most BE throughput the cost model allows at an RT latency target")
+    bb.add_argument("--real", default="mixed.json", help="a `mixed` result file under bench/results")
+    bb.add_argument("--duration", type=float, default=90.0, help="the mixed run's --duration")
+    bb.add_argument("--max-output", type=int, default=512)
+    bb.add_argument("--be-pool", type=int, default=256)
+    bb.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.cmd == "offline":
         from bench.offline import main as offline
@@ -111,6 +118,9 @@ def main() -> None:
     elif args.cmd == "overhead":
         from bench.overhead import run as overhead
         overhead(args)
+    elif args.cmd == "bros-bound":
+        from bench.bros_bound import run as bros_bound
+        bros_bound(args)
     elif args.cmd == "mixed":
         from bench.online import mixed
         mixed(args)
