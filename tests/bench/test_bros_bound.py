@@ -8,6 +8,7 @@ COST = CostModel(base=0.01, per_prefill_token=1e-4, per_prefill_attn=0.0, per_de
 
 
 def test_bound_by_hand():
+    # every "seconds" here is work predicted by the hand-made COST above, not a clock reading
     # RT: 1 req/s, 100-token prompts, 10 tokens out; a step every 0.1 s holds 1 RT decode on
     # average: 0.011 s per step = 11% of each second, RT prefills 1% more. A BE request (200 in,
     # 20 out) costs 0.02 + 0.02 s: the 88% left makes 22 BE requests/s = 440 tokens/s
