@@ -158,3 +158,51 @@ async def run_mixed(url: str, model: str, rt: list[TraceItem], be_items: list[Tr
         stop.set()
         await be_task
     return recs, result
+
+
+def co_serving_targets(rows: list[dict], baseline: str = "tandem", peer: str = "vllm-priority") -> list[dict]:
+    """Each co-serving system against FCFS (``baseline``) and ``peer`` at every rate, in BROS's terms.
+
+    BROS (§7.1) reports RT normalized latency as the *mean* over requests of end-to-end latency /
+    output tokens, and BE throughput in requests per second; both are here, beside the p50 latency
+    and BE output tokens per second. Ratios are system / baseline, so latency 0.5 means 50% lower.
+    """
+    by = {(r["system"], r["rate"]): r for r in rows}
+    out = []
+    for r in rows:
+        base, other = by.get((baseline, r["rate"])), by.get((peer, r["rate"]))
+        if r["system"] in (baseline, peer) or base is None or "be" not in r or "be" not in base:
+            continue
+        rt, brt = r["summary"]["rt"], base["summary"]["rt"]
+        row = {"system": r["system"], "rate": r["rate"],
+               "attainment_ratio": _ratio(r["attain_bros"], base["attain_bros"]),
+               "norm_latency_mean_ratio": _ratio(rt["normalized_latency_mean_s"], brt["normalized_latency_mean_s"]),
+               "norm_latency_p50_ratio": _ratio(_p50(rt), _p50(brt)),
+               "be_requests_ratio": _ratio(r["be"]["requests_per_s"], base["be"]["requests_per_s"]),
+               "be_tokens_ratio": _ratio(r["be"]["tokens_per_s"], base["be"]["tokens_per_s"])}
+        if other is not None:
+            row["norm_latency_mean_vs_peer"] = _ratio(rt["normalized_latency_mean_s"],
+                                                      other["summary"]["rt"]["normalized_latency_mean_s"])
+        out.append(row)
+    return out
+
+
+def _p50(summary: dict) -> float:
+    d = summary["normalized_latency_s"]
+    return d.get(50, d.get("50", float("nan")))          # int keys live, str keys from JSON
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else (float("inf") if a else float("nan"))
+
+
+def print_targets(targets: list[dict]) -> None:
+    """Issue 5's targets: attainment >= 2x FCFS, mean normalized latency <= 0.5x FCFS and < the
+    peer's, BE throughput >= 0.85x FCFS."""
+    print("\n| system | RT rate | TTFT & TPOT vs FCFS | norm. latency mean vs FCFS (p50) | mean vs vLLM-priority "
+          "| BE req/s vs FCFS (tok/s) |\n|---|---|---|---|---|---|")
+    for t in targets:
+        peer = t.get("norm_latency_mean_vs_peer")
+        print(f"| {t['system']} | {t['rate']} | {t['attainment_ratio']:.1f}x | "
+              f"{t['norm_latency_mean_ratio']:.2f}x ({t['norm_latency_p50_ratio']:.2f}x) | "
+              f"{'-' if peer is None else f'{peer:.2f}x'} | {t['be_requests_ratio']:.0%} ({t['be_tokens_ratio']:.0%}) |")

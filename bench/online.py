@@ -202,7 +202,7 @@ def main(args) -> None:
 
 def mixed(args) -> None:
     """RT ShareGPT online at each rate while BE work is always pending (Batch API jobs or online)."""
-    from bench.mixed import run_mixed
+    from bench.mixed import co_serving_targets, print_targets, run_mixed
     from bench.workloads import synthetic_be
     hf_dir, tok = _setup(args)
     slo = slo_for(args, hf_dir, tok)
@@ -222,7 +222,7 @@ def mixed(args) -> None:
     out = RESULTS / args.out
     out.write_text(json.dumps({"slo": slo, "be": {"mode": args.be_mode, "job_size": args.be_job_size,
                                                   "concurrency": args.be_concurrency, "scale": args.be_scale},
-                               "rows": rows}, indent=2))
+                               "rows": rows, "targets": co_serving_targets(rows)}, indent=2))
     stem = out.stem
     plots.attainment_vs_rate(rows, RESULTS / f"{stem}_attainment.png", "RT attainment with BE always pending")
     plots.rt_latency_vs_be_throughput(rows, RESULTS / f"{stem}_rt_vs_be.png", "RT latency vs BE throughput")
@@ -230,6 +230,7 @@ def mixed(args) -> None:
         plots.latency_cdfs([r for r in rows if r["rate"] == rate], RESULTS / f"{stem}_cdf_{rate:g}.png",
                            f"RT latency CDFs at {rate:g} req/s, BE pending")
     print_table(rows)
+    print_targets(co_serving_targets(rows))
     print(f"wrote {out} and {stem}_*.png")
 
 
@@ -259,13 +260,15 @@ def _be(r: dict) -> str:
 
 def print_table(rows: list[dict]) -> None:
     print("\n| system | rate (req/s) | SLO attainment (TTFT & P99 TBT) | (TTFT & TPOT) | TTFT p50 / p99 ms "
-          "| TBT p50 / p99 ms | TPOT p50 ms | norm. latency p50 ms/tok | RT tok/s | failed | BE tok/s | preemptions |")
+          "| TBT p50 / p99 ms | TPOT p50 ms | norm. latency mean / p50 ms/tok | RT tok/s | failed "
+          "| BE tok/s / req/s | preemptions |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         s = r["summary"].get("rt", {})
-        be = f"{r['be']['tokens_per_s']:.0f}" if "be" in r else "-"
+        be = f"{r['be']['tokens_per_s']:.0f} / {r['be']['requests_per_s']:.2f}" if "be" in r else "-"
         pre = r.get("server", {}).get("preemptions")
         print(f"| {r['system']} | {r['rate']} | {r['attain_apt']:.0%} | {r['attain_bros']:.0%} | "
               f"{_ms(s.get('ttft_s', {}), 50)} / {_ms(s.get('ttft_s', {}), 99)} | "
               f"{_ms(s.get('tbt_s', {}), 50)} / {_ms(s.get('tbt_s', {}), 99)} | {_ms(s.get('tpot_s', {}), 50)} | "
-              f"{_ms(s.get('normalized_latency_s', {}), 50)} | {s.get('tokens_per_s', 0):.0f} | {s.get('failed', 0)} | {be} | {'-' if pre is None else f'{pre:.0f}'} |")
+              f"{_ms({0: s.get('normalized_latency_mean_s')}, 0)} / {_ms(s.get('normalized_latency_s', {}), 50)} | "
+              f"{s.get('tokens_per_s', 0):.0f} | {s.get('failed', 0)} | {be} | {'-' if pre is None else f'{pre:.0f}'} |")

@@ -69,7 +69,8 @@ def latency_cdfs(runs: list[dict], path: Path, title: str) -> None:
 
 
 def rt_latency_vs_be_throughput(rows: list[dict], path: Path, title: str) -> None:
-    """Each (system, rate) as a point: BE tokens/s against RT normalized latency (p50), labelled by rate."""
+    """Each (system, rate) as a point: BE tokens/s against RT normalized latency (the mean, as BROS
+    reports it), labelled by rate."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4.5))
     curves: dict[str, list[dict]] = defaultdict(list)
@@ -78,12 +79,12 @@ def rt_latency_vs_be_throughput(rows: list[dict], path: Path, title: str) -> Non
     for name, rs in curves.items():
         rs = sorted(rs, key=lambda r: r["rate"])
         xs = [r["be"]["tokens_per_s"] for r in rs]
-        ys = [1e3 * r["summary"]["rt"]["normalized_latency_s"].get(50, float("nan")) for r in rs]
+        ys = [1e3 * r["summary"]["rt"].get("normalized_latency_mean_s", float("nan")) for r in rs]
         ax.plot(xs, ys, marker="o", label=name)
         for x, y, r in zip(xs, ys, rs):
             ax.annotate(f"{r['rate']:g}", (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
     ax.set_xlabel("BE throughput (output tokens/s)")
-    ax.set_ylabel("RT normalized latency p50 (ms/token)")
+    ax.set_ylabel("RT normalized latency, mean (ms/token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()

@@ -1,0 +1,37 @@
+"""Issue 5's comparison table (bench/mixed.py::co_serving_targets) against hand-computed rows."""
+import pytest
+
+from bench.mixed import co_serving_targets
+
+
+def _row(system, rate, attain, mean, p50, be_rps, be_tps, str_keys=False):
+    key = "50" if str_keys else 50
+    return {"system": system, "rate": rate, "attain_bros": attain,
+            "summary": {"rt": {"normalized_latency_mean_s": mean, "normalized_latency_s": {key: p50}}},
+            "be": {"requests_per_s": be_rps, "tokens_per_s": be_tps}}
+
+
+def test_ratios_use_the_mean_and_requests_per_second():
+    rows = [_row("tandem", 0.5, 0.05, 0.800, 0.250, 1.00, 40.0),
+            _row("vllm-priority", 0.5, 0.02, 0.600, 0.300, 1.30, 52.0),
+            # p50 only 40% lower, the mean (BROS's metric) 75% lower; BE 90% of requests, 80% of tokens
+            _row("tandem-bros", 0.5, 0.60, 0.200, 0.150, 0.90, 32.0, str_keys=True)]
+    [t] = co_serving_targets(rows)
+    assert t["system"] == "tandem-bros" and t["rate"] == 0.5
+    assert t["attainment_ratio"] == pytest.approx(12.0)
+    assert t["norm_latency_mean_ratio"] == pytest.approx(0.25)
+    assert t["norm_latency_p50_ratio"] == pytest.approx(0.6)
+    assert t["norm_latency_mean_vs_peer"] == pytest.approx(1 / 3)
+    assert t["be_requests_ratio"] == pytest.approx(0.9)
+    assert t["be_tokens_ratio"] == pytest.approx(0.8)
+
+
+def test_rates_are_matched_and_zero_baselines_do_not_divide():
+    rows = [_row("tandem", 0.25, 0.0, 0.5, 0.2, 1.0, 40.0), _row("tandem", 0.75, 0.1, 1.0, 0.3, 0.5, 20.0),
+            _row("tandem-rr", 0.75, 0.0, 1.5, 0.4, 0.25, 10.0), _row("tandem-bros", 0.25, 0.5, 0.25, 0.1, 1.0, 40.0)]
+    got = {(t["system"], t["rate"]): t for t in co_serving_targets(rows)}
+    assert set(got) == {("tandem-rr", 0.75), ("tandem-bros", 0.25)}
+    assert got[("tandem-rr", 0.75)]["norm_latency_mean_ratio"] == pytest.approx(1.5)
+    assert got[("tandem-rr", 0.75)]["attainment_ratio"] == pytest.approx(0.0)
+    assert got[("tandem-bros", 0.25)]["attainment_ratio"] == float("inf")
+    assert "norm_latency_mean_vs_peer" not in got[("tandem-bros", 0.25)]
