@@ -36,6 +36,20 @@ def tandem_server(model: str, max_num_seqs: int, extra: list[str] = ()):
     return serve(cmd, port, log_path=RESULTS / "tandem-server.log", cwd=ROOT)
 
 
+def tandem_args(system: str, slo: dict | None = None, kv_cache_gib: float | None = None) -> list[str]:
+    """Server flags for ``tandem[-<policy>][-bidir|-mixed]`` (a policy name may hold dashes:
+    ``tandem-fcfs-prefill-first``), the SLOs our server is told, and the KV cache size."""
+    policy = system.removeprefix("tandem").removeprefix("-")
+    suffix = next((x for x in ("-bidir", "-mixed") if policy.endswith(x)), "")
+    extra = ["--policy", policy.removesuffix(suffix) or "fcfs"]
+    extra += {"-bidir": ["--bidirectional-blocks"], "-mixed": ["--aptserve-mixed"], "": []}[suffix]
+    if slo:
+        extra += ["--slo-ttft-ms", f"{slo['ttft_s'] * 1e3:.1f}", "--slo-tbt-ms", f"{slo['tbt_s'] * 1e3:.1f}"]
+    if kv_cache_gib:
+        extra += ["--kv-cache-bytes", str(int(kv_cache_gib * 2**30))]
+    return extra
+
+
 def start(system: str, hf_dir: Path, max_num_seqs: int, slo: dict | None = None, model: str = "smollm2",
           kv_cache_gib: float | None = None):
     """Start ``system`` on loopback; a context yielding its URL. ``tandem-<policy>`` picks our policy;
@@ -44,13 +58,7 @@ def start(system: str, hf_dir: Path, max_num_seqs: int, slo: dict | None = None,
     ``model``: smollm2, or another checkpoint (``hf_dir``), served under the name smollm2 too.
     ``kv_cache_gib``: the same KV cache size for our server and vLLM."""
     if system == "tandem" or system.startswith("tandem-"):
-        policy = system.split("-")[1] if "-" in system else "fcfs"
-        extra = ["--policy", policy] + (["--bidirectional-blocks"] if system.endswith("-bidir") else [])
-        extra += ["--aptserve-mixed"] if system.endswith("-mixed") else []
-        if slo:
-            extra += ["--slo-ttft-ms", f"{slo['ttft_s'] * 1e3:.1f}", "--slo-tbt-ms", f"{slo['tbt_s'] * 1e3:.1f}"]
-        if kv_cache_gib:
-            extra += ["--kv-cache-bytes", str(int(kv_cache_gib * 2**30))]
+        extra = tandem_args(system, slo, kv_cache_gib)
         if model != "smollm2":
             return tandem_server(str(hf_dir), max_num_seqs, extra + ["--served-model-name", "smollm2"])
         return tandem_server("smollm2", max_num_seqs, extra)
@@ -207,16 +215,19 @@ def mixed(args) -> None:
     hf_dir, tok = _setup(args)
     slo = slo_for(args, hf_dir, tok)
     be_items = synthetic_be(args.be_pool, args.seed + 1, len(tok), scale=args.be_scale, tokenizer=tok)
+    told = slo if args.server_slo_tbt_ms is None else {**slo, "tbt_s": args.server_slo_tbt_ms / 1e3}
+    label = "" if args.server_slo_tbt_ms is None else f"@tbt{args.server_slo_tbt_ms:g}ms"
     rows = []
     for system in args.systems:
         mode = args.be_mode if args.be_mode != "auto" else ("batches" if system.startswith("tandem") else "online")
-        with start(system, hf_dir, args.max_num_seqs, slo, args.model, args.kv_cache_gib) as url:
+        with start(system, hf_dir, args.max_num_seqs, told, args.model, args.kv_cache_gib) as url:
             for rate in args.rates:
                 rt = sharegpt_trace(tok, rate, args.duration, args.seed, max_output_tokens=args.max_output)
                 recs, be = asyncio.run(run_mixed(url, "smollm2", rt, be_items, system, be_mode=mode,
                                                  job_size=args.be_job_size, be_concurrency=args.be_concurrency,
                                                  drain_s=args.drain))
-                row = judge(system, rate, recs, be.window_s, slo) | {"be": be.summary()}
+                row = judge(system + (label if system.startswith("tandem") else ""), rate, recs, be.window_s,
+                            slo) | {"be": be.summary()}
                 print_row(row, flush=True)
                 rows.append(row)
     out = RESULTS / args.out

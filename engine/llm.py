@@ -130,8 +130,8 @@ class LLM:
                 self.scheduler.use_policy(policy, profile_cost(self.scheduler, self.spec.vocab_size),
                                           bidirectional=bidirectional_blocks)
             elif policy == "aptserve":
-                self.scheduler.use_policy(policy, **self._aptserve_options(hybrid_cache, adaptive, slo_decay),
-                                          mixed_batches=mixed_batches)
+                options, cost = self._aptserve_options(hybrid_cache, adaptive, slo_decay)
+                self.scheduler.use_policy(policy, cost, **options, mixed_batches=mixed_batches)
             else:
                 self.scheduler.use_policy(policy)
         except BaseException:
@@ -140,20 +140,23 @@ class LLM:
         self._ids = itertools.count()
 
     # ---- prompts -------------------------------------------------------------
-    def _aptserve_options(self, hybrid: bool, adaptive: bool, decay: float | None) -> dict:
-        """Apt-Serve's options; ρ profiled when a hidden cache saves memory on this model."""
+    def _aptserve_options(self, hybrid: bool, adaptive: bool, decay: float | None):
+        """Apt-Serve's options and its online cost model (None with KV caches only); ρ is profiled
+        when a hidden cache saves memory on this model, then refined from measured steps."""
         g = self.scheduler.queues[0].pool.geometry
         if hybrid and g.hidden_ratio >= 1:
             log.warning("aptserve: a hidden cache takes %.2fx the memory of a KV cache for this model "
                         "(grouped-query attention); offering KV caches only", g.hidden_ratio)
             hybrid = False
-        rho = 0.0
+        rho, cost = 0.0, None
         if hybrid:
-            from sched.profiling import profile_rho
-            rho = profile_rho(self.scheduler, self.spec.vocab_size)
-            log.info("aptserve: hidden cache at %.2fx of KV, rho = %.3g s per KV block", g.hidden_ratio, rho)
+            from sched.profiling import profile_aptserve
+            rho, cost = profile_aptserve(self.scheduler, self.spec.vocab_size)
+            log.info("aptserve: hidden cache at %.2fx of KV, rho = %.3g s per KV block (paired runs), "
+                     "%.3g in the joint cost model, refined online", g.hidden_ratio, rho,
+                     cost.model.per_hidden_block)
         self.rho = rho
-        return {"rho": rho, "hybrid_cache": hybrid, "adaptive": adaptive, "slo_decay": decay}
+        return {"rho": rho, "hybrid_cache": hybrid, "adaptive": adaptive, "slo_decay": decay}, cost
 
     def detokenize(self, ids: list[int]) -> str:
         """Generated ids to text, special tokens skipped."""

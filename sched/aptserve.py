@@ -37,12 +37,20 @@ class AptServe:
     name = "aptserve"
 
     def __init__(self, rho: float, hybrid: bool = True, adaptive: bool = True, decay: float | None = None,
-                 mixed: bool = False):
-        self.rho = rho
+                 mixed: bool = False, cost=None):
+        self.rho0 = rho
+        self.cost = cost          # an OnlineCostModel refined from measured steps, or None
         self.mixed = mixed
         self.hybrid = hybrid
         self.adaptive = adaptive
         self.decay = decay
+
+    @property
+    def rho(self) -> float:
+        """ρ in use: the online cost model's hidden-block coefficient (refitted from measured steps,
+        SPEC §1.3's profile refined online) once it has one, else the start-up value."""
+        model = getattr(self.cost, "model", None)
+        return model.per_hidden_block if model is not None and model.per_hidden_block > 0 else self.rho0
 
     # ---- helpers ---------------------------------------------------------------
     def _sizes(self, snap: Snapshot, tokens):

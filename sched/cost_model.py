@@ -2,17 +2,21 @@
 
     t(step) = base + a_p * Σ_prefill Ln + c_p * Σ_prefill Ln·La
                    + a_d * (#decodes)   + c_d * Σ_decode La
+                   + ρ * Σ_hidden H
 
 Ln: new tokens of a request in the step; La: its context length after the
 step. Prefill and decode have separate coefficients; one intercept covers the
-per-step overhead (launch, IPC, scheduling). Fitted by least squares from
+per-step overhead (launch, IPC, scheduling). H: for a request keeping a hidden
+cache (Apt-Serve), the KV blocks its context held before the step, whose K and
+V it projects again; ρ is Apt-Serve's recompute coefficient (SPEC §1.3), so a
+model refitted on measured steps refines ρ online. Fitted by least squares from
 measured steps; every coefficient is kept non-negative.
 """
 from __future__ import annotations
 
 from dataclasses import astuple, dataclass
 
-FEATURES = ("prefill_tokens", "prefill_attn", "decode_tokens", "decode_ctx")
+FEATURES = ("prefill_tokens", "prefill_attn", "decode_tokens", "decode_ctx", "hidden_blocks")
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,13 +25,17 @@ class StepShape:
     prefill_attn: int = 0        # Σ Ln * La over prefill chunks
     decode_tokens: int = 0       # number of decoding requests
     decode_ctx: int = 0          # Σ La over decoding requests
+    hidden_blocks: int = 0       # Σ KV blocks of context re-projected by hidden-cache requests
 
-    def add(self, num_new: int, context: int, decode: bool) -> "StepShape":
+    def add(self, num_new: int, context: int, decode: bool, hidden_blocks: int = 0) -> "StepShape":
+        """This shape plus one request's ``num_new`` tokens at ``context`` (its length after the
+        step); ``hidden_blocks``: the KV blocks it re-projects (a hidden cache's context before)."""
+        h = self.hidden_blocks + hidden_blocks
         if decode:
             return StepShape(self.prefill_tokens, self.prefill_attn, self.decode_tokens + 1,
-                             self.decode_ctx + context)
+                             self.decode_ctx + context, h)
         return StepShape(self.prefill_tokens + num_new, self.prefill_attn + num_new * context,
-                         self.decode_tokens, self.decode_ctx)
+                         self.decode_tokens, self.decode_ctx, h)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +45,12 @@ class CostModel:
     per_prefill_attn: float      # seconds per (prefill token x context token)
     per_decode_token: float      # seconds per decoding request
     per_decode_ctx: float        # seconds per context token of a decoding request
+    per_hidden_block: float = 0.0  # seconds per KV block a hidden cache re-projects (Apt-Serve's ρ)
 
     def predict(self, s: StepShape) -> float:
         return (self.base + self.per_prefill_token * s.prefill_tokens + self.per_prefill_attn * s.prefill_attn
-                + self.per_decode_token * s.decode_tokens + self.per_decode_ctx * s.decode_ctx)
+                + self.per_decode_token * s.decode_tokens + self.per_decode_ctx * s.decode_ctx
+                + self.per_hidden_block * s.hidden_blocks)
 
     @classmethod
     def fit(cls, samples: list[tuple[StepShape, float]]) -> "CostModel":

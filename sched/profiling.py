@@ -49,14 +49,25 @@ def _fits(scheduler, reqs: int, tokens: int) -> bool:
     return reqs * g.blocks_for(tokens) <= g.num_blocks
 
 
+def profile_aptserve(scheduler, vocab_size: int, seed: int = 0) -> tuple[float, OnlineCostModel]:
+    """Apt-Serve's start-up profile: ρ from profile_rho's paired runs, and the iteration cost model
+    fitted on profile_cost's steps plus those runs' steps (KV and hidden caches), so its
+    hidden-block coefficient -- ρ, fitted jointly -- is refined online from every measured step."""
+    paired: list = []
+    rho = profile_rho(scheduler, vocab_size, seed, samples=paired)
+    startup = profile_cost(scheduler, vocab_size, seed).startup + paired
+    return rho, OnlineCostModel(CostModel.fit(startup), startup=startup)
+
+
 def profile_rho(scheduler, vocab_size: int, seed: int = 0, contexts: tuple[int, ...] = (64, 256, 512),
-                batch: int = 4, out: int = 5) -> float:
+                batch: int = 4, out: int = 5, samples: list | None = None) -> float:
     """Apt-Serve's ρ (SPEC §1.3): extra seconds per KV block of context when a request keeps a
     hidden cache, measured on the engine itself rather than on a bare matmul.
 
     The same decode batches run twice, with KV caches and with hidden caches; ρ is the
     least-squares slope, through the origin, of the mean extra decode-step time against the
-    batch's size in KV blocks. A few seconds on this CPU for SmolLM2-sized models.
+    batch's size in KV blocks. A few seconds on this CPU for SmolLM2-sized models. Every measured
+    step (shape, seconds) is also appended to ``samples`` when given.
     """
     from engine.messages import CacheType
     rng = random.Random(seed)
@@ -83,6 +94,8 @@ def profile_rho(scheduler, vocab_size: int, seed: int = 0, contexts: tuple[int, 
                     st.cache_type = ct
                 while scheduler.has_unfinished():
                     scheduler.step()
+                if samples is not None:
+                    samples.extend(log)
                 dec = [s for shape, s in log if shape.prefill_tokens == 0 and shape.decode_tokens == b]
                 means[ct] = sum(dec) / len(dec) if dec else None
             if means[CacheType.KV] is not None and means[CacheType.HIDDEN] is not None:

@@ -104,7 +104,7 @@ def make_policy(cfg: SchedConfig, cost: OnlineCostModel | None):
             raise ValueError("policy: bros needs a cost model (profile the engine first)")
         return Bros(cost, cfg.max_num_seqs, idle_budget_s=cfg.rt_budget_s)
     if cfg.policy == "aptserve":
-        return AptServe(cfg.rho, cfg.hybrid_cache, cfg.adaptive, cfg.slo_decay, cfg.mixed_batches)
+        return AptServe(cfg.rho, cfg.hybrid_cache, cfg.adaptive, cfg.slo_decay, cfg.mixed_batches, cost)
     raise ValueError(f"policy: {cfg.policy!r} is not one of {list(POLICIES)}")
 
 
@@ -299,8 +299,9 @@ class Scheduler:
             if sr is None:
                 continue
             placed.append(dec)
+            hidden = q.pool.geometry.blocks_for(st.num_computed) if st.cache_type is CacheType.HIDDEN else 0
             shape = shape.add(dec.num_new_tokens, st.num_computed + dec.num_new_tokens,
-                              dec.phase is Phase.DECODE)
+                              dec.phase is Phase.DECODE, hidden)
             if st.status is Status.WAITING:
                 if st.first_scheduled_time is None:
                     st.first_scheduled_time = self.clock()

@@ -41,6 +41,9 @@ class Metrics:
                                  "(slots on the CPU), free", ["model_name", "owner"], registry=r)
         self.cache_tokens = Counter("tandem:cache_tokens", "Tokens computed into each cache type (kv, "
                                     "hidden: Apt-Serve's hidden-state cache)", ["model_name", "cache_type"], registry=r)
+        self.rho = Gauge("tandem:aptserve_rho_seconds", "Apt-Serve's rho in use: extra seconds per KV block "
+                         "of context a hidden-cache request re-projects (profiled, refined online)",
+                         ["model_name"], registry=r)
         self._seen: dict = {}
 
     def engine_step(self, scheduler) -> None:
@@ -59,6 +62,8 @@ class Metrics:
         if cost is not None and cost.error_ewma is not None:
             self.cost_error.labels(self.model).set(cost.error_ewma)
             self.cost_steps.labels(self.model).set(cost.observed)
+        if (rho := getattr(scheduler.policy, "rho", None)) is not None:
+            self.rho.labels(self.model).set(rho)
         self._count(self.preemptions, scheduler.preemptions_by_class)
         self._count(self.cache_tokens, scheduler.tokens_by_cache_type)
 

@@ -119,6 +119,9 @@ def test_aptserve_policy_end_to_end_matches_hf(tiny_opt, mixed):
         llm.scheduler.step = watched
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
         assert_pool_free(llm)
+        # ρ is refined online: every measured step of the run was checked against the cost model
+        assert llm.scheduler.policy.cost is llm.scheduler.cost and llm.scheduler.cost.observed > 0
+        assert any(shape.hidden_blocks for shape, _ in llm.scheduler.cost.startup)
     assert CacheType.HIDDEN in seen, "the pool was meant to be tight enough for hidden caches"
     ref = hf_greedy(tiny_opt, prompts, MAX_NEW)
     for i, (o, r) in enumerate(zip(outs, ref)):

@@ -35,3 +35,13 @@ def test_rates_are_matched_and_zero_baselines_do_not_divide():
     assert got[("tandem-rr", 0.75)]["attainment_ratio"] == pytest.approx(0.0)
     assert got[("tandem-bros", 0.25)]["attainment_ratio"] == float("inf")
     assert "norm_latency_mean_vs_peer" not in got[("tandem-bros", 0.25)]
+
+
+def test_system_names_map_to_server_flags():
+    from bench.online import tandem_args
+    assert tandem_args("tandem") == ["--policy", "fcfs"]
+    assert tandem_args("tandem-fcfs-prefill-first") == ["--policy", "fcfs-prefill-first"]
+    assert tandem_args("tandem-bros-bidir") == ["--policy", "bros", "--bidirectional-blocks"]
+    assert tandem_args("tandem-aptserve-mixed", {"ttft_s": 0.5, "tbt_s": 0.1}, 0.25) == [
+        "--policy", "aptserve", "--aptserve-mixed", "--slo-ttft-ms", "500.0", "--slo-tbt-ms", "100.0",
+        "--kv-cache-bytes", str(2**28)]
