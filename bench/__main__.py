@@ -80,6 +80,10 @@ def main() -> None:
     sa.add_argument("--max-num-batched-tokens", type=int, default=512)
     sa.add_argument("--ttft-factor", type=float, default=10.0, help="ShareGPT TTFT SLO = factor x unloaded")
     sa.add_argument("--tbt-factor", type=float, default=5.0)
+    sa.add_argument("--slo-ttft-s", type=float, default=None,
+                    help="ShareGPT TTFT SLO in seconds instead of the factor (the paper's Table 3, 13B: 1.0)")
+    sa.add_argument("--slo-tbt-s", type=float, default=None, help="P99 TBT SLO in seconds (Table 3: 1.0)")
+    sa.add_argument("--target", type=float, default=0.9, help="attainment that defines effective throughput")
     sa.add_argument("--search", nargs=2, type=float, default=[1.0, 16.0], metavar=("LO", "HI"))
     sa.add_argument("--search-long", nargs=2, type=float, default=[0.125, 4.0], metavar=("LO", "HI"))
     sa.add_argument("--rel-tol", type=float, default=0.05)

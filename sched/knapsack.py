@@ -16,7 +16,9 @@ becomes at most two items, sorted by value per block (density):
 
 or one KV item θ = p/m when the hidden step would be denser-losing (p - Uρm < r·p: it is then
 never worth it), when r >= 1 (a hidden cache saves nothing), or for a request that already
-violates its SLO (θ = ε, KV only). Items are taken in density order until the first one that
+violates its SLO (θ = ε, KV only). [open choice] A request within its SLO is worth at least 2ε
+per block: one that has just produced a token has p ≈ 0 (exactly 0 on the simulator's virtual
+clock), and must still rank above every violator, as the fallback intends. Items are taken in density order until the first one that
 does not fit; the plan is then compared with the critical request alone in its best mode that
 fits ("double check"), which makes the result at least half the optimum (the LP relaxation of
 this multiple-choice knapsack is at most the greedy's value plus the critical item's).
@@ -53,7 +55,7 @@ class KnapsackParams:
 
 def value(r: KnapsackRequest, mode: CacheType, p: KnapsackParams) -> float:
     """g_i of one request in one mode (what the plan maximises)."""
-    base = p.eps * r.kv_blocks if r.violated else r.pending_s
+    base = p.eps * r.kv_blocks if r.violated else max(r.pending_s, 2 * p.eps * r.kv_blocks)
     return base - (p.u_cnt * p.rho * r.kv_blocks if mode is CacheType.HIDDEN else 0.0)
 
 
@@ -68,7 +70,7 @@ def greedy_arrays(pending: np.ndarray, kv: np.ndarray, hid: np.ndarray, violated
     longest prefix of the density order whose blocks fit, found with one cumulative sum."""
     kv = kv.astype(np.int64, copy=False)
     hid = hid.astype(np.int64, copy=False)
-    base = np.where(violated, p.eps * kv, pending)
+    base = np.where(violated, p.eps * kv, np.maximum(pending, 2 * p.eps * kv))
     g_kv = base
     g_hid = base - p.u_cnt * p.rho * kv
     kv_fits = kv <= p.budget

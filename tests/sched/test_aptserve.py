@@ -106,3 +106,12 @@ def test_decode_iteration_finishes_a_chunked_prompt_within_the_token_budget():
     assert [(d.req_id, d.num_new_tokens, d.sample) for d in plan.scheduled] == [("r1", 1, True), ("r2", 5, False)]
     plan = AptServe(rho=0.0)(snap(running=[r1, r2, r3], free=100, tokens=64))
     assert [(d.req_id, d.num_new_tokens) for d in plan.scheduled] == [("r1", 1), ("r2", 10), ("r3", 1)]
+
+
+def test_a_request_that_just_ran_outranks_violators_in_the_decode_knapsack():
+    # right after a step its pending time is 0 (the simulator's clock does not move between the
+    # step and the next plan); v has been waiting past its TBT target. The pool holds one of
+    # them: the healthy request keeps its blocks, the violator is preempted
+    r = [running("v", 8, 0.9, slo=0.1), running("h", 8, 0.0, slo=0.1)]
+    plan = AptServe(rho=0.0, hybrid=False)(snap(running=r, free=0))
+    assert [d.req_id for d in plan.scheduled] == ["h"] and plan.preempted == ["v"]
