@@ -18,8 +18,8 @@ or one KV item θ = p/m when the hidden step would be denser-losing (p - Uρm < 
 never worth it), when r >= 1 (a hidden cache saves nothing), or for a request that already
 violates its SLO (θ = ε, KV only). [open choice] A request within its SLO is worth at least 2ε
 per block: one that has just produced a token has p ≈ 0 (exactly 0 on the simulator's virtual
-clock), and must still rank above every violator, as the fallback intends. Items are taken in density order until the first one that
-does not fit; the plan is then compared with the critical request alone in its best mode that
+clock), and must still rank above every violator, as the fallback intends. Items are taken in
+density order until the first one that does not fit; the plan is then compared with the critical request alone in its best mode that
 fits ("double check"), which makes the result at least half the optimum (the LP relaxation of
 this multiple-choice knapsack is at most the greedy's value plus the critical item's).
 [open choice] An item whose mode can never fit the budget is dropped before sorting (SPEC
