@@ -230,10 +230,11 @@ def mixed(args) -> None:
                             slo) | {"be": be.summary()}
                 print_row(row, flush=True)
                 rows.append(row)
+    targets = co_serving_targets(rows)
     out = RESULTS / args.out
     out.write_text(json.dumps({"slo": slo, "be": {"mode": args.be_mode, "job_size": args.be_job_size,
                                                   "concurrency": args.be_concurrency, "scale": args.be_scale},
-                               "rows": rows, "targets": co_serving_targets(rows)}, indent=2))
+                               "rows": rows, "targets": targets}, indent=2))
     stem = out.stem
     plots.attainment_vs_rate(rows, RESULTS / f"{stem}_attainment.png", "RT attainment with BE always pending")
     plots.rt_latency_vs_be_throughput(rows, RESULTS / f"{stem}_rt_vs_be.png", "RT latency vs BE throughput")
@@ -241,12 +242,16 @@ def mixed(args) -> None:
         plots.latency_cdfs([r for r in rows if r["rate"] == rate], RESULTS / f"{stem}_cdf_{rate:g}.png",
                            f"RT latency CDFs at {rate:g} req/s, BE pending")
     print_table(rows)
-    print_targets(co_serving_targets(rows))
+    print_targets(targets)
     print(f"wrote {out} and {stem}_*.png")
 
 
 def _ms(d: dict, p: int) -> str:
-    v = d.get(p)
+    return _ms_of(d.get(p))
+
+
+def _ms_of(v: float | None) -> str:
+    """Seconds as whole milliseconds; '-' for a missing or NaN value."""
     return f"{v * 1e3:.0f}" if v is not None and v == v else "-"
 
 
@@ -281,5 +286,5 @@ def print_table(rows: list[dict]) -> None:
         print(f"| {r['system']} | {r['rate']} | {r['attain_apt']:.0%} | {r['attain_bros']:.0%} | "
               f"{_ms(s.get('ttft_s', {}), 50)} / {_ms(s.get('ttft_s', {}), 99)} | "
               f"{_ms(s.get('tbt_s', {}), 50)} / {_ms(s.get('tbt_s', {}), 99)} | {_ms(s.get('tpot_s', {}), 50)} | "
-              f"{_ms({0: s.get('normalized_latency_mean_s')}, 0)} / {_ms(s.get('normalized_latency_s', {}), 50)} | "
+              f"{_ms_of(s.get('normalized_latency_mean_s'))} / {_ms(s.get('normalized_latency_s', {}), 50)} | "
               f"{s.get('tokens_per_s', 0):.0f} | {s.get('failed', 0)} | {be} | {'-' if pre is None else f'{pre:.0f}'} |")
