@@ -135,8 +135,12 @@ class OnlineCostModel:
 # A paper-scale setting: OPT-13B in fp16 on one A100-40GB, from published figures
 # (vLLM-era measurements: ~20-30 ms per decode step at small batch, weights
 # 26 GB so a step streams them once; prefill ~0.13 ms per token at 13 B params).
+# A decoding request reads its whole KV cache every step: 0.82 MB per context token
+# (40 layers x 5120 x 2 x fp16) at ~1.3 TB/s of the A100's 1.56 TB/s HBM = 0.63 us per token.
+# (Until 2026-11-22 this was 4e-8, 16x too cheap: memory pressure cost every policy too little,
+# and FCFS in the simulator beat the 2.6 req/s the Apt-Serve paper measured for vLLM.)
 OPT_13B_A100 = CostModel(base=0.020, per_prefill_token=1.3e-4, per_prefill_attn=2.0e-9,
-                         per_decode_token=6.0e-5, per_decode_ctx=4.0e-8)
+                         per_decode_token=6.0e-5, per_decode_ctx=2 * 40 * 5120 * 2 / 1.3e12)
 OPT_13B_A100_KV_TOKENS = 12_000      # ~12 GB left for KV at 0.8 MB per token (40 layers x 5120 x 2 x fp16)
 # Apt-Serve's hidden cache on that device: a hidden request re-projects K and V (2 x [d, d] per
 # layer) for every context token at every step. Per token that is 4 d^2 L flops = 16% of the
