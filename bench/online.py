@@ -37,12 +37,15 @@ def tandem_server(model: str, max_num_seqs: int, extra: list[str] = ()):
 
 
 def tandem_args(system: str, slo: dict | None = None, kv_cache_gib: float | None = None) -> list[str]:
-    """Server flags for ``tandem[-<policy>][-bidir|-mixed]`` (a policy name may hold dashes:
+    """Server flags for ``tandem[-<policy>][-bidir|-mixed][-kv]`` (a policy name may hold dashes:
     ``tandem-fcfs-prefill-first``), the SLOs our server is told, and the KV cache size."""
     policy = system.removeprefix("tandem").removeprefix("-")
-    suffix = next((x for x in ("-bidir", "-mixed") if policy.endswith(x)), "")
-    extra = ["--policy", policy.removesuffix(suffix) or "fcfs"]
-    extra += {"-bidir": ["--bidirectional-blocks"], "-mixed": ["--aptserve-mixed"], "": []}[suffix]
+    flags = []
+    for suffix, flag in (("-kv", "--kv-only"), ("-mixed", "--aptserve-mixed"), ("-bidir", "--bidirectional-blocks")):
+        if policy.endswith(suffix):
+            policy = policy.removesuffix(suffix)
+            flags.insert(0, flag)
+    extra = ["--policy", policy or "fcfs", *flags]
     if slo:
         extra += ["--slo-ttft-ms", f"{slo['ttft_s'] * 1e3:.1f}", "--slo-tbt-ms", f"{slo['tbt_s'] * 1e3:.1f}"]
     if kv_cache_gib:
