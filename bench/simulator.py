@@ -106,11 +106,13 @@ class BeJobs:
     output_tokens: int = 0
 
 
-def simulate(trace: list[TraceItem], setup: SimSetup,
-             be: BeJobs | None = None) -> tuple[list[RequestRecord], float]:
+def simulate(trace: list[TraceItem], setup: SimSetup, be: BeJobs | None = None,
+             stats: dict | None = None) -> tuple[list[RequestRecord], float]:
     """Replay ``trace`` (arrival offsets in seconds); returns per-request records and the makespan.
 
     With ``be``, BE jobs are kept pending alongside; only their completed counts are kept (in ``be``).
+    ``stats``, when given, receives the scheduler's counts at the end: preemptions, cache-type
+    switches (by new type) and tokens computed into each cache type.
     """
     clock = SimClock()
     devices = [SimDevice(f"sim{i}", setup.geometry, setup.cost, clock, setup.noise, setup.seed + i,
@@ -171,4 +173,8 @@ def simulate(trace: list[TraceItem], setup: SimSetup,
             if i >= len(items):
                 raise RuntimeError("simulation stalled with requests that can never be scheduled")
             clock.t = max(clock.t, items[i].arrival_s)
+    if stats is not None:
+        stats.update(preemptions=sum(sched.preemptions_by_class.values()),
+                     switches={k.value: v for k, v in sched.cache_switches.items()},
+                     tokens={k.value: v for k, v in sched.tokens_by_cache_type.items()})
     return order, clock.t

@@ -128,6 +128,7 @@ class Scheduler:
         self._rng = random.Random()
         self.preemptions_by_class: Counter = Counter()
         self.tokens_by_cache_type: Counter = Counter()   # tokens computed into each kind of cache
+        self.cache_switches: Counter = Counter()   # type changes that discarded a cache, by new type
         self.clock = clock                  # time.monotonic, or the simulator's virtual clock
         self.step_log: list[tuple[StepShape, float]] | None = None   # set to a list to record steps
 
@@ -270,6 +271,7 @@ class Scheduler:
             st = self.states[rid]
             if st.cache_type is not ct and self._switch_cache_type(q, st, ct):
                 switched.add(rid)     # planned again next iteration, from its first token
+                self.cache_switches[ct] += 1
         if switched:
             plan.scheduled = [d for d in plan.scheduled if d.req_id not in switched]
             plan.preempted = [r for r in plan.preempted if r not in switched]

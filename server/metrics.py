@@ -41,6 +41,9 @@ class Metrics:
                                  "(slots on the CPU), free", ["model_name", "owner"], registry=r)
         self.cache_tokens = Counter("tandem:cache_tokens", "Tokens computed into each cache type (kv, "
                                     "hidden: Apt-Serve's hidden-state cache)", ["model_name", "cache_type"], registry=r)
+        self.cache_switches = Counter("tandem:cache_switches", "Cache-type changes that discarded a "
+                                      "request's cache to recompute it in the new type, by new type",
+                                      ["model_name", "cache_type"], registry=r)
         self.rho = Gauge("tandem:aptserve_rho_seconds", "Apt-Serve's rho in use: extra seconds per KV block "
                          "of context a hidden-cache request re-projects (profiled, refined online)",
                          ["model_name"], registry=r)
@@ -66,6 +69,7 @@ class Metrics:
             self.rho.labels(self.model).set(rho)
         self._count(self.preemptions, scheduler.preemptions_by_class)
         self._count(self.cache_tokens, scheduler.tokens_by_cache_type)
+        self._count(self.cache_switches, scheduler.cache_switches)
 
     def _count(self, counter: Counter, totals) -> None:
         """Bring a Prometheus counter up to the scheduler's running totals (enum key -> count)."""

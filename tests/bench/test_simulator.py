@@ -28,7 +28,9 @@ def test_fcfs_preempts_the_later_request_under_memory_pressure():
     # each request grows to 20 tokens = 2 token-blocks = 4 blocks; both start in a 4-block pool
     # (2 blocks each), and at token 16 the later one is preempted and recomputed after the first ends
     trace = [TraceItem(0.0, list(range(10)), 10, "rt"), TraceItem(0.0, list(range(10)), 10, "rt")]
-    (a, b), _ = simulate(trace, setup(num_blocks=4))
+    stats = {}
+    (a, b), _ = simulate(trace, setup(num_blocks=4), stats=stats)
+    assert stats["preemptions"] == 1 and stats["switches"] == {}
     assert a.ttft == b.ttft == pytest.approx(0.03)              # one prefill step of 20 tokens
     assert max(b.gaps) >= a.end - 0.09, "b stalls until a has finished"
     assert b.end > a.end
@@ -93,7 +95,9 @@ def test_hidden_cache_steps_pay_rho_per_kv_block_of_context():
     trace = [TraceItem(0.0, list(range(20)), 4, "rt")]
     hid = SimSetup(COST, PoolGeometry(100, 16, hidden_blocks=1), SchedConfig(cache_type=CacheType.HIDDEN),
                    max_model_len=2048, rho=rho)
-    (r,), _ = simulate(trace, hid)
+    stats = {}
+    (r,), _ = simulate(trace, hid, stats=stats)
+    assert stats["tokens"] == {"hidden": 20 + 3}        # the prompt, then one token per decode step
     assert r.ttft == pytest.approx(0.03)
     assert r.gaps == pytest.approx([0.01 + 4 * rho] * 3)
     (k,), _ = simulate(trace, SimSetup(**{**hid.__dict__, "sched": SchedConfig()}))

@@ -81,6 +81,8 @@ def test_mixed_cache_types_and_switches_match_hf(family, tiny_llama, tiny_opt):
         assert_pool_free(llm)
     assert sw.mixed_steps > 0, "no step mixed the two cache types"
     assert sw.num_switched >= 4, "requests were meant to switch cache type mid-generation"
+    # each switch asked of a running request discarded its cache, and the scheduler counted it
+    assert sum(llm.scheduler.cache_switches.values()) == sw.num_switched
     ref = hf_greedy(model_dir, prompts, MAX_NEW)
     for i, (o, r) in enumerate(zip(outs, ref)):
         assert o.token_ids == r, f"prompt {i} differs"
