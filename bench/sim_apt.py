@@ -5,7 +5,8 @@ also hold hidden caches (multi-head attention: half a KV cache), the device char
 OPT_13B_A100_RHO per KV block of context a hidden request re-projects at each step, and the
 scheduler given the same ρ (as if profiled exactly). Two traces: ShareGPT (1,000 requests) and a
 long-prompt set (ShareGPT prompts of 768-1,536 tokens, as LongBench's are long; the paper's
-LongBench itself is not on this machine), Poisson or Gamma arrivals. Prints effective
+LongBench itself is not on this machine), Poisson or Gamma arrivals, the paper's Table 3 SLOs
+(TTFT 1 s, 4 s for long prompts; P99 TBT 1 s) unless told otherwise. Prints effective
 throughput (highest rate with 90% of requests meeting TTFT and their own P99 TBT), attainment
 per rate, and the ablations of the paper's Tables 4 (KV-only vs hybrid) and 5 (FCFS vs adaptive).
 """
@@ -28,6 +29,8 @@ SYSTEMS = {
     # the paper's baseline, vLLM 0.5: prefill-only iterations of whole prompts first (no chunking)
     "fcfs-prefill-first": dict(policy="fcfs-prefill-first", chunked_prefill=False, max_num_batched_tokens=2048),
     "aptserve": dict(policy="aptserve"),
+    "aptserve-kv": dict(policy="aptserve", hybrid_cache=False),
+    "aptserve-fcfs": dict(policy="aptserve", adaptive=False),
     "aptserve-s": dict(policy="aptserve", mixed_batches=True),
     "aptserve-s-kv": dict(policy="aptserve", mixed_batches=True, hybrid_cache=False),
     "aptserve-s-fcfs": dict(policy="aptserve", mixed_batches=True, adaptive=False),
@@ -49,17 +52,19 @@ def _setup(system: str, args, ttft: float, tbt: float) -> SimSetup:
                     2048, slo_ttft_s=ttft, slo_tbt_s=tbt, rho=OPT_13B_A100_RHO)
 
 
-def _attain(items, setup: SimSetup, rate: float, cv: float, seed: int, ttft: float, tbt: float) -> float:
+def _attain(items, setup: SimSetup, rate: float, cv: float, seed: int, ttft: float, tbt: float,
+            stats: dict | None = None) -> float:
     trace = [replace(it, arrival_s=a) for it, a in zip(items, arrivals(rate, len(items), seed, cv))]
-    recs, _ = simulate(trace, setup)
+    recs, _ = simulate(trace, setup, stats=stats)
     return attainment(recs, lambda r: meets_apt(r, ttft, tbt))
 
 
 def run(args) -> None:
     RESULTS.mkdir(exist_ok=True)
     tok = _tokenizer()
-    ttft0, tbt, *_ = slos(OPT_13B_A100, args.ttft_factor, args.tbt_factor)
-    ttft0, tbt = args.slo_ttft_s or ttft0, args.slo_tbt_s or tbt
+    ttft_f, tbt_f, *_ = slos(OPT_13B_A100, args.ttft_factor or 1.0, args.tbt_factor or 1.0)
+    ttft0 = ttft_f if args.ttft_factor else args.slo_ttft_s
+    tbt = tbt_f if args.tbt_factor else args.slo_tbt_s
     out = {"cost": asdict(OPT_13B_A100), "rho": OPT_13B_A100_RHO, "kv_tokens": OPT_13B_A100_KV_TOKENS,
            "max_num_batched_tokens": args.max_num_batched_tokens, "target": args.target, "datasets": {}}
     for name in args.datasets:
@@ -75,9 +80,13 @@ def run(args) -> None:
             setup = _setup(system, args, ttft, tbt)
             rate, probes = effective_throughput(lambda r: _attain(items, setup, r, 1.0, args.seed, ttft, tbt),
                                                 lo, hi, target=args.target, rel_tol=args.rel_tol)
-            d["effective"][system] = {"rate": rate, "probes": probes}
+            counts: dict = {}
+            if rate:     # what the scheduler did at that rate: preemptions, cache-type switches
+                _attain(items, setup, rate, 1.0, args.seed, ttft, tbt, counts)
+            d["effective"][system] = {"rate": rate, "probes": probes, "counts": counts}
             print(f"  {system:>16}: effective throughput {rate:.2f} req/s  "
-                  f"(probes: {', '.join(f'{r:.2f}->{a:.0%}' for r, a in probes)})", flush=True)
+                  f"(probes: {', '.join(f'{r:.2f}->{a:.0%}' for r, a in probes)}); there: "
+                  f"{_counts_text(counts)}", flush=True)
         rates = args.ablation_rates_long if name == "long" else args.ablation_rates
         for rate in rates:
             for cv in args.cvs:
@@ -93,15 +102,25 @@ def run(args) -> None:
     print(f"wrote {path}")
 
 
+def _counts_text(counts: dict) -> str:
+    """Preemptions, cache-type switches and the hidden caches' share of the computed tokens."""
+    if not counts:
+        return "-"
+    tokens = counts["tokens"]
+    hidden = tokens.get("hidden", 0) / max(1, sum(tokens.values()))
+    switches = ", ".join(f"{n} to {t}" for t, n in sorted(counts["switches"].items())) or "0"
+    return f"{counts['preemptions']} preemptions, switches {switches}, {hidden:.0%} of tokens hidden"
+
+
 def print_tables(out: dict) -> None:
     for name, d in out["datasets"].items():
         bases = [d["effective"].get(b, {}).get("rate") for b in ("fcfs", "fcfs-prefill-first")]
         print(f"\n{name}: effective throughput ({out.get('target', 0.9):.0%} TTFT & P99 TBT, SLOs "
               f"{d['slo']['ttft_s']:.3g} / {d['slo']['tbt_s']:.3g} s)\n\n| system | req/s | vs FCFS "
-              "| vs FCFS prefill-first |\n|---|---|---|---|")
+              "| vs FCFS prefill-first | at that rate |\n|---|---|---|---|---|")
         for system, e in d["effective"].items():
             ratios = [f"{e['rate'] / b:.2f}x" if b else "-" for b in bases]
-            print(f"| {system} | {e['rate']:.2f} | {' | '.join(ratios)} |")
+            print(f"| {system} | {e['rate']:.2f} | {' | '.join(ratios)} | {_counts_text(e.get('counts', {}))} |")
         if d["ablation"]:
             systems = [k for k in d["ablation"][0] if k not in ("rate", "cv")]
             print(f"\n{name}: attainment by rate and burstiness (CV)\n\n| rate | CV | " + " | ".join(systems)
