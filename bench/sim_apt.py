@@ -62,9 +62,9 @@ def _attain(items, setup: SimSetup, rate: float, cv: float, seed: int, ttft: flo
 def run(args) -> None:
     RESULTS.mkdir(exist_ok=True)
     tok = _tokenizer()
-    ttft_f, tbt_f, *_ = slos(OPT_13B_A100, args.ttft_factor or 1.0, args.tbt_factor or 1.0)
-    ttft0 = ttft_f if args.ttft_factor else args.slo_ttft_s
-    tbt = tbt_f if args.tbt_factor else args.slo_tbt_s
+    *_, ttft_unloaded, tbt_unloaded = slos(OPT_13B_A100, 1.0, 1.0)
+    ttft0 = args.ttft_factor * ttft_unloaded if args.ttft_factor else args.slo_ttft_s
+    tbt = args.tbt_factor * tbt_unloaded if args.tbt_factor else args.slo_tbt_s
     out = {"cost": asdict(OPT_13B_A100), "rho": OPT_13B_A100_RHO, "kv_tokens": OPT_13B_A100_KV_TOKENS,
            "max_num_batched_tokens": args.max_num_batched_tokens, "target": args.target, "datasets": {}}
     for name in args.datasets:
@@ -78,11 +78,11 @@ def run(args) -> None:
         lo, hi = (args.search_long if name == "long" else args.search)
         for system in args.systems:
             setup = _setup(system, args, ttft, tbt)
-            rate, probes = effective_throughput(lambda r: _attain(items, setup, r, 1.0, args.seed, ttft, tbt),
-                                                lo, hi, target=args.target, rel_tol=args.rel_tol)
-            counts: dict = {}
-            if rate:     # what the scheduler did at that rate: preemptions, cache-type switches
-                _attain(items, setup, rate, 1.0, args.seed, ttft, tbt, counts)
+            stats_at: dict[float, dict] = {}   # per probed rate: preemptions, cache-type switches
+            rate, probes = effective_throughput(
+                lambda r: _attain(items, setup, r, 1.0, args.seed, ttft, tbt, stats_at.setdefault(r, {})),
+                lo, hi, target=args.target, rel_tol=args.rel_tol)
+            counts = stats_at.get(rate, {})    # the rate found is one of the probes (or 0)
             d["effective"][system] = {"rate": rate, "probes": probes, "counts": counts}
             print(f"  {system:>16}: effective throughput {rate:.2f} req/s  "
                   f"(probes: {', '.join(f'{r:.2f}->{a:.0%}' for r, a in probes)}); there: "
