@@ -94,6 +94,8 @@ def main() -> None:
     sa.add_argument("--ablation-rates-long", nargs="*", type=float, default=[0.5, 1.0])
     sa.add_argument("--cvs", nargs="+", type=float, default=[1.0, 5.0, 10.0])
     sa.add_argument("--seed", type=int, default=0)
+    sa.add_argument("--samples", type=int, default=1,
+                    help="traces per dataset: the first pairs, then random draws (seeds 1..) with arrival seeds seed+k")
     ov = sub.add_parser("overhead", help="time per scheduling decision on random snapshots (no model)")
     ov.add_argument("--candidates", nargs="+", type=int, default=[50, 400, 1600])
     ov.add_argument("--repeats", type=int, default=50)

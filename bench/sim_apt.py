@@ -39,10 +39,11 @@ SYSTEMS = {
 DATASETS = {"sharegpt": ((4, 1024), 1.0), "long": ((768, 1536), 4.0)}
 
 
-def _items(tok, name: str, n: int) -> list[TraceItem]:
+def _items(tok, name: str, n: int, sample: int | None = None) -> list[TraceItem]:
+    """The first n fitting pairs, or with ``sample`` n drawn at random with that seed."""
     (lo, hi), _ = DATASETS[name]
     return sharegpt_trace(tok, 1.0, n, 0, max_context=2048, max_output_tokens=1024,
-                          min_prompt_tokens=lo, max_prompt_tokens=hi)
+                          min_prompt_tokens=lo, max_prompt_tokens=hi, sample=sample)
 
 
 def _setup(system: str, args, ttft: float, tbt: float) -> SimSetup:
@@ -77,16 +78,22 @@ def run(args) -> None:
                                      "effective": {}, "ablation": []}
         lo, hi = (args.search_long if name == "long" else args.search)
         for system in args.systems:
-            setup = _setup(system, args, ttft, tbt)
-            stats_at: dict[float, dict] = {}   # per probed rate: preemptions, cache-type switches
-            rate, probes = effective_throughput(
-                lambda r: _attain(items, setup, r, 1.0, args.seed, ttft, tbt, stats_at.setdefault(r, {})),
-                lo, hi, target=args.target, rel_tol=args.rel_tol)
-            counts = stats_at.get(rate, {})    # the rate found is one of the probes (or 0)
+            rate, probes, counts = _effective(items, _setup(system, args, ttft, tbt), args, args.seed, lo, hi, ttft, tbt)
             d["effective"][system] = {"rate": rate, "probes": probes, "counts": counts}
             print(f"  {system:>16}: effective throughput {rate:.2f} req/s  "
                   f"(probes: {', '.join(f'{r:.2f}->{a:.0%}' for r, a in probes)}); there: "
                   f"{_counts_text(counts)}", flush=True)
+        d["samples"] = [{"sample": None, "seed": args.seed, "requests": len(items),
+                         "rates": {s: e["rate"] for s, e in d["effective"].items()}}]
+        for k in range(1, args.samples):
+            sample = _items(tok, name, args.num_requests, sample=k)
+            row = {"sample": k, "seed": args.seed + k, "requests": len(sample), "rates": {}}
+            for system in args.systems:
+                row["rates"][system] = _effective(sample, _setup(system, args, ttft, tbt), args, args.seed + k,
+                                                  lo, hi, ttft, tbt)[0]
+            d["samples"].append(row)
+            print(f"  sample {k} (random draw, arrival seed {args.seed + k}): "
+                  + ", ".join(f"{s} {r:.2f}" for s, r in row["rates"].items()), flush=True)
         rates = args.ablation_rates_long if name == "long" else args.ablation_rates
         for rate in rates:
             for cv in args.cvs:
@@ -102,6 +109,15 @@ def run(args) -> None:
     print(f"wrote {path}")
 
 
+def _effective(items, setup: SimSetup, args, seed: int, lo: float, hi: float, ttft: float, tbt: float):
+    """(effective throughput, probes, the scheduler's counts at that rate) of one system on one trace."""
+    stats_at: dict[float, dict] = {}   # per probed rate: preemptions, cache-type switches
+    rate, probes = effective_throughput(
+        lambda r: _attain(items, setup, r, 1.0, seed, ttft, tbt, stats_at.setdefault(r, {})),
+        lo, hi, target=args.target, rel_tol=args.rel_tol)
+    return rate, probes, stats_at.get(rate, {})    # the rate found is one of the probes (or 0)
+
+
 def _counts_text(counts: dict) -> str:
     """Preemptions, cache-type switches and the hidden caches' share of the computed tokens."""
     if not counts:
@@ -110,6 +126,22 @@ def _counts_text(counts: dict) -> str:
     hidden = tokens.get("hidden", 0) / max(1, sum(tokens.values()))
     switches = ", ".join(f"{n} to {t}" for t, n in sorted(counts["switches"].items())) or "0"
     return f"{counts['preemptions']} preemptions, switches {switches}, {hidden:.0%} of tokens hidden"
+
+
+def _print_samples(samples: list[dict]) -> None:
+    """Effective throughput per trace sample, and the ratio to FCFS over the samples (mean, min-max)."""
+    systems = list(samples[0]["rates"])
+    print(f"\nover {len(samples)} traces (the first pairs, then random draws with their own arrival seeds)\n\n"
+          "| system | " + " | ".join(f"trace {i}" for i in range(len(samples))) + " | mean | vs FCFS mean (min-max) "
+          "| vs prefill-first mean (min-max) |\n|---|" + "---|" * (len(samples) + 3))
+    for system in systems:
+        rates = [s["rates"][system] for s in samples]
+        cells = []
+        for base in ("fcfs", "fcfs-prefill-first"):
+            ratios = [s["rates"][system] / s["rates"][base] for s in samples if s["rates"].get(base)]
+            cells.append(f"{sum(ratios) / len(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-")
+        print(f"| {system} | " + " | ".join(f"{r:.2f}" for r in rates) + f" | {sum(rates) / len(rates):.2f} | "
+              + " | ".join(cells) + " |")
 
 
 def print_tables(out: dict) -> None:
@@ -121,6 +153,8 @@ def print_tables(out: dict) -> None:
         for system, e in d["effective"].items():
             ratios = [f"{e['rate'] / b:.2f}x" if b else "-" for b in bases]
             print(f"| {system} | {e['rate']:.2f} | {' | '.join(ratios)} | {_counts_text(e.get('counts', {}))} |")
+        if len(d.get("samples", [])) > 1:
+            _print_samples(d["samples"])
         if d["ablation"]:
             systems = [k for k in d["ablation"][0] if k not in ("rate", "cv")]
             print(f"\n{name}: attainment by rate and burstiness (CV)\n\n| rate | CV | " + " | ".join(systems)

@@ -57,11 +57,18 @@ def _first_pair(rec) -> tuple[str, str] | None:
 
 
 def sharegpt_prompts(n: int, tokenizer, *, max_prompt_tokens: int = 1024, min_prompt_tokens: int = 4,
-                     start: int = 0, held_out: bool = False) -> list[PromptPair]:
-    """The first n pairs (from record ``start``) whose chat-templated prompt fits the bounds.
+                     start: int = 0, held_out: bool = False, sample: int | None = None) -> list[PromptPair]:
+    """The first n pairs (from record ``start``) whose chat-templated prompt fits the bounds; with
+    ``sample`` (a seed), n pairs drawn at random from all that fit (all of them, shuffled, when
+    fewer fit), as Apt-Serve's trace sampler draws its requests.
 
     Tuning sets stop before HELD_OUT_FROM; ``held_out=True`` draws only from after it.
     """
+    if sample is not None:
+        import random
+        fit = sharegpt_prompts(1 << 62, tokenizer, max_prompt_tokens=max_prompt_tokens,
+                               min_prompt_tokens=min_prompt_tokens, start=start, held_out=held_out)
+        return random.Random(sample).sample(fit, min(n, len(fit)))
     out = []
     lo = max(start, HELD_OUT_FROM) if held_out else start
     for pair in iter_sharegpt():
@@ -110,12 +117,13 @@ def arrivals(rate: float, n: int, seed: int, cv: float = 1.0) -> list[float]:
 def sharegpt_trace(tokenizer, rate: float, duration_s: float, seed: int, *, max_context: int = 2048,
                    max_prompt_tokens: int = 1024, max_output_tokens: int = 512, cv: float = 1.0,
                    service_class: str = "rt", held_out: bool = False, start: int = 0,
-                   min_prompt_tokens: int = 4) -> list[TraceItem]:
+                   min_prompt_tokens: int = 4, sample: int | None = None) -> list[TraceItem]:
     """ShareGPT prompts arriving at ``rate`` for ``duration_s``; output length = the real reply's
-    token length, capped to the context left and to ``max_output_tokens``."""
+    token length, capped to the context left and to ``max_output_tokens``. ``sample``: draw the
+    prompts at random with this seed (see sharegpt_prompts)."""
     n = max(1, round(rate * duration_s))
     pairs = sharegpt_prompts(n, tokenizer, max_prompt_tokens=max_prompt_tokens, start=start,
-                             held_out=held_out, min_prompt_tokens=min_prompt_tokens)
+                             held_out=held_out, min_prompt_tokens=min_prompt_tokens, sample=sample)
     items = []
     for t, p in zip(arrivals(rate, n, seed, cv), pairs):
         text = chat_text(tokenizer, p.prompt)
