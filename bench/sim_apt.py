@@ -77,23 +77,23 @@ def run(args) -> None:
         d = out["datasets"][name] = {"requests": len(items), "slo": {"ttft_s": ttft, "tbt_s": tbt},
                                      "effective": {}, "ablation": []}
         lo, hi = (args.search_long if name == "long" else args.search)
-        for system in args.systems:
-            rate, probes, counts = _effective(items, _setup(system, args, ttft, tbt), args, args.seed, lo, hi, ttft, tbt)
-            d["effective"][system] = {"rate": rate, "probes": probes, "counts": counts}
-            print(f"  {system:>16}: effective throughput {rate:.2f} req/s  "
-                  f"(probes: {', '.join(f'{r:.2f}->{a:.0%}' for r, a in probes)}); there: "
-                  f"{_counts_text(counts)}", flush=True)
-        d["samples"] = [{"sample": None, "seed": args.seed, "requests": len(items),
-                         "rates": {s: e["rate"] for s, e in d["effective"].items()}}]
-        for k in range(1, args.samples):
-            sample = _items(tok, name, args.num_requests, sample=k)
-            row = {"sample": k, "seed": args.seed + k, "requests": len(sample), "rates": {}}
+        d["samples"] = []
+        for k in range(args.samples):    # trace 0: the first pairs; then random draws, own arrivals
+            trace = items if k == 0 else _items(tok, name, args.num_requests, sample=k)
+            row = {"sample": k or None, "seed": args.seed + k, "requests": len(trace), "rates": {}}
             for system in args.systems:
-                row["rates"][system] = _effective(sample, _setup(system, args, ttft, tbt), args, args.seed + k,
-                                                  lo, hi, ttft, tbt)[0]
+                rate, probes, counts = _effective(trace, _setup(system, args, ttft, tbt), args, args.seed + k,
+                                                  lo, hi, ttft, tbt)
+                row["rates"][system] = rate
+                if k == 0:
+                    d["effective"][system] = {"rate": rate, "probes": probes, "counts": counts}
+                    print(f"  {system:>16}: effective throughput {rate:.2f} req/s  "
+                          f"(probes: {', '.join(f'{r:.2f}->{a:.0%}' for r, a in probes)}); there: "
+                          f"{_counts_text(counts)}", flush=True)
             d["samples"].append(row)
-            print(f"  sample {k} (random draw, arrival seed {args.seed + k}): "
-                  + ", ".join(f"{s} {r:.2f}" for s, r in row["rates"].items()), flush=True)
+            if k:
+                print(f"  sample {k} (random draw, arrival seed {args.seed + k}): "
+                      + ", ".join(f"{s} {r:.2f}" for s, r in row["rates"].items()), flush=True)
         rates = args.ablation_rates_long if name == "long" else args.ablation_rates
         for rate in rates:
             for cv in args.cvs:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from itertools import islice
 from typing import Iterator
 
 HELD_OUT_FROM = 15_000
@@ -64,24 +65,24 @@ def sharegpt_prompts(n: int, tokenizer, *, max_prompt_tokens: int = 1024, min_pr
 
     Tuning sets stop before HELD_OUT_FROM; ``held_out=True`` draws only from after it.
     """
-    if sample is not None:
-        import random
-        fit = sharegpt_prompts(1 << 62, tokenizer, max_prompt_tokens=max_prompt_tokens,
-                               min_prompt_tokens=min_prompt_tokens, start=start, held_out=held_out)
-        return random.Random(sample).sample(fit, min(n, len(fit)))
-    out = []
+    fit = _fitting_pairs(tokenizer, min_prompt_tokens, max_prompt_tokens, start, held_out)
+    if sample is None:
+        return list(islice(fit, n))
+    import random
+    pool = list(fit)
+    return random.Random(sample).sample(pool, min(n, len(pool)))
+
+
+def _fitting_pairs(tokenizer, min_tokens: int, max_tokens: int, start: int, held_out: bool) -> Iterator[PromptPair]:
+    """The pairs from record ``start`` on, in the tuning or held-out range, whose prompt fits."""
     lo = max(start, HELD_OUT_FROM) if held_out else start
     for pair in iter_sharegpt():
         if pair.index < lo:
             continue
         if not held_out and pair.index >= HELD_OUT_FROM:
             break
-        ids = chat_ids(tokenizer, pair.prompt)
-        if min_prompt_tokens <= len(ids) <= max_prompt_tokens:
-            out.append(pair)
-            if len(out) == n:
-                break
-    return out
+        if min_tokens <= len(chat_ids(tokenizer, pair.prompt)) <= max_tokens:
+            yield pair
 
 
 def chat_text(tokenizer, text: str) -> str:
