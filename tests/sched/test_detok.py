@@ -1,0 +1,120 @@
+"""Incremental detokenization and sliding-window stop strings against the tokenizer's full decode."""
+import itertools
+import random
+
+import pytest
+
+from sched.detok import WINDOW, IncrementalDetokenizer, TextTracker
+
+EXTRA = ["Tea 🍵 and cake 🎂, family 👨‍👩‍👧‍👦, flags 🇫🇷🇯🇵, skin tones 👋🏽.",
+         "中文句子：我们今天去公园散步吧。日本語のテキストも。한국어 문장입니다.",
+         "Accents: naïve café, combining e\u0301, math ∑∫√, arrows →⇒, ellipsis…",
+         "Mixed: 你好 world 🌍! Привет мир. Γειά σου. مرحبا"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from engine.models.loader import load_tokenizer, resolve_model
+    from sched.llm import DEFAULT_CACHE_DIR
+    return load_tokenizer(resolve_model("smollm2", DEFAULT_CACHE_DIR))
+
+
+@pytest.fixture(scope="module")
+def replies():
+    from bench.workloads import iter_sharegpt
+    texts = [p.reply for p in itertools.islice(iter_sharegpt(), 300)] + EXTRA
+    assert any(ord(c) > 0x3000 for t in texts for c in t), "the sample must hold CJK text"
+    assert any(ord(c) > 0x1F000 for t in texts for c in t), "the sample must hold emoji"
+    return texts
+
+
+def fast_decode(tok):
+    """What the server decodes with (the Rust tokenizer), as sched.llm.LLM does."""
+    return lambda ids: tok._tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def stream(decode, ids, chunks):
+    d = IncrementalDetokenizer(decode)
+    out, i = [], 0
+    for n in chunks:
+        out.append(d.push(ids[i:i + n]))
+        i += n
+    out.append(d.flush())
+    return out
+
+
+def test_deltas_join_to_the_full_decode(tok, replies):
+    rng = random.Random(0)
+    decode = fast_decode(tok)
+    for text in replies:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        full = tok.decode(ids, skip_special_tokens=True)       # the reference: HF's own decode
+        one = stream(decode, ids, [1] * len(ids))
+        assert "".join(one) == full
+        assert all("\ufffd" not in d for d in one[:-1]) or "\ufffd" in full
+        sizes = []
+        while sum(sizes) < len(ids):
+            sizes.append(rng.randint(1, 4))
+        assert "".join(stream(decode, ids, sizes)) == full
+
+
+def test_random_ids_split_characters_and_still_match(tok):
+    """Arbitrary byte-level ids (half characters, special tokens) decode the same incrementally."""
+    rng = random.Random(1)
+    decode = fast_decode(tok)
+    vocab = len(tok)
+    for _ in range(200):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        assert "".join(stream(decode, ids, [1] * len(ids))) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_each_push_decodes_a_short_window(tok, replies):
+    """O(new tokens) per token: the decoded windows stay short however long the output gets."""
+    seen = []
+    base = fast_decode(tok)
+
+    def counting(ids):
+        seen.append(len(ids))
+        return base(ids)
+    ids = tok(" ".join(replies[:40]), add_special_tokens=False)["input_ids"]
+    assert len(ids) > 2000
+    stream(counting, ids, [1] * len(ids))
+    assert max(seen) <= 2 * WINDOW + 2
+
+
+def reference_cut(full: str, stops: list[str]) -> str:
+    hits = [full.find(s) for s in stops if s and full.find(s) >= 0]
+    return full[:min(hits)] if hits else full
+
+
+def test_stop_strings_match_a_search_of_the_whole_text(tok, replies):
+    rng = random.Random(2)
+    decode = fast_decode(tok)
+    checked = 0
+    for text in replies:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        full = tok.decode(ids, skip_special_tokens=True)
+        if len(full) < 10:
+            continue
+        a = rng.randrange(len(full) - 3)
+        stops = [full[a:a + rng.randint(1, 12)], "never-in-the-text-\u2603"]
+        tr = TextTracker(decode, stops)
+        out = [tr.push([t]) for t in ids]
+        out.append(tr.finish())
+        expect = reference_cut(full, stops)
+        assert "".join(out) == expect == tr.text()
+        assert tr.stopped == any(s in full for s in stops)
+        checked += 1
+    assert checked > 100
+
+
+def test_held_back_text_never_leaks_a_stop_string(tok):
+    decode = fast_decode(tok)
+    ids = tok("The answer is 42. END of story, more text after END", add_special_tokens=False)["input_ids"]
+    tr = TextTracker(decode, ["END"])
+    streamed = ""
+    for t in ids:
+        streamed += tr.push([t])
+        assert "END" not in streamed
+    streamed += tr.finish()
+    assert streamed == "The answer is 42. " and tr.stopped
