@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from typing import Awaitable, Callable
@@ -18,6 +19,10 @@ from server.store import Store
 ENDPOINTS = {"/v1/chat/completions": True, "/v1/completions": False}   # -> chat?
 WINDOWS = {"24h": 24 * 3600}
 MAX_LINES = 50_000
+MAX_LINE_ATTEMPTS = 3        # a line failing on the server's side (5xx, an exception) runs again
+LINE_RETRY_S = 1.0           # times the attempt number, before the next attempt
+
+log = logging.getLogger("tandem.batches")
 
 # run_line(body, chat) -> (status_code, response body); BE class forced by the caller
 RunLine = Callable[[dict, bool], Awaitable[tuple[int, dict]]]
@@ -124,10 +129,7 @@ class BatchRunner:
             async with sem:
                 if stop.is_set():
                     return
-                try:
-                    code, resp = await self.run_line(body, chat)
-                except ApiError as e:
-                    code, resp = e.status, e.body()
+                code, resp = await self._attempts(bid, line_no, body, chat)
                 self.store.finish_line(bid, line_no, code, resp)
 
         async def watch() -> None:
@@ -152,6 +154,25 @@ class BatchRunner:
             stop.set()
             watcher.cancel()
 
+    async def _attempts(self, bid: str, line_no: int, body: dict, chat: bool) -> tuple[int, dict]:
+        """Run one line. A client error (4xx) is its result at once; a failure on the server's
+        side is tried again, and only the last of MAX_LINE_ATTEMPTS becomes the line's error."""
+        for attempt in range(1, MAX_LINE_ATTEMPTS + 1):
+            try:
+                return await self.run_line(body, chat)
+            except ApiError as e:
+                if e.status < 500:
+                    return e.status, e.body()
+                code, resp = e.status, e.body()
+            except Exception:                # noqa: BLE001 -- never lose a line to a bug
+                eid = "err-" + uuid.uuid4().hex[:12]
+                log.exception("batch %s line %d failed (%s)", bid, line_no, eid)
+                code, resp = 500, ApiError(500, f"internal error (error id {eid})", type="server_error").body()
+            if attempt < MAX_LINE_ATTEMPTS:
+                log.warning("batch %s line %d: attempt %d failed (%d), retrying", bid, line_no, attempt, code)
+                await asyncio.sleep(LINE_RETRY_S * attempt)
+        return code, resp
+
     def _fail(self, bid: str, errors: list[dict]) -> None:
         self.store.set_status(bid, "failed", errors=json.dumps({"object": "list", "data": errors}))
 
@@ -159,7 +180,8 @@ class BatchRunner:
         """Write the output and error files from the recorded results, then the final status."""
         out, errs = [], []
         reason = {"cancelled": ("batch_cancelled", "the batch was cancelled"),
-                  "expired": ("batch_expired", "the batch expired before this request ran")}.get(final)
+                  "expired": ("batch_expired", "the batch expired before this request ran")}.get(
+                      final, ("not_run", "the request did not run"))    # every line lands in a file
         for r in self.store.line_results(bid):
             rid = f"batch_req_{uuid.uuid4().hex[:24]}"
             if r["status"] == "pending":
