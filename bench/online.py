@@ -145,7 +145,7 @@ def judge(system: str, rate: float, recs, duration: float, slo: dict) -> dict:
 
 
 def _setup(args):
-    from engine.llm import DEFAULT_CACHE_DIR
+    from sched.llm import DEFAULT_CACHE_DIR
     from engine.models.loader import load_tokenizer, resolve_model
     RESULTS.mkdir(exist_ok=True)
     hf_dir = resolve_model("smollm2", DEFAULT_CACHE_DIR)

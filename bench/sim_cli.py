@@ -17,7 +17,7 @@ COST_FILE = RESULTS / "cost_smollm2_cpu.json"
 
 
 def _tokenizer():
-    from engine.llm import DEFAULT_CACHE_DIR
+    from sched.llm import DEFAULT_CACHE_DIR
     from engine.models.loader import load_tokenizer, resolve_model
     return load_tokenizer(resolve_model("smollm2", DEFAULT_CACHE_DIR))
 
@@ -25,7 +25,7 @@ def _tokenizer():
 def profile(args) -> CostModel:
     """Fit the cost model from our engine's measured steps (SmolLM2, cpu:1, fp32)."""
     from bench.workloads import chat_ids, sharegpt_prompts
-    from engine import LLM, SamplingParams
+    from tandem import LLM, SamplingParams
     RESULTS.mkdir(exist_ok=True)
     with LLM("smollm2", "cpu:1", max_num_seqs=args.max_num_seqs) as llm:
         prompts = [chat_ids(llm.tokenizer, p.prompt) for p in sharegpt_prompts(96, llm.tokenizer)]
@@ -164,7 +164,7 @@ def sim_validate(args) -> None:
     tok = _tokenizer()
     cost, ratios, ratios_prefill = load_fitted()
     slo, tr = real["slo"], real["trace"]
-    from engine.llm import DEFAULT_KV_CACHE_BYTES
+    from sched.llm import DEFAULT_KV_CACHE_BYTES
     kv_tokens = DEFAULT_KV_CACHE_BYTES // (30 * 2 * 192 * 4)          # SmolLM2 fp32: K+V per token
     setups = {"mean": SimSetup(cost, PoolGeometry(2 * kv_tokens // 16, 16),
                                SchedConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048), 8192)}

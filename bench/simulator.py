@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from bench.metrics import RequestRecord
 from bench.workloads import TraceItem
 from cache import PoolGeometry
-from engine.messages import CacheType, Phase, StepInput, StepOutput
+from engine.messages import CacheType, Phase, PoolInfo, StepInput, StepOutput
 from engine.params import SamplingParams
 from sched.cost_model import CostModel, OnlineCostModel, StepShape
 from sched.request import Request, ServiceClass
@@ -36,6 +36,7 @@ class SimDevice:
                  noise: tuple[float, ...] = (), seed: int = 0, noise_prefill: tuple[float, ...] = (),
                  rho: float = 0.0):
         self.name, self.geometry, self.cost, self.clock = name, geometry, cost, clock
+        self.pool_info = PoolInfo(geometry.num_blocks, geometry.block_size, geometry.hidden_blocks)
         self.rho = rho
         self.hidden: set[str] = set()
         self.noise, self.noise_prefill = noise, noise_prefill or noise

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.messages import CacheType, Direction
+from engine.messages import CacheType, Direction, PoolInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +21,11 @@ class PoolGeometry:
     block_size: int             # token slots per block
     hidden_blocks: int = 0      # blocks per block_size tokens of a hidden cache: d_model / unit
                                 # (1 for multi-head attention); 0 when d_model is not a multiple
+
+    @classmethod
+    def of(cls, info: PoolInfo) -> "PoolGeometry":
+        """The geometry of the pool a worker reported."""
+        return cls(info.num_blocks, info.block_size, info.hidden_rows)
 
     def blocks_per_token_block(self, cache_type: CacheType) -> int:
         """Blocks a request needs per block_size tokens (2 for KV: one K, one V)."""

@@ -1,11 +1,4 @@
-"""Tandem engine: model forward over a paged block pool, one worker process per device."""
-from engine.params import SamplingParams
+"""Tandem engine: model forward over a paged block pool, one worker process per device.
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
-
-
-def __getattr__(name):  # keep `import engine.messages` free of torch
-    if name in ("LLM", "RequestOutput"):
-        from engine import llm
-        return getattr(llm, name)
-    raise AttributeError(name)
+The tensor side only: it imports nothing from sched/, cache/ or server/; ``engine.messages`` is
+the torch-free vocabulary the layers above use to talk to it."""

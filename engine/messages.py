@@ -34,7 +34,16 @@ class Phase(enum.Enum):
 class Command(enum.Enum):
     """What a message to a worker asks it to do."""
     STEP = "step"
+    RESET = "reset"             # forget every request (the scheduler's books were reset)
     SHUTDOWN = "shutdown"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolInfo:
+    """What a worker reports of its block pool once loaded (cache/ builds its geometry from it)."""
+    num_blocks: int             # blocks the memory budget bought
+    block_size: int             # token slots per block
+    hidden_rows: int            # blocks per block_size tokens of a hidden cache (d_model / unit), 0: none
 
 
 @dataclass(slots=True)

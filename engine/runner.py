@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttnBatch, HiddenBatch, HiddenSegment, PrefillSegment
-from engine.messages import (CacheType, Direction, NewRequest, Phase, SamplingSpec,
+from engine.messages import (CacheType, Command, Direction, NewRequest, Phase, SamplingSpec,
                              StepInput, StepOutput)
 from engine.models.spec import ModelSpec
 from engine.sampling import sample
@@ -132,6 +132,9 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------
     def step(self, inp: StepInput) -> StepOutput:
+        if inp.command is Command.RESET:
+            self.reqs.clear()
+            return StepOutput(inp.step_id, {}, 0, 0.0, 0.0)
         self._apply_bookkeeping(inp)
         self._move_slots(inp)
         if not inp.scheduled:

@@ -25,9 +25,10 @@ def token_seed(seed: int, index: int) -> int:
 
 def sample(logits: torch.Tensor, specs: list[SamplingSpec], num_generated: list[int]) -> list[int]:
     """logits: [n, V] float32 (modified in place); returns one token id per row."""
+    vocab = logits.shape[-1]
     for row, (sp, n) in enumerate(zip(specs, num_generated)):
-        if n < sp.min_tokens and sp.stop_token_ids:
-            logits[row, list(sp.stop_token_ids)] = float("-inf")
+        if n < sp.min_tokens and sp.stop_token_ids:      # ids the model cannot produce need no mask
+            logits[row, [t for t in sp.stop_token_ids if 0 <= t < vocab]] = float("-inf")
     out = logits.argmax(dim=-1).tolist()
     for row, (sp, n) in enumerate(zip(specs, num_generated)):
         if sp.temperature > 0:

@@ -15,11 +15,10 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from cache import PoolGeometry
-from engine.messages import Command, DeviceError, StepInput, StepOutput
+from engine.dtype import DTYPES
+from engine.messages import Command, DeviceError, PoolInfo, StepInput, StepOutput
 from engine.models.spec import ModelSpec
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +34,8 @@ class WorkerConfig:
     threads: int                    # torch intra-op threads in this process
     compile: bool                   # torch.compile the model step
     cpu_kernels: bool = True        # compiled CPU attention (else the torch reference path)
-    omp_wait_policy: str = "PASSIVE"  # OpenMP threads between ops: ACTIVE spins (fast), PASSIVE sleeps
+    omp_wait_policy: str | None = None  # OpenMP threads between ops: ACTIVE spins, PASSIVE sleeps;
+                                        # None: the environment's (unset: spin briefly, then sleep)
 
 
 def pool_blocks(cfg: WorkerConfig, bytes_per_block: int) -> int:
@@ -106,13 +106,20 @@ class WorkerHandle:
 
     def __init__(self, name: str, cfg: WorkerConfig):
         self.name = name
+        self.cfg = cfg
+        self.block_size = cfg.block_size
+        self.pool_info: PoolInfo | None = None
+        self._spawn()
+
+    def _spawn(self) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=worker_main, args=(child, cfg), daemon=True,
-                                name=f"tandem-worker-{name}")
+        self.proc = ctx.Process(target=worker_main, args=(child, self.cfg), daemon=True,
+                                name=f"tandem-worker-{self.name}")
         # libgomp reads its wait policy when torch loads in the child: set it for the spawn only
         saved = os.environ.get("OMP_WAIT_POLICY")
-        os.environ["OMP_WAIT_POLICY"] = cfg.omp_wait_policy
+        if self.cfg.omp_wait_policy is not None:
+            os.environ["OMP_WAIT_POLICY"] = self.cfg.omp_wait_policy
         try:
             self.proc.start()
         finally:
@@ -121,17 +128,22 @@ class WorkerHandle:
             else:
                 os.environ["OMP_WAIT_POLICY"] = saved
         child.close()
-        self.geometry: PoolGeometry | None = None
-        self.block_size = cfg.block_size
 
-    def wait_ready(self) -> PoolGeometry:
+    def restart(self) -> PoolInfo:
+        """Replace a dead worker with a fresh one of the same configuration (blocks until it
+        is ready); its pool, which should equal the old one's."""
+        self.shutdown()
+        self._spawn()
+        return self.wait_ready()
+
+    def wait_ready(self) -> PoolInfo:
         kind, payload = self._recv()
         if kind == "error":
             self.proc.join(timeout=5)
             raise RuntimeError(f"{self.name}: worker failed to start:\n{payload}")
         num_blocks, hidden_blocks = payload
-        self.geometry = PoolGeometry(num_blocks, self.block_size, hidden_blocks)
-        return self.geometry
+        self.pool_info = PoolInfo(num_blocks, self.block_size, hidden_blocks)
+        return self.pool_info
 
     def submit(self, inp: StepInput) -> None:
         try:
@@ -180,7 +192,7 @@ class InProcessDevice:
     def __init__(self, name: str, cfg: WorkerConfig):
         self.name = name
         self.runner, num_blocks = _build_runner(cfg)
-        self.geometry = PoolGeometry(num_blocks, cfg.block_size, self.runner.hidden_rows)
+        self.pool_info = PoolInfo(num_blocks, cfg.block_size, self.runner.hidden_rows)
         self._out: StepOutput | None = None
 
     def submit(self, inp: StepInput) -> None:

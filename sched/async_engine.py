@@ -1,31 +1,27 @@
-"""AsyncEngine: the scheduler loop on its own thread, driven from asyncio.
+"""AsyncEngine: the device actors (sched/runtime.py) as seen from an asyncio event loop.
 
-HTTP handlers call ``submit`` and read a per-request asyncio queue of events.
-The engine thread owns the Scheduler: it drains the inbox (new requests,
-aborts), runs one ``step()`` and pushes each request's new tokens back to the
-event loop with ``call_soon_threadsafe``. Nothing else touches the Scheduler.
+HTTP handlers call ``submit`` and read a per-request asyncio queue of events. Each device
+actor's step ends in one ``call_soon_threadsafe`` carrying all of that step's updates for this
+engine, so the event loop wakes once per step, however many requests the step served.
 """
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from engine.llm import LLM
-from engine.messages import DeviceError
+from sched.actor import Update
+from sched.llm import LLM
 from sched.request import FinishReason, Request
 
 
 @dataclass(slots=True)
 class Event:
-    """One request's progress: new token ids, and at the end its finish reason."""
+    """One request's progress: new token ids and text, and at the end its finish reason."""
     new_token_ids: list[int]
+    text: str = ""                    # new text (a possible stop-string start is held back)
     finish_reason: FinishReason | None = None
-    error: str | None = None          # set when the request was rejected or failed
-    rejected: bool = False            # the scheduler refused it (bad input): nothing ran
-    text_end: int | None = None       # at the end: where a stop string cut the text
+    error: str | None = None          # set when the request failed (finish_reason ERROR)
     queue_s: float | None = None      # at the end: seconds waiting before first scheduled
 
 
@@ -33,76 +29,55 @@ class AsyncEngine:
     def __init__(self, llm: LLM):
         self.llm = llm
         self.scheduler = llm.scheduler
-        self._inbox: deque[tuple[str, object]] = deque()
-        self._wake = threading.Condition()
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stop = False
-        self.dead: str | None = None
-        self.step_listeners: list = []    # callables(updates) run on the engine thread after each round
-        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
-        self._thread.start()
+        self.runtime = llm.start_runtime()
+        self.step_listeners = self.runtime.listeners   # callables(actor), run on its thread per step
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- called from the event loop -----------------------------------------
     def submit(self, req: Request) -> "Submission":
-        """Queue ``req`` now (it counts as waiting at once); read it with ``Submission.events()``."""
+        """Queue ``req`` now; read it with ``Submission.events()``. ValueError if it can never run,
+        DeviceError if no device can serve."""
+        st = self.scheduler.new_state(req)
+        self._loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        self._queues[req.req_id] = (asyncio.get_running_loop(), q)
-        self._post("add", req)
+        self._queues[req.req_id] = q
+        self.llm.subscribe([req.req_id], self._sink)
+        try:
+            self.runtime.add(st)
+        except BaseException:
+            self._forget(req.req_id, abort=False)
+            raise
         return Submission(self, req.req_id, q)
 
+    @property
+    def dead(self) -> str | None:
+        """Why no device can serve now (None while one can)."""
+        return None if self.runtime.serving() else self.runtime.why_down()
+
     def num_waiting(self) -> int:
-        return sum(len(q.waiting) for q in self.scheduler.queues) + len(self._inbox)
+        return self.runtime.num_waiting()
 
     def shutdown(self) -> None:
-        with self._wake:
-            self._stop = True
-            self._wake.notify()
-        self._thread.join(timeout=10)
         self.llm.shutdown()
 
     def _forget(self, req_id: str, abort: bool) -> None:
         self._queues.pop(req_id, None)
+        self.llm.unsubscribe([req_id])
         if abort:
-            self._post("abort", req_id)
+            self.runtime.abort(req_id)
 
-    def _post(self, kind: str, payload) -> None:
-        with self._wake:
-            self._inbox.append((kind, payload))
-            self._wake.notify()
+    # ---- called on an actor's thread ---------------------------------------------
+    def _sink(self, updates: list[Update]) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._deliver, updates)
 
-    # ---- engine thread -----------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            with self._wake:
-                while not self._stop and not self._inbox and not self.scheduler.has_unfinished():
-                    self._wake.wait()
-                if self._stop:
-                    return
-                inbox, self._inbox = list(self._inbox), deque()
-            for kind, payload in inbox:
-                self._handle(kind, payload)
-            updates = self.scheduler.step() if self.scheduler.has_unfinished() else []
-            for fn in self.step_listeners:          # also after aborts alone: gauges stay current
-                fn(updates)
-            for u in updates:
-                self._emit(u.req_id, Event(u.new_token_ids, u.finish_reason, u.error,
-                                           text_end=u.text_end, queue_s=u.queue_s))
-
-    def _handle(self, kind: str, payload) -> None:
-        if kind == "add":
-            req: Request = payload
-            try:
-                self.scheduler.add(req)
-            except (ValueError, DeviceError) as e:
-                self._emit(req.req_id, Event([], None, str(e), rejected=True))
-        elif kind == "abort":
-            self.scheduler.abort(payload)
-
-    def _emit(self, req_id: str, ev: Event) -> None:
-        target = self._queues.get(req_id)
-        if target is not None:
-            loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, ev)
+    def _deliver(self, updates: list[Update]) -> None:
+        for u in updates:
+            q = self._queues.get(u.req_id)
+            if q is not None:
+                q.put_nowait(Event(u.new_token_ids, u.text, u.finish_reason, u.error, u.queue_s))
 
 
 class Submission:
@@ -113,10 +88,10 @@ class Submission:
         self.done = False
 
     async def events(self) -> AsyncIterator[Event]:
-        """Yield events until the request ends (finish or rejection)."""
+        """Yield events until the request ends."""
         while not self.done:
             ev: Event = await self._q.get()
-            self.done = ev.finish_reason is not None or ev.rejected
+            self.done = ev.finish_reason is not None
             yield ev
         self.engine._forget(self.req_id, abort=False)
 

@@ -4,16 +4,20 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
+from engine.dtype import resolve_dtype
 from engine.messages import CacheType, DeviceError
 from engine.models.loader import load_spec, load_tokenizer, resolve_model
 from engine.params import SamplingParams
-from engine.worker import DTYPES, WorkerConfig, WorkerHandle, wait_all
+from engine.worker import WorkerConfig, WorkerHandle, wait_all
+from sched.actor import Update
 from sched.request import FinishReason, Request, RequestState
+from sched.runtime import Runtime
 from sched.scheduler import POLICIES, SchedConfig, Scheduler
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tandem"
@@ -58,7 +62,7 @@ class LLM:
     devices: "cpu:N" (N worker processes) or "cuda:0,1".
     """
 
-    def __init__(self, model: str = "smollm2", devices: str = "cpu:1", *, dtype: str = "float32",
+    def __init__(self, model: str = "smollm2", devices: str = "cpu:1", *, dtype: str = "auto",
                  block_size: int = 16, kv_cache_bytes: int | None = None,
                  kv_cache_fraction: float | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
@@ -70,9 +74,12 @@ class LLM:
                  hybrid_cache: bool = True, adaptive: bool = True, slo_decay: float | None = None,
                  mixed_batches: bool = False):
         self._workers: list[WorkerHandle] = []
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)}")
+        self.runtime: Runtime | None = None
+        self._sinks: dict[str, Callable[[list[Update]], None]] = {}
         names = parse_devices(devices)
+        dtype, why = resolve_dtype(dtype, names[0])
+        log.info("dtype %s: %s", dtype, why)
+        self.dtype = dtype
         _positive("block_size", block_size)
         _positive("max_num_seqs", max_num_seqs)
         if policy not in POLICIES:
@@ -99,11 +106,12 @@ class LLM:
         if not enable_chunked_prefill and max_num_batched_tokens < self.max_model_len:
             raise ValueError("max_num_batched_tokens: must be >= max_model_len without chunked prefill")
         self.tokenizer = load_tokenizer(hf_dir)
+        if self.tokenizer is not None:    # the Rust tokenizer directly: the Python wrapper costs 3x
+            fast = getattr(self.tokenizer, "_tokenizer", None)
+            self._decode = fast.decode if fast is not None else self.tokenizer.decode
         ncpu = sum(n == "cpu" for n in names)
         threads = threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, ncpu))
-        if omp_wait_policy is None:   # spin between ops only when the workers leave no core idle to steal
-            omp_wait_policy = "ACTIVE" if threads * ncpu <= (os.cpu_count() or 1) else "PASSIVE"
-        if omp_wait_policy not in ("ACTIVE", "PASSIVE"):
+        if omp_wait_policy not in (None, "ACTIVE", "PASSIVE"):
             raise ValueError(f"omp_wait_policy: {omp_wait_policy!r} is not ACTIVE or PASSIVE")
         if kv_cache_bytes is None and kv_cache_fraction is None:
             kv_cache_bytes = DEFAULT_KV_CACHE_BYTES
@@ -160,7 +168,14 @@ class LLM:
 
     def detokenize(self, ids: list[int]) -> str:
         """Generated ids to text, special tokens skipped."""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self._decode(ids, skip_special_tokens=True)
+
+    def check_token_ids(self, sp: SamplingParams) -> None:
+        """ValueError unless every stop token id is one the model can produce."""
+        bad = [t for t in sp.stop_token_ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: {bad[0]} is not a token id of this model "
+                             f"(0 to {self.spec.vocab_size - 1})")
 
     def encode_prompt(self, prompt: Any) -> tuple[list[int], str | None]:
         """A string, a token id list, or chat messages -> (token ids, text or None)."""
@@ -189,6 +204,30 @@ class LLM:
                              f"context of {self.max_model_len}")
 
     # ---- generation ------------------------------------------------------------
+    def start_runtime(self) -> Runtime:
+        """Start the device actors (once): from here on every step runs on an actor's thread."""
+        if self.runtime is None:
+            self.runtime = Runtime(self.scheduler, self._route)
+        return self.runtime
+
+    def subscribe(self, req_ids: list[str], sink: Callable[[list[Update]], None]) -> None:
+        """``sink`` gets these requests' updates: one call per device step, on that actor's thread."""
+        for rid in req_ids:
+            self._sinks[rid] = sink
+
+    def unsubscribe(self, req_ids: list[str]) -> None:
+        for rid in req_ids:
+            self._sinks.pop(rid, None)
+
+    def _route(self, updates: list[Update]) -> None:
+        groups: dict[int, tuple[Callable, list[Update]]] = {}
+        for u in updates:
+            sink = self._sinks.get(u.req_id)
+            if sink is not None:
+                groups.setdefault(id(sink), (sink, []))[1].append(u)
+        for sink, ups in groups.values():
+            sink(ups)
+
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for each prompt; outputs in prompt order. Validates everything before queueing."""
@@ -205,31 +244,57 @@ class LLM:
         encoded = [self.encode_prompt(p) for p in plist]
         for ids, _ in encoded:
             self._check_length(ids)
+        for p in params:
+            self.check_token_ids(p)
         now = time.monotonic()
         reqs = [Request(f"gen-{next(self._ids)}", ids, sp, arrival_time=now, prompt=text)
                 for (ids, text), sp in zip(encoded, params)]
-        states = [self.scheduler.add(r) for r in reqs]
-        bar = _progress(len(reqs)) if use_tqdm else None
-        while any(st.finish_reason is None for st in states):
-            ups = self.scheduler.step()
-            if bar is not None:
-                bar.update(sum(u.finish_reason is not None for u in ups))
-        if bar is not None:
-            bar.close()
+        states = [self.scheduler.new_state(r) for r in reqs]
+        self._run(states, _progress(len(reqs)) if use_tqdm else None)
         failed = [st for st in states if st.finish_reason is FinishReason.ERROR]
         if failed:
             raise DeviceError(f"{len(failed)} request(s) failed: {failed[0].error}")
         return [self._output(st) for st in states]
 
+    def _run(self, states: list[RequestState], bar) -> None:
+        """Hand the requests to the actors and wait until every one has ended."""
+        runtime = self.start_runtime()
+        ids = [st.req_id for st in states]
+        left, lock, done = [len(states)], threading.Lock(), threading.Event()
+
+        def sink(ups: list[Update]) -> None:
+            ended = sum(u.finish_reason is not None for u in ups)
+            if ended:
+                with lock:
+                    left[0] -= ended
+                    if bar is not None:
+                        bar.update(ended)
+                    if left[0] == 0:
+                        done.set()
+        self.subscribe(ids, sink)
+        try:
+            for st in states:
+                runtime.add(st)
+            done.wait()
+        except BaseException:
+            for rid in ids:
+                runtime.abort(rid)
+            raise
+        finally:
+            self.unsubscribe(ids)
+            if bar is not None:
+                bar.close()
+
     def _output(self, st: RequestState) -> RequestOutput:
-        text = self.detokenize(st.output_token_ids) if self.tokenizer is not None else ""
-        if st.stop_text_end is not None:
-            text = text[:st.stop_text_end]
+        text = st.text_result or ""
         return RequestOutput(st.req_id, st.request.prompt, st.request.prompt_token_ids,
                              list(st.output_token_ids), text, st.finish_reason.value)
 
     # ---- lifecycle --------------------------------------------------------------
     def shutdown(self) -> None:
+        if self.runtime is not None:
+            self.runtime.stop()
+            self.runtime = None
         for w in self._workers:
             w.shutdown()
         self._workers = []

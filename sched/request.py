@@ -23,7 +23,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"             # EOS, a stop token id or a stop string
     LENGTH = "length"         # max_tokens or the model context
     ABORT = "abort"           # cancelled by the client
-    ERROR = "error"           # the device failed
+    ERROR = "error"           # the device or the scheduler failed
 
 
 @dataclass(slots=True)
@@ -37,6 +37,7 @@ class Request:
     slo_ttft_s: float | None = None    # time-to-first-token target, seconds
     slo_tbt_s: float | None = None     # time-between-tokens target, seconds
     prompt: str | None = None          # original text, when there was one
+    stream_text: bool = False          # text wanted as tokens arrive (streams); else once at the end
 
 
 @dataclass(slots=True)
@@ -51,8 +52,10 @@ class RequestState:
     num_computed: int = 0              # tokens whose cache is on the device
     sent_to_device: bool = False       # NewRequest already sent
     num_preemptions: int = 0
+    num_crashes: int = 0               # worker deaths it lived through (requeued each time)
     finish_reason: FinishReason | None = None
-    stop_text_end: int | None = None   # char index where a stop string matched
+    text: object | None = None         # its TextTracker while moving between devices
+    text_result: str | None = None     # at the end: the generated text (stop string cut off)
     first_scheduled_time: float | None = None   # for the queue-time metric
     last_token_time: float | None = None        # arrival, then each token: pending time (SPEC §1.1, §2.1)
     first_token_time: float | None = None       # when its first output token came back

@@ -50,7 +50,8 @@ def parse_args(argv=None) -> ServerConfig:
     ap.add_argument("--max-waiting", type=int, default=d.max_waiting, help="waiting requests before 429")
     ap.add_argument("--max-upload-mb", type=float, default=d.max_upload_bytes / 2**20,
                     help="largest request body or file upload (413 beyond)")
-    ap.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"],
+                    help="auto: bfloat16 where the CPU has AVX-512 BF16 or AMX (or the GPU supports it), else float32")
     ap.add_argument("--kv-cache-bytes", type=int, default=None)
     ap.add_argument("--watch-parent", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -94,8 +95,8 @@ def main(argv=None) -> None:
     cfg = parse_args(argv)
     from aiohttp import web
 
-    from engine.async_engine import AsyncEngine
-    from engine.llm import LLM
+    from sched.async_engine import AsyncEngine
+    from sched.llm import LLM
     from server.app import create_app
     try:
         import uvloop

@@ -10,13 +10,13 @@ from dataclasses import dataclass, field, replace
 import orjson
 from aiohttp import web
 
-from engine.async_engine import AsyncEngine, Submission
+from engine.messages import DeviceError
+from sched.async_engine import AsyncEngine, Submission
 from sched.request import Request, ServiceClass
 from server.config import ServerConfig
 from server.errors import ApiError, bad_request
 from server.metrics import Metrics
 from server.protocol import GenRequest, check_model, parse_chat, parse_completion
-from server.textstream import TextStream
 
 OPEN_PATHS = ("/health", "/metrics")
 
@@ -125,6 +125,7 @@ def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool,
                           code="context_length_exceeded")
     try:
         sp.validate()
+        engine.llm.check_token_ids(sp)
         engine.scheduler.check_fits(len(ids), sp.max_tokens)
     except ValueError as e:
         field_name = str(e).split(":", 1)[0]
@@ -137,19 +138,32 @@ def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool,
     reqs = [Request(f"{rid}-{i}", ids,
                     replace(sp, seed=None if sp.seed is None else sp.seed + i, stop=list(sp.stop),
                             stop_token_ids=list(sp.stop_token_ids)),
-                    gen.service_class, now, gen.slo_ttft_s, gen.slo_tbt_s, text)
+                    gen.service_class, now, gen.slo_ttft_s, gen.slo_tbt_s, text, stream_text=gen.stream)
             for i in range(gen.n)]
-    return Prepared(gen, model, rid, ids, reqs, [engine.submit(r) for r in reqs])
+    p = Prepared(gen, model, rid, ids, reqs, [])
+    try:
+        for r in reqs:
+            p.subs.append(engine.submit(r))
+    except DeviceError as e:
+        p.close()
+        raise ApiError(503, str(e), type="service_unavailable", headers={"Retry-After": "5"}) from None
+    except ValueError as e:
+        p.close()
+        raise bad_request(str(e), param=param) from None
+    return p
 
 
 @dataclass
 class Choice:
     index: int
-    stream: TextStream
     token_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
-    text: str = ""
+    parts: list[str] = field(default_factory=list)      # text deltas, joined once at the end
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
 
 
 async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice, sink=None) -> None:
@@ -167,19 +181,15 @@ async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice
                              slo_ttft_s=req.slo_ttft_s, slo_tbt_s=req.slo_tbt_s)
     try:
         async for ev in sub.events():
-            if ev.rejected:
-                raise bad_request(ev.error or "rejected", param="prompt")
             now = time.monotonic()
             ch.token_ids.extend(ev.new_token_ids)
             ch.token_times.extend([now] * len(ev.new_token_ids))
-            if ev.finish_reason is None:
-                delta = ch.stream.push(ev.new_token_ids)
-            else:
-                ch.stream.ids.extend(ev.new_token_ids)
-                delta = ch.stream.finish(ev.text_end)
+            delta = ev.text
+            if ev.finish_reason is not None:
                 ch.finish_reason, queue_s = ev.finish_reason.value, ev.queue_s
                 record(ch.finish_reason, now)
-            ch.text += delta
+            if delta:
+                ch.parts.append(delta)
             if sink is not None and (delta or ev.finish_reason is not None):
                 await sink(ch, delta)
             if ev.finish_reason is not None and ev.error:
@@ -205,13 +215,13 @@ def choice_json(chat: bool, ch: Choice) -> dict:
     return {"index": ch.index, "text": ch.text, "logprobs": None, "finish_reason": ch.finish_reason}
 
 
-def new_choices(engine: AsyncEngine, p: Prepared) -> list[Choice]:
-    return [Choice(i, TextStream(engine.llm.detokenize, r.sampling.stop)) for i, r in enumerate(p.requests)]
+def new_choices(p: Prepared) -> list[Choice]:
+    return [Choice(i) for i in range(len(p.requests))]
 
 
 async def complete(engine: AsyncEngine, st: AppState, p: Prepared, chat: bool) -> dict:
     """Run a prepared, non-streamed request to its end; the OpenAI response body."""
-    choices = new_choices(engine, p)
+    choices = new_choices(p)
     created = int(time.time())
     try:
         await asyncio.gather(*(run_choice(sub, st.metrics, r, ch)
@@ -228,7 +238,7 @@ async def generate_handler(request: web.Request, chat: bool) -> web.StreamRespon
     p = prepare(engine, st.cfg, await read_json(request), chat)
     if p.gen.stream:
         try:
-            return await stream_handler(request, engine, st, p, new_choices(engine, p), chat, int(time.time()))
+            return await stream_handler(request, engine, st, p, new_choices(p), chat, int(time.time()))
         finally:
             p.close()
     return json_response(await complete(engine, st, p, chat))
@@ -323,7 +333,7 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
             state.load_error = f"{type(e).__name__}: {e}"
             print(f"tandem: model failed to load: {state.load_error}", flush=True)
             return
-        engine.step_listeners.append(lambda _u: state.metrics.engine_step(engine.scheduler))
+        engine.step_listeners.append(state.metrics.engine_step)
         state.engine = engine
         routes_batch.engine_ready(app_)
         print(f"tandem: model {cfg.model!r} ready in {time.monotonic() - t0:.1f} s", flush=True)

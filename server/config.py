@@ -26,6 +26,6 @@ class ServerConfig:
     slo_tbt_ms: float = 200.0          # default RT time-between-tokens target
     max_waiting: int = 1024            # waiting requests before 429
     max_upload_bytes: int = 200 << 20  # largest request body / file upload
-    dtype: str = "float32"
+    dtype: str = "auto"                # bfloat16 where the hardware has native bf16, else float32
     kv_cache_bytes: int | None = None
     watch_parent: int | None = None    # stop when this pid is gone (tests)

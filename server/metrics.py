@@ -1,6 +1,8 @@
 """Prometheus metrics: vLLM's names where the meaning is the same, labelled by service class."""
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -48,36 +50,44 @@ class Metrics:
                          "of context a hidden-cache request re-projects (profiled, refined online)",
                          ["model_name"], registry=r)
         self._seen: dict = {}
+        self._devices: dict[int, tuple] = {}     # device index -> its last load, pool, size, T_avg
+        self._lock = threading.Lock()
 
-    def engine_step(self, scheduler) -> None:
-        """Gauges per service class from the scheduler; called on the engine thread."""
-        load = {c.value: v for c, v in scheduler.load_by_class().items()}
-        total = sum(q.pool.geometry.num_blocks for q in scheduler.queues)
-        for cls in CLASSES:
-            running, waiting, blocks = load.get(cls, (0, 0, 0))
-            self.running.labels(self.model, cls).set(running)
-            self.waiting.labels(self.model, cls).set(waiting)
-            self.kv_usage.labels(self.model, cls).set(blocks / max(1, total))
-        for owner, n in scheduler.pool_view().items():
-            self.pool_blocks.labels(self.model, owner).set(n)
-        self.t_avg.labels(self.model).set(scheduler.t_avg)
-        cost = scheduler.cost
-        if cost is not None and cost.error_ewma is not None:
-            self.cost_error.labels(self.model).set(cost.error_ewma)
-            self.cost_steps.labels(self.model).set(cost.observed)
-        if (rho := getattr(scheduler.policy, "rho", None)) is not None:
-            self.rho.labels(self.model).set(rho)
-        self._count(self.preemptions, scheduler.preemptions_by_class)
-        self._count(self.cache_tokens, scheduler.tokens_by_cache_type)
-        self._count(self.cache_switches, scheduler.cache_switches)
+    def engine_step(self, actor) -> None:
+        """Gauges and counters from one device actor, summed over devices; called on that actor's
+        thread after each of its steps (it alone changes its books)."""
+        from sched.scheduler import load_by_class, pool_view
+        load = {c.value: v for c, v in load_by_class([actor]).items()}
+        with self._lock:
+            self._devices[actor.index] = (load, pool_view([actor]), actor.pool.geometry.num_blocks, actor.t_avg)
+            devices = list(self._devices.values())
+            for cls in CLASSES:
+                running = sum(d[0].get(cls, (0, 0, 0))[0] for d in devices)
+                waiting = sum(d[0].get(cls, (0, 0, 0))[1] for d in devices)
+                blocks = sum(d[0].get(cls, (0, 0, 0))[2] for d in devices)
+                self.running.labels(self.model, cls).set(running)
+                self.waiting.labels(self.model, cls).set(waiting)
+                self.kv_usage.labels(self.model, cls).set(blocks / max(1, sum(d[2] for d in devices)))
+            for owner in devices[0][1]:
+                self.pool_blocks.labels(self.model, owner).set(sum(d[1][owner] for d in devices))
+            self.t_avg.labels(self.model).set(max(d[3] for d in devices))
+            cost = actor.cost
+            if actor.index == 0 and cost is not None and cost.error_ewma is not None:
+                self.cost_error.labels(self.model).set(cost.error_ewma)
+                self.cost_steps.labels(self.model).set(cost.observed)
+            if actor.index == 0 and (rho := getattr(actor.policy, "rho", None)) is not None:
+                self.rho.labels(self.model).set(rho)
+            self._count(self.preemptions, actor.index, actor.preemptions_by_class)
+            self._count(self.cache_tokens, actor.index, actor.tokens_by_cache_type)
+            self._count(self.cache_switches, actor.index, actor.cache_switches)
 
-    def _count(self, counter: Counter, totals) -> None:
-        """Bring a Prometheus counter up to the scheduler's running totals (enum key -> count)."""
+    def _count(self, counter: Counter, device: int, totals) -> None:
+        """Bring a Prometheus counter up to one device's running totals (enum key -> count)."""
         for key, n in list(totals.items()):
-            seen = self._seen.get((counter, key), 0)
+            seen = self._seen.get((counter, device, key), 0)
             if n > seen:
                 counter.labels(self.model, key.value).inc(n - seen)
-                self._seen[(counter, key)] = n
+                self._seen[(counter, device, key)] = n
 
     def request_done(self, cls: str, *, prompt_tokens: int, token_times: list[float], arrival: float,
                      end: float, queue_s: float | None, finish_reason: str,

@@ -23,15 +23,16 @@ def tiny_opt(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def scheduler_invariants(monkeypatch):
-    """Check block pool and queue invariants after every scheduler step, in every test."""
-    from sched.scheduler import Scheduler
-    real = Scheduler.step
+    """Check block pool and queue invariants after every device step, in every test (lock-step
+    and actor threads alike: each step ends in DeviceActor.account)."""
+    from sched.actor import DeviceActor
+    real = DeviceActor.account
 
-    def checked(self):
-        out = real(self)
+    def checked(self, pending, out):
+        updates = real(self, pending, out)
         self.check_invariants()
-        return out
-    monkeypatch.setattr(Scheduler, "step", checked)
+        return updates
+    monkeypatch.setattr(DeviceActor, "account", checked)
 
 
 def mixed_prompts(n: int, vocab: int, seed: int, lo: int = 2, hi: int = 60) -> list[list[int]]:

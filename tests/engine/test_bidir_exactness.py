@@ -96,7 +96,7 @@ def test_scheduler_with_bidirectional_blocks_matches_hf(tiny_llama):
     """BROS + bidirectional blocks through the real Scheduler: BE requests fill the pool, RT
     requests arrive and take BE blocks over (checkpointing BE slots, dropping BE requests to the
     CPU when needed); every request still produces HF's greedy tokens and the pool ends empty."""
-    from cache import PoolGeometry
+    from engine.messages import PoolInfo
     from engine.params import SamplingParams
     from sched.cost_model import CostModel, OnlineCostModel
     from sched.request import Request, ServiceClass
@@ -106,7 +106,7 @@ def test_scheduler_with_bidirectional_blocks_matches_hf(tiny_llama):
     spec = load_spec(tiny_llama)
     cfg = WorkerConfig(str(tiny_llama), spec, "float32", "cpu", B, 1 << 20, None, 1, 1, False, False)
     dev = InProcessDevice("cpu", cfg)
-    dev.geometry = PoolGeometry(num_blocks=2 * 20, block_size=B)      # 20 token-blocks of 4 slots
+    dev.pool_info = PoolInfo(num_blocks=2 * 20, block_size=B, hidden_rows=0)   # 20 token-blocks of 4 slots
     moves = {"checkpoints": 0, "swap_ins": 0}
     submit = dev.submit
 

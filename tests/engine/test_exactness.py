@@ -1,7 +1,7 @@
 """Greedy output must equal HF transformers generate, token for token."""
 import pytest
 
-from engine import LLM, SamplingParams
+from tandem import LLM, SamplingParams
 from tests.conftest import assert_pool_free, hf_greedy, mixed_prompts
 
 MAX_NEW = 24

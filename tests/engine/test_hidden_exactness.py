@@ -3,7 +3,7 @@ and recompute K and V at every step, produce exactly HF transformers' greedy tok
 in batches mixed with KV-cache requests, and when they switch cache type mid-generation."""
 import pytest
 
-from engine import LLM, SamplingParams
+from tandem import LLM, SamplingParams
 from engine.messages import CacheType
 from engine.models.loader import load_spec
 from tests.conftest import assert_pool_free, hf_greedy, mixed_prompts
@@ -113,12 +113,13 @@ def test_aptserve_policy_end_to_end_matches_hf(tiny_opt, mixed):
              max_num_batched_tokens=128, threads_per_worker=1, policy="aptserve", mixed_batches=mixed) as llm:
         assert llm.rho >= 0
         seen = set()
-        step = llm.scheduler.step
+        actor = llm.scheduler.actors[0]
+        plan = actor.plan
 
-        def watched():
-            seen.update(st.cache_type for st in llm.scheduler.states.values())
-            return step()
-        llm.scheduler.step = watched
+        def watched():          # on the actor's thread, before each of its steps
+            seen.update(st.cache_type for st in actor.states.values())
+            return plan()
+        actor.plan = watched
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
         assert_pool_free(llm)
         # ρ is refined online: every measured step of the run was checked against the cost model

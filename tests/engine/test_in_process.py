@@ -21,4 +21,4 @@ def test_in_process_device_matches_hf(tiny_opt):
     while sched.has_unfinished():
         sched.step()
     assert [s.output_token_ids for s in states] == hf_greedy(tiny_opt, prompts, 12)
-    assert sched.queues[0].pool.num_free == dev.geometry.num_blocks
+    assert sched.queues[0].pool.num_free == dev.pool_info.num_blocks

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from tandem import LLM, SamplingParams
 from engine.models.loader import packaged_smollm2
 from tests.conftest import assert_pool_free
 

@@ -38,6 +38,8 @@ CASES = [
     ("n zero", "POST", CHAT, {"messages": MSG, "n": 0}, None, 400, "invalid_request_error", "n"),
     ("n too large", "POST", CHAT, {"messages": MSG, "n": 1000}, None, 400, "invalid_request_error", "n"),
     ("seed string", "POST", COMP, {"prompt": "a", "seed": "x"}, None, 400, "invalid_request_error", "seed"),
+    ("stop token id past the vocabulary", "POST", CHAT, {"messages": MSG, "max_tokens": 4, "min_tokens": 1,
+     "stop_token_ids": [10 ** 6]}, None, 400, "invalid_request_error", "stop_token_ids"),
     ("stop not strings", "POST", COMP, {"prompt": "a", "stop": [1, 2]}, None, 400, "invalid_request_error", "stop"),
     ("stop empty string", "POST", COMP, {"prompt": "a", "stop": ""}, None, 400, "invalid_request_error", "stop"),
     ("stream not bool", "POST", COMP, {"prompt": "a", "stream": "yes"}, None, 400, "invalid_request_error", "stream"),

@@ -1,0 +1,402 @@
+"""DeviceActor: one device's books and the phases of its steps.
+
+A device actor owns the requests placed on its device, their RT/BE queues, its block pool and
+its policy instance. One step is three phases, each a method:
+
+    intake   add() / abort() / detach()          (arrivals, cancellations, migrations out)
+    plan     snapshot -> policy(snapshot) -> apply the plan to the block books -> StepInput
+    account  StepOutput -> tokens, text, stops -> Updates
+
+Nothing here waits or runs threads: ``sched.runtime`` drives each actor on its own thread
+against its worker, and ``Scheduler.step`` drives all of them in lock-step (the simulator and
+the start-up profiles). Only the thread driving an actor may call it.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Callable
+
+from cache import BlockPool, PoolGeometry
+from cache.bidir import BidirBlockPool
+from engine.messages import (CacheType, Command, NewRequest, Phase, SamplingSpec, ScheduledRequest,
+                             StepInput, StepOutput)
+from sched.cost_model import OnlineCostModel, StepShape
+from sched.detok import TextTracker
+from sched.policy import Candidate, Limits, Plan, Snapshot
+from sched.request import FinishReason, RequestState, ServiceClass, Status
+
+
+@dataclass(slots=True)
+class Update:
+    """What happened to one request in a step (new tokens and/or its end)."""
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    text: str = ""                    # new text safe to show (held back: a possible stop string start)
+    queue_s: float | None = None      # at the end: seconds from arrival to first being scheduled
+
+
+@dataclass(slots=True)
+class Pending:
+    """A step handed to the device, waiting for its StepOutput."""
+    inp: StepInput
+    plan: Plan
+    shape: StepShape
+    started: float                    # clock when it was planned
+
+
+@dataclass(slots=True)
+class ActorConfig:
+    """What an actor needs of the scheduler's configuration (see sched.scheduler.SchedConfig)."""
+    limits: Limits
+    bidirectional: bool
+    cache_type: CacheType
+
+
+class DeviceActor:
+    def __init__(self, index: int, device, cfg: ActorConfig, policy, eos_ids: tuple[int, ...],
+                 max_model_len: int, decode: Callable[[list[int]], str] | None,
+                 clock: Callable[[], float] = time.monotonic, cost: OnlineCostModel | None = None):
+        self.index = index
+        self.device = device              # the worker handle (Device protocol)
+        self.cfg = cfg
+        self.policy = policy
+        self.cost = cost                  # refined from every measured step when given
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
+        self.decode = decode
+        self.clock = clock
+        self.pool = self.new_pool(PoolGeometry.of(device.pool_info))
+        self.states: dict[str, RequestState] = {}
+        self.waiting: deque[str] = deque()
+        self.running: list[str] = []      # sorted by arrival
+        self._new: list[NewRequest] = []
+        self._reset_ids: list[str] = []
+        self._finished_ids: list[str] = []
+        self._texts: dict[str, TextTracker] = {}
+        self.dead: str | None = None      # why this device no longer serves
+        self.t_avg = 0.0                  # EWMA of iteration wall time (BROS's T_avg)
+        self.step_id = 0
+        self.num_preemptions = 0
+        self.preemptions_by_class: Counter = Counter()
+        self.tokens_by_cache_type: Counter = Counter()
+        self.cache_switches: Counter = Counter()   # type changes that discarded a cache, by new type
+        self.step_log: list[tuple[StepShape, float]] | None = None   # set to a list to record steps
+
+    def new_pool(self, g: PoolGeometry) -> BlockPool:
+        return BidirBlockPool(g) if self.cfg.bidirectional else BlockPool(g)
+
+    # ---- intake ------------------------------------------------------------------
+    def add(self, st: RequestState) -> None:
+        st.device = self.index
+        self.states[st.req_id] = st
+        self.waiting.append(st.req_id)
+        if self.decode is not None and (st.request.stream_text or st.request.sampling.stop):
+            self._texts[st.req_id] = TextTracker(self.decode, st.request.sampling.stop)
+
+    def abort(self, req_id: str) -> Update | None:
+        st = self.states.get(req_id)
+        if st is None or st.status is Status.FINISHED:
+            return None
+        return self._finish(st, FinishReason.ABORT)
+
+    def detach(self, req_id: str) -> RequestState | None:
+        """Take a request off this device to place it elsewhere: its cache is dropped here (the
+        destination recomputes prompt + generated tokens) and its text tracking goes with it."""
+        st = self.states.pop(req_id, None)
+        if st is None:
+            return None
+        self._drop(st)
+        st.status, st.num_computed, st.sent_to_device = Status.WAITING, 0, False
+        st.text = self._texts.pop(req_id, None)
+        return st
+
+    def attach(self, st: RequestState) -> None:
+        """Place a request detached from another device (waiting, first in line)."""
+        st.device = self.index
+        self.states[st.req_id] = st
+        self.waiting.appendleft(st.req_id)
+        if st.text is not None:
+            self._texts[st.req_id] = st.text
+            st.text = None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def has_messages(self) -> bool:
+        """Worker state to update even with nothing to run (finished or reset requests)."""
+        return bool(self._new or self._reset_ids or self._finished_ids)
+
+    def load(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- plan ----------------------------------------------------------------------
+    def plan(self) -> Pending | None:
+        """Plan one step; None when there is nothing to tell the device."""
+        self.step_id += 1
+        t0 = self.clock()
+        plan = self.policy(self.snapshot()) if self.has_work() else Plan()
+        inp, shape = self._apply(plan)
+        if inp.scheduled or inp.finished_ids or inp.reset_ids or inp.new_requests:
+            return Pending(inp, plan, shape, t0)
+        return None
+
+    def snapshot(self) -> Snapshot:
+        now = self.clock()
+        bidir = self.cfg.bidirectional
+        pool = self.pool
+
+        def cand(rid):
+            st = self.states[rid]
+            r = st.request
+            slo = r.slo_tbt_s if st.output_token_ids else r.slo_ttft_s
+            return Candidate(rid, st.num_tokens, st.num_computed, pool.num_blocks_of(rid), r.arrival_time,
+                             r.service_class is ServiceClass.RT, slo, now - (st.last_token_time or r.arrival_time),
+                             pool.num_cpu(rid) if bidir else 0, missed_ttft(st, now), st.cache_type)
+        g = pool.geometry
+        return Snapshot([cand(r) for r in self.running], [cand(r) for r in self.waiting],
+                        pool.num_free, g.block_size, g.blocks_per_token_block(CacheType.KV),
+                        self.cfg.limits, self.t_avg, pool.num_be_only if bidir else 0, bidir, g.hidden_blocks)
+
+    def _apply(self, plan: Plan) -> tuple[StepInput, StepShape]:
+        """Carry out the plan in the bookkeeping; describe it to the device (and its cost shape)."""
+        self._switch_types(plan)
+        self._preempt([self.states[r] for r in plan.preempted])
+        inp = StepInput(Command.STEP, self.step_id, self._new, [], self._reset_ids, self._finished_ids)
+        self._new, self._reset_ids, self._finished_ids = [], [], []
+        shape = StepShape()
+        placed = []
+        decisions = plan.scheduled
+        if self.cfg.bidirectional:       # RT grows first: BE never overwrites RT, RT may overwrite BE
+            decisions = sorted(decisions, key=lambda d: self.states[d.req_id].request.service_class
+                               is not ServiceClass.RT)
+        planned = {d.req_id for d in decisions}
+        for dec in decisions:
+            st = self.states[dec.req_id]
+            sr = self._place(st, dec, inp, planned)
+            if sr is None:
+                continue
+            placed.append(dec)
+            hidden = self.pool.geometry.blocks_for(st.num_computed) if st.cache_type is CacheType.HIDDEN else 0
+            shape = shape.add(dec.num_new_tokens, st.num_computed + dec.num_new_tokens,
+                              dec.phase is Phase.DECODE, hidden)
+            self._start(st)
+            if not st.sent_to_device:
+                inp.new_requests.append(self._new_request(st))
+                st.sent_to_device = True
+            inp.scheduled.append(sr)
+            self.tokens_by_cache_type[st.cache_type] += dec.num_new_tokens
+        plan.scheduled = placed
+        return inp, shape
+
+    def _switch_types(self, plan: Plan) -> None:
+        switched = set()
+        for rid, ct in plan.cache_types.items():
+            st = self.states[rid]
+            if st.cache_type is not ct and self._switch_cache_type(st, ct):
+                switched.add(rid)     # planned again next iteration, from its first token
+                self.cache_switches[ct] += 1
+        if switched:
+            plan.scheduled = [d for d in plan.scheduled if d.req_id not in switched]
+            plan.preempted = [r for r in plan.preempted if r not in switched]
+
+    def _preempt(self, preempted: list[RequestState]) -> None:
+        for st in preempted:
+            self.pool.free(st.req_id)
+            self.running.remove(st.req_id)
+            st.status, st.num_computed = Status.WAITING, 0
+            st.num_preemptions += 1
+            self.num_preemptions += 1
+            self.preemptions_by_class[st.request.service_class] += 1
+            if st.sent_to_device:
+                self._reset_ids.append(st.req_id)
+        for st in sorted(preempted, key=lambda s: s.request.arrival_time, reverse=True):
+            self.waiting.appendleft(st.req_id)
+
+    def _start(self, st: RequestState) -> None:
+        if st.status is Status.WAITING:
+            if st.first_scheduled_time is None:
+                st.first_scheduled_time = self.clock()
+            self.waiting.remove(st.req_id)
+            bisect.insort(self.running, st.req_id, key=lambda r: self.states[r].request.arrival_time)
+            st.status = Status.RUNNING
+
+    def _switch_cache_type(self, st: RequestState, ct: CacheType) -> bool:
+        """Give the request a new kind of cache. One holding nothing just changes type and may run
+        in this iteration (False); otherwise its cache (worker state too) is discarded and it is
+        queued first, to recompute every known token (True: not run in this iteration)."""
+        holds = st.num_computed > 0 or self.pool.num_blocks_of(st.req_id) > 0
+        self.pool.geometry.blocks_per_token_block(ct)          # ValueError if the pool cannot hold it
+        if self.cfg.bidirectional and ct is not CacheType.KV:
+            raise ValueError("cache_type: bidirectional blocks hold KV caches only")
+        self.pool.free(st.req_id)
+        if st.req_id in self._reset_ids:
+            self._reset_ids.remove(st.req_id)
+        if st.req_id in self.running:
+            self.running.remove(st.req_id)
+            self.waiting.appendleft(st.req_id)
+        st.status, st.num_computed, st.cache_type = Status.WAITING, 0, ct
+        if st.sent_to_device:
+            self._finished_ids.append(st.req_id)
+            st.sent_to_device = False
+        return holds
+
+    def _place(self, st: RequestState, dec, inp: StepInput, planned: set[str]) -> ScheduledRequest | None:
+        """Grow the request's cache for this step: whole blocks, or slots of bidirectional blocks
+        (dropping other requests to the CPU when an RT request finds no slot; None = skip it)."""
+        tokens = st.num_computed + dec.num_new_tokens
+        if not self.cfg.bidirectional:
+            alloc = self.pool.grow(st.req_id, tokens, st.cache_type)
+            if alloc is None:
+                raise AssertionError(f"policy over-committed blocks for {st.req_id}")
+            return ScheduledRequest(st.req_id, dec.phase, dec.num_new_tokens, alloc.block_ids,
+                                    alloc.directions, dec.sample)
+        rt = st.request.service_class is ServiceClass.RT
+        g = self.pool.grow(st.req_id, tokens, rt)
+        while g is None and rt:
+            victim = self._drop_victim(planned)
+            if victim is None:
+                break
+            inp.checkpoints.extend(self.pool.drop(victim))
+            g = self.pool.grow(st.req_id, tokens, rt)
+        if g is None:
+            return None
+        inp.checkpoints.extend(g.checkpoints)
+        inp.swap_ins.extend(g.swap_ins)
+        return ScheduledRequest(st.req_id, dec.phase, dec.num_new_tokens, [], [], dec.sample, new_slots=g.slots)
+
+    def _drop_victim(self, planned: set[str]) -> str | None:
+        """Who goes to the CPU whole when an RT request finds no slot: BE first (latest arrival
+        first), then RT by the largest residual time; never one planned for this step."""
+        now = self.clock()
+        held = [self.states[r] for r in self.running if r not in planned and self.pool.num_blocks_of(r)]
+        be = [s for s in held if s.request.service_class is ServiceClass.BE]
+        if be:
+            return max(be, key=lambda s: s.request.arrival_time).req_id
+
+        def residual(s):
+            r = s.request
+            slo = r.slo_tbt_s if s.output_token_ids else r.slo_ttft_s
+            return math.inf if slo is None else slo - (now - (s.last_token_time or r.arrival_time))
+        # requests that already missed their TTFT go first: they can no longer meet their SLO
+        return max(held, key=lambda s: (missed_ttft(s, now), residual(s))).req_id if held else None
+
+    def _new_request(self, st: RequestState) -> NewRequest:
+        sp = st.request.sampling
+        stop_ids = tuple(sp.stop_token_ids) + (() if sp.ignore_eos else self.eos_ids)
+        spec = SamplingSpec(float(sp.temperature), float(sp.top_p), sp.top_k, st.seed,
+                            sp.min_tokens, stop_ids)
+        return NewRequest(st.req_id, st.all_token_ids(), len(st.request.prompt_token_ids),
+                          st.cache_type, spec)
+
+    # ---- account -----------------------------------------------------------------
+    def account(self, p: Pending, out: StepOutput) -> list[Update]:
+        """Fold a step's results into the books; one Update per request that changed."""
+        now = self.clock()
+        if p.inp.scheduled:
+            self.observe(p.shape, now - p.started)
+        for dec in p.plan.scheduled:
+            st = self.states.get(dec.req_id)
+            if st is not None and st.status is Status.RUNNING:
+                st.num_computed += dec.num_new_tokens
+        updates = []
+        for rid, tok in out.sampled.items():
+            st = self.states.get(rid)
+            if st is None or st.status is not Status.RUNNING:
+                continue
+            st.output_token_ids.append(tok)
+            st.last_token_time = now
+            if st.first_token_time is None:
+                st.first_token_time = now
+            updates.append(self._token_update(st, tok))
+        return updates
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        if self.step_log is not None:
+            self.step_log.append((shape, seconds))
+        if self.cost is not None:
+            self.cost.observe(shape, seconds)
+        self.t_avg = seconds if self.t_avg == 0 else 0.9 * self.t_avg + 0.1 * seconds
+
+    def _token_update(self, st: RequestState, tok: int) -> Update:
+        """The new token's text and whether it ends the request. EOS and stop token ids count once
+        min_tokens tokens exist; so do stop strings, searched only in text that is new."""
+        sp = st.request.sampling
+        n = len(st.output_token_ids)
+        armed = n >= sp.min_tokens
+        text = ""
+        tracker = self._texts.get(st.req_id)
+        if tracker is not None:
+            text = tracker.push([tok], check_stop=armed)
+        if armed and ((not sp.ignore_eos and tok in self.eos_ids) or tok in sp.stop_token_ids
+                      or (tracker is not None and tracker.stopped)):
+            return self._finish(st, FinishReason.STOP, [tok], text=text)
+        if n >= sp.max_tokens or st.num_tokens >= self.max_model_len:
+            return self._finish(st, FinishReason.LENGTH, [tok], text=text)
+        return Update(st.req_id, [tok], text=text)
+
+    def _finish(self, st: RequestState, reason: FinishReason, new: list[int] | None = None,
+                error: str | None = None, text: str = "") -> Update:
+        self._drop(st)
+        st.status, st.finish_reason, st.error = Status.FINISHED, reason, error
+        self.states.pop(st.req_id, None)          # the caller keeps its RequestState if it wants it
+        tracker = self._texts.pop(st.req_id, None)
+        if tracker is not None:
+            text += tracker.finish()
+            st.text_result = tracker.text()
+        elif self.decode is not None and reason is not FinishReason.ERROR:
+            text = st.text_result = self.decode(st.output_token_ids)
+        queue_s = (st.first_scheduled_time - st.request.arrival_time
+                   if st.first_scheduled_time is not None else None)
+        return Update(st.req_id, new or [], reason, error, text, queue_s)
+
+    def _drop(self, st: RequestState) -> None:
+        """Free the request's blocks and take it off the queues (and off the worker)."""
+        self.pool.free(st.req_id)
+        if st.status is Status.RUNNING:
+            self.running.remove(st.req_id)
+        elif st.status is Status.WAITING:
+            self.waiting.remove(st.req_id)
+        if st.sent_to_device:
+            self._finished_ids.append(st.req_id)
+
+    # ---- failures ----------------------------------------------------------------------
+    def fail(self, req_id: str, why: str) -> Update:
+        """End one request with an error (the worker is told to drop it)."""
+        return self._finish(self.states[req_id], FinishReason.ERROR, error=why)
+
+    def fail_all(self, why: str) -> list[Update]:
+        """End every request on this device with an error."""
+        return [self._finish(st, FinishReason.ERROR, error=why) for st in list(self.states.values())]
+
+    def requeue_all(self, geometry: PoolGeometry) -> None:
+        """A fresh worker replaced a dead one: every request waits again, to recompute its prompt
+        and the tokens it has generated (the new worker knows none of them)."""
+        self.pool = self.new_pool(geometry)
+        self._new, self._reset_ids, self._finished_ids = [], [], []
+        order = sorted(self.states.values(), key=lambda s: s.request.arrival_time)
+        for st in order:
+            st.status, st.num_computed, st.sent_to_device = Status.WAITING, 0, False
+        self.running = []
+        self.waiting = deque(st.req_id for st in order)
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        for r in self.waiting:
+            if self.pool.num_blocks_of(r):
+                raise AssertionError(f"waiting request {r} holds blocks")
+        if any(self.states[r].status is not Status.RUNNING for r in self.running):
+            raise AssertionError("running list holds a non-running request")
+
+
+def missed_ttft(st: RequestState, now: float) -> bool:
+    """Has this RT request's first token come, or can it now only come, after its TTFT target?"""
+    r = st.request
+    if r.slo_ttft_s is None or r.service_class is not ServiceClass.RT:
+        return False
+    return (st.first_token_time or now) - r.arrival_time > r.slo_ttft_s

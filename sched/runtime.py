@@ -1,0 +1,274 @@
+"""The serving runtime: every device actor steps on its own thread, never waiting for another.
+
+    arrivals ──► Runtime.add ──► dispatcher (Scheduler.dispatch) ──► that actor's inbox
+    actor thread:  drain inbox → plan → submit → collect (the worker runs the step; the GIL is
+                   free meanwhile) → account → one ``on_updates(list)`` call per step
+    rebalancer slot: ``Runtime.migrate(req_id, dst)`` moves a request between devices
+                   (detached by its actor between two steps, recomputed by the destination)
+
+Failures are never silent:
+- a worker that dies is restarted (bounded tries with back-off) and its requests are queued
+  again to recompute their tokens, so their callers see a pause, not an error; a request that
+  was on a worker through ``MAX_REQUEST_CRASHES`` deaths is failed instead (it may be the cause);
+- a worker-side exception in a step fails that step's requests (the worker keeps serving);
+- any other exception in an actor's loop is logged with an error id, fails that device's
+  requests and resets its books; ``MAX_LOOP_FAILURES`` in a row without a good step in between
+  mark the device dead. ``serving()`` is False while no device can serve (``/health`` 503).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from cache import PoolGeometry
+from engine.messages import Command, DeviceError, StepInput
+from sched.actor import DeviceActor, Update
+from sched.request import FinishReason, RequestState
+
+log = logging.getLogger("tandem.runtime")
+
+MAX_RESTART_TRIES = 3        # tries to start a fresh worker after one died
+RESTART_BACKOFF_S = 0.5      # doubled after each failed try
+MAX_REQUEST_CRASHES = 2      # worker deaths a request may live through before it is failed
+MAX_LOOP_FAILURES = 3        # loop exceptions in a row (no good step between) before a device is dead
+
+
+@dataclass(slots=True)
+class Add:
+    st: RequestState
+
+
+@dataclass(slots=True)
+class Abort:
+    req_id: str
+
+
+@dataclass(slots=True)
+class MoveOut:
+    req_id: str
+    dst: "ActorThread"
+
+
+@dataclass(slots=True)
+class MoveIn:
+    st: RequestState
+
+
+Message = Add | Abort | MoveOut | MoveIn
+
+
+def error_id() -> str:
+    return "err-" + uuid.uuid4().hex[:12]
+
+
+class ActorThread:
+    """Runs one DeviceActor against its worker on a thread of its own."""
+
+    def __init__(self, actor: DeviceActor, on_updates: Callable[[list[Update]], None],
+                 listeners: list[Callable[[DeviceActor], None]]):
+        self.actor = actor
+        self.on_updates = on_updates
+        self.listeners = listeners        # run on this thread after every step (metrics)
+        self._inbox: deque[Message] = deque()
+        self._wake = threading.Condition()
+        self._stop = False
+        self.restarting = False
+        self.loop_failures = 0            # loop exceptions since the last good step
+        self.restarts = 0                 # workers started to replace dead ones
+        self._thread = threading.Thread(target=self._run, name=f"tandem-actor-{actor.device.name}",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def post(self, msg: Message) -> None:
+        with self._wake:
+            self._inbox.append(msg)
+            self._wake.notify()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+
+    @property
+    def serving(self) -> bool:
+        return self.actor.dead is None and not self.restarting
+
+    def num_queued(self) -> int:
+        return len(self._inbox) + len(self.actor.waiting)
+
+    # ---- the loop ------------------------------------------------------------------
+    def _run(self) -> None:
+        a = self.actor
+        while True:
+            with self._wake:           # idle means idle: sleep until a message or work arrives
+                while not self._stop and not self._inbox and not (a.dead is None and
+                                                                  (a.has_work() or a.has_messages())):
+                    self._wake.wait()
+                if self._stop:
+                    return
+                inbox, self._inbox = list(self._inbox), deque()
+            updates: list[Update] = []
+            try:
+                for msg in inbox:
+                    updates.extend(self._handle(msg))
+                if a.dead is None and (a.has_work() or a.has_messages()):
+                    updates.extend(self._step())
+                    self.loop_failures = 0
+            except DeviceError as e:
+                updates.extend(self._worker_died(str(e)))
+            except Exception:            # a bug in the loop (a policy, the books): never silent
+                updates.extend(self._loop_failed(traceback.format_exc()))
+            if updates:
+                self.on_updates(updates)
+            for fn in self.listeners:
+                try:
+                    fn(a)
+                except Exception:
+                    log.exception("step listener failed")
+
+    def _handle(self, msg: Message) -> list[Update]:
+        a = self.actor
+        if isinstance(msg, Add):
+            if a.dead is not None:
+                return [Update(msg.st.req_id, [], FinishReason.ERROR, f"device {a.device.name} is down")]
+            a.add(msg.st)
+        elif isinstance(msg, Abort):
+            u = a.abort(msg.req_id)
+            return [u] if u is not None else []
+        elif isinstance(msg, MoveOut):
+            st = a.detach(msg.req_id)
+            if st is not None:
+                msg.dst.post(MoveIn(st))
+        elif isinstance(msg, MoveIn):
+            a.attach(msg.st)
+        return []
+
+    def _step(self) -> list[Update]:
+        a = self.actor
+        p = a.plan()
+        if p is None:
+            return []
+        a.device.submit(p.inp)
+        out = a.device.collect()
+        if out.error:                # the worker raised in this step; it keeps serving the others
+            eid = error_id()
+            log.error("%s: step failed (%s), its %d request(s) fail:\n%s", a.device.name, eid,
+                      len(p.inp.scheduled), out.error)
+            why = f"internal error while generating (error id {eid})"
+            return [a.fail(s.req_id, why) for s in p.inp.scheduled if s.req_id in a.states]
+        return a.account(p, out)
+
+    def _worker_died(self, why: str) -> list[Update]:
+        """Start a fresh worker and queue the requests again; fail the device if it cannot start."""
+        a = self.actor
+        log.error("%s: %s; restarting it", a.device.name, why)
+        self.restarting = True
+        updates = []
+        for st in list(a.states.values()):
+            st.num_crashes += 1
+            if st.num_crashes > MAX_REQUEST_CRASHES:
+                updates.append(a.fail(st.req_id, f"the device failed {st.num_crashes} times while "
+                                                 "running this request"))
+        try:
+            for attempt in range(MAX_RESTART_TRIES):
+                time.sleep(RESTART_BACKOFF_S * 2 ** attempt)
+                if self._stop:
+                    return updates
+                try:
+                    geometry = PoolGeometry.of(a.device.restart())
+                except Exception as e:          # noqa: BLE001 -- any failure to start counts as a try
+                    log.error("%s: restart %d failed: %s", a.device.name, attempt + 1, e)
+                    continue
+                if geometry != a.pool.geometry:
+                    log.error("%s: the new worker's pool differs (%s, was %s)", a.device.name,
+                              geometry, a.pool.geometry)
+                    break
+                self.restarts += 1
+                a.requeue_all(geometry)
+                log.warning("%s: worker restarted; %d request(s) queued again", a.device.name, len(a.states))
+                return updates
+            a.dead = why
+            return updates + a.fail_all(f"device {a.device.name} failed: {why}")
+        finally:
+            self.restarting = False
+
+    def _loop_failed(self, tb: str) -> list[Update]:
+        """An exception outside the worker: log it, fail this device's requests, reset the books
+        and the worker's request state; after MAX_LOOP_FAILURES in a row the device is dead."""
+        a = self.actor
+        eid = error_id()
+        self.loop_failures += 1
+        log.error("%s: scheduling loop failed (%s, %d in a row):\n%s", a.device.name, eid,
+                  self.loop_failures, tb)
+        why = f"internal error in the scheduler (error id {eid})"
+        updates = a.fail_all(why)
+        try:
+            a.requeue_all(a.pool.geometry)          # nothing is left to requeue: fresh books
+            a.device.submit(StepInput(Command.RESET, -1))
+            a.device.collect()
+        except Exception as e:                      # noqa: BLE001
+            log.error("%s: reset after the failure failed too: %s", a.device.name, e)
+            self.loop_failures = MAX_LOOP_FAILURES
+        if self.loop_failures >= MAX_LOOP_FAILURES:
+            a.dead = why
+        return updates
+
+
+class Runtime:
+    """The actors of one Scheduler, each on its own thread; ``on_updates`` gets every step's
+    updates in one call, from that actor's thread."""
+
+    def __init__(self, scheduler, on_updates: Callable[[list[Update]], None]):
+        self.scheduler = scheduler
+        self.listeners: list[Callable[[DeviceActor], None]] = []
+        self.threads = [ActorThread(a, on_updates, self.listeners) for a in scheduler.actors]
+        self._where: dict[int, ActorThread] = {id(t.actor): t for t in self.threads}
+        for t in self.threads:
+            t.start()
+
+    def add(self, st: RequestState) -> None:
+        """Hand a checked request (Scheduler.new_state) to the device the dispatcher picks."""
+        t = self._where[id(self.dispatch())]
+        st.device = t.actor.index
+        t.post(Add(st))
+
+    def dispatch(self) -> DeviceActor:
+        live = [t.actor for t in self.threads if t.serving]
+        if not live:
+            raise DeviceError(self.why_down())
+        return min(live, key=lambda a: a.load() + len(self._where[id(a)]._inbox))
+
+    def abort(self, req_id: str) -> None:
+        """Cancel a request wherever it is (a migration may be moving it): every actor is told,
+        the one holding it frees its blocks at its next turn."""
+        for t in self.threads:
+            t.post(Abort(req_id))
+
+    def migrate(self, req_id: str, src: int, dst: int) -> None:
+        """The rebalancer's move: the request leaves device ``src`` between two of its steps and
+        waits first in line on ``dst``, which recomputes its prompt and generated tokens."""
+        self.threads[src].post(MoveOut(req_id, self.threads[dst]))
+
+    def serving(self) -> bool:
+        return any(t.serving for t in self.threads)
+
+    def why_down(self) -> str:
+        return "no device can serve: " + "; ".join(
+            f"{t.actor.device.name}: {'restarting' if t.restarting else t.actor.dead}" for t in self.threads)
+
+    def num_waiting(self) -> int:
+        return sum(t.num_queued() for t in self.threads)
+
+    def stop(self) -> None:
+        for t in self.threads:
+            t.stop()

@@ -1,0 +1,124 @@
+"""Failures are never silent and never lose work: worker deaths, step errors, scheduling-loop
+bugs, and devices that step independently of each other."""
+import os
+import signal
+import threading
+
+import pytest
+
+from engine.messages import DeviceError
+from sched import runtime
+from tandem import LLM, SamplingParams
+from tests.conftest import assert_pool_free, hf_greedy, mixed_prompts
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def quick_backoff(monkeypatch):
+    monkeypatch.setattr(runtime, "RESTART_BACKOFF_S", 0.01)
+
+
+def kill_on_calls(handle, calls: set[int]) -> list[int]:
+    """SIGKILL the worker behind ``handle`` just before its n-th collect() for n in ``calls``
+    (counted over every worker the handle starts); the returned list records the kills."""
+    real, n, killed = handle.collect, [0], []
+
+    def collect():
+        n[0] += 1
+        if n[0] in calls:
+            os.kill(handle.proc.pid, signal.SIGKILL)
+            handle.proc.join()
+            killed.append(n[0])
+        return real()
+    handle.collect = collect
+    return killed
+
+
+def test_killed_worker_is_restarted_and_its_requests_finish_token_exact(tiny_llama):
+    prompts = mixed_prompts(8, 512, seed=11)
+    with LLM(str(tiny_llama), "cpu:1", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
+        handle = llm._workers[0]
+        first_pid = handle.proc.pid
+        killed = kill_on_calls(handle, {3})
+        outs = llm.generate(prompts, SamplingParams(max_tokens=30, **GREEDY))
+        assert killed == [3], "the worker was meant to die mid-generation"
+        assert handle.proc.pid != first_pid and llm.runtime.threads[0].restarts == 1
+        assert llm.runtime.serving()
+        assert_pool_free(llm)
+    assert [o.token_ids for o in outs] == hf_greedy(tiny_llama, prompts, 30)
+
+
+def test_a_request_that_keeps_killing_its_worker_fails_alone(tiny_llama):
+    """After MAX_REQUEST_CRASHES restarts the requests on board fail (they may be the cause);
+    the device comes back and serves the next request exactly."""
+    with LLM(str(tiny_llama), "cpu:1", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
+        killed = kill_on_calls(llm._workers[0], {3, 4, 5})
+        with pytest.raises(DeviceError, match="failed 3 times"):
+            llm.generate(mixed_prompts(2, 512, seed=12), SamplingParams(max_tokens=30, **GREEDY))
+        assert killed == [3, 4, 5]
+        assert llm.runtime.serving()
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, **GREEDY))
+        assert_pool_free(llm)
+    assert out[0].token_ids == hf_greedy(tiny_llama, [[5, 6, 7]], 8)[0]
+
+
+def test_a_policy_that_raises_fails_requests_then_marks_the_device_down(tiny_llama):
+    def broken(snapshot):
+        raise RuntimeError("policy bug")
+    with LLM(str(tiny_llama), "cpu:1", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
+        llm.scheduler.policy = broken
+        for _ in range(runtime.MAX_LOOP_FAILURES):
+            with pytest.raises(DeviceError, match="internal error in the scheduler"):
+                llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **GREEDY))
+            assert_pool_free(llm)
+        assert not llm.runtime.serving()
+        with pytest.raises(DeviceError, match="no device can serve"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **GREEDY))
+
+
+def test_a_step_error_fails_that_step_and_the_device_serves_on(tiny_llama):
+    with LLM(str(tiny_llama), "cpu:1", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
+        handle = llm._workers[0]
+        real, n = handle.collect, [0]
+
+        def collect():
+            out = real()
+            n[0] += 1
+            if n[0] == 2:
+                out.error = "Traceback ...\nRuntimeError: injected"
+            return out
+        handle.collect = collect
+        with pytest.raises(DeviceError, match="internal error while generating"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, **GREEDY))
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, **GREEDY))
+        assert_pool_free(llm)
+    assert out[0].token_ids == hf_greedy(tiny_llama, [[5, 6, 7]], 6)[0]
+
+
+def test_devices_step_without_waiting_for_each_other(tiny_llama):
+    """Device 0 cannot finish its first step until device 1 has finished all its requests: in
+    lock-step that would never happen (the wait times out and the test fails)."""
+    with LLM(str(tiny_llama), "cpu:2", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
+        slow = llm._workers[0]
+        other_done = threading.Event()
+        real = slow.collect
+        waited = []
+
+        def collect():
+            if not waited:
+                waited.append(other_done.wait(timeout=60))
+            return real()
+        slow.collect = collect
+        fast = llm.scheduler.actors[1]
+        account = fast.account
+
+        def watched(pending, out):            # device 1's thread, after each of its steps
+            updates = account(pending, out)
+            if any(u.finish_reason is not None for u in updates) and not fast.has_work():
+                other_done.set()
+            return updates
+        fast.account = watched
+        outs = llm.generate([[5, 6, 7], [8, 9, 10]], SamplingParams(max_tokens=20, **GREEDY))
+        assert waited == [True], "device 0 was held until device 1 had finished"
+    assert [o.token_ids for o in outs] == hf_greedy(tiny_llama, [[5, 6, 7], [8, 9, 10]], 20)

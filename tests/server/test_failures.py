@@ -1,0 +1,108 @@
+"""Failures inside the server never hang a client or leak a traceback: a scheduling loop that
+raises, a batch line that raises (injected into the server process)."""
+import asyncio
+import io
+import json
+import time
+import urllib.error
+import urllib.request
+
+import aiohttp
+
+from tests.server.conftest import API_KEY, start_server, stop_server
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+BROKEN_POLICY = """
+import sched.scheduler as s
+def _broken(cfg, cost):
+    def policy(snapshot):
+        raise RuntimeError("injected policy bug")
+    return policy
+s.make_policy = _broken
+"""
+
+RAISING_LINE = """
+import server.app as app
+_prepare = app.prepare
+def prepare(engine, cfg, body, chat, force_be=False):
+    if body.get("max_tokens") == 13:
+        raise RuntimeError("injected failure for this line")
+    return _prepare(engine, cfg, body, chat, force_be)
+app.prepare = prepare
+"""
+
+
+def health(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_a_raising_policy_ends_streams_with_an_error_and_health_turns_503(tiny_chat_model, tmp_path):
+    srv = start_server(tiny_chat_model, tmp_path, inject=BROKEN_POLICY)
+
+    async def run():
+        async with aiohttp.ClientSession(headers=AUTH) as s:
+            async def streamed():
+                body = {"prompt": "Hello", "max_tokens": 8, "stream": True}
+                async with s.post(srv.url + "/v1/completions", json=body) as r:
+                    lines = [ln async for ln in r.content if ln.strip()]
+                return r.status, lines
+
+            async def plain():
+                async with s.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 8}) as r:
+                    return r.status, await r.json()
+            return await asyncio.gather(streamed(), plain())
+    try:
+        (st_status, lines), (status, body) = asyncio.run(run())
+        assert st_status == 200 and lines[-1].strip() == b"data: [DONE]"
+        event = json.loads(lines[-2][6:])
+        assert event["error"]["type"] == "server_error" and "error id" in event["error"]["message"]
+        assert status == 500 and body["error"]["type"] == "server_error"
+        for text in (json.dumps(event), json.dumps(body)):
+            assert "Traceback" not in text and ".py" not in text
+        statuses = []
+        for _ in range(6):             # every failed loop counts; the device goes down after a few
+            req = urllib.request.Request(srv.url + "/v1/completions", method="POST", headers=AUTH | {
+                "Content-Type": "application/json"}, data=json.dumps({"prompt": "a", "max_tokens": 2}).encode())
+            try:
+                urllib.request.urlopen(req, timeout=30)
+                statuses.append(200)
+            except urllib.error.HTTPError as e:
+                statuses.append(e.code)
+        assert 200 not in statuses and statuses[-1] == 503, statuses
+        assert health(srv.url) == 503
+        assert "injected policy bug" in srv.log.read_text(), "the traceback is logged"
+    finally:
+        stop_server(srv)
+
+
+def test_a_batch_line_that_raises_is_recorded_and_the_batch_completes(tiny_chat_model, tmp_path, monkeypatch):
+    srv = start_server(tiny_chat_model, tmp_path, inject=RAISING_LINE)
+    try:
+        from openai import OpenAI
+        client = OpenAI(base_url=srv.url + "/v1", api_key=API_KEY)
+        lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions",
+                  "body": {"prompt": f"Fact {i}:", "max_tokens": 13 if i == 3 else 5}} for i in range(8)]
+        f = client.files.create(file=("in.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())),
+                                purpose="batch")
+        b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        deadline = time.monotonic() + 120
+        while b.status not in ("completed", "failed", "cancelled", "expired") and time.monotonic() < deadline:
+            time.sleep(0.3)
+            b = client.batches.retrieve(b.id)
+        assert b.status == "completed"
+        out = [json.loads(x) for x in client.files.content(b.output_file_id).text.splitlines()]
+        err = [json.loads(x) for x in client.files.content(b.error_file_id).text.splitlines()]
+        ids = sorted(x["custom_id"] for x in out + err)
+        assert ids == sorted(f"q{i}" for i in range(8)), "every custom_id exactly once"
+        assert [x["custom_id"] for x in err] == ["q3"]
+        assert err[0]["response"]["status_code"] == 500
+        assert "Traceback" not in json.dumps(err[0])
+        assert srv.log.read_text().count("injected failure for this line") >= 3, "tried, then recorded"
+        assert health(srv.url) == 200
+    finally:
+        stop_server(srv)
