@@ -55,6 +55,17 @@ def main() -> None:
     tb.add_argument("--drain", type=float, default=90.0)
     tb.add_argument("--search", nargs=2, type=float, default=[0.25, 3.0], metavar=("LO", "HI"))
     tb.add_argument("--skip-offline", action="store_true", help="reuse results/offline.json")
+    sp = sub.add_parser("step-profile", help="where a decode step's time goes: GEMMs, attention, norms, "
+                        "rotary, sampling, Python, IPC, the actor's phases")
+    sp.add_argument("--batch", type=int, default=64)
+    sp.add_argument("--max-tokens", type=int, default=64)
+    sp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ind = sub.add_parser("independence", help="cpu:2: does a busy device slow the other's short chats? "
+                         "(device actors vs lock-step)")
+    ind.add_argument("--chats", type=int, default=8)
+    ind.add_argument("--max-tokens", type=int, default=64)
+    ind.add_argument("--longs", type=int, default=8)
+    ind.add_argument("--long-tokens", type=int, default=512)
     pr = sub.add_parser("profile", help="fit the iteration cost model from our engine's measured steps")
     pr.add_argument("--max-num-seqs", type=int, default=64)
     sm = sub.add_parser("sim", help="simulated FCFS at paper scale (or with the fitted cost model)")
@@ -127,6 +138,12 @@ def main() -> None:
     elif args.cmd == "sim-apt":
         from bench.sim_apt import run as sim_apt
         sim_apt(args)
+    elif args.cmd == "independence":
+        from bench import independence
+        independence.main(args)
+    elif args.cmd == "step-profile":
+        from bench import step_profile
+        step_profile.main(args)
     elif args.cmd == "overhead":
         from bench.overhead import run as overhead
         overhead(args)

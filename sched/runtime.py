@@ -236,9 +236,10 @@ class Runtime:
         for t in self.threads:
             t.start()
 
-    def add(self, st: RequestState) -> None:
-        """Hand a checked request (Scheduler.new_state) to the device the dispatcher picks."""
-        t = self._where[id(self.dispatch())]
+    def add(self, st: RequestState, device: int | None = None) -> None:
+        """Hand a checked request (Scheduler.new_state) to ``device``, or to the one the
+        dispatcher picks."""
+        t = self.threads[device] if device is not None else self._where[id(self.dispatch())]
         st.device = t.actor.index
         t.post(Add(st))
 
