@@ -20,13 +20,13 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 serve: $(STAMP)
-	OMP_WAIT_POLICY=PASSIVE $(VPY) -m server --model smollm2 --host 127.0.0.1 --port 8000
+	$(VPY) -m server --model smollm2 --host 127.0.0.1 --port 8000
 
 test: $(STAMP)
 	OMP_WAIT_POLICY=PASSIVE $(VPY) -m pytest -q tests
 
 bench: $(STAMP)
-	OMP_WAIT_POLICY=PASSIVE $(VPY) -m bench offline
+	$(VPY) -m bench offline
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 
 def main() -> None:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     ap = argparse.ArgumentParser(prog="python -m bench")
     sub = ap.add_subparsers(dest="cmd", required=True)
     off = sub.add_parser("offline", help="offline throughput vs HF transformers and vLLM")

@@ -5,13 +5,11 @@ once in lock-step (every step of every device waits for the slowest, as ``Schedu
 drives them). With actors the short chats' TPOT should not move."""
 from __future__ import annotations
 
-import json
 import statistics
 import threading
 import time
-from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+from bench.output import save_json
 
 
 def _requests(scheduler, prompts, max_tokens, tag):
@@ -77,7 +75,6 @@ def run_lockstep(llm, chats, longs, max_tokens, busy: bool) -> float:
 def main(args) -> None:
     from bench.workloads import chat_ids, sharegpt_prompts
     from tandem import LLM
-    RESULTS.mkdir(exist_ok=True)
     rows = []
     for mode, fn in (("lock-step", run_lockstep), ("actors", run_actors)):
         with LLM("smollm2", "cpu:2", threads_per_worker=1, max_num_batched_tokens=args.long_tokens) as llm:
@@ -95,6 +92,4 @@ def main(args) -> None:
     print("\n| mode | short chats' TPOT, device 0 idle | device 0 busy | busy / idle |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['tpot_idle_ms']:.1f} ms | {r['tpot_busy_ms']:.1f} ms | {r['ratio']:.2f}x |")
-    out = RESULTS / "independence.json"
-    out.write_text(json.dumps(rows, indent=2))
-    print(f"wrote {out}")
+    save_json("independence.json", rows)

@@ -2,12 +2,11 @@
 (Apt-Serve Table 6: 0.3 ms at 50, 10.8 ms at 1,600). Pure CPU, no model."""
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
 
-from bench.online import RESULTS
+from bench.output import save_json
 from engine.messages import CacheType
 from sched.aptserve import AptServe
 from sched.policy import Candidate, Limits, Snapshot, fcfs
@@ -51,6 +50,4 @@ def run(args) -> None:
     print("| policy | candidates | Apt-Serve iteration | median ms | p90 ms |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['policy']} | {r['candidates']} | {r['iteration']} | {r['median_ms']:.3f} | {r['p90_ms']:.3f} |")
-    out = RESULTS / "sched_overhead.json"
-    out.write_text(json.dumps(rows, indent=2))
-    print(f"wrote {out}")
+    save_json("sched_overhead.json", rows)

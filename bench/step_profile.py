@@ -14,12 +14,11 @@ Two measurements on SmolLM2 (the dtype ``LLM`` picks unless told):
 """
 from __future__ import annotations
 
-import json
 import statistics
 import time
-from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+from bench.output import save_json
+
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "aten::bmm"}
 LABELS = ("attention", "rms_norm", "rotary", "sampling")
 
@@ -69,7 +68,6 @@ def serving_phases(batch: int, max_tokens: int, dtype: str) -> tuple[dict, str]:
 
 def forward_buckets(batch: int, dtype: str, steps: int = 8) -> dict:
     """ms per decode step at ``batch`` in each bucket (in-process device under torch.profiler)."""
-    import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import engine.models.llama as llama
@@ -131,7 +129,6 @@ def forward_buckets(batch: int, dtype: str, steps: int = 8) -> dict:
 
 
 def main(args) -> None:
-    RESULTS.mkdir(exist_ok=True)
     phases, dtype = serving_phases(args.batch, args.max_tokens, args.dtype)
     inside = forward_buckets(args.batch, args.dtype)
     print(f"\nDecode step at batch {args.batch}, SmolLM2, {dtype}, one CPU worker "
@@ -149,7 +146,4 @@ def main(args) -> None:
                      ("submit", "actor: submit (pickle, write)"), ("account", "actor: account (tokens, stops)")):
         print(f"| {label} | {phases[k]:.2f} | {phases[k] / loop:.0%} |")
     print(f"| actor loop total | {loop:.2f} | |")
-    out = RESULTS / "step_profile.json"
-    out.write_text(json.dumps({"batch": args.batch, "dtype": dtype, "serving": phases, "forward": inside},
-                              indent=2))
-    print(f"wrote {out}")
+    save_json("step_profile.json", {"batch": args.batch, "dtype": dtype, "serving": phases, "forward": inside})

@@ -6,19 +6,19 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from engine.dtype import resolve_dtype
-from engine.messages import CacheType, DeviceError
+from engine.messages import DeviceError
 from engine.models.loader import load_spec, load_tokenizer, resolve_model
 from engine.params import SamplingParams
 from engine.worker import WorkerConfig, WorkerHandle, wait_all
 from sched.actor import Update
 from sched.request import FinishReason, Request, RequestState
 from sched.runtime import Runtime
-from sched.scheduler import POLICIES, SchedConfig, Scheduler
+from sched.scheduler import SchedConfig, Scheduler, cache_type_of
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tandem"
 DEFAULT_KV_CACHE_BYTES = 2 << 30      # per device, when no budget is given (vLLM CPU's usual 2 GiB)
@@ -81,21 +81,9 @@ class LLM:
         log.info("dtype %s: %s", dtype, why)
         self.dtype = dtype
         _positive("block_size", block_size)
-        _positive("max_num_seqs", max_num_seqs)
-        if policy not in POLICIES:
-            raise ValueError(f"policy: {policy!r} is not one of {list(POLICIES)}")
-        if bidirectional_blocks and policy != "bros":
-            raise ValueError("bidirectional_blocks: needs policy='bros'")
-        kinds = {c.value: c for c in CacheType}
-        if cache_type not in kinds:
-            raise ValueError(f"cache_type: {cache_type!r} is not one of {list(kinds)}")
-        if bidirectional_blocks and cache_type != "kv":
-            raise ValueError("cache_type: bidirectional blocks hold KV caches only")
-        if policy == "aptserve" and cache_type != "kv":
-            raise ValueError("cache_type: the aptserve policy chooses each request's cache type itself")
-        if slo_decay is not None and not 0 <= slo_decay <= 1:
-            raise ValueError(f"slo_decay: must be in [0, 1], got {slo_decay!r}")
-        _positive("max_num_batched_tokens", max_num_batched_tokens)
+        final = SchedConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, policy, rt_budget_s,
+                            bidirectional_blocks, cache_type_of(cache_type), hybrid_cache=hybrid_cache,
+                            adaptive=adaptive, slo_decay=slo_decay, mixed_batches=mixed_batches).check()
         if kv_cache_bytes is not None:
             _positive("kv_cache_bytes", kv_cache_bytes)
         if kv_cache_fraction is not None and not 0 < kv_cache_fraction <= 1:
@@ -129,26 +117,25 @@ class LLM:
             raise
         detok = self.detokenize if self.tokenizer is not None else None
         try:
-            self.scheduler = Scheduler(
-                SchedConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, "fcfs", rt_budget_s,
-                            cache_type=kinds[cache_type]),
-                self._workers, self.spec.eos_token_ids, self.max_model_len, detok)
+            # FCFS over plain pools while profiling; then the configuration asked for
+            self.scheduler = Scheduler(replace(final, policy="fcfs", bidirectional=False, hybrid_cache=True,
+                                               adaptive=True, slo_decay=None, mixed_batches=False),
+                                       self._workers, self.spec.eos_token_ids, self.max_model_len, detok)
             if policy in ("bros",):         # policies that price iterations: profile first (seconds)
                 from sched.profiling import profile_cost
-                self.scheduler.use_policy(policy, profile_cost(self.scheduler, self.spec.vocab_size),
-                                          bidirectional=bidirectional_blocks)
+                self.scheduler.use_config(final, profile_cost(self.scheduler, self.spec.vocab_size))
             elif policy == "aptserve":
-                options, cost = self._aptserve_options(hybrid_cache, adaptive, slo_decay)
-                self.scheduler.use_policy(policy, cost, **options, mixed_batches=mixed_batches)
+                options, cost = self._aptserve_options(hybrid_cache)
+                self.scheduler.use_config(replace(final, **options), cost)
             else:
-                self.scheduler.use_policy(policy)
+                self.scheduler.use_config(final)
         except BaseException:
             self.shutdown()
             raise
         self._ids = itertools.count()
 
     # ---- prompts -------------------------------------------------------------
-    def _aptserve_options(self, hybrid: bool, adaptive: bool, decay: float | None):
+    def _aptserve_options(self, hybrid: bool):
         """Apt-Serve's options and its online cost model (None with KV caches only); ρ is profiled
         when a hidden cache saves memory on this model, then refined from measured steps."""
         g = self.scheduler.queues[0].pool.geometry
@@ -164,7 +151,7 @@ class LLM:
                      "%.3g in the joint cost model, refined online", g.hidden_ratio, rho,
                      cost.model.per_hidden_block)
         self.rho = rho
-        return {"rho": rho, "hybrid_cache": hybrid, "adaptive": adaptive, "slo_decay": decay}, cost
+        return {"rho": rho, "hybrid_cache": hybrid}, cost
 
     def detokenize(self, ids: list[int]) -> str:
         """Generated ids to text, special tokens skipped."""

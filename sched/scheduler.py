@@ -51,16 +51,46 @@ class SchedConfig:
     slo_decay: float | None = None
     mixed_batches: bool = False          # aptserve: prefill and decode in one iteration (Apt-Serve-S)
 
+    def check(self) -> "SchedConfig":
+        """ValueError naming the option for any value or combination the scheduler cannot honour.
+        The one place these options are checked (the LLM, the server's flags and the scheduler
+        all come here); returns self."""
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name}: must be a positive integer, got {v!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: {self.policy!r} is not one of {list(POLICIES)}")
+        if self.bidirectional and self.policy != "bros":
+            raise ValueError("bidirectional_blocks: bidirectional blocks need the bros policy")
+        if self.bidirectional and self.cache_type is not CacheType.KV:
+            raise ValueError("cache_type: bidirectional blocks hold KV caches only")
+        if self.policy == "aptserve" and self.cache_type is not CacheType.KV:
+            raise ValueError("cache_type: the aptserve policy chooses each request's cache type itself")
+        aptserve_only = {"kv-only (hybrid_cache=False)": not self.hybrid_cache,
+                         "aptserve-fcfs (adaptive=False)": not self.adaptive,
+                         "mixed_batches": self.mixed_batches, "slo_decay": self.slo_decay is not None}
+        for name, set_ in aptserve_only.items():
+            if set_ and self.policy != "aptserve":
+                raise ValueError(f"{name}: an option of the aptserve policy")
+        if self.slo_decay is not None and not 0 <= self.slo_decay <= 1:
+            raise ValueError(f"slo_decay: must be in [0, 1], got {self.slo_decay!r}")
+        return self
+
 
 POLICIES = ("fcfs", "rr", "bros", "aptserve", "fcfs-prefill-first")
 
 
+def cache_type_of(name: str) -> CacheType:
+    kinds = {c.value: c for c in CacheType}
+    if name not in kinds:
+        raise ValueError(f"cache_type: {name!r} is not one of {list(kinds)}")
+    return kinds[name]
+
+
 def _validate(cfg: SchedConfig, devices) -> None:
-    """ValueError for option combinations the scheduler or the devices cannot honour."""
-    if cfg.bidirectional and cfg.policy != "bros":
-        raise ValueError("bidirectional: bidirectional blocks need the bros policy")
-    if cfg.bidirectional and cfg.cache_type is not CacheType.KV:
-        raise ValueError("cache_type: bidirectional blocks hold KV caches only")
+    """ValueError for options the configuration or the devices cannot honour."""
+    cfg.check()
     if cfg.cache_type is CacheType.HIDDEN and not all(d.pool_info.hidden_rows for d in devices):
         raise ValueError("cache_type: this model's d_model is not a multiple of "
                          "num_kv_heads * head_dim, so it cannot keep a hidden cache")
@@ -162,14 +192,11 @@ class Scheduler:
     def cache_switches(self) -> Counter:
         return self.counts("cache_switches")
 
-    def use_policy(self, name: str, cost: OnlineCostModel | None = None, bidirectional: bool = False,
-                   **options) -> None:
-        """Switch policy (e.g. to BROS once the start-up profile has produced its cost model);
-        only while nothing is queued. ``bidirectional`` swaps in bidirectional block pools."""
-        from dataclasses import replace
+    def use_config(self, cfg: SchedConfig, cost: OnlineCostModel | None = None) -> None:
+        """Switch to ``cfg`` (e.g. to BROS once the start-up profile has produced its cost model);
+        only while nothing is queued. Fresh actors: pools of the kind the configuration asks for."""
         if self.has_unfinished():
             raise RuntimeError("policy: can only be switched while no request is queued")
-        cfg = replace(self.cfg, policy=name, bidirectional=bidirectional, **options)
         _validate(cfg, self.devices)
         cost = cost or self.cost
         self.cfg = cfg

@@ -6,7 +6,7 @@ import os
 import sys
 import time
 
-from sched.scheduler import POLICIES
+from sched.scheduler import POLICIES, SchedConfig, cache_type_of
 from server.config import ServerConfig
 
 
@@ -55,14 +55,12 @@ def parse_args(argv=None) -> ServerConfig:
     ap.add_argument("--kv-cache-bytes", type=int, default=None)
     ap.add_argument("--watch-parent", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    if a.bidirectional_blocks and a.policy != "bros":
-        ap.error("--bidirectional-blocks needs --policy bros")
-    if (a.kv_only or a.aptserve_fcfs or a.aptserve_mixed or a.slo_decay is not None) and a.policy != "aptserve":
-        ap.error("--kv-only, --aptserve-fcfs, --aptserve-mixed and --slo-decay need --policy aptserve")
-    if a.policy == "aptserve" and a.cache_type != "kv":
-        ap.error("--policy aptserve chooses each request's cache type itself")
-    if a.bidirectional_blocks and a.cache_type != "kv":
-        ap.error("--bidirectional-blocks holds KV caches only")
+    try:                    # the scheduler's own check, before anything loads
+        SchedConfig(a.max_num_seqs, a.max_num_batched_tokens, True, a.policy, None, a.bidirectional_blocks,
+                    cache_type_of(a.cache_type), hybrid_cache=not a.kv_only, adaptive=not a.aptserve_fcfs,
+                    slo_decay=a.slo_decay, mixed_batches=a.aptserve_mixed).check()
+    except ValueError as e:
+        ap.error(str(e))
     name = a.served_model_name or (a.model if a.model == "smollm2" else os.path.basename(a.model.rstrip("/")))
     return ServerConfig(model=a.model, served_model_name=name, devices=a.devices, host=a.host, port=a.port,
                         api_key=a.api_key, data_dir=a.data_dir, max_num_seqs=a.max_num_seqs,
@@ -72,7 +70,10 @@ def parse_args(argv=None) -> ServerConfig:
                         mixed_batches=a.aptserve_mixed,
                         slo_ttft_ms=a.slo_ttft_ms, slo_tbt_ms=a.slo_tbt_ms,
                         max_waiting=a.max_waiting, max_upload_bytes=int(a.max_upload_mb * 2**20), dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
-                        watch_parent=a.watch_parent)
+                        watch_parent=a.watch_parent,
+                        # the server shares the cores with its workers: their OpenMP threads sleep
+                        # between ops unless the user asked otherwise (spinning slowed streams 1.5x)
+                        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY") or "PASSIVE")
 
 
 async def _watch_parent(pid: int) -> None:
@@ -110,7 +111,8 @@ def main(argv=None) -> None:
                   kv_cache_bytes=cfg.kv_cache_bytes, policy=cfg.policy,
                   rt_budget_s=cfg.slo_tbt_ms / 1000, bidirectional_blocks=cfg.bidirectional_blocks,
                   cache_type=cfg.cache_type, hybrid_cache=cfg.hybrid_cache, adaptive=cfg.adaptive,
-                  slo_decay=cfg.slo_decay, mixed_batches=cfg.mixed_batches)
+                  slo_decay=cfg.slo_decay, mixed_batches=cfg.mixed_batches,
+                  omp_wait_policy=cfg.omp_wait_policy)
         return AsyncEngine(llm)
 
     app = create_app(cfg, build_engine)

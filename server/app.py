@@ -99,9 +99,10 @@ class Prepared:
             sub.close()
 
 
-def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool,
-            force_be: bool = False) -> Prepared:
-    """Validate a body and build its n engine Requests (raises ApiError)."""
+async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool,
+                  force_be: bool = False) -> Prepared:
+    """Validate a body and build its n engine Requests (raises ApiError). The prompt is tokenized
+    on a worker thread: a long one never holds up the event loop."""
     model = check_model(body, cfg.served_model_name)
     defaults = dict(default_ttft_s=cfg.slo_ttft_ms / 1000, default_tbt_s=cfg.slo_tbt_ms / 1000)
     gen = parse_chat(body, **defaults) if chat else parse_completion(body, **defaults)
@@ -109,7 +110,8 @@ def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool,
         gen.service_class = ServiceClass.BE
     param = "messages" if chat else "prompt"
     try:
-        ids, text = engine.llm.encode_prompt(gen.prompt)
+        ids, text = await asyncio.get_running_loop().run_in_executor(None, engine.llm.encode_prompt,
+                                                                     gen.prompt)
     except ValueError as e:
         raise bad_request(str(e), param=param) from None
     limit = engine.llm.max_model_len
@@ -235,7 +237,7 @@ async def complete(engine: AsyncEngine, st: AppState, p: Prepared, chat: bool) -
 async def generate_handler(request: web.Request, chat: bool) -> web.StreamResponse:
     st = request.app[STATE]
     engine = ready_engine(request)
-    p = prepare(engine, st.cfg, await read_json(request), chat)
+    p = await prepare(engine, st.cfg, await read_json(request), chat)
     if p.gen.stream:
         try:
             return await stream_handler(request, engine, st, p, new_choices(p), chat, int(time.time()))

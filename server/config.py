@@ -29,3 +29,4 @@ class ServerConfig:
     dtype: str = "auto"                # bfloat16 where the hardware has native bf16, else float32
     kv_cache_bytes: int | None = None
     watch_parent: int | None = None    # stop when this pid is gone (tests)
+    omp_wait_policy: str = "PASSIVE"   # the workers' OpenMP wait between ops (OMP_WAIT_POLICY)

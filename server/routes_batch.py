@@ -20,7 +20,7 @@ def add_routes(app: web.Application) -> None:
 
     async def run_line(body: dict, chat: bool):
         engine = app[STATE].engine
-        p = prepare(engine, app[STATE].cfg, body, chat, force_be=True)
+        p = await prepare(engine, app[STATE].cfg, body, chat, force_be=True)
         return 200, await complete(engine, app[STATE], p, chat)
     app[RUNNER] = BatchRunner(store, run_line, concurrency=2 * cfg.max_num_seqs)
     r = app.router

@@ -1,12 +1,8 @@
 """Offline API behaviour on a tiny model: sampling controls, stops, validation, failures."""
-import os
-import signal
-import time
 
 import pytest
 
 from tandem import LLM, SamplingParams
-from engine.messages import DeviceError
 from tests.conftest import assert_pool_free, hf_greedy, mixed_prompts
 
 GREEDY = dict(temperature=0, ignore_eos=True)

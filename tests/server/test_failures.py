@@ -25,10 +25,10 @@ s.make_policy = _broken
 RAISING_LINE = """
 import server.app as app
 _prepare = app.prepare
-def prepare(engine, cfg, body, chat, force_be=False):
+async def prepare(engine, cfg, body, chat, force_be=False):
     if body.get("max_tokens") == 13:
         raise RuntimeError("injected failure for this line")
-    return _prepare(engine, cfg, body, chat, force_be)
+    return await _prepare(engine, cfg, body, chat, force_be)
 app.prepare = prepare
 """
 
