@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.messages import SlotCopy
+from cache.block_pool import Placement
+from engine.messages import CacheType, SlotCopy
 
 
 @dataclass(slots=True)
@@ -298,7 +299,7 @@ class BidirBlockPool(BidirectionalPool):
     """A BidirectionalPool over a device's pool geometry, answering the scheduler's block-pool
     questions in physical blocks (a token-block is a (K, V) pair of blocks)."""
 
-    bidirectional = True
+    preempts_blocks = True
 
     def __init__(self, geometry):
         super().__init__(geometry.num_blocks // 2, geometry.block_size)
@@ -316,6 +317,17 @@ class BidirBlockPool(BidirectionalPool):
     def num_blocks_of(self, rid: str) -> int:
         s = self.seqs.get(rid)
         return 2 * len(s.blocks) if s else 0
+
+    def place(self, rid: str, num_tokens: int, cache_type: CacheType, rt: bool) -> Placement | None:
+        """The scheduler's contract (cache.block_pool.Placement): slots from the front of a block
+        for RT, from the back for BE."""
+        self.check_cache_type(cache_type)
+        g = self.grow(rid, num_tokens, rt)
+        return None if g is None else Placement(slots=g.slots, checkpoints=g.checkpoints, swap_ins=g.swap_ins)
+
+    def check_cache_type(self, cache_type: CacheType) -> None:
+        if cache_type is not CacheType.KV:
+            raise ValueError("cache_type: bidirectional blocks hold KV caches only")
 
     def free(self, rid: str) -> int:          # the scheduler's name for free_request
         n = self.num_blocks_of(rid)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.messages import CacheType, Direction, PoolInfo
+from engine.messages import CacheType, Direction, PoolInfo, SlotCopy
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +53,18 @@ class Allocation:
 
 
 @dataclass(slots=True)
+class Placement:
+    """What growing a request for one step did, in either kind of pool (the scheduler's contract):
+    whole blocks appended to its table, or explicit slots of shared blocks plus the copies to
+    run before the step."""
+    block_ids: list[int] = field(default_factory=list)        # whole-block pools: appended blocks
+    directions: list[Direction] = field(default_factory=list)
+    slots: list[tuple[int, int]] | None = None                # bidirectional pools: (token-block, slot)
+    checkpoints: list[SlotCopy] = field(default_factory=list)  # copy out to the CPU first
+    swap_ins: list[SlotCopy] = field(default_factory=list)     # then copy these back in
+
+
+@dataclass(slots=True)
 class _Table:
     cache_type: CacheType
     block_ids: list[int] = field(default_factory=list)
@@ -60,6 +72,14 @@ class _Table:
 
 
 class BlockPool:
+    """Whole blocks per request. The scheduler uses ``place``, ``free``, ``num_blocks_of``,
+    ``num_free``, ``num_cpu``, ``num_be_only``, ``drop`` and ``check_cache_type``; a pool that
+    can take a BE owner's slots for an RT request (bidirectional blocks) says so with
+    ``preempts_blocks``."""
+
+    preempts_blocks = False
+    num_be_only = 0                      # blocks an RT request could take from BE owners
+
     def __init__(self, geometry: PoolGeometry):
         self.geometry = geometry
         # pop() from the end hands out low ids first; purely cosmetic
@@ -108,6 +128,22 @@ class BlockPool:
         t.block_ids.extend(new)
         t.directions.extend(dirs)
         return Allocation(new, dirs)
+
+    def place(self, req_id: str, num_tokens: int, cache_type: CacheType, rt: bool) -> Placement | None:
+        """Grow req_id to num_tokens tokens for a step; None (and no change) if blocks run out."""
+        a = self.grow(req_id, num_tokens, cache_type)
+        return None if a is None else Placement(a.block_ids, a.directions)
+
+    def num_cpu(self, req_id: str) -> int:
+        """Tokens of req_id parked on the CPU (never, with whole blocks)."""
+        return 0
+
+    def drop(self, req_id: str) -> list[SlotCopy]:
+        raise TypeError("a whole-block pool does not preempt blocks (preempts_blocks is False)")
+
+    def check_cache_type(self, cache_type: CacheType) -> None:
+        """ValueError if this pool cannot hold that kind of cache."""
+        self.geometry.blocks_per_token_block(cache_type)
 
     def free(self, req_id: str) -> int:
         """Return all of req_id's blocks to the free list; how many were freed."""

@@ -148,7 +148,6 @@ class DeviceActor:
 
     def snapshot(self) -> Snapshot:
         now = self.clock()
-        bidir = self.cfg.bidirectional
         pool = self.pool
 
         def cand(rid):
@@ -157,11 +156,11 @@ class DeviceActor:
             slo = r.slo_tbt_s if st.output_token_ids else r.slo_ttft_s
             return Candidate(rid, st.num_tokens, st.num_computed, pool.num_blocks_of(rid), r.arrival_time,
                              r.service_class is ServiceClass.RT, slo, now - (st.last_token_time or r.arrival_time),
-                             pool.num_cpu(rid) if bidir else 0, missed_ttft(st, now), st.cache_type)
+                             pool.num_cpu(rid), missed_ttft(st, now), st.cache_type)
         g = pool.geometry
         return Snapshot([cand(r) for r in self.running], [cand(r) for r in self.waiting],
                         pool.num_free, g.block_size, g.blocks_per_token_block(CacheType.KV),
-                        self.cfg.limits, self.t_avg, pool.num_be_only if bidir else 0, bidir, g.hidden_blocks)
+                        self.cfg.limits, self.t_avg, pool.num_be_only, pool.preempts_blocks, g.hidden_blocks)
 
     def _apply(self, plan: Plan) -> tuple[StepInput, StepShape]:
         """Carry out the plan in the bookkeeping; describe it to the device (and its cost shape)."""
@@ -171,10 +170,9 @@ class DeviceActor:
         self._new, self._reset_ids, self._finished_ids = [], [], []
         shape = StepShape()
         placed = []
-        decisions = plan.scheduled
-        if self.cfg.bidirectional:       # RT grows first: BE never overwrites RT, RT may overwrite BE
-            decisions = sorted(decisions, key=lambda d: self.states[d.req_id].request.service_class
-                               is not ServiceClass.RT)
+        # RT grows first (a pool that preempts blocks lets RT take BE slots, never the reverse)
+        decisions = sorted(plan.scheduled, key=lambda d: self.states[d.req_id].request.service_class
+                           is not ServiceClass.RT)
         planned = {d.req_id for d in decisions}
         for dec in decisions:
             st = self.states[dec.req_id]
@@ -231,9 +229,7 @@ class DeviceActor:
         in this iteration (False); otherwise its cache (worker state too) is discarded and it is
         queued first, to recompute every known token (True: not run in this iteration)."""
         holds = st.num_computed > 0 or self.pool.num_blocks_of(st.req_id) > 0
-        self.pool.geometry.blocks_per_token_block(ct)          # ValueError if the pool cannot hold it
-        if self.cfg.bidirectional and ct is not CacheType.KV:
-            raise ValueError("cache_type: bidirectional blocks hold KV caches only")
+        self.pool.check_cache_type(ct)          # ValueError if the pool cannot hold it
         self.pool.free(st.req_id)
         if st.req_id in self._reset_ids:
             self._reset_ids.remove(st.req_id)
@@ -247,28 +243,26 @@ class DeviceActor:
         return holds
 
     def _place(self, st: RequestState, dec, inp: StepInput, planned: set[str]) -> ScheduledRequest | None:
-        """Grow the request's cache for this step: whole blocks, or slots of bidirectional blocks
-        (dropping other requests to the CPU when an RT request finds no slot; None = skip it)."""
+        """Grow the request's cache for this step (None = skip it this step). Where the pool
+        preempts blocks, an RT request that finds no room sends other requests to the CPU whole
+        until it fits; elsewhere the policy has already made room."""
         tokens = st.num_computed + dec.num_new_tokens
-        if not self.cfg.bidirectional:
-            alloc = self.pool.grow(st.req_id, tokens, st.cache_type)
-            if alloc is None:
-                raise AssertionError(f"policy over-committed blocks for {st.req_id}")
-            return ScheduledRequest(st.req_id, dec.phase, dec.num_new_tokens, alloc.block_ids,
-                                    alloc.directions, dec.sample)
         rt = st.request.service_class is ServiceClass.RT
-        g = self.pool.grow(st.req_id, tokens, rt)
-        while g is None and rt:
+        p = self.pool.place(st.req_id, tokens, st.cache_type, rt)
+        while p is None and rt and self.pool.preempts_blocks:
             victim = self._drop_victim(planned)
             if victim is None:
                 break
             inp.checkpoints.extend(self.pool.drop(victim))
-            g = self.pool.grow(st.req_id, tokens, rt)
-        if g is None:
+            p = self.pool.place(st.req_id, tokens, st.cache_type, rt)
+        if p is None:
+            if not self.pool.preempts_blocks:
+                raise AssertionError(f"policy over-committed blocks for {st.req_id}")
             return None
-        inp.checkpoints.extend(g.checkpoints)
-        inp.swap_ins.extend(g.swap_ins)
-        return ScheduledRequest(st.req_id, dec.phase, dec.num_new_tokens, [], [], dec.sample, new_slots=g.slots)
+        inp.checkpoints.extend(p.checkpoints)
+        inp.swap_ins.extend(p.swap_ins)
+        return ScheduledRequest(st.req_id, dec.phase, dec.num_new_tokens, p.block_ids, p.directions,
+                                dec.sample, new_slots=p.slots)
 
     def _drop_victim(self, planned: set[str]) -> str | None:
         """Who goes to the CPU whole when an RT request finds no slot: BE first (latest arrival

@@ -303,7 +303,7 @@ def pool_view(actors: list[DeviceActor]) -> dict[str, int]:
     (BE slots parked on the CPU), free. Whole-block pools share nothing and checkpoint nothing."""
     view = {"rt": 0, "be": 0, "shared": 0, "checkpointed": 0, "free": 0}
     for a in actors:
-        if a.cfg.bidirectional:
+        if a.pool.preempts_blocks:
             for k, n in a.pool.view().items():       # token-blocks (and checkpointed slots)
                 view[k] += n if k == "checkpointed" else 2 * n
             continue

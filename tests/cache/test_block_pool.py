@@ -1,4 +1,5 @@
 """Block pool bookkeeping: exact counts, no double ownership, nothing leaks."""
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from cache import BlockPool, PoolGeometry
@@ -51,3 +52,26 @@ def test_random_operations_keep_invariants(seq):
     for rid in list(held):
         pool.free(rid)
     assert pool.num_free == 24
+
+
+def test_both_pool_kinds_answer_the_schedulers_contract():
+    """place() in a whole-block pool appends blocks; in a bidirectional pool it hands out slots
+    from the front (RT) or the back (BE) of a block; neither takes a hidden cache it cannot
+    hold, and only the bidirectional pool preempts blocks."""
+    from cache.bidir import BidirBlockPool
+    g = PoolGeometry(num_blocks=8, block_size=4)
+    plain, bidir = BlockPool(g), BidirBlockPool(g)
+    p = plain.place("a", 5, CacheType.KV, rt=True)
+    assert len(p.block_ids) == 4 and p.slots is None and plain.num_free == 4
+    assert plain.num_cpu("a") == 0 and not plain.preempts_blocks
+    with pytest.raises(TypeError):
+        plain.drop("a")
+    with pytest.raises(ValueError, match="cache type hidden"):
+        plain.check_cache_type(CacheType.HIDDEN)
+    rt = bidir.place("r", 2, CacheType.KV, rt=True)
+    be = bidir.place("b", 2, CacheType.KV, rt=False)
+    assert rt.block_ids == [] and [s for _b, s in rt.slots] == [0, 1]
+    assert [s for _b, s in be.slots] == [3, 2]
+    assert bidir.preempts_blocks and bidir.num_free == 4      # two token-blocks (K, V pairs) taken
+    with pytest.raises(ValueError, match="KV caches only"):
+        bidir.place("h", 2, CacheType.HIDDEN, rt=True)
