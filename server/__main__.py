@@ -53,6 +53,8 @@ def parse_args(argv=None) -> ServerConfig:
     ap.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"],
                     help="auto: bfloat16 where the CPU has AVX-512 BF16 or AMX (or the GPU supports it), else float32")
     ap.add_argument("--kv-cache-bytes", type=int, default=None)
+    ap.add_argument("--threads-per-worker", type=int, default=None,
+                    help="torch threads in each worker process (default: the cores divided among the CPU workers)")
     ap.add_argument("--watch-parent", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     try:                    # the scheduler's own check, before anything loads
@@ -70,9 +72,9 @@ def parse_args(argv=None) -> ServerConfig:
                         mixed_batches=a.aptserve_mixed,
                         slo_ttft_ms=a.slo_ttft_ms, slo_tbt_ms=a.slo_tbt_ms,
                         max_waiting=a.max_waiting, max_upload_bytes=int(a.max_upload_mb * 2**20), dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
-                        watch_parent=a.watch_parent,
+                        watch_parent=a.watch_parent, threads_per_worker=a.threads_per_worker,
                         # the server shares the cores with its workers: their OpenMP threads sleep
-                        # between ops unless the user asked otherwise (spinning slowed streams 1.5x)
+                        # between ops unless the user asked otherwise (an idle server then uses no CPU)
                         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY") or "PASSIVE")
 
 
@@ -112,7 +114,7 @@ def main(argv=None) -> None:
                   rt_budget_s=cfg.slo_tbt_ms / 1000, bidirectional_blocks=cfg.bidirectional_blocks,
                   cache_type=cfg.cache_type, hybrid_cache=cfg.hybrid_cache, adaptive=cfg.adaptive,
                   slo_decay=cfg.slo_decay, mixed_batches=cfg.mixed_batches,
-                  omp_wait_policy=cfg.omp_wait_policy)
+                  omp_wait_policy=cfg.omp_wait_policy, threads_per_worker=cfg.threads_per_worker)
         return AsyncEngine(llm)
 
     app = create_app(cfg, build_engine)

@@ -30,3 +30,4 @@ class ServerConfig:
     kv_cache_bytes: int | None = None
     watch_parent: int | None = None    # stop when this pid is gone (tests)
     omp_wait_policy: str = "PASSIVE"   # the workers' OpenMP wait between ops (OMP_WAIT_POLICY)
+    threads_per_worker: int | None = None  # torch threads per worker (None: cores / CPU workers)
