@@ -1,5 +1,5 @@
 """python -m bench bros-bound: the most BE throughput any schedule can keep on this machine while
-RT requests get a token every T seconds, from the fitted cost model (issue 5's targets ask for
+RT requests get a token every T seconds, from the fitted cost model (BROS's targets ask for
 RT normalized latency 50% below FCFS's *and* 85% of FCFS's BE throughput; this says whether
 the machine allows both).
 

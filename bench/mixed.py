@@ -197,7 +197,7 @@ def _ratio(a: float, b: float) -> float:
 
 
 def print_targets(targets: list[dict]) -> None:
-    """Issue 5's targets: attainment >= 2x FCFS, mean normalized latency <= 0.5x FCFS and < the
+    """BROS's targets: attainment >= 2x FCFS, mean normalized latency <= 0.5x FCFS and < the
     peer's, BE throughput >= 0.85x FCFS."""
     print("\n| system | RT rate | TTFT & TPOT vs FCFS | norm. latency mean vs FCFS (p50) | mean vs vLLM-priority "
           "| BE req/s vs FCFS (tok/s) |\n|---|---|---|---|---|---|")

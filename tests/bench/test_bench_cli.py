@@ -1,4 +1,4 @@
-"""Issue 5's comparison table (bench/mixed.py::co_serving_targets) against hand-computed rows."""
+"""BROS's comparison table (bench/mixed.py::co_serving_targets) against hand-computed rows."""
 import pytest
 
 from bench.mixed import co_serving_targets
