@@ -343,7 +343,7 @@ class DeviceActor:
         if tracker is not None:
             text += tracker.finish()
             st.text_result = tracker.text()
-        elif self.decode is not None and reason is not FinishReason.ERROR:
+        elif self.decode is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
             text = st.text_result = self.decode(st.output_token_ids)
         queue_s = (st.first_scheduled_time - st.request.arrival_time
                    if st.first_scheduled_time is not None else None)

@@ -52,8 +52,12 @@ class AsyncEngine:
 
     @property
     def dead(self) -> str | None:
-        """Why no device can serve now (None while one can)."""
-        return None if self.runtime.serving() else self.runtime.why_down()
+        """Why no request can be taken (every device dead); None while one can."""
+        return None if self.runtime.accepting() else self.runtime.why_down()
+
+    def serving(self) -> bool:
+        """Some device can run a step now (``/health``): False also while every one restarts."""
+        return self.runtime.serving()
 
     def num_waiting(self) -> int:
         return self.runtime.num_waiting()

@@ -174,7 +174,7 @@ class ActorThread:
         log.error("%s: %s; restarting it", a.device.name, why)
         self.restarting = True
         updates = []
-        for st in list(a.states.values()):
+        for st in [s for s in a.states.values() if s.sent_to_device]:   # those the worker held
             st.num_crashes += 1
             if st.num_crashes > MAX_REQUEST_CRASHES:
                 updates.append(a.fail(st.req_id, f"the device failed {st.num_crashes} times while "
@@ -244,10 +244,12 @@ class Runtime:
         t.post(Add(st))
 
     def dispatch(self) -> DeviceActor:
-        live = [t.actor for t in self.threads if t.serving]
+        """The least-loaded device that is not dead, serving ones first: a device restarting its
+        worker still takes arrivals (they wait in its inbox), so nothing is refused meanwhile."""
+        live = [t for t in self.threads if t.actor.dead is None]
         if not live:
             raise DeviceError(self.why_down())
-        return min(live, key=lambda a: a.load() + len(self._where[id(a)]._inbox))
+        return min(live, key=lambda t: (not t.serving, t.actor.load() + len(t._inbox))).actor
 
     def abort(self, req_id: str) -> None:
         """Cancel a request wherever it is (a migration may be moving it): every actor is told,
@@ -261,7 +263,12 @@ class Runtime:
         self.threads[src].post(MoveOut(req_id, self.threads[dst]))
 
     def serving(self) -> bool:
+        """Some device can run a step now (False while every one is dead or restarting)."""
         return any(t.serving for t in self.threads)
+
+    def accepting(self) -> bool:
+        """Some device is not dead: arrivals are taken (and wait out a restart)."""
+        return any(t.actor.dead is None for t in self.threads)
 
     def why_down(self) -> str:
         return "no device can serve: " + "; ".join(

@@ -303,8 +303,9 @@ async def models(request):
 
 async def health(request):
     st = request.app[STATE]
-    if st.engine is None or st.engine.dead:
-        return json_response({"status": "loading" if st.load_error is None else "failed"}, 503)
+    if st.engine is None or not st.engine.serving():
+        status = "failed" if st.load_error else ("loading" if st.engine is None else "unavailable")
+        return json_response({"status": status}, 503)
     return json_response({"status": "ok"})
 
 

@@ -49,6 +49,21 @@ def test_killed_worker_is_restarted_and_its_requests_finish_token_exact(tiny_lla
     assert [o.token_ids for o in outs] == hf_greedy(tiny_llama, prompts, 30)
 
 
+def test_arrivals_wait_out_a_restart_instead_of_being_refused(tiny_llama):
+    """While its only device is marked restarting (not serving, not dead), a new request is
+    dispatched to it and served, rather than refused with "no device can serve"."""
+    with LLM(str(tiny_llama), "cpu:1", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
+        thread = llm.start_runtime().threads[0]
+        thread.restarting = True
+        try:
+            assert not llm.runtime.serving() and llm.runtime.accepting()
+            out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, **GREEDY))
+        finally:
+            thread.restarting = False
+        assert_pool_free(llm)
+    assert out[0].token_ids == hf_greedy(tiny_llama, [[5, 6, 7]], 6)[0]
+
+
 def test_a_request_that_keeps_killing_its_worker_fails_alone(tiny_llama):
     """After MAX_REQUEST_CRASHES restarts the requests on board fail (they may be the cause);
     the device comes back and serves the next request exactly."""
