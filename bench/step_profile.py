@@ -19,7 +19,7 @@ import time
 
 from bench.output import save_json
 
-GEMM_OPS = {"aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "aten::bmm"}
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "aten::bmm", "mkldnn::_linear_pointwise"}
 LABELS = ("attention", "rms_norm", "rotary", "sampling")
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from engine.dtype import DTYPES
+from engine.linear import packs
 from engine.messages import Command, DeviceError, PoolInfo, StepInput, StepOutput
 from engine.models.spec import ModelSpec
 
@@ -70,6 +71,8 @@ def _build_runner(cfg: WorkerConfig):
     if cfg.compile:
         from engine.compiled import compile_model
         model = compile_model(model)
+    elif packs(cfg.device, dtype):
+        model.pack_weights()
     kernel = None
     if cfg.device == "cpu" and cfg.cpu_kernels:
         from engine.kernels import cpu_ops

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttnBatch, paged_attention
+from engine.linear import linear, pack_into
 from engine.models.spec import ModelSpec
 
 
@@ -39,7 +40,7 @@ def attn_in(h, in_norm, qkv_w, cos, sin, eps: float, nh: int, nkv: int, hd: int)
     """Pre-attention: RMSNorm, fused QKV projection, rotary embeddings. h: [T, d].
     Returns q, k, v and the post-norm input x (what a hidden cache stores)."""
     x = rms_norm(h, in_norm, eps)
-    qkv = F.linear(x, qkv_w)
+    qkv = linear(x, qkv_w)
     t = qkv.shape[0]
     qk = apply_rope(qkv[:, :(nh + nkv) * hd].view(t, nh + nkv, hd), cos, sin)   # Q and K heads at once
     q, k = qk.reshape(t, -1).split([nh * hd, nkv * hd], dim=-1)
@@ -48,10 +49,10 @@ def attn_in(h, in_norm, qkv_w, cos, sin, eps: float, nh: int, nkv: int, hd: int)
 
 def attn_out_mlp(h, a, o_w, post_norm, gate_up_w, down_w, eps: float):
     """Post-attention: output projection + residual, RMSNorm, SiLU MLP + residual."""
-    h = h + F.linear(a, o_w)
+    h = h + linear(a, o_w)
     x = rms_norm(h, post_norm, eps)
-    gate, up = F.linear(x, gate_up_w).chunk(2, dim=-1)
-    return h + F.linear(F.silu(gate) * up, down_w)
+    gate, up = linear(x, gate_up_w).chunk(2, dim=-1)
+    return h + linear(F.silu(gate) * up, down_w)
 
 
 class LlamaLayer(nn.Module):
@@ -68,6 +69,7 @@ class LlamaLayer(nn.Module):
                                     requires_grad=False)
         self.down = nn.Parameter(torch.empty(s.d_model, s.intermediate_size, dtype=dtype),
                                  requires_grad=False)
+        self.register_buffer("kv", None, persistent=False)   # the K/V rows of qkv, once packed
 
 
 class LlamaModel(nn.Module):
@@ -104,14 +106,24 @@ class LlamaModel(nn.Module):
                 layer.gate_up.copy_(torch.cat([g(p + "mlp.gate_proj.weight"), g(p + "mlp.up_proj.weight")]))
                 layer.down.copy_(g(p + "mlp.down_proj.weight"))
 
+    def pack_weights(self) -> None:
+        """Pack every projection and the LM head for the CPU's GEMM (engine.linear); the
+        embedding table stays dense for lookups."""
+        kv_rows = self.spec.num_heads * self.spec.head_dim
+        for layer in self.layers:
+            pack_into(layer, "kv", layer.qkv[kv_rows:])
+            for name in ("qkv", "o", "gate_up", "down"):
+                pack_into(layer, name, getattr(layer, name))
+        pack_into(self, "lm_head", self.lm_head)
+
     def _kv_from_hidden(self, layer: LlamaLayer):
         """K (rotated at the given positions) and V of stored post-norm inputs x: [n, d]."""
         s = self.spec
-        w = layer.qkv[s.num_heads * s.head_dim:]
+        w = layer.kv if layer.kv is not None else layer.qkv[s.num_heads * s.head_dim:]
         width = s.num_kv_heads * s.head_dim
 
         def kv(x: torch.Tensor, pos: torch.Tensor):
-            k, v = F.linear(x, w).split([width, width], dim=-1)
+            k, v = linear(x, w).split([width, width], dim=-1)
             k = apply_rope(k.reshape(-1, s.num_kv_heads, s.head_dim), self.cos[pos], self.sin[pos])
             return k.reshape(-1, width), v.contiguous()
         return kv
@@ -132,4 +144,4 @@ class LlamaModel(nn.Module):
             h = self.attn_out_mlp(h, a, layer.o, layer.post_norm, layer.gate_up, layer.down,
                                   s.norm_eps)
         h = rms_norm(h[logit_rows], self.norm, s.norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head).float()

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttnBatch, paged_attention
+from engine.linear import linear, pack_into
 from engine.models.spec import ModelSpec
 
 POS_OFFSET = 2   # OPT's learned position table is shifted by two rows
@@ -25,6 +26,7 @@ class OPTLayer(nn.Module):
         self.ln2_w, self.ln2_b = _p(d, dtype=dtype), _p(d, dtype=dtype)
         self.fc1_w, self.fc1_b = _p(f, d, dtype=dtype), _p(f, dtype=dtype)
         self.fc2_w, self.fc2_b = _p(d, f, dtype=dtype), _p(d, dtype=dtype)
+        self.register_buffer("kv_w", None, persistent=False)   # the K/V rows of qkv_w, once packed
 
 
 class OPTModel(nn.Module):
@@ -64,6 +66,16 @@ class OPTModel(nn.Module):
                 L.fc2_w.copy_(g(p + "fc2.weight"))
                 L.fc2_b.copy_(g(p + "fc2.bias"))
 
+    def pack_weights(self) -> None:
+        """Pack every projection and the LM head for the CPU's GEMM (engine.linear); the
+        embedding tables stay dense for lookups."""
+        d = self.spec.d_model
+        for L in self.layers:
+            pack_into(L, "kv_w", L.qkv_w[d:])
+            for name in ("qkv_w", "out_w", "fc1_w", "fc2_w"):
+                pack_into(L, name, getattr(L, name))
+        pack_into(self, "lm_head", self.lm_head)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
                 batch: AttnBatch, logit_rows: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]; pool: [layers, heads, slots, head_dim]; returns logits [len(logit_rows), V]."""
@@ -73,14 +85,15 @@ class OPTModel(nn.Module):
         scale = s.head_dim ** -0.5
         for li, L in enumerate(self.layers):
             x = F.layer_norm(h, (d,), L.ln1_w, L.ln1_b, s.norm_eps)
-            q, k, v = F.linear(x, L.qkv_w, L.qkv_b).split([d, d, d], dim=-1)
+            q, k, v = linear(x, L.qkv_w, L.qkv_b).split([d, d, d], dim=-1)
             kv = None
             if batch.hidden is not None:   # K and V of stored post-norm inputs (no positions in OPT attention)
-                kv = (lambda xs, pos, L=L: F.linear(xs, L.qkv_w[d:], L.qkv_b[d:]).split([d, d], dim=-1))  # noqa: E731
+                kv_w = L.kv_w if L.kv_w is not None else L.qkv_w[d:]
+                kv = (lambda xs, pos, L=L, w=kv_w: linear(xs, w, L.qkv_b[d:]).split([d, d], dim=-1))  # noqa: E731
             a = paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), pool[li], batch,
                                 s.num_heads, s.num_kv_heads, s.head_dim, scale, x, kv)
-            h = h + F.linear(a, L.out_w, L.out_b)
+            h = h + linear(a, L.out_w, L.out_b)
             x = F.layer_norm(h, (d,), L.ln2_w, L.ln2_b, s.norm_eps)
-            h = h + F.linear(F.relu(F.linear(x, L.fc1_w, L.fc1_b)), L.fc2_w, L.fc2_b)
+            h = h + linear(F.relu(linear(x, L.fc1_w, L.fc1_b)), L.fc2_w, L.fc2_b)
         h = F.layer_norm(h[logit_rows], (d,), self.lnf_w, self.lnf_b, s.norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head).float()
