@@ -1,6 +1,7 @@
 """Offline API, as vLLM users know it: ``LLM(model=...).generate(prompts, params)``."""
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -169,12 +170,14 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass token id lists")
+            self._check_chars(len(prompt))
             return list(self.tokenizer(prompt)["input_ids"]), prompt
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer for chat messages")
             if not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt):
                 raise ValueError("prompt: chat messages need string 'role' and 'content'")
+            self._check_chars(sum(len(m["content"]) for m in prompt))
             text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), text
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -182,6 +185,23 @@ class LLM:
                 raise ValueError(f"prompt: token ids must be in [0, {self.spec.vocab_size})")
             return list(prompt), None
         raise ValueError("prompt: must be a non-empty string, token id list or chat message list")
+
+    def _check_chars(self, chars: int) -> None:
+        """Refuse, before tokenizing, a text that must exceed the context: a token stands for at most
+        as many characters as its longest vocabulary entry has (byte-level and sentencepiece
+        vocabularies spell each token out), so ``chars`` characters are at least chars / longest
+        tokens. A tokenizer that normalizes its input (and may drop characters) is not bounded."""
+        longest = self._longest_token_chars
+        if longest and chars >= longest * self.max_model_len:
+            raise ValueError(f"prompt: {chars} characters are more than the model context of "
+                             f"{self.max_model_len} tokens can hold")
+
+    @functools.cached_property
+    def _longest_token_chars(self) -> int | None:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or backend.normalizer is not None:
+            return None
+        return max(map(len, self.tokenizer.get_vocab()), default=0) or None
 
     def _check_length(self, ids: list[int]) -> None:
         if not ids:

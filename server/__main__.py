@@ -49,7 +49,9 @@ def parse_args(argv=None) -> ServerConfig:
     ap.add_argument("--slo-tbt-ms", type=float, default=d.slo_tbt_ms)
     ap.add_argument("--max-waiting", type=int, default=d.max_waiting, help="waiting requests before 429")
     ap.add_argument("--max-upload-mb", type=float, default=d.max_upload_bytes / 2**20,
-                    help="largest request body or file upload (413 beyond)")
+                    help="largest file upload (413 beyond)")
+    ap.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 2**20,
+                    help="largest JSON request body (413 beyond, refused before it is read)")
     ap.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"],
                     help="auto: bfloat16 where the CPU has AVX-512 BF16 or AMX (or the GPU supports it), else float32")
     ap.add_argument("--kv-cache-bytes", type=int, default=None)
@@ -71,7 +73,8 @@ def parse_args(argv=None) -> ServerConfig:
                         hybrid_cache=not a.kv_only, adaptive=not a.aptserve_fcfs, slo_decay=a.slo_decay,
                         mixed_batches=a.aptserve_mixed,
                         slo_ttft_ms=a.slo_ttft_ms, slo_tbt_ms=a.slo_tbt_ms,
-                        max_waiting=a.max_waiting, max_upload_bytes=int(a.max_upload_mb * 2**20), dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
+                        max_waiting=a.max_waiting, max_upload_bytes=int(a.max_upload_mb * 2**20),
+                        max_body_bytes=int(a.max_body_mb * 2**20), dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
                         watch_parent=a.watch_parent, threads_per_worker=a.threads_per_worker,
                         # the server shares the cores with its workers: their OpenMP threads sleep
                         # between ops unless the user asked otherwise (an idle server then uses no CPU)

@@ -3,6 +3,8 @@ validate, build Requests, stream results. No scheduling decisions live here."""
 from __future__ import annotations
 
 import asyncio
+import hmac
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -13,12 +15,14 @@ from aiohttp import web
 from engine.messages import DeviceError
 from sched.async_engine import AsyncEngine, Submission
 from sched.request import Request, ServiceClass
+from sched.runtime import error_id
 from server.config import ServerConfig
 from server.errors import ApiError, bad_request
 from server.metrics import Metrics
 from server.protocol import GenRequest, check_model, parse_chat, parse_completion
 
 OPEN_PATHS = ("/health", "/metrics")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,13 +55,23 @@ async def errors_middleware(request: web.Request, handler):
             raise
         kind = "not_found_error" if e.status == 404 else "invalid_request_error"
         return json_response(ApiError(e.status, e.reason, type=kind).body(), e.status)
+    except Exception:        # a bug: logged with an id the client can quote, never a traceback
+        eid = error_id()
+        log.exception("%s %s failed (%s)", request.method, request.path, eid)
+        return json_response(ApiError(500, f"internal error (error id {eid})", type="server_error").body(), 500)
+
+
+def bearer_ok(header: str, key: str) -> bool:
+    """``Authorization: Bearer <key>``; the scheme is case-insensitive (RFC 7235)."""
+    scheme, _, token = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     key = request.app[STATE].cfg.api_key
     if key and request.path not in OPEN_PATHS:
-        if request.headers.get("Authorization", "") != f"Bearer {key}":
+        if not bearer_ok(request.headers.get("Authorization", ""), key):
             raise ApiError(401, "Incorrect or missing API key", code="invalid_api_key")
     return await handler(request)
 
@@ -73,7 +87,10 @@ def ready_engine(request: web.Request) -> AsyncEngine:
 
 
 async def read_json(request: web.Request) -> dict:
-    raw = await request.read()
+    limit = request.app[STATE].cfg.max_body_bytes
+    if (request.content_length or 0) > limit:          # refused before a byte of it is read
+        raise ApiError(413, f"request body of {request.content_length} bytes is over the {limit}-byte limit")
+    raw = await request.read()                          # a chunked one: aiohttp stops it at the limit
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
@@ -316,8 +333,9 @@ async def metrics(request):
 
 def create_app(cfg: ServerConfig, build_engine) -> web.Application:
     """``build_engine()`` runs in a thread at start-up and returns an AsyncEngine."""
+    # JSON bodies are read whole and capped here; file uploads stream their parts (routes_batch)
     app = web.Application(middlewares=[errors_middleware, auth_middleware],
-                          client_max_size=cfg.max_upload_bytes)
+                          client_max_size=cfg.max_body_bytes)
     state = AppState(cfg, Metrics(cfg.served_model_name))
     app[STATE] = state
     app.router.add_post("/v1/chat/completions", chat_completions)

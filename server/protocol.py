@@ -8,6 +8,8 @@ from sched.request import ServiceClass
 from server.errors import ApiError, bad_request
 
 MAX_N = 16
+MAX_STOPS = 16              # stop strings per request
+MAX_STOP_CHARS = 512        # each: the stream holds back up to this many characters while matching
 
 
 @dataclass(slots=True)
@@ -80,8 +82,10 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
         stop = []
     elif isinstance(stop, str):
         stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
-        raise bad_request("'stop' must be a non-empty string or a list of up to 16 of them", param="stop")
+    if (not isinstance(stop, list) or len(stop) > MAX_STOPS
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)):
+        raise bad_request(f"'stop' must be a string of 1 to {MAX_STOP_CHARS} characters or a list of up "
+                          f"to {MAX_STOPS} of them", param="stop")
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
         raise bad_request("'stop_token_ids' must be a list of non-negative integers", param="stop_token_ids")

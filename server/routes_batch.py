@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from server.app import STATE, complete, json_response, prepare, read_json
 from server.batches import ENDPOINTS, WINDOWS, BatchRunner
@@ -50,9 +51,21 @@ def _store(request) -> Store:
 
 
 async def upload_file(request: web.Request):
-    limit = request.app[STATE].cfg.max_upload_bytes
     if request.content_type != "multipart/form-data":
         raise bad_request("upload with multipart/form-data (fields 'purpose' and 'file')")
+    try:
+        purpose, data, filename = await _read_upload(request, request.app[STATE].cfg.max_upload_bytes)
+    except (ValueError, AssertionError, KeyError, RuntimeError, HttpProcessingError) as e:   # a bad body
+        raise bad_request(f"malformed multipart/form-data body: {str(e) or type(e).__name__}") from None
+    if purpose not in PURPOSES:
+        raise bad_request(f"'purpose' must be one of {', '.join(PURPOSES)}", param="purpose")
+    if data is None:
+        raise bad_request("missing 'file' part", param="file")
+    return json_response(_store(request).add_file(data, filename, purpose))
+
+
+async def _read_upload(request: web.Request, limit: int) -> tuple[str | None, bytes | None, str]:
+    """The 'purpose' and 'file' parts of a multipart upload: (purpose, file bytes, file name)."""
     reader = await request.multipart()
     purpose, data, filename = None, None, "upload.jsonl"
     async for part in reader:
@@ -66,11 +79,7 @@ async def upload_file(request: web.Request):
                 if len(buf) > limit:
                     raise ApiError(413, f"file larger than the {limit}-byte limit", param="file")
             data = bytes(buf)
-    if purpose not in PURPOSES:
-        raise bad_request(f"'purpose' must be one of {', '.join(PURPOSES)}", param="purpose")
-    if data is None:
-        raise bad_request("missing 'file' part", param="file")
-    return json_response(_store(request).add_file(data, filename, purpose))
+    return purpose, data, filename
 
 
 def _found(obj: dict | None, kind: str, ident: str) -> dict:

@@ -104,5 +104,18 @@ def test_a_batch_line_that_raises_is_recorded_and_the_batch_completes(tiny_chat_
         assert "Traceback" not in json.dumps(err[0])
         assert srv.log.read_text().count("injected failure for this line") >= 3, "tried, then recorded"
         assert health(srv.url) == 200
+        # the same bug under an online request: a JSON 500 with an error id, nothing internal
+        req = urllib.request.Request(srv.url + "/v1/completions", method="POST", headers=AUTH | {
+            "Content-Type": "application/json"}, data=json.dumps({"prompt": "a", "max_tokens": 13}).encode())
+        try:
+            urllib.request.urlopen(req, timeout=30)
+            raise AssertionError("the injected failure did not fail the request")
+        except urllib.error.HTTPError as e:
+            assert e.code == 500 and e.headers["Content-Type"].startswith("application/json")
+            text = e.read().decode()
+        err = json.loads(text)["error"]
+        assert err["type"] == "server_error" and "error id" in err["message"]
+        assert "Traceback" not in text and ".py" not in text and "injected" not in text
+        assert err["message"].split("error id ")[1].rstrip(")") in srv.log.read_text(), "logged under its id"
     finally:
         stop_server(srv)

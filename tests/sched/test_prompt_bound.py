@@ -1,0 +1,55 @@
+"""The character bound that refuses an over-long prompt before tokenizing: sound against the real
+tokenizer (it never refuses a text that fits), and it does refuse without tokenizing."""
+import itertools
+
+import pytest
+
+from sched.llm import LLM
+from tests.sched.test_detok import EXTRA
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from engine.models.loader import load_tokenizer, resolve_model
+    from sched.llm import DEFAULT_CACHE_DIR
+    return load_tokenizer(resolve_model("smollm2", DEFAULT_CACHE_DIR))
+
+
+def bare_llm(tokenizer, max_model_len: int) -> LLM:
+    """An LLM with only what prompt encoding needs (no workers)."""
+    llm = LLM.__new__(LLM)
+    llm.tokenizer, llm.max_model_len = tokenizer, max_model_len
+    return llm
+
+
+def test_tokens_never_stand_for_more_characters_than_the_bound_assumes(tok):
+    from bench.workloads import iter_sharegpt
+    longest = bare_llm(tok, 2048)._longest_token_chars
+    assert longest and longest == max(len(t) for t in tok.get_vocab())
+    runs = [max(tok.get_vocab(), key=len)] * 50
+    texts = [p.prompt for p in itertools.islice(iter_sharegpt(), 300)] + EXTRA + [
+        " " * 5000, "\n" + " " * 4000, "".join(runs), "<|im_start|>" * 100, "a" * 3000]
+    for text in texts:
+        ids = tok(text)["input_ids"]
+        assert len(ids) * longest >= len(text), text[:80]
+
+
+class Refusing:
+    """The real tokenizer's vocabulary, but tokenizing is an error."""
+    def __init__(self, tok):
+        self.backend_tokenizer, self.get_vocab = tok.backend_tokenizer, tok.get_vocab
+
+    def __call__(self, *a, **k):
+        raise AssertionError("tokenized a prompt the bound should have refused")
+
+    def apply_chat_template(self, *a, **k):
+        raise AssertionError("templated a prompt the bound should have refused")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_huge_prompt_is_refused_without_tokenizing(tok, chat):
+    llm = bare_llm(Refusing(tok), 512)
+    text = "x" * (100 << 20)                       # 100 MiB of text
+    prompt = [{"role": "user", "content": text}] if chat else text
+    with pytest.raises(ValueError, match="more than the model context"):
+        llm.encode_prompt(prompt)
