@@ -53,6 +53,11 @@ def main() -> None:
     tb.add_argument("--drain", type=float, default=90.0)
     tb.add_argument("--search", nargs=2, type=float, default=[0.25, 3.0], metavar=("LO", "HI"))
     tb.add_argument("--skip-offline", action="store_true", help="reuse results/offline.json")
+    st = sub.add_parser("streams", help="decode time per token at B concurrent streams, per system")
+    st.add_argument("--systems", nargs="+", default=["tandem", "vllm"])
+    st.add_argument("--batches", nargs="+", type=int, default=[1, 2, 5, 8, 16, 32])
+    st.add_argument("--max-tokens", type=int, default=96)
+    st.add_argument("--out", default="streams.json", help="result file under bench/results")
     sp = sub.add_parser("step-profile", help="where a decode step's time goes: GEMMs, attention, norms, "
                         "rotary, sampling, Python, IPC, the actor's phases")
     sp.add_argument("--batch", type=int, default=64)
@@ -139,6 +144,9 @@ def main() -> None:
     elif args.cmd == "independence":
         from bench import independence
         independence.main(args)
+    elif args.cmd == "streams":
+        from bench import streams
+        streams.main(args)
     elif args.cmd == "step-profile":
         from bench import step_profile
         step_profile.main(args)

@@ -62,3 +62,12 @@ def test_effective_throughput_bisection_finds_the_knee():
     assert all(curve(r) == a for r, a in probes)
     assert effective_throughput(lambda r: 0.2, 1, 8)[0] == 0.0
     assert effective_throughput(lambda r: 0.95, 1, 8)[0] == 8
+
+
+def test_stream_decode_gaps_start_once_every_stream_has_its_first_token():
+    from bench.metrics import RequestRecord
+    from bench.streams import decode_tbt_s
+    early = RequestRecord("rt", 0.0, token_times=[1.0, 1.5, 2.0, 2.5, 3.0])
+    late = RequestRecord("rt", 0.0, token_times=[2.0, 2.25, 2.5])      # first token at 2.0
+    # before 2.0 the early stream shares steps with the late one's prefill: those gaps are left out
+    assert sorted(decode_tbt_s([early, late])) == [0.25, 0.25, 0.5, 0.5]
