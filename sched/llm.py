@@ -70,6 +70,7 @@ class LLM:
                  max_model_len: int | None = None, threads_per_worker: int | None = None,
                  cache_dir: str | os.PathLike | None = None, compile: bool = False,
                  cpu_kernels: bool = True, omp_wait_policy: str | None = None,
+                 chat_control_tokens: bool = False,
                  policy: str = "fcfs", rt_budget_s: float | None = None,
                  bidirectional_blocks: bool = False, cache_type: str = "kv",
                  hybrid_cache: bool = True, adaptive: bool = True, slo_decay: float | None = None,
@@ -95,6 +96,7 @@ class LLM:
         if not enable_chunked_prefill and max_num_batched_tokens < self.max_model_len:
             raise ValueError("max_num_batched_tokens: must be >= max_model_len without chunked prefill")
         self.tokenizer = load_tokenizer(hf_dir)
+        self.chat_control_tokens = chat_control_tokens   # may message text act as template tokens?
         if self.tokenizer is not None:    # the Rust tokenizer directly: the Python wrapper costs 3x
             fast = getattr(self.tokenizer, "_tokenizer", None)
             self._decode = fast.decode if fast is not None else self.tokenizer.decode
@@ -179,12 +181,42 @@ class LLM:
                 raise ValueError("prompt: chat messages need string 'role' and 'content'")
             self._check_chars(sum(len(m["content"]) for m in prompt))
             text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            if not self.chat_control_tokens and self._holds_control_text(prompt):
+                return self._encode_chat_literally(prompt), text
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), text
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if min(prompt) < 0 or max(prompt) >= self.spec.vocab_size:
                 raise ValueError(f"prompt: token ids must be in [0, {self.spec.vocab_size})")
             return list(prompt), None
         raise ValueError("prompt: must be a non-empty string, token id list or chat message list")
+
+    @functools.cached_property
+    def _control_texts(self) -> tuple[str, ...]:
+        """The spellings of the tokenizer's special tokens (<|im_start|>, <|im_end|>, ...)."""
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        return tuple(t.content for t in added.values() if t.special and t.content)
+
+    def _holds_control_text(self, messages: list[dict]) -> bool:
+        return any(c in m["content"] for m in messages for c in self._control_texts)
+
+    def _encode_chat_literally(self, messages: list[dict]) -> list[int]:
+        """Chat ids where message text is only text: the template is rendered around placeholders
+        and tokenized as usual, each message's content with its special-token spellings split into
+        ordinary tokens, so a user cannot end their turn or open a system turn by typing one."""
+        tok = self.tokenizer
+        marks = [f"\x00tandem-message-{i}\x00" for i in range(len(messages))]
+        rendered = tok.apply_chat_template([dict(m, content=k) for m, k in zip(messages, marks)],
+                                           tokenize=False, add_generation_prompt=True)
+        ids, pos = [], 0
+        for m, mark in zip(messages, marks):
+            at = rendered.find(mark, pos)
+            if at < 0:
+                raise ValueError("prompt: a message holds a control token and the chat template "
+                                 "does not place its content verbatim")
+            ids += tok(rendered[pos:at], add_special_tokens=False)["input_ids"]
+            ids += tok(m["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            pos = at + len(mark)
+        return ids + tok(rendered[pos:], add_special_tokens=False)["input_ids"]
 
     def _check_chars(self, chars: int) -> None:
         """Refuse, before tokenizing, a text that must exceed the context: a token stands for at most

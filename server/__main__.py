@@ -50,6 +50,9 @@ def parse_args(argv=None) -> ServerConfig:
     ap.add_argument("--max-waiting", type=int, default=d.max_waiting, help="waiting requests before 429")
     ap.add_argument("--max-upload-mb", type=float, default=d.max_upload_bytes / 2**20,
                     help="largest file upload (413 beyond)")
+    ap.add_argument("--chat-control-tokens", action="store_true",
+                    help="let chat message text act as template tokens such as <|im_end|> (default: "
+                         "such text is tokenized as plain text, so a user cannot forge a turn)")
     ap.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 2**20,
                     help="largest JSON request body (413 beyond, refused before it is read)")
     ap.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"],
@@ -74,7 +77,7 @@ def parse_args(argv=None) -> ServerConfig:
                         mixed_batches=a.aptserve_mixed,
                         slo_ttft_ms=a.slo_ttft_ms, slo_tbt_ms=a.slo_tbt_ms,
                         max_waiting=a.max_waiting, max_upload_bytes=int(a.max_upload_mb * 2**20),
-                        max_body_bytes=int(a.max_body_mb * 2**20), dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
+                        max_body_bytes=int(a.max_body_mb * 2**20), chat_control_tokens=a.chat_control_tokens, dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
                         watch_parent=a.watch_parent, threads_per_worker=a.threads_per_worker,
                         # the server shares the cores with its workers: their OpenMP threads sleep
                         # between ops unless the user asked otherwise (an idle server then uses no CPU)
@@ -117,7 +120,8 @@ def main(argv=None) -> None:
                   rt_budget_s=cfg.slo_tbt_ms / 1000, bidirectional_blocks=cfg.bidirectional_blocks,
                   cache_type=cfg.cache_type, hybrid_cache=cfg.hybrid_cache, adaptive=cfg.adaptive,
                   slo_decay=cfg.slo_decay, mixed_batches=cfg.mixed_batches,
-                  omp_wait_policy=cfg.omp_wait_policy, threads_per_worker=cfg.threads_per_worker)
+                  omp_wait_policy=cfg.omp_wait_policy, threads_per_worker=cfg.threads_per_worker,
+                  chat_control_tokens=cfg.chat_control_tokens)
         return AsyncEngine(llm)
 
     app = create_app(cfg, build_engine)

@@ -26,6 +26,7 @@ class ServerConfig:
     slo_tbt_ms: float = 200.0          # default RT time-between-tokens target
     max_waiting: int = 1024            # waiting requests before 429
     max_upload_bytes: int = 200 << 20  # largest file upload
+    chat_control_tokens: bool = False  # message text may spell template tokens (<|im_end|>, ...)
     max_body_bytes: int = 8 << 20      # largest JSON request body (413 beyond, before reading it)
     dtype: str = "auto"                # bfloat16 where the hardware has native bf16, else float32
     kv_cache_bytes: int | None = None
