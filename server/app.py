@@ -55,6 +55,8 @@ async def errors_middleware(request: web.Request, handler):
             raise
         kind = "not_found_error" if e.status == 404 else "invalid_request_error"
         return json_response(ApiError(e.status, e.reason, type=kind).body(), e.status)
+    except ConnectionError:  # the client went away mid-response: nobody to answer
+        raise
     except Exception:        # a bug: logged with an id the client can quote, never a traceback
         eid = error_id()
         log.exception("%s %s failed (%s)", request.method, request.path, eid)
