@@ -1,0 +1,229 @@
+"""Placement (Mell and the BF / WF / LB baselines) against hand-worked cases, brute-force optima
+and the paper's guarantees, on random operation sequences."""
+from fractions import Fraction
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from sched.placement import (Category, Cluster, Epoch, MoveKind, Placement, category, place,
+                             violations)
+
+C = 48
+
+
+def optimum(sizes: list[int], capacity: int) -> int:
+    """Fewest bins of ``capacity`` that hold ``sizes`` (exhaustive search, small inputs)."""
+    sizes = sorted(sizes, reverse=True)
+    best = [len(sizes)]
+
+    def go(k: int, bins: list[int]) -> None:
+        if len(bins) >= best[0]:
+            return
+        if k == len(sizes):
+            best[0] = len(bins)
+            return
+        tried = set()
+        for b, used in enumerate(bins):
+            if used + sizes[k] <= capacity and used not in tried:
+                tried.add(used)
+                bins[b] += sizes[k]
+                go(k + 1, bins)
+                bins[b] -= sizes[k]
+        bins.append(sizes[k])
+        go(k + 1, bins)
+        bins.pop()
+
+    go(0, [])
+    return best[0]
+
+
+def layout(cl: Cluster) -> dict[int, set[str]]:
+    out: dict[int, set[str]] = {}
+    for r, d in cl.where.items():
+        out.setdefault(d, set()).add(r)
+    return out
+
+
+def test_categories_match_the_paper_fractions():
+    for cap in (24, 48, 97, 4096):
+        for size in range(0, cap + 1):
+            f = Fraction(size, cap)
+            want = (Category.L if f > Fraction(1, 2) else Category.M if f > Fraction(1, 3) else
+                    Category.S if f > Fraction(1, 4) else Category.T if f > Fraction(1, 8) else Category.TINY)
+            assert category(size, cap) is want, (size, cap)
+
+
+# ---- random operation sequences --------------------------------------------------------------
+
+@st.composite
+def epochs(draw, max_live: int = 9):
+    """A run of epochs: arrivals (sizes 1..C), departures of live requests, growth."""
+    out, live, sizes, nid = [], [], {}, 0
+    for _ in range(draw(st.integers(3, 25))):
+        gone = set(draw(st.lists(st.sampled_from(live), max_size=2, unique=True))) if live else set()
+        live = [r for r in live if r not in gone]
+        grow = {}
+        for r in live:
+            g = draw(st.integers(0, C // 5))
+            if g:
+                sizes[r] = grow[r] = min(C, sizes[r] + g)
+        arr = {}
+        for s in draw(st.lists(st.integers(1, C), max_size=3)):
+            if len(live) < max_live:
+                nid += 1
+                arr[f"r{nid}"] = sizes[f"r{nid}"] = s
+                live.append(f"r{nid}")
+        out.append(Epoch(arr, gone, grow))
+    return out
+
+
+def check_books(cl: Cluster, dec, ep: Epoch) -> None:
+    assert set(cl.where) == set(cl.sizes)
+    assert set(dec.placed) == set(ep.arrivals)
+    assert not dec.overflowing
+    for d, rs in layout(cl).items():
+        assert d in cl.active, f"request on inactive device {d}"
+        assert sum(cl.sizes[r] for r in rs) <= cl.capacity
+    assert set(cl.active) == set(layout(cl)), "an empty device was left active"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(epochs())
+def test_mell_guarantees_after_every_epoch(run):
+    """Theorem 1 (up to one exception per device category beyond the most recent devices),
+    Theorem 2 (active <= 4/3 OPT + 2, OPT by exhaustive search) and Theorem 3 (<= 10 item moves
+    per operation), and operation batching never moving more than the operations one by one."""
+    cl = Cluster(C)
+    for ep in run:
+        unbatched_cl, unbatched = place(Placement.MELL, cl, ep, batched=False)
+        cl, dec = place(Placement.MELL, cl, ep)
+        check_books(cl, dec, ep)
+        assert unbatched_cl.where == cl.where          # same operations, same end state
+        assert len(dec.moves) <= len(unbatched.moves)
+        assert max(dec.item_moves, default=0) <= 10
+        v = violations(cl)
+        assert len(v) <= 4, v
+        if cl.sizes:
+            assert 3 * len(cl.active) <= 4 * optimum(list(cl.sizes.values()), C) + 6
+
+
+@settings(max_examples=60, deadline=None)
+@given(epochs(), st.sampled_from([Placement.BF, Placement.WF, Placement.LB]))
+def test_baselines_keep_consistent_books(run, policy):
+    cl = Cluster(C)
+    for ep in run:
+        cl, dec = place(policy, cl, ep)
+        check_books(cl, dec, ep)
+        kinds = {m.kind for m in dec.moves}
+        if policy is Placement.LB:
+            assert kinds <= {MoveKind.MIGRATION}
+        else:
+            assert kinds <= {MoveKind.PREEMPTION}
+
+
+def test_mell_needs_fewer_devices_than_worst_fit_on_a_growth_heavy_run():
+    """The baselines' fragmentation shows on a deterministic run where requests keep growing."""
+    import random
+    rng = random.Random(7)
+    peaks = {}
+    for policy in Placement:
+        cl, nid, peak = Cluster(C), 0, 0
+        rng.seed(7)
+        for _ in range(300):
+            live = list(cl.sizes)
+            gone = set(rng.sample(live, k=min(len(live), rng.randint(0, 3))))
+            grow = {r: min(C, s + rng.randint(0, 3)) for r, s in cl.sizes.items() if r not in gone}
+            arr = {}
+            for _ in range(rng.randint(0, 3)):
+                nid += 1
+                arr[f"r{nid}"] = rng.randint(1, C // 6)
+            cl, _ = place(policy, cl, Epoch(arr, gone, grow))
+            peak = max(peak, len(cl.active))
+        peaks[policy] = peak
+    assert peaks[Placement.MELL] < peaks[Placement.WF], peaks
+    assert peaks[Placement.MELL] <= peaks[Placement.BF], peaks
+
+
+# ---- hand-worked cases -----------------------------------------------------------------------
+
+def cluster(devices: dict[int, dict[str, int]], capacity: int = C, **kw) -> Cluster:
+    """Devices activated in key order; requests arrived in the order given."""
+    cl = Cluster(capacity, **kw)
+    for stamp, (d, reqs) in enumerate(devices.items(), 1):
+        cl.active[d] = stamp
+        for r, s in reqs.items():
+            cl.sizes[r], cl.where[r] = s, d
+            cl.arrived[r] = len(cl.arrived) + 1
+    cl.clock = 100
+    return cl
+
+
+def test_best_fit_and_worst_fit_choose_opposite_devices():
+    cl = cluster({0: {"a": 30}, 1: {"b": 10}})
+    _, bf = place(Placement.BF, cl, Epoch({"x": 12}))
+    _, wf = place(Placement.WF, cl, Epoch({"x": 12}))
+    assert bf.placed == {"x": 0} and wf.placed == {"x": 1}
+    _, big = place(Placement.BF, cl, Epoch({"y": 40}))     # fits on neither: a new device
+    assert big.placed == {"y": 2}
+
+
+def test_worst_fit_overflow_preempts_the_newest_request():
+    cl = cluster({0: {"old": 20, "new": 20}, 1: {"c": 40}})
+    cl2, dec = place(Placement.WF, cl, Epoch(sizes={"old": 30}))
+    assert [(m.req_id, m.src, m.kind) for m in dec.moves] == [("new", 0, MoveKind.PREEMPTION)]
+    assert cl2.where["old"] == 0 and cl2.where["new"] == 2
+
+
+def test_load_balancing_moves_the_request_that_halves_the_gap():
+    cl = cluster({0: {"a": 10, "b": 12, "c": 20}, 1: {"d": 4}})
+    cl2, dec = place(Placement.LB, cl, Epoch())
+    assert [(m.req_id, m.src, m.dst) for m in dec.moves] == [("c", 0, 1)]   # 42 vs 4 -> 22 vs 24
+    assert layout(cl2) == {0: {"a", "b"}, 1: {"c", "d"}}
+
+
+def test_mell_l_arrival_pulls_an_m_and_the_newest_m_device_refills():
+    """ALLOCATE(L): a new device takes the L-item and one M-item from an M-device; that
+    M-device is refilled from the most recently activated M-device."""
+    cl = cluster({0: {"m1": 20, "m2": 20}, 1: {"m3": 22, "m4": 22}, 2: {"m5": 21}})
+    cl2, dec = place(Placement.MELL, cl, Epoch({"big": 28}))   # room 20: m5 (21) is too big
+    assert dec.placed == {"big": 3}
+    assert sorted((m.req_id, m.src, m.dst) for m in dec.moves) == [("m2", 0, 3), ("m5", 2, 0)]
+    assert layout(cl2) == {0: {"m1", "m5"}, 1: {"m3", "m4"}, 3: {"big", "m2"}}
+
+
+def test_mell_tiny_requests_share_a_multi_item_on_one_device():
+    cl, _ = place(Placement.MELL, Cluster(C), Epoch({"t1": 2, "t2": 3, "t3": 1}))
+    assert len(set(cl.where.values())) == 1
+    assert len(set(cl.groups.values())) == 1
+    cl, dec = place(Placement.MELL, cl, Epoch(sizes={"t2": 10}))   # grows into a T-item: leaves in place
+    assert not dec.moves and "t2" not in cl.groups and len(set(cl.groups.values())) == 1
+
+
+def test_mell_depart_from_an_s_device_refills_it_from_the_newest():
+    cl = cluster({0: {"s1": 14, "s2": 14, "s3": 14}, 1: {"s4": 13, "s5": 13}})
+    cl2, dec = place(Placement.MELL, cl, Epoch(departures={"s2"}))
+    assert [(m.src, m.dst) for m in dec.moves] == [(1, 0)]
+    assert len(layout(cl2)[0]) == 3 and len(layout(cl2)[1]) == 1
+
+
+def test_mell_growth_into_l_clears_an_overflowing_m_device():
+    cl = cluster({0: {"m1": 20, "m2": 20}, 1: {"l": 30}})
+    cl2, dec = place(Placement.MELL, cl, Epoch(sizes={"m1": 30}))   # M -> L, 50 > 48
+    assert cl2.where["m1"] == 0 and cl2.where["m2"] != 0
+    assert [m.req_id for m in dec.moves] == ["m2"]
+
+
+@pytest.mark.parametrize("policy", list(Placement))
+def test_one_device_is_a_no_op(policy):
+    cl = Cluster(C, max_devices=1)
+    for ep in [Epoch({"a": 30, "b": 30}), Epoch(sizes={"a": 40}), Epoch({"c": 5}, {"b"})]:
+        cl, dec = place(policy, cl, ep)
+        assert set(cl.where.values()) == {0} and not dec.moves
+
+
+@pytest.mark.parametrize("policy", list(Placement))
+def test_a_bounded_box_never_opens_more_devices_than_it_has(policy):
+    cl = Cluster(C, max_devices=2)
+    cl, dec = place(policy, cl, Epoch({f"r{i}": 30 for i in range(5)}))
+    assert set(cl.where.values()) <= {0, 1} and len(dec.placed) == 5
+    assert dec.overflowing                              # 150 blocks on 96: the books say so
