@@ -227,3 +227,14 @@ def test_a_bounded_box_never_opens_more_devices_than_it_has(policy):
     cl, dec = place(policy, cl, Epoch({f"r{i}": 30 for i in range(5)}))
     assert set(cl.where.values()) <= {0, 1} and len(dec.placed) == 5
     assert dec.overflowing                              # 150 blocks on 96: the books say so
+
+
+def test_mell_new_l_device_takes_t_fillers_from_the_newest_t_device():
+    """T-devices may only exist while every L/M-device is 3/4 full: a new L-device pulls
+    T-items (largest that fits first) from the most recently activated T-device."""
+    cl = cluster({0: {"t1": 10, "t2": 10, "t3": 10, "t4": 9}, 1: {"t5": 8, "t6": 7}})
+    cl2, dec = place(Placement.MELL, cl, Epoch({"big": 30}))       # 30/48 is under 3/4
+    assert dec.placed == {"big": 2}
+    assert [(m.req_id, m.src, m.dst) for m in dec.moves] == [("t5", 1, 2)]   # 38/48: enough
+    assert layout(cl2) == {0: {"t1", "t2", "t3", "t4"}, 1: {"t6"}, 2: {"big", "t5"}}
+    assert not violations(cl2)
