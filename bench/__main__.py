@@ -124,6 +124,16 @@ def main() -> None:
     bb.add_argument("--max-output", type=int, default=512)
     bb.add_argument("--be-pool", type=int, default=256)
     bb.add_argument("--seed", type=int, default=0)
+    ml = sub.add_parser("sim-mell", help="multi-device placement at paper scale: Mell vs BF / WF / LB")
+    ml.add_argument("--policies", nargs="+", default=["mell", "lb", "bf", "wf"], choices=["mell", "lb", "bf", "wf"])
+    ml.add_argument("--traces", nargs="+", default=["sharegpt", "long"], choices=["sharegpt", "long"])
+    ml.add_argument("--rates", nargs="+", type=float, default=[0.5, 0.8, 1.1], help="ShareGPT x10 arrivals (req/s)")
+    ml.add_argument("--rates-long", nargs="+", type=float, default=[0.1, 0.2], help="long-prompt arrivals (req/s)")
+    ml.add_argument("--cvs", nargs="+", type=float, default=[1.0, 3.0], help="1: Poisson; >1: bursty Gamma gaps")
+    ml.add_argument("--duration", type=float, default=1200.0, help="seconds of arrivals")
+    ml.add_argument("--tbt-ms", type=float, default=50.0, help="time per output token of every request")
+    ml.add_argument("--seed", type=int, default=0)
+    ml.add_argument("--out", default="sim_mell.json", help="result file under bench/results")
     args = ap.parse_args()
     if args.cmd == "offline":
         from bench.offline import main as offline
@@ -156,6 +166,9 @@ def main() -> None:
     elif args.cmd == "bros-bound":
         from bench.bros_bound import run as bros_bound
         bros_bound(args)
+    elif args.cmd == "sim-mell":
+        from bench.sim_mell import run as sim_mell
+        sim_mell(args)
     elif args.cmd == "mixed":
         from bench.online import mixed
         mixed(args)

@@ -394,13 +394,17 @@ class _Mell(_Books):
     def _lm_devices(self, avoid: set[int]) -> list[int]:
         return [d for d in self.cl.active if d not in avoid and self.dev_cat(d) in (Category.L, Category.M)]
 
-    def _fill_t(self, d: int) -> None:
-        """While L/M-device ``d`` is under 3/4 full, pull the largest T-item that fits from the
-        most recent T-device (which keeps every other T-device full)."""
-        while 4 * self.load(d) < 3 * self.C:
+    def _fill_t(self, d: int, max_moves: int = 4) -> None:
+        """While device ``d`` is under 3/4 full, pull the largest T-item that fits from the most
+        recent T-device (which keeps every other T-device full); at most ``max_moves`` items, so
+        an operation stays within its migration bound."""
+        for _ in range(max_moves):
+            if 4 * self.load(d) >= 3 * self.C:
+                return
             src = self.most_recent({Category.T}, exclude={d})
-            cands = [] if src is None else [i for i in self.items_on(src) if self.cat(i) is Category.T
-                                            and self.size(i) <= self.free(d)]
+            if src is None:
+                return
+            cands = [i for i in self.items_on(src) if self.cat(i) is Category.T and self.size(i) <= self.free(d)]
             if not cands:
                 return
             self.put(max(cands, key=lambda i: (self.size(i), i)), d, f"T-item fills device {d}")
@@ -596,9 +600,16 @@ class _Mell(_Books):
         self.cl.groups = {r: g for g, ms in self.members.items() for r in ms}
 
     def _departures(self, gone: set[str]) -> None:
+        """DEPART each request (newest device first). A tiny request leaving shrinks its
+        multi-item without a DEPART of its own, so afterwards every device left under 3/4 full
+        (oldest first) takes T-items from the most recent T-device, as a T departure would."""
         rs = [r for r in gone if r in self.cl.where]
+        left = {self.cl.where[r] for r in rs}
         for r in sorted(rs, key=lambda r: (-self.cl.active.get(self.cl.where[r], 0), r)):
             self.item_moves.append(self._op(lambda r=r: self._depart_request(r)))
+        for d in sorted(left & set(self.cl.active), key=lambda d: self.cl.active[d]):
+            if d != self.newest() and self.requests_on(d):
+                self.item_moves.append(self._op(lambda d=d: self._fill_t(d)))
 
     def _updates(self, was: dict[str, Category]) -> None:
         waiting: list[tuple[str, set[int], int, int]] = []
