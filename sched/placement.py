@@ -87,9 +87,6 @@ class Cluster:
     clock: int = 0                                     # stamps for activations, arrivals, groups
     machines: dict[int, int] = field(default_factory=dict)   # device -> machine (absent: machine 0)
 
-    def load(self, device: int) -> int:
-        return sum(s for r, s in self.sizes.items() if self.where[r] == device)
-
 
 @dataclass(slots=True)
 class Epoch:
@@ -372,11 +369,10 @@ class _Mell(_Books):
         same = self.cl.machines.get(src, 0) == self.cl.machines.get(d, 0)
         return (same, self.free(d), -len(self.items_on(d)), -d)
 
-    def new_device(self, size: int, avoid: set[int]) -> int:
+    def new_device(self, avoid: set[int]) -> int:
+        """A fresh device, or on a full box the emptiest one."""
         d = self.open_device()
-        if d is None:
-            return self.emptiest(avoid)
-        return d
+        return self.emptiest(avoid) if d is None else d
 
     # ---- ALLOCATE ------------------------------------------------------------------------
     def allocate(self, i: str, avoid: set[int] = frozenset()) -> None:
@@ -419,7 +415,7 @@ class _Mell(_Books):
             return self.put(i, d, f"T-item fills {self.dev_cat(d).name}-device {d}")
         d = self.most_recent({Category.T}, avoid)
         if d is None or self.free(d) < s:
-            d = self.new_device(s, avoid)
+            d = self.new_device(avoid)
         self.put(i, d, f"T-item onto T-device {d}")
 
     def _allocate_sm(self, i: str, c: Category, avoid: set[int]) -> None:
@@ -433,7 +429,7 @@ class _Mell(_Books):
             return self._shed_t(d)
         d = self.most_recent({c}, avoid)
         if d is None or self.count(d, c) >= _CAP[c] or self._sm_room(d) < s:
-            d = self.new_device(s, avoid)
+            d = self.new_device(avoid)
         self.put(i, d, f"{c.name}-item onto {c.name}-device {d}")
         self._shed_t(d)
         if c is Category.M and self.count(d, c) == _CAP[c]:
@@ -459,8 +455,8 @@ class _Mell(_Books):
                 return
 
     def _allocate_l(self, i: str, avoid: set[int]) -> None:
-        """L: a new device; pull one S/M-item into it, then refill the device it left."""
-        s = self.size(i)
+        """L: a new device; pull one S/M-item and T fillers into it (the S/M-item's device is
+        refilled from the most recent device of its category)."""
         d = self.open_device()
         if d is None:
             d = self.emptiest(avoid)
@@ -533,12 +529,9 @@ class _Mell(_Books):
         if cands:
             self.put(max(cands, key=lambda i: (self.size(i), i)), d, f"T-item refills device {d}")
 
-    def remove_item(self, i: str) -> tuple[int, Category, Category | None]:
-        d, c = self.dev(i), self.cat(i)
-        dcat = self.dev_cat(d)
+    def remove_item(self, i: str) -> None:
         for r in self.reqs(i):
             self._unplace(r)
-        return d, c, dcat
 
     # ---- UPDATE --------------------------------------------------------------------------
     def update(self, i: str, old: Category) -> set[int] | None:
