@@ -216,12 +216,18 @@ class _Books:
         for d in [d for d in self.cl.active if not self.requests_on(d)]:
             del self.cl.active[d]
 
-    def count_op(self, before: dict[str, int]) -> None:
-        """Record how many items one operation moved (net within the operation)."""
-        self.item_moves.append(self._items_moved(before))
+    def item_of(self, r: str) -> str:
+        """The unit that moves: the request itself (Mell groups tiny ones)."""
+        return r
 
-    def _items_moved(self, before: dict[str, int]) -> int:
-        return sum(1 for r, d in before.items() if r in self.cl.where and self.cl.where[r] != d)
+    def _op(self, fn) -> int:
+        """Run one operation; return how many placed items it moved (an item that is off-device
+        at either end, i.e. arriving or waiting for its ALLOCATE, is not counted)."""
+        before = {r: d for r, d in self.cl.where.items() if d != NOWHERE}
+        fn()
+        moved = {self.item_of(r) for r, d in before.items()
+                 if self.cl.where.get(r, d) not in (d, NOWHERE)}
+        return len(moved)
 
     def decision(self) -> Decision:
         placed = {r: self.cl.where[r] for r in self.placed if r in self.cl.where}
@@ -275,16 +281,16 @@ class _Baseline(_Books):
         again wherever they fit), LB migrates them with their progress."""
         kind = MoveKind.MIGRATION if self.policy is Placement.LB else MoveKind.PREEMPTION
         for d in sorted(self.cl.active):
-            before = dict(self.cl.where)
-            newest = sorted(self.requests_on(d), key=lambda r: -self.cl.arrived[r])
-            for r in newest:
-                if self.load(d) <= self.C or len(self.requests_on(d)) == 1:
-                    break
-                dst = self.target(self.cl.sizes[r], avoid={d})
-                if dst != d:
-                    self._relocate(r, dst, f"device {d} overflowed as its requests grew", kind)
-            if before != self.cl.where:
-                self.count_op(before)
+            if self.load(d) > self.C:
+                self.item_moves.append(self._op(lambda d=d: self._shed_newest(d, kind)))
+
+    def _shed_newest(self, d: int, kind: MoveKind) -> None:
+        for r in sorted(self.requests_on(d), key=lambda r: -self.cl.arrived[r]):
+            if self.load(d) <= self.C or len(self.requests_on(d)) == 1:
+                return
+            dst = self.target(self.cl.sizes[r], avoid={d})
+            if dst != d:
+                self._relocate(r, dst, f"device {d} overflowed as its requests grew", kind)
 
     def _balance(self) -> None:
         """Pair the fullest device with the emptiest, the next with the next; move the request
@@ -299,9 +305,8 @@ class _Baseline(_Books):
                      and self.cl.sizes[r] <= self.free(lo)]
             if cands:
                 r = min(cands, key=lambda r: (abs(2 * self.cl.sizes[r] - gap), r))
-                before = dict(self.cl.where)
-                self._relocate(r, lo, f"load balancing: device {hi} holds {gap} blocks more than {lo}")
-                self.count_op(before)
+                why = f"load balancing: device {hi} holds {gap} blocks more than {lo}"
+                self.item_moves.append(self._op(lambda: self._relocate(r, lo, why)))
 
 
 # ---- Mell ----------------------------------------------------------------------------------
@@ -619,15 +624,6 @@ class _Mell(_Books):
             m = self._op(lambda i=i, avoid=avoid: self.allocate(i, avoid))
             self.item_moves.append(n + m + (self.dev(i) != d))
 
-    def _op(self, fn) -> int:
-        """Run one operation; record and return how many placed items it moved (an item that
-        is off-device at either end, i.e. arriving or waiting for its ALLOCATE, is not counted)."""
-        before = {r: d for r, d in self.cl.where.items() if d != NOWHERE}
-        fn()
-        moved = {self.item_of(r) for r, d in before.items()
-                 if self.cl.where.get(r, d) not in (d, NOWHERE)}
-        return len(moved)
-
     def _settle_overflow(self, d: int) -> None:
         """A device still over capacity after the category changes (growth within a category):
         with an L-item there, the others leave (L -> L growth); otherwise items leave, smallest
@@ -653,25 +649,28 @@ class _Mell(_Books):
             return
         d, c, dcat = self.dev(i), self.cat(i), self.dev_cat(self.dev(i))
         self._depart(r)
-        self._drop_group(i, r)
+        self._drop_group(i)
         self.depart(i, d, c, dcat)
 
-    def _drop_group(self, i: str, r: str) -> None:
-        if i in self.members:
-            del self.members[i]
+    def _new_group(self, r: str) -> str:
+        """A new multi-item holding only ``r``."""
+        self.cl.clock += 1
+        g = f"~{self.cl.clock}"
+        self.members[g] = {r}
+        self.cl.groups[r] = g
+        return g
+
+    def _drop_group(self, g: str) -> None:
+        for r in self.members.pop(g, ()):
             self.cl.groups.pop(r, None)
-            if self.cl.open_group == i:
-                self.cl.open_group = None
+        if self.cl.open_group == g:
+            self.cl.open_group = None
 
     def _allocate_request(self, r: str, s: int) -> None:
         if category(s, self.C) is Category.TINY and self._join_open_group(r, s):
             return
         if category(s, self.C) is Category.TINY:
-            self.cl.clock += 1
-            g = f"~{self.cl.clock}"
-            self.members[g] = {r}
-            self.cl.groups[r] = g
-            self.cl.open_group = g
+            self.cl.open_group = self._new_group(r)
         self._unplace(r)
         self.allocate(self.item_of(r))
         self.placed[r] = self.cl.where[r]
@@ -699,18 +698,12 @@ class _Mell(_Books):
                     ms.discard(r)
                     del self.cl.groups[r]
             if len(ms) == 1 and category(self.cl.sizes[next(iter(ms))], self.C) is not Category.TINY:
-                r = ms.pop()
-                del self.members[g], self.cl.groups[r]
-                if self.cl.open_group == g:
-                    self.cl.open_group = None
+                self._drop_group(g)
                 continue
             while 4 * self.size(g) > self.C and len(ms) > 1:
                 r = max(ms, key=lambda r: (self.cl.sizes[r], r))
                 ms.discard(r)
-                self.cl.clock += 1
-                ng = f"~{self.cl.clock}"
-                self.members[ng] = {r}
-                self.cl.groups[r] = ng
+                self._new_group(r)
 
 
 def violations(cluster: Cluster) -> list[str]:
