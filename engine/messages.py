@@ -91,6 +91,20 @@ class ScheduledRequest:
 
 
 @dataclass(slots=True)
+class CacheImport:
+    """A migrated request's cache arriving on its new device: the rows the source worker exported
+    for its first ``num_tokens`` tokens go into the blocks this device reserved for them, and the
+    request continues from there without recomputing. ``rows`` is the exported tensor
+    ([layers, kv_heads, g * num_tokens, head_dim], g pool rows per token: K and V, or the m rows of
+    a hidden cache), passed in shared memory; typed ``object`` so this module imports no torch."""
+    req_id: str
+    num_tokens: int
+    block_ids: list[int]
+    directions: list[Direction]
+    rows: object
+
+
+@dataclass(slots=True)
 class StepInput:
     """Everything one device does in one iteration, sched/ -> engine/."""
     command: Command
@@ -103,6 +117,10 @@ class StepInput:
     # stored tokens into their new slots (a token may be copied out and back in the same step)
     checkpoints: list[SlotCopy] = field(default_factory=list)
     swap_ins: list[SlotCopy] = field(default_factory=list)
+    # migration, also before the forward: copy these requests' caches out (StepOutput.exported),
+    # and write imported caches into their reserved blocks (their NewRequest comes in this step)
+    exports: list[str] = field(default_factory=list)
+    imports: list[CacheImport] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -114,3 +132,4 @@ class StepOutput:
     forward_s: float            # seconds spent in the model forward
     sample_s: float             # seconds spent sampling
     error: str | None = None    # set when the step raised; the worker keeps serving
+    exported: dict[str, object] = field(default_factory=dict)  # req_id -> its cache rows (CacheImport.rows)

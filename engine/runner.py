@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttnBatch, HiddenBatch, HiddenSegment, PrefillSegment
-from engine.messages import (CacheType, Command, Direction, NewRequest, Phase, SamplingSpec,
-                             StepInput, StepOutput)
+from engine.messages import (CacheImport, CacheType, Command, Direction, NewRequest, Phase,
+                             SamplingSpec, StepInput, StepOutput)
 from engine.models.spec import ModelSpec
 from engine.sampling import sample
 
@@ -130,15 +130,48 @@ class ModelRunner:
         for nr in inp.new_requests:
             self._add(nr)
 
+    # ---- migration -----------------------------------------------------------
+    def export_cache(self, rid: str) -> torch.Tensor:
+        """A copy of the request's computed cache rows, [layers, kv_heads, g * n, head_dim] (g rows
+        per token, row-major by kind: all K rows, then all V rows). On the CPU it is placed in
+        shared memory, so the pipe passes a handle, not the bytes; a CUDA pool is staged on the
+        host the same way."""
+        st = self.reqs[rid]
+        if st.cpu:
+            raise RuntimeError(f"request {rid}: tokens checkpointed on the CPU cannot be exported")
+        rows = st.slots[:, :st.num_computed].reshape(-1).to(self.device)
+        out = self.pool[:, :, rows, :].cpu()
+        return out.share_memory_()
+
+    def _import(self, imp: CacheImport) -> None:
+        """Write an exported cache into the blocks reserved for it; the request's state now holds
+        ``num_tokens`` computed tokens."""
+        st = self.reqs[imp.req_id]
+        if st.capacity or st.num_computed:
+            raise RuntimeError(f"request {imp.req_id}: imported into a request that holds a cache")
+        self._append_blocks(st, imp.block_ids, imp.directions)
+        n = imp.num_tokens
+        self._check(imp.req_id, st, n)
+        rows = st.slots[:, :n].reshape(-1)
+        src = imp.rows
+        if tuple(src.shape) != (self.pool.shape[0], self.pool.shape[1], rows.numel(), self.pool.shape[3]):
+            raise RuntimeError(f"request {imp.req_id}: imported cache has shape {tuple(src.shape)}, "
+                               f"expected {rows.numel()} rows of this pool")
+        self.pool[:, :, rows.to(self.device), :] = src.to(self.device, self.pool.dtype)
+        st.num_computed = n
+
     # ---- one step ----------------------------------------------------------
     def step(self, inp: StepInput) -> StepOutput:
         if inp.command is Command.RESET:
             self.reqs.clear()
             return StepOutput(inp.step_id, {}, 0, 0.0, 0.0)
         self._apply_bookkeeping(inp)
+        exported = {rid: self.export_cache(rid) for rid in inp.exports}
+        for imp in inp.imports:
+            self._import(imp)
         self._move_slots(inp)
         if not inp.scheduled:
-            return StepOutput(inp.step_id, {}, 0, 0.0, 0.0)
+            return StepOutput(inp.step_id, {}, 0, 0.0, 0.0, exported=exported)
         t0 = time.perf_counter()
         prefills = [s for s in inp.scheduled if s.phase is Phase.PREFILL]
         decodes = [s for s in inp.scheduled if s.phase is Phase.DECODE]
@@ -159,7 +192,7 @@ class ModelRunner:
             self.reqs[rid].token_ids.append(tok)
             sampled[rid] = tok
         return StepOutput(inp.step_id, sampled, int(ids.shape[0]), t1 - t0,
-                          time.perf_counter() - t1)
+                          time.perf_counter() - t1, exported=exported)
 
     def _build(self, prefills, decodes):
         """Token ids, positions, attention metadata and sampling rows for one step

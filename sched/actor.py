@@ -3,7 +3,7 @@
 A device actor owns the requests placed on its device, their RT/BE queues, its block pool and
 its policy instance. One step is three phases, each a method:
 
-    intake   add() / abort() / detach()          (arrivals, cancellations, migrations out)
+    intake   add() / abort() / detach() / attach()   (arrivals, cancellations, migrations)
     plan     snapshot -> policy(snapshot) -> apply the plan to the block books -> StepInput
     account  StepOutput -> tokens, text, stops -> Updates
 
@@ -22,12 +22,12 @@ from typing import Callable
 
 from cache import BlockPool, PoolGeometry
 from cache.bidir import BidirBlockPool
-from engine.messages import (CacheType, Command, NewRequest, Phase, SamplingSpec, ScheduledRequest,
-                             StepInput, StepOutput)
+from engine.messages import (CacheImport, CacheType, Command, NewRequest, Phase, SamplingSpec,
+                             ScheduledRequest, StepInput, StepOutput)
 from sched.cost_model import OnlineCostModel, StepShape
 from sched.detok import TextTracker
 from sched.policy import Candidate, Limits, Plan, Snapshot
-from sched.request import FinishReason, RequestState, ServiceClass, Status
+from sched.request import FinishReason, Move, RequestState, ServiceClass, Status
 
 
 @dataclass(slots=True)
@@ -78,6 +78,11 @@ class DeviceActor:
         self._new: list[NewRequest] = []
         self._reset_ids: list[str] = []
         self._finished_ids: list[str] = []
+        self._imports: list[CacheImport] = []
+        self.leaving: dict[str, RequestState] = {}   # migrated out with their cache: blocks held
+                                                     # until the destination has imported it
+        self.moves: deque[Move] = deque(maxlen=4096)  # migrations that arrived here, measured
+        self.moves_total = 0
         self._texts: dict[str, TextTracker] = {}
         self.dead: str | None = None      # why this device no longer serves
         self.t_avg = 0.0                  # EWMA of iteration wall time (BROS's T_avg)
@@ -105,32 +110,73 @@ class DeviceActor:
             return None
         return self._finish(st, FinishReason.ABORT)
 
-    def detach(self, req_id: str) -> RequestState | None:
-        """Take a request off this device to place it elsewhere: its cache is dropped here (the
-        destination recomputes prompt + generated tokens) and its text tracking goes with it."""
+    def detach(self, req_id: str, keep_cache: bool = False) -> RequestState | None:
+        """Take a request off this device to place it elsewhere; its text tracking goes with it.
+        Its cache is dropped here (the destination recomputes prompt + generated tokens), or with
+        ``keep_cache`` its blocks stay held (``leaving``) until ``release``: the destination
+        confirms it has imported the exported copy."""
         st = self.states.pop(req_id, None)
         if st is None:
             return None
-        self._drop(st)
-        st.status, st.num_computed, st.sent_to_device = Status.WAITING, 0, False
+        if keep_cache:
+            self.running.remove(req_id)
+            self.leaving[req_id] = st
+        else:
+            self._drop(st)
+            st.status, st.num_computed, st.sent_to_device = Status.WAITING, 0, False
         st.text = self._texts.pop(req_id, None)
         return st
 
-    def attach(self, st: RequestState) -> None:
-        """Place a request detached from another device (waiting, first in line)."""
+    def can_export(self, req_id: str) -> bool:
+        """Can this request leave with its cache? (It holds computed tokens on a whole-block pool;
+        bidirectional blocks share slots with other owners, so those requests move as tokens.)"""
+        st = self.states.get(req_id)
+        return (st is not None and st.status is Status.RUNNING and st.num_computed > 0
+                and st.sent_to_device and not self.pool.preempts_blocks)
+
+    def export_input(self, req_id: str) -> StepInput:
+        """A step that only copies the request's cache out (StepOutput.exported), carrying the
+        worker messages that are due."""
+        inp = StepInput(Command.STEP, self.step_id, self._new, [], self._reset_ids, self._finished_ids,
+                        exports=[req_id], imports=self._imports)
+        self._new, self._reset_ids, self._finished_ids, self._imports = [], [], [], []
+        return inp
+
+    def release(self, req_id: str) -> None:
+        """The destination has the cache of a request that left: free its blocks here."""
+        if self.leaving.pop(req_id, None) is not None:
+            self.pool.free(req_id)
+            self._finished_ids.append(req_id)
+
+    def attach(self, st: RequestState, rows: object | None = None) -> bool:
+        """Place a request detached from another device. With its exported cache ``rows``, blocks
+        for its computed tokens are reserved here and it continues where it stopped (True); when
+        they do not fit, or without rows, it waits first in line to recompute (False)."""
         st.device = self.index
         self.states[st.req_id] = st
-        self.waiting.appendleft(st.req_id)
         if st.text is not None:
             self._texts[st.req_id] = st.text
             st.text = None
+        p = None
+        if rows is not None and not self.pool.preempts_blocks:
+            p = self.pool.place(st.req_id, st.num_computed, st.cache_type,
+                                st.request.service_class is ServiceClass.RT)
+        if p is None:
+            st.status, st.num_computed, st.sent_to_device = Status.WAITING, 0, False
+            self.waiting.appendleft(st.req_id)
+            return False
+        st.status, st.sent_to_device = Status.RUNNING, True
+        bisect.insort(self.running, st.req_id, key=lambda r: self.states[r].request.arrival_time)
+        self._new.append(self._new_request(st))
+        self._imports.append(CacheImport(st.req_id, st.num_computed, p.block_ids, p.directions, rows))
+        return True
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def has_messages(self) -> bool:
         """Worker state to update even with nothing to run (finished or reset requests)."""
-        return bool(self._new or self._reset_ids or self._finished_ids)
+        return bool(self._new or self._reset_ids or self._finished_ids or self._imports)
 
     def load(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -142,7 +188,7 @@ class DeviceActor:
         t0 = self.clock()
         plan = self.policy(self.snapshot()) if self.has_work() else Plan()
         inp, shape = self._apply(plan)
-        if inp.scheduled or inp.finished_ids or inp.reset_ids or inp.new_requests:
+        if inp.scheduled or inp.finished_ids or inp.reset_ids or inp.new_requests or inp.imports:
             return Pending(inp, plan, shape, t0)
         return None
 
@@ -166,8 +212,9 @@ class DeviceActor:
         """Carry out the plan in the bookkeeping; describe it to the device (and its cost shape)."""
         self._switch_types(plan)
         self._preempt([self.states[r] for r in plan.preempted])
-        inp = StepInput(Command.STEP, self.step_id, self._new, [], self._reset_ids, self._finished_ids)
-        self._new, self._reset_ids, self._finished_ids = [], [], []
+        inp = StepInput(Command.STEP, self.step_id, self._new, [], self._reset_ids, self._finished_ids,
+                        imports=self._imports)
+        self._new, self._reset_ids, self._finished_ids, self._imports = [], [], [], []
         shape = StepShape()
         placed = []
         # RT grows first (a pool that preempts blocks lets RT take BE slots, never the reverse)
@@ -307,8 +354,17 @@ class DeviceActor:
             st.last_token_time = now
             if st.first_token_time is None:
                 st.first_token_time = now
+            if st.moving is not None:
+                self._arrived(st.moving, now)
+                st.moving = None
             updates.append(self._token_update(st, tok))
         return updates
+
+    def _arrived(self, move: Move, now: float) -> None:
+        """A migrated request produced its first token here: the pause it saw is measured."""
+        move.pause_s = now - move.started
+        self.moves.append(move)
+        self.moves_total += 1
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         if self.step_log is not None:
@@ -372,7 +428,8 @@ class DeviceActor:
         """A fresh worker replaced a dead one: every request waits again, to recompute its prompt
         and the tokens it has generated (the new worker knows none of them)."""
         self.pool = self.new_pool(geometry)
-        self._new, self._reset_ids, self._finished_ids = [], [], []
+        self._new, self._reset_ids, self._finished_ids, self._imports = [], [], [], []
+        self.leaving.clear()
         order = sorted(self.states.values(), key=lambda s: s.request.arrival_time)
         for st in order:
             st.status, st.num_computed, st.sent_to_device = Status.WAITING, 0, False

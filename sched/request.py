@@ -26,6 +26,25 @@ class FinishReason(enum.Enum):
     ERROR = "error"           # the device or the scheduler failed
 
 
+class MoveKind(enum.Enum):
+    """How a request migrates between devices (SPEC §4.4)."""
+    KV = "kv"           # its cache is copied into blocks the destination reserved
+    TOKEN = "token"     # its prompt and generated tokens are prefilled again at the destination
+
+
+@dataclass(slots=True)
+class Move:
+    """One migration of a request, as it is carried out and measured."""
+    kind: MoveKind
+    src: int
+    dst: int
+    started: float                     # clock when it left its device
+    tokens: int = 0                    # its context length when it left
+    cache_bytes: int = 0               # bytes of cache copied (KV moves)
+    reason: str = ""
+    pause_s: float | None = None       # from leaving to its next token on the destination
+
+
 @dataclass(slots=True)
 class Request:
     """What a client asked for. Immutable by convention once submitted."""
@@ -60,6 +79,7 @@ class RequestState:
     last_token_time: float | None = None        # arrival, then each token: pending time (SPEC §1.1, §2.1)
     first_token_time: float | None = None       # when its first output token came back
     error: str | None = None
+    moving: "Move | None" = None       # set while it migrates (from leaving its device to its next token)
 
     @property
     def req_id(self) -> str:

@@ -3,8 +3,12 @@
     arrivals ──► Runtime.add ──► dispatcher (Scheduler.dispatch) ──► that actor's inbox
     actor thread:  drain inbox → plan → submit → collect (the worker runs the step; the GIL is
                    free meanwhile) → account → one ``on_updates(list)`` call per step
-    rebalancer slot: ``Runtime.migrate(req_id, dst)`` moves a request between devices
-                   (detached by its actor between two steps, recomputed by the destination)
+    migration:     ``Runtime.migrate(req_id, src, dst, kind)`` moves a request between devices,
+                   between two of the source's steps: as its cache (KV: the source worker exports
+                   it into shared memory, the destination imports it into blocks it reserved,
+                   then the source frees its blocks) or as its tokens (the destination prefills
+                   prompt + generated tokens again). Either way it continues token-exact, with its
+                   sampling state; its stream sees a pause, never a gap or a repeat.
 
 Failures are never silent:
 - a worker that dies is restarted (bounded tries with back-off) and its requests are queued
@@ -29,13 +33,14 @@ from typing import Callable
 from cache import PoolGeometry
 from engine.messages import Command, DeviceError, StepInput
 from sched.actor import DeviceActor, Update
-from sched.request import FinishReason, RequestState
+from sched.request import FinishReason, Move, MoveKind, RequestState
 
 log = logging.getLogger("tandem.runtime")
 
 MAX_RESTART_TRIES = 3        # tries to start a fresh worker after one died
 RESTART_BACKOFF_S = 0.5      # doubled after each failed try
 MAX_REQUEST_CRASHES = 2      # worker deaths a request may live through before it is failed
+MAX_ABORTED_KEPT = 10_000    # cancelled ids remembered, for requests migrating while cancelled
 MAX_LOOP_FAILURES = 3        # loop exceptions in a row (no good step between) before a device is dead
 
 
@@ -53,14 +58,23 @@ class Abort:
 class MoveOut:
     req_id: str
     dst: "ActorThread"
+    kind: MoveKind = MoveKind.TOKEN
+    reason: str = ""
 
 
 @dataclass(slots=True)
 class MoveIn:
     st: RequestState
+    rows: object | None = None            # its exported cache (KV moves)
+    src: "ActorThread | None" = None      # told to free the request's blocks once imported
 
 
-Message = Add | Abort | MoveOut | MoveIn
+@dataclass(slots=True)
+class Release:
+    req_id: str
+
+
+Message = Add | Abort | MoveOut | MoveIn | Release
 
 
 def error_id() -> str:
@@ -71,8 +85,10 @@ class ActorThread:
     """Runs one DeviceActor against its worker on a thread of its own."""
 
     def __init__(self, actor: DeviceActor, on_updates: Callable[[list[Update]], None],
-                 listeners: list[Callable[[DeviceActor], None]]):
+                 listeners: list[Callable[[DeviceActor], None]], aborted: dict[str, None] | None = None):
         self.actor = actor
+        self.aborted = aborted if aborted is not None else {}   # ids cancelled while they may be moving
+        self._sources: dict[str, ActorThread] = {}   # imports not yet confirmed -> their source
         self.on_updates = on_updates
         self.listeners = listeners        # run on this thread after every step (metrics)
         self._inbox: deque[Message] = deque()
@@ -146,20 +162,76 @@ class ActorThread:
             u = a.abort(msg.req_id)
             return [u] if u is not None else []
         elif isinstance(msg, MoveOut):
-            st = a.detach(msg.req_id)
-            if st is not None:
-                msg.dst.post(MoveIn(st))
+            self._move_out(msg)
         elif isinstance(msg, MoveIn):
-            a.attach(msg.st)
+            return self._move_in(msg)
+        elif isinstance(msg, Release):
+            a.release(msg.req_id)
         return []
+
+    def _move_out(self, msg: MoveOut) -> None:
+        """Send a request to another device, with its cache when asked and possible (else as
+        tokens): between two steps of this device, so it is never half-computed."""
+        a = self.actor
+        st = a.states.get(msg.req_id)
+        if st is None:               # it finished (or was cancelled) meanwhile
+            return
+        move = Move(msg.kind, a.index, msg.dst.actor.index, a.clock(), st.num_tokens, reason=msg.reason)
+        rows = None
+        if msg.kind is MoveKind.KV and a.can_export(msg.req_id):
+            out = self._exchange(a.export_input(msg.req_id))
+            if out.error:
+                log.error("%s: exporting %s failed, it moves as tokens:\n%s", a.device.name, msg.req_id, out.error)
+            rows = out.exported.get(msg.req_id)
+        if rows is None:
+            move.kind = MoveKind.TOKEN
+        else:
+            move.cache_bytes = rows.numel() * rows.element_size()
+        st = a.detach(msg.req_id, keep_cache=rows is not None)
+        st.moving = move
+        log.info("migrating %s from %s to %s as %s (%d tokens%s): %s", msg.req_id, a.device.name,
+                 msg.dst.actor.device.name, move.kind.value, move.tokens,
+                 f", {move.cache_bytes} bytes" if rows is not None else "", msg.reason or "asked")
+        msg.dst.post(MoveIn(st, rows, self if rows is not None else None))
+
+    def _move_in(self, msg: MoveIn) -> list[Update]:
+        a = self.actor
+        rid = msg.st.req_id
+        imported = False
+        try:
+            if a.dead is not None or rid in self.aborted:   # it ends here, as it would have there
+                a.attach(msg.st)
+                return [a.fail(rid, f"device {a.device.name} is down") if a.dead is not None
+                        else a.abort(rid)]
+            imported = a.attach(msg.st, msg.rows)
+            if imported:
+                self._sources[rid] = msg.src
+            return []
+        finally:
+            if msg.src is not None and not imported:
+                msg.src.post(Release(rid))
+
+    def _exchange(self, inp: StepInput):
+        """One round trip with the worker; the sources of the caches it imported are told to free
+        theirs (whatever the step's outcome: the copy no longer needs them)."""
+        try:
+            self.actor.device.submit(inp)
+            return self.actor.device.collect()
+        finally:
+            self._release_sources([imp.req_id for imp in inp.imports])
+
+    def _release_sources(self, rids: list[str] | None = None) -> None:
+        for rid in list(self._sources) if rids is None else rids:
+            src = self._sources.pop(rid, None)
+            if src is not None:
+                src.post(Release(rid))
 
     def _step(self) -> list[Update]:
         a = self.actor
         p = a.plan()
         if p is None:
             return []
-        a.device.submit(p.inp)
-        out = a.device.collect()
+        out = self._exchange(p.inp)
         if out.error:                # the worker raised in this step; it keeps serving the others
             eid = error_id()
             log.error("%s: step failed (%s), its %d request(s) fail:\n%s", a.device.name, eid,
@@ -173,6 +245,7 @@ class ActorThread:
         a = self.actor
         log.error("%s: %s; restarting it", a.device.name, why)
         self.restarting = True
+        self._release_sources()
         updates = []
         for st in [s for s in a.states.values() if s.sent_to_device]:   # those the worker held
             st.num_crashes += 1
@@ -212,6 +285,7 @@ class ActorThread:
                   self.loop_failures, tb)
         why = f"internal error in the scheduler (error id {eid})"
         updates = a.fail_all(why)
+        self._release_sources()
         try:
             a.requeue_all(a.pool.geometry)          # nothing is left to requeue: fresh books
             a.device.submit(StepInput(Command.RESET, -1))
@@ -231,7 +305,8 @@ class Runtime:
     def __init__(self, scheduler, on_updates: Callable[[list[Update]], None]):
         self.scheduler = scheduler
         self.listeners: list[Callable[[DeviceActor], None]] = []
-        self.threads = [ActorThread(a, on_updates, self.listeners) for a in scheduler.actors]
+        self.aborted: dict[str, None] = {}       # cancelled ids (bounded, oldest dropped first)
+        self.threads = [ActorThread(a, on_updates, self.listeners, self.aborted) for a in scheduler.actors]
         self._where: dict[int, ActorThread] = {id(t.actor): t for t in self.threads}
         for t in self.threads:
             t.start()
@@ -253,14 +328,19 @@ class Runtime:
 
     def abort(self, req_id: str) -> None:
         """Cancel a request wherever it is (a migration may be moving it): every actor is told,
-        the one holding it frees its blocks at its next turn."""
+        the one holding it frees its blocks at its next turn; one it arrives at later ends it."""
+        self.aborted[req_id] = None
+        while len(self.aborted) > MAX_ABORTED_KEPT:
+            self.aborted.pop(next(iter(self.aborted)), None)
         for t in self.threads:
             t.post(Abort(req_id))
 
-    def migrate(self, req_id: str, src: int, dst: int) -> None:
-        """The rebalancer's move: the request leaves device ``src`` between two of its steps and
-        waits first in line on ``dst``, which recomputes its prompt and generated tokens."""
-        self.threads[src].post(MoveOut(req_id, self.threads[dst]))
+    def migrate(self, req_id: str, src: int, dst: int, kind: MoveKind = MoveKind.TOKEN,
+                reason: str = "") -> None:
+        """Move a request from device ``src`` to ``dst`` between two of src's steps: as its cache
+        (KV; as tokens where the cache cannot be exported or does not fit ``dst``) or as its
+        tokens, recomputed by ``dst`` first in line. No-op if it is no longer on ``src``."""
+        self.threads[src].post(MoveOut(req_id, self.threads[dst], kind, reason))
 
     def serving(self) -> bool:
         """Some device can run a step now (False while every one is dead or restarting)."""
