@@ -276,3 +276,20 @@ class ModelRunner:
             raise RuntimeError(f"request {rid}: block table holds {st.capacity} tokens, step needs {need}")
         if need > len(st.token_ids):
             raise RuntimeError(f"request {rid}: step asks for {need} tokens, only {len(st.token_ids)} known")
+
+
+def copy_bandwidth(nbytes: int = 32 << 20, repeats: int = 3) -> float:
+    """Bytes per second a KV migration moves on this host, measured as it copies: rows gathered
+    out of a pool-shaped tensor into shared memory, then scattered into another pool (best of
+    ``repeats``; the start-up probe behind the rebalancer's link budget)."""
+    rows = nbytes // (4 * 64)
+    src = torch.randn(1, 1, 2 * rows, 64)
+    dst = torch.empty_like(src)
+    idx = torch.randperm(2 * rows)[:rows]
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        staged = src[:, :, idx, :].share_memory_()
+        dst[:, :, idx, :] = staged
+        best = min(best, time.perf_counter() - t0)
+    return rows * 64 * 4 / best

@@ -27,7 +27,7 @@ from engine.messages import (CacheImport, CacheType, Command, NewRequest, Phase,
 from sched.cost_model import OnlineCostModel, StepShape
 from sched.detok import TextTracker
 from sched.policy import Candidate, Limits, Plan, Snapshot
-from sched.request import FinishReason, Move, RequestState, ServiceClass, Status
+from sched.request import FinishReason, Migration, RequestState, ServiceClass, Status
 
 
 @dataclass(slots=True)
@@ -81,7 +81,7 @@ class DeviceActor:
         self._imports: list[CacheImport] = []
         self.leaving: dict[str, RequestState] = {}   # migrated out with their cache: blocks held
                                                      # until the destination has imported it
-        self.moves: deque[Move] = deque(maxlen=4096)  # migrations that arrived here, measured
+        self.moves: deque[Migration] = deque(maxlen=4096)  # migrations that arrived here, measured
         self.moves_total = 0
         self._texts: dict[str, TextTracker] = {}
         self.dead: str | None = None      # why this device no longer serves
@@ -360,7 +360,7 @@ class DeviceActor:
             updates.append(self._token_update(st, tok))
         return updates
 
-    def _arrived(self, move: Move, now: float) -> None:
+    def _arrived(self, move: Migration, now: float) -> None:
         """A migrated request produced its first token here: the pause it saw is measured."""
         move.pause_s = now - move.started
         self.moves.append(move)

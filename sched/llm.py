@@ -17,6 +17,8 @@ from engine.models.loader import load_spec, load_tokenizer, resolve_model
 from engine.params import SamplingParams
 from engine.worker import WorkerConfig, WorkerHandle, wait_all
 from sched.actor import Update
+from sched.placement import Placement
+from sched.rebalancer import PLACEMENTS, Budgets, Rebalancer
 from sched.request import FinishReason, Request, RequestState
 from sched.runtime import Runtime
 from sched.scheduler import SchedConfig, Scheduler, cache_type_of
@@ -74,9 +76,11 @@ class LLM:
                  policy: str = "fcfs", rt_budget_s: float | None = None,
                  bidirectional_blocks: bool = False, cache_type: str = "kv",
                  hybrid_cache: bool = True, adaptive: bool = True, slo_decay: float | None = None,
-                 mixed_batches: bool = False):
+                 mixed_batches: bool = False, placement: str = "static",
+                 rebalance_interval_s: float = 1.0, slo_tbt_s: float = 0.2):
         self._workers: list[WorkerHandle] = []
         self.runtime: Runtime | None = None
+        self.rebalancer: Rebalancer | None = None
         self._sinks: dict[str, Callable[[list[Update]], None]] = {}
         names = parse_devices(devices)
         dtype, why = resolve_dtype(dtype, names[0])
@@ -86,6 +90,11 @@ class LLM:
         final = SchedConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, policy, rt_budget_s,
                             bidirectional_blocks, cache_type_of(cache_type), hybrid_cache=hybrid_cache,
                             adaptive=adaptive, slo_decay=slo_decay, mixed_batches=mixed_batches).check()
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement: {placement!r} is not one of {list(PLACEMENTS)}")
+        for name, v in (("rebalance_interval_s", rebalance_interval_s), ("slo_tbt_s", slo_tbt_s)):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ValueError(f"{name}: must be a positive number of seconds, got {v!r}")
         if kv_cache_bytes is not None:
             _positive("kv_cache_bytes", kv_cache_bytes)
         if kv_cache_fraction is not None and not 0 < kv_cache_fraction <= 1:
@@ -132,10 +141,32 @@ class LLM:
                 self.scheduler.use_config(replace(final, **options), cost)
             else:
                 self.scheduler.use_config(final)
+            self.rebalancer = self._rebalancer(placement, rebalance_interval_s, slo_tbt_s, max_num_batched_tokens)
         except BaseException:
             self.shutdown()
             raise
         self._ids = itertools.count()
+
+    def _rebalancer(self, placement: str, epoch_s: float, tbt_s: float, max_tokens: int) -> Rebalancer | None:
+        """The placement's books and migration budgets (several devices only; on one device every
+        placement is the same). Budgets: the link from a copy probe, the re-prefill room from the
+        iteration cost model (the policy's, else profiled now: seconds)."""
+        n = len(self.scheduler.actors)
+        if placement == "static" or n < 2:
+            return None
+        from engine.runner import copy_bandwidth
+        cost = self.scheduler.cost
+        if cost is None and placement in ("mell", "lb"):
+            from sched.profiling import profile_cost
+            cost = profile_cost(self.scheduler, self.spec.vocab_size)
+        bw = copy_bandwidth()
+        elem = 4 if self.dtype == "float32" else 2
+        g = self.scheduler.actors[0].pool.geometry
+        block_bytes = self.spec.num_layers * g.block_size * self.spec.unit * elem
+        log.info("placement %s over %d devices: epoch %.2f s, link %.2f GB/s (copy probe), TBT %.3f s",
+                 placement, n, epoch_s, bw / 1e9, tbt_s)
+        return Rebalancer(Placement(placement), n, g.num_blocks, block_bytes,
+                          Budgets(bw, epoch_s, cost, tbt_s, max_tokens))
 
     # ---- prompts -------------------------------------------------------------
     def _aptserve_options(self, hybrid: bool):
@@ -246,7 +277,7 @@ class LLM:
     def start_runtime(self) -> Runtime:
         """Start the device actors (once): from here on every step runs on an actor's thread."""
         if self.runtime is None:
-            self.runtime = Runtime(self.scheduler, self._route)
+            self.runtime = Runtime(self.scheduler, self._route, self.rebalancer)
         return self.runtime
 
     def subscribe(self, req_ids: list[str], sink: Callable[[list[Update]], None]) -> None:

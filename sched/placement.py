@@ -23,7 +23,8 @@ then every UPDATE, then every ALLOCATE, and only each request's net move is carr
 
 On a box with a fixed number of devices (``Cluster.max_devices``) a device that cannot be
 opened falls back to the active device with the most free blocks, which may overflow; its own
-scheduler then queues or preempts as on a single device.
+scheduler then queues or preempts as on a single device. There WF and LB spread over every
+device from the start, as least-loaded routers do; Mell and BF still open devices only as needed.
 
 Baselines (the paper's): BF puts an arrival on the fullest device it fits on, WF on the emptiest
 (what round-robin / least-loaded routers do); neither migrates, so a device that overflows as its
@@ -248,7 +249,15 @@ class _Baseline(_Books):
         super().__init__(cluster, batched)
         self.policy = policy
 
+    def spreads(self) -> bool:
+        """WF and LB on a bounded box use every device from the start, as a least-loaded router
+        does (the paper's cloud opens devices on demand; a box's devices are there anyway)."""
+        return self.cl.max_devices is not None and self.policy in (Placement.WF, Placement.LB)
+
     def run(self, ep: Epoch) -> None:
+        if self.spreads():
+            while self.open_device() is not None:
+                pass
         for r in ep.departures:
             if r in self.cl.where:
                 self._depart(r)
@@ -265,7 +274,8 @@ class _Baseline(_Books):
             self.item_moves.append(0)
         if self.policy is Placement.LB:
             self._balance()
-        self.terminate_empty()
+        if not self.spreads():
+            self.terminate_empty()
 
     def target(self, size: int, avoid: set[int] = frozenset()) -> int:
         fits = [d for d in self.cl.active if d not in avoid and self.free(d) >= size]

@@ -26,16 +26,16 @@ class FinishReason(enum.Enum):
     ERROR = "error"           # the device or the scheduler failed
 
 
-class MoveKind(enum.Enum):
+class Transfer(enum.Enum):
     """How a request migrates between devices (SPEC §4.4)."""
     KV = "kv"           # its cache is copied into blocks the destination reserved
     TOKEN = "token"     # its prompt and generated tokens are prefilled again at the destination
 
 
 @dataclass(slots=True)
-class Move:
+class Migration:
     """One migration of a request, as it is carried out and measured."""
-    kind: MoveKind
+    kind: Transfer
     src: int
     dst: int
     started: float                     # clock when it left its device
@@ -79,7 +79,7 @@ class RequestState:
     last_token_time: float | None = None        # arrival, then each token: pending time (SPEC §1.1, §2.1)
     first_token_time: float | None = None       # when its first output token came back
     error: str | None = None
-    moving: "Move | None" = None       # set while it migrates (from leaving its device to its next token)
+    moving: "Migration | None" = None       # set while it migrates (from leaving its device to its next token)
 
     @property
     def req_id(self) -> str:

@@ -33,7 +33,8 @@ from typing import Callable
 from cache import PoolGeometry
 from engine.messages import Command, DeviceError, StepInput
 from sched.actor import DeviceActor, Update
-from sched.request import FinishReason, Move, MoveKind, RequestState
+from sched.rebalancer import Rebalancer, view_of
+from sched.request import FinishReason, Migration, Transfer, RequestState
 
 log = logging.getLogger("tandem.runtime")
 
@@ -58,7 +59,7 @@ class Abort:
 class MoveOut:
     req_id: str
     dst: "ActorThread"
-    kind: MoveKind = MoveKind.TOKEN
+    kind: Transfer = Transfer.TOKEN
     reason: str = ""
 
 
@@ -176,15 +177,15 @@ class ActorThread:
         st = a.states.get(msg.req_id)
         if st is None:               # it finished (or was cancelled) meanwhile
             return
-        move = Move(msg.kind, a.index, msg.dst.actor.index, a.clock(), st.num_tokens, reason=msg.reason)
+        move = Migration(msg.kind, a.index, msg.dst.actor.index, a.clock(), st.num_tokens, reason=msg.reason)
         rows = None
-        if msg.kind is MoveKind.KV and a.can_export(msg.req_id):
+        if msg.kind is Transfer.KV and a.can_export(msg.req_id):
             out = self._exchange(a.export_input(msg.req_id))
             if out.error:
                 log.error("%s: exporting %s failed, it moves as tokens:\n%s", a.device.name, msg.req_id, out.error)
             rows = out.exported.get(msg.req_id)
         if rows is None:
-            move.kind = MoveKind.TOKEN
+            move.kind = Transfer.TOKEN
         else:
             move.cache_bytes = rows.numel() * rows.element_size()
         st = a.detach(msg.req_id, keep_cache=rows is not None)
@@ -300,23 +301,62 @@ class ActorThread:
 
 class Runtime:
     """The actors of one Scheduler, each on its own thread; ``on_updates`` gets every step's
-    updates in one call, from that actor's thread."""
+    updates in one call, from that actor's thread. With a ``rebalancer`` (several devices), it
+    places arrivals and its own thread sends its migrations once an epoch."""
 
-    def __init__(self, scheduler, on_updates: Callable[[list[Update]], None]):
+    def __init__(self, scheduler, on_updates: Callable[[list[Update]], None],
+                 rebalancer: Rebalancer | None = None):
         self.scheduler = scheduler
+        self.rebalancer = rebalancer
         self.listeners: list[Callable[[DeviceActor], None]] = []
         self.aborted: dict[str, None] = {}       # cancelled ids (bounded, oldest dropped first)
+        if rebalancer is not None:
+            on_updates = self._noting_departures(on_updates)
+            self.listeners.append(lambda a: rebalancer.observe(view_of(a)))
         self.threads = [ActorThread(a, on_updates, self.listeners, self.aborted) for a in scheduler.actors]
         self._where: dict[int, ActorThread] = {id(t.actor): t for t in self.threads}
+        self._stopping = threading.Event()
         for t in self.threads:
             t.start()
+        if rebalancer is not None:
+            threading.Thread(target=self._rebalance, name="tandem-rebalancer", daemon=True).start()
+
+    def _noting_departures(self, on_updates):
+        rb = self.rebalancer
+
+        def routed(updates: list[Update]) -> None:
+            for u in updates:
+                if u.finish_reason is not None:
+                    rb.depart(u.req_id)
+            on_updates(updates)
+        return routed
+
+    def _rebalance(self) -> None:
+        """Once an epoch: the rebalancer's migrations, sent to their source devices."""
+        rb = self.rebalancer
+        while not self._stopping.wait(rb.budgets.epoch_s):
+            try:
+                for o in rb.epoch():
+                    self.migrate(o.req_id, o.src, o.dst, o.transfer, o.reason)
+            except Exception:                  # never silent, never fatal: the next epoch tries again
+                log.exception("rebalancer epoch failed")
 
     def add(self, st: RequestState, device: int | None = None) -> None:
         """Hand a checked request (Scheduler.new_state) to ``device``, or to the one the
-        dispatcher picks."""
+        rebalancer's placement (else the dispatcher) picks."""
+        if device is None and self.rebalancer is not None:
+            device = self._placed(st)
         t = self.threads[device] if device is not None else self._where[id(self.dispatch())]
         st.device = t.actor.index
         t.post(Add(st))
+
+    def _placed(self, st: RequestState) -> int:
+        g = self.threads[0].actor.pool.geometry
+        d = self.rebalancer.arrive(st.req_id, g.blocks_for(st.num_tokens, st.cache_type))
+        if self.threads[d].actor.dead is None:
+            return d
+        self.rebalancer.forget(st.req_id)
+        return self.dispatch().index
 
     def dispatch(self) -> DeviceActor:
         """The least-loaded device that is not dead, serving ones first: a device restarting its
@@ -335,9 +375,9 @@ class Runtime:
         for t in self.threads:
             t.post(Abort(req_id))
 
-    def migrate(self, req_id: str, src: int, dst: int, kind: MoveKind = MoveKind.TOKEN,
+    def migrate(self, req_id: str, src: int, dst: int, kind: Transfer = Transfer.TOKEN,
                 reason: str = "") -> None:
-        """Move a request from device ``src`` to ``dst`` between two of src's steps: as its cache
+        """Migration a request from device ``src`` to ``dst`` between two of src's steps: as its cache
         (KV; as tokens where the cache cannot be exported or does not fit ``dst``) or as its
         tokens, recomputed by ``dst`` first in line. No-op if it is no longer on ``src``."""
         self.threads[src].post(MoveOut(req_id, self.threads[dst], kind, reason))
@@ -358,5 +398,6 @@ class Runtime:
         return sum(t.num_queued() for t in self.threads)
 
     def stop(self) -> None:
+        self._stopping.set()
         for t in self.threads:
             t.stop()

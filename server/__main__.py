@@ -6,6 +6,7 @@ import os
 import sys
 import time
 
+from sched.rebalancer import PLACEMENTS
 from sched.scheduler import POLICIES, SchedConfig, cache_type_of
 from server.config import ServerConfig
 
@@ -45,6 +46,14 @@ def parse_args(argv=None) -> ServerConfig:
                     help="hidden: keep each layer's input instead of K and V and recompute them at every "
                          "step: half the memory of KV with multi-head attention, more with grouped-query attention "
                          "(SmolLM2: 1.5x), for measurements")
+    ap.add_argument("--placement", default=d.placement, choices=list(PLACEMENTS),
+                    help="with several devices: static: each request stays on the least-loaded device at "
+                         "its arrival; mell: pack requests onto as few devices as their growing caches allow, "
+                         "migrating as needed (devices left empty are idle); lb: the emptiest device, and "
+                         "migrations that even out memory use; bf / wf: best / worst fit, no migration (a "
+                         "device that overflows restarts its newest requests elsewhere)")
+    ap.add_argument("--rebalance-interval", type=float, default=d.rebalance_interval_s,
+                    help="seconds between the rebalancer's epochs (placements other than static)")
     ap.add_argument("--slo-ttft-ms", type=float, default=d.slo_ttft_ms)
     ap.add_argument("--slo-tbt-ms", type=float, default=d.slo_tbt_ms)
     ap.add_argument("--max-waiting", type=int, default=d.max_waiting, help="waiting requests before 429")
@@ -66,6 +75,8 @@ def parse_args(argv=None) -> ServerConfig:
         SchedConfig(a.max_num_seqs, a.max_num_batched_tokens, True, a.policy, None, a.bidirectional_blocks,
                     cache_type_of(a.cache_type), hybrid_cache=not a.kv_only, adaptive=not a.aptserve_fcfs,
                     slo_decay=a.slo_decay, mixed_batches=a.aptserve_mixed).check()
+        if a.rebalance_interval <= 0:
+            raise ValueError("rebalance-interval: must be positive")
     except ValueError as e:
         ap.error(str(e))
     name = a.served_model_name or (a.model if a.model == "smollm2" else os.path.basename(a.model.rstrip("/")))
@@ -74,7 +85,8 @@ def parse_args(argv=None) -> ServerConfig:
                         max_num_batched_tokens=a.max_num_batched_tokens,
                         policy=a.policy, bidirectional_blocks=a.bidirectional_blocks, cache_type=a.cache_type,
                         hybrid_cache=not a.kv_only, adaptive=not a.aptserve_fcfs, slo_decay=a.slo_decay,
-                        mixed_batches=a.aptserve_mixed,
+                        mixed_batches=a.aptserve_mixed, placement=a.placement,
+                        rebalance_interval_s=a.rebalance_interval,
                         slo_ttft_ms=a.slo_ttft_ms, slo_tbt_ms=a.slo_tbt_ms,
                         max_waiting=a.max_waiting, max_upload_bytes=int(a.max_upload_mb * 2**20),
                         max_body_bytes=int(a.max_body_mb * 2**20), chat_control_tokens=a.chat_control_tokens, dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
@@ -102,6 +114,9 @@ async def _watch_parent(pid: int) -> None:
 
 def main(argv=None) -> None:
     cfg = parse_args(argv)
+    import logging
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("tandem").setLevel(logging.INFO)    # the runtime's own events (migrations, restarts)
     from aiohttp import web
 
     from sched.async_engine import AsyncEngine
@@ -121,7 +136,8 @@ def main(argv=None) -> None:
                   cache_type=cfg.cache_type, hybrid_cache=cfg.hybrid_cache, adaptive=cfg.adaptive,
                   slo_decay=cfg.slo_decay, mixed_batches=cfg.mixed_batches,
                   omp_wait_policy=cfg.omp_wait_policy, threads_per_worker=cfg.threads_per_worker,
-                  chat_control_tokens=cfg.chat_control_tokens)
+                  chat_control_tokens=cfg.chat_control_tokens, placement=cfg.placement,
+                  rebalance_interval_s=cfg.rebalance_interval_s, slo_tbt_s=cfg.slo_tbt_ms / 1000)
         return AsyncEngine(llm)
 
     app = create_app(cfg, build_engine)

@@ -49,6 +49,16 @@ class Metrics:
         self.rho = Gauge("tandem:aptserve_rho_seconds", "Apt-Serve's rho in use: extra seconds per KV block "
                          "of context a hidden-cache request re-projects (profiled, refined online)",
                          ["model_name"], registry=r)
+        self.migrations = Counter("tandem:migrations", "Requests migrated between devices, by how they "
+                                  "travelled: kv (cache copied) or token (prefilled again)",
+                                  ["model_name", "kind"], registry=r)
+        self.migration_pause = Histogram("tandem:migration_pause_seconds", "Pause a migrated request saw: "
+                                         "from leaving its device to its next token on the new one",
+                                         ["model_name", "kind"], buckets=LATENCY_BUCKETS, registry=r)
+        self.devices_active = Gauge("tandem:devices_active", "Devices holding at least one request "
+                                    "(the others are idle)", ["model_name"], registry=r)
+        self.device_pool = Gauge("tandem:device_pool_usage_perc", "Fraction of each device's pool blocks "
+                                 "held (0-1)", ["model_name", "device"], registry=r)
         self._seen: dict = {}
         self._devices: dict[int, tuple] = {}     # device index -> its last load, pool, size, T_avg
         self._lock = threading.Lock()
@@ -59,8 +69,13 @@ class Metrics:
         from sched.scheduler import load_by_class, pool_view
         load = {c.value: v for c, v in load_by_class([actor]).items()}
         with self._lock:
-            self._devices[actor.index] = (load, pool_view([actor]), actor.pool.geometry.num_blocks, actor.t_avg)
+            self._devices[actor.index] = (load, pool_view([actor]), actor.pool.geometry.num_blocks, actor.t_avg,
+                                          bool(actor.states))
             devices = list(self._devices.values())
+            self.devices_active.labels(self.model).set(sum(d[4] for d in devices))
+            self.device_pool.labels(self.model, actor.device.name).set(
+                1 - actor.pool.num_free / max(1, actor.pool.geometry.num_blocks))
+            self._count_moves(actor)
             for cls in CLASSES:
                 running = sum(d[0].get(cls, (0, 0, 0))[0] for d in devices)
                 waiting = sum(d[0].get(cls, (0, 0, 0))[1] for d in devices)
@@ -80,6 +95,17 @@ class Metrics:
             self._count(self.preemptions, actor.index, actor.preemptions_by_class)
             self._count(self.cache_tokens, actor.index, actor.tokens_by_cache_type)
             self._count(self.cache_switches, actor.index, actor.cache_switches)
+
+    def _count_moves(self, actor) -> None:
+        """Migrations that arrived on this device since the last call (its ``moves`` log)."""
+        seen = self._seen.get(("moves", actor.index), 0)
+        new = actor.moves_total - seen
+        if new <= 0:
+            return
+        for m in list(actor.moves)[-min(new, len(actor.moves)):]:
+            self.migrations.labels(self.model, m.kind.value).inc()
+            self.migration_pause.labels(self.model, m.kind.value).observe(m.pause_s)
+        self._seen[("moves", actor.index)] = actor.moves_total
 
     def _count(self, counter: Counter, device: int, totals) -> None:
         """Bring a Prometheus counter up to one device's running totals (enum key -> count)."""

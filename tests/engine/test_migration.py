@@ -6,14 +6,14 @@ import time
 import pytest
 
 from tandem import LLM, SamplingParams
-from sched.request import MoveKind, Request
+from sched.request import Transfer, Request
 from tests.conftest import assert_pool_free, hf_greedy, mixed_prompts
 
 MAX_NEW = 20
 MOVE_AFTER = 7         # tokens streamed before the migration is asked for
 
 
-def run(llm, prompt, sp, move: MoveKind | None, rid: str) -> tuple[list[int], object]:
+def run(llm, prompt, sp, move: Transfer | None, rid: str) -> tuple[list[int], object]:
     """Generate on device 0; after MOVE_AFTER tokens ask for a migration to device 1. Returns
     every token the stream saw, in order, and the request's final state."""
     rt = llm.start_runtime()
@@ -56,7 +56,7 @@ def migrated_like_hf(llm, model_dir, kinds, n=2):
             moves = [m for m in llm.scheduler.actors[1].moves if m.src == 0]
             assert moves and moves[-1].kind is kind, f"expected a {kind.value} migration, got {moves}"
             assert moves[-1].tokens >= len(p) + MOVE_AFTER
-            assert (moves[-1].cache_bytes > 0) == (kind is MoveKind.KV)
+            assert (moves[-1].cache_bytes > 0) == (kind is Transfer.KV)
             assert seen == ref[i], f"prompt {i}: migrated as {kind.value}, tokens differ from HF"
         wait_pool_free(llm)
 
@@ -68,16 +68,16 @@ def llama2(tiny_llama):
 
 
 def test_migrated_request_matches_hf(llama2, tiny_llama):
-    migrated_like_hf(llama2, tiny_llama, [MoveKind.KV, MoveKind.TOKEN])
+    migrated_like_hf(llama2, tiny_llama, [Transfer.KV, Transfer.TOKEN])
 
 
 def test_hidden_cache_migrates_as_kv(tiny_opt):
     """A hidden cache (m rows per token, multi-head model) moves by the same export and import."""
     with LLM(str(tiny_opt), "cpu:2", block_size=8, threads_per_worker=1, cache_type="hidden") as llm:
-        migrated_like_hf(llm, tiny_opt, [MoveKind.KV, MoveKind.TOKEN], n=1)
+        migrated_like_hf(llm, tiny_opt, [Transfer.KV, Transfer.TOKEN], n=1)
 
 
-@pytest.mark.parametrize("kind", [MoveKind.KV, MoveKind.TOKEN])
+@pytest.mark.parametrize("kind", [Transfer.KV, Transfer.TOKEN])
 def test_seeded_sampling_survives_migration(kind, llama2):
     prompt = mixed_prompts(1, 512, seed=5, lo=30, hi=31)[0]
     sp = SamplingParams(max_tokens=MAX_NEW, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
@@ -101,7 +101,7 @@ def test_cancelled_while_moving_ends(llama2):
     def sink(ups):
         for u in ups:
             if u.new_token_ids and len(st.output_token_ids) == 3:
-                rt.migrate("c", 0, 1, MoveKind.KV)
+                rt.migrate("c", 0, 1, Transfer.KV)
                 rt.abort("c")
             if u.finish_reason is not None:
                 ended.append(u.finish_reason)
@@ -112,3 +112,23 @@ def test_cancelled_while_moving_ends(llama2):
     wait_pool_free(llm)
     assert [r.value for r in ended] == ["abort"]
     assert len(st.output_token_ids) < 400
+
+
+@pytest.mark.parametrize("placement", ["mell", "lb"])
+def test_rebalancer_migrations_keep_outputs_exact(placement, tiny_llama):
+    """Requests that outgrow a small pool are migrated by the rebalancer (its epochs every 50 ms);
+    every output still equals HF's greedy tokens, and nothing leaks."""
+    from engine.models.loader import load_spec
+    spec = load_spec(tiny_llama)
+    block_bytes = spec.num_layers * 8 * spec.unit * 4
+    prompts = mixed_prompts(8, 512, seed=21, lo=24, hi=40)
+    sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    with LLM(str(tiny_llama), "cpu:2", block_size=8, kv_cache_bytes=48 * block_bytes, threads_per_worker=1,
+             max_num_batched_tokens=64, placement=placement, rebalance_interval_s=0.05) as llm:
+        outs = llm.generate(prompts, sp)
+        moved = [m for a in llm.scheduler.actors for m in a.moves]
+        wait_pool_free(llm)
+    assert moved, f"{placement}: no request was migrated; the pool was meant to force it"
+    assert all(m.pause_s is not None and m.pause_s >= 0 for m in moved)
+    for i, (o, r) in enumerate(zip(outs, hf_greedy(tiny_llama, prompts, 48))):
+        assert o.token_ids == r, f"prompt {i} differs after {placement} migrations"

@@ -1,0 +1,247 @@
+"""The rebalancer: places arrivals and, once an epoch, migrates requests between devices.
+
+It keeps the placement's books (``sched.placement.Cluster``) for the device actors of one box:
+
+    arrival  ──► ``arrive``   one ``place`` call; the device to hand the request to
+    finish   ──► ``depart``   noted; applied at the next epoch (Mell batches departures)
+    actor step ► ``observe``  that device's view: each request's context length and blocks
+    epoch    ──► ``epoch``    new sizes and departures -> ``place`` -> moves -> KV or token
+
+The books are the placement's intent; the devices reach it through migrations. A move waits
+(``pending``) until its request is seen on a device; it is then sent as its cache or as its
+tokens by SPEC §4.4's two-bin packing (``split``) against this epoch's budgets, or waits for the
+next epoch when it fits neither. A baseline's PREEMPTION moves (BF/WF overflow) always go as
+tokens: the request starts again elsewhere, as those baselines do.
+
+The budgets (``Budgets``): ``Bcomm``, the bytes the box's link copies within one epoch (a
+start-up bandwidth probe times the epoch), shared by every KV move of the epoch; and ``Bcomp``,
+the re-prefill tokens a destination can add to one of its steps while its running decodes stay
+within the TBT target, from the iteration cost model and the destination's current decode batch.
+All of it is plain books: the runtime calls these methods from its threads under one lock.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from sched.cost_model import StepShape
+from sched.placement import Cluster, Epoch, MoveKind, Placement, place
+from sched.request import Transfer
+
+log = logging.getLogger("tandem.rebalancer")
+
+PLACEMENTS = ("static", "mell", "lb", "bf", "wf")   # static: the least-loaded device at arrival, for life
+IN_FLIGHT_S = 5.0          # a sent move not seen at its destination after this is sent again
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceView:
+    """One device as its actor last saw it (published after each of its steps)."""
+    index: int
+    tokens: dict[str, int]       # request -> context length (prompt + generated)
+    blocks: dict[str, int]       # request -> blocks it needs for that context
+    decode_batch: int = 0        # requests decoding in its last step
+    decode_ctx: int = 0          # their summed context
+    alive: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A migration the placement wants this epoch, with both of its costs."""
+    req_id: str
+    src: int
+    dst: int
+    kv_bytes: int                # bytes of cache a KV move copies over the link
+    tokens: int                  # tokens a token move prefills again at dst
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Order:
+    """A migration to carry out now."""
+    req_id: str
+    src: int
+    dst: int
+    transfer: Transfer
+    reason: str
+
+
+def split(cands: list[Candidate], comm_bytes: float, comp_tokens: dict[int, float],
+          ) -> tuple[list[Candidate], list[Candidate], list[Candidate]]:
+    """SPEC §4.4: the epoch's migrations into (KV, token, deferred), greedily, largest cache first
+    (ties by id, so the split is deterministic). Each goes where it fits; where both fit, to the
+    bin it leaves the smaller normalised residual in (best fit); where neither, it waits.
+    ``comm_bytes``: the link's budget (one link: the box's devices share it); ``comp_tokens``: each
+    destination's re-prefill budget."""
+    used_comm = 0.0
+    used_comp: dict[int, float] = {}
+    kv, tok, deferred = [], [], []
+    for c in sorted(cands, key=lambda c: (-c.kv_bytes, c.req_id)):
+        room_comm = comm_bytes - used_comm - c.kv_bytes
+        cap = comp_tokens.get(c.dst, 0.0)
+        room_comp = cap - used_comp.get(c.dst, 0.0) - c.tokens
+        fit_kv, fit_tok = room_comm >= 0, room_comp >= 0
+        if fit_kv and fit_tok:
+            fit_kv = room_comm / max(comm_bytes, 1e-9) <= room_comp / max(cap, 1e-9)
+            fit_tok = not fit_kv
+        if fit_kv:
+            used_comm += c.kv_bytes
+            kv.append(c)
+        elif fit_tok:
+            used_comp[c.dst] = used_comp.get(c.dst, 0.0) + c.tokens
+            tok.append(c)
+        else:
+            deferred.append(c)
+    return kv, tok, deferred
+
+
+@dataclass(slots=True)
+class Budgets:
+    """What a migration may cost within one epoch (SPEC §4.4's Bcomm and Bcomp)."""
+    link_bytes_per_s: float              # measured copy bandwidth of a KV move
+    epoch_s: float                       # the rebalancer's period: the time limit of a transfer
+    step_cost: Callable[[StepShape], float] | None   # iteration cost model (seconds); None: no budget
+    tbt_s: float                         # decodes must stay within this step time
+    max_batched_tokens: int = 2048
+
+    @property
+    def comm_bytes(self) -> float:
+        return self.link_bytes_per_s * self.epoch_s
+
+    def comp_tokens(self, view: DeviceView) -> int:
+        """Tokens a step on this device can prefill besides its decodes and stay within tbt_s
+        (a prefill of n tokens at context n, by the cost model); 0 when the decodes alone do not."""
+        if self.step_cost is None:
+            return 0
+        base = StepShape(decode_tokens=view.decode_batch, decode_ctx=view.decode_ctx)
+
+        def fits(n: int) -> bool:
+            return self.step_cost(base.add(n, n, False)) <= self.tbt_s
+        if not fits(1):
+            return 0
+        lo, hi = 1, self.max_batched_tokens
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
+
+
+@dataclass(slots=True)
+class _Pending:
+    dst: int
+    kind: MoveKind
+    reason: str
+    sent: float | None = None            # clock when its order went out
+
+
+@dataclass
+class Rebalancer:
+    policy: Placement
+    num_devices: int
+    capacity: int                        # blocks per device
+    block_bytes: int                     # bytes of one pool block (every layer)
+    budgets: Budgets
+    clock: Callable[[], float] = time.monotonic
+    cluster: Cluster = None              # type: ignore[assignment]
+    views: dict[int, DeviceView] = field(default_factory=dict)
+    pending: dict[str, _Pending] = field(default_factory=dict)
+    departed: set[str] = field(default_factory=set)
+    deferred_total: int = 0              # moves that fit neither budget in their epoch
+    max_active: int = 0                  # most devices holding requests at once
+
+    def __post_init__(self):
+        if self.cluster is None:
+            self.cluster = Cluster(self.capacity, self.num_devices)
+        self.lock = threading.Lock()
+
+    # ---- from the runtime's threads ---------------------------------------------------
+    def arrive(self, req_id: str, blocks: int) -> int:
+        """The device for a new request (its prompt needs ``blocks``); moves the placement makes
+        to fit it are carried out from the next epoch."""
+        with self.lock:
+            self.cluster, dec = place(self.policy, self.cluster, Epoch(arrivals={req_id: blocks}))
+            self._want(dec.moves)
+            return dec.placed[req_id]
+
+    def forget(self, req_id: str) -> None:
+        """A request placed elsewhere than ``arrive`` said (its device was down): stop tracking it."""
+        with self.lock:
+            self.cluster, _ = place(self.policy, self.cluster, Epoch(departures={req_id}))
+            self.pending.pop(req_id, None)
+
+    def depart(self, req_id: str) -> None:
+        with self.lock:
+            if req_id in self.cluster.where:
+                self.departed.add(req_id)
+
+    def observe(self, view: DeviceView) -> None:
+        with self.lock:
+            self.views[view.index] = view
+
+    # ---- once an epoch --------------------------------------------------------------------
+    def epoch(self) -> list[Order]:
+        """Apply the sizes and departures seen since the last epoch; the migrations to send now."""
+        with self.lock:
+            where_now = {rid: v.index for v in self.views.values() for rid in v.tokens}
+            sizes = {}
+            for rid, old in self.cluster.sizes.items():
+                d = where_now.get(rid)
+                if d is not None and rid not in self.departed:
+                    b = self.views[d].blocks[rid]
+                    if b != old:
+                        sizes[rid] = b
+            self.cluster, dec = place(self.policy, self.cluster, Epoch(departures=set(self.departed), sizes=sizes))
+            for rid in self.departed:
+                self.pending.pop(rid, None)
+            self.departed.clear()
+            self._want(dec.moves)
+            self.max_active = max(self.max_active, sum(1 for v in self.views.values() if v.tokens))
+            return self._orders(where_now)
+
+    def _want(self, moves) -> None:
+        for m in moves:
+            self.pending[m.req_id] = _Pending(m.dst, m.kind, m.reason)
+
+    def _orders(self, where_now: dict[str, int]) -> list[Order]:
+        now = self.clock()
+        orders, cands = [], []
+        for rid, p in list(self.pending.items()):
+            src = where_now.get(rid)
+            if src is None or (p.sent is not None and now - p.sent < IN_FLIGHT_S):
+                continue                  # between devices, or just sent: wait to see it land
+            if src == p.dst or not self.views.get(p.dst, DeviceView(p.dst, {}, {})).alive:
+                del self.pending[rid]
+                continue
+            if p.kind is MoveKind.PREEMPTION:
+                orders.append(Order(rid, src, p.dst, Transfer.TOKEN, p.reason))
+                continue
+            v = self.views[src]
+            cands.append(Candidate(rid, src, p.dst, v.blocks[rid] * self.block_bytes, v.tokens[rid], p.reason))
+        comp = {d: self.budgets.comp_tokens(v) for d, v in self.views.items()}
+        kv, tok, deferred = split(cands, self.budgets.comm_bytes, comp)
+        self.deferred_total += len(deferred)
+        orders += [Order(c.req_id, c.src, c.dst, Transfer.KV, c.reason) for c in kv]
+        orders += [Order(c.req_id, c.src, c.dst, Transfer.TOKEN, c.reason) for c in tok]
+        for o in orders:
+            self.pending[o.req_id].sent = now
+        return orders
+
+    def idle_devices(self) -> list[int]:
+        """Devices holding no request (on a GPU box: free for other work)."""
+        with self.lock:
+            return [i for i in range(self.num_devices) if not self.views.get(i, DeviceView(i, {}, {})).tokens]
+
+
+def view_of(actor) -> DeviceView:
+    """A device actor's view for the placement (on its own thread, after a step)."""
+    g = actor.pool.geometry
+    tokens, blocks, batch, ctx = {}, {}, 0, 0
+    for rid, st in actor.states.items():
+        tokens[rid] = n = st.num_tokens
+        blocks[rid] = g.blocks_for(n, st.cache_type)
+        if st.output_token_ids and rid in actor.running:
+            batch, ctx = batch + 1, ctx + n
+    return DeviceView(actor.index, tokens, blocks, batch, ctx, actor.dead is None)

@@ -1,0 +1,119 @@
+"""The rebalancer: SPEC §4.4's KV-or-token split against the link and compute budgets, the
+re-prefill budget against a brute-force scan of the cost model, and epochs over fake device views."""
+import itertools
+
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+
+from sched.cost_model import CostModel, StepShape
+from sched.placement import Placement
+from sched.rebalancer import Budgets, Candidate, DeviceView, Rebalancer, split
+from sched.request import Transfer
+
+# a decode step of b requests at total context c costs 10 ms + 2 ms per request + 1 us per token;
+# a prefill token 0.5 ms
+COST = CostModel(base=0.010, per_prefill_token=5e-4, per_prefill_attn=0.0, per_decode_token=0.002,
+                 per_decode_ctx=1e-6)
+
+
+def cands(n, kv=1000, tokens=50, dst=1):
+    return [Candidate(f"r{i}", 0, dst, kv, tokens) for i in range(n)]
+
+
+def test_saturated_link_sends_tokens_and_saturated_compute_sends_kv():
+    link_full = split(cands(3), comm_bytes=500, comp_tokens={1: 10_000})
+    assert [len(x) for x in link_full] == [0, 3, 0]
+    compute_full = split(cands(3), comm_bytes=1e9, comp_tokens={1: 0})
+    assert [len(x) for x in compute_full] == [3, 0, 0]
+    both_full = split(cands(3), comm_bytes=500, comp_tokens={1: 10})
+    assert [len(x) for x in both_full] == [0, 0, 3]
+
+
+def test_split_fills_each_bin_until_it_is_full_then_defers():
+    kv, tok, deferred = split(cands(5, kv=1000, tokens=100), comm_bytes=2000, comp_tokens={1: 200})
+    assert len(kv) == 2 and len(tok) == 2 and len(deferred) == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(hs.lists(hs.tuples(hs.integers(0, 5000), hs.integers(0, 500), hs.integers(1, 3)), max_size=12),
+       hs.integers(0, 20_000), hs.integers(0, 1500), hs.integers(0, 1500))
+def test_split_respects_budgets_and_defers_only_what_fits_nowhere(items, comm, comp1, comp2):
+    cs = [Candidate(f"r{i}", 0, d, kv, t) for i, (kv, t, d) in enumerate(items)]
+    comp = {1: comp1, 2: comp2}
+    kv, tok, deferred = split(cs, comm, comp)
+    assert sorted(c.req_id for c in kv + tok + deferred) == sorted(c.req_id for c in cs)
+    assert sum(c.kv_bytes for c in kv) <= comm
+    for d in (1, 2, 3):
+        assert sum(c.tokens for c in tok if c.dst == d) <= comp.get(d, 0)
+    # a deferred move fits neither bin even alone in what is left at the end
+    for c in deferred:
+        assert (sum(x.kv_bytes for x in kv) + c.kv_bytes > comm
+                and sum(x.tokens for x in tok if x.dst == c.dst) + c.tokens > comp.get(c.dst, 0))
+
+
+@settings(max_examples=100, deadline=None)
+@given(hs.integers(0, 40), hs.integers(0, 40_000), hs.floats(0.005, 0.3))
+def test_reprefill_budget_is_the_largest_prefill_within_the_tbt(batch, ctx, tbt):
+    b = Budgets(1e9, 1.0, COST.predict, tbt, max_batched_tokens=600)
+    view = DeviceView(1, {}, {}, batch, ctx)
+    got = b.comp_tokens(view)
+    base = StepShape(decode_tokens=batch, decode_ctx=ctx)
+    brute = max([n for n in range(1, 601) if COST.predict(base.add(n, n, False)) <= tbt], default=0)
+    assert got == brute
+
+
+def rebalancer(link_bytes_per_s, tbt, policy=Placement.LB):
+    return Rebalancer(policy, 2, capacity=100, block_bytes=1000,
+                      budgets=Budgets(link_bytes_per_s, 1.0, COST.predict, tbt), clock=itertools.count().__next__)
+
+
+def skewed(rb):
+    """Six requests placed (LB: worst fit, so both devices get three); those on device 1 finish
+    while those on device 0 grow to 30 blocks each: the devices differ by far more than C/10."""
+    where = {f"q{i}": rb.arrive(f"q{i}", 2) for i in range(6)}
+    on0 = [r for r, d in where.items() if d == 0]
+    assert len(on0) == 3
+    for r, d in where.items():
+        if d == 1:
+            rb.depart(r)
+    rb.observe(DeviceView(0, {r: 230 for r in on0}, {r: 30 for r in on0}, 3, 690))
+    rb.observe(DeviceView(1, {}, {}))
+    return rb.epoch()
+
+
+def test_rebalancer_moves_as_kv_when_compute_is_busy():
+    orders = skewed(rebalancer(link_bytes_per_s=1e9, tbt=0.001))     # no step fits 1 ms: compute full
+    assert orders and all(o.transfer is Transfer.KV and (o.src, o.dst) == (0, 1) for o in orders)
+
+
+def test_rebalancer_moves_as_tokens_when_the_link_is_busy():
+    orders = skewed(rebalancer(link_bytes_per_s=0, tbt=1.0))
+    assert orders and all(o.transfer is Transfer.TOKEN and (o.src, o.dst) == (0, 1) for o in orders)
+
+
+def test_rebalancer_defers_what_fits_neither_and_sends_it_later():
+    rb = rebalancer(link_bytes_per_s=0, tbt=0.001)
+    assert skewed(rb) == [] and rb.deferred_total > 0
+    rb.budgets.link_bytes_per_s = 1e9                                # the link frees up
+    later = rb.epoch()
+    assert later and all(o.transfer is Transfer.KV for o in later)
+
+
+def test_sent_moves_are_not_repeated_and_departures_drop_them():
+    rb = rebalancer(link_bytes_per_s=1e9, tbt=1.0)
+    first = skewed(rb)
+    assert first
+    assert rb.epoch() == []                   # still seen on device 0: in flight, not sent again
+    for o in first:
+        rb.depart(o.req_id)
+    rb.epoch()
+    assert not any(o.req_id in rb.pending for o in first)
+    assert not any(o.req_id in rb.cluster.where for o in first)
+
+
+def test_mell_packs_arrivals_onto_one_device_until_it_is_full():
+    rb = rebalancer(link_bytes_per_s=1e9, tbt=1.0, policy=Placement.MELL)
+    placed = [rb.arrive(f"m{i}", 10) for i in range(5)]                # 5 x 10 of 100 blocks
+    assert len(set(placed)) == 1
+    worst = rebalancer(link_bytes_per_s=1e9, tbt=1.0, policy=Placement.WF)
+    assert len({worst.arrive(f"w{i}", 10) for i in range(5)}) == 2

@@ -1,0 +1,63 @@
+"""Two CPU workers behind the server with a migrating placement: streams stay whole across
+migrations, and /metrics and the log show what moved, how, why and how long it paused."""
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from tests.server.conftest import API_KEY, start_server, stop_server
+from tests.server.test_load import metric
+
+N, MAX_TOKENS = 10, 40
+
+
+@pytest.fixture(scope="module")
+def two_devices(tiny_chat_model, tmp_path_factory):
+    from engine.models.loader import load_spec
+    spec = load_spec(tiny_chat_model)
+    block_bytes = spec.num_layers * 16 * spec.unit * 4
+    s = start_server(tiny_chat_model, tmp_path_factory.mktemp("placement"), "--devices", "cpu:2",
+                     "--placement", "lb", "--rebalance-interval", "0.05", "--threads-per-worker", "1",
+                     "--kv-cache-bytes", str(24 * block_bytes), "--max-num-batched-tokens", "64")
+    yield s
+    stop_server(s)
+
+
+async def stream(session, url, i):
+    body = {"prompt": f"Tell me story number {i} about a cat and a dog in a garden:", "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    pieces = []
+    async with session.post(url + "/v1/completions", json=body) as r:
+        assert r.status == 200
+        async for line in r.content:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                pieces.append(json.loads(line[6:])["choices"][0]["text"])
+    return "".join(pieces)
+
+
+async def whole(session, url, i):
+    body = {"prompt": f"Tell me story number {i} about a cat and a dog in a garden:", "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True}
+    async with session.post(url + "/v1/completions", json=body) as r:
+        return (await r.json())["choices"][0]["text"]
+
+
+def test_streams_survive_migrations_and_metrics_show_them(two_devices):
+    url = two_devices.url
+
+    async def run():
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as s:
+            streamed = await asyncio.gather(*(stream(s, url, i) for i in range(N)))
+            await asyncio.sleep(0.3)
+            text = await (await s.get(url + "/metrics")).text()
+            alone = [await whole(s, url, i) for i in range(N)]   # one at a time: nothing moves
+            return streamed, text, alone
+    streamed, text, alone = asyncio.run(run())
+    moved = metric(text, "tandem:migrations_total")
+    assert moved > 0, "the small pools were meant to make the rebalancer migrate"
+    assert metric(text, "tandem:migration_pause_seconds_count") == moved
+    assert 'tandem:device_pool_usage_perc{device="cpu#1"' in text.replace("model_name=\"" + two_devices.model + "\",", "")
+    assert "tandem:devices_active" in text
+    assert streamed == alone, "a stream that crossed devices differs from the same request run alone"
+    assert "migrating" in two_devices.log.read_text()
