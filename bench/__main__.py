@@ -134,6 +134,22 @@ def main() -> None:
     ml.add_argument("--tbt-ms", type=float, default=50.0, help="time per output token of every request")
     ml.add_argument("--seed", type=int, default=0)
     ml.add_argument("--out", default="sim_mell.json", help="result file under bench/results")
+    sk = sub.add_parser("skew", help="two CPU devices: static placement vs migrating ones as request sizes diverge")
+    sk.add_argument("--placements", nargs="+", default=["static", "lb", "mell"], choices=["static", "mell", "lb", "bf", "wf"])
+    sk.add_argument("--rate", type=float, default=1.0, help="arrivals per second (Poisson)")
+    sk.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    sk.add_argument("--drain", type=float, default=180.0, help="seconds to wait after the last arrival")
+    sk.add_argument("--long-share", type=float, default=0.3, help="fraction of requests with long outputs")
+    sk.add_argument("--long", type=int, default=320, help="output tokens of a long request")
+    sk.add_argument("--short", type=int, default=16, help="output tokens of a short request")
+    sk.add_argument("--pool-tokens", type=int, default=2048, help="KV cache per device, in tokens")
+    sk.add_argument("--interval", type=float, default=0.5, help="rebalancer epoch, seconds")
+    sk.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    sk.add_argument("--slo-tbt-ms", type=float, default=200.0, help="the re-prefill budget keeps decodes within it")
+    sk.add_argument("--sweep", nargs="*", type=int, default=[64, 256, 1024, 1792],
+                    help="context lengths for the pause-per-migration table (none: skip it)")
+    sk.add_argument("--seed", type=int, default=0)
+    sk.add_argument("--out", default="skew.json", help="result file under bench/results")
     args = ap.parse_args()
     if args.cmd == "offline":
         from bench.offline import main as offline
@@ -169,6 +185,9 @@ def main() -> None:
     elif args.cmd == "sim-mell":
         from bench.sim_mell import run as sim_mell
         sim_mell(args)
+    elif args.cmd == "skew":
+        from bench import skew
+        skew.main(args)
     elif args.cmd == "mixed":
         from bench.online import mixed
         mixed(args)
