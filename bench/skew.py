@@ -49,7 +49,7 @@ def run_trace(llm, items, drain_s: float) -> dict:
     rt = llm.start_runtime()
     times: dict[str, list[float]] = {}
     arrival: dict[str, float] = {}
-    left = [len(items)]
+    left, errors = [len(items)], []
     done = threading.Event()
 
     def sink(ups):
@@ -58,6 +58,8 @@ def run_trace(llm, items, drain_s: float) -> dict:
             times.setdefault(u.req_id, []).extend([now] * len(u.new_token_ids))
             if u.finish_reason is not None:
                 left[0] -= 1
+                if u.error:
+                    errors.append(u.error)
                 if left[0] == 0:
                     done.set()
     ids = [f"s{i}" for i in range(len(items))]
@@ -74,7 +76,7 @@ def run_trace(llm, items, drain_s: float) -> dict:
     llm.unsubscribe(ids)
     acts = llm.scheduler.actors
     moves = [m for a in acts for m in a.moves]
-    return {"times": times, "arrival": arrival, "unfinished": left[0],
+    return {"times": times, "arrival": arrival, "unfinished": left[0], "errors": len(errors),
             "preemptions": sum(a.num_preemptions for a in acts),
             "moves": [{"kind": m.kind.value, "tokens": m.tokens, "bytes": m.cache_bytes,
                        "pause_s": m.pause_s, "reason": m.reason} for m in moves],
@@ -86,7 +88,7 @@ def summarize(placement: str, res: dict, ttft_slo: float) -> dict:
     ttfts = [ts[0] - res["arrival"][r] for r, ts in res["times"].items() if ts]
     tpots = [(ts[-1] - ts[0]) / (len(ts) - 1) for ts in res["times"].values() if len(ts) > 1]
     n = len(res["arrival"])
-    row = {"placement": placement, "requests": n, "unfinished": res["unfinished"],
+    row = {"placement": placement, "requests": n, "unfinished": res["unfinished"], "errors": res["errors"],
            "preemptions": res["preemptions"],
            "ttft_p50": percentile(ttfts, 50), "ttft_p90": percentile(ttfts, 90),
            "ttft_attainment": sum(t <= ttft_slo for t in ttfts) / max(1, n),
@@ -161,7 +163,7 @@ def main(args) -> None:
 def print_row(r: dict) -> None:
     def ms(v):
         return "-" if v is None else f"{1e3 * v:.0f}"
-    print(f"{r['placement']:7s} req {r['requests']:3d} left {r['unfinished']:2d}  preempt {r['preemptions']:4d}  "
+    print(f"{r['placement']:7s} req {r['requests']:3d} left {r['unfinished']:2d} errors {r['errors']}  preempt {r['preemptions']:4d}  "
           f"TTFT p50/p90 {ms(r['ttft_p50'])}/{ms(r['ttft_p90'])} ms  attain {100 * r['ttft_attainment']:5.1f}%  "
           f"TPOT p50 {ms(r['tpot_p50'])} ms  moves kv {r['kv_moves']} ({ms(r['kv_pause_p50'])} ms) "
           f"token {r['token_moves']} ({ms(r['token_pause_p50'])} ms)  deferred {r['deferred']}", flush=True)

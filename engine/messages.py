@@ -117,8 +117,8 @@ class StepInput:
     # stored tokens into their new slots (a token may be copied out and back in the same step)
     checkpoints: list[SlotCopy] = field(default_factory=list)
     swap_ins: list[SlotCopy] = field(default_factory=list)
-    # migration, also before the forward: copy these requests' caches out (StepOutput.exported),
-    # and write imported caches into their reserved blocks (their NewRequest comes in this step)
+    # migration, also before the forward: write imported caches into their reserved blocks (their
+    # NewRequest comes in this step), then copy these requests' caches out (StepOutput.exported)
     exports: list[str] = field(default_factory=list)
     imports: list[CacheImport] = field(default_factory=list)
 

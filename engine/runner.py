@@ -166,9 +166,9 @@ class ModelRunner:
             self.reqs.clear()
             return StepOutput(inp.step_id, {}, 0, 0.0, 0.0)
         self._apply_bookkeeping(inp)
-        exported = {rid: self.export_cache(rid) for rid in inp.exports}
         for imp in inp.imports:
             self._import(imp)
+        exported = {rid: self.export_cache(rid) for rid in inp.exports}
         self._move_slots(inp)
         if not inp.scheduled:
             return StepOutput(inp.step_id, {}, 0, 0.0, 0.0, exported=exported)

@@ -258,6 +258,7 @@ class DeviceActor:
             st.num_preemptions += 1
             self.num_preemptions += 1
             self.preemptions_by_class[st.request.service_class] += 1
+            self._cancel_import(st)
             if st.sent_to_device:
                 self._reset_ids.append(st.req_id)
         for st in sorted(preempted, key=lambda s: s.request.arrival_time, reverse=True):
@@ -284,6 +285,7 @@ class DeviceActor:
             self.running.remove(st.req_id)
             self.waiting.appendleft(st.req_id)
         st.status, st.num_computed, st.cache_type = Status.WAITING, 0, ct
+        self._cancel_import(st)
         if st.sent_to_device:
             self._finished_ids.append(st.req_id)
             st.sent_to_device = False
@@ -412,8 +414,21 @@ class DeviceActor:
             self.running.remove(st.req_id)
         elif st.status is Status.WAITING:
             self.waiting.remove(st.req_id)
+        self._cancel_import(st)
         if st.sent_to_device:
             self._finished_ids.append(st.req_id)
+
+    def pending_imports(self) -> set[str]:
+        """Requests whose imported cache has not reached the worker yet."""
+        return {imp.req_id for imp in self._imports}
+
+    def _cancel_import(self, st: RequestState) -> None:
+        """A request that arrived with its cache and loses it before the import reached the
+        worker (preempted, switched, ended): the worker never hears of it."""
+        if any(imp.req_id == st.req_id for imp in self._imports):
+            self._imports = [imp for imp in self._imports if imp.req_id != st.req_id]
+            self._new = [nr for nr in self._new if nr.req_id != st.req_id]
+            st.sent_to_device = False
 
     # ---- failures ----------------------------------------------------------------------
     def fail(self, req_id: str, why: str) -> Update:

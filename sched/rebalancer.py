@@ -151,6 +151,7 @@ class Rebalancer:
     departed: set[str] = field(default_factory=set)
     deferred_total: int = 0              # moves that fit neither budget in their epoch
     max_active: int = 0                  # most devices holding requests at once
+    idle: set[int] = field(default_factory=set)   # devices holding no request at the last epoch
 
     def __post_init__(self):
         if self.cluster is None:
@@ -198,7 +199,7 @@ class Rebalancer:
                 self.pending.pop(rid, None)
             self.departed.clear()
             self._want(dec.moves)
-            self.max_active = max(self.max_active, sum(1 for v in self.views.values() if v.tokens))
+            self._note_idle()
             return self._orders(where_now)
 
     def _want(self, moves) -> None:
@@ -229,10 +230,16 @@ class Rebalancer:
             self.pending[o.req_id].sent = now
         return orders
 
-    def idle_devices(self) -> list[int]:
-        """Devices holding no request (on a GPU box: free for other work)."""
-        with self.lock:
-            return [i for i in range(self.num_devices) if not self.views.get(i, DeviceView(i, {}, {})).tokens]
+    def _note_idle(self) -> None:
+        """Devices holding no request are idle (on a GPU box: free for other work); say when
+        that changes."""
+        idle = {i for i in range(self.num_devices) if not self.views.get(i, DeviceView(i, {}, {})).tokens}
+        for i in sorted(idle - self.idle):
+            log.info("device %d is idle (holds no request)", i)
+        for i in sorted(self.idle - idle):
+            log.info("device %d is active again", i)
+        self.idle = idle
+        self.max_active = max(self.max_active, self.num_devices - len(idle))
 
 
 def view_of(actor) -> DeviceView:

@@ -138,6 +138,7 @@ class ActorThread:
             try:
                 for msg in inbox:
                     updates.extend(self._handle(msg))
+                self._release_settled()
                 if a.dead is None and (a.has_work() or a.has_messages()):
                     updates.extend(self._step())
                     self.loop_failures = 0
@@ -219,7 +220,13 @@ class ActorThread:
             self.actor.device.submit(inp)
             return self.actor.device.collect()
         finally:
-            self._release_sources([imp.req_id for imp in inp.imports])
+            self._release_settled()
+
+    def _release_settled(self) -> None:
+        """Tell the sources of imports that are no longer pending (done, or cancelled because the
+        request lost its cache here first) to free their copies."""
+        pending = self.actor.pending_imports()
+        self._release_sources([rid for rid in self._sources if rid not in pending])
 
     def _release_sources(self, rids: list[str] | None = None) -> None:
         for rid in list(self._sources) if rids is None else rids:

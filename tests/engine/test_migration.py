@@ -132,3 +132,42 @@ def test_rebalancer_migrations_keep_outputs_exact(placement, tiny_llama):
     assert all(m.pause_s is not None and m.pause_s >= 0 for m in moved)
     for i, (o, r) in enumerate(zip(outs, hf_greedy(tiny_llama, prompts, 48))):
         assert o.token_ids == r, f"prompt {i} differs after {placement} migrations"
+
+
+@pytest.mark.parametrize("lose", ["preempted", "aborted"])
+def test_cache_lost_before_its_import_is_sent(lose, tiny_llama):
+    """A request that arrives with its cache and is preempted (or cancelled) before the import
+    reaches the worker: the worker never hears of it, and a preempted one recomputes exactly."""
+    import torch
+    from engine.models.loader import load_spec
+    from engine.worker import InProcessDevice, WorkerConfig
+    from sched.policy import Plan, fcfs
+    from sched.scheduler import SchedConfig, Scheduler
+    torch.set_num_threads(1)
+    spec = load_spec(tiny_llama)
+    dev = InProcessDevice("cpu", WorkerConfig(str(tiny_llama), spec, "float32", "cpu", 8, 1 << 20, None, 1, 1,
+                                              False, False))
+    sched = Scheduler(SchedConfig(), [dev], spec.eos_token_ids, spec.max_model_len)
+    a = sched.actors[0]
+    prompt = mixed_prompts(1, 512, seed=3, lo=20, hi=21)[0]
+    st = sched.add(Request("x", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))
+    while len(st.output_token_ids) < 4:
+        sched.step()
+    dev.submit(a.export_input("x"))
+    rows = dev.collect().exported["x"]
+    a.detach("x", keep_cache=True)
+    a.release("x")
+    assert a.attach(st, rows), "the cache should fit back"
+    if lose == "aborted":
+        a.abort("x")
+    else:
+        a.policy = lambda snap: Plan(preempted=["x"])
+        sched.step()                                     # the worker raised KeyError here before
+        a.policy = fcfs
+    while sched.has_unfinished():
+        sched.step()
+    assert a.pool.num_free == a.pool.geometry.num_blocks
+    if lose == "preempted":
+        assert st.output_token_ids == hf_greedy(tiny_llama, [prompt], 12)[0]
+    else:
+        assert st.finish_reason.value == "abort"

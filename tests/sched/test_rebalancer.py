@@ -82,8 +82,10 @@ def skewed(rb):
 
 
 def test_rebalancer_moves_as_kv_when_compute_is_busy():
-    orders = skewed(rebalancer(link_bytes_per_s=1e9, tbt=0.001))     # no step fits 1 ms: compute full
+    rb = rebalancer(link_bytes_per_s=1e9, tbt=0.001)                   # no step fits 1 ms: compute full
+    orders = skewed(rb)
     assert orders and all(o.transfer is Transfer.KV and (o.src, o.dst) == (0, 1) for o in orders)
+    assert rb.idle == {1} and rb.max_active == 1, "device 1 held nothing at that epoch"
 
 
 def test_rebalancer_moves_as_tokens_when_the_link_is_busy():
