@@ -76,7 +76,7 @@ class LLM:
                  policy: str = "fcfs", rt_budget_s: float | None = None,
                  bidirectional_blocks: bool = False, cache_type: str = "kv",
                  hybrid_cache: bool = True, adaptive: bool = True, slo_decay: float | None = None,
-                 mixed_batches: bool = False, placement: str = "static",
+                 mixed_batches: bool = False, placement: str = "lb",
                  rebalance_interval_s: float = 1.0, slo_tbt_s: float = 0.2):
         self._workers: list[WorkerHandle] = []
         self.runtime: Runtime | None = None

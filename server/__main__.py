@@ -47,11 +47,11 @@ def parse_args(argv=None) -> ServerConfig:
                          "step: half the memory of KV with multi-head attention, more with grouped-query attention "
                          "(SmolLM2: 1.5x), for measurements")
     ap.add_argument("--placement", default=d.placement, choices=list(PLACEMENTS),
-                    help="with several devices: static: each request stays on the least-loaded device at "
+                    help="with several devices: lb: the device with the most free memory, and migrations "
+                         "that even out memory use; static: each request stays on the least-loaded device at "
                          "its arrival; mell: pack requests onto as few devices as their growing caches allow, "
-                         "migrating as needed (devices left empty are idle); lb: the emptiest device, and "
-                         "migrations that even out memory use; bf / wf: best / worst fit, no migration (a "
-                         "device that overflows restarts its newest requests elsewhere)")
+                         "migrating as needed (devices left empty are idle); bf / wf: best / worst fit, no "
+                         "migration (a device that overflows restarts its newest requests elsewhere)")
     ap.add_argument("--rebalance-interval", type=float, default=d.rebalance_interval_s,
                     help="seconds between the rebalancer's epochs (placements other than static)")
     ap.add_argument("--slo-ttft-ms", type=float, default=d.slo_ttft_ms)

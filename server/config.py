@@ -22,7 +22,7 @@ class ServerConfig:
     adaptive: bool = True              # aptserve: knapsack order (False: the FCFS ablation)
     slo_decay: float | None = None     # aptserve: value factor past the SLO (None: near zero)
     mixed_batches: bool = False        # aptserve: prefill and decode in one iteration (Apt-Serve-S)
-    placement: str = "static"          # several devices: static, mell, lb, bf, wf
+    placement: str = "lb"              # several devices: lb, static, mell, bf, wf
     rebalance_interval_s: float = 1.0  # seconds between the rebalancer's epochs
     slo_ttft_ms: float = 1000.0        # default RT time-to-first-token target
     slo_tbt_ms: float = 200.0          # default RT time-between-tokens target
