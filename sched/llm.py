@@ -157,8 +157,10 @@ class LLM:
         from engine.runner import copy_bandwidth
         cost = self.scheduler.cost
         if cost is None and placement in ("mell", "lb"):
-            from sched.profiling import profile_cost
-            cost = profile_cost(self.scheduler, self.spec.vocab_size)
+            from sched.profiling import SHORT_PLAN, profile_cost
+            t0 = time.monotonic()
+            cost = profile_cost(self.scheduler, self.spec.vocab_size, plan=SHORT_PLAN)
+            log.info("placement %s: iteration cost model profiled in %.1f s", placement, time.monotonic() - t0)
         bw = copy_bandwidth()
         elem = 4 if self.dtype == "float32" else 2
         g = self.scheduler.actors[0].pool.geometry

@@ -16,15 +16,18 @@ from sched.request import Request
 # (requests, prompt tokens, output tokens): prefills alone, then decode batches
 PLAN = [(1, 32, 1), (1, 128, 1), (1, 512, 1), (1, 1024, 1), (2, 256, 1),
         (1, 64, 8), (8, 64, 8), (4, 512, 8), (32, 128, 8)]
+# a quicker plan (about a seventh of PLAN's prompt tokens) where a rough model is enough: the
+# rebalancer's re-prefill budget
+SHORT_PLAN = [(1, 32, 1), (1, 128, 1), (1, 256, 1), (1, 32, 8), (4, 64, 8), (8, 64, 8)]
 
 
-def profile_cost(scheduler, vocab_size: int, seed: int = 0) -> OnlineCostModel:
-    """Run PLAN (shapes that do not fit the pool or context are scaled down) and fit the model."""
+def profile_cost(scheduler, vocab_size: int, seed: int = 0, plan=PLAN) -> OnlineCostModel:
+    """Run ``plan`` (shapes that do not fit the pool or context are scaled down) and fit the model."""
     rng = random.Random(seed)
     log = scheduler.step_log = []
     n = 0
     try:
-        for reqs, prompt, out in [(1, 8, 2)] + PLAN:          # the first is a warm-up, not fitted
+        for reqs, prompt, out in [(1, 8, 2)] + plan:          # the first is a warm-up, not fitted
             prompt = max(1, min(prompt, scheduler.max_model_len - out - 1))
             while reqs > 1 and not _fits(scheduler, reqs, prompt + out):
                 reqs //= 2
