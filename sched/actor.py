@@ -137,8 +137,13 @@ class DeviceActor:
     def export_input(self, req_id: str) -> StepInput:
         """A step that only copies the request's cache out (StepOutput.exported), carrying the
         worker messages that are due."""
+        return self._due_input(exports=[req_id])
+
+    def _due_input(self, **kw) -> StepInput:
+        """A StepInput carrying the worker messages that are due (new, reset, finished requests and
+        imported caches); they are handed over, not kept."""
         inp = StepInput(Command.STEP, self.step_id, self._new, [], self._reset_ids, self._finished_ids,
-                        exports=[req_id], imports=self._imports)
+                        imports=self._imports, **kw)
         self._new, self._reset_ids, self._finished_ids, self._imports = [], [], [], []
         return inp
 
@@ -166,7 +171,7 @@ class DeviceActor:
             self.waiting.appendleft(st.req_id)
             return False
         st.status, st.sent_to_device = Status.RUNNING, True
-        bisect.insort(self.running, st.req_id, key=lambda r: self.states[r].request.arrival_time)
+        self._insert_running(st.req_id)
         self._new.append(self._new_request(st))
         self._imports.append(CacheImport(st.req_id, st.num_computed, p.block_ids, p.directions, rows))
         return True
@@ -212,9 +217,7 @@ class DeviceActor:
         """Carry out the plan in the bookkeeping; describe it to the device (and its cost shape)."""
         self._switch_types(plan)
         self._preempt([self.states[r] for r in plan.preempted])
-        inp = StepInput(Command.STEP, self.step_id, self._new, [], self._reset_ids, self._finished_ids,
-                        imports=self._imports)
-        self._new, self._reset_ids, self._finished_ids, self._imports = [], [], [], []
+        inp = self._due_input()
         shape = StepShape()
         placed = []
         # RT grows first (a pool that preempts blocks lets RT take BE slots, never the reverse)
@@ -269,8 +272,11 @@ class DeviceActor:
             if st.first_scheduled_time is None:
                 st.first_scheduled_time = self.clock()
             self.waiting.remove(st.req_id)
-            bisect.insort(self.running, st.req_id, key=lambda r: self.states[r].request.arrival_time)
+            self._insert_running(st.req_id)
             st.status = Status.RUNNING
+
+    def _insert_running(self, rid: str) -> None:
+        bisect.insort(self.running, rid, key=lambda r: self.states[r].request.arrival_time)
 
     def _switch_cache_type(self, st: RequestState, ct: CacheType) -> bool:
         """Give the request a new kind of cache. One holding nothing just changes type and may run
