@@ -1,0 +1,74 @@
+"""``python -m predictor {train,eval,predict}``: build, measure and try the length predictor."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m predictor", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="fit the seed predictor on ShareGPT's training records")
+    t.add_argument("--out", type=Path, default=None, help="directory (default: the user cache)")
+    t.add_argument("--limit", type=int, default=None, help="use only the first N training records")
+    t.add_argument("--epochs", type=int, default=80)
+    t.add_argument("--k", type=int, default=None)
+    t.add_argument("--threshold", type=float, default=None)
+    t.add_argument("--max-tokens", type=int, default=None)
+    t.add_argument("--threads", type=int, default=2)
+    e = sub.add_parser("eval", help="accuracy and latency on the held-out records")
+    e.add_argument("--path", type=Path, default=None, help="predictor directory (default: the trained one)")
+    e.add_argument("--limit", type=int, default=None, help="evaluate on the first N held-out records")
+    e.add_argument("--threads", type=int, default=1)
+    e.add_argument("--json", type=Path, default=RESULTS / "predictor_eval.json")
+    p = sub.add_parser("predict", help="predict the output length of prompts given as arguments")
+    p.add_argument("prompts", nargs="+")
+    p.add_argument("--path", type=Path, default=None)
+    a = ap.parse_args(argv)
+    import torch
+    torch.set_num_threads(getattr(a, "threads", 1))
+    return {"train": _train, "eval": _eval, "predict": _predict}[a.cmd](a)
+
+
+def _train(a) -> int:
+    from dataclasses import replace
+    from predictor.data import sharegpt
+    from predictor.model import Settings, default_dir
+    from predictor.train import train
+    given = {"k": a.k, "threshold": a.threshold, "max_tokens": a.max_tokens}
+    settings = replace(Settings(), **{k: v for k, v in given.items() if v is not None})
+    examples = sharegpt(held_out=False, limit=a.limit)
+    print(f"{len(examples)} ShareGPT training records; settings {settings}")
+    train(examples, settings, epochs=a.epochs, out=a.out or default_dir())
+    return 0
+
+
+def _eval(a) -> int:
+    from predictor.data import length_tokenizer, sharegpt
+    from predictor.evaluate import evaluate, table
+    from predictor.model import LengthPredictor
+    tok = length_tokenizer()
+    pred = LengthPredictor.load(a.path)
+    res = evaluate(pred, sharegpt(False, tokenizer=tok), sharegpt(True, limit=a.limit, tokenizer=tok))
+    print(table(res))
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps(res, indent=1))
+    print(f"wrote {a.json}")
+    return 0
+
+
+def _predict(a) -> int:
+    from predictor.model import LengthPredictor
+    pred = LengthPredictor.load(a.path)
+    for prompt, out in zip(a.prompts, pred.predict_detailed(a.prompts)):
+        how = f"similar past prompts (best {out.similarity:.2f})" if out.retrieved else "the MLP"
+        print(f"{out.length:>6} tokens  by {how}: {prompt[:60]!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

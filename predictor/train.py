@@ -1,0 +1,39 @@
+"""Build the seed predictor: embed the training prompts, fit the MLP, index them all."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from predictor.data import Examples
+from predictor.embed import DIM, Embedder
+from predictor.head import LengthHead
+from predictor.index import LengthIndex
+from predictor.model import LengthPredictor, Settings
+
+
+def train(examples: Examples, settings: Settings = Settings(), *, epochs: int = 80, seed: int = 0,
+          out: Path | None = None, log=print) -> LengthPredictor:
+    """A predictor whose index holds every example and whose MLP was fitted on them.
+
+    Refuses held-out records (ShareGPT index >= HELD_OUT_FROM): those only evaluate.
+    """
+    from bench.workloads import HELD_OUT_FROM
+    if len(examples) == 0:
+        raise ValueError("no training examples")
+    if (examples.records >= HELD_OUT_FROM).any():
+        raise ValueError(f"training examples include held-out records (index >= {HELD_OUT_FROM})")
+    embedder = Embedder(settings.max_tokens)
+    t0 = time.perf_counter()
+    vectors = embedder.encode(examples.prompts)
+    log(f"embedded {len(examples)} prompts in {time.perf_counter() - t0:.0f} s")
+    t0 = time.perf_counter()
+    head = LengthHead(DIM, settings.hidden)
+    losses = head.fit(vectors, [len(p) for p in examples.prompts], examples.lengths, epochs=epochs, seed=seed)
+    log(f"fitted the MLP in {time.perf_counter() - t0:.0f} s (L1 in log space: {losses[-1]:.3f})")
+    index = LengthIndex(DIM, capacity=len(examples))
+    index.add(vectors, examples.lengths)
+    pred = LengthPredictor(settings, head, index, embedder)
+    if out is not None:
+        pred.save(out)
+        log(f"saved to {out}")
+    return pred

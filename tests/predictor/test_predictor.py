@@ -1,0 +1,168 @@
+"""The length predictor against independent references: sentence-transformers' own
+embeddings (numbers recorded from it), exact nearest neighbours by brute force, the
+prediction rule recomputed by hand, and a real train / save / load / learn cycle."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from predictor.embed import DIM, Embedder
+from predictor.evaluate import lad_line
+from predictor.head import LengthHead
+from predictor.index import LengthIndex
+from predictor.model import LengthPredictor, Settings
+
+SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.",
+             "The new movie is awful and far too long for anyone to enjoy it."]
+# sentence-transformers 6.2 on the packaged all-MiniLM-L6-v2, max_seq_length=12,
+# normalize_embeddings=True: the first four components and two cosine similarities
+ST_HEAD = [[0.03324, 0.00441, -0.00628, 0.04838], [0.05252, 0.05524, -0.01119, -0.00575],
+           [-0.03446, -0.05527, 0.0522, -0.01773]]
+ST_COS01, ST_COS02 = 0.755337, -0.028923
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    return Embedder(max_tokens=12)
+
+
+def _unit(rng, n):
+    x = rng.standard_normal((n, DIM)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def test_embeddings_match_sentence_transformers(embedder):
+    e = embedder.encode(SENTENCES)
+    assert e.shape == (3, DIM)
+    np.testing.assert_allclose(e[:, :4], ST_HEAD, atol=2e-5)
+    assert abs(float(e[0] @ e[1]) - ST_COS01) < 1e-4
+    assert abs(float(e[0] @ e[2]) - ST_COS02) < 1e-4
+    np.testing.assert_allclose(np.linalg.norm(e, axis=1), 1.0, atol=1e-5)
+    # the batch order (sorted by length inside) does not change any vector
+    np.testing.assert_allclose(embedder.encode(SENTENCES[::-1])[::-1], e, atol=1e-6)
+
+
+def test_index_neighbours_match_brute_force():
+    rng = np.random.default_rng(0)
+    base = _unit(rng, 3000)
+    lengths = rng.integers(1, 2000, 3000)
+    ix = LengthIndex(DIM, capacity=100)          # grows by resizing
+    for s in range(0, 3000, 700):
+        ix.add(base[s:s + 700], lengths[s:s + 700])
+    q = base[rng.choice(3000, 50)] + 0.3 * _unit(rng, 50)
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    sims, lens = ix.query(q, 10)
+    exact = np.argsort(-(q @ base.T), axis=1)[:, :10]
+    found = 0
+    for i in range(50):
+        # every returned pair is a real (similarity, length) of the base set
+        ids = [np.flatnonzero(np.isclose(q[i] @ base.T, s, atol=1e-5)) for s in sims[i]]
+        assert all(lengths[j].tolist().count(L) or L in lengths[j] for j, L in zip(ids, lens[i]))
+        found += len(set(exact[i]) & {int(j[0]) for j in ids if len(j)})
+    assert found / 500 >= 0.9                   # recall against exact search
+    assert np.all(np.diff(sims, axis=1) <= 1e-6)  # most similar first
+
+
+def _wmedian(values, weights):
+    """Reference weighted median: walk the sorted values until half the weight is reached."""
+    if not any(weights):
+        weights = [1.0] * len(values)
+    pairs = sorted(zip(values, weights))
+    total, acc = sum(weights), 0.0
+    for v, w in pairs:
+        acc += w
+        if acc >= total / 2:
+            return v
+
+
+def test_prediction_rule_by_hand():
+    rng = np.random.default_rng(1)
+    base = _unit(rng, 400)
+    lengths = rng.integers(1, 1000, 400)
+    head = LengthHead(DIM, 32)
+    head.fit(base, rng.integers(10, 5000, 400), lengths, epochs=3)
+    s = Settings(k=8, threshold=0.8, hidden=32)
+    ix = LengthIndex(DIM, ef=400)               # searches every item: exact, as the reference
+    ix.add(base, lengths)
+    p = LengthPredictor(s, head, ix)
+    near = base[:20] + 0.2 * _unit(rng, 20)     # close to a stored prompt: retrieval
+    far = _unit(rng, 20)                        # unlike anything: the fallback
+    q = np.concatenate([near, far])
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    chars = rng.integers(10, 5000, 40)
+    got = p.predict_vectors(q, chars.tolist())
+    mlp = head.predict(q, chars)
+    for i, g in enumerate(got):
+        sim = q[i] @ base.T
+        top = np.argsort(-sim)[:8]
+        if sim[top[0]] >= 0.8:
+            keep = [j for j in top if sim[j] >= 0.8]
+            want = sum(sim[j] * lengths[j] for j in keep) / sum(sim[j] for j in keep)
+            assert g.retrieved
+        else:
+            want = 0.5 * mlp[i] + 0.5 * _wmedian([lengths[j] for j in top], [max(sim[j], 0) for j in top])
+            assert not g.retrieved
+        assert g.length == max(1, round(want)), i
+        assert abs(g.similarity - sim[top[0]]) < 1e-4
+    assert sum(g.retrieved for g in got) == 20
+
+
+def test_empty_index_uses_the_mlp():
+    rng = np.random.default_rng(2)
+    head = LengthHead(DIM, 16)
+    p = LengthPredictor(Settings(hidden=16), head)
+    q = _unit(rng, 3)
+    got = p.predict_vectors(q, [5, 50, 500])
+    assert [g.length for g in got] == [max(1, round(x)) for x in head.predict(q, [5, 50, 500])]
+    assert not any(g.retrieved for g in got)
+
+
+def test_lad_line_is_the_least_absolute_deviation_fit():
+    rng = np.random.default_rng(3)
+    x = rng.uniform(0, 100, 300)
+    y = 3 + 2 * x + rng.standard_cauchy(300) * 5
+    a, b = lad_line(x, y)
+    cost = np.abs(y - a - b * x).sum()
+    grid = min(np.abs(y - aa - bb * x).sum() for aa in np.linspace(-10, 15, 101) for bb in np.linspace(1.5, 2.5, 101))
+    assert cost <= grid + 1e-6 * grid
+
+
+def test_train_save_load_and_learn_online(tmp_path, embedder):
+    from predictor.data import Examples
+    from predictor.train import train
+    topics = ["Write a poem about", "Translate to French:", "Fix this Python bug:", "Summarize the article on"]
+    words = ["rivers", "taxes", "cats", "rockets", "bread", "chess", "winter", "robots"]
+    prompts = [f"{t} {w} {i}" for i in range(6) for t in topics for w in words]
+    lens = np.array([50 * (1 + topics.index(p.rsplit(' ', 2)[0])) for p in prompts])
+    ex = Examples(prompts, lens, np.full(len(prompts), 8), np.arange(len(prompts)))
+    s = Settings(k=5, threshold=0.8, max_tokens=12, hidden=32)
+    p = train(ex, s, epochs=5, out=tmp_path, log=lambda _: None)
+    q = ["Translate to French: rockets 99", "Summarize the article on chess 77"]
+    first = p.predict_detailed(q)
+    assert all(f.retrieved for f in first)
+    assert [f.length for f in first] == pytest.approx([100, 200], abs=10)
+    loaded = LengthPredictor.load(tmp_path)
+    assert loaded.predict(q) == [f.length for f in first]
+    novel = "Compose a limerick in Klingon about quantum entanglement of teapots"
+    loaded.observe([novel], [777])
+    assert loaded.predict([novel]) == [777]
+    loaded.save(tmp_path)
+    assert LengthPredictor.load(tmp_path).predict([novel]) == [777]
+    assert len(LengthPredictor.load(tmp_path).index) == len(prompts) + 1
+
+
+def test_training_refuses_held_out_records():
+    from bench.workloads import HELD_OUT_FROM
+    from predictor.data import Examples
+    from predictor.train import train
+    ex = Examples(["a", "b"], np.array([3, 4]), np.array([1, 1]), np.array([5, HELD_OUT_FROM]))
+    with pytest.raises(ValueError, match="held-out"):
+        train(ex, Settings(hidden=8), epochs=1, log=lambda _: None)
+
+
+def test_missing_predictor_names_the_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="python -m predictor train"):
+        LengthPredictor.load()
+    with pytest.raises(TypeError):
+        LengthPredictor(Settings(hidden=8), LengthHead(DIM, 8)).predict("one string")
