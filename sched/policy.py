@@ -23,6 +23,8 @@ class Candidate:
     num_cpu: int = 0           # M^cpu: checkpointed slots to swap back in before it can run
     missed: bool = False       # RT whose first token came (or will come) after its TTFT target
     cache_type: CacheType = CacheType.KV   # what its blocks hold
+    num_output: int = 0        # tokens generated so far
+    predicted: int | None = None   # predicted output length (ALISE), None when unknown
 
     def residual(self, t_avg: float = 0.0, k: int = 1) -> float:
         """BROS residual time res_i = T_SLO,i - t_i - (k_i - 1) T_avg (inf without an SLO)."""

@@ -57,6 +57,7 @@ class Request:
     slo_tbt_s: float | None = None     # time-between-tokens target, seconds
     prompt: str | None = None          # original text, when there was one
     stream_text: bool = False          # text wanted as tokens arrive (streams); else once at the end
+    predicted_len: int | None = None   # predicted output tokens (length predictor or an oracle)
 
 
 @dataclass(slots=True)

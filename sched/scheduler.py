@@ -15,6 +15,7 @@ from typing import Callable, Protocol
 
 from engine.messages import CacheType, DeviceError, PoolInfo, StepInput, StepOutput
 from sched.actor import ActorConfig, DeviceActor, Update
+from sched.alise import Alise
 from sched.aptserve import AptServe
 from sched.bros import Bros, RoundRobin
 from sched.cost_model import OnlineCostModel
@@ -78,7 +79,7 @@ class SchedConfig:
         return self
 
 
-POLICIES = ("fcfs", "rr", "bros", "aptserve", "fcfs-prefill-first")
+POLICIES = ("fcfs", "rr", "bros", "aptserve", "alise", "fcfs-prefill-first")
 
 
 def cache_type_of(name: str) -> CacheType:
@@ -108,6 +109,10 @@ def make_policy(cfg: SchedConfig, cost: OnlineCostModel | None):
         if cost is None:
             raise ValueError("policy: bros needs a cost model (profile the engine first)")
         return Bros(cost, cfg.max_num_seqs, idle_budget_s=cfg.rt_budget_s)
+    if cfg.policy == "alise":
+        if cost is None:
+            raise ValueError("policy: alise needs a cost model (profile the engine first)")
+        return Alise(cost)
     if cfg.policy == "aptserve":
         return AptServe(cfg.rho, cfg.hybrid_cache, cfg.adaptive, cfg.slo_decay, cfg.mixed_batches, cost)
     raise ValueError(f"policy: {cfg.policy!r} is not one of {list(POLICIES)}")

@@ -1,0 +1,146 @@
+"""ALISE: speculative scheduling by estimated remaining time (SPEC §3.2-3.3).
+
+Each request J has a predicted output length L̂ (from predictor/, or the truth for an
+oracle), g generated tokens and prompt length s. Its estimated remaining time, from the
+shared cost model (one standalone step of each kind):
+
+    T_rem(J) = T_prefill(tokens still to compute) + max(L̂ - g, 1) · T_decode(context)
+
+Priority levels θ_i = θ_1 · 2^(i-1), i = 1..h; level(J) = the first i with T_rem <= θ_i
+(h when none). Misprediction: while g >= L̂, L̂ doubles and J drops one level. Virtual
+aging: every ``age_s`` seconds J waits without a token it rises one level; [open choice]
+a request that would rise above level 1 goes to level 0, served in arrival order ahead
+of everyone, so nothing starves even under a stream of short jobs. These counts are
+derived from the request's own numbers (g, L̂₀, time since its last token), so the
+policy keeps no per-request state and stays a pure function of the snapshot.
+
+Each iteration fills the batch in order (class, level, T_rem, arrival): RT before BE,
+then shortest remaining time first inside a level (SRPT). A request that needs blocks
+may take them from running requests that come after it in that order (they lose their
+cache, as a preemption); running requests left out keep their blocks and pause.
+[open choice] BE requests join only while the predicted step time stays within the
+tightest residual SLO time of the RT requests taken, so BE never makes an RT step late.
+"""
+from __future__ import annotations
+
+import math
+
+from sched.bros import BlockBudget, CostFn
+from sched.cost_model import StepShape
+from sched.policy import Candidate, Plan, Snapshot, _decide
+
+DEFAULT_LENGTH = 256        # L̂ for a request that comes without a prediction
+
+
+class Alise:
+    """``cost(shape, swap_slots)`` predicts an iteration; levels start at ``theta1_s`` (default:
+    16 decode steps at context 128, from the cost model) and double ``levels`` times."""
+
+    name = "alise"
+
+    def __init__(self, cost: CostFn, levels: int = 8, theta1_s: float | None = None,
+                 age_s: float | None = None):
+        self.cost = cost
+        self.levels = levels
+        self.theta1 = theta1_s if theta1_s is not None else 16 * self._decode_step(128)
+        # [open choice] a request rises one level per 8 θ_1 without a token (about 2 s for
+        # SmolLM2 on one CPU core): long enough that SRPT decides, short enough that a long
+        # job waits at most about h such periods behind short ones
+        self.age_s = age_s if age_s is not None else 8 * self.theta1
+
+    # ---- the estimate ------------------------------------------------------------
+    def _decode_step(self, context: int) -> float:
+        return self.cost(StepShape().add(1, max(context, 1), True), 0)
+
+    @staticmethod
+    def predicted(c: Candidate) -> tuple[int, int]:
+        """(L̂, doublings): the prediction doubled until it exceeds the tokens generated."""
+        L = max(1, c.predicted if c.predicted is not None else DEFAULT_LENGTH)
+        j = 0
+        while c.num_output >= L:
+            L, j = 2 * L, j + 1
+        return L, j
+
+    def t_rem(self, c: Candidate) -> float:
+        L, _ = self.predicted(c)
+        todo = c.num_tokens - c.num_computed
+        pre = self.cost(StepShape().add(todo, c.num_tokens, False), 0) if todo > 1 else 0.0
+        return pre + max(L - c.num_output, 1) * self._decode_step(c.num_tokens)
+
+    def level(self, c: Candidate, t_rem: float | None = None) -> int:
+        """0 (aged past level 1) .. levels."""
+        t = self.t_rem(c) if t_rem is None else t_rem
+        base = 1 if t <= self.theta1 else min(self.levels, 1 + math.ceil(math.log2(t / self.theta1)))
+        _, demotions = self.predicted(c)
+        promotions = int(c.pending_s // self.age_s) if self.age_s > 0 else 0
+        lvl = min(self.levels, base + demotions) - promotions
+        return max(lvl, 0)
+
+    def order(self, snap: Snapshot) -> list[tuple[tuple, Candidate]]:
+        keyed = []
+        for c in snap.running + snap.waiting:
+            t = self.t_rem(c)
+            lvl = self.level(c, t)
+            keyed.append(((not c.rt, lvl, c.arrival if lvl == 0 else t, c.arrival), c))
+        keyed.sort(key=lambda kc: kc[0])
+        return keyed
+
+    # ---- one iteration -------------------------------------------------------------
+    def __call__(self, snap: Snapshot) -> Plan:
+        plan = Plan()
+        lim = snap.limits
+        budget = BlockBudget(snap)
+        keyed = self.order(snap)
+        rank = {c.req_id: i for i, (_, c) in enumerate(keyed)}
+        running = {c.req_id: c for c in snap.running}
+        tokens_left, items = lim.max_num_batched_tokens, []
+        rt_limit = math.inf
+        for key, c in keyed:
+            if c.req_id in plan.preempted:
+                continue
+            if len(items) >= lim.max_num_seqs or tokens_left <= 0:
+                plan.reasons.setdefault(c.req_id, _why(key, "the batch is full"))
+                continue
+            n = min(c.num_tokens - c.num_computed, tokens_left)
+            if n < c.num_tokens - c.num_computed and not lim.chunked_prefill:
+                plan.reasons[c.req_id] = _why(key, "its prompt exceeds the iteration's token budget")
+                continue
+            if not c.rt and self._time(items + [(c, n)]) > max(rt_limit, self._time(items)):
+                plan.reasons[c.req_id] = _why(key, "it would make an RT step miss its SLO")
+                continue
+            if not self._room(c, n, budget, plan, running, rank):
+                plan.reasons[c.req_id] = _why(key, "no blocks left that it may take")
+                continue
+            items.append((c, n))
+            tokens_left -= n
+            plan.scheduled.append(_decide(c, n))
+            plan.reasons[c.req_id] = _why(key, "scheduled")
+            if c.rt and c.slo_s is not None:
+                rt_limit = min(rt_limit, max(c.residual(snap.t_avg), 0.0))
+        return plan
+
+    def _time(self, items) -> float:
+        s = StepShape()
+        for c, n in items:
+            s = s.add(n, c.num_computed + n, n == 1 and c.num_computed > 0 and c.num_computed + 1 == c.num_tokens)
+        return self.cost(s, 0)
+
+    @staticmethod
+    def _room(c: Candidate, n: int, budget: BlockBudget, plan: Plan, running: dict, rank: dict) -> bool:
+        """Reserve c's blocks, preempting running requests ranked after it, lowest first."""
+        if budget.reserve(c, n):
+            return True
+        mine = rank[c.req_id]
+        victims = sorted((x for x in running.values() if rank[x.req_id] > mine and x.req_id not in plan.preempted
+                          and x.req_id not in budget.held), key=lambda x: -rank[x.req_id])
+        for v in victims:
+            if budget.need(c, n) <= budget.free:
+                break
+            plan.preempted.append(v.req_id)
+            plan.reasons[v.req_id] = "preempted: its blocks went to a request with less remaining time"
+            budget.free += v.num_blocks
+        return budget.reserve(c, n)
+
+
+def _why(key: tuple, what: str) -> str:
+    return f"{what} (level {key[1]}, {'BE' if key[0] else 'RT'})"

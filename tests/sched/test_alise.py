@@ -1,0 +1,114 @@
+"""ALISE's policy against hand-computed references: remaining time from the cost model,
+levels, SRPT order (checked against a brute-force sort), doubling on misprediction,
+aging, RT before BE, and preemption only of requests ranked lower."""
+from __future__ import annotations
+
+import math
+
+from sched.alise import Alise
+from sched.cost_model import CostModel
+from sched.policy import Candidate, Limits, Snapshot
+
+COST = CostModel(base=0.01, per_prefill_token=1e-4, per_prefill_attn=0.0, per_decode_token=1e-3, per_decode_ctx=1e-6)
+
+
+def cost(shape, swap_slots=0):
+    return COST.predict(shape)
+
+
+def cand(rid, prompt, out_done, predicted, *, computed=None, rt=True, pending=0.0, blocks=None, arrival=0.0, slo=None):
+    n = prompt + out_done
+    c = n if computed is None else computed
+    return Candidate(rid, n, c, blocks if blocks is not None else -(-c // 16) * 2, arrival, rt, slo, pending,
+                     num_output=out_done, predicted=predicted)
+
+
+def snap(running, waiting, free=10_000, seqs=64, tokens=2048):
+    return Snapshot(running, waiting, free, 16, 2, Limits(seqs, tokens, True))
+
+
+def test_remaining_time_and_levels_by_hand():
+    a = Alise(cost, levels=5, theta1_s=0.1, age_s=1000)
+    c = cand("a", 100, 10, 50)                       # decoding: 40 tokens left at context 110
+    step = 0.01 + 1e-3 + 1e-6 * 110
+    assert math.isclose(a.t_rem(c), 40 * step)
+    # 0.444 s: above θ_3 = 0.4, within θ_4 = 0.8
+    assert a.level(c) == 4
+    w = cand("w", 100, 0, 50, computed=0)            # waiting: prefill 100 tokens, then 50 steps
+    pre = 0.01 + 1e-4 * 100
+    assert math.isclose(a.t_rem(w), pre + 50 * (0.01 + 1e-3 + 1e-6 * 100))
+    big = cand("b", 100, 0, 10_000, computed=0)
+    assert a.level(big) == 5                         # capped at h
+
+
+def test_misprediction_doubles_and_demotes():
+    a = Alise(cost, levels=8, theta1_s=0.05, age_s=1000)
+    ok = cand("ok", 10, 5, 8)
+    over = cand("over", 10, 8, 8)                    # generated as many as predicted
+    assert a.predicted(ok) == (8, 0)
+    assert a.predicted(over) == (16, 1)
+    assert a.predicted(cand("x", 10, 40, 8)) == (64, 3)
+    # over: 8 tokens left -> the same T_rem as a correctly predicted request with 8 left, one level lower
+    twin = cand("twin", 10, 8, 16)
+    assert math.isclose(a.t_rem(over), a.t_rem(twin))
+    assert a.level(over) == a.level(twin) + 1
+
+
+def test_aging_lifts_a_waiting_request_to_level_zero():
+    a = Alise(cost, levels=4, theta1_s=0.05, age_s=1.0)
+    long = cand("long", 10, 0, 5000, computed=0, pending=0.5)
+    assert a.level(long) == 4
+    assert a.level(cand("long", 10, 0, 5000, computed=0, pending=2.5)) == 2
+    aged = cand("long", 10, 0, 5000, computed=0, pending=9.0, arrival=5.0)
+    assert a.level(aged) == 0
+    shorts = [cand(f"s{i}", 10, 0, 2, computed=0, arrival=6.0 + i) for i in range(3)]
+    plan = a(snap([], shorts + [aged], seqs=1))
+    assert [d.req_id for d in plan.scheduled] == ["long"]
+
+
+def test_order_is_srpt_inside_levels_brute_force():
+    import random
+    rng = random.Random(0)
+    a = Alise(cost, levels=6, theta1_s=0.05, age_s=1e9)
+    cs = [cand(f"r{i}", rng.randint(5, 300), rng.randint(0, 50), rng.randint(1, 400), rt=rng.random() < 0.7,
+               arrival=rng.random()) for i in range(60)]
+    plan = a(snap(cs, [], seqs=20))
+    got = [d.req_id for d in plan.scheduled]
+
+    def key(c):
+        L = c.predicted
+        d = 0
+        while c.num_output >= L:
+            L, d = 2 * L, d + 1
+        t = max(L - c.num_output, 1) * (0.01 + 1e-3 + 1e-6 * c.num_tokens)
+        lvl = next((i for i in range(1, 7) if t <= 0.05 * 2 ** (i - 1)), 6)
+        lvl = min(6, lvl + d)
+        return (not c.rt, lvl, t)
+    assert got == [c.req_id for c in sorted(cs, key=key)[:20]]
+    assert not plan.preempted                        # room for all: the rest pause with their blocks
+
+
+def test_preempts_only_lower_ranked_requests():
+    a = Alise(cost, levels=6, theta1_s=0.05, age_s=1e9)
+    long = cand("long", 64, 10, 1000, blocks=10)     # running, far from done
+    short = cand("short", 64, 0, 3, computed=0)      # waiting, nearly nothing to do: needs 10 blocks
+    plan = a(snap([long], [short], free=0))
+    assert plan.preempted == ["long"]
+    assert [d.req_id for d in plan.scheduled] == ["short"]
+    # the reverse: a long waiting request never takes a short running one's blocks
+    plan = a(snap([cand("short", 64, 1, 3, blocks=10)], [cand("long", 64, 0, 1000, computed=0)], free=0))
+    assert plan.preempted == [] and [d.req_id for d in plan.scheduled] == ["short"]
+
+
+def test_rt_before_be_and_be_kept_within_the_rt_slack():
+    a = Alise(cost, levels=6, theta1_s=0.05, age_s=1e9)
+    be = cand("be", 10, 5, 6, rt=False)              # BE nearly done
+    rt = cand("rt", 10, 0, 500, computed=0, slo=0.5)   # RT with plenty left
+    plan = a(snap([be], [rt]))
+    assert [d.req_id for d in plan.scheduled] == ["rt", "be"]
+    # an RT request whose deadline only allows the smallest step: a BE prefill does not join
+    tight = cand("rt", 10, 3, 500, slo=0.0125)
+    big_be = cand("be2", 2000, 0, 5, computed=0, rt=False)
+    plan = a(snap([tight], [big_be]))
+    assert [d.req_id for d in plan.scheduled] == ["rt"]
+    assert "SLO" in plan.reasons["be2"]
