@@ -17,6 +17,7 @@ from engine.models.loader import load_spec, load_tokenizer, resolve_model
 from engine.params import SamplingParams
 from engine.worker import WorkerConfig, WorkerHandle, wait_all
 from sched.actor import Update
+from sched.lengths import LengthSource, prediction_text
 from sched.placement import Placement
 from sched.rebalancer import PLACEMENTS, Budgets, Rebalancer
 from sched.request import FinishReason, Request, RequestState
@@ -63,6 +64,10 @@ class LLM:
 
     model: "smollm2", a HF checkpoint directory or a .gguf path.
     devices: "cpu:N" (N worker processes) or "cuda:0,1".
+    length_predictor: where predicted output lengths come from (policy "alise" needs them):
+    None (the trained predictor, ``python -m predictor train``), a predictor directory, a
+    ``predictor.LengthPredictor``, or "max_tokens" (each request's max_tokens: an oracle
+    when max_tokens is the length to generate).
     """
 
     def __init__(self, model: str = "smollm2", devices: str = "cpu:1", *, dtype: str = "auto",
@@ -77,11 +82,13 @@ class LLM:
                  bidirectional_blocks: bool = False, cache_type: str = "kv",
                  hybrid_cache: bool = True, adaptive: bool = True, slo_decay: float | None = None,
                  mixed_batches: bool = False, placement: str = "lb",
-                 rebalance_interval_s: float = 1.0, slo_tbt_s: float = 0.2):
+                 rebalance_interval_s: float = 1.0, slo_tbt_s: float = 0.2,
+                 length_predictor: Any = None):
         self._workers: list[WorkerHandle] = []
         self.runtime: Runtime | None = None
         self.rebalancer: Rebalancer | None = None
         self._sinks: dict[str, Callable[[list[Update]], None]] = {}
+        self.lengths = self._lengths(policy, length_predictor)
         names = parse_devices(devices)
         dtype, why = resolve_dtype(dtype, names[0])
         log.info("dtype %s: %s", dtype, why)
@@ -133,9 +140,14 @@ class LLM:
             self.scheduler = Scheduler(replace(final, policy="fcfs", bidirectional=False, hybrid_cache=True,
                                                adaptive=True, slo_decay=None, mixed_batches=False),
                                        self._workers, self.spec.eos_token_ids, self.max_model_len, detok)
-            if policy in ("bros",):         # policies that price iterations: profile first (seconds)
-                from sched.profiling import profile_cost
-                self.scheduler.use_config(final, profile_cost(self.scheduler, self.spec.vocab_size))
+            if policy in ("bros", "alise"):  # policies that price iterations: profile first (seconds)
+                from sched.profiling import SHORT_PLAN, profile_cost
+                # alise ranks requests by remaining time, where the short profile's rates suffice
+                plan = {"alise": SHORT_PLAN}.get(policy)
+                t0 = time.monotonic()
+                cost = profile_cost(self.scheduler, self.spec.vocab_size, **({"plan": plan} if plan else {}))
+                log.info("policy %s: iteration cost model profiled in %.1f s", policy, time.monotonic() - t0)
+                self.scheduler.use_config(final, cost)
             elif policy == "aptserve":
                 options, cost = self._aptserve_options(hybrid_cache)
                 self.scheduler.use_config(replace(final, **options), cost)
@@ -146,6 +158,14 @@ class LLM:
             self.shutdown()
             raise
         self._ids = itertools.count()
+
+    def _lengths(self, policy: str, source: Any) -> LengthSource | None:
+        """Predicted output lengths: alise needs them (default: the trained predictor)."""
+        if policy != "alise" and source is None:
+            return None
+        src = LengthSource(source)
+        log.info("output lengths: %s", src.name if src.predictor is None else "the length predictor")
+        return src
 
     def _rebalancer(self, placement: str, epoch_s: float, tbt_s: float, max_tokens: int) -> Rebalancer | None:
         """The placement's books and migration budgets (several devices only; on one device every
@@ -292,6 +312,8 @@ class LLM:
             self._sinks.pop(rid, None)
 
     def _route(self, updates: list[Update]) -> None:
+        if self.lengths is not None:
+            self.lengths.observe(updates)
         groups: dict[int, tuple[Callable, list[Update]]] = {}
         for u in updates:
             sink = self._sinks.get(u.req_id)
@@ -321,6 +343,8 @@ class LLM:
         now = time.monotonic()
         reqs = [Request(f"gen-{next(self._ids)}", ids, sp, arrival_time=now, prompt=text)
                 for (ids, text), sp in zip(encoded, params)]
+        if self.lengths is not None:
+            self.lengths.assign(reqs, [prediction_text(p, getattr(self, "_decode", None)) for p in plist])
         states = [self.scheduler.new_state(r) for r in reqs]
         self._run(states, _progress(len(reqs)) if use_tqdm else None)
         failed = [st for st in states if st.finish_reason is FinishReason.ERROR]

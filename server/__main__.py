@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 import sys
 import time
 
@@ -29,7 +30,12 @@ def parse_args(argv=None) -> ServerConfig:
                     help="fcfs: one queue (vLLM-like); rr: alternate RT and BE iterations; "
                          "bros: RT by SLO slack, BE packed into what is left (profiles a few seconds at start); "
                          "aptserve: a knapsack over pending time picks requests and a KV or hidden cache "
-                         "for each (Apt-Serve)")
+                         "for each (Apt-Serve); alise: shortest predicted remaining time first, with aging "
+                         "(ALISE; needs `python -m predictor train` once)")
+    ap.add_argument("--length-predictor", default=None,
+                    help="with --policy alise: a predictor directory, or max_tokens (each request's max_tokens "
+                         "as its length). Default: DATA_DIR/predictor, started from the trained predictor and "
+                         "taught every finished request's real length (saved at shutdown)")
     ap.add_argument("--kv-only", action="store_true", help="with --policy aptserve: never a hidden cache (ablation)")
     ap.add_argument("--aptserve-fcfs", action="store_true",
                     help="with --policy aptserve: FCFS order, hidden caches only for requests that do not "
@@ -86,7 +92,7 @@ def parse_args(argv=None) -> ServerConfig:
                         policy=a.policy, bidirectional_blocks=a.bidirectional_blocks, cache_type=a.cache_type,
                         hybrid_cache=not a.kv_only, adaptive=not a.aptserve_fcfs, slo_decay=a.slo_decay,
                         mixed_batches=a.aptserve_mixed, placement=a.placement,
-                        rebalance_interval_s=a.rebalance_interval,
+                        rebalance_interval_s=a.rebalance_interval, length_predictor=a.length_predictor,
                         slo_ttft_ms=a.slo_ttft_ms, slo_tbt_ms=a.slo_tbt_ms,
                         max_waiting=a.max_waiting, max_upload_bytes=int(a.max_upload_mb * 2**20),
                         max_body_bytes=int(a.max_body_mb * 2**20), chat_control_tokens=a.chat_control_tokens, dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
@@ -94,6 +100,14 @@ def parse_args(argv=None) -> ServerConfig:
                         # the server shares the cores with its workers: their OpenMP threads sleep
                         # between ops unless the user asked otherwise (an idle server then uses no CPU)
                         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY") or "PASSIVE")
+
+
+def _length_source(cfg: ServerConfig):
+    """The data dir's own predictor once it has saved one, else the trained one (None)."""
+    if cfg.length_predictor is not None or cfg.policy != "alise":
+        return cfg.length_predictor
+    own = Path(cfg.data_dir) / "predictor"
+    return own if (own / "meta.json").is_file() else None
 
 
 async def _watch_parent(pid: int) -> None:
@@ -137,7 +151,8 @@ def main(argv=None) -> None:
                   slo_decay=cfg.slo_decay, mixed_batches=cfg.mixed_batches,
                   omp_wait_policy=cfg.omp_wait_policy, threads_per_worker=cfg.threads_per_worker,
                   chat_control_tokens=cfg.chat_control_tokens, placement=cfg.placement,
-                  rebalance_interval_s=cfg.rebalance_interval_s, slo_tbt_s=cfg.slo_tbt_ms / 1000)
+                  rebalance_interval_s=cfg.rebalance_interval_s, slo_tbt_s=cfg.slo_tbt_ms / 1000,
+                  length_predictor=_length_source(cfg))
         return AsyncEngine(llm)
 
     app = create_app(cfg, build_engine)

@@ -3,17 +3,21 @@ validate, build Requests, stream results. No scheduling decisions live here."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import orjson
 from aiohttp import web
 
 from engine.messages import DeviceError
 from sched.async_engine import AsyncEngine, Submission
+from sched.lengths import prediction_text
 from sched.request import Request, ServiceClass
 from sched.runtime import error_id
 from server.config import ServerConfig
@@ -161,6 +165,10 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
                             stop_token_ids=list(sp.stop_token_ids)),
                     gen.service_class, now, gen.slo_ttft_s, gen.slo_tbt_s, text, stream_text=gen.stream)
             for i in range(gen.n)]
+    lengths = engine.llm.lengths
+    if lengths is not None:          # embeds the prompt: off the event loop, one at a time
+        await asyncio.get_running_loop().run_in_executor(_predicting(), lengths.assign, reqs,
+                                                         [prediction_text(gen.prompt)] * len(reqs))
     p = Prepared(gen, model, rid, ids, reqs, [])
     try:
         for r in reqs:
@@ -172,6 +180,19 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
         p.close()
         raise bad_request(str(e), param=param) from None
     return p
+
+
+@functools.cache
+def _predicting() -> ThreadPoolExecutor:
+    """One thread for length predictions: the encoder uses one core, never the workers' others."""
+    return ThreadPoolExecutor(1, thread_name_prefix="predict")
+
+
+def _save_lengths(engine, cfg: ServerConfig) -> None:
+    """Keep what the predictor learned from this run's requests in the data dir."""
+    lengths = engine.llm.lengths
+    if lengths is not None and lengths.predictor is not None and lengths.learned:
+        lengths.predictor.save(Path(cfg.data_dir) / "predictor")
 
 
 @dataclass
@@ -357,6 +378,7 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
             print(f"tandem: model failed to load: {state.load_error}", flush=True)
             return
         engine.step_listeners.append(state.metrics.engine_step)
+        state.metrics.lengths = engine.llm.lengths
         state.engine = engine
         routes_batch.engine_ready(app_)
         print(f"tandem: model {cfg.model!r} ready in {time.monotonic() - t0:.1f} s", flush=True)
@@ -368,6 +390,7 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
         app_["loader"].cancel()
         await routes_batch.stop(app_)
         if state.engine is not None:
+            await asyncio.get_running_loop().run_in_executor(None, _save_lengths, state.engine, cfg)
             await asyncio.get_running_loop().run_in_executor(None, state.engine.shutdown)
 
     app.on_startup.append(on_startup)

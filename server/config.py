@@ -24,6 +24,7 @@ class ServerConfig:
     mixed_batches: bool = False        # aptserve: prefill and decode in one iteration (Apt-Serve-S)
     placement: str = "lb"              # several devices: lb, static, mell, bf, wf
     rebalance_interval_s: float = 1.0  # seconds between the rebalancer's epochs
+    length_predictor: str | None = None  # alise: a predictor directory or "max_tokens" (None: the data dir's)
     slo_ttft_ms: float = 1000.0        # default RT time-to-first-token target
     slo_tbt_ms: float = 200.0          # default RT time-between-tokens target
     max_waiting: int = 1024            # waiting requests before 429

@@ -59,6 +59,13 @@ class Metrics:
                                     "(the others are idle)", ["model_name"], registry=r)
         self.device_pool = Gauge("tandem:device_pool_usage_perc", "Fraction of each device's pool blocks "
                                  "held (0-1)", ["model_name", "device"], registry=r)
+        self.predictions = Counter("tandem:length_predictions", "Output lengths predicted, by path: retrieval "
+                                   "(similar past prompts) or mlp", ["model_name", "path"], registry=r)
+        self.prediction_error = Histogram("tandem:length_prediction_abs_error_tokens", "|predicted - real| "
+                                          "output tokens of requests that ended by themselves",
+                                          ["model_name"], buckets=(4, 16, 32, 64, 128, 256, 512, 1024, 2048),
+                                          registry=r)
+        self.lengths = None                      # the engine's LengthSource, when it predicts
         self._seen: dict = {}
         self._devices: dict[int, tuple] = {}     # device index -> its last load, pool, size, T_avg
         self._lock = threading.Lock()
@@ -139,5 +146,19 @@ class Metrics:
         for name, ok in (("ttft", ttft_ok), ("tbt", tbt_ok), ("both", ttft_ok and tbt_ok)):
             self.slo.labels(*m, name, str(ok).lower()).inc()
 
+    def _count_predictions(self) -> None:
+        src = self.lengths
+        if src is None or src.predictor is None:
+            return
+        for path, n in (("retrieval", src.retrieved), ("mlp", src.predicted - src.retrieved)):
+            seen = self._seen.get(("pred", path), 0)
+            if n > seen:
+                self.predictions.labels(self.model, path).inc(n - seen)
+                self._seen[("pred", path)] = n
+        for pred, real in src.drain():
+            self.prediction_error.labels(self.model).observe(abs(pred - real))
+
     def render(self) -> bytes:
+        with self._lock:
+            self._count_predictions()
         return generate_latest(self.registry)

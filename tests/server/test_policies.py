@@ -1,4 +1,4 @@
-"""The server under --policy bros, rr, aptserve and fcfs-prefill-first: RT and BE batch work complete with the same greedy tokens
+"""The server under --policy bros, rr, aptserve, fcfs-prefill-first and alise: RT and BE batch work complete with the same greedy tokens
 as under FCFS, and /metrics shows the cost model's error and the pool by owner."""
 import asyncio
 import json
@@ -24,7 +24,8 @@ def complete(server, prompt, tier=None) -> str:
         return json.loads(r.read())["choices"][0]["text"]
 
 
-@pytest.mark.parametrize("policy", ["bros", "rr", "aptserve", "aptserve --aptserve-mixed", "fcfs-prefill-first"])
+@pytest.mark.parametrize("policy", ["bros", "rr", "aptserve", "aptserve --aptserve-mixed", "fcfs-prefill-first",
+                                    "alise --length-predictor max_tokens"])
 def test_policy_serves_mixed_work(policy, server, tiny_chat_model, tmp_path):
     reference = [complete(server, p) for p in PROMPTS]            # the FCFS server
     s = start_server(tiny_chat_model, tmp_path, "--policy", *policy.split(), "--slo-ttft-ms", "2000",

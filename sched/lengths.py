@@ -1,0 +1,108 @@
+"""Where requests' predicted output lengths come from, and where real lengths go back.
+
+A source is either the length predictor (predictor/: retrieval over past prompts, taught
+every naturally finished request's real length) or ``"max_tokens"``: each request's own
+max_tokens taken as its length (an oracle when, as in benchmarks, max_tokens is the
+length to generate; an upper bound otherwise). The predictor embeds prompts on the
+calling thread with one torch thread, so it never competes with the workers for cores
+beyond the one the server already uses.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from sched.actor import Update
+from sched.request import FinishReason, Request
+
+MAX_TOKENS = "max_tokens"
+_MAX_PENDING = 100_000
+
+
+def prediction_text(prompt: Any, detokenize=None) -> str:
+    """The text a prediction reads: a completion prompt as given, a chat's last user message
+    (the template's system text would only fill the encoder's few tokens), decoded token ids."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        users = [m for m in prompt if m.get("role") == "user"] or prompt
+        content = users[-1].get("content") or ""
+        if isinstance(content, list):
+            content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return str(content)
+    if isinstance(prompt, list) and detokenize is not None:
+        return detokenize(prompt)
+    return ""
+
+
+class LengthSource:
+    def __init__(self, source: "str | Path | Any | None"):
+        self.predictor = None
+        if source != MAX_TOKENS:
+            from predictor import LengthPredictor
+            if isinstance(source, LengthPredictor):
+                self.predictor = source
+            else:
+                try:
+                    self.predictor = LengthPredictor.load(source)
+                except FileNotFoundError as e:
+                    raise ValueError(f"length_predictor: {e}") from None
+            import torch
+            torch.set_num_threads(1)
+        self._lock = threading.Lock()
+        self._pending: dict[str, list] = {}    # req_id -> [vector, tokens so far, ignore_eos]
+        self.predicted = 0
+        self.retrieved = 0
+        self.learned = 0                        # real lengths added to the predictor
+        self.errors: list[tuple[int, int]] = []   # (predicted, real) of finished requests, drained by metrics
+
+    @property
+    def name(self) -> str:
+        return MAX_TOKENS if self.predictor is None else "predictor"
+
+    def assign(self, reqs: list[Request], texts: list[str]) -> None:
+        """Set each request's predicted_len (capped by its max_tokens)."""
+        if self.predictor is None:
+            for r in reqs:
+                r.predicted_len = r.sampling.max_tokens
+            return
+        vecs = self.predictor.encode(texts)
+        preds = self.predictor.predict_vectors(vecs, [len(t) for t in texts])
+        with self._lock:
+            for r, p, v in zip(reqs, preds, vecs):
+                cap = r.sampling.max_tokens
+                r.predicted_len = p.length if cap is None else min(p.length, cap)
+                if len(self._pending) < _MAX_PENDING:
+                    self._pending[r.req_id] = [v, 0, r.sampling.ignore_eos, r.predicted_len]
+                self.predicted += 1
+                self.retrieved += p.retrieved
+
+    def drain(self) -> list[tuple[int, int]]:
+        """(predicted, real) of the requests learned from since the last call."""
+        with self._lock:
+            out, self.errors = self.errors, []
+        return out
+
+    def observe(self, updates: list[Update]) -> None:
+        """Count tokens; a request that ended by itself teaches the predictor its real length
+        (one cut off by max_tokens did not show it, unless it was told to ignore EOS)."""
+        if self.predictor is None or not self._pending:
+            return
+        done = []
+        with self._lock:
+            for u in updates:
+                rec = self._pending.get(u.req_id)
+                if rec is None:
+                    continue
+                rec[1] += len(u.new_token_ids)
+                if u.finish_reason is not None:
+                    del self._pending[u.req_id]
+                    if u.finish_reason is FinishReason.STOP or (u.finish_reason is FinishReason.LENGTH and rec[2]):
+                        done.append(rec)
+            self.errors += [(rec[3], rec[1]) for rec in done]
+            del self.errors[:-10_000]
+        if done:
+            import numpy as np
+            self.predictor.add(np.stack([r[0] for r in done]), [r[1] for r in done])
+            self.learned += len(done)

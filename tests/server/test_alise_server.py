@@ -1,0 +1,47 @@
+"""The server under --policy alise with a real length predictor: every request gets a
+prediction (counted by path in /metrics), finished requests teach it their real length
+(the error histogram counts them), and what it learned is saved in the data dir."""
+import json
+import urllib.request
+
+import numpy as np
+
+from predictor import LengthPredictor, Settings
+from predictor.data import Examples
+from predictor.train import train
+from tests.server.conftest import API_KEY, start_server, stop_server
+from tests.server.test_load import metric
+
+SEED = ["Write a poem about rivers", "Translate to French: good morning", "Fix this Python bug: x = = 1",
+        "Summarize the history of Rome", "What is 2 + 2?", "List three colours"]
+
+
+def chat(server, text, n):
+    body = {"model": server.model, "messages": [{"role": "user", "content": text}], "max_tokens": n,
+            "temperature": 0, "ignore_eos": True}
+    req = urllib.request.Request(server.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **server.headers()})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def test_alise_predicts_learns_and_saves(tiny_chat_model, tmp_path):
+    seed_dir = tmp_path / "seed"
+    ex = Examples(SEED, np.array([40, 12, 30, 60, 3, 8]), np.full(len(SEED), 8), np.arange(len(SEED)))
+    train(ex, Settings(k=3, threshold=0.95, hidden=16), epochs=2, out=seed_dir, log=lambda _: None)
+    s = start_server(tiny_chat_model, tmp_path, "--policy", "alise", "--length-predictor", str(seed_dir))
+    try:
+        asks = [("What is 2 + 2?", 5), ("Write a story about a dragon and a knight", 9), ("List three colours", 7)]
+        for text, n in asks:
+            out = chat(s, text, n)
+            assert out["usage"]["completion_tokens"] == n
+        req = urllib.request.Request(s.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
+        text = urllib.request.urlopen(req).read().decode()
+        assert metric(text, "tandem:length_predictions_total", path="retrieval") == 2   # seen before
+        assert metric(text, "tandem:length_predictions_total", path="mlp") == 1
+        assert metric(text, "tandem:length_prediction_abs_error_tokens_count") == 3
+    finally:
+        assert stop_server(s) == 0
+    saved = LengthPredictor.load(tmp_path / "data" / "predictor")
+    assert len(saved.index) == len(SEED) + 3
+    assert saved.predict(["Write a story about a dragon and a knight"]) == [9]
