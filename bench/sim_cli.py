@@ -17,9 +17,8 @@ COST_FILE = RESULTS / "cost_smollm2_cpu.json"
 
 
 def _tokenizer():
-    from sched.llm import DEFAULT_CACHE_DIR
-    from engine.models.loader import load_tokenizer, resolve_model
-    return load_tokenizer(resolve_model("smollm2", DEFAULT_CACHE_DIR))
+    from predictor.data import length_tokenizer       # SmolLM2's: the traces' lengths are its tokens
+    return length_tokenizer()
 
 
 def profile(args) -> CostModel:

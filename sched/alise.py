@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 
-from sched.bros import BlockBudget, CostFn
+from sched.bros import BlockBudget, CostFn, add_chunk
 from sched.cost_model import StepShape
 from sched.policy import Candidate, Plan, Snapshot, _decide
 
@@ -93,37 +93,31 @@ class Alise:
         keyed = self.order(snap)
         rank = {c.req_id: i for i, (_, c) in enumerate(keyed)}
         running = {c.req_id: c for c in snap.running}
-        tokens_left, items = lim.max_num_batched_tokens, []
+        tokens_left, shape = lim.max_num_batched_tokens, StepShape()
         rt_limit = math.inf
         for key, c in keyed:
             if c.req_id in plan.preempted:
                 continue
-            if len(items) >= lim.max_num_seqs or tokens_left <= 0:
+            if len(plan.scheduled) >= lim.max_num_seqs or tokens_left <= 0:
                 plan.reasons.setdefault(c.req_id, _why(key, "the batch is full"))
                 continue
             n = min(c.num_tokens - c.num_computed, tokens_left)
             if n < c.num_tokens - c.num_computed and not lim.chunked_prefill:
                 plan.reasons[c.req_id] = _why(key, "its prompt exceeds the iteration's token budget")
                 continue
-            if not c.rt and self._time(items + [(c, n)]) > max(rt_limit, self._time(items)):
+            if not c.rt and self.cost(add_chunk(shape, c, n), 0) > max(rt_limit, self.cost(shape, 0)):
                 plan.reasons[c.req_id] = _why(key, "it would make an RT step miss its SLO")
                 continue
             if not self._room(c, n, budget, plan, running, rank):
                 plan.reasons[c.req_id] = _why(key, "no blocks left that it may take")
                 continue
-            items.append((c, n))
+            shape = add_chunk(shape, c, n)
             tokens_left -= n
             plan.scheduled.append(_decide(c, n))
             plan.reasons[c.req_id] = _why(key, "scheduled")
             if c.rt and c.slo_s is not None:
                 rt_limit = min(rt_limit, max(c.residual(snap.t_avg), 0.0))
         return plan
-
-    def _time(self, items) -> float:
-        s = StepShape()
-        for c, n in items:
-            s = s.add(n, c.num_computed + n, n == 1 and c.num_computed > 0 and c.num_computed + 1 == c.num_tokens)
-        return self.cost(s, 0)
 
     @staticmethod
     def _room(c: Candidate, n: int, budget: BlockBudget, plan: Plan, running: dict, rank: dict) -> bool:
@@ -133,13 +127,8 @@ class Alise:
         mine = rank[c.req_id]
         victims = sorted((x for x in running.values() if rank[x.req_id] > mine and x.req_id not in plan.preempted
                           and x.req_id not in budget.held), key=lambda x: -rank[x.req_id])
-        for v in victims:
-            if budget.need(c, n) <= budget.free:
-                break
-            plan.preempted.append(v.req_id)
-            plan.reasons[v.req_id] = "preempted: its blocks went to a request with less remaining time"
-            budget.free += v.num_blocks
-        return budget.reserve(c, n)
+        return budget.take_from(c, n, victims, plan, "preempted: its blocks went to a request with less "
+                                                     "remaining time")
 
 
 def _why(key: tuple, what: str) -> str:

@@ -62,6 +62,17 @@ class BlockBudget:
     def release(self, c: Candidate) -> None:
         self.free += self.held.pop(c.req_id, 0)
 
+    def take_from(self, c: Candidate, n: int, victims: Iterable[Candidate], plan: Plan, reason: str) -> bool:
+        """Reserve c's blocks, preempting ``victims`` in order (each loses its cache) only until
+        they fit; False (nothing reserved) when even all of them are not enough."""
+        for v in victims:
+            if self.need(c, n) <= self.free:
+                break
+            plan.preempted.append(v.req_id)
+            plan.reasons[v.req_id] = reason
+            self.free += v.num_blocks
+        return self.reserve(c, n)
+
 
 def two_queue_merge(running: list[Candidate], waiting: Iterable[Candidate],
                     key: Callable[[Candidate], float]) -> list[Candidate]:
@@ -69,10 +80,15 @@ def two_queue_merge(running: list[Candidate], waiting: Iterable[Candidate],
     return list(heapq.merge(sorted(running, key=key), waiting, key=key))
 
 
+def add_chunk(s: StepShape, c: Candidate, n: int) -> StepShape:
+    """``s`` plus c's next ``n`` tokens (a decode when it is the one token after its cache)."""
+    return s.add(n, c.num_computed + n, n == 1 and c.num_computed > 0 and c.num_computed + 1 == c.num_tokens)
+
+
 def _shape(items: list[tuple[Candidate, int]]) -> StepShape:
     s = StepShape()
     for c, n in items:
-        s = s.add(n, c.num_computed + n, n == 1 and c.num_computed > 0 and c.num_computed + 1 == c.num_tokens)
+        s = add_chunk(s, c, n)
     return s
 
 
@@ -169,13 +185,7 @@ class Bros:
                    and x.req_id not in plan.preempted]
         victims = sorted((x for x in running if not x.rt), key=lambda x: x.num_computed) + \
             sorted((x for x in running if x.rt), key=lambda x: (not x.missed, -x.residual(t_avg)))
-        for v in victims:
-            if budget.need(c, n) <= budget.free:
-                break
-            plan.preempted.append(v.req_id)
-            plan.reasons[v.req_id] = "preempted: its blocks went to a more urgent RT request"
-            budget.free += v.num_blocks
-        return budget.reserve(c, n)
+        return budget.take_from(c, n, victims, plan, "preempted: its blocks went to a more urgent RT request")
 
     # ---- Algorithm 1 -------------------------------------------------------------
     def __call__(self, snap: Snapshot) -> Plan:
