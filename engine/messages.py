@@ -44,6 +44,8 @@ class PoolInfo:
     num_blocks: int             # blocks the memory budget bought
     block_size: int             # token slots per block
     hidden_rows: int            # blocks per block_size tokens of a hidden cache (d_model / unit), 0: none
+    block_bytes: int = 0        # bytes of one block over all layers, at the pool's dtype
+    int8_block_bytes: int = 0   # bytes of one block compressed to int8 (values, scale and offset)
 
 
 @dataclass(slots=True)
@@ -76,6 +78,17 @@ class SlotCopy:
     token: int                  # index of the token in its request
     block: int                  # token-block
     slot: int                   # physical slot in it, 0..block_size-1
+
+
+@dataclass(frozen=True, slots=True)
+class Offload:
+    """A preempted request's cache leaving the pool whole for the worker's host pool (swapping):
+    the rows of its first ``num_tokens`` tokens are copied out, compressed to int8 when asked,
+    and its blocks are free for others once the copy is done. It comes back with the request
+    listed in ``StepInput.uploads``, into the blocks its next ScheduledRequest appends."""
+    req_id: str
+    num_tokens: int             # tokens whose cache is kept (all it has computed)
+    int8: bool                  # compress on the way out (engine.kvquant)
 
 
 @dataclass(slots=True)
@@ -121,6 +134,11 @@ class StepInput:
     # NewRequest comes in this step), then copy these requests' caches out (StepOutput.exported)
     exports: list[str] = field(default_factory=list)
     imports: list[CacheImport] = field(default_factory=list)
+    # swapping, the one transfer queue with the checkpoints above: offloads run first of all
+    # (their blocks may be handed out again in this very step); uploads run after the scheduled
+    # requests' new blocks are appended, right before the forward
+    offloads: list[Offload] = field(default_factory=list)
+    uploads: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)

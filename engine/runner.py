@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttnBatch, HiddenBatch, HiddenSegment, PrefillSegment
-from engine.messages import (CacheImport, CacheType, Command, Direction, NewRequest, Phase,
+from engine.kvquant import Int8Rows, dequantize, int8_block_bytes, quantize
+from engine.messages import (CacheImport, CacheType, Command, Direction, NewRequest, Offload, Phase,
                              SamplingSpec, StepInput, StepOutput)
 from engine.models.spec import ModelSpec
 from engine.sampling import sample
@@ -28,11 +29,13 @@ class ReqState:
     sampling: SamplingSpec
     cache_type: CacheType = CacheType.KV
     cpu: dict | None = None     # token index -> its K/V [2, layers, kv_heads, head_dim], checkpointed
+    host: torch.Tensor | Int8Rows | None = None   # swapped out whole: its rows in the host pool
 
     def clear_cache(self, rows_per_token: int = 2) -> None:
         self.num_computed = self.capacity = 0
         self.slots = torch.empty(rows_per_token, 0, dtype=torch.long)
         self.cpu = {}
+        self.host = None
 
 
 def block_offsets(block_size: int, direction: Direction) -> torch.Tensor:
@@ -53,6 +56,9 @@ class ModelRunner:
         # a hidden-cache token takes m = d_model / unit pool rows; 0: not possible for this model
         self.hidden_rows = spec.d_model // spec.unit if spec.d_model % spec.unit == 0 else 0
         self.reqs: dict[str, ReqState] = {}
+        L, H, _, D = pool.shape
+        self.block_bytes = L * H * D * block_size * pool.element_size()
+        self.int8_block_bytes = int8_block_bytes(L, H, D, block_size)
 
     # ---- state mirroring -------------------------------------------------
     def _rows_per_token(self, cache_type: CacheType) -> int:
@@ -121,6 +127,47 @@ class ModelRunner:
             for j, c in enumerate(inp.swap_ins):
                 self.reqs[c.req_id].slots[:, c.token] = rows[:, j]
 
+    # ---- swapping to the host pool ---------------------------------------------------------
+    def _offload(self, off: Offload) -> None:
+        """Copy the request's first ``num_tokens`` tokens' rows to the host pool (int8 when asked)
+        and forget its blocks; its token ids stay."""
+        st = self.reqs[off.req_id]
+        g = st.slots.shape[0]
+        rows = self._gather(off.req_id, st, off.num_tokens)
+        st.clear_cache(g)
+        st.host = quantize(rows, g, self.block_size) if off.int8 else rows
+
+    def _upload(self, rid: str) -> None:
+        """Write a swapped request's rows back into the blocks appended to it in this step."""
+        st = self.reqs[rid]
+        if st.host is None:
+            raise RuntimeError(f"request {rid}: nothing of it is in the host pool")
+        rows, st.host = st.host, None
+        if isinstance(rows, Int8Rows):
+            rows = dequantize(rows)
+        self._write_rows(rid, st, rows.shape[2] // st.slots.shape[0], rows)
+
+    def _gather(self, rid: str, st: ReqState, n: int) -> torch.Tensor:
+        """The rows of the request's first n tokens, [layers, kv_heads, g * n, head_dim] on the
+        host (row-major by kind: all K rows, then all V rows)."""
+        if st.cpu:
+            raise RuntimeError(f"request {rid}: tokens checkpointed on the CPU cannot be copied out")
+        if n > st.num_computed:
+            raise RuntimeError(f"request {rid}: {n} tokens asked for, {st.num_computed} computed")
+        rows = st.slots[:, :n].reshape(-1).to(self.device)
+        return self.pool[:, :, rows, :].cpu()
+
+    def _write_rows(self, rid: str, st: ReqState, n: int, src: torch.Tensor) -> None:
+        """Write rows in ``_gather``'s layout into the request's first n tokens' slots; it then
+        holds n computed tokens."""
+        self._check(rid, st, n)
+        rows = st.slots[:, :n].reshape(-1)
+        if tuple(src.shape) != (self.pool.shape[0], self.pool.shape[1], rows.numel(), self.pool.shape[3]):
+            raise RuntimeError(f"request {rid}: cache of shape {tuple(src.shape)} does not fill "
+                               f"{rows.numel()} rows of this pool")
+        self.pool[:, :, rows.to(self.device), :] = src.to(self.device, self.pool.dtype)
+        st.num_computed = n
+
     def _apply_bookkeeping(self, inp: StepInput) -> None:
         for rid in inp.finished_ids:
             self.reqs.pop(rid, None)
@@ -137,11 +184,7 @@ class ModelRunner:
         shared memory, so the pipe passes a handle, not the bytes; a CUDA pool is staged on the
         host the same way."""
         st = self.reqs[rid]
-        if st.cpu:
-            raise RuntimeError(f"request {rid}: tokens checkpointed on the CPU cannot be exported")
-        rows = st.slots[:, :st.num_computed].reshape(-1).to(self.device)
-        out = self.pool[:, :, rows, :].cpu()
-        return out.share_memory_()
+        return self._gather(rid, st, st.num_computed).share_memory_()
 
     def _import(self, imp: CacheImport) -> None:
         """Write an exported cache into the blocks reserved for it; the request's state now holds
@@ -150,15 +193,7 @@ class ModelRunner:
         if st.capacity or st.num_computed:
             raise RuntimeError(f"request {imp.req_id}: imported into a request that holds a cache")
         self._append_blocks(st, imp.block_ids, imp.directions)
-        n = imp.num_tokens
-        self._check(imp.req_id, st, n)
-        rows = st.slots[:, :n].reshape(-1)
-        src = imp.rows
-        if tuple(src.shape) != (self.pool.shape[0], self.pool.shape[1], rows.numel(), self.pool.shape[3]):
-            raise RuntimeError(f"request {imp.req_id}: imported cache has shape {tuple(src.shape)}, "
-                               f"expected {rows.numel()} rows of this pool")
-        self.pool[:, :, rows.to(self.device), :] = src.to(self.device, self.pool.dtype)
-        st.num_computed = n
+        self._write_rows(imp.req_id, st, imp.num_tokens, imp.rows)
 
     # ---- one step ----------------------------------------------------------
     def step(self, inp: StepInput) -> StepOutput:
@@ -166,6 +201,8 @@ class ModelRunner:
             self.reqs.clear()
             return StepOutput(inp.step_id, {}, 0, 0.0, 0.0)
         self._apply_bookkeeping(inp)
+        for off in inp.offloads:
+            self._offload(off)
         for imp in inp.imports:
             self._import(imp)
         exported = {rid: self.export_cache(rid) for rid in inp.exports}
@@ -178,6 +215,8 @@ class ModelRunner:
         for s in inp.scheduled:
             self._append_blocks(self.reqs[s.req_id], s.new_block_ids, s.new_directions)
             self._append_slots(self.reqs[s.req_id], s.new_slots)
+        for rid in inp.uploads:
+            self._upload(rid)
         ids, pos, batch, rows, samplers = self._build(prefills, decodes)
         specs = [self.reqs[r].sampling for r in samplers]
         ngen = [len(self.reqs[r].token_ids) - self.reqs[r].num_prompt for r in samplers]
@@ -270,6 +309,8 @@ class ModelRunner:
 
     @staticmethod
     def _check(rid: str, st: ReqState, need: int) -> None:
+        if st.host is not None:
+            raise RuntimeError(f"request {rid}: its cache is in the host pool, not uploaded")
         if st.cpu and min(st.cpu) < need:
             raise RuntimeError(f"request {rid}: token {min(st.cpu)} is checkpointed on the CPU, not swapped in")
         if need > st.capacity:

@@ -80,6 +80,11 @@ def _build_runner(cfg: WorkerConfig):
     return ModelRunner(model, spec, pool, cfg.block_size, kernel), num_blocks
 
 
+def pool_info(runner, num_blocks: int) -> PoolInfo:
+    return PoolInfo(num_blocks, runner.block_size, runner.hidden_rows, runner.block_bytes,
+                    runner.int8_block_bytes)
+
+
 def worker_main(conn, cfg: WorkerConfig) -> None:
     """Process entry point: load, report ready, then serve steps until SHUTDOWN."""
     try:
@@ -87,7 +92,7 @@ def worker_main(conn, cfg: WorkerConfig) -> None:
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
-    conn.send(("ready", (num_blocks, runner.hidden_rows)))
+    conn.send(("ready", pool_info(runner, num_blocks)))
     while True:
         try:
             msg: StepInput = conn.recv()
@@ -144,8 +149,7 @@ class WorkerHandle:
         if kind == "error":
             self.proc.join(timeout=5)
             raise RuntimeError(f"{self.name}: worker failed to start:\n{payload}")
-        num_blocks, hidden_blocks = payload
-        self.pool_info = PoolInfo(num_blocks, self.block_size, hidden_blocks)
+        self.pool_info = payload
         return self.pool_info
 
     def submit(self, inp: StepInput) -> None:
@@ -195,7 +199,7 @@ class InProcessDevice:
     def __init__(self, name: str, cfg: WorkerConfig):
         self.name = name
         self.runner, num_blocks = _build_runner(cfg)
-        self.pool_info = PoolInfo(num_blocks, cfg.block_size, self.runner.hidden_rows)
+        self.pool_info = pool_info(self.runner, num_blocks)
         self._out: StepOutput | None = None
 
     def submit(self, inp: StepInput) -> None:

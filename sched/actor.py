@@ -22,7 +22,8 @@ from typing import Callable
 
 from cache import BlockPool, PoolGeometry
 from cache.bidir import BidirBlockPool
-from engine.messages import (CacheImport, CacheType, Command, NewRequest, Phase, SamplingSpec,
+from cache.host_pool import HostPool
+from engine.messages import (CacheImport, CacheType, Command, NewRequest, Offload, Phase, SamplingSpec,
                              ScheduledRequest, StepInput, StepOutput)
 from sched.cost_model import OnlineCostModel, StepShape
 from sched.detok import TextTracker
@@ -50,12 +51,20 @@ class Pending:
     started: float                    # clock when it was planned
 
 
+@dataclass(frozen=True, slots=True)
+class SwapConfig:
+    """Swapping preempted requests' caches to the host instead of recomputing them (ALISE)."""
+    space_bytes: int                  # host memory for swapped caches, per device
+    int8: bool                        # compress them to int8 on the way out (engine.kvquant)
+
+
 @dataclass(slots=True)
 class ActorConfig:
     """What an actor needs of the scheduler's configuration (see sched.scheduler.SchedConfig)."""
     limits: Limits
     bidirectional: bool
     cache_type: CacheType
+    swap: SwapConfig | None = None    # None: preempted requests recompute
 
 
 class DeviceActor:
@@ -79,6 +88,10 @@ class DeviceActor:
         self._reset_ids: list[str] = []
         self._finished_ids: list[str] = []
         self._imports: list[CacheImport] = []
+        self._offloads: list[Offload] = []
+        self.host = HostPool(cfg.swap.space_bytes) if cfg.swap is not None else None
+        self.swap_bytes: Counter = Counter()       # bytes moved to ("out") and back from ("in") the host
+        self.swaps: Counter = Counter()            # caches swapped "out", back "in", "evicted" to recompute
         self.leaving: dict[str, RequestState] = {}   # migrated out with their cache: blocks held
                                                      # until the destination has imported it
         self.moves: deque[Migration] = deque(maxlen=4096)  # migrations that arrived here, measured
@@ -143,8 +156,9 @@ class DeviceActor:
         """A StepInput carrying the worker messages that are due (new, reset, finished requests and
         imported caches); they are handed over, not kept."""
         inp = StepInput(Command.STEP, self.step_id, self._new, [], self._reset_ids, self._finished_ids,
-                        imports=self._imports, **kw)
+                        imports=self._imports, offloads=self._offloads, **kw)
         self._new, self._reset_ids, self._finished_ids, self._imports = [], [], [], []
+        self._offloads = []
         return inp
 
     def release(self, req_id: str) -> None:
@@ -181,7 +195,7 @@ class DeviceActor:
 
     def has_messages(self) -> bool:
         """Worker state to update even with nothing to run (finished or reset requests)."""
-        return bool(self._new or self._reset_ids or self._finished_ids or self._imports)
+        return bool(self._new or self._reset_ids or self._finished_ids or self._imports or self._offloads)
 
     def load(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -193,7 +207,8 @@ class DeviceActor:
         t0 = self.clock()
         plan = self.policy(self.snapshot()) if self.has_work() else Plan()
         inp, shape = self._apply(plan)
-        if inp.scheduled or inp.finished_ids or inp.reset_ids or inp.new_requests or inp.imports:
+        if (inp.scheduled or inp.finished_ids or inp.reset_ids or inp.new_requests or inp.imports
+                or inp.offloads):
             return Pending(inp, plan, shape, t0)
         return None
 
@@ -217,7 +232,8 @@ class DeviceActor:
     def _apply(self, plan: Plan) -> tuple[StepInput, StepShape]:
         """Carry out the plan in the bookkeeping; describe it to the device (and its cost shape)."""
         self._switch_types(plan)
-        self._preempt([self.states[r] for r in plan.preempted])
+        self._preempt([self.states[r] for r in plan.preempted], plan.ewt,
+                      frozenset(d.req_id for d in plan.scheduled))
         inp = self._due_input()
         shape = StepShape()
         placed = []
@@ -254,19 +270,72 @@ class DeviceActor:
             plan.scheduled = [d for d in plan.scheduled if d.req_id not in switched]
             plan.preempted = [r for r in plan.preempted if r not in switched]
 
-    def _preempt(self, preempted: list[RequestState]) -> None:
+    def _preempt(self, preempted: list[RequestState], ewt: dict[str, float],
+                 planned: frozenset[str] = frozenset()) -> None:
+        """Preempted requests give their blocks back and wait first in line; with swapping, those
+        the host pool takes keep their cache there (and their computed tokens), the others
+        recompute. Swapped requests ``planned`` for this step keep theirs."""
+        swapped = self._swap_out(preempted, ewt, planned)
         for st in preempted:
             self.pool.free(st.req_id)
             self.running.remove(st.req_id)
-            st.status, st.num_computed = Status.WAITING, 0
+            st.status = Status.WAITING
             st.num_preemptions += 1
             self.num_preemptions += 1
             self.preemptions_by_class[st.request.service_class] += 1
-            self._cancel_import(st)
-            if st.sent_to_device:
-                self._reset_ids.append(st.req_id)
+            if st.req_id not in swapped:
+                self._lose_cache(st)
         for st in sorted(preempted, key=lambda s: s.request.arrival_time, reverse=True):
             self.waiting.appendleft(st.req_id)
+
+    def _lose_cache(self, st: RequestState) -> None:
+        """A waiting request will recompute every token (the worker forgets its cache)."""
+        st.num_computed = 0
+        self._cancel_import(st)
+        if st.sent_to_device:
+            self._reset_ids.append(st.req_id)
+
+    # ---- swapping ------------------------------------------------------------------
+    def _swap_out(self, preempted: list[RequestState], ewt: dict[str, float],
+                  planned: frozenset[str]) -> set[str]:
+        """Offer the preempted requests' caches to the host pool, those expected back soonest
+        first (EWT; arrival order when the policy gives none); which ones it took."""
+        if self.host is None:
+            return set()
+        pending = self.pending_imports()
+        taken = set()
+        key = {st.req_id: ewt.get(st.req_id, st.request.arrival_time) for st in preempted}
+        for st in sorted(preempted, key=lambda s: key[s.req_id]):
+            if not st.num_computed or not st.sent_to_device or st.req_id in pending:
+                continue
+            nbytes = self._host_bytes(st)
+            evicted = self.host.admit(st.req_id, nbytes, key[st.req_id], planned)
+            if evicted is None:
+                continue
+            for r in evicted:            # expected to wait longer: they recompute instead
+                self._lose_cache(self.states[r])
+                self.swaps["evicted"] += 1
+            self._offloads.append(Offload(st.req_id, st.num_computed, self.cfg.swap.int8))
+            self.swap_bytes["out"] += nbytes
+            self.swaps["out"] += 1
+            taken.add(st.req_id)
+        return taken
+
+    def _host_bytes(self, st: RequestState) -> int:
+        info = self.device.pool_info
+        per_block = info.int8_block_bytes if self.cfg.swap.int8 else info.block_bytes
+        return self.pool.geometry.blocks_for(st.num_computed, st.cache_type) * per_block
+
+    def _swap_in(self, st: RequestState, inp: StepInput) -> None:
+        """A swapped request got its blocks back: its cache is uploaded before the forward."""
+        if self.host is not None and st.req_id in self.host:
+            self.swap_bytes["in"] += self.host.release(st.req_id)
+            self.swaps["in"] += 1
+            inp.uploads.append(st.req_id)
+
+    def _release_host(self, st: RequestState) -> None:
+        if self.host is not None:
+            self.host.release(st.req_id)
 
     def _start(self, st: RequestState) -> None:
         if st.status is Status.WAITING:
@@ -286,6 +355,7 @@ class DeviceActor:
         holds = st.num_computed > 0 or self.pool.num_blocks_of(st.req_id) > 0
         self.pool.check_cache_type(ct)          # ValueError if the pool cannot hold it
         self.pool.free(st.req_id)
+        self._release_host(st)
         if st.req_id in self._reset_ids:
             self._reset_ids.remove(st.req_id)
         if st.req_id in self.running:
@@ -317,6 +387,7 @@ class DeviceActor:
             return None
         inp.checkpoints.extend(p.checkpoints)
         inp.swap_ins.extend(p.swap_ins)
+        self._swap_in(st, inp)
         return ScheduledRequest(st.req_id, dec.phase, dec.num_new_tokens, p.block_ids, p.directions,
                                 dec.sample, new_slots=p.slots)
 
@@ -417,6 +488,7 @@ class DeviceActor:
     def _drop(self, st: RequestState) -> None:
         """Free the request's blocks and take it off the queues (and off the worker)."""
         self.pool.free(st.req_id)
+        self._release_host(st)
         if st.status is Status.RUNNING:
             self.running.remove(st.req_id)
         elif st.status is Status.WAITING:
@@ -451,6 +523,9 @@ class DeviceActor:
         and the tokens it has generated (the new worker knows none of them)."""
         self.pool = self.new_pool(geometry)
         self._new, self._reset_ids, self._finished_ids, self._imports = [], [], [], []
+        self._offloads = []
+        if self.host is not None:
+            self.host.clear()
         self.leaving.clear()
         order = sorted(self.states.values(), key=lambda s: s.request.arrival_time)
         for st in order:
@@ -463,6 +538,12 @@ class DeviceActor:
         for r in self.waiting:
             if self.pool.num_blocks_of(r):
                 raise AssertionError(f"waiting request {r} holds blocks")
+            if self.states[r].num_computed and (self.host is None or r not in self.host):
+                raise AssertionError(f"waiting request {r} counts computed tokens it does not hold")
+        if self.host is not None:
+            self.host.check_invariants()
+            if any(r in self.host for r in self.running):
+                raise AssertionError("a running request still holds host memory")
         if any(self.states[r].status is not Status.RUNNING for r in self.running):
             raise AssertionError("running list holds a non-running request")
 

@@ -20,6 +20,14 @@ may take them from running requests that come after it in that order (they lose 
 cache, as a preemption); running requests left out keep their blocks and pause.
 [open choice] BE requests join only while the predicted step time stays within the
 tightest residual SLO time of the RT requests taken, so BE never makes an RT step late.
+
+Estimated wait (SPEC §3.4) of each request it preempts, for swapping (SPEC §3.5: those back
+soonest keep their cache in host memory first)::
+
+    EWT(J) = min( Σ_{J' ahead of J} T_rem(J') / max(1, batch size),  T_promote(J) )
+
+with T_promote the time until aging lifts J to level 0, and the sum divided by the number of
+requests in this iteration since they run together (continuous batching).
 """
 from __future__ import annotations
 
@@ -76,14 +84,34 @@ class Alise:
         lvl = min(self.levels, base + demotions) - promotions
         return max(lvl, 0)
 
-    def order(self, snap: Snapshot) -> list[tuple[tuple, Candidate]]:
+    def order(self, snap: Snapshot) -> list[tuple[tuple, Candidate, float]]:
+        """(key, candidate, T_rem) in priority order."""
         keyed = []
         for c in snap.running + snap.waiting:
             t = self.t_rem(c)
             lvl = self.level(c, t)
-            keyed.append(((not c.rt, lvl, c.arrival if lvl == 0 else t, c.arrival), c))
+            keyed.append(((not c.rt, lvl, c.arrival if lvl == 0 else t, c.arrival), c, t))
         keyed.sort(key=lambda kc: kc[0])
         return keyed
+
+    def t_promote(self, c: Candidate, level: int) -> float:
+        """Seconds until aging lifts a request at ``level`` to level 0 (if it gets no token)."""
+        if level <= 0 or self.age_s <= 0:
+            return 0.0
+        return self.age_s - c.pending_s % self.age_s + (level - 1) * self.age_s
+
+    def ewt(self, keyed: list[tuple[tuple, Candidate, float]], plan: Plan) -> dict[str, float]:
+        """EWT of each request ``plan`` preempts (module docstring)."""
+        out: dict[str, float] = {}
+        if not plan.preempted:
+            return out
+        gone = set(plan.preempted)
+        ahead, width = 0.0, max(1, len(plan.scheduled))
+        for key, c, t in keyed:
+            if c.req_id in gone:
+                out[c.req_id] = min(ahead / width, self.t_promote(c, key[1]))
+            ahead += t
+        return out
 
     # ---- one iteration -------------------------------------------------------------
     def __call__(self, snap: Snapshot) -> Plan:
@@ -91,11 +119,11 @@ class Alise:
         lim = snap.limits
         budget = BlockBudget(snap)
         keyed = self.order(snap)
-        rank = {c.req_id: i for i, (_, c) in enumerate(keyed)}
+        rank = {c.req_id: i for i, (_, c, _) in enumerate(keyed)}
         running = {c.req_id: c for c in snap.running}
         tokens_left, shape = lim.max_num_batched_tokens, StepShape()
         rt_limit = math.inf
-        for key, c in keyed:
+        for key, c, _ in keyed:
             if c.req_id in plan.preempted:
                 continue
             if len(plan.scheduled) >= lim.max_num_seqs or tokens_left <= 0:
@@ -117,6 +145,7 @@ class Alise:
             plan.reasons[c.req_id] = _why(key, "scheduled")
             if c.rt and c.slo_s is not None:
                 rt_limit = min(rt_limit, max(c.residual(snap.t_avg), 0.0))
+        plan.ewt = self.ewt(keyed, plan)
         return plan
 
     @staticmethod

@@ -9,6 +9,7 @@ beyond the one the server already uses.
 """
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,19 +21,34 @@ MAX_TOKENS = "max_tokens"
 _MAX_PENDING = 100_000
 
 
+# a user turn of the ChatML (SmolLM2, Qwen) and Llama 3 chat templates, spelled out in a prompt
+USER_TURNS = (re.compile(r"<\|im_start\|>user\n(.*?)(?:<\|im_end\|>|$)", re.S),
+              re.compile(r"<\|start_header_id\|>user<\|end_header_id\|>\s*(.*?)(?:<\|eot_id\|>|$)", re.S))
+
+
+def last_user_turn(text: str) -> str:
+    """The last user message of a prompt that spells out a chat template; else the text itself."""
+    for pattern in USER_TURNS:
+        turns = pattern.findall(text)
+        if turns:
+            return turns[-1]
+    return text
+
+
 def prediction_text(prompt: Any, detokenize=None) -> str:
-    """The text a prediction reads: a completion prompt as given, a chat's last user message
-    (the template's system text would only fill the encoder's few tokens), decoded token ids."""
+    """The text a prediction reads: a chat's last user message (the template's system text would
+    only fill the encoder's few tokens), also when a completion prompt (text or token ids) spells
+    the template out; else the prompt as given, or its decoded token ids."""
     if isinstance(prompt, str):
-        return prompt
+        return last_user_turn(prompt)
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
         users = [m for m in prompt if m.get("role") == "user"] or prompt
         content = users[-1].get("content") or ""
         if isinstance(content, list):
             content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
         return str(content)
-    if isinstance(prompt, list) and detokenize is not None:
-        return detokenize(prompt)
+    if isinstance(prompt, list) and prompt and detokenize is not None:
+        return last_user_turn(detokenize(prompt))
     return ""
 
 

@@ -68,6 +68,10 @@ class LLM:
     None (the trained predictor, ``python -m predictor train``), a predictor directory, a
     ``predictor.LengthPredictor``, or "max_tokens" (each request's max_tokens: an oracle
     when max_tokens is the length to generate).
+    preemption_mode: "swap" (a preempted request's cache goes to host memory and comes back),
+    "recompute", or None (swap under alise, recompute elsewhere); swap_space: GiB of host memory
+    for swapped caches per device; swap_dtype: "int8" (compressed, channel-wise per block) or
+    "auto" (as the resident cache, so a swapped request's tokens stay exactly the same).
     """
 
     def __init__(self, model: str = "smollm2", devices: str = "cpu:1", *, dtype: str = "auto",
@@ -83,7 +87,8 @@ class LLM:
                  hybrid_cache: bool = True, adaptive: bool = True, slo_decay: float | None = None,
                  mixed_batches: bool = False, placement: str = "lb",
                  rebalance_interval_s: float = 1.0, slo_tbt_s: float = 0.2,
-                 length_predictor: Any = None):
+                 length_predictor: Any = None, preemption_mode: str | None = None,
+                 swap_space: float = 4.0, swap_dtype: str = "int8"):
         self._workers: list[WorkerHandle] = []
         self.runtime: Runtime | None = None
         self.rebalancer: Rebalancer | None = None
@@ -94,9 +99,13 @@ class LLM:
         log.info("dtype %s: %s", dtype, why)
         self.dtype = dtype
         _positive("block_size", block_size)
+        if not isinstance(swap_space, (int, float)) or isinstance(swap_space, bool) or swap_space < 0:
+            raise ValueError(f"swap_space: must be a non-negative number of GiB, got {swap_space!r}")
         final = SchedConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, policy, rt_budget_s,
                             bidirectional_blocks, cache_type_of(cache_type), hybrid_cache=hybrid_cache,
-                            adaptive=adaptive, slo_decay=slo_decay, mixed_batches=mixed_batches).check()
+                            adaptive=adaptive, slo_decay=slo_decay, mixed_batches=mixed_batches,
+                            preemption_mode=preemption_mode, swap_space_bytes=int(swap_space * 2**30),
+                            swap_dtype=swap_dtype).check()
         if placement not in PLACEMENTS:
             raise ValueError(f"placement: {placement!r} is not one of {list(PLACEMENTS)}")
         for name, v in (("rebalance_interval_s", rebalance_interval_s), ("slo_tbt_s", slo_tbt_s)):
@@ -212,6 +221,10 @@ class LLM:
     def detokenize(self, ids: list[int]) -> str:
         """Generated ids to text, special tokens skipped."""
         return self._decode(ids, skip_special_tokens=True)
+
+    def decode_prompt(self, ids: list[int]) -> str:
+        """Prompt ids to text with special tokens kept (a chat template stays recognisable)."""
+        return self._decode(ids, skip_special_tokens=False)
 
     def check_token_ids(self, sp: SamplingParams) -> None:
         """ValueError unless every stop token id is one the model can produce."""
@@ -344,7 +357,7 @@ class LLM:
         reqs = [Request(f"gen-{next(self._ids)}", ids, sp, arrival_time=now, prompt=text)
                 for (ids, text), sp in zip(encoded, params)]
         if self.lengths is not None:
-            self.lengths.assign(reqs, [prediction_text(p, getattr(self, "_decode", None)) for p in plist])
+            self.lengths.assign(reqs, [prediction_text(p, self.decode_prompt if self.tokenizer is not None else None) for p in plist])
         states = [self.scheduler.new_state(r) for r in reqs]
         self._run(states, _progress(len(reqs)) if use_tqdm else None)
         failed = [st for st in states if st.finish_reason is FinishReason.ERROR]

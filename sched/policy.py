@@ -69,6 +69,10 @@ class Plan:
     reasons: dict[str, str] = field(default_factory=dict)
     # change of cache type: the request loses its cache and is planned again from scratch
     cache_types: dict[str, CacheType] = field(default_factory=dict)
+    # estimated wait (seconds) of preempted requests before they run again (ALISE's EWT); with
+    # swapping, those expected back soonest keep their cache in host memory first. Empty: the
+    # policy has no estimate, and arrival order stands in for it
+    ewt: dict[str, float] = field(default_factory=dict)
 
 
 def _blocks(snap: Snapshot, num_tokens: int, c: Candidate | None = None) -> int:

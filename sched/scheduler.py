@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from engine.messages import CacheType, DeviceError, PoolInfo, StepInput, StepOutput
-from sched.actor import ActorConfig, DeviceActor, Update
+from sched.actor import ActorConfig, DeviceActor, SwapConfig, Update
 from sched.alise import Alise
 from sched.aptserve import AptServe
 from sched.bros import Bros, RoundRobin
@@ -51,6 +51,15 @@ class SchedConfig:
     adaptive: bool = True
     slo_decay: float | None = None
     mixed_batches: bool = False          # aptserve: prefill and decode in one iteration (Apt-Serve-S)
+    # what a preempted request's cache does: "swap" to host memory and back (ALISE), or
+    # "recompute" from its tokens; None: swap under alise, recompute elsewhere
+    preemption_mode: str | None = None
+    swap_space_bytes: int = 4 << 30      # host memory for swapped caches, per device
+    swap_dtype: str = "int8"             # swapped caches: "int8" (channel-wise, ALISE) or "auto" (as resident)
+
+    @property
+    def swapping(self) -> bool:
+        return self.preemption_mode == "swap" or (self.preemption_mode is None and self.policy == "alise")
 
     def check(self) -> "SchedConfig":
         """ValueError naming the option for any value or combination the scheduler cannot honour.
@@ -74,6 +83,15 @@ class SchedConfig:
         for name, set_ in aptserve_only.items():
             if set_ and self.policy != "aptserve":
                 raise ValueError(f"{name}: an option of the aptserve policy")
+        if self.preemption_mode not in (None, "swap", "recompute"):
+            raise ValueError(f"preemption_mode: {self.preemption_mode!r} is not 'swap' or 'recompute'")
+        if self.preemption_mode == "swap" and self.bidirectional:
+            raise ValueError("preemption_mode: bidirectional blocks checkpoint what they preempt; swap is "
+                             "for whole-block pools")
+        if self.swap_dtype not in ("int8", "auto"):
+            raise ValueError(f"swap_dtype: {self.swap_dtype!r} is not 'int8' or 'auto'")
+        if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space: must be a non-negative size, got {self.swap_space_bytes!r}")
         if self.slo_decay is not None and not 0 <= self.slo_decay <= 1:
             raise ValueError(f"slo_decay: must be in [0, 1], got {self.slo_decay!r}")
         return self
@@ -138,8 +156,9 @@ class Scheduler:
         model: devices may differ in speed, and each refines its model from its own steps."""
         own = cost if i == 0 or cost is None else copy.deepcopy(cost)
         c = self.cfg
+        swap = SwapConfig(c.swap_space_bytes, c.swap_dtype == "int8") if c.swapping and not c.bidirectional else None
         return DeviceActor(i, device, ActorConfig(Limits(c.max_num_seqs, c.max_num_batched_tokens,
-                                                         c.chunked_prefill), c.bidirectional, c.cache_type),
+                                                         c.chunked_prefill), c.bidirectional, c.cache_type, swap),
                            make_policy(c, own), self.eos_ids, self.max_model_len, self.detokenize,
                            self.clock, own)
 

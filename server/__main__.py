@@ -36,6 +36,14 @@ def parse_args(argv=None) -> ServerConfig:
                     help="with --policy alise: a predictor directory, or max_tokens (each request's max_tokens "
                          "as its length). Default: DATA_DIR/predictor, started from the trained predictor and "
                          "taught every finished request's real length (saved at shutdown)")
+    ap.add_argument("--preemption-mode", default=d.preemption_mode, choices=["swap", "recompute"],
+                    help="what a preempted request's cache does: swap to host memory and come back, or be "
+                         "recomputed from its tokens (default: swap under alise, recompute elsewhere)")
+    ap.add_argument("--swap-space", type=float, default=d.swap_space_gib,
+                    help="GiB of host memory for swapped caches, per device")
+    ap.add_argument("--swap-dtype", default=d.swap_dtype, choices=["int8", "auto"],
+                    help="swapped caches: int8 (channel-wise per block, about a quarter of fp32) or auto "
+                         "(as the resident cache: swapped requests generate exactly the same tokens)")
     ap.add_argument("--kv-only", action="store_true", help="with --policy aptserve: never a hidden cache (ablation)")
     ap.add_argument("--aptserve-fcfs", action="store_true",
                     help="with --policy aptserve: FCFS order, hidden caches only for requests that do not "
@@ -80,7 +88,9 @@ def parse_args(argv=None) -> ServerConfig:
     try:                    # the scheduler's own check, before anything loads
         SchedConfig(a.max_num_seqs, a.max_num_batched_tokens, True, a.policy, None, a.bidirectional_blocks,
                     cache_type_of(a.cache_type), hybrid_cache=not a.kv_only, adaptive=not a.aptserve_fcfs,
-                    slo_decay=a.slo_decay, mixed_batches=a.aptserve_mixed).check()
+                    slo_decay=a.slo_decay, mixed_batches=a.aptserve_mixed, preemption_mode=a.preemption_mode,
+                    swap_space_bytes=int(a.swap_space * 2**30) if a.swap_space >= 0 else -1,
+                    swap_dtype=a.swap_dtype).check()
         if a.rebalance_interval <= 0:
             raise ValueError("rebalance-interval: must be positive")
     except ValueError as e:
@@ -93,6 +103,7 @@ def parse_args(argv=None) -> ServerConfig:
                         hybrid_cache=not a.kv_only, adaptive=not a.aptserve_fcfs, slo_decay=a.slo_decay,
                         mixed_batches=a.aptserve_mixed, placement=a.placement,
                         rebalance_interval_s=a.rebalance_interval, length_predictor=a.length_predictor,
+                        preemption_mode=a.preemption_mode, swap_space_gib=a.swap_space, swap_dtype=a.swap_dtype,
                         slo_ttft_ms=a.slo_ttft_ms, slo_tbt_ms=a.slo_tbt_ms,
                         max_waiting=a.max_waiting, max_upload_bytes=int(a.max_upload_mb * 2**20),
                         max_body_bytes=int(a.max_body_mb * 2**20), chat_control_tokens=a.chat_control_tokens, dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
@@ -152,7 +163,8 @@ def main(argv=None) -> None:
                   omp_wait_policy=cfg.omp_wait_policy, threads_per_worker=cfg.threads_per_worker,
                   chat_control_tokens=cfg.chat_control_tokens, placement=cfg.placement,
                   rebalance_interval_s=cfg.rebalance_interval_s, slo_tbt_s=cfg.slo_tbt_ms / 1000,
-                  length_predictor=_length_source(cfg))
+                  length_predictor=_length_source(cfg), preemption_mode=cfg.preemption_mode,
+                  swap_space=cfg.swap_space_gib, swap_dtype=cfg.swap_dtype)
         return AsyncEngine(llm)
 
     app = create_app(cfg, build_engine)

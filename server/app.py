@@ -168,7 +168,7 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
     lengths = engine.llm.lengths
     if lengths is not None:          # embeds the prompt: off the event loop, one at a time
         await asyncio.get_running_loop().run_in_executor(_predicting(), lengths.assign, reqs,
-                                                         [prediction_text(gen.prompt)] * len(reqs))
+                                                         [prediction_text(gen.prompt, engine.llm.decode_prompt)] * len(reqs))
     p = Prepared(gen, model, rid, ids, reqs, [])
     try:
         for r in reqs:

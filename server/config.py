@@ -25,6 +25,9 @@ class ServerConfig:
     placement: str = "lb"              # several devices: lb, static, mell, bf, wf
     rebalance_interval_s: float = 1.0  # seconds between the rebalancer's epochs
     length_predictor: str | None = None  # alise: a predictor directory or "max_tokens" (None: the data dir's)
+    preemption_mode: str | None = None  # swap or recompute (None: swap under alise, recompute elsewhere)
+    swap_space_gib: float = 4.0        # host memory for swapped caches, per device
+    swap_dtype: str = "int8"           # swapped caches: int8 (compressed) or auto (as resident)
     slo_ttft_ms: float = 1000.0        # default RT time-to-first-token target
     slo_tbt_ms: float = 200.0          # default RT time-between-tokens target
     max_waiting: int = 1024            # waiting requests before 429

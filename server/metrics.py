@@ -65,6 +65,10 @@ class Metrics:
                                           "output tokens of requests that ended by themselves",
                                           ["model_name"], buckets=(4, 16, 32, 64, 128, 256, 512, 1024, 2048),
                                           registry=r)
+        self.swap_bytes = Counter("tandem:swap_bytes", "Bytes of preempted requests' caches moved to host "
+                                  "memory (out) and back (in)", ["model_name", "direction"], registry=r)
+        self.swaps = Counter("tandem:swaps", "Preempted requests' caches swapped out, back in, or evicted "
+                             "from host memory to be recomputed", ["model_name", "event"], registry=r)
         self.lengths = None                      # the engine's LengthSource, when it predicts
         self._seen: dict = {}
         self._devices: dict[int, tuple] = {}     # device index -> its last load, pool, size, T_avg
@@ -102,6 +106,8 @@ class Metrics:
             self._count(self.preemptions, actor.index, actor.preemptions_by_class)
             self._count(self.cache_tokens, actor.index, actor.tokens_by_cache_type)
             self._count(self.cache_switches, actor.index, actor.cache_switches)
+            self._count(self.swap_bytes, actor.index, actor.swap_bytes)
+            self._count(self.swaps, actor.index, actor.swaps)
 
     def _count_moves(self, actor) -> None:
         """Migrations that arrived on this device since the last call (its ``moves`` log)."""
@@ -119,7 +125,7 @@ class Metrics:
         for key, n in list(totals.items()):
             seen = self._seen.get((counter, device, key), 0)
             if n > seen:
-                counter.labels(self.model, key.value).inc(n - seen)
+                counter.labels(self.model, getattr(key, "value", key)).inc(n - seen)
                 self._seen[(counter, device, key)] = n
 
     def request_done(self, cls: str, *, prompt_tokens: int, token_times: list[float], arrival: float,

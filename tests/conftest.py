@@ -59,3 +59,4 @@ def assert_pool_free(llm) -> None:
         q.pool.check_invariants()
         assert q.pool.num_free == q.pool.geometry.num_blocks, "blocks leaked"
         assert not q.running and not q.waiting
+        assert q.host is None or (len(q.host) == 0 and q.host.used == 0), "host memory leaked"

@@ -166,3 +166,22 @@ def test_missing_predictor_names_the_command(tmp_path, monkeypatch):
         LengthPredictor.load()
     with pytest.raises(TypeError):
         LengthPredictor(Settings(hidden=8), LengthHead(DIM, 8)).predict("one string")
+
+
+def test_prediction_reads_the_last_user_message():
+    """Chat messages, and completion prompts spelling a chat template out (as text or as token
+    ids through SmolLM2's real tokenizer), are read as their last user message."""
+    from predictor.data import length_tokenizer
+    from sched.lengths import prediction_text
+    tok = length_tokenizer()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "first"},
+            {"role": "assistant", "content": "ok"}, {"role": "user", "content": "Write a haiku\nabout snow"}]
+    assert prediction_text(msgs) == "Write a haiku\nabout snow"
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert prediction_text(text) == "Write a haiku\nabout snow"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert prediction_text(ids, lambda i: tok.decode(i, skip_special_tokens=False)) == "Write a haiku\nabout snow"
+    llama3 = ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWhat is 2+2?<|eot_id|>"
+              "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert prediction_text(llama3) == "What is 2+2?"
+    assert prediction_text("Once upon a time") == "Once upon a time"

@@ -112,3 +112,23 @@ def test_rt_before_be_and_be_kept_within_the_rt_slack():
     plan = a(snap([tight], [big_be]))
     assert [d.req_id for d in plan.scheduled] == ["rt"]
     assert "SLO" in plan.reasons["be2"]
+
+
+def test_estimated_wait_of_preempted_requests_by_hand():
+    """EWT = min(sum of T_rem ahead / batch size, time until aging lifts it to level 0)."""
+    a = Alise(cost, levels=6, theta1_s=0.05, age_s=1e9)
+    s1, s2 = cand("s1", 64, 0, 3, computed=0), cand("s2", 64, 0, 4, computed=0)   # need 10 blocks each
+    mid = cand("mid", 64, 10, 200, blocks=10)
+    long = cand("long", 64, 10, 1000, blocks=10)
+    plan = a(snap([mid, long], [s1, s2], free=0))
+    assert sorted(plan.preempted) == ["long", "mid"]
+    assert [d.req_id for d in plan.scheduled] == ["s1", "s2"]
+    width = 2
+    assert math.isclose(plan.ewt["mid"], (a.t_rem(s1) + a.t_rem(s2)) / width)
+    assert math.isclose(plan.ewt["long"], (a.t_rem(s1) + a.t_rem(s2) + a.t_rem(mid)) / width)
+    # aging bounds it: with a short aging period, "long" reaches level 0 sooner than the queue empties
+    b = Alise(cost, levels=6, theta1_s=0.05, age_s=0.01)
+    old = cand("long", 64, 10, 1000, blocks=10, pending=0.004)
+    plan = b(snap([mid, old], [s1, s2], free=0))
+    lvl = b.level(old)
+    assert lvl > 0 and math.isclose(plan.ewt["long"], 0.006 + (lvl - 1) * 0.01)

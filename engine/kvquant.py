@@ -1,0 +1,72 @@
+"""INT8 compression of cache rows, channel-wise and asymmetric per block (ALISE Eq. 8, SPEC §3.6).
+
+A request's cache rows come as ``x [layers, heads, g * n, head_dim]``: g kinds of row per token
+(K then V for a KV cache, the m rows of a hidden cache), each kind's n tokens in order. The
+tokens of one kind are cut into groups of ``block_size`` (the pool's blocks); for every group
+and channel c = (layer, head, dim)::
+
+    lo = min_t x[t, c],  hi = max_t x[t, c],  λ = (hi - lo) / 255
+    q  = clamp(round((x - lo) / λ), 0, 255)   (uint8)
+    x̂  = lo + λ · q                           so |x - x̂| <= λ / 2
+
+[open choice] The zero point is kept as the float minimum ``lo`` instead of the paper's rounded
+integer z = round(-lo / λ): the bound stays λ/2 with no extra rounding of z, and a constant
+channel (λ = 0) comes back exact. Storage per group and channel: block_size bytes plus two fp32
+numbers (λ and lo).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LEVELS = 255
+
+
+@dataclass(slots=True)
+class Int8Rows:
+    """Compressed rows of one request (see the module docstring for the layout)."""
+    q: torch.Tensor           # uint8 [layers, heads, g, groups * block_size, head_dim] (padded)
+    scale: torch.Tensor       # float32 [layers, heads, g, groups, head_dim]: λ per group and channel
+    low: torch.Tensor         # float32 [layers, heads, g, groups, head_dim]: lo per group and channel
+    num_tokens: int           # n: tokens of each kind actually held
+    dtype: torch.dtype        # what dequantize returns
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.low))
+
+
+def quantize(x: torch.Tensor, kinds: int, block_size: int) -> Int8Rows:
+    """Compress ``x [L, H, kinds * n, D]`` group by group (module docstring)."""
+    L, H, R, D = x.shape
+    if R % kinds:
+        raise ValueError(f"{R} rows are not {kinds} kinds of rows per token")
+    n = R // kinds
+    groups = max(1, -(-n // block_size))
+    xs = x.reshape(L, H, kinds, n, D).float()
+    if groups * block_size > n:          # pad by repeating the last token: min and max unchanged
+        pad = xs[:, :, :, -1:].expand(L, H, kinds, groups * block_size - n, D) if n else \
+            torch.zeros(L, H, kinds, groups * block_size, D)
+        xs = torch.cat([xs, pad], dim=3)
+    g = xs.reshape(L, H, kinds, groups, block_size, D)
+    lo = g.amin(dim=4)
+    scale = (g.amax(dim=4) - lo) / LEVELS
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = ((g - lo[:, :, :, :, None]) / safe[:, :, :, :, None]).round_().clamp_(0, LEVELS)
+    return Int8Rows(q.to(torch.uint8).reshape(L, H, kinds, groups * block_size, D), scale, lo, n, x.dtype)
+
+
+def dequantize(r: Int8Rows) -> torch.Tensor:
+    """The rows back, ``[L, H, kinds * n, D]`` in the original dtype."""
+    L, H, kinds, padded, D = r.q.shape
+    groups = r.scale.shape[3]
+    g = r.q.reshape(L, H, kinds, groups, padded // groups, D).float()
+    x = r.low[:, :, :, :, None] + r.scale[:, :, :, :, None] * g
+    return x.reshape(L, H, kinds, padded, D)[:, :, :, :r.num_tokens].reshape(L, H, kinds * r.num_tokens, D) \
+        .to(r.dtype)
+
+
+def int8_block_bytes(layers: int, heads: int, head_dim: int, block_size: int) -> int:
+    """Bytes one compressed pool block takes: its values plus λ and lo per channel."""
+    return layers * heads * head_dim * (block_size + 2 * 4)

@@ -1,0 +1,45 @@
+"""Swapping behind the server: with a pool too small for the concurrent requests, preempted
+requests' caches go to host memory and come back; each reply equals the one the same request
+gets alone (no preemption), and /metrics counts the swaps and the bytes both ways."""
+import asyncio
+
+import aiohttp
+
+from tests.server.conftest import API_KEY, start_server, stop_server
+from tests.server.test_load import metric
+
+N, MAX_TOKENS = 8, 40
+
+
+async def complete(session, url, i):
+    body = {"prompt": f"Tell me story number {i} about a cat and a dog in a garden:", "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True}
+    async with session.post(url + "/v1/completions", json=body) as r:
+        assert r.status == 200
+        return (await r.json())["choices"][0]["text"]
+
+
+def test_swapped_requests_reply_as_if_alone(tiny_chat_model, tmp_path):
+    from engine.models.loader import load_spec
+    spec = load_spec(tiny_chat_model)
+    block_bytes = spec.num_layers * 16 * spec.unit * 4
+    s = start_server(tiny_chat_model, tmp_path, "--preemption-mode", "swap", "--swap-dtype", "auto",
+                     "--kv-cache-bytes", str(16 * block_bytes), "--max-num-batched-tokens", "64")
+
+    async def run():
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as session:
+            together = await asyncio.gather(*(complete(session, s.url, i) for i in range(N)))
+            async with session.get(s.url + "/metrics") as r:
+                text = await r.text()
+            alone = [await complete(session, s.url, i) for i in range(N)]
+            return together, alone, text
+    try:
+        together, alone, text = asyncio.run(run())
+    finally:
+        assert stop_server(s) == 0
+    assert metric(text, "vllm:num_preemptions_total") > 0, "the pool was meant to force preemption"
+    out = metric(text, "tandem:swaps_total", event="out")
+    assert out > 0 and metric(text, "tandem:swaps_total", event="in") == out
+    moved = metric(text, "tandem:swap_bytes_total", direction="out")
+    assert moved > 0 and metric(text, "tandem:swap_bytes_total", direction="in") == moved
+    assert together == alone
