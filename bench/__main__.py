@@ -47,6 +47,8 @@ def main() -> None:
     on.add_argument("--search", nargs=2, type=float, metavar=("LO", "HI"), default=None,
                     help="also search the effective throughput (90%% attainment) between these rates")
     on.add_argument("--search-metric", default="bros", choices=["apt", "bros"])
+    on.add_argument("--held-out", action="store_true",
+                    help="draw prompts from ShareGPT's held-out records (those the length predictor never saw)")
     tb = sub.add_parser("table", help="the whole peers table: offline + online + effective throughput")
     tb.add_argument("--rates", nargs=2, type=float, default=[1.0, 2.0])
     tb.add_argument("--duration", type=float, default=30.0)
@@ -111,6 +113,24 @@ def main() -> None:
     sa.add_argument("--seed", type=int, default=0)
     sa.add_argument("--samples", type=int, default=1,
                     help="traces per dataset: the first pairs, then random draws (seeds 1..) with arrival seeds seed+k")
+    sl = sub.add_parser("sim-alise", help="simulated ALISE vs FCFS vs an oracle at paper scale: normalized "
+                        "latency vs rate, swap vs recompute")
+    sl.add_argument("--systems", nargs="+", default=["fcfs", "alise", "alise-oracle", "alise-recompute"])
+    sl.add_argument("--rates", nargs="+", type=float, default=[0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6])
+    sl.add_argument("--num-requests", type=int, default=1000)
+    sl.add_argument("--max-num-seqs", type=int, default=256)
+    sl.add_argument("--host-gbps", type=float, default=25.0, help="device-host link for swaps, GB/s")
+    sl.add_argument("--swap-gib", type=float, default=64.0, help="host memory for swapped caches")
+    sl.add_argument("--bar", type=float, default=2.0,
+                    help="latency bar = this x FCFS's normalized latency at the lowest rate")
+    sl.add_argument("--seed", type=int, default=0)
+    sl.add_argument("--out", default="sim_alise.json", help="result file under bench/results")
+    ia = sub.add_parser("int8-accuracy", help="perplexity and greedy agreement of SmolLM2 with int8 KV vs full "
+                        "precision on held-out ShareGPT replies (HF transformers)")
+    ia.add_argument("--num-pairs", type=int, default=200)
+    ia.add_argument("--max-prompt", type=int, default=512)
+    ia.add_argument("--max-reply", type=int, default=256)
+    ia.add_argument("--threads", type=int, default=1)
     ov = sub.add_parser("overhead", help="time per scheduling decision on random snapshots (no model)")
     ov.add_argument("--candidates", nargs="+", type=int, default=[50, 400, 1600])
     ov.add_argument("--repeats", type=int, default=50)
@@ -167,6 +187,12 @@ def main() -> None:
     elif args.cmd == "sim-apt":
         from bench.sim_apt import run as sim_apt
         sim_apt(args)
+    elif args.cmd == "sim-alise":
+        from bench.sim_alise import run as sim_alise
+        sim_alise(args)
+    elif args.cmd == "int8-accuracy":
+        from bench.int8_accuracy import run as int8_accuracy
+        int8_accuracy(args)
     elif args.cmd == "independence":
         from bench import independence
         independence.main(args)

@@ -37,14 +37,17 @@ def tandem_server(model: str, max_num_seqs: int, extra: list[str] = ()):
 
 
 def tandem_args(system: str, slo: dict | None = None, kv_cache_gib: float | None = None) -> list[str]:
-    """Server flags for ``tandem[-<policy>][-bidir|-mixed][-kv]`` (a policy name may hold dashes:
-    ``tandem-fcfs-prefill-first``), the SLOs our server is told, and the KV cache size."""
+    """Server flags for ``tandem[-<policy>][-bidir|-mixed][-kv][-oracle][-recompute|-swap]`` (a policy
+    name may hold dashes: ``tandem-fcfs-prefill-first``; ``-oracle``: alise told each request's true
+    length), the SLOs our server is told, and the KV cache size."""
     policy = system.removeprefix("tandem").removeprefix("-")
     flags = []
-    for suffix, flag in (("-kv", "--kv-only"), ("-mixed", "--aptserve-mixed"), ("-bidir", "--bidirectional-blocks")):
+    for suffix, flag in (("-kv", ["--kv-only"]), ("-mixed", ["--aptserve-mixed"]),
+                         ("-bidir", ["--bidirectional-blocks"]), ("-oracle", ["--length-predictor", "max_tokens"]),
+                         ("-recompute", ["--preemption-mode", "recompute"]), ("-swap", ["--preemption-mode", "swap"])):
         if policy.endswith(suffix):
             policy = policy.removesuffix(suffix)
-            flags.insert(0, flag)
+            flags[:0] = flag
     extra = ["--policy", policy or "fcfs", *flags]
     if slo:
         extra += ["--slo-ttft-ms", f"{slo['ttft_s'] * 1e3:.1f}", "--slo-tbt-ms", f"{slo['tbt_s'] * 1e3:.1f}"]
@@ -172,7 +175,8 @@ def main(args) -> None:
 
     def trace(rate: float):
         if rate not in traces:
-            traces[rate] = sharegpt_trace(tok, rate, args.duration, args.seed, max_output_tokens=args.max_output)
+            traces[rate] = sharegpt_trace(tok, rate, args.duration, args.seed, max_output_tokens=args.max_output,
+                                          held_out=args.held_out)
         return traces[rate]
     slo = slo_for(args, hf_dir, tok)
     rows, searches = [], []

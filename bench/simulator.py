@@ -5,8 +5,9 @@ request's computed tokens from the StepInputs it receives, prices the step with
 a CostModel (times a drawn measured/predicted ratio, when given) and advances a virtual clock;
 all devices of a step start together and the step ends with the slowest. A request keeping a
 hidden cache (Apt-Serve) adds ``rho`` seconds per KV block of the context it had before the
-step (its K and V are projected again from the stored hidden states). Tokens are dummies (id 0,
-never a stop id).
+step (its K and V are projected again from the stored hidden states). Caches swapped to the host
+and back (offloads, uploads) add their bytes over ``host_bw``. Tokens are dummies (id 0, never a
+stop id).
 """
 from __future__ import annotations
 
@@ -34,10 +35,12 @@ class SimClock:
 class SimDevice:
     def __init__(self, name: str, geometry: PoolGeometry, cost: CostModel, clock: SimClock,
                  noise: tuple[float, ...] = (), seed: int = 0, noise_prefill: tuple[float, ...] = (),
-                 rho: float = 0.0):
+                 rho: float = 0.0, block_bytes: tuple[int, int] = (0, 0), host_bw: float = 25e9):
         self.name, self.geometry, self.cost, self.clock = name, geometry, cost, clock
-        self.pool_info = PoolInfo(geometry.num_blocks, geometry.block_size, geometry.hidden_blocks)
+        self.pool_info = PoolInfo(geometry.num_blocks, geometry.block_size, geometry.hidden_blocks, *block_bytes)
         self.rho = rho
+        self.host_bw = host_bw
+        self.host: dict[str, tuple[int, int]] = {}     # swapped out: req_id -> (tokens, bytes)
         self.hidden: set[str] = set()
         self.noise, self.noise_prefill = noise, noise_prefill or noise
         self.rng = random.Random(seed)
@@ -49,12 +52,24 @@ class SimDevice:
         for rid in inp.finished_ids:
             self.computed.pop(rid, None)
             self.hidden.discard(rid)
+            self.host.pop(rid, None)
         for rid in inp.reset_ids:
             self.computed[rid] = 0
+            self.host.pop(rid, None)
         for nr in inp.new_requests:
             self.computed[nr.req_id] = 0
             if nr.cache_type is CacheType.HIDDEN:
                 self.hidden.add(nr.req_id)
+        moved = 0
+        for off in inp.offloads:
+            info = self.pool_info
+            nbytes = self.geometry.blocks_for(off.num_tokens) * (info.int8_block_bytes if off.int8 else info.block_bytes)
+            self.host[off.req_id] = (off.num_tokens, nbytes)
+            self.computed[off.req_id] = 0
+            moved += nbytes
+        for rid in inp.uploads:
+            self.computed[rid], nbytes = self.host.pop(rid)
+            moved += nbytes
         shape, sampled, tokens, recompute = StepShape(), {}, 0, 0
         for s in inp.scheduled:
             before = self.computed[s.req_id]
@@ -67,6 +82,7 @@ class SimDevice:
             if s.sample:
                 sampled[s.req_id] = 0
         dur = self.cost.predict(shape) + self.rho * recompute if inp.scheduled else 0.0
+        dur += moved / self.host_bw
         pool = self.noise_prefill if shape.prefill_tokens else self.noise
         if pool and dur:
             dur *= self.rng.choice(pool)
@@ -94,6 +110,8 @@ class SimSetup:
     slo_ttft_s: float | None = None   # given to every RT request (the policy's deadlines)
     slo_tbt_s: float | None = None
     rho: float = 0.0                  # device's seconds per KV block of context re-projected (hidden caches)
+    block_bytes: tuple[int, int] = (0, 0)   # bytes of one pool block: as resident, compressed to int8 (swaps)
+    host_bw: float = 25e9             # bytes/s between the device and host memory (swaps)
 
 
 @dataclass
@@ -117,9 +135,10 @@ def simulate(trace: list[TraceItem], setup: SimSetup, be: BeJobs | None = None,
     """
     clock = SimClock()
     devices = [SimDevice(f"sim{i}", setup.geometry, setup.cost, clock, setup.noise, setup.seed + i,
-                         setup.noise_prefill, setup.rho)
+                         setup.noise_prefill, setup.rho, setup.block_bytes, setup.host_bw)
                for i in range(setup.num_devices)]
-    cost = OnlineCostModel(setup.cost, refit_every=1 << 60) if setup.sched.policy == "bros" else None
+    priced = setup.sched.policy in ("bros", "alise")      # policies that price iterations
+    cost = OnlineCostModel(setup.cost, refit_every=1 << 60) if priced else None
     cfg = setup.sched if setup.sched.rt_budget_s is not None else replace(setup.sched, rt_budget_s=setup.slo_tbt_s)
     sched = Scheduler(cfg, devices, eos_ids=(), max_model_len=setup.max_model_len, clock=clock,
                       cost=cost)
@@ -133,7 +152,7 @@ def simulate(trace: list[TraceItem], setup: SimSetup, be: BeJobs | None = None,
         rt = it.service_class == "rt"
         sched.add(Request(rid, it.prompt_ids, SamplingParams(max_tokens=it.max_tokens, temperature=0,
                                                              ignore_eos=True),
-                          ServiceClass(it.service_class), arrival_time=at,
+                          ServiceClass(it.service_class), arrival_time=at, predicted_len=it.predicted,
                           slo_ttft_s=setup.slo_ttft_s if rt else None, slo_tbt_s=setup.slo_tbt_s if rt else None))
     i = 0
     trace_left = len(items)
@@ -177,5 +196,6 @@ def simulate(trace: list[TraceItem], setup: SimSetup, be: BeJobs | None = None,
     if stats is not None:
         stats.update(preemptions=sum(sched.preemptions_by_class.values()),
                      switches={k.value: v for k, v in sched.cache_switches.items()},
-                     tokens={k.value: v for k, v in sched.tokens_by_cache_type.items()})
+                     tokens={k.value: v for k, v in sched.tokens_by_cache_type.items()},
+                     swaps=dict(sched.counts("swaps")), swap_bytes=dict(sched.counts("swap_bytes")))
     return order, clock.t

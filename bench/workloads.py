@@ -102,6 +102,8 @@ class TraceItem:
     max_tokens: int             # output length to force (EOS ignored)
     service_class: str          # "rt" | "be"
     prompt_text: str = ""       # the same prompt as text, for servers that take only strings
+    user_text: str = ""         # the user's message alone (what a length predictor reads)
+    predicted: int | None = None  # predicted output length (policy alise), None: unknown
 
 
 def arrivals(rate: float, n: int, seed: int, cv: float = 1.0) -> list[float]:
@@ -131,7 +133,7 @@ def sharegpt_trace(tokenizer, rate: float, duration_s: float, seed: int, *, max_
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         out = len(tokenizer(p.reply, add_special_tokens=False)["input_ids"])
         out = max(1, min(out, max_output_tokens, max_context - len(ids)))
-        items.append(TraceItem(t, ids, out, service_class, text))
+        items.append(TraceItem(t, ids, out, service_class, text, p.prompt))
     return items
 
 

@@ -223,7 +223,7 @@ class DeviceActor:
             return Candidate(rid, st.num_tokens, st.num_computed, pool.num_blocks_of(rid), r.arrival_time,
                              r.service_class is ServiceClass.RT, slo, now - (st.last_token_time or r.arrival_time),
                              pool.num_cpu(rid), missed_ttft(st, now), st.cache_type, len(st.output_token_ids),
-                             r.predicted_len)
+                             r.predicted_len, st.stalled_s)
         g = pool.geometry
         return Snapshot([cand(r) for r in self.running], [cand(r) for r in self.waiting],
                         pool.num_free, g.block_size, g.blocks_per_token_block(CacheType.KV),
@@ -431,6 +431,7 @@ class DeviceActor:
             if st is None or st.status is not Status.RUNNING:
                 continue
             st.output_token_ids.append(tok)
+            st.stalled_s += max(0.0, now - (st.last_token_time or st.request.arrival_time) - self.t_avg)
             st.last_token_time = now
             if st.first_token_time is None:
                 st.first_token_time = now

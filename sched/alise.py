@@ -8,11 +8,14 @@ shared cost model (one standalone step of each kind):
 
 Priority levels θ_i = θ_1 · 2^(i-1), i = 1..h; level(J) = the first i with T_rem <= θ_i
 (h when none). Misprediction: while g >= L̂, L̂ doubles and J drops one level. Virtual
-aging: every ``age_s`` seconds J waits without a token it rises one level; [open choice]
-a request that would rise above level 1 goes to level 0, served in arrival order ahead
-of everyone, so nothing starves even under a stream of short jobs. These counts are
-derived from the request's own numbers (g, L̂₀, time since its last token), so the
-policy keeps no per-request state and stays a pure function of the snapshot.
+aging: every ``age_s`` seconds J waits it rises one level, and stays risen once it runs
+again; [open choice] a request that would rise above level 1 goes to level 0, served in
+arrival order ahead of everyone, so nothing starves even under a stream of short jobs.
+Waiting is counted as the time its tokens took beyond one iteration each (the books keep
+that sum) plus the time since its last token. A promotion that lapsed when the request ran
+would let it and the request it displaced take each other's blocks in turn. These counts
+are derived from the request's own numbers (g, L̂₀, time waited), so the policy keeps no
+per-request state and stays a pure function of the snapshot.
 
 Each iteration fills the batch in order (class, level, T_rem, arrival): RT before BE,
 then shortest remaining time first inside a level (SRPT). A request that needs blocks
@@ -51,10 +54,12 @@ class Alise:
         self.cost = cost
         self.levels = levels
         self.theta1 = theta1_s if theta1_s is not None else 16 * self._decode_step(128)
-        # [open choice] a request rises one level per 8 θ_1 without a token (about 2 s for
-        # SmolLM2 on one CPU core): long enough that SRPT decides, short enough that a long
-        # job waits at most about h such periods behind short ones
-        self.age_s = age_s if age_s is not None else 8 * self.theta1
+        # [open choice] a request rises one level per 128 θ_1 waited (about 40 s at paper scale,
+        # OPT-13B on an A100): in the simulator (`python -m bench sim-alise`) 8 θ_1 let aged
+        # jobs displace running ones every few seconds, and the swaps that cost made alise
+        # slower than FCFS at 4 req/s (233 vs 188 ms/token); 32 θ_1 gave 107, 128 θ_1 65.
+        # A long job still waits at most about h such periods behind short ones
+        self.age_s = age_s if age_s is not None else 128 * self.theta1
 
     # ---- the estimate ------------------------------------------------------------
     def _decode_step(self, context: int) -> float:
@@ -80,7 +85,7 @@ class Alise:
         t = self.t_rem(c) if t_rem is None else t_rem
         base = 1 if t <= self.theta1 else min(self.levels, 1 + math.ceil(math.log2(t / self.theta1)))
         _, demotions = self.predicted(c)
-        promotions = int(c.pending_s // self.age_s) if self.age_s > 0 else 0
+        promotions = int(self.waited(c) // self.age_s) if self.age_s > 0 else 0
         lvl = min(self.levels, base + demotions) - promotions
         return max(lvl, 0)
 
@@ -94,11 +99,16 @@ class Alise:
         keyed.sort(key=lambda kc: kc[0])
         return keyed
 
+    @staticmethod
+    def waited(c: Candidate) -> float:
+        """Seconds the request has waited in all (what aging counts)."""
+        return c.stalled_s + c.pending_s
+
     def t_promote(self, c: Candidate, level: int) -> float:
         """Seconds until aging lifts a request at ``level`` to level 0 (if it gets no token)."""
         if level <= 0 or self.age_s <= 0:
             return 0.0
-        return self.age_s - c.pending_s % self.age_s + (level - 1) * self.age_s
+        return self.age_s - self.waited(c) % self.age_s + (level - 1) * self.age_s
 
     def ewt(self, keyed: list[tuple[tuple, Candidate, float]], plan: Plan) -> dict[str, float]:
         """EWT of each request ``plan`` preempts (module docstring)."""
@@ -119,7 +129,7 @@ class Alise:
         lim = snap.limits
         budget = BlockBudget(snap)
         keyed = self.order(snap)
-        rank = {c.req_id: i for i, (_, c, _) in enumerate(keyed)}
+        rank = {c.req_id: (key[0], key[1], i) for i, (key, c, _) in enumerate(keyed)}
         running = {c.req_id: c for c in snap.running}
         tokens_left, shape = lim.max_num_batched_tokens, StepShape()
         rt_limit = math.inf
@@ -150,12 +160,18 @@ class Alise:
 
     @staticmethod
     def _room(c: Candidate, n: int, budget: BlockBudget, plan: Plan, running: dict, rank: dict) -> bool:
-        """Reserve c's blocks, preempting running requests ranked after it, lowest first."""
+        """Reserve c's blocks, preempting running requests ranked after it, lowest first.
+        [open choice] A request that is not running (new, or preempted before) takes blocks only
+        from a lower class or level: SRPT order inside a level decides who runs, but displacing a
+        running job for a slightly shorter one would trade a swap (or a recompute) for little.
+        A running request that needs a block to go on may take it from any lower rank, so the
+        best-ranked running request always progresses."""
         if budget.reserve(c, n):
             return True
-        mine = rank[c.req_id]
-        victims = sorted((x for x in running.values() if rank[x.req_id] > mine and x.req_id not in plan.preempted
-                          and x.req_id not in budget.held), key=lambda x: -rank[x.req_id])
+        width = 3 if c.req_id in running else 2            # rank, or only (class, level)
+        mine = rank[c.req_id][:width]
+        victims = sorted((x for x in running.values() if rank[x.req_id][:width] > mine and x.req_id not in plan.preempted
+                          and x.req_id not in budget.held), key=lambda x: rank[x.req_id], reverse=True)
         return budget.take_from(c, n, victims, plan, "preempted: its blocks went to a request with less "
                                                      "remaining time")
 

@@ -25,6 +25,7 @@ class Candidate:
     cache_type: CacheType = CacheType.KV   # what its blocks hold
     num_output: int = 0        # tokens generated so far
     predicted: int | None = None   # predicted output length (ALISE), None when unknown
+    stalled_s: float = 0.0     # seconds its past tokens waited beyond one iteration each (aging)
 
     def residual(self, t_avg: float = 0.0, k: int = 1) -> float:
         """BROS residual time res_i = T_SLO,i - t_i - (k_i - 1) T_avg (inf without an SLO)."""

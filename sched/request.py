@@ -78,6 +78,7 @@ class RequestState:
     text_result: str | None = None     # at the end: the generated text (stop string cut off)
     first_scheduled_time: float | None = None   # for the queue-time metric
     last_token_time: float | None = None        # arrival, then each token: pending time (SPEC §1.1, §2.1)
+    stalled_s: float = 0.0      # seconds its past tokens waited beyond one iteration each (ALISE's aging)
     first_token_time: float | None = None       # when its first output token came back
     error: str | None = None
     moving: "Migration | None" = None       # set while it migrates (from leaving its device to its next token)

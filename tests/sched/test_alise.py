@@ -16,11 +16,12 @@ def cost(shape, swap_slots=0):
     return COST.predict(shape)
 
 
-def cand(rid, prompt, out_done, predicted, *, computed=None, rt=True, pending=0.0, blocks=None, arrival=0.0, slo=None):
+def cand(rid, prompt, out_done, predicted, *, computed=None, rt=True, pending=0.0, blocks=None, arrival=0.0, slo=None,
+         stalled=0.0):
     n = prompt + out_done
     c = n if computed is None else computed
     return Candidate(rid, n, c, blocks if blocks is not None else -(-c // 16) * 2, arrival, rt, slo, pending,
-                     num_output=out_done, predicted=predicted)
+                     num_output=out_done, predicted=predicted, stalled_s=stalled)
 
 
 def snap(running, waiting, free=10_000, seqs=64, tokens=2048):
@@ -132,3 +133,16 @@ def test_estimated_wait_of_preempted_requests_by_hand():
     plan = b(snap([mid, old], [s1, s2], free=0))
     lvl = b.level(old)
     assert lvl > 0 and math.isclose(plan.ewt["long"], 0.006 + (lvl - 1) * 0.01)
+
+
+def test_promotion_stays_once_the_request_runs_again():
+    """A request lifted by aging keeps its level after its next token (its past waits count), so
+    it and the request it displaced do not take each other's blocks in turn."""
+    a = Alise(cost, levels=6, theta1_s=0.05, age_s=1.0)
+    waiting = cand("old", 64, 10, 1000, blocks=0, computed=0, pending=6.5)
+    assert a.level(waiting) == 0
+    ran = cand("old", 64, 11, 1000, blocks=10, pending=0.01, stalled=6.5)   # its token came after that wait
+    assert a.level(ran) == 0
+    fresh = cand("new", 64, 0, 3, computed=0)
+    plan = a(snap([ran], [fresh], free=0))
+    assert plan.preempted == [] and [d.req_id for d in plan.scheduled] == ["old"]

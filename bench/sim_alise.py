@@ -1,0 +1,126 @@
+"""python -m bench sim-alise: ALISE against FCFS and an oracle at paper scale, in the simulator.
+
+OPT-13B-like cost model on one A100-40GB (sched/cost_model.py) with its 12k-token pool, swaps
+priced at PCIe speed (25 GB/s) over the bytes the host pool counts, 64 GiB of host memory for
+them (a small part of such a server's RAM). ShareGPT prompts from the
+held-out records (never seen by the predictor's training), each forced to its real reply length,
+Poisson arrivals; all requests interactive with no SLO, as in the paper. Systems:
+
+    fcfs             vLLM-like: first come first served, preempted requests recompute
+    alise            predicted lengths (predictor/), swapping with int8 compression
+    alise-oracle     the true lengths, swapping with int8 compression
+    alise-recompute  predicted lengths, preempted requests recompute
+    fcfs-swap        FCFS with swapping (what swapping alone buys)
+
+Normalized latency = mean over requests of end-to-end latency / output tokens. Capacity at a
+latency bar = the highest rate at which a system stays under the bar (linear between the rates
+run); the bar is FCFS's latency at its knee, taken as ``bar`` times its latency at the lowest rate.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+
+from bench.sim_cli import RESULTS, _tokenizer
+from bench.simulator import SimSetup, simulate
+from bench.workloads import TraceItem, sharegpt_trace
+from cache import PoolGeometry
+from engine.kvquant import int8_block_bytes
+from sched.cost_model import OPT_13B_A100, OPT_13B_A100_KV_TOKENS
+from sched.scheduler import SchedConfig
+
+# name -> (SchedConfig fields, where lengths come from)
+SYSTEMS = {
+    "fcfs": (dict(policy="fcfs", preemption_mode="recompute"), None),
+    "alise": (dict(policy="alise", preemption_mode="swap"), "predictor"),
+    "alise-oracle": (dict(policy="alise", preemption_mode="swap"), "oracle"),
+    "alise-recompute": (dict(policy="alise", preemption_mode="recompute"), "predictor"),
+    "fcfs-swap": (dict(policy="fcfs", preemption_mode="swap"), None),
+}
+# OPT-13B in fp16: 40 layers, 40 heads of 128; one pool block holds K or V of 16 tokens
+OPT_13B_BLOCK_BYTES = (40 * 16 * 5120 * 2, int8_block_bytes(40, 40, 128, 16))
+
+
+def with_lengths(trace: list[TraceItem], source: str | None, predicted: dict[str, int]) -> list[TraceItem]:
+    if source is None:
+        return trace
+    if source == "oracle":
+        return [replace(it, predicted=it.max_tokens) for it in trace]
+    return [replace(it, predicted=predicted[it.user_text]) for it in trace]
+
+
+def predict_all(traces: list[list[TraceItem]]) -> dict[str, int]:
+    """The predictor's length for every distinct prompt of the traces (frozen: it does not learn
+    during the run, which only handicaps it)."""
+    from predictor import LengthPredictor
+    texts = sorted({it.user_text for tr in traces for it in tr})
+    p = LengthPredictor.load()
+    return dict(zip(texts, p.predict(texts)))
+
+
+def capacity(rows: list[dict], bar: float) -> tuple[float, bool]:
+    """(highest rate under ``bar``, whether it was reached within the rates run)."""
+    rows = sorted(rows, key=lambda r: r["rate"])
+    if rows[0]["norm_latency_s"] > bar:
+        return 0.0, True
+    for lo, hi in zip(rows, rows[1:]):
+        if hi["norm_latency_s"] > bar:
+            f = (bar - lo["norm_latency_s"]) / (hi["norm_latency_s"] - lo["norm_latency_s"])
+            return lo["rate"] + f * (hi["rate"] - lo["rate"]), True
+    return rows[-1]["rate"], False
+
+
+def run(args) -> dict:
+    RESULTS.mkdir(exist_ok=True)
+    tok = _tokenizer()
+    traces = {rate: sharegpt_trace(tok, rate, args.num_requests / rate, args.seed, max_context=2048,
+                                   max_output_tokens=1024, held_out=True) for rate in args.rates}
+    predicted = predict_all(list(traces.values())) if any(SYSTEMS[s][1] == "predictor" for s in args.systems) else {}
+    rows = []
+    print(f"{args.num_requests} held-out ShareGPT requests per rate, OPT-13B on an A100 (simulated), "
+          f"{OPT_13B_A100_KV_TOKENS} KV tokens, host link {args.host_gbps:g} GB/s")
+    for system in args.systems:
+        fields, source = SYSTEMS[system]
+        setup = SimSetup(OPT_13B_A100, PoolGeometry(2 * OPT_13B_A100_KV_TOKENS // 16, 16),
+                         SchedConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048,
+                                     swap_space_bytes=int(args.swap_gib * 2**30), **fields),
+                         2048, block_bytes=OPT_13B_BLOCK_BYTES, host_bw=args.host_gbps * 1e9)
+        for rate in args.rates:
+            stats: dict = {}
+            recs, makespan = simulate(with_lengths(traces[rate], source, predicted), setup, stats=stats)
+            ok = [r for r in recs if r.ok]
+            norm = sum(r.normalized_latency for r in ok) / len(ok)
+            rows.append({"system": system, "rate": rate, "requests": len(recs), "makespan_s": makespan,
+                         "norm_latency_s": norm, "preemptions": stats["preemptions"],
+                         "swaps": stats["swaps"], "swap_gb": {k: v / 1e9 for k, v in stats["swap_bytes"].items()}})
+            print(f"  {system:>16} @ {rate:g} req/s: normalized latency {norm * 1e3:.1f} ms/token, "
+                  f"{stats['preemptions']} preemptions, swaps {dict(stats['swaps'])}", flush=True)
+    return summarize(rows, args)
+
+
+def summarize(rows: list[dict], args) -> dict:
+    base = sorted((r for r in rows if r["system"] == "fcfs"), key=lambda r: r["rate"])
+    bar = args.bar * base[0]["norm_latency_s"] if base else None
+    caps = {}
+    if bar is not None:
+        for system in args.systems:
+            caps[system] = capacity([r for r in rows if r["system"] == system], bar)
+    print(f"\nnormalized latency (ms/token), mean over requests; bar = {args.bar:g} x FCFS at "
+          f"{base[0]['rate']:g} req/s = {bar * 1e3:.1f} ms/token\n" if bar else "")
+    print("| rate | " + " | ".join(args.systems) + " |")
+    print("|---|" + "---|" * len(args.systems))
+    for rate in args.rates:
+        cells = [next((f"{r['norm_latency_s'] * 1e3:.1f}" for r in rows if r["system"] == s and r["rate"] == rate), "-")
+                 for s in args.systems]
+        print(f"| {rate:g} | " + " | ".join(cells) + " |")
+    if caps and caps.get("fcfs", (0,))[0] > 0:
+        f = caps["fcfs"][0]
+        print("\n| system | rate under the bar (req/s) | vs fcfs |\n|---|---|---|")
+        for s, (c, reached) in caps.items():
+            print(f"| {s} | {'' if reached else '>= '}{c:.2f} | {c / f:.2f}x |")
+    out = {"preset": "opt13b", "cost": asdict(OPT_13B_A100), "kv_tokens": OPT_13B_A100_KV_TOKENS,
+           "bar_s": bar, "bar_factor": args.bar, "capacity": caps, "rows": rows}
+    path = RESULTS / args.out
+    path.write_text(json.dumps(out, indent=2))
+    print(f"wrote {path}")
+    return out
