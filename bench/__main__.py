@@ -131,6 +131,19 @@ def main() -> None:
     ia.add_argument("--max-prompt", type=int, default=512)
     ia.add_argument("--max-reply", type=int, default=256)
     ia.add_argument("--threads", type=int, default=1)
+    ik = sub.add_parser("int8-kv", help="the resident int8 cache vs the model's dtype on SmolLM2: bytes per token, "
+                        "decode step time, throughput of held-out ShareGPT prompts in a small pool")
+    ik.add_argument("--batches", nargs="+", type=int, default=[1, 16, 32])
+    ik.add_argument("--contexts", nargs="+", type=int, default=[256, 1024])
+    ik.add_argument("--rounds", type=int, default=6, help="alternating timed rounds per point")
+    ik.add_argument("--steps", type=int, default=5, help="decode steps per round")
+    ik.add_argument("--num-prompts", type=int, default=64)
+    ik.add_argument("--max-prompt", type=int, default=512)
+    ik.add_argument("--max-output", type=int, default=256)
+    ik.add_argument("--kv-cache-mib", type=float, default=128)
+    ik.add_argument("--max-num-seqs", type=int, default=32)
+    ik.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    ik.add_argument("--out", default="int8_kv.json", help="result file under bench/results")
     ov = sub.add_parser("overhead", help="time per scheduling decision on random snapshots (no model)")
     ov.add_argument("--candidates", nargs="+", type=int, default=[50, 400, 1600])
     ov.add_argument("--repeats", type=int, default=50)
@@ -193,6 +206,9 @@ def main() -> None:
     elif args.cmd == "int8-accuracy":
         from bench.int8_accuracy import run as int8_accuracy
         int8_accuracy(args)
+    elif args.cmd == "int8-kv":
+        from bench.int8_kv import run as int8_kv
+        int8_kv(args)
     elif args.cmd == "independence":
         from bench import independence
         independence.main(args)

@@ -22,14 +22,19 @@ m blocks of a token-block. Their rows come after all KV-cache rows in a step::
 
     rows: [ KV prefills | KV decodes | hidden prefills | hidden decodes ]
 
-Each step writes the new tokens' inputs first, then gathers the whole context,
-projects K and V from it (rotary embeddings at each token's own position) and
+Each step writes the new tokens' inputs, then takes the context's stored inputs
+followed by the new ones, projects K and V from them (rotary embeddings at each token's own position) and
 attends, so a context never mixes fresh and stale K/V.
 
 Decode attention reads each request's context through its per-token rows,
 so a block filled right to left, or shared with another owner, reads
 correctly. On the CPU a compiled kernel (engine/csrc/paged_decode.cpp) reads
 those rows in place; the torch path below gathers them and is the reference.
+
+With ``kv_cache_dtype="int8"`` a layer's store is an engine.quantpool.QuantLayer
+instead of a tensor: the same rows, full blocks compressed to int8 and open
+blocks in full precision. Writes and gathers go through ``pool_write`` and
+``pool_gather``, and the compiled kernel reads int8 rows in place.
 """
 from __future__ import annotations
 
@@ -39,13 +44,15 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from engine.quantpool import QuantLayer
+
 
 @dataclass(slots=True)
 class PrefillSegment:
     start: int                       # first row of this request in the step
     end: int                         # one past its last row
-    k_ctx: torch.Tensor | None       # [ctx] K rows of the full context, None if no cached prefix
-    v_ctx: torch.Tensor | None       # [ctx] V rows
+    k_ctx: torch.Tensor | None       # [a] K rows of the cached prefix (tokens before this chunk), or None
+    v_ctx: torch.Tensor | None       # [a] V rows
 
 
 @dataclass(slots=True)
@@ -79,17 +86,33 @@ class AttnBatch:
     hidden: HiddenBatch | None = None  # hidden-cache requests of this step, if any
 
 
-def write_kv(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+Pool = torch.Tensor | QuantLayer     # one layer's store: full precision, or int8 (engine.quantpool)
+
+
+def pool_write(pool: Pool, rows: torch.Tensor, x: torch.Tensor) -> None:
+    """x [Hkv, n, hd] into rows [n] of every head."""
+    if isinstance(pool, QuantLayer):
+        pool.write(rows, x)
+    else:
+        pool.index_copy_(1, rows, x)
+
+
+def pool_gather(pool: Pool, rows: torch.Tensor) -> torch.Tensor:
+    """[Hkv, *rows.shape, hd] at the model's dtype."""
+    return pool.gather(rows) if isinstance(pool, QuantLayer) else pool[:, rows]
+
+
+def write_kv(pool: Pool, slots: torch.Tensor, x: torch.Tensor) -> None:
     """pool: [Hkv, S, hd]; x: [T, Hkv*hd] -> rows ``slots`` of every head."""
     h, _, hd = pool.shape
-    pool.index_copy_(1, slots, x.view(-1, h, hd).transpose(0, 1))
+    pool_write(pool, slots, x.view(-1, h, hd).transpose(0, 1))
 
 
 KvFromHidden = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    pool: torch.Tensor, batch: AttnBatch,
+                    pool: Pool, batch: AttnBatch,
                     num_heads: int, num_kv_heads: int, head_dim: int,
                     scale: float, x: torch.Tensor | None = None,
                     kv_from_hidden: KvFromHidden | None = None) -> torch.Tensor:
@@ -119,7 +142,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qd = q[batch.decode_start:]
         nd = qd.shape[0]
         qg = qd.reshape(nd, num_kv_heads, -1, head_dim)                  # [nd, Hkv, g, hd]
-        if batch.kernel is not None:
+        if batch.kernel is not None and isinstance(pool, QuantLayer):
+            o = batch.kernel.paged_decode_q8(qg.contiguous(), pool.stage, pool.q, pool.scale, pool.low,
+                                             pool.stage_of, batch.dec_k_rows, batch.dec_v_rows,
+                                             batch.dec_lens, pool.block_size, scale)
+        elif batch.kernel is not None:
             o = batch.kernel.paged_decode(qg.contiguous(), pool, batch.dec_k_rows,
                                           batch.dec_v_rows, batch.dec_lens, scale)
         else:
@@ -129,19 +156,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _prefill(q, k, v, pool, seg: PrefillSegment, num_heads, num_kv_heads, head_dim, scale):
-    """Causal attention of n new tokens over (cached prefix + themselves).
+    """Causal attention of n new tokens over (cached prefix + themselves): the prefix as the
+    pool holds it, the new tokens as computed (an int8 pool may already hold them compressed).
 
     Inputs are made 4-D with K/V repeated per query head: that is the shape
     SDPA's fused CPU kernel takes (2-3x faster than its enable_gqa path here).
     """
     n = q.shape[0]
-    if seg.k_ctx is None:
-        kh = k.view(n, num_kv_heads, head_dim).transpose(0, 1)        # [Hkv, n, hd]
-        vh = v.view(n, num_kv_heads, head_dim).transpose(0, 1)
-        ctx = n
-    else:
-        ctx = seg.k_ctx.shape[0]
-        kh, vh = pool[:, seg.k_ctx], pool[:, seg.v_ctx]               # [Hkv, ctx, hd]
+    kh = k.view(n, num_kv_heads, head_dim).transpose(0, 1)            # [Hkv, n, hd]
+    vh = v.view(n, num_kv_heads, head_dim).transpose(0, 1)
+    ctx = n
+    if seg.k_ctx is not None:
+        ctx += seg.k_ctx.shape[0]
+        kh = torch.cat([pool_gather(pool, seg.k_ctx), kh], dim=1)     # [Hkv, ctx, hd]
+        vh = torch.cat([pool_gather(pool, seg.v_ctx), vh], dim=1)
     return _dense(q, kh, vh, n, ctx, num_heads, num_kv_heads, head_dim, scale)
 
 
@@ -162,27 +190,30 @@ def _dense(q, kh, vh, n, ctx, num_heads, num_kv_heads, head_dim, scale):
     return o[0].transpose(0, 1).reshape(n, num_heads * head_dim)
 
 
-def write_hidden(pool: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> None:
+def write_hidden(pool: Pool, rows: torch.Tensor, x: torch.Tensor) -> None:
     """pool: [Hkv, S, hd]; x: [n, m * Hkv * hd] -> rows [n * m] (token-major) of every head."""
     h, _, hd = pool.shape
-    pool.index_copy_(1, rows, x.reshape(-1, h, hd).transpose(0, 1))
+    pool_write(pool, rows, x.reshape(-1, h, hd).transpose(0, 1))
 
 
-def read_hidden(pool: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+def read_hidden(pool: Pool, rows: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of write_hidden: rows [n * m] -> [n, m * Hkv * hd]."""
-    return pool[:, rows].transpose(0, 1).reshape(n, -1)
+    return pool_gather(pool, rows).transpose(0, 1).reshape(n, -1)
 
 
 def hidden_attention(q, x, pool, hb: HiddenBatch, kv_from_hidden: KvFromHidden,
                      num_heads, num_kv_heads, head_dim, scale) -> torch.Tensor:
     """Attention of hidden-cache requests: store the new inputs, rebuild each context's K and V
-    from the stored inputs (positions 0..ctx-1), attend causally. q, x: the hidden rows only."""
+    from the stored prefix and the new inputs (positions 0..ctx-1), attend causally. q, x: the
+    hidden rows only."""
     write_hidden(pool, hb.write_rows, x)
     out = torch.empty_like(q)
     for seg in hb.segs:
         n = seg.end - seg.start
         ctx = seg.ctx_rows.shape[0] // hb.m
-        xs = read_hidden(pool, seg.ctx_rows, ctx)
+        xs = x[seg.start:seg.end]
+        if ctx > n:
+            xs = torch.cat([read_hidden(pool, seg.ctx_rows[:(ctx - n) * hb.m], ctx - n), xs])
         k, v = kv_from_hidden(xs, torch.arange(ctx, device=q.device))
         kh = k.reshape(ctx, num_kv_heads, head_dim).transpose(0, 1)     # [Hkv, ctx, hd]
         vh = v.reshape(ctx, num_kv_heads, head_dim).transpose(0, 1)
@@ -191,7 +222,7 @@ def hidden_attention(q, x, pool, hb: HiddenBatch, kv_from_hidden: KvFromHidden,
     return out
 
 
-def decode_attention(qg: torch.Tensor, pool: torch.Tensor, k_rows: torch.Tensor,
+def decode_attention(qg: torch.Tensor, pool: Pool, k_rows: torch.Tensor,
                      v_rows: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Torch reference: one query token per request over its gathered context.
 
@@ -199,8 +230,8 @@ def decode_attention(qg: torch.Tensor, pool: torch.Tensor, k_rows: torch.Tensor,
     sharing a KV head form a [g, hd] matrix against that head's keys.
     qg: [nd, Hkv, g, hd]; pool: [Hkv, S, hd]; k_rows, v_rows: [nd, L]; lens: [nd].
     """
-    kk = pool[:, k_rows]                                                  # [Hkv, nd, L, hd]
-    vv = pool[:, v_rows]
+    kk = pool_gather(pool, k_rows)                                        # [Hkv, nd, L, hd]
+    vv = pool_gather(pool, v_rows)
     qh = qg.transpose(0, 1)                                               # [Hkv, nd, g, hd]
     scores = torch.matmul(qh, kk.transpose(-1, -2)) * scale              # [Hkv, nd, g, L]
     pad = torch.arange(k_rows.shape[1], device=k_rows.device) >= lens[:, None]   # [nd, L]

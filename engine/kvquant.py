@@ -37,6 +37,23 @@ class Int8Rows:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.low))
 
 
+def quantize_groups(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``g [..., block_size, D]`` -> (q uint8 [..., block_size, D], λ [..., D], lo [..., D]):
+    each group of rows (dim -2) compressed channel by channel."""
+    g = g.float()
+    lo = g.amin(dim=-2)
+    scale = (g.amax(dim=-2) - lo) / LEVELS
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = ((g - lo.unsqueeze(-2)) / safe.unsqueeze(-2)).round_().clamp_(0, LEVELS)
+    return q.to(torch.uint8), scale, lo
+
+
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of ``quantize_groups``: q [..., rows, D] with λ, lo [..., D] -> rows in ``dtype``."""
+    return (low.unsqueeze(-2) + scale.unsqueeze(-2) * q.float()).to(dtype)
+
+
 def quantize(x: torch.Tensor, kinds: int, block_size: int) -> Int8Rows:
     """Compress ``x [L, H, kinds * n, D]`` group by group (module docstring)."""
     L, H, R, D = x.shape
@@ -44,27 +61,21 @@ def quantize(x: torch.Tensor, kinds: int, block_size: int) -> Int8Rows:
         raise ValueError(f"{R} rows are not {kinds} kinds of rows per token")
     n = R // kinds
     groups = max(1, -(-n // block_size))
-    xs = x.reshape(L, H, kinds, n, D).float()
+    xs = x.reshape(L, H, kinds, n, D)
     if groups * block_size > n:          # pad by repeating the last token: min and max unchanged
         pad = xs[:, :, :, -1:].expand(L, H, kinds, groups * block_size - n, D) if n else \
-            torch.zeros(L, H, kinds, groups * block_size, D)
+            torch.zeros(L, H, kinds, groups * block_size, D, dtype=x.dtype)
         xs = torch.cat([xs, pad], dim=3)
-    g = xs.reshape(L, H, kinds, groups, block_size, D)
-    lo = g.amin(dim=4)
-    scale = (g.amax(dim=4) - lo) / LEVELS
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = ((g - lo[:, :, :, :, None]) / safe[:, :, :, :, None]).round_().clamp_(0, LEVELS)
-    return Int8Rows(q.to(torch.uint8).reshape(L, H, kinds, groups * block_size, D), scale, lo, n, x.dtype)
+    q, scale, lo = quantize_groups(xs.reshape(L, H, kinds, groups, block_size, D))
+    return Int8Rows(q.reshape(L, H, kinds, groups * block_size, D), scale, lo, n, x.dtype)
 
 
 def dequantize(r: Int8Rows) -> torch.Tensor:
     """The rows back, ``[L, H, kinds * n, D]`` in the original dtype."""
     L, H, kinds, padded, D = r.q.shape
     groups = r.scale.shape[3]
-    g = r.q.reshape(L, H, kinds, groups, padded // groups, D).float()
-    x = r.low[:, :, :, :, None] + r.scale[:, :, :, :, None] * g
-    return x.reshape(L, H, kinds, padded, D)[:, :, :, :r.num_tokens].reshape(L, H, kinds * r.num_tokens, D) \
-        .to(r.dtype)
+    x = dequantize_groups(r.q.reshape(L, H, kinds, groups, padded // groups, D), r.scale, r.low, r.dtype)
+    return x.reshape(L, H, kinds, padded, D)[:, :, :, :r.num_tokens].reshape(L, H, kinds * r.num_tokens, D)
 
 
 def int8_block_bytes(layers: int, heads: int, head_dim: int, block_size: int) -> int:

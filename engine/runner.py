@@ -15,6 +15,7 @@ from engine.kvquant import Int8Rows, dequantize, int8_block_bytes, quantize
 from engine.messages import (CacheImport, CacheType, Command, Direction, NewRequest, Offload, Phase,
                              SamplingSpec, StepInput, StepOutput)
 from engine.models.spec import ModelSpec
+from engine.quantpool import QuantPool
 from engine.sampling import sample
 
 
@@ -45,20 +46,22 @@ def block_offsets(block_size: int, direction: Direction) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, spec: ModelSpec, pool: torch.Tensor, block_size: int,
-                 kernel: object | None = None):
+    def __init__(self, model: torch.nn.Module, spec: ModelSpec, pool: torch.Tensor | QuantPool,
+                 block_size: int, kernel: object | None = None):
         self.kernel = kernel             # compiled CPU decode attention, None = torch path
         self.device = pool.device        # step metadata is built on the CPU and moved here once
         self.model = model
         self.spec = spec
         self.pool = pool                 # [layers, kv_heads, num_blocks * block_size, head_dim]
+        self.int8 = isinstance(pool, QuantPool)   # resident int8 (engine.quantpool)
         self.block_size = block_size
         # a hidden-cache token takes m = d_model / unit pool rows; 0: not possible for this model
         self.hidden_rows = spec.d_model // spec.unit if spec.d_model % spec.unit == 0 else 0
         self.reqs: dict[str, ReqState] = {}
         L, H, _, D = pool.shape
-        self.block_bytes = L * H * D * block_size * pool.element_size()
         self.int8_block_bytes = int8_block_bytes(L, H, D, block_size)
+        # bytes of one resident block over all layers
+        self.block_bytes = self.int8_block_bytes if self.int8 else L * H * D * block_size * pool.element_size()
 
     # ---- state mirroring -------------------------------------------------
     def _rows_per_token(self, cache_type: CacheType) -> int:
@@ -112,6 +115,8 @@ class ModelRunner:
 
     def _move_slots(self, inp: StepInput) -> None:
         """Checkpoint slots to the CPU store, then swap stored tokens into their new slots."""
+        if self.int8 and (inp.checkpoints or inp.swap_ins):
+            raise RuntimeError("bidirectional blocks' slot copies need a full-precision pool")
         if inp.checkpoints:
             rows = self._rows([(c.block, c.slot) for c in inp.checkpoints]).to(self.device)
             k = self.pool[:, :, rows[0], :].cpu()           # [layers, kv_heads, n, head_dim]
@@ -134,8 +139,9 @@ class ModelRunner:
         st = self.reqs[off.req_id]
         g = st.slots.shape[0]
         rows = self._gather(off.req_id, st, off.num_tokens)
-        st.clear_cache(g)
-        st.host = quantize(rows, g, self.block_size) if off.int8 else rows
+        self._drop_cache(st)
+        # an int8 pool's closed blocks come out exactly as they went in, so they stay compressed
+        st.host = quantize(rows, g, self.block_size) if off.int8 or self.int8 else rows
 
     def _upload(self, rid: str) -> None:
         """Write a swapped request's rows back into the blocks appended to it in this step."""
@@ -155,7 +161,7 @@ class ModelRunner:
         if n > st.num_computed:
             raise RuntimeError(f"request {rid}: {n} tokens asked for, {st.num_computed} computed")
         rows = st.slots[:, :n].reshape(-1).to(self.device)
-        return self.pool[:, :, rows, :].cpu()
+        return (self.pool.read(rows) if self.int8 else self.pool[:, :, rows, :]).cpu()
 
     def _write_rows(self, rid: str, st: ReqState, n: int, src: torch.Tensor) -> None:
         """Write rows in ``_gather``'s layout into the request's first n tokens' slots; it then
@@ -165,17 +171,56 @@ class ModelRunner:
         if tuple(src.shape) != (self.pool.shape[0], self.pool.shape[1], rows.numel(), self.pool.shape[3]):
             raise RuntimeError(f"request {rid}: cache of shape {tuple(src.shape)} does not fill "
                                f"{rows.numel()} rows of this pool")
-        self.pool[:, :, rows.to(self.device), :] = src.to(self.device, self.pool.dtype)
+        if self.int8:
+            self._prepare_writes([(st, 0, n)])
+            self.pool.write(rows.to(self.device), src)
+        else:
+            self.pool[:, :, rows.to(self.device), :] = src.to(self.device, self.pool.dtype)
         st.num_computed = n
 
     def _apply_bookkeeping(self, inp: StepInput) -> None:
         for rid in inp.finished_ids:
-            self.reqs.pop(rid, None)
+            st = self.reqs.pop(rid, None)
+            if st is not None:
+                self._drop_cache(st)
         for rid in inp.reset_ids:
-            st = self.reqs[rid]
-            st.clear_cache(st.slots.shape[0])
+            self._drop_cache(self.reqs[rid])
         for nr in inp.new_requests:
             self._add(nr)
+
+    # ---- the int8 pool's open blocks ---------------------------------------------------------
+    def _drop_cache(self, st: ReqState) -> None:
+        """Forget a request's cache; an int8 pool frees the staging of its blocks not yet full."""
+        if self.int8 and st.capacity > st.num_computed - st.num_computed % self.block_size:
+            B = self.block_size
+            self.pool.release(st.slots[:, st.num_computed // B * B:st.capacity:B].reshape(-1) // B)
+        st.clear_cache(st.slots.shape[0])
+
+    def _blocks(self, st: ReqState, first: int, last: int) -> torch.Tensor:
+        """Physical blocks of the request's token-blocks [first, last)."""
+        B = self.block_size
+        return st.slots[:, first * B:last * B:B].reshape(-1) // B
+
+    def _full_blocks(self, st: ReqState, old: int, new: int) -> torch.Tensor:
+        """Physical blocks of the token-blocks that tokens [old, new) completed."""
+        return self._blocks(st, old // self.block_size, new // self.block_size)
+
+    def _prepare_writes(self, spans: list[tuple[ReqState, int, int]]) -> None:
+        """Before tokens [old, new) of each request are written: the token-blocks they fill whole
+        are compressed as written (any stale staging of theirs dropped); the one or two they fill
+        in part get a staging slot."""
+        B, whole, part = self.block_size, [], []
+        for st, old, new in spans:
+            lo, hi = -(-old // B), new // B              # token-blocks written whole: [lo, hi)
+            whole.append(self._blocks(st, lo, hi))
+            if old % B:
+                part.append(self._blocks(st, old // B, old // B + 1))
+            if new % B and new // B >= lo:
+                part.append(self._blocks(st, new // B, new // B + 1))
+        if whole:
+            self.pool.release(torch.cat(whole).to(self.device))
+        if part:
+            self.pool.open(torch.cat(part).to(self.device))
 
     # ---- migration -----------------------------------------------------------
     def export_cache(self, rid: str) -> torch.Tensor:
@@ -199,6 +244,8 @@ class ModelRunner:
     def step(self, inp: StepInput) -> StepOutput:
         if inp.command is Command.RESET:
             self.reqs.clear()
+            if self.int8:
+                self.pool.release(torch.arange(self.pool.num_blocks, device=self.device))
             return StepOutput(inp.step_id, {}, 0, 0.0, 0.0)
         self._apply_bookkeeping(inp)
         for off in inp.offloads:
@@ -217,6 +264,9 @@ class ModelRunner:
             self._append_slots(self.reqs[s.req_id], s.new_slots)
         for rid in inp.uploads:
             self._upload(rid)
+        if self.int8:
+            self._prepare_writes([(self.reqs[s.req_id], self.reqs[s.req_id].num_computed,
+                                   self.reqs[s.req_id].num_computed + s.num_new_tokens) for s in inp.scheduled])
         ids, pos, batch, rows, samplers = self._build(prefills, decodes)
         specs = [self.reqs[r].sampling for r in samplers]
         ngen = [len(self.reqs[r].token_ids) - self.reqs[r].num_prompt for r in samplers]
@@ -224,8 +274,14 @@ class ModelRunner:
             logits = self.model(ids, pos, self.pool, batch, rows).cpu()   # samplers' generators are CPU
             t1 = time.perf_counter()
             tokens = sample(logits, specs, ngen)
+        full = []
         for s in inp.scheduled:
-            self.reqs[s.req_id].num_computed += s.num_new_tokens
+            st = self.reqs[s.req_id]
+            if self.int8:
+                full.append(self._full_blocks(st, st.num_computed, st.num_computed + s.num_new_tokens))
+            st.num_computed += s.num_new_tokens
+        if full:
+            self.pool.close(torch.cat(full).to(self.device))
         sampled = {}
         for rid, tok in zip(samplers, tokens):
             self.reqs[rid].token_ids.append(tok)
@@ -246,7 +302,7 @@ class ModelRunner:
             st, a, b = self._take(s, ids, pos)
             k_w.append(st.slots[0, a:b])
             v_w.append(st.slots[1, a:b])
-            ctx = (st.slots[0, :b], st.slots[1, :b]) if a > 0 else (None, None)
+            ctx = (st.slots[0, :a], st.slots[1, :a]) if a > 0 else (None, None)
             segs.append(PrefillSegment(row, row + b - a, *ctx))
             row += b - a
             if s.sample:

@@ -16,6 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from engine.dtype import DTYPES
+from engine.kvquant import int8_block_bytes
 from engine.linear import packs
 from engine.messages import Command, DeviceError, PoolInfo, StepInput, StepOutput
 from engine.models.spec import ModelSpec
@@ -37,10 +38,13 @@ class WorkerConfig:
     cpu_kernels: bool = True        # compiled CPU attention (else the torch reference path)
     omp_wait_policy: str | None = None  # OpenMP threads between ops: ACTIVE spins, PASSIVE sleeps;
                                         # None: the environment's (unset: spin briefly, then sleep)
+    kv_cache_dtype: str = "auto"    # "auto": the model's dtype; "int8": full blocks compressed
+                                    # (engine.quantpool), open blocks at the model's dtype
+    max_num_seqs: int = 64          # requests at once: an int8 pool reserves their open blocks' staging
 
 
-def pool_blocks(cfg: WorkerConfig, bytes_per_block: int) -> int:
-    """Number of blocks the memory budget buys."""
+def pool_blocks(cfg: WorkerConfig, bytes_per_block: int, reserved: int = 0) -> int:
+    """Number of blocks the memory budget buys, after ``reserved`` bytes."""
     if cfg.kv_cache_bytes is not None:
         budget = cfg.kv_cache_bytes
     elif cfg.device.startswith("cuda"):
@@ -49,25 +53,37 @@ def pool_blocks(cfg: WorkerConfig, bytes_per_block: int) -> int:
     else:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         budget = int(total * (cfg.kv_cache_fraction or 0.1) / max(1, cfg.num_cpu_workers))
-    return budget // bytes_per_block
+    return max(0, budget - reserved) // bytes_per_block
 
 
 def _build_runner(cfg: WorkerConfig):
     from engine.models.loader import build_model
+    from engine.quantpool import QuantPool
     from engine.runner import ModelRunner
     torch.set_num_threads(cfg.threads)
     dtype = DTYPES[cfg.dtype]
     spec = cfg.spec
     model = build_model(Path(cfg.hf_dir), spec, dtype, cfg.device)
-    elem = torch.empty((), dtype=dtype).element_size()
-    bytes_per_block = spec.num_layers * cfg.block_size * spec.unit * elem
-    num_blocks = pool_blocks(cfg, bytes_per_block)
+    full_block = spec.num_layers * cfg.block_size * spec.unit * torch.empty((), dtype=dtype).element_size()
+    bytes_per_block, staged = full_block, 0
+    if cfg.kv_cache_dtype == "int8":
+        bytes_per_block = int8_block_bytes(spec.num_layers, spec.num_kv_heads, spec.head_dim, cfg.block_size)
+        # each request's partial token-block stays at full precision: K and V, or a hidden cache's m
+        hidden_rows = spec.d_model // spec.unit if spec.d_model % spec.unit == 0 else 0
+        staged = cfg.max_num_seqs * max(2, hidden_rows)
+    num_blocks = pool_blocks(cfg, bytes_per_block, staged * full_block)
     if num_blocks < 2:
-        raise ValueError(f"kv cache budget buys {num_blocks} blocks of {bytes_per_block} bytes; need >= 2")
-    pool = torch.zeros(spec.num_layers, spec.num_kv_heads, num_blocks * cfg.block_size,
-                       spec.head_dim, dtype=dtype, device=cfg.device)
-    if cfg.device == "cpu":
-        pool.share_memory_()
+        raise ValueError(f"kv cache budget buys {num_blocks} blocks of {bytes_per_block} bytes"
+                         + (f" after {staged} full-precision open blocks of {full_block} bytes "
+                            f"(fewer with a smaller max_num_seqs)" if staged else "") + "; need >= 2")
+    if cfg.kv_cache_dtype == "int8":
+        pool = QuantPool(spec.num_layers, spec.num_kv_heads, num_blocks, cfg.block_size, spec.head_dim,
+                         dtype, cfg.device, open_capacity=staged)
+    else:
+        pool = torch.zeros(spec.num_layers, spec.num_kv_heads, num_blocks * cfg.block_size,
+                           spec.head_dim, dtype=dtype, device=cfg.device)
+        if cfg.device == "cpu":
+            pool.share_memory_()
     if cfg.compile:
         from engine.compiled import compile_model
         model = compile_model(model)

@@ -72,6 +72,10 @@ class LLM:
     "recompute", or None (swap under alise, recompute elsewhere); swap_space: GiB of host memory
     for swapped caches per device; swap_dtype: "int8" (compressed, channel-wise per block) or
     "auto" (as the resident cache, so a swapped request's tokens stay exactly the same).
+    kv_cache_dtype: "auto" (the resident cache at the model's dtype) or "int8" (every full block
+    compressed channel-wise, the open one kept at the model's dtype: about 2.7x the tokens of an
+    fp32 pool per block, at a small accuracy cost; the budget first reserves max_num_seqs
+    requests' open blocks at full precision).
     """
 
     def __init__(self, model: str = "smollm2", devices: str = "cpu:1", *, dtype: str = "auto",
@@ -88,7 +92,7 @@ class LLM:
                  mixed_batches: bool = False, placement: str = "lb",
                  rebalance_interval_s: float = 1.0, slo_tbt_s: float = 0.2,
                  length_predictor: Any = None, preemption_mode: str | None = None,
-                 swap_space: float = 4.0, swap_dtype: str = "int8"):
+                 swap_space: float = 4.0, swap_dtype: str = "int8", kv_cache_dtype: str = "auto"):
         self._workers: list[WorkerHandle] = []
         self.runtime: Runtime | None = None
         self.rebalancer: Rebalancer | None = None
@@ -98,6 +102,7 @@ class LLM:
         dtype, why = resolve_dtype(dtype, names[0])
         log.info("dtype %s: %s", dtype, why)
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype
         _positive("block_size", block_size)
         if not isinstance(swap_space, (int, float)) or isinstance(swap_space, bool) or swap_space < 0:
             raise ValueError(f"swap_space: must be a non-negative number of GiB, got {swap_space!r}")
@@ -105,7 +110,7 @@ class LLM:
                             bidirectional_blocks, cache_type_of(cache_type), hybrid_cache=hybrid_cache,
                             adaptive=adaptive, slo_decay=slo_decay, mixed_batches=mixed_batches,
                             preemption_mode=preemption_mode, swap_space_bytes=int(swap_space * 2**30),
-                            swap_dtype=swap_dtype).check()
+                            swap_dtype=swap_dtype, kv_cache_dtype=kv_cache_dtype).check()
         if placement not in PLACEMENTS:
             raise ValueError(f"placement: {placement!r} is not one of {list(PLACEMENTS)}")
         for name, v in (("rebalance_interval_s", rebalance_interval_s), ("slo_tbt_s", slo_tbt_s)):
@@ -136,7 +141,7 @@ class LLM:
             cpu_kernels = cpu_ops() is not None      # build once here, before the workers load it
         for i, dev in enumerate(names):
             wc = WorkerConfig(str(hf_dir), self.spec, dtype, dev, block_size, kv_cache_bytes, kv_cache_fraction,
-                              ncpu, threads, compile, cpu_kernels, omp_wait_policy)
+                              ncpu, threads, compile, cpu_kernels, omp_wait_policy, kv_cache_dtype, max_num_seqs)
             self._workers.append(WorkerHandle(f"{dev}#{i}" if dev == "cpu" else dev, wc))
         try:
             wait_all(self._workers)
@@ -191,9 +196,8 @@ class LLM:
             cost = profile_cost(self.scheduler, self.spec.vocab_size, plan=SHORT_PLAN)
             log.info("placement %s: iteration cost model profiled in %.1f s", placement, time.monotonic() - t0)
         bw = copy_bandwidth()
-        elem = 4 if self.dtype == "float32" else 2
         g = self.scheduler.actors[0].pool.geometry
-        block_bytes = self.spec.num_layers * g.block_size * self.spec.unit * elem
+        block_bytes = self._workers[0].pool_info.block_bytes
         log.info("placement %s over %d devices: epoch %.2f s, link %.2f GB/s (copy probe), TBT %.3f s",
                  placement, n, epoch_s, bw / 1e9, tbt_s)
         return Rebalancer(Placement(placement), n, g.num_blocks, block_bytes,
@@ -400,6 +404,12 @@ class LLM:
                              list(st.output_token_ids), text, st.finish_reason.value)
 
     # ---- lifecycle --------------------------------------------------------------
+    def cache_config(self) -> tuple[int, str, int]:
+        """(block size, the resident cache's dtype, blocks over all devices)."""
+        infos = [w.pool_info for w in self._workers]
+        return infos[0].block_size, "int8" if self.kv_cache_dtype == "int8" else self.dtype, \
+            sum(i.num_blocks for i in infos)
+
     def shutdown(self) -> None:
         if self.runtime is not None:
             self.runtime.stop()

