@@ -137,7 +137,7 @@ def main() -> None:
     ik.add_argument("--contexts", nargs="+", type=int, default=[256, 1024])
     ik.add_argument("--rounds", type=int, default=6, help="alternating timed rounds per point")
     ik.add_argument("--steps", type=int, default=5, help="decode steps per round")
-    ik.add_argument("--num-prompts", type=int, default=64)
+    ik.add_argument("--num-prompts", type=int, default=64, help="0: skip the memory-pressure run")
     ik.add_argument("--max-prompt", type=int, default=512)
     ik.add_argument("--max-output", type=int, default=256)
     ik.add_argument("--kv-cache-mib", type=float, default=128)
