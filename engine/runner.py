@@ -191,9 +191,9 @@ class ModelRunner:
     # ---- the int8 pool's open blocks ---------------------------------------------------------
     def _drop_cache(self, st: ReqState) -> None:
         """Forget a request's cache; an int8 pool frees the staging of its blocks not yet full."""
-        if self.int8 and st.capacity > st.num_computed - st.num_computed % self.block_size:
+        if self.int8:
             B = self.block_size
-            self.pool.release(st.slots[:, st.num_computed // B * B:st.capacity:B].reshape(-1) // B)
+            self.pool.release(self._blocks(st, st.num_computed // B, -(-st.capacity // B)).to(self.device))
         st.clear_cache(st.slots.shape[0])
 
     def _blocks(self, st: ReqState, first: int, last: int) -> torch.Tensor:
@@ -265,8 +265,9 @@ class ModelRunner:
         for rid in inp.uploads:
             self._upload(rid)
         if self.int8:
-            self._prepare_writes([(self.reqs[s.req_id], self.reqs[s.req_id].num_computed,
-                                   self.reqs[s.req_id].num_computed + s.num_new_tokens) for s in inp.scheduled])
+            sts = [self.reqs[s.req_id] for s in inp.scheduled]
+            self._prepare_writes([(st, st.num_computed, st.num_computed + s.num_new_tokens)
+                                  for st, s in zip(sts, inp.scheduled)])
         ids, pos, batch, rows, samplers = self._build(prefills, decodes)
         specs = [self.reqs[r].sampling for r in samplers]
         ngen = [len(self.reqs[r].token_ids) - self.reqs[r].num_prompt for r in samplers]
