@@ -9,11 +9,13 @@ throughput.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import re
 import sys
+import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -27,13 +29,18 @@ RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@contextlib.contextmanager
 def tandem_server(model: str, max_num_seqs: int, extra: list[str] = ()):
-    """Our server (python -m server) on loopback, stopped with SIGTERM afterwards."""
+    """Our server (python -m server) on loopback, stopped with SIGTERM afterwards. Each start gets
+    an empty data dir, so no run's batches or learned output lengths reach the next one."""
     port = free_port()
-    cmd = [sys.executable, "-m", "server", "--model", model, "--port", str(port),
-           "--max-num-seqs", str(max_num_seqs), "--data-dir", str(RESULTS / "tandem-data"),
-           "--watch-parent", str(os.getpid()), *extra]
-    return serve(cmd, port, log_path=RESULTS / "tandem-server.log", cwd=ROOT)
+    RESULTS.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tandem-data-", dir=RESULTS) as data_dir:
+        cmd = [sys.executable, "-m", "server", "--model", model, "--port", str(port),
+               "--max-num-seqs", str(max_num_seqs), "--data-dir", data_dir,
+               "--watch-parent", str(os.getpid()), *extra]
+        with serve(cmd, port, log_path=RESULTS / "tandem-server.log", cwd=ROOT) as url:
+            yield url
 
 
 def tandem_args(system: str, slo: dict | None = None, kv_cache_gib: float | None = None) -> list[str]:
@@ -171,12 +178,16 @@ def opt125m_random(tokenizer_dir: Path) -> Path:
 
 def main(args) -> None:
     hf_dir, tok = _setup(args)
-    traces = {}
+    traces, used = {}, [0]
 
     def trace(rate: float):
+        """Each rate's prompts follow the previous rate's in the dataset, so no prompt reaches one
+        server twice (a length predictor that learns online would otherwise know its answer)."""
         if rate not in traces:
+            n = max(1, round(rate * args.duration))
             traces[rate] = sharegpt_trace(tok, rate, args.duration, args.seed, max_output_tokens=args.max_output,
-                                          held_out=args.held_out)
+                                          held_out=args.held_out, skip=used[0])
+            used[0] += n
         return traces[rate]
     slo = slo_for(args, hf_dir, tok)
     rows, searches = [], []

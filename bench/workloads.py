@@ -58,8 +58,10 @@ def _first_pair(rec) -> tuple[str, str] | None:
 
 
 def sharegpt_prompts(n: int, tokenizer, *, max_prompt_tokens: int = 1024, min_prompt_tokens: int = 4,
-                     start: int = 0, held_out: bool = False, sample: int | None = None) -> list[PromptPair]:
-    """The first n pairs (from record ``start``) whose chat-templated prompt fits the bounds; with
+                     start: int = 0, held_out: bool = False, sample: int | None = None,
+                     skip: int = 0) -> list[PromptPair]:
+    """The first n pairs (from record ``start``, after ``skip`` fitting ones) whose chat-templated
+    prompt fits the bounds; with
     ``sample`` (a seed), n pairs drawn at random from all that fit (all of them, shuffled, when
     fewer fit), as Apt-Serve's trace sampler draws its requests.
 
@@ -67,7 +69,7 @@ def sharegpt_prompts(n: int, tokenizer, *, max_prompt_tokens: int = 1024, min_pr
     """
     fit = _fitting_pairs(tokenizer, min_prompt_tokens, max_prompt_tokens, start, held_out)
     if sample is None:
-        return list(islice(fit, n))
+        return list(islice(fit, skip, skip + n))
     import random
     pool = list(fit)
     return random.Random(sample).sample(pool, min(n, len(pool)))
@@ -120,13 +122,14 @@ def arrivals(rate: float, n: int, seed: int, cv: float = 1.0) -> list[float]:
 def sharegpt_trace(tokenizer, rate: float, duration_s: float, seed: int, *, max_context: int = 2048,
                    max_prompt_tokens: int = 1024, max_output_tokens: int = 512, cv: float = 1.0,
                    service_class: str = "rt", held_out: bool = False, start: int = 0,
-                   min_prompt_tokens: int = 4, sample: int | None = None) -> list[TraceItem]:
+                   min_prompt_tokens: int = 4, sample: int | None = None, skip: int = 0) -> list[TraceItem]:
     """ShareGPT prompts arriving at ``rate`` for ``duration_s``; output length = the real reply's
     token length, capped to the context left and to ``max_output_tokens``. ``sample``: draw the
-    prompts at random with this seed (see sharegpt_prompts)."""
+    prompts at random with this seed; ``skip``: leave out the first fitting pairs (see
+    sharegpt_prompts)."""
     n = max(1, round(rate * duration_s))
     pairs = sharegpt_prompts(n, tokenizer, max_prompt_tokens=max_prompt_tokens, start=start,
-                             held_out=held_out, min_prompt_tokens=min_prompt_tokens, sample=sample)
+                             held_out=held_out, min_prompt_tokens=min_prompt_tokens, sample=sample, skip=skip)
     items = []
     for t, p in zip(arrivals(rate, n, seed, cv), pairs):
         text = chat_text(tokenizer, p.prompt)
