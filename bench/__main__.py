@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench")
+def main(argv=None, prog: str = "python -m bench") -> None:
+    ap = argparse.ArgumentParser(prog=prog)
     sub = ap.add_subparsers(dest="cmd", required=True)
     off = sub.add_parser("offline", help="offline throughput vs HF transformers and vLLM")
     off.add_argument("--num-prompts", type=int, default=64)
@@ -183,55 +183,55 @@ def main() -> None:
                     help="context lengths for the pause-per-migration table (none: skip it)")
     sk.add_argument("--seed", type=int, default=0)
     sk.add_argument("--out", default="skew.json", help="result file under bench/results")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.cmd == "offline":
-        from bench.offline import main as offline
+        from tandem.bench.offline import main as offline
         offline(args)
     elif args.cmd in ("profile", "sim", "sim-validate", "sim-mixed"):
-        from bench import sim_cli
+        from tandem.bench import sim_cli
         {"profile": sim_cli.profile, "sim": sim_cli.sim, "sim-validate": sim_cli.sim_validate,
          "sim-mixed": sim_cli.sim_mixed}[args.cmd](args)
     elif args.cmd == "online":
-        from bench.online import main as online
+        from tandem.bench.online import main as online
         online(args)
     elif args.cmd == "table":
-        from bench.table import run
+        from tandem.bench.table import run
         run(args)
     elif args.cmd == "sim-apt":
-        from bench.sim_apt import run as sim_apt
+        from tandem.bench.sim_apt import run as sim_apt
         sim_apt(args)
     elif args.cmd == "sim-alise":
-        from bench.sim_alise import run as sim_alise
+        from tandem.bench.sim_alise import run as sim_alise
         sim_alise(args)
     elif args.cmd == "int8-accuracy":
-        from bench.int8_accuracy import run as int8_accuracy
+        from tandem.bench.int8_accuracy import run as int8_accuracy
         int8_accuracy(args)
     elif args.cmd == "int8-kv":
-        from bench.int8_kv import run as int8_kv
+        from tandem.bench.int8_kv import run as int8_kv
         int8_kv(args)
     elif args.cmd == "independence":
-        from bench import independence
+        from tandem.bench import independence
         independence.main(args)
     elif args.cmd == "streams":
-        from bench import streams
+        from tandem.bench import streams
         streams.main(args)
     elif args.cmd == "step-profile":
-        from bench import step_profile
+        from tandem.bench import step_profile
         step_profile.main(args)
     elif args.cmd == "overhead":
-        from bench.overhead import run as overhead
+        from tandem.bench.overhead import run as overhead
         overhead(args)
     elif args.cmd == "bros-bound":
-        from bench.bros_bound import run as bros_bound
+        from tandem.bench.bros_bound import run as bros_bound
         bros_bound(args)
     elif args.cmd == "sim-mell":
-        from bench.sim_mell import run as sim_mell
+        from tandem.bench.sim_mell import run as sim_mell
         sim_mell(args)
     elif args.cmd == "skew":
-        from bench import skew
+        from tandem.bench import skew
         skew.main(args)
     elif args.cmd == "mixed":
-        from bench.online import mixed
+        from tandem.bench.online import mixed
         mixed(args)
 
 

@@ -28,7 +28,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from sched.cost_model import CostModel
+from tandem.sched.cost_model import CostModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +64,9 @@ def be_bound(cost: CostModel, load: Load, step_s: float) -> float:
 
 
 def run(args) -> None:
-    from bench.online import RESULTS, _setup
-    from bench.sim_cli import load_fitted
-    from bench.workloads import sharegpt_trace, synthetic_be
+    from tandem.bench.online import RESULTS, _setup
+    from tandem.bench.sim_cli import load_fitted
+    from tandem.bench.workloads import sharegpt_trace, synthetic_be
     cost, *_ = load_fitted()
     real = json.loads(Path(RESULTS / args.real).read_text())
     args.model = "smollm2"

@@ -7,8 +7,8 @@ import time
 
 import aiohttp
 
-from bench.metrics import RequestRecord
-from bench.workloads import TraceItem
+from tandem.bench.metrics import RequestRecord
+from tandem.bench.workloads import TraceItem
 
 
 # transformers serve has no ignore_eos; an EOS id no token has fixes the length the same way

@@ -9,12 +9,12 @@ import statistics
 import threading
 import time
 
-from bench.output import save_json
+from tandem.bench.output import save_json
 
 
 def _requests(scheduler, prompts, max_tokens, tag):
-    from engine.params import SamplingParams
-    from sched.request import Request
+    from tandem.engine.params import SamplingParams
+    from tandem.sched.request import Request
     now = time.monotonic()
     return [scheduler.new_state(Request(f"{tag}{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=0,
                                                                          ignore_eos=True), arrival_time=now))
@@ -73,7 +73,7 @@ def run_lockstep(llm, chats, longs, max_tokens, busy: bool) -> float:
 
 
 def main(args) -> None:
-    from bench.workloads import chat_ids, sharegpt_prompts
+    from tandem.bench.workloads import chat_ids, sharegpt_prompts
     from tandem import LLM
     rows = []
     for mode, fn in (("lock-step", run_lockstep), ("actors", run_actors)):

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from bench.sim_cli import RESULTS
-from engine.kvquant import dequantize, quantize
+from tandem.bench.sim_cli import RESULTS
+from tandem.engine.kvquant import dequantize, quantize
 
 BLOCK = 16
 
@@ -57,10 +57,10 @@ def score(model, ids: list[int], reply_from: int) -> tuple[torch.Tensor, torch.T
 def run(args) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from bench.workloads import chat_ids, sharegpt_prompts
-    from engine.models.loader import resolve_model
-    from predictor.data import length_tokenizer
-    from sched.llm import DEFAULT_CACHE_DIR
+    from tandem.bench.workloads import chat_ids, sharegpt_prompts
+    from tandem.engine.models.loader import resolve_model
+    from tandem.predictor.data import length_tokenizer
+    from tandem.sched.llm import DEFAULT_CACHE_DIR
     torch.set_num_threads(args.threads)
     tok = length_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2", DEFAULT_CACHE_DIR),

@@ -18,17 +18,17 @@ import time
 
 import torch
 
-from bench.sim_cli import RESULTS
+from tandem.bench.sim_cli import RESULTS
 
 DTYPES = ("auto", "int8")
 
 
 def _engine(kv_dtype: str, budget: int, max_num_seqs: int, threads: int):
-    from engine.dtype import resolve_dtype
-    from engine.models.loader import load_spec, resolve_model
-    from engine.worker import InProcessDevice, WorkerConfig
-    from sched.llm import DEFAULT_CACHE_DIR
-    from sched.scheduler import SchedConfig, Scheduler
+    from tandem.engine.dtype import resolve_dtype
+    from tandem.engine.models.loader import load_spec, resolve_model
+    from tandem.engine.worker import InProcessDevice, WorkerConfig
+    from tandem.sched.llm import DEFAULT_CACHE_DIR
+    from tandem.sched.scheduler import SchedConfig, Scheduler
     hf_dir = resolve_model("smollm2", DEFAULT_CACHE_DIR)
     spec = load_spec(hf_dir)
     dtype, _ = resolve_dtype("auto", "cpu")
@@ -51,10 +51,10 @@ def _staging_blocks(dev) -> int:
 
 def _decode_engine(kv_dtype: str, batch: int, context: int, new_tokens: int, threads: int):
     """An engine holding ``batch`` requests of ``context`` random prompt tokens, prefilled."""
-    from engine.models.loader import load_spec, resolve_model
-    from engine.params import SamplingParams
-    from sched.llm import DEFAULT_CACHE_DIR
-    from sched.request import Request
+    from tandem.engine.models.loader import load_spec, resolve_model
+    from tandem.engine.params import SamplingParams
+    from tandem.sched.llm import DEFAULT_CACHE_DIR
+    from tandem.sched.request import Request
     spec = load_spec(resolve_model("smollm2", DEFAULT_CACHE_DIR))
     fp32_per_token = 2 * spec.num_layers * spec.unit * 4
     budget = int(1.2 * batch * (context + new_tokens + 32) * fp32_per_token) + (64 << 20)
@@ -92,8 +92,8 @@ def decode_steps(batch: int, context: int, rounds: int, steps: int, threads: int
 
 def pressure(kv_dtype: str, pairs, budget: int, max_num_seqs: int, threads: int) -> dict:
     """Run every prompt to its real reply length in a pool of ``budget`` bytes."""
-    from engine.params import SamplingParams
-    from sched.request import Request
+    from tandem.engine.params import SamplingParams
+    from tandem.sched.request import Request
     dev, sched = _engine(kv_dtype, budget, max_num_seqs, threads)
     for i, (ids, n) in enumerate(pairs):
         sched.add(Request(f"p{i}", ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)))
@@ -115,8 +115,8 @@ def pressure(kv_dtype: str, pairs, budget: int, max_num_seqs: int, threads: int)
 
 
 def run(args) -> dict:
-    from bench.workloads import chat_ids, sharegpt_prompts
-    from predictor.data import length_tokenizer
+    from tandem.bench.workloads import chat_ids, sharegpt_prompts
+    from tandem.predictor.data import length_tokenizer
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
     res: dict = {"threads": threads, "decode": [], "pressure": []}

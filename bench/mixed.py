@@ -24,9 +24,9 @@ from typing import Iterator
 
 import aiohttp
 
-from bench.client import completion_body, fire_trace, one_request
-from bench.metrics import RequestRecord
-from bench.workloads import TraceItem
+from tandem.bench.client import completion_body, fire_trace, one_request
+from tandem.bench.metrics import RequestRecord
+from tandem.bench.workloads import TraceItem
 
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
 

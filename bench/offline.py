@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+from tandem.bench.output import RESULTS
 
 
 @dataclass
@@ -47,7 +47,7 @@ def run_tandem(prompts, max_tokens, dtype, devices) -> Row:
 
 def run_tandem_server(prompts, max_tokens, dtype, devices) -> Row:
     """The same workload through our HTTP server: every prompt a streamed request, all at once."""
-    from bench.online import tandem_server
+    from tandem.bench.online import tandem_server
     server = tandem_server("smollm2", max(64, len(prompts)), ["--dtype", dtype, "--devices", devices])
     return _server_run(server, f"tandem server ({dtype}, {devices}, {len(prompts)} streams)", prompts,
                        max_tokens, stream=True)
@@ -95,9 +95,9 @@ def _server_run(server, label: str, prompts: list, max_tokens: int, system: str 
                 stream: bool = False) -> Row:
     """All prompts at once to an OpenAI server (one thread each) after a short warm-up request;
     ``stream``: as SSE streams read to the end, counting the usage chunk's tokens."""
-    from bench.client import completion_body
-    from bench.peers import post_json, post_stream_usage
-    from bench.workloads import TraceItem
+    from tandem.bench.client import completion_body
+    from tandem.bench.peers import post_json, post_stream_usage
+    from tandem.bench.workloads import TraceItem
     items = [TraceItem(0.0, ids, max_tokens, "rt", text) for ids, text in prompts]
     with server as url:
         def go(it):
@@ -114,14 +114,14 @@ def _server_run(server, label: str, prompts: list, max_tokens: int, system: str 
 
 
 def run_vllm(hf_dir, prompts, max_tokens, dtype) -> Row:
-    from bench.peers import vllm_server
+    from tandem.bench.peers import vllm_server
     return _server_run(vllm_server(Path(hf_dir), dtype=dtype, log_path=RESULTS / f"vllm-{dtype}.log"),
                        f"vLLM CPU server ({dtype})", prompts, max_tokens)
 
 
 def run_llamacpp(prompts, max_tokens) -> Row:
-    from bench.peers import llama_server
-    from engine.models.loader import packaged_smollm2
+    from tandem.bench.peers import llama_server
+    from tandem.engine.models.loader import packaged_smollm2
     longest = max(len(ids) for ids, _ in prompts) + max_tokens
     server = llama_server(packaged_smollm2(), slots=len(prompts), ctx_per_slot=1 << (longest - 1).bit_length(),
                           log_path=RESULTS / "llamacpp-offline.log")
@@ -129,17 +129,17 @@ def run_llamacpp(prompts, max_tokens) -> Row:
 
 
 def run_transformers(hf_dir, prompts, max_tokens) -> Row:
-    from bench.peers import transformers_server
+    from tandem.bench.peers import transformers_server
     server = transformers_server(Path(hf_dir), log_path=RESULTS / "transformers-offline.log")
     return _server_run(server, "transformers serve (continuous batching, fp32)", prompts, max_tokens,
                        system="transformers")
 
 
 def main(args) -> None:
-    from bench.workloads import chat_text, sharegpt_prompts
-    from sched.llm import DEFAULT_CACHE_DIR
-    from engine.models.loader import load_tokenizer, resolve_model
-    from bench.peers import vllm_python
+    from tandem.bench.workloads import chat_text, sharegpt_prompts
+    from tandem.sched.llm import DEFAULT_CACHE_DIR
+    from tandem.engine.models.loader import load_tokenizer, resolve_model
+    from tandem.bench.peers import vllm_python
     RESULTS.mkdir(exist_ok=True)
     hf_dir = resolve_model("smollm2", DEFAULT_CACHE_DIR)
     tok = load_tokenizer(hf_dir)
@@ -158,12 +158,12 @@ def main(args) -> None:
                  for d in ("bfloat16", "float32")]
     else:
         print("vLLM: not installed (bench/setup_peers.sh); skipped")
-    from bench.peers import llama_server_bin
+    from tandem.bench.peers import llama_server_bin
     if llama_server_bin() is not None:
         plan.append(("llamacpp", lambda: run_llamacpp(pairs, args.max_tokens)))
     else:
         print("llama.cpp: not built (bench/setup_peers.sh llama.cpp); skipped")
-    from bench.peers import transformers_cli
+    from tandem.bench.peers import transformers_cli
     if transformers_cli() is not None:
         plan.append(("transformers", lambda: run_transformers(hf_dir, pairs, args.max_tokens)))
     else:

@@ -19,13 +19,13 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from bench.client import run_trace
-from bench import plots
-from bench.metrics import attainment, effective_throughput, meets_apt, meets_bros, record_dict, summarize
-from bench.peers import free_port, serve, vllm_server
-from bench.workloads import TraceItem, chat_text, sharegpt_trace
+from tandem.bench.output import RESULTS
+from tandem.bench.client import run_trace
+from tandem.bench import plots
+from tandem.bench.metrics import attainment, effective_throughput, meets_apt, meets_bros, record_dict, summarize
+from tandem.bench.peers import free_port, serve, vllm_server
+from tandem.bench.workloads import TraceItem, chat_text, sharegpt_trace
 
-RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -80,12 +80,12 @@ def start(system: str, hf_dir: Path, max_num_seqs: int, slo: dict | None = None,
         return vllm_server(hf_dir, dtype="float32", max_num_seqs=max_num_seqs, extra=extra,
                            log_path=RESULTS / f"{system}-online.log", kv_cache_gib=kv_cache_gib or 2)
     if system == "llamacpp":
-        from bench.peers import llama_server
-        from engine.models.loader import packaged_smollm2
+        from tandem.bench.peers import llama_server
+        from tandem.engine.models.loader import packaged_smollm2
         return llama_server(packaged_smollm2(), slots=16, ctx_per_slot=2048,
                             log_path=RESULTS / "llamacpp-online.log")
     if system == "transformers":
-        from bench.peers import transformers_server
+        from tandem.bench.peers import transformers_server
         return transformers_server(hf_dir, log_path=RESULTS / "transformers-online.log")
     raise ValueError(f"unknown system {system!r}")
 
@@ -155,8 +155,8 @@ def judge(system: str, rate: float, recs, duration: float, slo: dict) -> dict:
 
 
 def _setup(args):
-    from sched.llm import DEFAULT_CACHE_DIR
-    from engine.models.loader import load_tokenizer, resolve_model
+    from tandem.sched.llm import DEFAULT_CACHE_DIR
+    from tandem.engine.models.loader import load_tokenizer, resolve_model
     RESULTS.mkdir(exist_ok=True)
     hf_dir = resolve_model("smollm2", DEFAULT_CACHE_DIR)
     if getattr(args, "model", "smollm2") == "opt125m-random":
@@ -168,7 +168,7 @@ def opt125m_random(tokenizer_dir: Path) -> Path:
     """An OPT-125m-shaped checkpoint (multi-head attention: 12 layers, d_model 768, 12 heads,
     FFN 3072, 2,048 positions) with random weights and SmolLM2's tokenizer, written once under
     bench/results. Its text is noise; traces force output lengths (EOS ignored)."""
-    from engine.models.tiny import write_tiny_model
+    from tandem.engine.models.tiny import write_tiny_model
     path = RESULTS / "opt125m-random"
     if not (path / "config.json").is_file():
         write_tiny_model(path, "opt", seed=0, d_model=768, num_layers=12, num_heads=12, max_len=2048,
@@ -228,8 +228,8 @@ def main(args) -> None:
 
 def mixed(args) -> None:
     """RT ShareGPT online at each rate while BE work is always pending (Batch API jobs or online)."""
-    from bench.mixed import co_serving_targets, print_targets, run_mixed
-    from bench.workloads import synthetic_be
+    from tandem.bench.mixed import co_serving_targets, print_targets, run_mixed
+    from tandem.bench.workloads import synthetic_be
     hf_dir, tok = _setup(args)
     slo = slo_for(args, hf_dir, tok)
     be_items = synthetic_be(args.be_pool, args.seed + 1, len(tok), scale=args.be_scale, tokenizer=tok)

@@ -1,10 +1,12 @@
-"""Where bench commands put their results: JSON under bench/results/."""
+"""Where bench commands put their results: JSON under bench/results/ in a checkout, and under
+./tandem-bench-results where the package is installed (never into site-packages)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+_HERE = Path(__file__).resolve().parent
+RESULTS = _HERE / "results" if (_HERE.parent / "pyproject.toml").is_file() else Path.cwd() / "tandem-bench-results"
 
 
 def save_json(name: str, obj) -> Path:

@@ -6,10 +6,10 @@ import random
 import statistics
 import time
 
-from bench.output import save_json
-from engine.messages import CacheType
-from sched.aptserve import AptServe
-from sched.policy import Candidate, Limits, Snapshot, fcfs
+from tandem.bench.output import save_json
+from tandem.engine.messages import CacheType
+from tandem.sched.aptserve import AptServe
+from tandem.sched.policy import Candidate, Limits, Snapshot, fcfs
 
 BLOCK = 16
 

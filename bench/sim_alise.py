@@ -21,13 +21,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, replace
 
-from bench.sim_cli import RESULTS, _tokenizer
-from bench.simulator import SimSetup, simulate
-from bench.workloads import TraceItem, sharegpt_trace
-from cache import PoolGeometry
-from engine.kvquant import int8_block_bytes
-from sched.cost_model import OPT_13B_A100, OPT_13B_A100_KV_TOKENS
-from sched.scheduler import SchedConfig
+from tandem.bench.sim_cli import RESULTS, _tokenizer
+from tandem.bench.simulator import SimSetup, simulate
+from tandem.bench.workloads import TraceItem, sharegpt_trace
+from tandem.cache import PoolGeometry
+from tandem.engine.kvquant import int8_block_bytes
+from tandem.sched.cost_model import OPT_13B_A100, OPT_13B_A100_KV_TOKENS
+from tandem.sched.scheduler import SchedConfig
 
 # name -> (SchedConfig fields, where lengths come from)
 SYSTEMS = {
@@ -52,7 +52,7 @@ def with_lengths(trace: list[TraceItem], source: str | None, predicted: dict[str
 def predict_all(traces: list[list[TraceItem]]) -> dict[str, int]:
     """The predictor's length for every distinct prompt of the traces (frozen: it does not learn
     during the run, which only handicaps it)."""
-    from predictor import LengthPredictor
+    from tandem.predictor import LengthPredictor
     texts = sorted({it.user_text for tr in traces for it in tr})
     p = LengthPredictor.load()
     return dict(zip(texts, p.predict(texts)))

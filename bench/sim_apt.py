@@ -15,13 +15,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, replace
 
-from bench.metrics import attainment, effective_throughput, meets_apt
-from bench.sim_cli import RESULTS, _tokenizer, slos
-from bench.simulator import SimSetup, simulate
-from bench.workloads import TraceItem, arrivals, sharegpt_trace
-from cache import PoolGeometry
-from sched.cost_model import OPT_13B_A100, OPT_13B_A100_KV_TOKENS, OPT_13B_A100_RHO
-from sched.scheduler import SchedConfig
+from tandem.bench.metrics import attainment, effective_throughput, meets_apt
+from tandem.bench.sim_cli import RESULTS, _tokenizer, slos
+from tandem.bench.simulator import SimSetup, simulate
+from tandem.bench.workloads import TraceItem, arrivals, sharegpt_trace
+from tandem.cache import PoolGeometry
+from tandem.sched.cost_model import OPT_13B_A100, OPT_13B_A100_KV_TOKENS, OPT_13B_A100_RHO
+from tandem.sched.scheduler import SchedConfig
 
 # name -> SchedConfig fields; "-s": Apt-Serve-S (prefill and decode coalesced in one iteration)
 SYSTEMS = {

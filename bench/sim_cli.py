@@ -3,27 +3,26 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
-from pathlib import Path
 
-from bench.metrics import attainment, meets_apt, meets_bros, summarize
-from bench.simulator import SimSetup, simulate
-from bench.workloads import sharegpt_trace
-from cache import PoolGeometry
-from sched.cost_model import OPT_13B_A100, OPT_13B_A100_KV_TOKENS, CostModel, StepShape
-from sched.scheduler import SchedConfig
+from tandem.bench.output import RESULTS
+from tandem.bench.metrics import attainment, meets_apt, meets_bros, summarize
+from tandem.bench.simulator import SimSetup, simulate
+from tandem.bench.workloads import sharegpt_trace
+from tandem.cache import PoolGeometry
+from tandem.sched.cost_model import OPT_13B_A100, OPT_13B_A100_KV_TOKENS, CostModel, StepShape
+from tandem.sched.scheduler import SchedConfig
 
-RESULTS = Path(__file__).parent / "results"
 COST_FILE = RESULTS / "cost_smollm2_cpu.json"
 
 
 def _tokenizer():
-    from predictor.data import length_tokenizer       # SmolLM2's: the traces' lengths are its tokens
+    from tandem.predictor.data import length_tokenizer       # SmolLM2's: the traces' lengths are its tokens
     return length_tokenizer()
 
 
 def profile(args) -> CostModel:
     """Fit the cost model from our engine's measured steps (SmolLM2, cpu:1, fp32)."""
-    from bench.workloads import chat_ids, sharegpt_prompts
+    from tandem.bench.workloads import chat_ids, sharegpt_prompts
     from tandem import LLM, SamplingParams
     RESULTS.mkdir(exist_ok=True)
     with LLM("smollm2", "cpu:1", max_num_seqs=args.max_num_seqs) as llm:
@@ -92,7 +91,7 @@ def sim(args) -> None:
     out = RESULTS / f"sim_{args.preset}_fcfs.json"
     out.write_text(json.dumps({"preset": args.preset, "cost": asdict(cost), "kv_tokens": kv_tokens,
                                "slo": {"ttft_s": ttft_slo, "tbt_s": tbt_slo}, "rows": rows}, indent=2))
-    from bench.plots import attainment_vs_rate
+    from tandem.bench.plots import attainment_vs_rate
     attainment_vs_rate([r | {"system": "FCFS"} for r in rows], RESULTS / f"sim_{args.preset}_attainment.png",
                        f"{args.preset}: SLO attainment vs rate (simulated)")
     print(f"wrote {out}")
@@ -100,9 +99,9 @@ def sim(args) -> None:
 
 def sim_mixed(args) -> None:
     """RT ShareGPT at each rate with BE batch jobs always pending, per policy, at paper scale."""
-    from bench.plots import attainment_vs_rate, rt_latency_vs_be_throughput
-    from bench.simulator import BeJobs
-    from bench.workloads import synthetic_be
+    from tandem.bench.plots import attainment_vs_rate, rt_latency_vs_be_throughput
+    from tandem.bench.simulator import BeJobs
+    from tandem.bench.workloads import synthetic_be
     RESULTS.mkdir(exist_ok=True)
     tok = _tokenizer()
     cost = OPT_13B_A100 if args.preset == "opt13b" else load_fitted()[0]
@@ -163,7 +162,7 @@ def sim_validate(args) -> None:
     tok = _tokenizer()
     cost, ratios, ratios_prefill = load_fitted()
     slo, tr = real["slo"], real["trace"]
-    from sched.llm import DEFAULT_KV_CACHE_BYTES
+    from tandem.sched.llm import DEFAULT_KV_CACHE_BYTES
     kv_tokens = DEFAULT_KV_CACHE_BYTES // (30 * 2 * 192 * 4)          # SmolLM2 fp32: K+V per token
     setups = {"mean": SimSetup(cost, PoolGeometry(2 * kv_tokens // 16, 16),
                                SchedConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048), 8192)}

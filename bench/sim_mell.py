@@ -22,8 +22,8 @@ import random
 import time
 from dataclasses import dataclass
 
-from bench.output import RESULTS, save_json
-from sched.placement import Cluster, Epoch, MoveKind, Placement, place
+from tandem.bench.output import RESULTS, save_json
+from tandem.sched.placement import Cluster, Epoch, MoveKind, Placement, place
 
 BLOCK_TOKENS = 16
 KV_BYTES_PER_TOKEN = 2 * 40 * 5120 * 2          # K and V, 40 layers, 5120 wide, fp16
@@ -41,8 +41,8 @@ class SimRequest:
 
 def lengths(kind: str, n: int, seed: int) -> list[tuple[int, int]]:
     """(prompt, output) token lengths: ShareGPT x10, or long prompts with ShareGPT replies x2."""
-    from bench.sim_cli import _tokenizer
-    from bench.workloads import chat_ids, iter_sharegpt
+    from tandem.bench.sim_cli import _tokenizer
+    from tandem.bench.workloads import chat_ids, iter_sharegpt
     tok = _tokenizer()
     pairs = []
     for p in iter_sharegpt():
@@ -58,7 +58,7 @@ def lengths(kind: str, n: int, seed: int) -> list[tuple[int, int]]:
 
 
 def trace(kind: str, rate: float, duration_s: float, cv: float, seed: int) -> list[SimRequest]:
-    from bench.workloads import arrivals
+    from tandem.bench.workloads import arrivals
     n = max(1, round(rate * duration_s))
     times = arrivals(rate, n, seed, cv)
     return [SimRequest(t, p, o) for t, (p, o) in zip(times, lengths(kind, n, seed))]
@@ -147,7 +147,7 @@ def _print_group(rows: list[dict]) -> None:
 
 def _plot(rows: list[dict]) -> None:
     """Active devices over time, per policy, for the highest-rate Poisson ShareGPT run."""
-    from bench.plots import _plt, _save
+    from tandem.bench.plots import _plt, _save
     pick = [r for r in rows if r["trace"] == "sharegpt" and r["cv"] == 1.0]
     if not pick:
         return

@@ -14,14 +14,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 
-from bench.metrics import RequestRecord
-from bench.workloads import TraceItem
-from cache import PoolGeometry
-from engine.messages import CacheType, Phase, PoolInfo, StepInput, StepOutput
-from engine.params import SamplingParams
-from sched.cost_model import CostModel, OnlineCostModel, StepShape
-from sched.request import Request, ServiceClass
-from sched.scheduler import SchedConfig, Scheduler
+from tandem.bench.metrics import RequestRecord
+from tandem.bench.workloads import TraceItem
+from tandem.cache import PoolGeometry
+from tandem.engine.messages import CacheType, Phase, PoolInfo, StepInput, StepOutput
+from tandem.engine.params import SamplingParams
+from tandem.sched.cost_model import CostModel, OnlineCostModel, StepShape
+from tandem.sched.request import Request, ServiceClass
+from tandem.sched.scheduler import SchedConfig, Scheduler
 
 
 class SimClock:

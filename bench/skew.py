@@ -19,13 +19,13 @@ import statistics
 import threading
 import time
 
-from bench.metrics import percentile
-from bench.output import save_json
+from tandem.bench.metrics import percentile
+from tandem.bench.output import save_json
 
 
 def _llm(placement: str, pool_tokens: int, interval: float, slo_tbt_s: float):
-    from engine.models.loader import load_spec, resolve_model
-    from sched.llm import DEFAULT_CACHE_DIR, LLM
+    from tandem.engine.models.loader import load_spec, resolve_model
+    from tandem.sched.llm import DEFAULT_CACHE_DIR, LLM
     spec = load_spec(resolve_model("smollm2", DEFAULT_CACHE_DIR))
     block = 16
     pool_bytes = (pool_tokens // block) * 2 * spec.num_layers * block * spec.unit * 4
@@ -35,7 +35,7 @@ def _llm(placement: str, pool_tokens: int, interval: float, slo_tbt_s: float):
 
 
 def trace(tokenizer, n: int, rate: float, seed: int, long_share: float, long: int, short: int):
-    from bench.workloads import arrivals, chat_ids, sharegpt_prompts
+    from tandem.bench.workloads import arrivals, chat_ids, sharegpt_prompts
     rng = random.Random(seed)
     prompts = sharegpt_prompts(n, tokenizer, max_prompt_tokens=256)
     return [(t, chat_ids(tokenizer, p.prompt), long if rng.random() < long_share else short)
@@ -44,8 +44,8 @@ def trace(tokenizer, n: int, rate: float, seed: int, long_share: float, long: in
 
 def run_trace(llm, items, drain_s: float) -> dict:
     """Submit at the trace's times; token times per request; the devices' counters after."""
-    from engine.params import SamplingParams
-    from sched.request import Request
+    from tandem.engine.params import SamplingParams
+    from tandem.sched.request import Request
     rt = llm.start_runtime()
     times: dict[str, list[float]] = {}
     arrival: dict[str, float] = {}
@@ -102,8 +102,8 @@ def summarize(placement: str, res: dict, ttft_slo: float) -> dict:
 
 def sweep(sizes: list[int]) -> list[dict]:
     """Pause of one forced migration per kind against the request's context length."""
-    from engine.params import SamplingParams
-    from sched.request import Request, Transfer
+    from tandem.engine.params import SamplingParams
+    from tandem.sched.request import Request, Transfer
     llm = _llm("static", max(sizes) * 2 + 256, 1.0, 0.2)
     rng = random.Random(0)
     rows = []
@@ -141,8 +141,8 @@ def sweep(sizes: list[int]) -> list[dict]:
 
 
 def main(args) -> None:
-    from engine.models.loader import load_tokenizer, resolve_model
-    from sched.llm import DEFAULT_CACHE_DIR
+    from tandem.engine.models.loader import load_tokenizer, resolve_model
+    from tandem.sched.llm import DEFAULT_CACHE_DIR
     tok = load_tokenizer(resolve_model("smollm2", DEFAULT_CACHE_DIR))
     n = max(1, round(args.rate * args.duration))
     items = trace(tok, n, args.rate, args.seed, args.long_share, args.long, args.short)

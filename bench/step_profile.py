@@ -17,16 +17,16 @@ from __future__ import annotations
 import statistics
 import time
 
-from bench.output import save_json
+from tandem.bench.output import save_json
 
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "aten::bmm", "mkldnn::_linear_pointwise"}
 LABELS = ("attention", "rms_norm", "rotary", "sampling")
 
 
 def _prompts(n: int):
-    from bench.workloads import chat_ids, sharegpt_prompts
-    from engine.models.loader import load_tokenizer, resolve_model
-    from sched.llm import DEFAULT_CACHE_DIR
+    from tandem.bench.workloads import chat_ids, sharegpt_prompts
+    from tandem.engine.models.loader import load_tokenizer, resolve_model
+    from tandem.sched.llm import DEFAULT_CACHE_DIR
     tok = load_tokenizer(resolve_model("smollm2", DEFAULT_CACHE_DIR))
     return [chat_ids(tok, p.prompt) for p in sharegpt_prompts(n, tok)]
 
@@ -70,15 +70,15 @@ def forward_buckets(batch: int, dtype: str, steps: int = 8) -> dict:
     """ms per decode step at ``batch`` in each bucket (in-process device under torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    import engine.models.llama as llama
-    import engine.runner as runner
-    from engine.dtype import resolve_dtype
-    from engine.models.loader import load_spec, resolve_model
-    from engine.params import SamplingParams
-    from engine.worker import InProcessDevice, WorkerConfig
-    from sched.llm import DEFAULT_CACHE_DIR
-    from sched.request import Request
-    from sched.scheduler import SchedConfig, Scheduler
+    import tandem.engine.models.llama as llama
+    import tandem.engine.runner as runner
+    from tandem.engine.dtype import resolve_dtype
+    from tandem.engine.models.loader import load_spec, resolve_model
+    from tandem.engine.params import SamplingParams
+    from tandem.engine.worker import InProcessDevice, WorkerConfig
+    from tandem.sched.llm import DEFAULT_CACHE_DIR
+    from tandem.sched.request import Request
+    from tandem.sched.scheduler import SchedConfig, Scheduler
 
     def labelled(name, fn):
         def run(*a, **k):

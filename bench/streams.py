@@ -11,7 +11,7 @@ import asyncio
 import statistics
 from types import SimpleNamespace
 
-from bench.output import save_json
+from tandem.bench.output import save_json
 
 
 def decode_tbt_s(recs) -> list[float]:
@@ -21,9 +21,9 @@ def decode_tbt_s(recs) -> list[float]:
 
 
 def main(args) -> None:
-    from bench.client import run_trace
-    from bench.online import _setup, start
-    from bench.workloads import TraceItem, chat_ids, sharegpt_prompts
+    from tandem.bench.client import run_trace
+    from tandem.bench.online import _setup, start
+    from tandem.bench.workloads import TraceItem, chat_ids, sharegpt_prompts
     hf_dir, tok = _setup(SimpleNamespace(model="smollm2"))
     prompts = [chat_ids(tok, p.prompt) for p in sharegpt_prompts(max(args.batches), tok)]
     rows = []

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+from tandem.bench.output import RESULTS
+
 ONLINE_SYSTEMS = ["tandem", "vllm", "llamacpp", "transformers"]
 # offline row labels -> online system names
 OFFLINE_KEYS = {"tandem": "tandem", "vLLM CPU server (float32)": "vllm", "llama.cpp": "llamacpp",
@@ -19,15 +19,15 @@ OFFLINE_KEYS = {"tandem": "tandem", "vLLM CPU server (float32)": "vllm", "llama.
 
 
 def installed(system: str) -> bool:
-    from bench import peers
+    from tandem.bench import peers
     return {"tandem": True, "vllm": peers.vllm_python() is not None,
             "llamacpp": peers.llama_server_bin() is not None,
             "transformers": peers.transformers_cli() is not None}[system]
 
 
 def run(args) -> None:
-    from bench.offline import main as offline
-    from bench.online import main as online
+    from tandem.bench.offline import main as offline
+    from tandem.bench.online import main as online
     systems = [s for s in ONLINE_SYSTEMS if installed(s)]
     missing = sorted(set(ONLINE_SYSTEMS) - set(systems))
     if missing:

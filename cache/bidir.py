@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cache.block_pool import Placement
-from engine.messages import CacheType, SlotCopy
+from tandem.cache.block_pool import Placement
+from tandem.engine.messages import CacheType, SlotCopy
 
 
 @dataclass(slots=True)

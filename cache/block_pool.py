@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.messages import CacheType, Direction, PoolInfo, SlotCopy
+from tandem.engine.messages import CacheType, Direction, PoolInfo, SlotCopy
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,7 +44,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.quantpool import QuantLayer
+from tandem.engine.quantpool import QuantLayer
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.llama import LlamaModel
+from tandem.engine.models.llama import LlamaModel
 
 
 def compile_model(model: torch.nn.Module) -> torch.nn.Module:

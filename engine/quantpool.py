@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kvquant import quantize_groups
+from tandem.engine.kvquant import quantize_groups
 
 
 def _resolve(q, scale, low, stage, stage_of, block_size: int, rows: torch.Tensor) -> torch.Tensor:

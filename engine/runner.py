@@ -10,13 +10,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttnBatch, HiddenBatch, HiddenSegment, PrefillSegment
-from engine.kvquant import Int8Rows, dequantize, int8_block_bytes, quantize
-from engine.messages import (CacheImport, CacheType, Command, Direction, NewRequest, Offload, Phase,
+from tandem.engine.attention import AttnBatch, HiddenBatch, HiddenSegment, PrefillSegment
+from tandem.engine.kvquant import Int8Rows, dequantize, int8_block_bytes, quantize
+from tandem.engine.messages import (CacheImport, CacheType, Command, Direction, NewRequest, Offload, Phase,
                              SamplingSpec, StepInput, StepOutput)
-from engine.models.spec import ModelSpec
-from engine.quantpool import QuantPool
-from engine.sampling import sample
+from tandem.engine.models.spec import ModelSpec
+from tandem.engine.quantpool import QuantPool
+from tandem.engine.sampling import sample
 
 
 @dataclass(slots=True)

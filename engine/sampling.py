@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.messages import SamplingSpec
+from tandem.engine.messages import SamplingSpec
 
 _MIX = 0x9E3779B97F4A7C15
 _MASK63 = (1 << 63) - 1

@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from engine.dtype import DTYPES
-from engine.kvquant import int8_block_bytes
-from engine.linear import packs
-from engine.messages import Command, DeviceError, PoolInfo, StepInput, StepOutput
-from engine.models.spec import ModelSpec
+from tandem.engine.dtype import DTYPES
+from tandem.engine.kvquant import int8_block_bytes
+from tandem.engine.linear import packs
+from tandem.engine.messages import Command, DeviceError, PoolInfo, StepInput, StepOutput
+from tandem.engine.models.spec import ModelSpec
 
 
 
@@ -57,9 +57,9 @@ def pool_blocks(cfg: WorkerConfig, bytes_per_block: int, reserved: int = 0) -> i
 
 
 def _build_runner(cfg: WorkerConfig):
-    from engine.models.loader import build_model
-    from engine.quantpool import QuantPool
-    from engine.runner import ModelRunner
+    from tandem.engine.models.loader import build_model
+    from tandem.engine.quantpool import QuantPool
+    from tandem.engine.runner import ModelRunner
     torch.set_num_threads(cfg.threads)
     dtype = DTYPES[cfg.dtype]
     spec = cfg.spec
@@ -85,13 +85,13 @@ def _build_runner(cfg: WorkerConfig):
         if cfg.device == "cpu":
             pool.share_memory_()
     if cfg.compile:
-        from engine.compiled import compile_model
+        from tandem.engine.compiled import compile_model
         model = compile_model(model)
     elif packs(cfg.device, dtype):
         model.pack_weights()
     kernel = None
     if cfg.device == "cpu" and cfg.cpu_kernels:
-        from engine.kernels import cpu_ops
+        from tandem.engine.kernels import cpu_ops
         kernel = cpu_ops()
     return ModelRunner(model, spec, pool, cfg.block_size, kernel), num_blocks
 

@@ -6,11 +6,10 @@ import json
 import sys
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m predictor", description=__doc__)
+def main(argv=None, prog: str = "python -m predictor") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="fit the seed predictor on ShareGPT's training records")
     t.add_argument("--out", type=Path, default=None, help="directory (default: the user cache)")
@@ -24,7 +23,7 @@ def main(argv=None) -> int:
     e.add_argument("--path", type=Path, default=None, help="predictor directory (default: the trained one)")
     e.add_argument("--limit", type=int, default=None, help="evaluate on the first N held-out records")
     e.add_argument("--threads", type=int, default=1)
-    e.add_argument("--json", type=Path, default=RESULTS / "predictor_eval.json")
+    e.add_argument("--json", type=Path, default=None, help="result file (default: the bench results dir)")
     p = sub.add_parser("predict", help="predict the output length of prompts given as arguments")
     p.add_argument("prompts", nargs="+")
     p.add_argument("--path", type=Path, default=None)
@@ -36,9 +35,9 @@ def main(argv=None) -> int:
 
 def _train(a) -> int:
     from dataclasses import replace
-    from predictor.data import sharegpt
-    from predictor.model import Settings, default_dir
-    from predictor.train import train
+    from tandem.predictor.data import sharegpt
+    from tandem.predictor.model import Settings, default_dir
+    from tandem.predictor.train import train
     given = {"k": a.k, "threshold": a.threshold, "max_tokens": a.max_tokens}
     settings = replace(Settings(), **{k: v for k, v in given.items() if v is not None})
     examples = sharegpt(held_out=False, limit=a.limit)
@@ -48,13 +47,17 @@ def _train(a) -> int:
 
 
 def _eval(a) -> int:
-    from predictor.data import length_tokenizer, sharegpt
-    from predictor.evaluate import evaluate, table
-    from predictor.model import LengthPredictor
+    from tandem.predictor.data import length_tokenizer, sharegpt
+    from tandem.predictor.evaluate import evaluate, table
+    from tandem.predictor.model import LengthPredictor
     tok = length_tokenizer()
     pred = LengthPredictor.load(a.path)
     res = evaluate(pred, sharegpt(False, tokenizer=tok), sharegpt(True, limit=a.limit, tokenizer=tok))
     print(table(res))
+    if a.json is None:
+        from tandem.bench.output import save_json
+        save_json("predictor_eval.json", res)
+        return 0
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(res, indent=1))
     print(f"wrote {a.json}")
@@ -62,7 +65,7 @@ def _eval(a) -> int:
 
 
 def _predict(a) -> int:
-    from predictor.model import LengthPredictor
+    from tandem.predictor.model import LengthPredictor
     pred = LengthPredictor.load(a.path)
     for prompt, out in zip(a.prompts, pred.predict_detailed(a.prompts)):
         how = f"similar past prompts (best {out.similarity:.2f})" if out.retrieved else "the MLP"

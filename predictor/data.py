@@ -27,14 +27,14 @@ class Examples:
 
 def length_tokenizer():
     """SmolLM2's tokenizer: lengths are counted in the tokens the default model generates."""
-    from engine.models.loader import load_tokenizer, resolve_model
-    from sched.llm import DEFAULT_CACHE_DIR
+    from tandem.engine.models.loader import load_tokenizer, resolve_model
+    from tandem.sched.llm import DEFAULT_CACHE_DIR
     return load_tokenizer(resolve_model("smollm2", DEFAULT_CACHE_DIR))
 
 
 def sharegpt(held_out: bool, limit: int | None = None, tokenizer=None) -> Examples:
     """The training records (before HELD_OUT_FROM) or the held-out ones, at most ``limit``."""
-    from bench.workloads import HELD_OUT_FROM, iter_sharegpt
+    from tandem.bench.workloads import HELD_OUT_FROM, iter_sharegpt
     tok = tokenizer or length_tokenizer()
     pairs = []
     for pair in iter_sharegpt():

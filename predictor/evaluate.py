@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from predictor.data import Examples
-from predictor.model import LengthPredictor
+from tandem.predictor.data import Examples
+from tandem.predictor.model import LengthPredictor
 
 BATCH = 16
 BIN_WIDTHS = (50, 100)

@@ -23,17 +23,17 @@ from pathlib import Path
 
 import numpy as np
 
-from predictor.embed import DEFAULT_MAX_TOKENS, DIM, Embedder
-from predictor.head import LengthHead
-from predictor.index import LengthIndex
+from tandem.paths import cache_dir
+from tandem.predictor.embed import DEFAULT_MAX_TOKENS, DIM, Embedder
+from tandem.predictor.head import LengthHead
+from tandem.predictor.index import LengthIndex
 
 FORMAT = 1
 
 
 def default_dir() -> Path:
     """Where ``python -m predictor train`` writes the seed predictor and ``load(None)`` reads it."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tandem" / "predictor"
+    return cache_dir() / "predictor"
 
 
 @dataclass(frozen=True, slots=True)

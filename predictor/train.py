@@ -4,11 +4,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from predictor.data import Examples
-from predictor.embed import DIM, Embedder
-from predictor.head import LengthHead
-from predictor.index import LengthIndex
-from predictor.model import LengthPredictor, Settings
+from tandem.predictor.data import Examples
+from tandem.predictor.embed import DIM, Embedder
+from tandem.predictor.head import LengthHead
+from tandem.predictor.index import LengthIndex
+from tandem.predictor.model import LengthPredictor, Settings
 
 
 def train(examples: Examples, settings: Settings = Settings(), *, epochs: int = 80, seed: int = 0,
@@ -17,7 +17,7 @@ def train(examples: Examples, settings: Settings = Settings(), *, epochs: int = 
 
     Refuses held-out records (ShareGPT index >= HELD_OUT_FROM): those only evaluate.
     """
-    from bench.workloads import HELD_OUT_FROM
+    from tandem.bench.workloads import HELD_OUT_FROM
     if len(examples) == 0:
         raise ValueError("no training examples")
     if (examples.records >= HELD_OUT_FROM).any():

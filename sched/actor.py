@@ -20,15 +20,15 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable
 
-from cache import BlockPool, PoolGeometry
-from cache.bidir import BidirBlockPool
-from cache.host_pool import HostPool
-from engine.messages import (CacheImport, CacheType, Command, NewRequest, Offload, Phase, SamplingSpec,
+from tandem.cache import BlockPool, PoolGeometry
+from tandem.cache.bidir import BidirBlockPool
+from tandem.cache.host_pool import HostPool
+from tandem.engine.messages import (CacheImport, CacheType, Command, NewRequest, Offload, Phase, SamplingSpec,
                              ScheduledRequest, StepInput, StepOutput)
-from sched.cost_model import OnlineCostModel, StepShape
-from sched.detok import TextTracker
-from sched.policy import Candidate, Limits, Plan, Snapshot
-from sched.request import FinishReason, Migration, RequestState, ServiceClass, Status
+from tandem.sched.cost_model import OnlineCostModel, StepShape
+from tandem.sched.detok import TextTracker
+from tandem.sched.policy import Candidate, Limits, Plan, Snapshot
+from tandem.sched.request import FinishReason, Migration, RequestState, ServiceClass, Status
 
 
 @dataclass(slots=True)

@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import math
 
-from sched.bros import BlockBudget, CostFn, add_chunk
-from sched.cost_model import StepShape
-from sched.policy import Candidate, Plan, Snapshot, _decide
+from tandem.sched.bros import BlockBudget, CostFn, add_chunk
+from tandem.sched.cost_model import StepShape
+from tandem.sched.policy import Candidate, Plan, Snapshot, _decide
 
 DEFAULT_LENGTH = 256        # L̂ for a request that comes without a prediction
 

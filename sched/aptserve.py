@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sched.knapsack import KnapsackParams, greedy_arrays
-from engine.messages import CacheType, Phase
-from sched.policy import Candidate, Decision, Plan, Snapshot, _blocks, _decide, fcfs
+from tandem.sched.knapsack import KnapsackParams, greedy_arrays
+from tandem.engine.messages import CacheType, Phase
+from tandem.sched.policy import Candidate, Decision, Plan, Snapshot, _blocks, _decide, fcfs
 
 _KV, _HIDDEN, _DECODE = CacheType.KV, CacheType.HIDDEN, Phase.DECODE     # enum lookups are slow in loops
 _SWITCHED = {False: "switched to a kv cache (recompute)", True: "switched to a hidden cache (recompute)"}

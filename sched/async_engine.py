@@ -10,9 +10,9 @@ import asyncio
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from sched.actor import Update
-from sched.llm import LLM
-from sched.request import FinishReason, Request
+from tandem.sched.actor import Update
+from tandem.sched.llm import LLM
+from tandem.sched.request import FinishReason, Request
 
 
 @dataclass(slots=True)

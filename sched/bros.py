@@ -33,8 +33,8 @@ from collections import deque
 from dataclasses import replace
 from typing import Callable, Iterable
 
-from sched.cost_model import StepShape
-from sched.policy import Candidate, Plan, Snapshot, _blocks, _decide, fcfs
+from tandem.sched.cost_model import StepShape
+from tandem.sched.policy import Candidate, Plan, Snapshot, _blocks, _decide, fcfs
 
 CostFn = Callable[[StepShape, int], float]      # (shape, slots to swap in) -> predicted seconds
 

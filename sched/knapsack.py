@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.messages import CacheType
+from tandem.engine.messages import CacheType
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,8 +14,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from sched.actor import Update
-from sched.request import FinishReason, Request
+from tandem.sched.actor import Update
+from tandem.sched.request import FinishReason, Request
 
 MAX_TOKENS = "max_tokens"
 _MAX_PENDING = 100_000
@@ -56,7 +56,7 @@ class LengthSource:
     def __init__(self, source: "str | Path | Any | None"):
         self.predictor = None
         if source != MAX_TOKENS:
-            from predictor import LengthPredictor
+            from tandem.predictor import LengthPredictor
             if isinstance(source, LengthPredictor):
                 self.predictor = source
             else:

@@ -8,23 +8,23 @@ import os
 import threading
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from engine.dtype import resolve_dtype
-from engine.messages import DeviceError
-from engine.models.loader import load_spec, load_tokenizer, resolve_model
-from engine.params import SamplingParams
-from engine.worker import WorkerConfig, WorkerHandle, wait_all
-from sched.actor import Update
-from sched.lengths import LengthSource, prediction_text
-from sched.placement import Placement
-from sched.rebalancer import PLACEMENTS, Budgets, Rebalancer
-from sched.request import FinishReason, Request, RequestState
-from sched.runtime import Runtime
-from sched.scheduler import SchedConfig, Scheduler, cache_type_of
+from tandem.engine.dtype import resolve_dtype
+from tandem.engine.messages import DeviceError
+from tandem.engine.models.loader import load_spec, load_tokenizer, resolve_model
+from tandem.engine.params import SamplingParams
+from tandem.engine.worker import WorkerConfig, WorkerHandle, wait_all
+from tandem.sched.actor import Update
+from tandem.sched.lengths import LengthSource, prediction_text
+from tandem.sched.placement import Placement
+from tandem.sched.rebalancer import PLACEMENTS, Budgets, Rebalancer
+from tandem.sched.request import FinishReason, Request, RequestState
+from tandem.sched.runtime import Runtime
+from tandem.sched.scheduler import SchedConfig, Scheduler, cache_type_of
+from tandem.paths import cache_dir as user_cache_dir
 
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tandem"
+DEFAULT_CACHE_DIR = user_cache_dir()
 DEFAULT_KV_CACHE_BYTES = 2 << 30      # per device, when no budget is given (vLLM CPU's usual 2 GiB)
 
 
@@ -137,7 +137,7 @@ class LLM:
         if kv_cache_bytes is None and kv_cache_fraction is None:
             kv_cache_bytes = DEFAULT_KV_CACHE_BYTES
         if ncpu and cpu_kernels:
-            from engine.kernels import cpu_ops
+            from tandem.engine.kernels import cpu_ops
             cpu_kernels = cpu_ops() is not None      # build once here, before the workers load it
         for i, dev in enumerate(names):
             wc = WorkerConfig(str(hf_dir), self.spec, dtype, dev, block_size, kv_cache_bytes, kv_cache_fraction,
@@ -155,7 +155,7 @@ class LLM:
                                                adaptive=True, slo_decay=None, mixed_batches=False),
                                        self._workers, self.spec.eos_token_ids, self.max_model_len, detok)
             if policy in ("bros", "alise"):  # policies that price iterations: profile first (seconds)
-                from sched.profiling import SHORT_PLAN, profile_cost
+                from tandem.sched.profiling import SHORT_PLAN, profile_cost
                 # alise ranks requests by remaining time, where the short profile's rates suffice
                 plan = {"alise": SHORT_PLAN}.get(policy)
                 t0 = time.monotonic()
@@ -188,10 +188,10 @@ class LLM:
         n = len(self.scheduler.actors)
         if placement == "static" or n < 2:
             return None
-        from engine.runner import copy_bandwidth
+        from tandem.engine.runner import copy_bandwidth
         cost = self.scheduler.cost
         if cost is None and placement in ("mell", "lb"):
-            from sched.profiling import SHORT_PLAN, profile_cost
+            from tandem.sched.profiling import SHORT_PLAN, profile_cost
             t0 = time.monotonic()
             cost = profile_cost(self.scheduler, self.spec.vocab_size, plan=SHORT_PLAN)
             log.info("placement %s: iteration cost model profiled in %.1f s", placement, time.monotonic() - t0)
@@ -214,7 +214,7 @@ class LLM:
             hybrid = False
         rho, cost = 0.0, None
         if hybrid:
-            from sched.profiling import profile_aptserve
+            from tandem.sched.profiling import profile_aptserve
             rho, cost = profile_aptserve(self.scheduler, self.spec.vocab_size)
             log.info("aptserve: hidden cache at %.2fx of KV, rho = %.3g s per KV block (paired runs), "
                      "%.3g in the joint cost model, refined online", g.hidden_ratio, rho,

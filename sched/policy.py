@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from engine.messages import CacheType, Phase
+from tandem.engine.messages import CacheType, Phase
 
 
 @dataclass(frozen=True, slots=True)

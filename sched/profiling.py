@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import random
 
-from engine.params import SamplingParams
-from sched.cost_model import CostModel, OnlineCostModel
-from sched.request import Request
+from tandem.engine.params import SamplingParams
+from tandem.sched.cost_model import CostModel, OnlineCostModel
+from tandem.sched.request import Request
 
 # (requests, prompt tokens, output tokens): prefills alone, then decode batches
 PLAN = [(1, 32, 1), (1, 128, 1), (1, 512, 1), (1, 1024, 1), (2, 256, 1),
@@ -72,7 +72,7 @@ def profile_rho(scheduler, vocab_size: int, seed: int = 0, contexts: tuple[int, 
     batch's size in KV blocks. A few seconds on this CPU for SmolLM2-sized models. Every measured
     step (shape, seconds) is also appended to ``samples`` when given.
     """
-    from engine.messages import CacheType
+    from tandem.engine.messages import CacheType
     rng = random.Random(seed)
     g = scheduler.queues[0].pool.geometry
     if not g.hidden_blocks:

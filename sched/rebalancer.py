@@ -27,9 +27,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from sched.cost_model import StepShape
-from sched.placement import Cluster, Epoch, MoveKind, Placement, place
-from sched.request import Transfer
+from tandem.sched.cost_model import StepShape
+from tandem.sched.placement import Cluster, Epoch, MoveKind, Placement, place
+from tandem.sched.request import Transfer
 
 log = logging.getLogger("tandem.rebalancer")
 

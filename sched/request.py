@@ -4,8 +4,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.messages import CacheType
-from engine.params import SamplingParams
+from tandem.engine.messages import CacheType
+from tandem.engine.params import SamplingParams
 
 
 class ServiceClass(enum.Enum):

@@ -30,11 +30,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from cache import PoolGeometry
-from engine.messages import Command, DeviceError, StepInput
-from sched.actor import DeviceActor, Update
-from sched.rebalancer import Rebalancer, view_of
-from sched.request import FinishReason, Migration, Transfer, RequestState
+from tandem.cache import PoolGeometry
+from tandem.engine.messages import Command, DeviceError, StepInput
+from tandem.sched.actor import DeviceActor, Update
+from tandem.sched.rebalancer import Rebalancer, view_of
+from tandem.sched.request import FinishReason, Migration, Transfer, RequestState
 
 log = logging.getLogger("tandem.runtime")
 

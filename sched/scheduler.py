@@ -13,14 +13,14 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from engine.messages import CacheType, DeviceError, PoolInfo, StepInput, StepOutput
-from sched.actor import ActorConfig, DeviceActor, SwapConfig, Update
-from sched.alise import Alise
-from sched.aptserve import AptServe
-from sched.bros import Bros, RoundRobin
-from sched.cost_model import OnlineCostModel
-from sched.policy import Limits, fcfs, fcfs_prefill_first
-from sched.request import Request, RequestState
+from tandem.engine.messages import CacheType, DeviceError, PoolInfo, StepInput, StepOutput
+from tandem.sched.actor import ActorConfig, DeviceActor, SwapConfig, Update
+from tandem.sched.alise import Alise
+from tandem.sched.aptserve import AptServe
+from tandem.sched.bros import Bros, RoundRobin
+from tandem.sched.cost_model import OnlineCostModel
+from tandem.sched.policy import Limits, fcfs, fcfs_prefill_first
+from tandem.sched.request import Request, RequestState
 
 __all__ = ["POLICIES", "Device", "SchedConfig", "Scheduler", "Update", "make_policy"]
 

@@ -7,14 +7,14 @@ from pathlib import Path
 import sys
 import time
 
-from sched.rebalancer import PLACEMENTS
-from sched.scheduler import POLICIES, SchedConfig, cache_type_of
-from server.config import ServerConfig
+from tandem.sched.rebalancer import PLACEMENTS
+from tandem.sched.scheduler import POLICIES, SchedConfig, cache_type_of
+from tandem.server.config import ServerConfig
 
 
-def parse_args(argv=None) -> ServerConfig:
+def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     d = ServerConfig()
-    ap = argparse.ArgumentParser(prog="python -m server", description="Tandem LLM server")
+    ap = argparse.ArgumentParser(prog=prog, description="Tandem LLM server")
     ap.add_argument("--model", default=d.model, help="'smollm2', a HF checkpoint dir or a .gguf file")
     ap.add_argument("--served-model-name", default=None, help="name clients use (default: smollm2 or the dir name)")
     ap.add_argument("--devices", default=d.devices, help="cpu:N or cuda:0,1,...")
@@ -22,7 +22,8 @@ def parse_args(argv=None) -> ServerConfig:
     ap.add_argument("--port", type=int, default=d.port)
     ap.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
                     help="required bearer key (default: $TANDEM_API_KEY; none = open)")
-    ap.add_argument("--data-dir", default=d.data_dir)
+    ap.add_argument("--data-dir", default=d.data_dir,
+                    help="batch files, their database and learned output lengths (default: the XDG data dir)")
     ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     ap.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                     help="new tokens per iteration (smaller: shorter decode stalls behind prefills)")
@@ -141,16 +142,16 @@ async def _watch_parent(pid: int) -> None:
     asyncio.get_running_loop().create_task(watch())
 
 
-def main(argv=None) -> None:
-    cfg = parse_args(argv)
+def main(argv=None, prog: str = "python -m server") -> None:
+    cfg = parse_args(argv, prog)
     import logging
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("tandem").setLevel(logging.INFO)    # the runtime's own events (migrations, restarts)
     from aiohttp import web
 
-    from sched.async_engine import AsyncEngine
-    from sched.llm import LLM
-    from server.app import create_app
+    from tandem.sched.async_engine import AsyncEngine
+    from tandem.sched.llm import LLM
+    from tandem.server.app import create_app
     try:
         import uvloop
         uvloop.install()

@@ -15,15 +15,15 @@ from pathlib import Path
 import orjson
 from aiohttp import web
 
-from engine.messages import DeviceError
-from sched.async_engine import AsyncEngine, Submission
-from sched.lengths import prediction_text
-from sched.request import Request, ServiceClass
-from sched.runtime import error_id
-from server.config import ServerConfig
-from server.errors import ApiError, bad_request
-from server.metrics import Metrics
-from server.protocol import GenRequest, check_model, parse_chat, parse_completion
+from tandem.engine.messages import DeviceError
+from tandem.sched.async_engine import AsyncEngine, Submission
+from tandem.sched.lengths import prediction_text
+from tandem.sched.request import Request, ServiceClass
+from tandem.sched.runtime import error_id
+from tandem.server.config import ServerConfig
+from tandem.server.errors import ApiError, bad_request
+from tandem.server.metrics import Metrics
+from tandem.server.protocol import GenRequest, check_model, parse_chat, parse_completion
 
 OPEN_PATHS = ("/health", "/metrics")
 log = logging.getLogger(__name__)
@@ -366,7 +366,7 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
-    from server import routes_batch
+    from tandem.server import routes_batch
     routes_batch.add_routes(app)
 
     async def load(app_):

@@ -13,8 +13,8 @@ import time
 import uuid
 from typing import Awaitable, Callable
 
-from server.errors import ApiError
-from server.store import Store
+from tandem.server.errors import ApiError
+from tandem.server.store import Store
 
 ENDPOINTS = {"/v1/chat/completions": True, "/v1/completions": False}   # -> chat?
 WINDOWS = {"24h": 24 * 3600}

@@ -1,7 +1,9 @@
 """Server configuration, composed in server/__main__.py (the only place reading the environment)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from tandem.paths import data_dir
 
 
 @dataclass(frozen=True, slots=True)
@@ -12,7 +14,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    data_dir: str = "./tandem-data"
+    data_dir: str = field(default_factory=lambda: str(data_dir()))   # XDG data dir, outside any checkout
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     policy: str = "fcfs"

@@ -83,7 +83,7 @@ class Metrics:
     def engine_step(self, actor) -> None:
         """Gauges and counters from one device actor, summed over devices; called on that actor's
         thread after each of its steps (it alone changes its books)."""
-        from sched.scheduler import load_by_class, pool_view
+        from tandem.sched.scheduler import load_by_class, pool_view
         load = {c.value: v for c, v in load_by_class([actor]).items()}
         with self._lock:
             self._devices[actor.index] = (load, pool_view([actor]), actor.pool.geometry.num_blocks, actor.t_avg,

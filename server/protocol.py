@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.params import SamplingParams
-from sched.request import ServiceClass
-from server.errors import ApiError, bad_request
+from tandem.engine.params import SamplingParams
+from tandem.sched.request import ServiceClass
+from tandem.server.errors import ApiError, bad_request
 
 MAX_N = 16
 MAX_STOPS = 16              # stop strings per request

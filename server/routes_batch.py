@@ -4,10 +4,10 @@ from __future__ import annotations
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from server.app import STATE, complete, json_response, prepare, read_json
-from server.batches import ENDPOINTS, WINDOWS, BatchRunner
-from server.errors import ApiError, bad_request
-from server.store import Store
+from tandem.server.app import STATE, complete, json_response, prepare, read_json
+from tandem.server.batches import ENDPOINTS, WINDOWS, BatchRunner
+from tandem.server.errors import ApiError, bad_request
+from tandem.server.store import Store
 
 STORE = web.AppKey("store", Store)
 RUNNER = web.AppKey("runner", BatchRunner)

@@ -11,13 +11,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
-    from engine.models.tiny import write_tiny_model
+    from tandem.engine.models.tiny import write_tiny_model
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=1)
 
 
 @pytest.fixture(scope="session")
 def tiny_opt(tmp_path_factory):
-    from engine.models.tiny import write_tiny_model
+    from tandem.engine.models.tiny import write_tiny_model
     return write_tiny_model(tmp_path_factory.mktemp("tiny-opt"), "opt", seed=2)
 
 
@@ -25,7 +25,7 @@ def tiny_opt(tmp_path_factory):
 def scheduler_invariants(monkeypatch):
     """Check block pool and queue invariants after every device step, in every test (lock-step
     and actor threads alike: each step ends in DeviceActor.account)."""
-    from sched.actor import DeviceActor
+    from tandem.sched.actor import DeviceActor
     real = DeviceActor.account
 
     def checked(self, pending, out):

@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttnBatch, paged_attention
-from engine.linear import linear, pack_into
-from engine.models.spec import ModelSpec
+from tandem.engine.attention import AttnBatch, paged_attention
+from tandem.engine.linear import linear, pack_into
+from tandem.engine.models.spec import ModelSpec
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from engine.models.spec import Family, ModelSpec, spec_from_hf_config
+from tandem.engine.models.spec import Family, ModelSpec, spec_from_hf_config
 
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -144,8 +144,8 @@ def load_state_dict(hf_dir: Path) -> dict[str, torch.Tensor]:
 
 def build_model(hf_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: str = "cpu"):
     """Instantiate our forward for ``spec`` and fill it from the checkpoint."""
-    from engine.models.llama import LlamaModel
-    from engine.models.opt import OPTModel
+    from tandem.engine.models.llama import LlamaModel
+    from tandem.engine.models.opt import OPTModel
     cls = LlamaModel if spec.family is Family.LLAMA else OPTModel
     model = cls(spec, dtype)
     model.load_hf(load_state_dict(hf_dir))

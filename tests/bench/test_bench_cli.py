@@ -1,7 +1,7 @@
 """BROS's comparison table (bench/mixed.py::co_serving_targets) against hand-computed rows."""
 import pytest
 
-from bench.mixed import co_serving_targets
+from tandem.bench.mixed import co_serving_targets
 
 
 def _row(system, rate, attain, mean, p50, be_rps, be_tps, str_keys=False):
@@ -38,7 +38,7 @@ def test_rates_are_matched_and_zero_baselines_do_not_divide():
 
 
 def test_system_names_map_to_server_flags():
-    from bench.online import tandem_args
+    from tandem.bench.online import tandem_args
     assert tandem_args("tandem") == ["--policy", "fcfs"]
     assert tandem_args("tandem-fcfs-prefill-first") == ["--policy", "fcfs-prefill-first"]
     assert tandem_args("tandem-bros-bidir") == ["--policy", "bros", "--bidirectional-blocks"]

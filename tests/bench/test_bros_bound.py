@@ -1,8 +1,8 @@
 """The BE-throughput bound of bench/bros_bound.py against hand-computed cases."""
 import pytest
 
-from bench.bros_bound import be_bound, load_of
-from sched.cost_model import CostModel
+from tandem.bench.bros_bound import be_bound, load_of
+from tandem.sched.cost_model import CostModel
 
 COST = CostModel(base=0.01, per_prefill_token=1e-4, per_prefill_attn=0.0, per_decode_token=1e-3, per_decode_ctx=0.0)
 

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from bench.metrics import (RequestRecord, attainment, effective_throughput, meets_apt, meets_bros,
+from tandem.bench.metrics import (RequestRecord, attainment, effective_throughput, meets_apt, meets_bros,
                            percentile, summarize)
 
 
@@ -65,8 +65,8 @@ def test_effective_throughput_bisection_finds_the_knee():
 
 
 def test_stream_decode_gaps_start_once_every_stream_has_its_first_token():
-    from bench.metrics import RequestRecord
-    from bench.streams import decode_tbt_s
+    from tandem.bench.metrics import RequestRecord
+    from tandem.bench.streams import decode_tbt_s
     early = RequestRecord("rt", 0.0, token_times=[1.0, 1.5, 2.0, 2.5, 3.0])
     late = RequestRecord("rt", 0.0, token_times=[2.0, 2.25, 2.5])      # first token at 2.0
     # before 2.0 the early stream shares steps with the late one's prefill: those gaps are left out

@@ -1,6 +1,6 @@
 """The bench figures render from result rows shaped like the real ones."""
-from bench import plots
-from bench.metrics import RequestRecord, record_dict, summarize
+from tandem.bench import plots
+from tandem.bench.metrics import RequestRecord, record_dict, summarize
 
 
 def rows():

@@ -1,5 +1,5 @@
 """bench sim-apt's summary over several traces: ratios to FCFS per trace, then mean and range."""
-from bench.sim_apt import print_tables
+from tandem.bench.sim_apt import print_tables
 
 
 def test_samples_table_averages_per_trace_ratios(capsys):

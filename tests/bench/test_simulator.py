@@ -1,11 +1,11 @@
 """The simulator drives the real scheduler: hand-checkable timings on a tiny trace."""
 import pytest
 
-from bench.simulator import SimSetup, simulate
-from bench.workloads import TraceItem
-from cache import PoolGeometry
-from sched.cost_model import CostModel
-from sched.scheduler import SchedConfig
+from tandem.bench.simulator import SimSetup, simulate
+from tandem.bench.workloads import TraceItem
+from tandem.cache import PoolGeometry
+from tandem.sched.cost_model import CostModel
+from tandem.sched.scheduler import SchedConfig
 
 COST = CostModel(base=0.01, per_prefill_token=0.001, per_prefill_attn=0.0, per_decode_token=0.0,
                  per_decode_ctx=0.0)
@@ -55,7 +55,7 @@ def test_noise_scales_each_step_by_a_drawn_ratio():
 
 
 def test_be_jobs_are_resubmitted_and_counted_until_the_trace_ends():
-    from bench.simulator import BeJobs
+    from tandem.bench.simulator import BeJobs
     be = BeJobs([TraceItem(0.0, list(range(10)), 3, "be")], job_size=2)
     (r,), end = simulate([TraceItem(0.5, list(range(10)), 5, "rt")], setup(), be)
     assert r.end == pytest.approx(end)
@@ -66,7 +66,7 @@ def test_be_jobs_are_resubmitted_and_counted_until_the_trace_ends():
 
 def test_bros_keeps_rt_deadlines_that_fcfs_misses_behind_be_prefills():
     """Long BE prompts (FCFS serves them in arrival order) vs BROS packing them around RT deadlines."""
-    from bench.simulator import BeJobs
+    from tandem.bench.simulator import BeJobs
     from dataclasses import replace
     rt = [TraceItem(0.05 + 0.2 * i, list(range(20)), 20, "rt") for i in range(10)]
     results = {}
@@ -90,7 +90,7 @@ def test_prefill_steps_draw_from_their_own_ratios():
 def test_hidden_cache_steps_pay_rho_per_kv_block_of_context():
     # 20-token prompt, 4 tokens out, hidden cache: the prefill re-projects nothing; the decode
     # steps see 20, 21, 22 tokens of context = 2 token-blocks = 4 KV blocks each: +4 rho
-    from engine.messages import CacheType
+    from tandem.engine.messages import CacheType
     rho = 0.002
     trace = [TraceItem(0.0, list(range(20)), 4, "rt")]
     hid = SimSetup(COST, PoolGeometry(100, 16, hidden_blocks=1), SchedConfig(cache_type=CacheType.HIDDEN),

@@ -1,8 +1,8 @@
 """ShareGPT prompt selection: the first fitting pairs, or a seeded random draw (bench sim-apt --samples)."""
 import pytest
 
-import bench.workloads as wl
-from bench.workloads import HELD_OUT_FROM, PromptPair, sharegpt_prompts
+import tandem.bench.workloads as wl
+from tandem.bench.workloads import HELD_OUT_FROM, PromptPair, sharegpt_prompts
 
 
 @pytest.fixture

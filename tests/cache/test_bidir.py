@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache.bidir import BidirectionalPool
+from tandem.cache.bidir import BidirectionalPool
 
 S = 4
 

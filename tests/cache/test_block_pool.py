@@ -2,8 +2,8 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from cache import BlockPool, PoolGeometry
-from engine.messages import CacheType
+from tandem.cache import BlockPool, PoolGeometry
+from tandem.engine.messages import CacheType
 
 
 def test_grow_free_counts():
@@ -58,7 +58,7 @@ def test_both_pool_kinds_answer_the_schedulers_contract():
     """place() in a whole-block pool appends blocks; in a bidirectional pool it hands out slots
     from the front (RT) or the back (BE) of a block; neither takes a hidden cache it cannot
     hold, and only the bidirectional pool preempts blocks."""
-    from cache.bidir import BidirBlockPool
+    from tandem.cache.bidir import BidirBlockPool
     g = PoolGeometry(num_blocks=8, block_size=4)
     plain, bidir = BlockPool(g), BidirBlockPool(g)
     p = plain.place("a", 5, CacheType.KV, rt=True)

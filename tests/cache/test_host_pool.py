@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from cache.host_pool import HostPool
+from tandem.cache.host_pool import HostPool
 
 
 def test_admits_until_full_then_evicts_longer_waits_only():

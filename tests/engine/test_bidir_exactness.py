@@ -3,10 +3,10 @@ slots (checkpointed to the CPU first), the BE request is swapped back in later, 
 exactly HF transformers' greedy tokens."""
 import torch
 
-from cache.bidir import BidirectionalPool
-from engine.messages import CacheType, Command, NewRequest, Phase, SamplingSpec, ScheduledRequest, StepInput
-from engine.models.loader import load_spec
-from engine.worker import InProcessDevice, WorkerConfig
+from tandem.cache.bidir import BidirectionalPool
+from tandem.engine.messages import CacheType, Command, NewRequest, Phase, SamplingSpec, ScheduledRequest, StepInput
+from tandem.engine.models.loader import load_spec
+from tandem.engine.worker import InProcessDevice, WorkerConfig
 from tests.conftest import hf_greedy
 
 B = 4                   # slots per token-block
@@ -96,11 +96,11 @@ def test_scheduler_with_bidirectional_blocks_matches_hf(tiny_llama):
     """BROS + bidirectional blocks through the real Scheduler: BE requests fill the pool, RT
     requests arrive and take BE blocks over (checkpointing BE slots, dropping BE requests to the
     CPU when needed); every request still produces HF's greedy tokens and the pool ends empty."""
-    from engine.messages import PoolInfo
-    from engine.params import SamplingParams
-    from sched.cost_model import CostModel, OnlineCostModel
-    from sched.request import Request, ServiceClass
-    from sched.scheduler import SchedConfig, Scheduler
+    from tandem.engine.messages import PoolInfo
+    from tandem.engine.params import SamplingParams
+    from tandem.sched.cost_model import CostModel, OnlineCostModel
+    from tandem.sched.request import Request, ServiceClass
+    from tandem.sched.scheduler import SchedConfig, Scheduler
 
     torch.set_num_threads(1)
     spec = load_spec(tiny_llama)

@@ -1,7 +1,7 @@
 """dtype="auto": bfloat16 only where the CPU computes it natively."""
 import pytest
 
-from engine.dtype import cpu_flags, resolve_dtype
+from tandem.engine.dtype import cpu_flags, resolve_dtype
 
 
 @pytest.mark.parametrize("flags, expect", [

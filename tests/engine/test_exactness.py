@@ -13,7 +13,7 @@ def test_greedy_matches_hf_with_preemption(family, workers, tiny_llama, tiny_opt
     model_dir = tiny_llama if family == "llama" else tiny_opt
     prompts = mixed_prompts(18, 512, seed=7 + workers)
     # tiny pool: 24 blocks of 8 tokens (12 token-blocks of K+V) per worker forces recompute preemption
-    from engine.models.loader import load_spec
+    from tandem.engine.models.loader import load_spec
     spec = load_spec(model_dir)
     block_bytes = spec.num_layers * 8 * spec.unit * 4
     with LLM(str(model_dir), f"cpu:{workers}", block_size=8, kv_cache_bytes=24 * block_bytes,
@@ -34,7 +34,7 @@ def test_swapped_requests_match_hf(family, tiny_llama, tiny_opt):
     blocks: every request still generates exactly HF's greedy tokens."""
     model_dir = tiny_llama if family == "llama" else tiny_opt
     prompts = mixed_prompts(18, 512, seed=11)
-    from engine.models.loader import load_spec
+    from tandem.engine.models.loader import load_spec
     spec = load_spec(model_dir)
     block_bytes = spec.num_layers * 8 * spec.unit * 4
     with LLM(str(model_dir), "cpu:1", block_size=8, kv_cache_bytes=24 * block_bytes,

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from engine.messages import DeviceError
-from sched import runtime
+from tandem.engine.messages import DeviceError
+from tandem.sched import runtime
 from tandem import LLM, SamplingParams
 from tests.conftest import assert_pool_free, hf_greedy, mixed_prompts
 

@@ -4,8 +4,8 @@ in batches mixed with KV-cache requests, and when they switch cache type mid-gen
 import pytest
 
 from tandem import LLM, SamplingParams
-from engine.messages import CacheType
-from engine.models.loader import load_spec
+from tandem.engine.messages import CacheType
+from tandem.engine.models.loader import load_spec
 from tests.conftest import assert_pool_free, hf_greedy, mixed_prompts
 
 MAX_NEW = 20
@@ -89,7 +89,7 @@ def test_mixed_cache_types_and_switches_match_hf(family, tiny_llama, tiny_opt):
 
 
 def test_hidden_cache_bookkeeping_uses_the_real_ratio(tiny_llama):
-    from cache import PoolGeometry
+    from tandem.cache import PoolGeometry
     spec = load_spec(tiny_llama)                      # d_model 64, 2 KV heads of 16: unit 32
     assert spec.d_model // spec.unit == 2
     g = PoolGeometry(100, 8, spec.d_model // spec.unit)

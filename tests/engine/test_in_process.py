@@ -1,11 +1,11 @@
 """The Scheduler driving an in-process device (the profiling path) matches HF too."""
 import torch
 
-from engine.models.loader import load_spec
-from engine.params import SamplingParams
-from engine.worker import InProcessDevice, WorkerConfig
-from sched.request import Request
-from sched.scheduler import SchedConfig, Scheduler
+from tandem.engine.models.loader import load_spec
+from tandem.engine.params import SamplingParams
+from tandem.engine.worker import InProcessDevice, WorkerConfig
+from tandem.sched.request import Request
+from tandem.sched.scheduler import SchedConfig, Scheduler
 from tests.conftest import hf_greedy, mixed_prompts
 
 

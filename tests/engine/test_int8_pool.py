@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine.kvquant import int8_block_bytes
-from engine.models.loader import load_spec
-from engine.params import SamplingParams
-from engine.worker import InProcessDevice, WorkerConfig
-from sched.request import Request
-from sched.scheduler import SchedConfig, Scheduler
+from tandem.engine.kvquant import int8_block_bytes
+from tandem.engine.models.loader import load_spec
+from tandem.engine.params import SamplingParams
+from tandem.engine.worker import InProcessDevice, WorkerConfig
+from tandem.sched.request import Request
+from tandem.sched.scheduler import SchedConfig, Scheduler
 from tandem import LLM
 from tests.conftest import assert_pool_free, hf_greedy, mixed_prompts
 
@@ -120,7 +120,7 @@ def test_int8_hidden_cache_matches_hf(tiny_opt):
 def test_quant_pool_blocks_open_close_and_grow():
     """A block reads back exactly while open; once closed each value is within half a step of
     what was written (numpy's min and max per channel); staging slots are reused, and grow."""
-    from engine.quantpool import QuantPool
+    from tandem.engine.quantpool import QuantPool
     torch.manual_seed(3)
     pool = QuantPool(2, 3, 10, B, 16, torch.float32, open_capacity=1)
     x = torch.randn(2, 3, 4 * B, 16) * 5

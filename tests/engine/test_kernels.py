@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.attention import decode_attention
-from engine.kernels import cpu_ops
+from tandem.engine.attention import decode_attention
+from tandem.engine.kernels import cpu_ops
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -35,7 +35,7 @@ def test_paged_decode_matches_reference(dtype, tol, hkv, g):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_paged_decode_q8_matches_reference(dtype, tol):
     """Over the int8 pool: closed blocks read as lo + λ·q, open blocks from staging."""
-    from engine.quantpool import QuantPool
+    from tandem.engine.quantpool import QuantPool
     ops = cpu_ops()
     assert ops is not None
     torch.manual_seed(1)

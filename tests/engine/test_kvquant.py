@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.kvquant import dequantize, quantize
+from tandem.engine.kvquant import dequantize, quantize
 
 
 def numpy_reference(x: np.ndarray, kinds: int, block: int) -> np.ndarray:

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.linear import linear, pack, packs
-from engine.models.loader import load_spec
-from engine.worker import WorkerConfig, _build_runner
+from tandem.engine.linear import linear, pack, packs
+from tandem.engine.models.loader import load_spec
+from tandem.engine.worker import WorkerConfig, _build_runner
 
 PACKS = packs("cpu", torch.float32)
 

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from tandem import LLM, SamplingParams
-from sched.request import Transfer, Request
+from tandem.sched.request import Transfer, Request
 from tests.conftest import assert_pool_free, hf_greedy, mixed_prompts
 
 MAX_NEW = 20
@@ -118,7 +118,7 @@ def test_cancelled_while_moving_ends(llama2):
 def test_rebalancer_migrations_keep_outputs_exact(placement, tiny_llama):
     """Requests that outgrow a small pool are migrated by the rebalancer (its epochs every 50 ms);
     every output still equals HF's greedy tokens, and nothing leaks."""
-    from engine.models.loader import load_spec
+    from tandem.engine.models.loader import load_spec
     spec = load_spec(tiny_llama)
     block_bytes = spec.num_layers * 8 * spec.unit * 4
     prompts = mixed_prompts(8, 512, seed=21, lo=24, hi=40)
@@ -139,10 +139,10 @@ def test_cache_lost_before_its_import_is_sent(lose, tiny_llama):
     """A request that arrives with its cache and is preempted (or cancelled) before the import
     reaches the worker: the worker never hears of it, and a preempted one recomputes exactly."""
     import torch
-    from engine.models.loader import load_spec
-    from engine.worker import InProcessDevice, WorkerConfig
-    from sched.policy import Plan, fcfs
-    from sched.scheduler import SchedConfig, Scheduler
+    from tandem.engine.models.loader import load_spec
+    from tandem.engine.worker import InProcessDevice, WorkerConfig
+    from tandem.sched.policy import Plan, fcfs
+    from tandem.sched.scheduler import SchedConfig, Scheduler
     torch.set_num_threads(1)
     spec = load_spec(tiny_llama)
     dev = InProcessDevice("cpu", WorkerConfig(str(tiny_llama), spec, "float32", "cpu", 8, 1 << 20, None, 1, 1,

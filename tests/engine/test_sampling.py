@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.messages import SamplingSpec
-from engine.sampling import sample
+from tandem.engine.messages import SamplingSpec
+from tandem.engine.sampling import sample
 
 LOGITS = np.array([2.0, 1.5, 1.0, 0.2, -0.5, -3.0], dtype=np.float64)
 

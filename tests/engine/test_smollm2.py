@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from engine.models.loader import packaged_smollm2
+from tandem.engine.models.loader import packaged_smollm2
 from tests.conftest import assert_pool_free
 
 CHATS = [

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from predictor.embed import DIM, Embedder
-from predictor.evaluate import lad_line
-from predictor.head import LengthHead
-from predictor.index import LengthIndex
-from predictor.model import LengthPredictor, Settings
+from tandem.predictor.embed import DIM, Embedder
+from tandem.predictor.evaluate import lad_line
+from tandem.predictor.head import LengthHead
+from tandem.predictor.index import LengthIndex
+from tandem.predictor.model import LengthPredictor, Settings
 
 SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.",
              "The new movie is awful and far too long for anyone to enjoy it."]
@@ -128,8 +128,8 @@ def test_lad_line_is_the_least_absolute_deviation_fit():
 
 
 def test_train_save_load_and_learn_online(tmp_path, embedder):
-    from predictor.data import Examples
-    from predictor.train import train
+    from tandem.predictor.data import Examples
+    from tandem.predictor.train import train
     topics = ["Write a poem about", "Translate to French:", "Fix this Python bug:", "Summarize the article on"]
     words = ["rivers", "taxes", "cats", "rockets", "bread", "chess", "winter", "robots"]
     prompts = [f"{t} {w} {i}" for i in range(6) for t in topics for w in words]
@@ -152,9 +152,9 @@ def test_train_save_load_and_learn_online(tmp_path, embedder):
 
 
 def test_training_refuses_held_out_records():
-    from bench.workloads import HELD_OUT_FROM
-    from predictor.data import Examples
-    from predictor.train import train
+    from tandem.bench.workloads import HELD_OUT_FROM
+    from tandem.predictor.data import Examples
+    from tandem.predictor.train import train
     ex = Examples(["a", "b"], np.array([3, 4]), np.array([1, 1]), np.array([5, HELD_OUT_FROM]))
     with pytest.raises(ValueError, match="held-out"):
         train(ex, Settings(hidden=8), epochs=1, log=lambda _: None)
@@ -171,8 +171,8 @@ def test_missing_predictor_names_the_command(tmp_path, monkeypatch):
 def test_prediction_reads_the_last_user_message():
     """Chat messages, and completion prompts spelling a chat template out (as text or as token
     ids through SmolLM2's real tokenizer), are read as their last user message."""
-    from predictor.data import length_tokenizer
-    from sched.lengths import prediction_text
+    from tandem.predictor.data import length_tokenizer
+    from tandem.sched.lengths import prediction_text
     tok = length_tokenizer()
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "first"},
             {"role": "assistant", "content": "ok"}, {"role": "user", "content": "Write a haiku\nabout snow"}]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 
-from sched.alise import Alise
-from sched.cost_model import CostModel
-from sched.policy import Candidate, Limits, Snapshot
+from tandem.sched.alise import Alise
+from tandem.sched.cost_model import CostModel
+from tandem.sched.policy import Candidate, Limits, Snapshot
 
 COST = CostModel(base=0.01, per_prefill_token=1e-4, per_prefill_attn=0.0, per_decode_token=1e-3, per_decode_ctx=1e-6)
 

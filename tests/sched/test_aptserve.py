@@ -1,7 +1,7 @@
 """Apt-Serve's policy on hand-made snapshots where the right plan is known (SPEC §1.4-1.7)."""
-from engine.messages import CacheType
-from sched.aptserve import AptServe
-from sched.policy import Candidate, Limits, Snapshot
+from tandem.engine.messages import CacheType
+from tandem.sched.aptserve import AptServe
+from tandem.sched.policy import Candidate, Limits, Snapshot
 
 B = 4
 KV, HID = CacheType.KV, CacheType.HIDDEN

@@ -5,10 +5,10 @@ Cost model used throughout (seconds): 0.01 per step + 0.001 per prefill token + 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.messages import Phase
-from sched.bros import Bros, RoundRobin, two_queue_merge
-from sched.cost_model import StepShape
-from sched.policy import Candidate, Limits, Snapshot
+from tandem.engine.messages import Phase
+from tandem.sched.bros import Bros, RoundRobin, two_queue_merge
+from tandem.sched.cost_model import StepShape
+from tandem.sched.policy import Candidate, Limits, Snapshot
 
 B = 4   # block size; a KV token-block costs 2 blocks
 

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from sched.cost_model import CostModel, StepShape
+from tandem.sched.cost_model import CostModel, StepShape
 
 
 def test_shape_accumulates():

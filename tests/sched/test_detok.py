@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from sched.detok import WINDOW, IncrementalDetokenizer, TextTracker
+from tandem.sched.detok import WINDOW, IncrementalDetokenizer, TextTracker
 
 EXTRA = ["Tea 🍵 and cake 🎂, family 👨‍👩‍👧‍👦, flags 🇫🇷🇯🇵, skin tones 👋🏽.",
          "中文句子：我们今天去公园散步吧。日本語のテキストも。한국어 문장입니다.",
@@ -14,14 +14,14 @@ EXTRA = ["Tea 🍵 and cake 🎂, family 👨‍👩‍👧‍👦, flags 🇫�
 
 @pytest.fixture(scope="module")
 def tok():
-    from engine.models.loader import load_tokenizer, resolve_model
-    from sched.llm import DEFAULT_CACHE_DIR
+    from tandem.engine.models.loader import load_tokenizer, resolve_model
+    from tandem.sched.llm import DEFAULT_CACHE_DIR
     return load_tokenizer(resolve_model("smollm2", DEFAULT_CACHE_DIR))
 
 
 @pytest.fixture(scope="module")
 def replies():
-    from bench.workloads import iter_sharegpt
+    from tandem.bench.workloads import iter_sharegpt
     texts = [p.reply for p in itertools.islice(iter_sharegpt(), 300)] + EXTRA
     assert any(ord(c) > 0x3000 for t in texts for c in t), "the sample must hold CJK text"
     assert any(ord(c) > 0x1F000 for t in texts for c in t), "the sample must hold emoji"

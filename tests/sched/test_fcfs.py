@@ -1,6 +1,6 @@
 """FCFS policy on hand-made snapshots where the right plan is known."""
-from engine.messages import Phase
-from sched.policy import Candidate, Limits, Snapshot, fcfs, fcfs_prefill_first
+from tandem.engine.messages import Phase
+from tandem.sched.policy import Candidate, Limits, Snapshot, fcfs, fcfs_prefill_first
 
 B = 4   # block size; a KV token-block costs 2 blocks
 

@@ -4,8 +4,8 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.messages import CacheType
-from sched.knapsack import (KnapsackParams, KnapsackRequest, blocks, greedy, plan_blocks,
+from tandem.engine.messages import CacheType
+from tandem.sched.knapsack import (KnapsackParams, KnapsackRequest, blocks, greedy, plan_blocks,
                             plan_value, value)
 
 KV, HID = CacheType.KV, CacheType.HIDDEN

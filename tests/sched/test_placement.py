@@ -5,7 +5,7 @@ from fractions import Fraction
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from sched.placement import (Category, Cluster, Epoch, MoveKind, Placement, category, place,
+from tandem.sched.placement import (Category, Cluster, Epoch, MoveKind, Placement, category, place,
                              violations)
 
 C = 48

@@ -4,14 +4,14 @@ import itertools
 
 import pytest
 
-from sched.llm import LLM
+from tandem.sched.llm import LLM
 from tests.sched.test_detok import EXTRA
 
 
 @pytest.fixture(scope="module")
 def tok():
-    from engine.models.loader import load_tokenizer, resolve_model
-    from sched.llm import DEFAULT_CACHE_DIR
+    from tandem.engine.models.loader import load_tokenizer, resolve_model
+    from tandem.sched.llm import DEFAULT_CACHE_DIR
     return load_tokenizer(resolve_model("smollm2", DEFAULT_CACHE_DIR))
 
 
@@ -23,7 +23,7 @@ def bare_llm(tokenizer, max_model_len: int) -> LLM:
 
 
 def test_tokens_never_stand_for_more_characters_than_the_bound_assumes(tok):
-    from bench.workloads import iter_sharegpt
+    from tandem.bench.workloads import iter_sharegpt
     longest = bare_llm(tok, 2048)._longest_token_chars
     assert longest and longest == max(len(t) for t in tok.get_vocab())
     runs = [max(tok.get_vocab(), key=len)] * 50

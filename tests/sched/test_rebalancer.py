@@ -5,10 +5,10 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-from sched.cost_model import CostModel, StepShape
-from sched.placement import Placement
-from sched.rebalancer import Budgets, Candidate, DeviceView, Rebalancer, split
-from sched.request import Transfer
+from tandem.sched.cost_model import CostModel, StepShape
+from tandem.sched.placement import Placement
+from tandem.sched.rebalancer import Budgets, Candidate, DeviceView, Rebalancer, split
+from tandem.sched.request import Transfer
 
 # a decode step of b requests at total context c costs 10 ms + 2 ms per request + 1 us per token;
 # a prefill token 0.5 ms

@@ -4,13 +4,13 @@ import random
 
 import pytest
 
-from bench.simulator import SimClock, SimDevice
-from cache import PoolGeometry
-from engine.messages import CacheType
-from engine.params import SamplingParams
-from sched.cost_model import CostModel, OnlineCostModel, StepShape
-from sched.request import Request
-from sched.scheduler import SchedConfig, Scheduler, make_policy
+from tandem.bench.simulator import SimClock, SimDevice
+from tandem.cache import PoolGeometry
+from tandem.engine.messages import CacheType
+from tandem.engine.params import SamplingParams
+from tandem.sched.cost_model import CostModel, OnlineCostModel, StepShape
+from tandem.sched.request import Request
+from tandem.sched.scheduler import SchedConfig, Scheduler, make_policy
 
 TRUE = CostModel(base=0.01, per_prefill_token=1e-4, per_prefill_attn=0.0, per_decode_token=1e-3,
                  per_decode_ctx=1e-6)

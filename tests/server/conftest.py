@@ -37,9 +37,9 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def tiny_chat_model(tmp_path_factory):
     """Tiny random Llama with SmolLM2's real tokenizer and chat template."""
-    from sched.llm import DEFAULT_CACHE_DIR
-    from engine.models.loader import resolve_model
-    from engine.models.tiny import write_tiny_model
+    from tandem.sched.llm import DEFAULT_CACHE_DIR
+    from tandem.engine.models.loader import resolve_model
+    from tandem.engine.models.tiny import write_tiny_model
     return write_tiny_model(tmp_path_factory.mktemp("tiny-chat"), "llama", seed=3,
                             tokenizer_from=resolve_model("smollm2", DEFAULT_CACHE_DIR))
 
@@ -52,7 +52,7 @@ def start_server(model_dir: Path, tmp: Path, *extra: str, inject: str = "") -> S
     args = ["--model", str(model_dir), "--port", str(port), "--api-key", API_KEY, "--data-dir",
             str(tmp / "data"), "--kv-cache-bytes", str(64 << 20), "--watch-parent", str(os.getpid()), *extra]
     launch = ["-m", "server"] if not inject else \
-        ["-c", inject + "\nimport sys\nfrom server.__main__ import main\nmain(sys.argv[1:])"]
+        ["-c", inject + "\nimport sys\nfrom tandem.server.__main__ import main\nmain(sys.argv[1:])"]
     cmd = [sys.executable, *launch, *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

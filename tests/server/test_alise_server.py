@@ -6,9 +6,9 @@ import urllib.request
 
 import numpy as np
 
-from predictor import LengthPredictor, Settings
-from predictor.data import Examples
-from predictor.train import train
+from tandem.predictor import LengthPredictor, Settings
+from tandem.predictor.data import Examples
+from tandem.predictor.train import train
 from tests.server.conftest import API_KEY, start_server, stop_server
 from tests.server.test_load import metric
 

@@ -5,8 +5,8 @@ import asyncio
 import re
 import urllib.request
 
-from bench.mixed import run_mixed
-from bench.workloads import TraceItem
+from tandem.bench.mixed import run_mixed
+from tandem.bench.workloads import TraceItem
 from tests.server.conftest import API_KEY
 
 

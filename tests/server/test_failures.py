@@ -14,7 +14,7 @@ from tests.server.conftest import API_KEY, start_server, stop_server
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 BROKEN_POLICY = """
-import sched.scheduler as s
+import tandem.sched.scheduler as s
 def _broken(cfg, cost):
     def policy(snapshot):
         raise RuntimeError("injected policy bug")
@@ -23,7 +23,7 @@ s.make_policy = _broken
 """
 
 RAISING_LINE = """
-import server.app as app
+import tandem.server.app as app
 _prepare = app.prepare
 async def prepare(engine, cfg, body, chat, force_be=False):
     if body.get("max_tokens") == 13:

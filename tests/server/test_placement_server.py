@@ -14,7 +14,7 @@ N, MAX_TOKENS = 10, 40
 
 @pytest.fixture(scope="module")
 def two_devices(tiny_chat_model, tmp_path_factory):
-    from engine.models.loader import load_spec
+    from tandem.engine.models.loader import load_spec
     spec = load_spec(tiny_chat_model)
     block_bytes = spec.num_layers * 16 * spec.unit * 4
     s = start_server(tiny_chat_model, tmp_path_factory.mktemp("placement"), "--devices", "cpu:2",

@@ -6,9 +6,9 @@ import urllib.request
 
 import pytest
 
-from bench.mixed import run_mixed
-from bench.online import server_counters
-from bench.workloads import TraceItem
+from tandem.bench.mixed import run_mixed
+from tandem.bench.online import server_counters
+from tandem.bench.workloads import TraceItem
 from tests.server.conftest import API_KEY, start_server, stop_server
 from tests.server.test_load import metric
 

@@ -20,7 +20,7 @@ async def complete(session, url, i):
 
 
 def test_swapped_requests_reply_as_if_alone(tiny_chat_model, tmp_path):
-    from engine.models.loader import load_spec
+    from tandem.engine.models.loader import load_spec
     spec = load_spec(tiny_chat_model)
     block_bytes = spec.num_layers * 16 * spec.unit * 4
     s = start_server(tiny_chat_model, tmp_path, "--preemption-mode", "swap", "--swap-dtype", "auto",
@@ -48,7 +48,7 @@ def test_swapped_requests_reply_as_if_alone(tiny_chat_model, tmp_path):
 def test_int8_cache_flag_reaches_the_pool(tiny_chat_model, tmp_path):
     """--kv-cache-dtype int8: the budget buys compressed blocks (values plus λ and lo per channel,
     after max_num_seqs requests' K and V open blocks at fp32), /metrics says so, and it serves."""
-    from engine.models.loader import load_spec
+    from tandem.engine.models.loader import load_spec
     spec = load_spec(tiny_chat_model)
     budget, seqs, B = 4 << 20, 8, 16
     full = spec.num_layers * B * spec.num_kv_heads * spec.head_dim * 4
