@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 from pathlib import Path
 import sys
@@ -10,6 +11,7 @@ import time
 from tandem.sched.rebalancer import PLACEMENTS
 from tandem.sched.scheduler import POLICIES, SchedConfig, cache_type_of
 from tandem.server.config import ServerConfig
+from tandem.server.connections import Limits
 
 
 def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
@@ -83,6 +85,13 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                          "such text is tokenized as plain text, so a user cannot forge a turn)")
     ap.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 2**20,
                     help="largest JSON request body (413 beyond, refused before it is read)")
+    ap.add_argument("--max-connections", type=int, default=d.limits.max_connections,
+                    help="open connections at most; beyond, the oldest idle one is closed, or the new one "
+                         "gets a 503 when all are serving requests (default: half the open-file limit, <= 4096)")
+    ap.add_argument("--header-timeout", type=float, default=d.limits.head_timeout_s,
+                    help="seconds an idle connection has to send a complete request head (then it is closed)")
+    ap.add_argument("--body-timeout", type=float, default=d.limits.body_timeout_s,
+                    help="seconds a request's body has to arrive after its head (then a 408)")
     ap.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"],
                     help="auto: bfloat16 where the CPU has AVX-512 BF16 or AMX (or the GPU supports it), else float32")
     ap.add_argument("--kv-cache-bytes", type=int, default=None)
@@ -98,6 +107,8 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                     swap_dtype=a.swap_dtype, kv_cache_dtype=a.kv_cache_dtype).check()
         if a.rebalance_interval <= 0:
             raise ValueError("rebalance-interval: must be positive")
+        if a.max_connections < 1 or a.header_timeout <= 0 or a.body_timeout <= 0:
+            raise ValueError("max-connections, header-timeout and body-timeout must be positive")
     except ValueError as e:
         ap.error(str(e))
     name = a.served_model_name or (a.model if a.model == "smollm2" else os.path.basename(a.model.rstrip("/")))
@@ -113,6 +124,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                         max_waiting=a.max_waiting, max_upload_bytes=int(a.max_upload_mb * 2**20),
                         max_body_bytes=int(a.max_body_mb * 2**20), chat_control_tokens=a.chat_control_tokens, dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
                         watch_parent=a.watch_parent, threads_per_worker=a.threads_per_worker,
+                        limits=Limits(a.max_connections, a.header_timeout, a.body_timeout),
                         # the server shares the cores with its workers: their OpenMP threads sleep
                         # between ops unless the user asked otherwise (an idle server then uses no CPU)
                         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY") or "PASSIVE")
@@ -128,7 +140,6 @@ def _length_source(cfg: ServerConfig):
 
 async def _watch_parent(pid: int) -> None:
     """Tests pass their pid: the server stops itself if that process goes away."""
-    import asyncio
     import signal
 
     async def watch():
@@ -147,11 +158,10 @@ def main(argv=None, prog: str = "python -m server") -> None:
     import logging
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("tandem").setLevel(logging.INFO)    # the runtime's own events (migrations, restarts)
-    from aiohttp import web
-
     from tandem.sched.async_engine import AsyncEngine
     from tandem.sched.llm import LLM
     from tandem.server.app import create_app
+    from tandem.server.connections import serve
     try:
         import uvloop
         uvloop.install()
@@ -179,8 +189,7 @@ def main(argv=None, prog: str = "python -m server") -> None:
     t0 = time.monotonic()
     print(f"tandem: listening on http://{cfg.host}:{cfg.port} (model {cfg.model!r} loading; "
           f"/health is 503 until ready)", flush=True)
-    web.run_app(app, host=cfg.host, port=cfg.port, print=None, handler_cancellation=True,
-                shutdown_timeout=30)
+    asyncio.run(serve(app, cfg.host, cfg.port, cfg.limits, shutdown_timeout=30))
     print(f"tandem: stopped after {time.monotonic() - t0:.0f} s", file=sys.stderr)
 
 

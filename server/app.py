@@ -21,6 +21,7 @@ from tandem.sched.lengths import prediction_text
 from tandem.sched.request import Request, ServiceClass
 from tandem.sched.runtime import error_id
 from tandem.server.config import ServerConfig
+from tandem.server.connections import GUARD, body_read, connections_middleware
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.metrics import Metrics
 from tandem.server.protocol import GenRequest, check_model, parse_chat, parse_completion
@@ -97,6 +98,7 @@ async def read_json(request: web.Request) -> dict:
     if (request.content_length or 0) > limit:          # refused before a byte of it is read
         raise ApiError(413, f"request body of {request.content_length} bytes is over the {limit}-byte limit")
     raw = await request.read()                          # a chunked one: aiohttp stops it at the limit
+    body_read(request)
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
@@ -350,6 +352,8 @@ async def health(request):
 
 
 async def metrics(request):
+    if (guard := request.app.get(GUARD)) is not None:
+        request.app[STATE].metrics.http_connections(guard.counts())
     return web.Response(body=request.app[STATE].metrics.render(),
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
@@ -357,7 +361,7 @@ async def metrics(request):
 def create_app(cfg: ServerConfig, build_engine) -> web.Application:
     """``build_engine()`` runs in a thread at start-up and returns an AsyncEngine."""
     # JSON bodies are read whole and capped here; file uploads stream their parts (routes_batch)
-    app = web.Application(middlewares=[errors_middleware, auth_middleware],
+    app = web.Application(middlewares=[connections_middleware, errors_middleware, auth_middleware],
                           client_max_size=cfg.max_body_bytes)
     state = AppState(cfg, Metrics(cfg.served_model_name))
     app[STATE] = state

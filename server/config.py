@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.paths import data_dir
+from tandem.server.connections import Limits
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,7 @@ class ServerConfig:
     max_upload_bytes: int = 200 << 20  # largest file upload
     chat_control_tokens: bool = False  # message text may spell template tokens (<|im_end|>, ...)
     max_body_bytes: int = 8 << 20      # largest JSON request body (413 beyond, before reading it)
+    limits: Limits = field(default_factory=Limits)   # open connections, head and body deadlines
     dtype: str = "auto"                # bfloat16 where the hardware has native bf16, else float32
     kv_cache_bytes: int | None = None
     watch_parent: int | None = None    # stop when this pid is gone (tests)

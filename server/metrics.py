@@ -55,6 +55,13 @@ class Metrics:
         self.migration_pause = Histogram("tandem:migration_pause_seconds", "Pause a migrated request saw: "
                                          "from leaving its device to its next token on the new one",
                                          ["model_name", "kind"], buckets=LATENCY_BUCKETS, registry=r)
+        self.connections = Gauge("tandem:http_connections", "Open HTTP connections: open (all), idle "
+                                 "(no request in progress)", ["state"], registry=r)
+        self.connections_closed = Counter("tandem:http_connections_closed", "Connections the server "
+                                          "closed itself: refused (503 at the cap, all busy), evicted (the "
+                                          "oldest idle one, to admit a new one), timed_out (head or body late)",
+                                          ["reason"], registry=r)
+        self._closed_seen: dict[str, int] = {}
         self.devices_active = Gauge("tandem:devices_active", "Devices holding at least one request "
                                     "(the others are idle)", ["model_name"], registry=r)
         self.device_pool = Gauge("tandem:device_pool_usage_perc", "Fraction of each device's pool blocks "
@@ -169,6 +176,14 @@ class Metrics:
                 self._seen[("pred", path)] = n
         for pred, real in src.drain():
             self.prediction_error.labels(self.model).observe(abs(pred - real))
+
+    def http_connections(self, counts: dict[str, int]) -> None:
+        """The connection guard's books (server.connections.ConnectionGuard.counts)."""
+        for state in ("open", "idle"):
+            self.connections.labels(state).set(counts[state])
+        for reason in ("refused", "evicted", "timed_out"):
+            self.connections_closed.labels(reason).inc(counts[reason] - self._closed_seen.get(reason, 0))
+            self._closed_seen[reason] = counts[reason]
 
     def render(self) -> bytes:
         with self._lock:

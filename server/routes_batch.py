@@ -6,6 +6,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from tandem.server.app import STATE, complete, json_response, prepare, read_json
 from tandem.server.batches import ENDPOINTS, WINDOWS, BatchRunner
+from tandem.server.connections import body_read
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.store import Store
 
@@ -55,6 +56,7 @@ async def upload_file(request: web.Request):
         raise bad_request("upload with multipart/form-data (fields 'purpose' and 'file')")
     try:
         purpose, data, filename = await _read_upload(request, request.app[STATE].cfg.max_upload_bytes)
+        body_read(request)
     except (ValueError, AssertionError, KeyError, RuntimeError, HttpProcessingError) as e:   # a bad body
         raise bad_request(f"malformed multipart/form-data body: {str(e) or type(e).__name__}") from None
     if purpose not in PURPOSES:

@@ -1,0 +1,225 @@
+"""Connections, below HTTP: a cap on how many are open, and deadlines for a request's head and
+body, so that clients that connect and send nothing (or send it slowly) cannot hold the
+server's file descriptors or its attention.
+
+Every accepted connection is wrapped in a ``Guarded`` protocol in front of aiohttp's own.
+A connection is *idle* from its accept until a request's head is parsed, and again from the
+end of each response until the next head (keep-alive). An idle connection is closed after
+``head_timeout_s``. A request's body must arrive within ``body_timeout_s`` of its head;
+otherwise the client gets a 408 and the connection is closed. At the cap, a new connection
+closes the oldest idle one in its place. Only when every open connection is serving a request
+does the new one get a 503 and close. A flood of half-open connections therefore never locks
+out a client that is really talking.
+"""
+from __future__ import annotations
+
+import asyncio
+import resource
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import orjson
+from aiohttp import web
+
+from tandem.server.errors import ApiError
+
+
+def default_max_connections() -> int:
+    """Half the process's open-file limit (the rest: worker pipes, files, the database), at most 4096."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = soft if soft != resource.RLIM_INFINITY else 1 << 16
+    return max(16, min(4096, limit // 2))
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_connections: int = field(default_factory=default_max_connections)
+    head_timeout_s: float = 15.0     # idle: from accept (or a response's end) to the next request head
+    body_timeout_s: float = 60.0     # from a request's head to the last byte of its body
+
+
+def _raw_response(status: int, reason: str, error: ApiError) -> bytes:
+    body = orjson.dumps(error.body())
+    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    return head + body
+
+
+BUSY = _raw_response(503, "Service Unavailable", ApiError(
+    503, "too many open connections; retry shortly", type="service_unavailable"))
+BODY_TIMEOUT = _raw_response(408, "Request Timeout", ApiError(
+    408, "the request body did not arrive in time", type="invalid_request_error"))
+
+
+class Guarded(asyncio.Protocol):
+    """One connection: aiohttp's protocol behind the guard's books and timers."""
+
+    def __init__(self, guard: ConnectionGuard):
+        self.guard = guard
+        self.inner: asyncio.Protocol | None = None
+        self.transport: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.busy = False
+
+    # asyncio.Protocol: forwarded to aiohttp's handler once admitted
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        if not self.guard.admit(self):
+            transport.write(BUSY)
+            transport.close()
+            return
+        self.inner = self.guard.factory()
+        self.inner.connection_made(transport)
+        self.idle()
+
+    def data_received(self, data: bytes) -> None:
+        if self.inner is not None:
+            self.inner.data_received(data)
+
+    def eof_received(self):
+        return self.inner.eof_received() if self.inner is not None else None
+
+    def connection_lost(self, exc) -> None:
+        self._cancel()
+        self.guard.forget(self)
+        if self.inner is not None:
+            self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.resume_writing()
+
+    # the request cycle, told by the middleware
+    def begin(self, has_body: bool) -> None:
+        """A request's head was parsed: not idle; its body (if any) now has a deadline."""
+        self.busy = True
+        self.guard.idle.pop(self, None)
+        self._cancel()
+        if has_body:
+            self._arm(self.guard.limits.body_timeout_s, self._body_late)
+
+    def body_read(self) -> None:
+        self._cancel()
+
+    def idle(self) -> None:
+        """No request in progress: the next head must come within the head timeout."""
+        self.busy = False
+        self.guard.idle[self] = None
+        self.guard.idle.move_to_end(self)
+        self._arm(self.guard.limits.head_timeout_s, self._head_late)
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def _head_late(self) -> None:
+        self.guard.timed_out += 1
+        self.close()
+
+    def _body_late(self) -> None:
+        self.guard.timed_out += 1
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(BODY_TIMEOUT)
+        self.close()
+
+    def _arm(self, delay: float, fn) -> None:
+        self._cancel()
+        self.timer = asyncio.get_running_loop().call_later(delay, fn)
+
+    def _cancel(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+
+class ConnectionGuard:
+    """The books over all open connections; ``protocol`` is the server's protocol factory."""
+
+    def __init__(self, factory, limits: Limits):
+        self.factory, self.limits = factory, limits
+        self.open: dict[object, Guarded] = {}           # by transport
+        self.idle: OrderedDict[Guarded, None] = OrderedDict()   # oldest first
+        self.refused = self.evicted = self.timed_out = 0
+
+    def protocol(self) -> Guarded:
+        return Guarded(self)
+
+    def admit(self, conn: Guarded) -> bool:
+        """Room for ``conn``: under the cap, or made by closing the oldest idle connection."""
+        if len(self.open) >= self.limits.max_connections:
+            if not self.idle:
+                self.refused += 1
+                return False
+            oldest, _ = self.idle.popitem(last=False)
+            self.open.pop(oldest.transport, None)
+            oldest.close()
+            self.evicted += 1
+        self.open[conn.transport] = conn
+        return True
+
+    def forget(self, conn: Guarded) -> None:
+        if self.open.get(conn.transport) is conn:
+            del self.open[conn.transport]
+        self.idle.pop(conn, None)
+
+    def of(self, transport) -> Guarded | None:
+        return self.open.get(transport)
+
+    def counts(self) -> dict[str, int]:
+        return {"open": len(self.open), "idle": len(self.idle), "refused": self.refused,
+                "evicted": self.evicted, "timed_out": self.timed_out}
+
+
+GUARD = web.AppKey("connection_guard", ConnectionGuard)
+
+
+def connection(request: web.Request) -> Guarded | None:
+    """The guarded connection a request came on (None when the app runs without a guard)."""
+    guard = request.app.get(GUARD)
+    return guard.of(request.transport) if guard is not None else None
+
+
+def body_read(request: web.Request) -> None:
+    """The request's body has been read whole: its deadline no longer applies."""
+    if (conn := connection(request)) is not None:
+        conn.body_read()
+
+
+@web.middleware
+async def connections_middleware(request: web.Request, handler):
+    """Tell the request's connection when a request starts and ends (the head/body deadlines)."""
+    conn = connection(request)
+    if conn is None:
+        return await handler(request)
+    conn.begin(request.body_exists)
+    try:
+        return await handler(request)
+    finally:
+        if not conn.transport.is_closing():
+            conn.idle()
+
+
+async def serve(app: web.Application, host: str, port: int, limits: Limits, *,
+                shutdown_timeout: float = 30.0) -> None:
+    """Serve ``app`` behind a ConnectionGuard until SIGINT or SIGTERM, then shut it down as
+    aiohttp's run_app does (connections closed, the app's cleanup run)."""
+    import signal
+    guard = ConnectionGuard(None, limits)
+    app[GUARD] = guard
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout)
+    await runner.setup()
+    guard.factory = runner.server
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(guard.protocol, host, port, backlog=1024, reuse_address=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        server.close()
+        await runner.cleanup()

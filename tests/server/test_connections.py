@@ -1,0 +1,194 @@
+"""Clients that connect and send nothing, send slowly or send too much cannot lock others out.
+
+Each test talks raw TCP to the real server on loopback and checks the server's state through
+a fresh client: /health, a normal completion, /metrics and the process's own file descriptors
+and memory (/proc).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.server.conftest import API_KEY, start_server, stop_server
+
+AUTH = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+SERVER_FILES = 1024          # the flood server's open-file limit: far fewer than the flood's sockets
+
+
+def get(url: str, timeout: float = 10) -> tuple[int, bytes]:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.status, r.read()
+
+
+def complete(url: str) -> dict:
+    req = urllib.request.Request(url + "/v1/completions", method="POST", headers=AUTH,
+                                 data=json.dumps({"prompt": "Hello", "max_tokens": 3}).encode())
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def counter(url: str, name: str, **labels) -> float:
+    text = get(url + "/metrics")[1].decode()
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    m = re.search(rf"^{re.escape(name)}\{{{re.escape(want)}\}} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def proc_status(pid: int) -> tuple[int, int]:
+    """(open file descriptors, resident KiB) of a process."""
+    rss = int(re.search(r"VmRSS:\s+(\d+)", open(f"/proc/{pid}/status").read()).group(1))
+    return len(os.listdir(f"/proc/{pid}/fd")), rss
+
+
+def addr(srv) -> tuple[str, int]:
+    host, port = srv.url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def recv_all(sock: socket.socket, timeout: float) -> bytes:
+    sock.settimeout(timeout)
+    out = b""
+    try:
+        while chunk := sock.recv(65536):
+            out += chunk
+    except (socket.timeout, ConnectionResetError):
+        pass
+    return out
+
+
+@pytest.fixture(scope="module")
+def flood_server(tiny_chat_model, tmp_path_factory):
+    """A server whose open-file limit is lower than the number of connections thrown at it."""
+    inject = ("import resource\n"
+              f"resource.setrlimit(resource.RLIMIT_NOFILE, ({SERVER_FILES}, "
+              "resource.getrlimit(resource.RLIMIT_NOFILE)[1]))")
+    s = start_server(tiny_chat_model, tmp_path_factory.mktemp("flood"), inject=inject)
+    yield s
+    stop_server(s)
+
+
+@pytest.fixture(scope="module")
+def strict_server(tiny_chat_model, tmp_path_factory):
+    s = start_server(tiny_chat_model, tmp_path_factory.mktemp("strict"), "--max-connections", "6",
+                     "--header-timeout", "1", "--body-timeout", "1.5", "--max-body-mb", "200")
+    yield s
+    stop_server(s)
+
+
+def test_twenty_thousand_half_open_connections(flood_server):
+    """20,000 connections that never send a byte, up to 4,000 of them held at once (four times the
+    server's whole file limit): a fresh client still gets /health and a completion."""
+    total, held_max = 20_000, 4_000
+    fds_before, _ = proc_status(flood_server.proc.pid)
+    held: list[socket.socket] = []
+    try:
+        for _ in range(total):
+            held.append(socket.create_connection(addr(flood_server), timeout=10))
+            if len(held) > held_max:
+                held.pop(0).close()
+        t0 = time.monotonic()
+        status, body = get(flood_server.url + "/health", timeout=10)
+        assert status == 200 and json.loads(body)["status"] == "ok"
+        assert time.monotonic() - t0 < 5
+        assert complete(flood_server.url)["choices"][0]["text"] is not None
+        fds, _ = proc_status(flood_server.proc.pid)
+        assert fds <= SERVER_FILES, f"{fds} open files against a limit of {SERVER_FILES}"
+    finally:
+        for s in held:
+            s.close()
+    assert counter(flood_server.url, "tandem:http_connections_closed_total", reason="evicted") > 0
+    assert flood_server.proc.poll() is None
+    assert proc_status(flood_server.proc.pid)[0] <= fds_before + 16
+
+
+def test_idle_connection_closed_after_the_head_timeout(strict_server):
+    with socket.create_connection(addr(strict_server)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")       # a head never finished
+        t0 = time.monotonic()
+        assert recv_all(s, timeout=10) == b""                            # closed, nothing said
+        assert 0.5 < time.monotonic() - t0 < 5
+    assert counter(strict_server.url, "tandem:http_connections_closed_total", reason="timed_out") >= 1
+
+
+def test_slow_body_gets_408(strict_server):
+    with socket.create_connection(addr(strict_server)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode()
+                  + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+        reply = recv_all(s, timeout=10)
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    body = json.loads(reply.split(b"\r\n\r\n", 1)[1])
+    assert body["error"]["message"] and body["error"]["type"] == "invalid_request_error"
+    assert complete(strict_server.url)["choices"]
+
+
+def test_503_beyond_the_cap_only_when_every_connection_is_busy(strict_server):
+    """Six connections each in the middle of a request (body still arriving) fill the cap: a
+    seventh is answered 503 with the JSON error and closed. Once they end, clients are served."""
+    busy = []
+    try:
+        for _ in range(6):
+            s = socket.create_connection(addr(strict_server))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode()
+                      + b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+            busy.append(s)
+        time.sleep(0.3)
+        with socket.create_connection(addr(strict_server)) as s:
+            reply = recv_all(s, timeout=5)
+        assert reply.startswith(b"HTTP/1.1 503"), reply[:200]
+        assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "service_unavailable"
+    finally:
+        for s in busy:
+            s.close()
+    time.sleep(0.3)
+    assert get(strict_server.url + "/health")[0] == 200
+    assert counter(strict_server.url, "tandem:http_connections_closed_total", reason="refused") >= 1
+
+
+def test_100_mib_prompt_refused_fast_with_health_answering(strict_server):
+    """A 100 MiB prompt under a 200 MiB body limit: refused in under a second once sent, /health
+    answers all along, and the server's memory goes back to where it was."""
+    pid = strict_server.proc.pid
+    _, rss_before = proc_status(pid)
+    body = json.dumps({"model": strict_server.model, "prompt": "ab " * ((100 << 20) // 3)}).encode()
+    health: list[float] = []
+    done = threading.Event()
+
+    def poll():
+        while not done.is_set():
+            t0 = time.monotonic()
+            try:
+                ok = get(strict_server.url + "/health", timeout=5)[0] == 200
+            except OSError:
+                ok = False
+            health.append(time.monotonic() - t0 if ok else float("inf"))
+            time.sleep(0.05)
+    watcher = threading.Thread(target=poll)
+    watcher.start()
+    try:
+        req = urllib.request.Request(strict_server.url + "/v1/completions", method="POST", headers=AUTH,
+                                     data=body)
+        t0 = time.monotonic()
+        try:
+            urllib.request.urlopen(req, timeout=30)
+            status, reply = 200, b""
+        except urllib.error.HTTPError as e:
+            status, reply = e.code, e.read()
+        elapsed = time.monotonic() - t0
+    finally:
+        done.set()
+        watcher.join()
+    assert status == 400 and "context" in json.loads(reply)["error"]["message"]
+    assert elapsed < 1.0 + len(body) / 200e6, f"{elapsed:.2f} s"     # the upload itself at >= 200 MB/s
+    assert health and max(health) < 1.0, f"/health took up to {max(health):.2f} s"
+    time.sleep(1)
+    _, rss_after = proc_status(pid)
+    assert rss_after < rss_before + 64 * 1024, f"RSS {rss_before} -> {rss_after} KiB"
+    assert complete(strict_server.url)["choices"]
