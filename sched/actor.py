@@ -100,6 +100,7 @@ class DeviceActor:
         self.dead: str | None = None      # why this device no longer serves
         self.t_avg = 0.0                  # EWMA of iteration wall time (BROS's T_avg)
         self.step_id = 0
+        self.last_plan = Plan()
         self.num_preemptions = 0
         self.preemptions_by_class: Counter = Counter()
         self.tokens_by_cache_type: Counter = Counter()
@@ -206,6 +207,7 @@ class DeviceActor:
         self.step_id += 1
         t0 = self.clock()
         plan = self.policy(self.snapshot()) if self.has_work() else Plan()
+        self.last_plan = plan                   # why each request waits or runs (status endpoint)
         inp, shape = self._apply(plan)
         if (inp.scheduled or inp.finished_ids or inp.reset_ids or inp.new_requests or inp.imports
                 or inp.offloads):

@@ -133,6 +133,7 @@ class Alise:
         running = {c.req_id: c for c in snap.running}
         tokens_left, shape = lim.max_num_batched_tokens, StepShape()
         rt_limit = math.inf
+        plan.levels = {c.req_id: key[1] for key, c, _ in keyed}
         for key, c, _ in keyed:
             if c.req_id in plan.preempted:
                 continue

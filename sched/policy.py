@@ -74,6 +74,8 @@ class Plan:
     # swapping, those expected back soonest keep their cache in host memory first. Empty: the
     # policy has no estimate, and arrival order stands in for it
     ewt: dict[str, float] = field(default_factory=dict)
+    # the priority level the policy gave each request it ordered (ALISE's levels; empty otherwise)
+    levels: dict[str, int] = field(default_factory=dict)
 
 
 def _blocks(snap: Snapshot, num_tokens: int, c: Candidate | None = None) -> int:

@@ -26,7 +26,8 @@ from tandem.server.errors import ApiError, bad_request
 from tandem.server.metrics import Metrics
 from tandem.server.protocol import GenRequest, check_model, parse_chat, parse_completion
 
-OPEN_PATHS = ("/health", "/metrics")
+OPEN_PATHS = ("/health", "/metrics", "/status", "/dashboard")   # what /metrics shows, no request text
+DASHBOARD = Path(__file__).parent / "static" / "dashboard.html"
 log = logging.getLogger(__name__)
 
 
@@ -129,7 +130,8 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
     """Validate a body and build its n engine Requests (raises ApiError). The prompt is tokenized
     on a worker thread: a long one never holds up the event loop."""
     model = check_model(body, cfg.served_model_name)
-    defaults = dict(default_ttft_s=cfg.slo_ttft_ms / 1000, default_tbt_s=cfg.slo_tbt_ms / 1000)
+    defaults = dict(default_ttft_s=None, default_tbt_s=None) if force_be else \
+        dict(default_ttft_s=cfg.slo_ttft_ms / 1000, default_tbt_s=cfg.slo_tbt_ms / 1000)  # RT targets only
     gen = parse_chat(body, **defaults) if chat else parse_completion(body, **defaults)
     if force_be:                      # batch-job lines are best-effort whatever they ask
         gen.service_class = ServiceClass.BE
@@ -351,6 +353,27 @@ async def health(request):
     return json_response({"status": "ok"})
 
 
+async def status(request):
+    """The dashboard's data: per device the pool by owner and cache type, requests per class with
+    why each waits (and its level under alise), tokens/s; SLO attainment over the last minutes;
+    batch jobs' progress; connections."""
+    from tandem.server.routes_batch import batch_progress
+    st = request.app[STATE]
+    out = st.metrics.status() | {
+        "status": "ok" if st.engine is not None and st.engine.serving() else
+                  ("failed" if st.load_error else "loading" if st.engine is None else "unavailable"),
+        "policy": st.cfg.policy, "uptime_s": round(time.time() - st.created, 1),
+        "slo_targets_ms": {"ttft": st.cfg.slo_ttft_ms, "tbt": st.cfg.slo_tbt_ms},
+        "batches": batch_progress(request.app)}
+    if (guard := request.app.get(GUARD)) is not None:
+        out["connections"] = guard.counts()
+    return json_response(out)
+
+
+async def dashboard(request):
+    return web.FileResponse(DASHBOARD, headers={"Cache-Control": "no-cache"})
+
+
 async def metrics(request):
     if (guard := request.app.get(GUARD)) is not None:
         request.app[STATE].metrics.http_connections(guard.counts())
@@ -370,6 +393,8 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/status", status)
+    app.router.add_get("/dashboard", dashboard)
     from tandem.server import routes_batch
     routes_batch.add_routes(app)
 

@@ -74,11 +74,21 @@ def validate_lines(raw: bytes, endpoint: str) -> tuple[list[tuple[int, str, dict
 
 
 class BatchRunner:
+    """Runs every active batch. ``concurrency`` bounds the lines in flight across all batches
+    together (what the scheduler can run at once): more would only wait in its queue."""
+
     def __init__(self, store: Store, run_line: RunLine, concurrency: int):
         self.store = store
         self.run_line = run_line
         self.concurrency = max(1, concurrency)
         self.tasks: dict[str, asyncio.Task] = {}
+        self._slots: asyncio.Semaphore | None = None
+
+    @property
+    def slots(self) -> asyncio.Semaphore:
+        if self._slots is None:              # made inside the running loop
+            self._slots = asyncio.Semaphore(self.concurrency)
+        return self._slots
 
     def resume_all(self) -> None:
         for bid in self.store.active_batches():
@@ -122,11 +132,10 @@ class BatchRunner:
             self._finalize(bid, "expired")
 
     async def _run_lines(self, bid: str, chat: bool, expires_at: int) -> None:
-        sem = asyncio.Semaphore(self.concurrency)
         stop = asyncio.Event()
 
         async def one(line_no: int, body: dict) -> None:
-            async with sem:
+            async with self.slots:
                 if stop.is_set():
                     return
                 code, resp = await self._attempts(bid, line_no, body, chat)

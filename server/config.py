@@ -18,7 +18,7 @@ class ServerConfig:
     data_dir: str = field(default_factory=lambda: str(data_dir()))   # XDG data dir, outside any checkout
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    policy: str = "fcfs"
+    policy: str = "bros"               # keeps RT targets while batch jobs run
     bidirectional_blocks: bool = False  # BROS shared RT/BE blocks with lazy checkpointing
     cache_type: str = "kv"             # kv, or hidden: every request keeps layer inputs (Apt-Serve)
     hybrid_cache: bool = True          # aptserve: offer hidden caches (False: the KV-only ablation)

@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
 CLASSES = ("rt", "be")
+SLO_WINDOW_S = 300.0       # the status endpoint's SLO attainment: requests finished in the last 5 minutes
+RATE_WINDOW_S = 10.0       # its tokens/s: over the last 10 seconds of steps
 
 
 class Metrics:
@@ -82,6 +86,9 @@ class Metrics:
         self.lengths = None                      # the engine's LengthSource, when it predicts
         self._seen: dict = {}
         self._devices: dict[int, tuple] = {}     # device index -> its last load, pool, size, T_avg
+        self._status: dict[int, dict] = {}       # device index -> sched.status.device_status after its step
+        self._token_samples: dict[int, deque] = {}   # device index -> (clock, tokens computed) samples
+        self._slo_window: deque = deque()        # (clock, class, ttft met, tbt met) of finished requests
         self._lock = threading.Lock()
 
     def cache_configured(self, block_size: int, cache_dtype: str, num_blocks: int) -> None:
@@ -91,8 +98,16 @@ class Metrics:
         """Gauges and counters from one device actor, summed over devices; called on that actor's
         thread after each of its steps (it alone changes its books)."""
         from tandem.sched.scheduler import load_by_class, pool_view
+        from tandem.sched.status import device_status
         load = {c.value: v for c, v in load_by_class([actor]).items()}
+        now = time.monotonic()
+        status = device_status(actor, now) | {"migrations_in": actor.moves_total}
         with self._lock:
+            self._status[actor.index] = status
+            samples = self._token_samples.setdefault(actor.index, deque())
+            samples.append((now, status["tokens_computed"]))
+            while len(samples) > 2 and samples[1][0] < now - RATE_WINDOW_S:
+                samples.popleft()
             self._devices[actor.index] = (load, pool_view([actor]), actor.pool.geometry.num_blocks, actor.t_avg,
                                           bool(actor.states))
             devices = list(self._devices.values())
@@ -159,9 +174,13 @@ class Metrics:
         gaps = [b - a for a, b in zip(token_times, token_times[1:])]
         for g in gaps:
             self.itl.labels(*m).observe(g)
+        if slo_ttft_s is None and slo_tbt_s is None:     # best-effort work without targets
+            return
         ttft_ok = slo_ttft_s is None or ttft <= slo_ttft_s
         p99 = sorted(gaps)[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else 0.0
         tbt_ok = slo_tbt_s is None or p99 <= slo_tbt_s
+        with self._lock:
+            self._slo_window.append((time.monotonic(), cls, ttft_ok, tbt_ok))
         for name, ok in (("ttft", ttft_ok), ("tbt", tbt_ok), ("both", ttft_ok and tbt_ok)):
             self.slo.labels(*m, name, str(ok).lower()).inc()
 
@@ -184,6 +203,30 @@ class Metrics:
         for reason in ("refused", "evicted", "timed_out"):
             self.connections_closed.labels(reason).inc(counts[reason] - self._closed_seen.get(reason, 0))
             self._closed_seen[reason] = counts[reason]
+
+    def status(self) -> dict:
+        """Per device state (pool, classes, requests, tokens/s over the last RATE_WINDOW_S) and SLO
+        attainment per class over the last SLO_WINDOW_S: the status endpoint's data."""
+        now = time.monotonic()
+        with self._lock:
+            while self._slo_window and self._slo_window[0][0] < now - SLO_WINDOW_S:
+                self._slo_window.popleft()
+            window = list(self._slo_window)
+            devices = []
+            for index in sorted(self._status):
+                samples = self._token_samples[index]
+                (t0, n0), (t1, n1) = samples[0], samples[-1]
+                rate = (n1 - n0) / (now - t0) if now > t0 and t1 > t0 else 0.0
+                devices.append(self._status[index] | {"tokens_per_s": round(rate, 1)})
+        slo = {}
+        for cls in CLASSES:
+            rows = [w for w in window if w[1] == cls]
+            n = len(rows)
+            slo[cls] = {"requests": n, "ttft": sum(w[2] for w in rows) / n if n else None,
+                        "tbt": sum(w[3] for w in rows) / n if n else None,
+                        "both": sum(w[2] and w[3] for w in rows) / n if n else None}
+        return {"model": self.model, "devices": devices, "slo_window_s": SLO_WINDOW_S, "slo": slo,
+                "tokens_per_s": round(sum(d["tokens_per_s"] for d in devices), 1)}
 
     def render(self) -> bytes:
         with self._lock:

@@ -114,10 +114,11 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
         raise bad_request("'service_tier' must be one of auto, default, flex", param="service_tier")
     ttft = _get(body, "slo_ttft_ms", "num", None, lambda x: x > 0, "must be > 0")
     tbt = _get(body, "slo_tbt_ms", "num", None, lambda x: x > 0, "must be > 0")
+    be = tier == "flex"         # best-effort: no latency target unless the request sets one
     extra = dict(n=n, stream=stream, include_usage=bool(so and so.get("include_usage")),
-                 service_class=ServiceClass.BE if tier == "flex" else ServiceClass.RT,
-                 slo_ttft_s=ttft / 1000 if ttft else default_ttft_s,
-                 slo_tbt_s=tbt / 1000 if tbt else default_tbt_s,
+                 service_class=ServiceClass.BE if be else ServiceClass.RT,
+                 slo_ttft_s=ttft / 1000 if ttft else None if be else default_ttft_s,
+                 slo_tbt_s=tbt / 1000 if tbt else None if be else default_tbt_s,
                  max_tokens_given=max_tokens is not None)
     return sp, extra
 

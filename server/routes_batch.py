@@ -1,6 +1,8 @@
 """Files and Batch API routes (OpenAI semantics), backed by server/store.py and server/batches.py."""
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
@@ -13,6 +15,7 @@ from tandem.server.store import Store
 STORE = web.AppKey("store", Store)
 RUNNER = web.AppKey("runner", BatchRunner)
 PURPOSES = ("batch", "user_data")
+ADMISSION_POLL_S = 0.1
 
 
 def add_routes(app: web.Application) -> None:
@@ -22,9 +25,11 @@ def add_routes(app: web.Application) -> None:
 
     async def run_line(body: dict, chat: bool):
         engine = app[STATE].engine
+        while engine.num_waiting() >= cfg.max_waiting:   # admission control: a line waits for room
+            await asyncio.sleep(ADMISSION_POLL_S)
         p = await prepare(engine, app[STATE].cfg, body, chat, force_be=True)
         return 200, await complete(engine, app[STATE], p, chat)
-    app[RUNNER] = BatchRunner(store, run_line, concurrency=2 * cfg.max_num_seqs)
+    app[RUNNER] = BatchRunner(store, run_line, concurrency=cfg.max_num_seqs)
     r = app.router
     r.add_post("/v1/files", upload_file)
     r.add_get("/v1/files", list_files)
@@ -35,6 +40,16 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/v1/batches", list_batches)
     r.add_get("/v1/batches/{id}", get_batch)
     r.add_post("/v1/batches/{id}/cancel", cancel_batch)
+
+
+def batch_progress(app: web.Application, recent: int = 10) -> list[dict]:
+    """The most recent batches (active ones first): id, status, request_counts."""
+    store = app[STORE]
+    active = store.active_batches()
+    listed, _ = store.list_batches(recent, None)
+    rows = [store.get_batch(b) for b in active] + [b for b in listed if b["id"] not in active]
+    return [{"id": b["id"], "status": b["status"], "endpoint": b["endpoint"],
+             "request_counts": b["request_counts"], "created_at": b["created_at"]} for b in rows if b]
 
 
 def engine_ready(app: web.Application) -> None:

@@ -1,0 +1,47 @@
+"""One device's state as plain JSON-ready data, for the status endpoint and the dashboard. Built
+on the device actor's own thread right after its step (it alone changes its books), so the
+numbers of one device are taken at one instant."""
+from __future__ import annotations
+
+from collections import Counter
+
+from tandem.engine.messages import CacheType
+from tandem.sched.scheduler import load_by_class, pool_view
+
+MAX_LISTED = 256          # requests listed per device (the oldest first); the counts cover them all
+
+
+def device_status(actor, now: float) -> dict:
+    """Pool by owner and by cache type, requests running and waiting per class, and each
+    request's place: running or waiting, why (the policy's last word on it), its level."""
+    load = {c.value: {"running": v[0], "waiting": v[1], "blocks": v[2]} for c, v in load_by_class([actor]).items()}
+    by_type: Counter = Counter()
+    plan = actor.last_plan
+    requests = []
+    for state, ids in (("running", actor.running), ("waiting", actor.waiting)):
+        for rid in list(ids):
+            st = actor.states.get(rid)
+            if st is None:
+                continue
+            blocks = actor.pool.num_blocks_of(rid)
+            by_type[st.cache_type.value] += blocks
+            if len(requests) >= MAX_LISTED:
+                continue
+            r = st.request
+            requests.append({
+                "id": rid, "class": r.service_class.value, "state": state, "cache_type": st.cache_type.value,
+                "prompt_tokens": len(r.prompt_token_ids), "generated": len(st.output_token_ids),
+                "predicted_len": r.predicted_len, "blocks": blocks, "age_s": round(now - r.arrival_time, 3),
+                "level": plan.levels.get(rid), "why": plan.reasons.get(rid), "preemptions": st.num_preemptions,
+                "swapped": actor.host is not None and rid in actor.host})
+    geometry = actor.pool.geometry
+    return {
+        "index": actor.index, "name": actor.device.name, "dead": actor.dead,
+        "pool": {"total": geometry.num_blocks, **pool_view([actor]),
+                 "by_cache_type": {t.value: by_type.get(t.value, 0) for t in CacheType}},
+        "classes": {c: load.get(c, {"running": 0, "waiting": 0, "blocks": 0}) for c in ("rt", "be")},
+        "iteration_s": actor.t_avg, "steps": actor.step_id, "preemptions": actor.num_preemptions,
+        "tokens_computed": sum(actor.tokens_by_cache_type.values()),
+        "swaps": dict(actor.swaps), "host_pool_bytes": actor.host.used if actor.host is not None else 0,
+        "requests": requests,
+    }
