@@ -26,7 +26,7 @@ from tandem.server.errors import ApiError, bad_request
 from tandem.server.metrics import Metrics
 from tandem.server.protocol import GenRequest, check_model, parse_chat, parse_completion
 
-OPEN_PATHS = ("/health", "/metrics", "/status", "/dashboard")   # what /metrics shows, no request text
+OPEN_PATHS = ("/health", "/metrics", "/status", "/dashboard", "/openapi.json")   # what /metrics shows, no request text
 DASHBOARD = Path(__file__).parent / "static" / "dashboard.html"
 log = logging.getLogger(__name__)
 
@@ -370,6 +370,11 @@ async def status(request):
     return json_response(out)
 
 
+async def openapi(request):
+    from tandem.server.openapi import document
+    return json_response(document())
+
+
 async def dashboard(request):
     return web.FileResponse(DASHBOARD, headers={"Cache-Control": "no-cache"})
 
@@ -395,6 +400,7 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/status", status)
     app.router.add_get("/dashboard", dashboard)
+    app.router.add_get("/openapi.json", openapi)
     from tandem.server import routes_batch
     routes_batch.add_routes(app)
 

@@ -7,9 +7,10 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from tandem.server.app import STATE, complete, json_response, prepare, read_json
-from tandem.server.batches import ENDPOINTS, WINDOWS, BatchRunner
+from tandem.server.batches import WINDOWS, BatchRunner
 from tandem.server.connections import body_read
 from tandem.server.errors import ApiError, bad_request
+from tandem.server.schema import BATCH_BODY, validate
 from tandem.server.store import Store
 
 STORE = web.AppKey("store", Store)
@@ -131,23 +132,13 @@ async def delete_file(request):
 
 async def create_batch(request):
     body = await read_json(request)
-    fid = body.get("input_file_id")
-    if not isinstance(fid, str):
-        raise bad_request("'input_file_id' must be a string", param="input_file_id")
+    validate(body, BATCH_BODY)
+    fid, endpoint = body["input_file_id"], body["endpoint"]
     f = _found(_store(request).get_file(fid), "file", fid)
     if f["purpose"] != "batch":
         raise bad_request("the input file's purpose must be 'batch'", param="input_file_id")
-    endpoint = body.get("endpoint")
-    if endpoint not in ENDPOINTS:
-        raise bad_request(f"'endpoint' must be one of {', '.join(ENDPOINTS)}", param="endpoint")
-    window = body.get("completion_window", "24h")
-    if window not in WINDOWS:
-        raise bad_request("'completion_window' must be '24h'", param="completion_window")
-    meta = body.get("metadata")
-    if meta is not None and (not isinstance(meta, dict) or len(meta) > 16 or not all(
-            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in meta.items())):
-        raise bad_request("'metadata' must map up to 16 string keys to string values", param="metadata")
-    b = _store(request).add_batch(fid, endpoint, WINDOWS[window], window, meta)
+    window = body.get("completion_window") or "24h"
+    b = _store(request).add_batch(fid, endpoint, WINDOWS[window], window, body.get("metadata"))
     if request.app[STATE].engine is not None:
         request.app[RUNNER].start(b["id"])      # else it starts when the model is ready
     return json_response(b)

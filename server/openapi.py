@@ -1,0 +1,121 @@
+"""The OpenAPI 3.1 document served at /openapi.json. Request bodies are server.schema's dicts,
+the same ones the server validates with; responses describe what the handlers return."""
+from __future__ import annotations
+
+from tandem.server.schema import BATCH_BODY, CHAT_BODY, COMPLETION_BODY
+
+ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
+    k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", "error", None]}
+
+
+def _completion(object_name: str, choice: dict) -> dict:
+    return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
+        "id": {"type": "string"}, "object": {"const": object_name}, "created": {"type": "integer"},
+        "model": {"type": "string"}, "usage": USAGE,
+        "choices": {"type": "array", "items": {"type": "object", "required": ["index", "finish_reason"],
+                                               "properties": {"index": {"type": "integer"},
+                                                              "finish_reason": FINISH, **choice}}}}}
+
+
+CHAT_COMPLETION = _completion("chat.completion", {"message": {
+    "type": "object", "required": ["role", "content"],
+    "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]}}}})
+COMPLETION = _completion("text_completion", {"text": {"type": "string"}})
+FILE = {"type": "object", "required": ["id", "object", "bytes", "created_at", "filename", "purpose"], "properties": {
+    "id": {"type": "string"}, "object": {"const": "file"}, "bytes": {"type": "integer"},
+    "created_at": {"type": "integer"}, "filename": {"type": "string"}, "purpose": {"type": "string"}}}
+COUNTS = {"type": "object", "required": ["total", "completed", "failed"],
+          "properties": {k: {"type": "integer", "minimum": 0} for k in ("total", "completed", "failed")}}
+BATCH = {"type": "object", "required": ["id", "object", "endpoint", "input_file_id", "completion_window", "status",
+                                        "request_counts", "created_at"], "properties": {
+    "id": {"type": "string"}, "object": {"const": "batch"}, "endpoint": {"type": "string"},
+    "input_file_id": {"type": "string"}, "completion_window": {"type": "string"},
+    "status": {"enum": ["validating", "failed", "in_progress", "finalizing", "completed", "expired",
+                        "cancelling", "cancelled"]},
+    "output_file_id": {"type": ["string", "null"]}, "error_file_id": {"type": ["string", "null"]},
+    "request_counts": COUNTS, "created_at": {"type": "integer"},
+    "metadata": {"type": ["object", "null"]}}}
+
+
+def _list(item: dict, **extra) -> dict:
+    return {"type": "object", "required": ["object", "data"], "properties": {
+        "object": {"const": "list"}, "data": {"type": "array", "items": item}, "has_more": {"type": "boolean"},
+        **extra}}
+
+
+def _json(schema: dict, what: str) -> dict:
+    return {"description": what, "content": {"application/json": {"schema": schema}}}
+
+
+def _op(summary: str, ok: dict, body: dict | None = None, params: list | None = None, open_: bool = False,
+        stream: bool = False) -> dict:
+    """One operation: its 200 response, every error as the OpenAI error object."""
+    ok_resp = _json(ok, "success")
+    if stream:
+        ok_resp["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+    op = {"summary": summary, "responses": {"200": ok_resp, "default": _json(ERROR, "an error")}}
+    if body is not None:
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+    if params:
+        op["parameters"] = params
+    if open_:
+        op["security"] = []
+    return op
+
+
+def _path_id(name: str) -> list:
+    return [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}, "description": name}]
+
+
+def document(version: str = "0.1.0") -> dict:
+    upload = {"type": "object", "required": ["purpose", "file"], "properties": {
+        "purpose": {"enum": ["batch", "user_data"]}, "file": {"type": "string", "format": "binary"}}}
+    status = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
+    query = lambda name, schema: {"name": name, "in": "query", "required": False, "schema": schema}  # noqa: E731
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Tandem", "version": version,
+                 "description": "OpenAI-compatible LLM server co-serving real-time chat and batch jobs"},
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}],
+        "paths": {
+            "/v1/chat/completions": {"post": _op("chat completion (stream: server-sent events)", CHAT_COMPLETION,
+                                                 CHAT_BODY, stream=True)},
+            "/v1/completions": {"post": _op("text completion (stream: server-sent events)", COMPLETION,
+                                            COMPLETION_BODY, stream=True)},
+            "/v1/models": {"get": _op("the served model", _list({"type": "object", "required": ["id", "object"]}))},
+            "/v1/files": {
+                "post": {**_op("upload a file", FILE), "requestBody": {"required": True, "content": {
+                    "multipart/form-data": {"schema": upload}}}},
+                "get": _op("list files", _list(FILE), params=[query("purpose", {"type": "string"})])},
+            "/v1/files/{id}": {"get": _op("a file", FILE, params=_path_id("file id")),
+                               "delete": _op("delete a file", {"type": "object", "required": ["id", "deleted"]},
+                                             params=_path_id("file id"))},
+            "/v1/files/{id}/content": {"get": {**_op("a file's bytes", {}, params=_path_id("file id")),
+                                               "responses": {"200": {"description": "the bytes", "content": {
+                                                   "application/octet-stream": {"schema": {"type": "string"}}}},
+                                                   "default": _json(ERROR, "an error")}}},
+            "/v1/batches": {
+                "post": _op("create a batch", BATCH, BATCH_BODY),
+                "get": _op("list batches", _list(BATCH), params=[
+                    query("limit", {"type": "integer", "minimum": 1, "maximum": 100}),
+                    query("after", {"type": "string"})])},
+            "/v1/batches/{id}": {"get": _op("a batch", BATCH, params=_path_id("batch id"))},
+            "/v1/batches/{id}/cancel": {"post": _op("cancel a batch", BATCH, params=_path_id("batch id"))},
+            "/health": {"get": {"summary": "200 when a device serves, else 503", "security": [], "responses": {
+                "200": _json(status, "serving"), "503": _json(status, "loading, failed or no device")}}},
+            "/status": {"get": _op("the dashboard's data", {"type": "object", "required": ["devices", "slo"]},
+                                   open_=True)},
+            "/metrics": {"get": {"summary": "Prometheus text", "security": [], "responses": {"200": {
+                "description": "metrics", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+            "/dashboard": {"get": {"summary": "the live dashboard", "security": [], "responses": {"200": {
+                "description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}}}}},
+            "/openapi.json": {"get": {"summary": "this document", "security": [], "responses": {
+                "200": _json({"type": "object"}, "OpenAPI 3.1")}}},
+        },
+    }

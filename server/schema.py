@@ -1,0 +1,161 @@
+"""Request bodies as JSON Schema, and the validator the server checks them with.
+
+The schemas below are the one description of what a request may carry: ``validate`` checks
+a body against them (a small JSON-Schema subset: type, bounds, lengths, enum, anyOf,
+properties/required), and ``server.openapi`` publishes the same dicts in /openapi.json.
+What a schema cannot say is checked in ``server.protocol`` afterwards: fields that depend on
+each other, and limits that depend on the model (vocabulary, context).
+"""
+from __future__ import annotations
+
+from tandem.server.batches import ENDPOINTS, WINDOWS
+from tandem.server.errors import bad_request
+
+MAX_N = 16
+MAX_STOPS = 16              # stop strings per request
+MAX_STOP_CHARS = 512        # each: the stream holds back up to this many characters while matching
+INT64 = 2 ** 63 - 1
+MAX_TOKENS_CAP = 2 ** 31 - 1
+MAX_SLO_MS = 1e9
+
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "tools", "functions", "logit_bias",
+               "best_of", "suffix", "prediction", "audio", "modalities")
+
+
+def _int(lo: int, hi: int, doc: str) -> dict:
+    return {"type": "integer", "minimum": lo, "maximum": hi, "description": doc}
+
+
+def _num(lo: float, hi: float, doc: str, exclusive_lo: bool = False) -> dict:
+    low = {"exclusiveMinimum": lo} if exclusive_lo else {"minimum": lo}
+    return {"type": "number", **low, "maximum": hi, "description": doc}
+
+
+STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
+SAMPLING = {
+    "model": {"type": "string", "description": "the served model's name (optional)"},
+    "temperature": _num(0, 2, "0: greedy"),
+    "top_p": _num(0, 1, "nucleus sampling mass", exclusive_lo=True),
+    "top_k": _int(-1, MAX_TOKENS_CAP, "-1: off (vLLM's extension)"),
+    "seed": _int(-INT64 - 1, INT64, "seeded sampling; choice i of n uses seed + i"),
+    "n": _int(1, MAX_N, "choices per request"),
+    "stream": {"type": "boolean", "description": "server-sent events"},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}},
+                       "description": "only with stream=true"},
+    "stop": {"anyOf": [STOP_STRING, {"type": "array", "items": STOP_STRING, "maxItems": MAX_STOPS}],
+             "description": f"up to {MAX_STOPS} strings of 1 to {MAX_STOP_CHARS} characters"},
+    "stop_token_ids": {"type": "array", "items": _int(0, INT64, "a token id of the vocabulary"),
+                       "description": "vLLM's extension; ids must be inside the vocabulary"},
+    "ignore_eos": {"type": "boolean", "description": "vLLM's extension"},
+    "min_tokens": _int(0, MAX_TOKENS_CAP, "vLLM's extension; at most max_tokens"),
+    "max_tokens": _int(1, MAX_TOKENS_CAP, "prompt + max_tokens must fit the context"),
+    "presence_penalty": _num(0, 0, "only 0 is supported"),
+    "frequency_penalty": _num(0, 0, "only 0 is supported"),
+    "response_format": {"type": "object", "properties": {"type": {"enum": ["text"]}}, "required": ["type"]},
+    "service_tier": {"enum": ["auto", "default", "flex"], "description": "flex: best-effort (BE)"},
+    "slo_ttft_ms": _num(0, MAX_SLO_MS, "time-to-first-token target (default: the server's, RT only)",
+                        exclusive_lo=True),
+    "slo_tbt_ms": _num(0, MAX_SLO_MS, "time-between-tokens target (default: the server's, RT only)",
+                       exclusive_lo=True),
+    "user": {"type": "string"},
+}
+TEXT_PART = {"type": "object", "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
+             "required": ["type", "text"]}
+MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
+    "role": {"enum": ["system", "developer", "user", "assistant"]},
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}]},
+    "name": {"type": "string"}}}
+TOKEN_IDS = {"type": "array", "items": _int(0, INT64, "token id"), "minItems": 1}
+PROMPT = {"anyOf": [{"type": "string", "minLength": 1}, TOKEN_IDS,
+                    {"type": "array", "minItems": 1, "maxItems": 1,
+                     "items": {"anyOf": [{"type": "string", "minLength": 1}, TOKEN_IDS]}}],
+          "description": "a string or token ids (a list of one of them is accepted too)"}
+
+
+def _body(extra: dict, required: list[str]) -> dict:
+    unsupported = {k: {"description": "not supported: rejected unless null, false or empty"} for k in UNSUPPORTED}
+    return {"type": "object", "required": required, "properties": {**SAMPLING, **extra, **unsupported}}
+
+
+CHAT_BODY = _body({"messages": {"type": "array", "items": MESSAGE, "minItems": 1},
+                   "max_completion_tokens": _int(1, MAX_TOKENS_CAP, "alias of max_tokens")}, ["messages"])
+COMPLETION_BODY = _body({"prompt": PROMPT}, ["prompt"])
+BATCH_BODY = {"type": "object", "required": ["input_file_id", "endpoint"], "properties": {
+    "input_file_id": {"type": "string", "description": "a file uploaded with purpose 'batch'"},
+    "endpoint": {"enum": list(ENDPOINTS)},
+    "completion_window": {"enum": list(WINDOWS), "description": "default 24h"},
+    "metadata": {"type": "object", "maxProperties": 16, "propertyNames": {"maxLength": 64},
+                 "additionalProperties": {"type": "string", "maxLength": 512}}}}
+
+_TYPES = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+          "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          "boolean": lambda v: isinstance(v, bool), "string": lambda v: isinstance(v, str),
+          "array": lambda v: isinstance(v, list), "object": lambda v: isinstance(v, dict),
+          "null": lambda v: v is None}
+_NAMES = {"integer": "an integer", "number": "a number", "boolean": "a boolean", "string": "a string",
+          "array": "an array", "object": "an object", "null": "null"}
+
+
+def problem(schema: dict, v) -> tuple[list, str] | None:
+    """The first way ``v`` breaks ``schema``: (path inside v, what is wrong), or None."""
+    if "anyOf" in schema:
+        found = [problem(s, v) for s in schema["anyOf"]]
+        if all(found):
+            fitting = [f for s, f in zip(schema["anyOf"], found) if f[0]]   # right type, wrong inside
+            return fitting[0] if len(fitting) == 1 else ([], "has none of the accepted forms")
+        return None
+    if "enum" in schema and v not in schema["enum"]:
+        return [], "must be one of " + ", ".join(map(str, schema["enum"]))
+    t = schema.get("type")
+    if t is not None and not _TYPES[t](v):
+        return [], f"must be {_NAMES[t]}, got {type(v).__name__}"
+    for key, ok, what in (("minimum", lambda b: v >= b, ">="), ("maximum", lambda b: v <= b, "<="),
+                          ("exclusiveMinimum", lambda b: v > b, ">")):
+        if key in schema and not ok(schema[key]):
+            return [], f"must be {what} {schema[key]} (got {v!r})"
+    for key, ok, what in (("minLength", lambda b: len(v) >= b, "at least"), ("maxLength", lambda b: len(v) <= b, "at most"),
+                          ("minItems", lambda b: len(v) >= b, "at least"), ("maxItems", lambda b: len(v) <= b, "at most")):
+        if key in schema and not ok(schema[key]):
+            unit = "characters" if "Length" in key else "items"
+            return [], f"must have {what} {schema[key]} {unit}"
+    if t == "array" and "items" in schema:
+        for i, item in enumerate(v):
+            if (p := problem(schema["items"], item)) is not None:
+                return [i, *p[0]], p[1]
+    if t == "object":
+        if "maxProperties" in schema and len(v) > schema["maxProperties"]:
+            return [], f"must have at most {schema['maxProperties']} keys"
+        longest = schema.get("propertyNames", {}).get("maxLength")
+        if longest is not None and any(len(k) > longest for k in v):
+            return [], f"keys must have at most {longest} characters"
+        props, rest = schema.get("properties", {}), schema.get("additionalProperties")
+        for key, value in v.items():
+            sub = props.get(key, rest if isinstance(rest, dict) else None)
+            if sub is not None and value is not None and (p := problem(sub, value)) is not None:
+                return [key, *p[0]], p[1]
+        for key in schema.get("required", ()):
+            if v.get(key) is None:
+                return [key], "is required"
+    return None
+
+
+def path_text(path: list) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(path))
+
+
+def param_of(path: list) -> str:
+    """The parameter an error names: the top-level field, and inside an array of objects the
+    item's field (``messages[0].content``)."""
+    out = str(path[0])
+    if len(path) >= 3 and isinstance(path[1], int) and isinstance(path[2], str):
+        out += f"[{path[1]}].{path[2]}"
+    return out
+
+
+def validate(body: dict, schema: dict) -> None:
+    """Raise a 400 naming the parameter when ``body`` breaks ``schema``. A null field counts as
+    absent, as OpenAI's API treats it."""
+    if (p := problem(schema, body)) is not None:
+        path, what = p
+        param = param_of(path) if path else None
+        raise bad_request(f"'{path_text(path)}' {what}" if path else f"the body {what}", param=param)
