@@ -24,7 +24,7 @@ serve: $(STAMP)
 	$(VPY) -m server --model smollm2 --host 127.0.0.1 --port 8000
 
 test: $(STAMP) chromium
-	OMP_WAIT_POLICY=PASSIVE $(VPY) -m pytest -q tests
+	OMP_WAIT_POLICY=PASSIVE $(VPY) -m pytest -q --durations=20 tests
 
 # the dashboard test drives a real headless browser: Debian's chromium, installed when missing
 # (as root; elsewhere the test says it was skipped and why)

@@ -183,6 +183,31 @@ def main(argv=None, prog: str = "python -m bench") -> None:
                     help="context lengths for the pause-per-migration table (none: skip it)")
     sk.add_argument("--seed", type=int, default=0)
     sk.add_argument("--out", default="skew.json", help="result file under bench/results")
+    cub = sub.add_parser("chat-under-batch", help="chat TTFT while a large batch job runs, per policy "
+                         "(default: the server's default policy against fcfs)")
+    cub.add_argument("--policies", nargs="+", default=["default", "fcfs"],
+                     help="'default' starts the server with no --policy")
+    cub.add_argument("--lines", type=int, default=2000, help="batch job lines (ShareGPT prompts)")
+    cub.add_argument("--line-tokens", type=int, default=128, help="cap on a line's output tokens (its reply length)")
+    cub.add_argument("--idle", type=int, default=5, help="chats on the idle server first")
+    cub.add_argument("--chats", type=int, default=20, help="chats while the job runs")
+    cub.add_argument("--every", type=float, default=3.0, help="seconds between those chats")
+    cub.add_argument("--chat-tokens", type=int, default=8)
+    cub.add_argument("--max-num-seqs", type=int, default=64)
+    cub.add_argument("--seed", type=int, default=0)
+    cub.add_argument("--out", default="chat_under_batch.json")
+    sk = sub.add_parser("soak", help="mixed load (streams, disconnects, batch jobs) for minutes: memory, "
+                        "open files, pool and errors at the start and the end")
+    sk.add_argument("--minutes", type=float, default=10.0)
+    sk.add_argument("--rate", type=float, default=0.5, help="chat streams per second (Poisson)")
+    sk.add_argument("--leave-every", type=int, default=5, help="every n-th chat client leaves mid-stream")
+    sk.add_argument("--job-lines", type=int, default=20, help="lines per batch job (jobs run back to back)")
+    sk.add_argument("--max-output", type=int, default=128)
+    sk.add_argument("--max-num-seqs", type=int, default=64)
+    sk.add_argument("--sample-s", type=float, default=30.0)
+    sk.add_argument("--warmup-s", type=float, default=30.0)
+    sk.add_argument("--seed", type=int, default=0)
+    sk.add_argument("--out", default="soak.json")
     args = ap.parse_args(argv)
     if args.cmd == "offline":
         from tandem.bench.offline import main as offline
@@ -230,6 +255,12 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     elif args.cmd == "skew":
         from tandem.bench import skew
         skew.main(args)
+    elif args.cmd == "chat-under-batch":
+        from tandem.bench.chat_under_batch import run as chat_under_batch
+        chat_under_batch(args)
+    elif args.cmd == "soak":
+        from tandem.bench.soak import run as soak
+        soak(args)
     elif args.cmd == "mixed":
         from tandem.bench.online import mixed
         mixed(args)

@@ -34,12 +34,16 @@ class Embedder:
         self._tok = AutoTokenizer.from_pretrained(model_dir())
         self._model = AutoModel.from_pretrained(model_dir()).eval()
 
-    def encode(self, texts: list[str]) -> np.ndarray:
+    def encode(self, texts: list[str], progress: bool = False) -> np.ndarray:
         """[len(texts), 384] float32 unit vectors: the mean of the last hidden states over the
-        prompt's (truncated) tokens, divided by its norm."""
+        prompt's (truncated) tokens, divided by its norm. ``progress``: a progress bar (tqdm)."""
         out = np.zeros((len(texts), DIM), np.float32)
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-        for s in range(0, len(order), _BATCH):
+        starts = range(0, len(order), _BATCH)
+        if progress:
+            from tqdm import tqdm
+            starts = tqdm(starts, desc="embedding prompts", unit="batch")
+        for s in starts:
             ids = order[s:s + _BATCH]
             out[ids] = self._encode_batch([texts[i] for i in ids])
         return out

@@ -35,8 +35,9 @@ class LengthHead:
         return np.maximum(np.expm1(y.numpy().astype(np.float64)), 1.0)
 
     def fit(self, vectors: np.ndarray, chars, lengths, *, epochs: int = 80, lr: float = 1e-3,
-            weight_decay: float = 1e-4, seed: int = 0) -> list[float]:
-        """Adam on the L1 loss in log space, minibatches of 128; returns the loss per epoch."""
+            weight_decay: float = 1e-4, seed: int = 0, progress: bool = False) -> list[float]:
+        """Adam on the L1 loss in log space, minibatches of 128; returns the loss per epoch.
+        ``progress``: a progress bar over the epochs (tqdm)."""
         import torch
         torch.manual_seed(seed)
         x = torch.from_numpy(features(vectors, chars))
@@ -47,7 +48,11 @@ class LengthHead:
         gen = torch.Generator().manual_seed(seed)
         losses = []
         self.net.train()
-        for _ in range(epochs):
+        rounds = range(epochs)
+        if progress:
+            from tqdm import tqdm
+            rounds = tqdm(rounds, desc="fitting the MLP", unit="epoch")
+        for _ in rounds:
             total = 0.0
             for idx in torch.randperm(len(x), generator=gen).split(128):
                 loss = (self.net(x[idx]).squeeze(-1) - y[idx]).abs().mean()

@@ -120,6 +120,7 @@ class LLM:
             _positive("kv_cache_bytes", kv_cache_bytes)
         if kv_cache_fraction is not None and not 0 < kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction: must be in (0, 1], got {kv_cache_fraction!r}")
+        t_load = time.monotonic()
         hf_dir = resolve_model(model, cache_dir or DEFAULT_CACHE_DIR)
         self.spec = load_spec(hf_dir)
         self.max_model_len = min(self.spec.max_model_len, max_model_len or self.spec.max_model_len)
@@ -148,6 +149,8 @@ class LLM:
         except BaseException:
             self.shutdown()
             raise
+        log.info("model %s loaded on %s in %.1f s", hf_dir.name, ", ".join(w.name for w in self._workers),
+                 time.monotonic() - t_load)
         detok = self.detokenize if self.tokenizer is not None else None
         try:
             # FCFS over plain pools while profiling; then the configuration asked for
@@ -409,6 +412,10 @@ class LLM:
         infos = [w.pool_info for w in self._workers]
         return infos[0].block_size, "int8" if self.kv_cache_dtype == "int8" else self.dtype, \
             sum(i.num_blocks for i in infos)
+
+    def worker_pids(self) -> list[int]:
+        """The worker processes' ids (a restarted worker has a new one)."""
+        return [w.proc.pid for w in self._workers if w.proc is not None and w.proc.pid is not None]
 
     def shutdown(self) -> None:
         if self.runtime is not None:

@@ -6,6 +6,7 @@ import asyncio
 import functools
 import hmac
 import logging
+import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -367,7 +368,21 @@ async def status(request):
         "batches": batch_progress(request.app)}
     if (guard := request.app.get(GUARD)) is not None:
         out["connections"] = guard.counts()
+    workers = st.engine.llm.worker_pids() if st.engine is not None else []
+    out["processes"] = {"server": process_stats(os.getpid()),
+                        "workers": [process_stats(pid) for pid in workers]}
     return json_response(out)
+
+
+def process_stats(pid: int) -> dict | None:
+    """Resident memory (MiB), open files and threads of a process, from /proc (None elsewhere)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        return {"pid": pid, "rss_mib": round(int(fields["VmRSS"].split()[0]) / 1024, 1),
+                "open_files": len(os.listdir(f"/proc/{pid}/fd")), "threads": int(fields["Threads"])}
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 async def openapi(request):

@@ -42,6 +42,10 @@ BATCH = {"type": "object", "required": ["id", "object", "endpoint", "input_file_
     "metadata": {"type": ["object", "null"]}}}
 
 
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "contentMediaType": "application/json"}, "event": {"type": "string"}}}
+
+
 def _list(item: dict, **extra) -> dict:
     return {"type": "object", "required": ["object", "data"], "properties": {
         "object": {"const": "list"}, "data": {"type": "array", "items": item}, "has_more": {"type": "boolean"},
@@ -56,8 +60,8 @@ def _op(summary: str, ok: dict, body: dict | None = None, params: list | None = 
         stream: bool = False) -> dict:
     """One operation: its 200 response, every error as the OpenAI error object."""
     ok_resp = _json(ok, "success")
-    if stream:
-        ok_resp["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+    if stream:      # each event's data: a JSON chunk (the same object, one token's worth), then [DONE]
+        ok_resp["content"]["text/event-stream"] = {"schema": SSE_EVENT}
     op = {"summary": summary, "responses": {"200": ok_resp, "default": _json(ERROR, "an error")}}
     if body is not None:
         op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}

@@ -2,14 +2,16 @@
 
 A fresh venv in a temp dir gets a real (non-editable) install of this repository. Its
 dependencies come from the test's own environment through a path file (nothing is downloaded).
-From another directory, with nothing of the checkout on the path, it imports ``tandem``, runs a
-greedy generation on a tiny model, and answers ``--help`` on its commands. The generation is
+From another directory, with nothing of the checkout on the path, it imports ``tandem``, finds
+its data files (the kernel source, the dashboard), runs a greedy generation on a tiny model,
+and answers ``--help`` on its commands. The generation is
 compared with HF transformers here.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sysconfig
 import venv
@@ -25,9 +27,13 @@ MAX_NEW = 12
 
 SCRIPT = """
 import json, sys
+from importlib import resources
 import tandem
 from tandem import LLM, SamplingParams
-with LLM(sys.argv[1], "cpu:1", threads_per_worker=1) as llm:
+assert (resources.files("tandem.engine") / "csrc" / "paged_decode.cpp").is_file(), "kernel source not installed"
+assert "Tandem" in (resources.files("tandem.server") / "static" / "dashboard.html").read_text()
+# the torch attention path: compiling the kernel again for this location would only cost time
+with LLM(sys.argv[1], "cpu:1", threads_per_worker=1, cpu_kernels=False) as llm:
     outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(max_tokens=int(sys.argv[3]),
                                                                 temperature=0, ignore_eos=True))
 print(json.dumps({"tokens": [o.token_ids for o in outs], "where": tandem.__file__}))
@@ -45,8 +51,11 @@ def installed(tmp_path_factory):
     # the dependencies (torch, transformers, pip, setuptools) from this environment, after the venv's own
     (Path(site) / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    src = home / "src"            # built from a copy: the build leaves nothing in the checkout
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".venv", ".git", "build", "*.egg-info", "results", "__pycache__", ".pytest_cache", ".hypothesis", "tests"))
     build = subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                            "--no-index", str(ROOT)], capture_output=True, text=True, env=env, cwd=home)
+                            "--no-index", str(src)], capture_output=True, text=True, env=env, cwd=home)
     assert build.returncode == 0, build.stderr[-3000:]
     return py, py.parent, env, home
 

@@ -45,3 +45,40 @@ def test_alise_predicts_learns_and_saves(tiny_chat_model, tmp_path):
     saved = LengthPredictor.load(tmp_path / "data" / "predictor")
     assert len(saved.index) == len(SEED) + 3
     assert saved.predict(["Write a story about a dragon and a knight"]) == [9]
+
+
+def status(server) -> dict:
+    with urllib.request.urlopen(server.url + "/status", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_status_lists_each_queued_requests_level(tiny_chat_model, tmp_path):
+    """Under alise the status endpoint (the dashboard's data) gives every queued request its
+    level. With true lengths (the max_tokens oracle) and no time to age, a longer request never
+    sits on a lower level than a shorter one that has the same progress."""
+    import threading
+    s = start_server(tiny_chat_model, tmp_path, "--policy", "alise", "--length-predictor", "max_tokens",
+                     "--max-num-seqs", "1")
+    lengths = [200, 8, 100, 16, 50, 32]
+    try:
+        threads = [threading.Thread(target=chat, args=(s, f"Question {n}", n)) for n in lengths]
+        for t in threads:
+            t.start()
+        best = []
+        for _ in range(200):
+            reqs = [r for d in status(s)["devices"] for r in d["requests"]]
+            if len(reqs) > len(best):
+                best = reqs
+            if len(best) == len(lengths):
+                break
+        for t in threads:
+            t.join()
+    finally:
+        stop_server(s)
+    assert len(best) >= 4, best
+    assert all(isinstance(r["level"], int) and r["level"] >= 0 for r in best), best
+    assert all(r["predicted_len"] in lengths for r in best)
+    fresh = sorted((r for r in best if r["generated"] == 0), key=lambda r: r["predicted_len"])
+    assert len(fresh) >= 3
+    assert [r["level"] for r in fresh] == sorted(r["level"] for r in fresh), fresh
+    assert len({r["level"] for r in fresh}) > 1, "lengths 8 to 200 were meant to span levels"

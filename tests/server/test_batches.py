@@ -2,6 +2,7 @@
 import io
 import json
 import signal
+import sqlite3
 import time
 
 import openai
@@ -111,27 +112,48 @@ def test_cancel(server, client):
     assert {e["error"]["code"] for e in errs} == {"batch_cancelled"}
 
 
-def test_sigkill_mid_batch_then_resume(tiny_chat_model, tmp_path):
-    srv = start_server(tiny_chat_model, tmp_path)
+def pending_lines(data_dir, bid: str) -> int:
+    """Lines of a batch with no recorded result, read from the server's SQLite file directly."""
+    with sqlite3.connect(data_dir / "tandem.sqlite3") as db:
+        return db.execute("SELECT COUNT(*) FROM batch_lines WHERE batch_id=? AND status='pending'",
+                          (bid,)).fetchone()[0]
+
+
+def kill_after_progress(srv, bid: str, at_least: int) -> None:
+    """SIGKILL the server once ``at_least`` lines of the batch have completed."""
     c = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0)
-    n = 120
-    rows = fix_model([chat_line(i, max_tokens=24) for i in range(n)], srv.model)
-    f = c.files.create(file=("in.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
-    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     deadline = time.monotonic() + 120
-    while c.batches.retrieve(b.id).request_counts.completed < 10:
+    while c.batches.retrieve(bid).request_counts.completed < at_least:
         assert time.monotonic() < deadline
-        time.sleep(0.2)
+        time.sleep(0.05)
     srv.proc.send_signal(signal.SIGKILL)
     srv.proc.wait()
-    srv2 = start_server(tiny_chat_model, tmp_path)       # same data dir
+
+
+def test_sigkill_twice_mid_batch_then_resume(tiny_chat_model, tmp_path):
+    """Killed twice while the batch is provably unfinished (the store still holds pending lines
+    after each kill, fewer the second time), the batch completes with every custom_id exactly once."""
+    n, data = 300, tmp_path / "data"
+    srv = start_server(tiny_chat_model, tmp_path)
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0)
+    rows = fix_model([chat_line(i, max_tokens=48) for i in range(n)], srv.model)
+    f = c.files.create(file=("in.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    kill_after_progress(srv, b.id, 10)
+    first = pending_lines(data, b.id)
+    assert 0 < first <= n - 10, first
+    srv = start_server(tiny_chat_model, tmp_path)            # same data dir
+    kill_after_progress(srv, b.id, n - first + 10)
+    second = pending_lines(data, b.id)
+    assert 0 < second <= first - 10, (first, second)
+    srv = start_server(tiny_chat_model, tmp_path)
     try:
-        c2 = openai.OpenAI(base_url=srv2.url + "/v1", api_key=API_KEY, max_retries=0)
-        done = wait_batch(c2, b.id)
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0)
+        done = wait_batch(c, b.id)
         assert done.status == "completed"
-        out = [json.loads(x) for x in c2.files.content(done.output_file_id).text.splitlines()]
+        out = [json.loads(x) for x in c.files.content(done.output_file_id).text.splitlines()]
         ids = [o["custom_id"] for o in out]
         assert sorted(ids) == sorted(f"req-{i}" for i in range(n)), "every custom_id exactly once"
-        assert done.request_counts.completed == n
+        assert done.request_counts.completed == n and pending_lines(data, b.id) == 0
     finally:
-        stop_server(srv2)
+        stop_server(srv)

@@ -1,9 +1,10 @@
 """The bench's mixed-trace client against the real server: RT online, BE as Batch API jobs or online."""
 from __future__ import annotations
 
-import asyncio
 import re
 import urllib.request
+
+import pytest
 
 from tandem.bench.mixed import run_mixed
 from tandem.bench.workloads import TraceItem
@@ -26,11 +27,12 @@ def be_tokens_served(server) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def test_rt_with_batch_jobs(server):
+@pytest.mark.asyncio
+async def test_rt_with_batch_jobs(server):
     before = be_tokens_served(server)
     rt = rt_items(4, 3.0)
-    recs, be = asyncio.run(run_mixed(server.url, server.model, rt, be_items(6), "tandem",
-                                     be_mode="batches", job_size=3, drain_s=60, api_key=API_KEY))
+    recs, be = await run_mixed(server.url, server.model, rt, be_items(6), "tandem",
+                                     be_mode="batches", job_size=3, drain_s=60, api_key=API_KEY)
     assert all(r.ok for r in recs), [r.error for r in recs]
     assert [r.output_tokens for r in recs] == [12] * 4          # ignore_eos + max_tokens honoured
     assert be.window_s >= rt[-1].arrival_s          # the window spans the RT trace (not a speed goal)
@@ -44,9 +46,10 @@ def test_rt_with_batch_jobs(server):
     assert s["tokens_per_s"] == be.output_tokens / be.window_s     # the summary's arithmetic
 
 
-def test_rt_with_online_be(server):
-    recs, be = asyncio.run(run_mixed(server.url, server.model, rt_items(3, 1.0), be_items(4), "tandem",
-                                     be_mode="online", be_concurrency=2, drain_s=60, api_key=API_KEY))
+@pytest.mark.asyncio
+async def test_rt_with_online_be(server):
+    recs, be = await run_mixed(server.url, server.model, rt_items(3, 1.0), be_items(4), "tandem",
+                                     be_mode="online", be_concurrency=2, drain_s=60, api_key=API_KEY)
     assert all(r.ok for r in recs)
     assert be.records and all(r.ok and r.service_class == "be" and r.output_tokens == 7 for r in be.records)
     assert be.output_tokens == 7 * be.completed

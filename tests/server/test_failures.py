@@ -7,6 +7,7 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
 import aiohttp
 
 from tests.server.conftest import API_KEY, start_server, stop_server
@@ -41,8 +42,9 @@ def health(url: str) -> int:
         return e.code
 
 
-def test_a_raising_policy_ends_streams_with_an_error_and_health_turns_503(tiny_chat_model, tmp_path):
-    srv = start_server(tiny_chat_model, tmp_path, inject=BROKEN_POLICY)
+@pytest.mark.asyncio
+async def test_a_raising_policy_ends_streams_with_an_error_and_health_turns_503(tiny_chat_model, tmp_path):
+    srv = start_server(tiny_chat_model, tmp_path, "--policy", "fcfs", inject=BROKEN_POLICY)
 
     async def run():
         async with aiohttp.ClientSession(headers=AUTH) as s:
@@ -57,7 +59,7 @@ def test_a_raising_policy_ends_streams_with_an_error_and_health_turns_503(tiny_c
                     return r.status, await r.json()
             return await asyncio.gather(streamed(), plain())
     try:
-        (st_status, lines), (status, body) = asyncio.run(run())
+        (st_status, lines), (status, body) = await run()
         assert st_status == 200 and lines[-1].strip() == b"data: [DONE]"
         event = json.loads(lines[-2][6:])
         assert event["error"]["type"] == "server_error" and "error id" in event["error"]["message"]

@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 
 import aiohttp
+import pytest
 
 from tests.server.conftest import API_KEY, ROOT, free_port, start_server, stop_server
 
@@ -46,7 +47,8 @@ def test_503_while_loading_then_ready(tiny_chat_model, tmp_path):
         proc.wait(timeout=30)
 
 
-def test_429_and_413(tiny_chat_model, tmp_path):
+@pytest.mark.asyncio
+async def test_429_and_413(tiny_chat_model, tmp_path):
     srv = start_server(tiny_chat_model, tmp_path, "--max-waiting", "2", "--max-num-seqs", "2",
                        "--max-upload-mb", "0.01")
     try:
@@ -58,7 +60,7 @@ def test_429_and_413(tiny_chat_model, tmp_path):
                     async with s.post(srv.url + "/v1/completions", json=body) as r:
                         return r.status, r.headers.get("Retry-After"), await r.json()
                 return await asyncio.gather(*(one() for _ in range(24)))
-        res = asyncio.run(flood())
+        res = await flood()
         statuses = [r[0] for r in res]
         assert statuses.count(200) >= 2 and statuses.count(429) >= 1, statuses
         for status, retry, body in res:
@@ -82,7 +84,8 @@ def test_429_and_413(tiny_chat_model, tmp_path):
         stop_server(srv)
 
 
-def test_sigterm_finishes_in_flight_stream(tiny_chat_model, tmp_path):
+@pytest.mark.asyncio
+async def test_sigterm_finishes_in_flight_stream(tiny_chat_model, tmp_path):
     srv = start_server(tiny_chat_model, tmp_path)
 
     async def run():
@@ -100,7 +103,7 @@ def test_sigterm_finishes_in_flight_stream(tiny_chat_model, tmp_path):
                         usage = json.loads(line[6:]).get("usage") or usage
                 return done, usage
     try:
-        done, usage = asyncio.run(run())
+        done, usage = await run()
         assert done and usage["completion_tokens"] == 150, "the in-flight request finishes"
         assert srv.proc.wait(timeout=40) == 0
     finally:

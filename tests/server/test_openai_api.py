@@ -1,5 +1,4 @@
 """The real server on loopback, driven by the official openai client and by aiohttp."""
-import asyncio
 import json
 import re
 
@@ -53,7 +52,8 @@ def test_completion_n2_seed_and_stop(server, client):
     assert cut.finish_reason == "stop" and cut.text == base[:base.index(words[0])]
 
 
-def test_streamed_stop_string_never_leaks(server):
+@pytest.mark.asyncio
+async def test_streamed_stop_string_never_leaks(server):
     async def run():
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as s:
             body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": 20,
@@ -69,5 +69,5 @@ def test_streamed_stop_string_never_leaks(server):
                         pieces.append(json.loads(line[6:]))
             text = "".join(p["choices"][0]["text"] for p in pieces if p.get("choices"))
             return base, stop, text
-    base, stop, text = asyncio.run(run())
+    base, stop, text = await run()
     assert text == base[:base.index(stop)]

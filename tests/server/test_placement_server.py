@@ -43,7 +43,8 @@ async def whole(session, url, i):
         return (await r.json())["choices"][0]["text"]
 
 
-def test_streams_survive_migrations_and_metrics_show_them(two_devices):
+@pytest.mark.asyncio
+async def test_streams_survive_migrations_and_metrics_show_them(two_devices):
     url = two_devices.url
 
     async def run():
@@ -53,7 +54,7 @@ def test_streams_survive_migrations_and_metrics_show_them(two_devices):
             text = await (await s.get(url + "/metrics")).text()
             alone = [await whole(s, url, i) for i in range(N)]   # one at a time: nothing moves
             return streamed, text, alone
-    streamed, text, alone = asyncio.run(run())
+    streamed, text, alone = await run()
     moved = metric(text, "tandem:migrations_total")
     assert moved > 0, "the small pools were meant to make the rebalancer migrate"
     assert metric(text, "tandem:migration_pause_seconds_count") == moved

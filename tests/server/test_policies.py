@@ -1,6 +1,5 @@
 """The server under --policy bros, rr, aptserve, fcfs-prefill-first and alise: RT and BE batch work complete with the same greedy tokens
 as under FCFS, and /metrics shows the cost model's error and the pool by owner."""
-import asyncio
 import json
 import urllib.request
 
@@ -26,7 +25,8 @@ def complete(server, prompt, tier=None) -> str:
 
 @pytest.mark.parametrize("policy", ["bros", "rr", "aptserve", "aptserve --aptserve-mixed", "fcfs-prefill-first",
                                     "alise --length-predictor max_tokens"])
-def test_policy_serves_mixed_work(policy, server, tiny_chat_model, tmp_path):
+@pytest.mark.asyncio
+async def test_policy_serves_mixed_work(policy, server, tiny_chat_model, tmp_path):
     reference = [complete(server, p) for p in PROMPTS]            # the FCFS server
     s = start_server(tiny_chat_model, tmp_path, "--policy", *policy.split(), "--slo-ttft-ms", "2000",
                      "--slo-tbt-ms", "500")
@@ -34,8 +34,8 @@ def test_policy_serves_mixed_work(policy, server, tiny_chat_model, tmp_path):
         assert [complete(s, p, "flex" if i % 2 else None) for i, p in enumerate(PROMPTS)] == reference
         rt = [TraceItem(0.3 * i, p, 12, "rt") for i, p in enumerate(PROMPTS)]
         be = [TraceItem(0.0, list(range(40, 90 + i)), 6, "be") for i in range(6)]
-        recs, be_res = asyncio.run(run_mixed(s.url, s.model, rt, be, "tandem", be_mode="batches", job_size=3,
-                                             drain_s=60, api_key=API_KEY))
+        recs, be_res = await run_mixed(s.url, s.model, rt, be, "tandem", be_mode="batches", job_size=3,
+                                             drain_s=60, api_key=API_KEY)
         assert all(r.ok and r.output_tokens == 12 for r in recs)
         assert be_res.output_tokens == 6 * be_res.completed
         req = urllib.request.Request(s.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"})

@@ -3,6 +3,7 @@ requests' caches go to host memory and come back; each reply equals the one the 
 gets alone (no preemption), and /metrics counts the swaps and the bytes both ways."""
 import asyncio
 
+import pytest
 import aiohttp
 
 from tests.server.conftest import API_KEY, start_server, stop_server
@@ -19,7 +20,8 @@ async def complete(session, url, i):
         return (await r.json())["choices"][0]["text"]
 
 
-def test_swapped_requests_reply_as_if_alone(tiny_chat_model, tmp_path):
+@pytest.mark.asyncio
+async def test_swapped_requests_reply_as_if_alone(tiny_chat_model, tmp_path):
     from tandem.engine.models.loader import load_spec
     spec = load_spec(tiny_chat_model)
     block_bytes = spec.num_layers * 16 * spec.unit * 4
@@ -34,7 +36,7 @@ def test_swapped_requests_reply_as_if_alone(tiny_chat_model, tmp_path):
             alone = [await complete(session, s.url, i) for i in range(N)]
             return together, alone, text
     try:
-        together, alone, text = asyncio.run(run())
+        together, alone, text = await run()
     finally:
         assert stop_server(s) == 0
     assert metric(text, "vllm:num_preemptions_total") > 0, "the pool was meant to force preemption"
@@ -45,7 +47,8 @@ def test_swapped_requests_reply_as_if_alone(tiny_chat_model, tmp_path):
     assert together == alone
 
 
-def test_int8_cache_flag_reaches_the_pool(tiny_chat_model, tmp_path):
+@pytest.mark.asyncio
+async def test_int8_cache_flag_reaches_the_pool(tiny_chat_model, tmp_path):
     """--kv-cache-dtype int8: the budget buys compressed blocks (values plus λ and lo per channel,
     after max_num_seqs requests' K and V open blocks at fp32), /metrics says so, and it serves."""
     from tandem.engine.models.loader import load_spec
@@ -63,7 +66,7 @@ def test_int8_cache_flag_reaches_the_pool(tiny_chat_model, tmp_path):
             async with session.get(s.url + "/metrics") as r:
                 return texts, await r.text()
     try:
-        texts, text = asyncio.run(run())
+        texts, text = await run()
     finally:
         assert stop_server(s) == 0
     assert all(texts)
