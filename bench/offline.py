@@ -48,7 +48,8 @@ def run_tandem(prompts, max_tokens, dtype, devices) -> Row:
 def run_tandem_server(prompts, max_tokens, dtype, devices) -> Row:
     """The same workload through our HTTP server: every prompt a streamed request, all at once."""
     from tandem.bench.online import tandem_server
-    server = tandem_server("smollm2", max(64, len(prompts)), ["--dtype", dtype, "--devices", devices])
+    server = tandem_server("smollm2", max(64, len(prompts)),           # FCFS, as the peers schedule
+                           ["--dtype", dtype, "--devices", devices, "--policy", "fcfs"])
     return _server_run(server, f"tandem server ({dtype}, {devices}, {len(prompts)} streams)", prompts,
                        max_tokens, stream=True)
 
