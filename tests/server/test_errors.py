@@ -122,6 +122,7 @@ def test_malformed_request(server, name, method, path, body, headers, status, et
     assert err["type"] == etype
     if param is not None:
         assert err["param"] == param
+    assert call(server, "GET", "/health", None, None) == (200, {"status": "ok"}), "healthy after a bad request"
     ok, _ = call(server, "POST", COMP, {"prompt": "a", "max_tokens": 2}, None)
     assert ok == 200, "the server must keep serving after a bad request"
 
