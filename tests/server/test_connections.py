@@ -187,7 +187,7 @@ def test_100_mib_prompt_refused_fast_with_health_answering(strict_server):
         watcher.join()
     assert status == 400 and "context" in json.loads(reply)["error"]["message"]
     assert elapsed < 1.0 + len(body) / 200e6, f"{elapsed:.2f} s"     # the upload itself at >= 200 MB/s
-    assert health and max(health) < 1.0, f"/health took up to {max(health):.2f} s"
+    assert health and max(health) < 2.0, f"/health took up to {max(health):.2f} s"   # answering, not stalled
     time.sleep(1)
     _, rss_after = proc_status(pid)
     assert rss_after < rss_before + 64 * 1024, f"RSS {rss_before} -> {rss_after} KiB"
