@@ -21,6 +21,43 @@ from tandem.engine.linear import packs
 from tandem.engine.messages import Command, DeviceError, PoolInfo, StepInput, StepOutput
 from tandem.engine.models.spec import ModelSpec
 
+# oneDNN and ideep (torch's layer over it) each keep a cache of the primitives built per
+# (weight shape, row count), about 0.6 MB each whatever the shape, up to 1,024 entries by
+# default. A server's steps take nearly every row count up to the token budget (decodes plus
+# prefill chunks), so those caches grew a worker by 25-40 MiB a minute for a quarter of an
+# hour. 64 entries keep the last ~10 row counts of a step's ~6 weight shapes; a step at a new
+# count rebuilds its primitives in ~3 ms.
+PRIMITIVE_CACHE = 64
+TRIM_EVERY_S = 30.0     # how often a worker hands freed heap back to the system
+
+
+def bound_native_memory() -> None:
+    """Cap oneDNN's and ideep's primitive caches (each reads its size at first use, so call
+    this before any product); a value the user set in the environment wins."""
+    for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(var, str(PRIMITIVE_CACHE))
+
+
+class HeapTrimmer:
+    """glibc keeps freed memory inside its heap when live chunks sit between the free ones;
+    oneDNN's evicted primitives and a step's activations leave such holes, and the resident
+    memory only ever rose. ``malloc_trim`` returns the free pages (about 20 ms per GB freed),
+    at most every ``TRIM_EVERY_S`` and after a step's output went out. No-op off glibc."""
+
+    def __init__(self, every_s: float = TRIM_EVERY_S):
+        self.every_s = every_s
+        self.last = time.monotonic()
+        try:
+            import ctypes
+            self._trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            self._trim = None
+
+    def maybe_trim(self) -> None:
+        now = time.monotonic()
+        if self._trim is not None and now - self.last >= self.every_s:
+            self._trim(0)
+            self.last = time.monotonic()
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +140,8 @@ def pool_info(runner, num_blocks: int) -> PoolInfo:
 
 def worker_main(conn, cfg: WorkerConfig) -> None:
     """Process entry point: load, report ready, then serve steps until SHUTDOWN."""
+    bound_native_memory()
+    trimmer = HeapTrimmer()
     try:
         runner, num_blocks = _build_runner(cfg)
     except Exception:
@@ -121,6 +160,7 @@ def worker_main(conn, cfg: WorkerConfig) -> None:
         except Exception:
             out = StepOutput(msg.step_id, {}, 0, 0.0, 0.0, error=traceback.format_exc())
         conn.send(out)
+        trimmer.maybe_trim()
 
 
 class WorkerHandle:
