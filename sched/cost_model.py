@@ -14,6 +14,7 @@ measured steps; every coefficient is kept non-negative.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import astuple, dataclass
 
 FEATURES = ("prefill_tokens", "prefill_attn", "decode_tokens", "decode_ctx", "hidden_blocks")
@@ -101,12 +102,15 @@ class OnlineCostModel:
     T = max(t_exec, t_swap): swaps are issued before the step and overlap it (SPEC §2.2).
     Every ``refit_every`` observed steps it refits on the start-up samples plus the last
     ``window`` measured steps (the start-up samples keep shapes covered that recent traffic
-    may lack). The relative prediction error of each observed step is tracked (EWMA and count).
+    may lack). The relative prediction error of each observed step is tracked (EWMA and count),
+    and so is the ratio measured / predicted of the last ``TAIL_WINDOW`` steps, whose upper
+    quantile (:meth:`overrun`) is the margin a deadline needs against the model's misses.
     """
+
+    TAIL_WINDOW = 256
 
     def __init__(self, model: CostModel, startup: list[tuple[StepShape, float]] = (),
                  swap: SwapModel = SwapModel(), window: int = 1024, refit_every: int = 128):
-        from collections import deque
         self.model, self.swap = model, swap
         self.startup = list(startup)
         self.recent: deque = deque(maxlen=window)
@@ -115,15 +119,28 @@ class OnlineCostModel:
         self.refits = 0
         self.error_ewma: float | None = None     # mean |pred - measured| / measured, EWMA (alpha 0.05)
         self.last_error: float | None = None
+        self.ratios: deque = deque(maxlen=self.TAIL_WINDOW)   # measured / predicted, recent steps
 
     def __call__(self, shape: StepShape, swap_slots: int = 0) -> float:
         return max(self.model.predict(shape), self.swap.predict(swap_slots))
 
+    def overrun(self, q: float = 0.9, cap: float = 1.5) -> float:
+        """The q-quantile of measured / predicted over the recent steps, within [1, cap]: a step
+        predicted to take t takes at most ``overrun() * t`` in a fraction q of cases. 1.0 until
+        a few steps were seen."""
+        if len(self.ratios) < 8:
+            return 1.0
+        ordered = sorted(self.ratios)
+        return min(cap, max(1.0, ordered[min(len(ordered) - 1, int(q * len(ordered)))]))
+
     def observe(self, shape: StepShape, seconds: float) -> None:
         if seconds <= 0:
             return
-        err = abs(self.model.predict(shape) - seconds) / seconds
+        predicted = self.model.predict(shape)
+        err = abs(predicted - seconds) / seconds
         self.last_error = err
+        if predicted > 0:
+            self.ratios.append(seconds / predicted)
         self.error_ewma = err if self.error_ewma is None else 0.95 * self.error_ewma + 0.05 * err
         self.recent.append((shape, seconds))
         self.observed += 1

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from tandem.sched.cost_model import CostModel, StepShape
+from tandem.sched.cost_model import CostModel, OnlineCostModel, StepShape
 
 
 def test_shape_accumulates():
@@ -32,3 +32,20 @@ def test_fit_recovers_coefficients_and_stays_non_negative():
     flat = [(StepShape(decode_tokens=d, decode_ctx=1000 - d), 0.05) for d in range(1, 60)]
     assert min(CostModel.fit(flat).__getattribute__(f) for f in
                ("base", "per_prefill_token", "per_prefill_attn", "per_decode_token", "per_decode_ctx")) >= 0
+
+
+def test_overrun_is_the_upper_quantile_of_measured_over_predicted():
+    model = CostModel(0.01, 1e-3, 0.0, 5e-3, 0.0)
+    online = OnlineCostModel(model, refit_every=10**9)
+    shape = StepShape().add(1, 8, decode=True)               # predicted: 0.015 s
+    assert online.overrun() == 1.0                           # nothing measured yet
+    rng = random.Random(1)
+    ratios = [1.0] * 85 + [1.3] * 15                         # 15% of steps run 30% long
+    rng.shuffle(ratios)
+    for r in ratios:
+        online.observe(shape, 0.015 * r)
+    assert online.overrun(0.9) == pytest.approx(1.3)
+    assert online.overrun(0.5) == pytest.approx(1.0)
+    for _ in range(OnlineCostModel.TAIL_WINDOW):             # faster than predicted: no margin
+        online.observe(shape, 0.010)
+    assert online.overrun() == 1.0
