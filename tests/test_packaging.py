@@ -33,7 +33,7 @@ from tandem import LLM, SamplingParams
 assert (resources.files("tandem.engine") / "csrc" / "paged_decode.cpp").is_file(), "kernel source not installed"
 assert "Tandem" in (resources.files("tandem.server") / "static" / "dashboard.html").read_text()
 # the torch attention path: compiling the kernel again for this location would only cost time
-with LLM(sys.argv[1], "cpu:1", threads_per_worker=1, cpu_kernels=False) as llm:
+with LLM(sys.argv[1], "cpu:1", dtype="float32", threads_per_worker=1, cpu_kernels=False) as llm:
     outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(max_tokens=int(sys.argv[3]),
                                                                 temperature=0, ignore_eos=True))
 print(json.dumps({"tokens": [o.token_ids for o in outs], "where": tandem.__file__}))

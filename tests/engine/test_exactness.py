@@ -16,7 +16,7 @@ def test_greedy_matches_hf_with_preemption(family, workers, tiny_llama, tiny_opt
     from tandem.engine.models.loader import load_spec
     spec = load_spec(model_dir)
     block_bytes = spec.num_layers * 8 * spec.unit * 4
-    with LLM(str(model_dir), f"cpu:{workers}", block_size=8, kv_cache_bytes=24 * block_bytes,
+    with LLM(str(model_dir), f"cpu:{workers}", dtype="float32", block_size=8, kv_cache_bytes=24 * block_bytes,
              max_num_batched_tokens=64, threads_per_worker=1) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
         preemptions = sum(q.num_preemptions for q in llm.scheduler.queues)
@@ -37,7 +37,7 @@ def test_swapped_requests_match_hf(family, tiny_llama, tiny_opt):
     from tandem.engine.models.loader import load_spec
     spec = load_spec(model_dir)
     block_bytes = spec.num_layers * 8 * spec.unit * 4
-    with LLM(str(model_dir), "cpu:1", block_size=8, kv_cache_bytes=24 * block_bytes,
+    with LLM(str(model_dir), "cpu:1", dtype="float32", block_size=8, kv_cache_bytes=24 * block_bytes,
              max_num_batched_tokens=64, threads_per_worker=1, preemption_mode="swap",
              swap_dtype="auto") as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))

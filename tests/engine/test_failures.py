@@ -37,7 +37,7 @@ def kill_on_calls(handle, calls: set[int]) -> list[int]:
 
 def test_killed_worker_is_restarted_and_its_requests_finish_token_exact(tiny_llama):
     prompts = mixed_prompts(8, 512, seed=11)
-    with LLM(str(tiny_llama), "cpu:1", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
+    with LLM(str(tiny_llama), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
         handle = llm._workers[0]
         first_pid = handle.proc.pid
         killed = kill_on_calls(handle, {3})
@@ -52,7 +52,7 @@ def test_killed_worker_is_restarted_and_its_requests_finish_token_exact(tiny_lla
 def test_arrivals_wait_out_a_restart_instead_of_being_refused(tiny_llama):
     """While its only device is marked restarting (not serving, not dead), a new request is
     dispatched to it and served, rather than refused with "no device can serve"."""
-    with LLM(str(tiny_llama), "cpu:1", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
+    with LLM(str(tiny_llama), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
         thread = llm.start_runtime().threads[0]
         thread.restarting = True
         try:
@@ -67,7 +67,7 @@ def test_arrivals_wait_out_a_restart_instead_of_being_refused(tiny_llama):
 def test_a_request_that_keeps_killing_its_worker_fails_alone(tiny_llama):
     """After MAX_REQUEST_CRASHES restarts the requests on board fail (they may be the cause);
     the device comes back and serves the next request exactly."""
-    with LLM(str(tiny_llama), "cpu:1", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
+    with LLM(str(tiny_llama), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
         killed = kill_on_calls(llm._workers[0], {3, 4, 5})
         with pytest.raises(DeviceError, match="failed 3 times"):
             llm.generate(mixed_prompts(2, 512, seed=12), SamplingParams(max_tokens=30, **GREEDY))
@@ -81,7 +81,7 @@ def test_a_request_that_keeps_killing_its_worker_fails_alone(tiny_llama):
 def test_a_policy_that_raises_fails_requests_then_marks_the_device_down(tiny_llama):
     def broken(snapshot):
         raise RuntimeError("policy bug")
-    with LLM(str(tiny_llama), "cpu:1", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
+    with LLM(str(tiny_llama), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
         llm.scheduler.policy = broken
         for _ in range(runtime.MAX_LOOP_FAILURES):
             with pytest.raises(DeviceError, match="internal error in the scheduler"):
@@ -93,7 +93,7 @@ def test_a_policy_that_raises_fails_requests_then_marks_the_device_down(tiny_lla
 
 
 def test_a_step_error_fails_that_step_and_the_device_serves_on(tiny_llama):
-    with LLM(str(tiny_llama), "cpu:1", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
+    with LLM(str(tiny_llama), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
         handle = llm._workers[0]
         real, n = handle.collect, [0]
 
@@ -114,7 +114,7 @@ def test_a_step_error_fails_that_step_and_the_device_serves_on(tiny_llama):
 def test_devices_step_without_waiting_for_each_other(tiny_llama):
     """Device 0 cannot finish its first step until device 1 has finished all its requests: in
     lock-step that would never happen (the wait times out and the test fails)."""
-    with LLM(str(tiny_llama), "cpu:2", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
+    with LLM(str(tiny_llama), "cpu:2", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
         slow = llm._workers[0]
         other_done = threading.Event()
         real = slow.collect

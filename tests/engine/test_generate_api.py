@@ -10,7 +10,8 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
-    with LLM(str(tiny_llama), "cpu:1", block_size=8, kv_cache_bytes=1 << 22, threads_per_worker=1) as m:
+    with LLM(str(tiny_llama), "cpu:1", dtype="float32", block_size=8, kv_cache_bytes=1 << 22,
+             threads_per_worker=1) as m:
         yield m
 
 

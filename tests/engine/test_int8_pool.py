@@ -77,7 +77,7 @@ def _close(cache, block: int, attns, inputs) -> None:
 def test_int8_pool_matches_hf_with_quantized_cache(family, tiny_llama, tiny_opt):
     model_dir = tiny_llama if family == "llama" else tiny_opt
     prompts = mixed_prompts(10, 512, seed=23)
-    with LLM(str(model_dir), "cpu:1", block_size=B, kv_cache_bytes=1 << 20, max_num_batched_tokens=512,
+    with LLM(str(model_dir), "cpu:1", dtype="float32", block_size=B, kv_cache_bytes=1 << 20, max_num_batched_tokens=512,
              threads_per_worker=1, kv_cache_dtype="int8") as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
         assert llm._workers[0].pool_info.block_bytes < llm._workers[0].pool_info.int8_block_bytes + 1
@@ -92,7 +92,7 @@ def test_int8_chunked_prefill_matches_hf(tiny_llama):
     """A prompt fed in 12-token chunks: each chunk attends to the compressed blocks before it
     and to itself as computed; blocks a chunk fills whole are compressed as they are written."""
     prompts = mixed_prompts(6, 512, seed=30, lo=30, hi=60)
-    with LLM(str(tiny_llama), "cpu:1", block_size=B, kv_cache_bytes=1 << 20, max_num_batched_tokens=12,
+    with LLM(str(tiny_llama), "cpu:1", dtype="float32", block_size=B, kv_cache_bytes=1 << 20, max_num_batched_tokens=12,
              max_model_len=128, threads_per_worker=1, kv_cache_dtype="int8") as llm:
         outs = [llm.generate([p], SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))[0]
                 for p in prompts]
@@ -107,7 +107,7 @@ def test_int8_hidden_cache_matches_hf(tiny_opt):
     """Hidden caches (OPT) keep each layer's input: their full blocks are compressed the same
     way, and K and V are recomputed from the compressed inputs."""
     prompts = mixed_prompts(10, 512, seed=23)
-    with LLM(str(tiny_opt), "cpu:1", block_size=B, kv_cache_bytes=1 << 20, max_num_batched_tokens=512,
+    with LLM(str(tiny_opt), "cpu:1", dtype="float32", block_size=B, kv_cache_bytes=1 << 20, max_num_batched_tokens=512,
              threads_per_worker=1, kv_cache_dtype="int8", cache_type="hidden") as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
         assert_pool_free(llm)

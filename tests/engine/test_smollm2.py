@@ -18,7 +18,7 @@ MAX_NEW = 40
 
 @pytest.fixture(scope="module")
 def smol():
-    with LLM("smollm2", "cpu:1", kv_cache_bytes=256 << 20) as llm:
+    with LLM("smollm2", "cpu:1", dtype="float32", kv_cache_bytes=256 << 20) as llm:
         yield llm
 
 

@@ -49,8 +49,11 @@ def start_server(model_dir: Path, tmp: Path, *extra: str, inject: str = "") -> S
     workers it spawns do not run it."""
     port = free_port()
     log = tmp / f"server-{port}.log"
+    # float32: tests compare tokens with HF transformers in float32 (``auto`` is bfloat16 on a CPU
+    # with AMX or AVX-512 BF16); a test's own --dtype comes later and wins
     args = ["--model", str(model_dir), "--port", str(port), "--api-key", API_KEY, "--data-dir",
-            str(tmp / "data"), "--kv-cache-bytes", str(64 << 20), "--watch-parent", str(os.getpid()), *extra]
+            str(tmp / "data"), "--kv-cache-bytes", str(64 << 20), "--watch-parent", str(os.getpid()),
+            "--dtype", "float32", *extra]
     launch = ["-m", "server"] if not inject else \
         ["-c", inject + "\nimport sys\nfrom tandem.server.__main__ import main\nmain(sys.argv[1:])"]
     cmd = [sys.executable, *launch, *args]
