@@ -13,7 +13,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
 CLASSES = ("rt", "be")
 SLO_WINDOW_S = 300.0       # the status endpoint's SLO attainment: requests finished in the last 5 minutes
 RATE_WINDOW_S = 10.0       # its tokens/s: over the last 10 seconds of steps
-STATUS_EVERY_S = 0.25      # a device's status view is rebuilt at most this often (and when it idles)
+STATUS_EVERY_S = 0.25      # a device's status view is rebuilt at most this often while its requests stay the same
 
 
 class Metrics:
@@ -89,7 +89,7 @@ class Metrics:
         self._seen: dict = {}
         self._devices: dict[int, tuple] = {}     # device index -> its last load, pool, size, T_avg
         self._status: dict[int, dict] = {}       # device index -> sched.status.device_status after its step
-        self._status_at: dict[int, float] = {}   # device index -> when that view was built
+        self._status_at: dict[int, tuple] = {}   # device index -> (when that view was built, its request count)
         self._token_samples: dict[int, deque] = {}   # device index -> (clock, tokens computed) samples
         self._slo_window: deque = deque()        # (clock, class, ttft met, tbt met) of finished requests
         self._lock = threading.Lock()
@@ -104,13 +104,16 @@ class Metrics:
         from tandem.sched.status import device_status
         load = {c.value: v for c, v in load_by_class([actor]).items()}
         now = time.monotonic()
-        # the view lists every request, so it is not rebuilt after every step: a few times a second
-        # is what a person (or a poll) can read, and the step that leaves the device idle is shown
-        fresh = not actor.states or now - self._status_at.get(actor.index, -math.inf) >= STATUS_EVERY_S
+        # the view lists every request, so progress alone (the same requests, more tokens) refreshes
+        # it a few times a second, what a person (or a poll) can read; a request arriving or
+        # leaving, the device going idle included, shows at once
+        built, count = self._status_at.get(actor.index, (-math.inf, -1))
+        fresh = len(actor.states) != count or now - built >= STATUS_EVERY_S
         status = device_status(actor, now) | {"migrations_in": actor.moves_total} if fresh else None
         with self._lock:
             if status is not None:
-                self._status[actor.index], self._status_at[actor.index] = status, now
+                self._status[actor.index] = status
+                self._status_at[actor.index] = (now, len(actor.states))
             samples = self._token_samples.setdefault(actor.index, deque())
             samples.append((now, sum(actor.tokens_by_cache_type.values())))
             while len(samples) > 2 and samples[1][0] < now - RATE_WINDOW_S:
