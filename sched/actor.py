@@ -536,6 +536,11 @@ class DeviceActor:
         self.running = []
         self.waiting = deque(st.req_id for st in order)
 
+    @property
+    def tokens_computed(self) -> int:
+        """Tokens this device has run through the model, every cache type together."""
+        return sum(self.tokens_by_cache_type.values())
+
     def check_invariants(self) -> None:
         self.pool.check_invariants()
         for r in self.waiting:

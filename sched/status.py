@@ -41,7 +41,7 @@ def device_status(actor, now: float) -> dict:
                  "by_cache_type": {t.value: by_type.get(t.value, 0) for t in CacheType}},
         "classes": {c: load.get(c, {"running": 0, "waiting": 0, "blocks": 0}) for c in ("rt", "be")},
         "iteration_s": actor.t_avg, "steps": actor.step_id, "preemptions": actor.num_preemptions,
-        "tokens_computed": sum(actor.tokens_by_cache_type.values()),
+        "tokens_computed": actor.tokens_computed,
         "swaps": dict(actor.swaps), "host_pool_bytes": actor.host.used if actor.host is not None else 0,
         "requests": requests,
     }

@@ -115,7 +115,7 @@ class Metrics:
                 self._status[actor.index] = status
                 self._status_at[actor.index] = (now, len(actor.states))
             samples = self._token_samples.setdefault(actor.index, deque())
-            samples.append((now, sum(actor.tokens_by_cache_type.values())))
+            samples.append((now, actor.tokens_computed))
             while len(samples) > 2 and samples[1][0] < now - RATE_WINDOW_S:
                 samples.popleft()
             self._devices[actor.index] = (load, pool_view([actor]), actor.pool.geometry.num_blocks, actor.t_avg,
