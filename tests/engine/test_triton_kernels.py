@@ -1,0 +1,205 @@
+"""The Triton kernels against independent references: float64 attention computed here from the
+values the pool holds, and the engine's torch reference path. On a machine without a GPU they
+run under Triton's interpreter (tiny shapes); with one, on CUDA."""
+import importlib
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from tandem.engine.attention import _dense, decode_attention, read_hidden
+from tandem.engine.messages import Direction
+from tandem.engine.models.llama import apply_rope, rope_tables
+from tandem.engine.runner import block_offsets
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The kernel modules, compiled for CUDA, or interpreted on the CPU (decided when the
+    kernels are defined, so the variable is set only while they are imported)."""
+    old = os.environ.get("TRITON_INTERPRET")
+    if DEV == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        names = ("triton_paging", "triton_decode", "triton_prefill", "triton_hidden")
+        mods = {n: importlib.reload(importlib.import_module(f"tandem.engine.{n}")) for n in names}
+        yield SimpleNamespace(**mods)
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def random_rows(lens, block_size, free_blocks, kinds=1, directions=(Direction.LEFT, Direction.RIGHT)):
+    """Per-token pool rows of requests whose token-blocks take random free blocks, each filled
+    from a random end (bidirectional blocks): [n] per request, or [n, kinds]."""
+    gen = torch.Generator().manual_seed(len(lens) * 7 + block_size)
+    out = []
+    for n in lens:
+        parts = []
+        for _ in range(-(-n // block_size)):
+            d = directions[int(torch.randint(len(directions), (1,), generator=gen))]
+            offs = block_offsets(block_size, d)
+            parts.append(torch.stack([free_blocks.pop() * block_size + offs for _ in range(kinds)], 1))
+        rows = torch.cat(parts)[:n]
+        out.append(rows[:, 0] if kinds == 1 else rows)
+    return out
+
+
+def attend64(q, k, v, scale):
+    """float64 softmax attention: q [G, n_q, D] (or [G, D]), k, v [n_k, D] -> like q."""
+    p = torch.softmax(q.double() @ k.double().T * scale, dim=-1)
+    return p @ v.double()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hkv, g", [(2, 3), (4, 1)])
+@pytest.mark.parametrize("paging", ["BLOCKS", "ROWS"])
+def test_paged_decode(kernels, dtype, hkv, g, paging):
+    torch.manual_seed(0)
+    B, nb, hd, scale = 8, 64, 32, 0.2
+    lens = [1, 9, 30, 17, 40]
+    free = torch.randperm(nb).tolist()
+    k_rows, v_rows = random_rows(lens, B, free), random_rows(lens, B, free)
+    pool = torch.randn(hkv, nb * B, hd).to(dtype)
+    q = torch.randn(len(lens), hkv, g, hd).to(dtype)
+    P = kernels.triton_paging
+    mode = P.Paging[paging]
+    if mode is P.Paging.BLOCKS:
+        (kt, kd), (vt, vd) = P.tables_from_rows(k_rows, B), P.tables_from_rows(v_rows, B)
+    else:
+        kt, kd, vt, vd = P.row_table(k_rows), None, P.row_table(v_rows), None
+    lens_t = torch.tensor(lens)
+    to = lambda t: None if t is None else t.to(DEV)  # noqa: E731
+    got = kernels.triton_decode.paged_decode(to(q), to(pool), to(kt), to(vt), to(lens_t), scale, B,
+                                             mode, to(kd), to(vd)).cpu()
+    for r, n in enumerate(lens):
+        for h in range(hkv):
+            ref = attend64(q[r, h], pool[h, k_rows[r]], pool[h, v_rows[r]], scale)
+            torch.testing.assert_close(got[r, h].double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    pad = lambda rows: torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # noqa: E731
+    ref = decode_attention(q, pool, pad(k_rows), pad(v_rows), lens_t, scale)
+    torch.testing.assert_close(got.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_int8_pool(kernels, dtype):
+    """Closed blocks read as lo + λ·q (numpy's rounding of the written values), open blocks
+    from their full-precision staging copy."""
+    from tandem.engine.quantpool import QuantPool
+    torch.manual_seed(1)
+    hkv, g, hd, B, nb, scale = 2, 2, 32, 8, 40, 0.125
+    qp = QuantPool(1, hkv, nb, B, hd, dtype, open_capacity=2, device=DEV)
+    qp.open(torch.arange(nb, device=DEV))
+    values = torch.randn(1, hkv, nb * B, hd).to(dtype)
+    qp.write(torch.arange(nb * B, device=DEV), values.to(DEV))
+    closed = torch.arange(0, nb, 3)
+    qp.close(closed.to(DEV))
+    expect = values[0].double().numpy().copy()
+    for b in closed.tolist():
+        x = expect[:, b * B:(b + 1) * B]
+        lo, hi = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
+        step = (hi - lo) / 255
+        expect[:, b * B:(b + 1) * B] = lo + step * np.clip(np.round((x - lo) / np.where(step > 0, step, 1)), 0, 255)
+    expect = torch.from_numpy(expect)
+    lens = [3, 24, 33, 50]
+    free = torch.randperm(nb).tolist()
+    k_rows, v_rows = random_rows(lens, B, free), random_rows(lens, B, free)
+    P = kernels.triton_paging
+    (kt, kd), (vt, vd) = P.tables_from_rows(k_rows, B), P.tables_from_rows(v_rows, B)
+    q = torch.randn(len(lens), hkv, g, hd).to(dtype)
+    got = kernels.triton_decode.paged_decode(q.to(DEV), qp[0], kt.to(DEV), vt.to(DEV),
+                                             torch.tensor(lens, device=DEV), scale, B,
+                                             P.Paging.BLOCKS, kd.to(DEV), vd.to(DEV)).cpu()
+    for r in range(len(lens)):
+        for h in range(hkv):
+            ref = attend64(q[r, h], expect[h, k_rows[r]], expect[h, v_rows[r]], scale)
+            torch.testing.assert_close(got[r, h].double(), ref, atol=max(TOL[dtype], 1e-4), rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hkv, g", [(2, 2), (4, 1)])
+def test_paged_prefill_chunked(kernels, dtype, hkv, g):
+    """Three segments: a whole prompt, and two chunks whose prefix came from earlier steps."""
+    torch.manual_seed(2)
+    B, nb, hd, scale = 8, 64, 16, 0.25
+    ctx, new = [5, 20, 37], [5, 7, 18]
+    free = torch.randperm(nb).tolist()
+    k_rows, v_rows = random_rows(ctx, B, free), random_rows(ctx, B, free)
+    pool = torch.randn(hkv, nb * B, hd).to(dtype)
+    H = hkv * g
+    starts = [0, 5, 12]
+    q = torch.randn(sum(new), H * hd).to(dtype)
+    P = kernels.triton_paging
+    (kt, kd), (vt, vd) = P.tables_from_rows(k_rows, B), P.tables_from_rows(v_rows, B)
+    for mode, tabs in ((P.Paging.BLOCKS, (kt, vt, kd, vd)),
+                       (P.Paging.ROWS, (P.row_table(k_rows), P.row_table(v_rows), None, None))):
+        k_t, v_t, k_d, v_d = (None if t is None else t.to(DEV) for t in tabs)
+        got = kernels.triton_prefill.paged_prefill(q.to(DEV), pool.to(DEV), k_t, v_t, starts, new, ctx,
+                                                   H, scale, B, mode, k_d, v_d).cpu()
+        for s, n, c, kr, vr in zip(starts, new, ctx, k_rows, v_rows):
+            for hq in range(H):
+                h = hq // g
+                qh = q[s:s + n, hq * hd:(hq + 1) * hd].double()
+                scores = qh @ pool[h, kr].double().T * scale
+                scores = scores.masked_fill(~torch.ones(n, c, dtype=torch.bool).tril(c - n), float("-inf"))
+                ref = torch.softmax(scores, -1) @ pool[h, vr].double()
+                torch.testing.assert_close(got[s:s + n, hq * hd:(hq + 1) * hd].double(), ref,
+                                           atol=TOL[dtype], rtol=TOL[dtype])
+            ref = _dense(q[s:s + n], pool[:, kr], pool[:, vr], n, c, H, hkv, hd, scale)
+            torch.testing.assert_close(got[s:s + n].float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rope, bias, hkv, g", [(True, False, 2, 2), (False, True, 2, 1)])
+def test_hidden_decode(kernels, dtype, rope, bias, hkv, g):
+    """K and V rebuilt from stored layer inputs (Llama: rotary; OPT: bias, no rotary), then
+    attention; the reference projects in float64 from the same stored inputs."""
+    torch.manual_seed(3)
+    B, nb, hd, m, scale = 8, 96, 32, 2, 0.2
+    dm = m * hkv * hd
+    pool = torch.randn(hkv, nb * B, hd).to(dtype)
+    w = (torch.randn(2 * hkv * hd, dm) / dm ** 0.5).to(dtype)
+    b = torch.randn(2 * hkv * hd).to(dtype) if bias else None
+    cos, sin = rope_tables(SimpleNamespace(head_dim=hd, rope_theta=10000.0, max_model_len=64), torch.float64)
+    lens = [1, 9, 30]
+    free = torch.randperm(nb).tolist()
+    rows = random_rows(lens, B, free, kinds=m, directions=(Direction.LEFT,))
+    q = torch.randn(len(lens), hkv, g, hd).to(dtype)
+    P = kernels.triton_paging
+    tab, dirs = P.tables_from_rows(rows, B)
+    dev_cs = (cos.to(DEV, dtype), sin.to(DEV, dtype)) if rope else (None, None)
+    for mode, t, d in ((P.Paging.BLOCKS, tab, dirs), (P.Paging.ROWS, P.row_table(rows), None)):
+        got = kernels.triton_hidden.hidden_decode(
+            q.to(DEV), pool.to(DEV), t.to(DEV), torch.tensor(lens, device=DEV), w.to(DEV),
+            None if b is None else b.to(DEV), *dev_cs, scale, B, mode,
+            None if d is None else d.to(DEV)).cpu()
+        for r, c in enumerate(lens):
+            x = read_hidden(pool, rows[r].reshape(-1), c).double()            # [c, d_model]
+            kv = x @ w.double().T + (b.double() if bias else 0)
+            k, v = kv.reshape(c, 2, hkv, hd).unbind(1)
+            if rope:
+                k = apply_rope(k, cos[:c], sin[:c])
+            for h in range(hkv):
+                ref = attend64(q[r, h], k[:, h], v[:, h], scale)
+                torch.testing.assert_close(got[r, h].double(), ref, atol=3 * TOL[dtype], rtol=3 * TOL[dtype])
+
+
+def test_tables_from_rows_refuses_irregular_rows(kernels):
+    """A token swapped back into another block's free slot breaks the block order: the row
+    table must serve that batch."""
+    P = kernels.triton_paging
+    B = 4
+    regular = torch.cat([2 * B + torch.arange(B), 5 * B + torch.arange(B).flip(0)])
+    table, dirs = P.tables_from_rows([regular], B)
+    assert table.tolist() == [[2, 5]] and dirs.tolist() == [[0, 1]]
+    moved = regular.clone()
+    moved[5] = 7 * B + 3
+    assert P.tables_from_rows([moved], B) is None
