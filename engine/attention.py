@@ -84,6 +84,7 @@ class AttnBatch:
     dec_lens: torch.Tensor | None    # [nd] long, context length of each decode (this token included)
     kernel: object | None = None     # compiled CPU ops module, or None for the torch path
     hidden: HiddenBatch | None = None  # hidden-cache requests of this step, if any
+    triton: object | None = None     # engine.triton_attention.TritonMeta: the Triton kernels serve
 
 
 Pool = torch.Tensor | QuantLayer     # one layer's store: full precision, or int8 (engine.quantpool)
@@ -108,7 +109,22 @@ def write_kv(pool: Pool, slots: torch.Tensor, x: torch.Tensor) -> None:
     pool_write(pool, slots, x.view(-1, h, hd).transpose(0, 1))
 
 
-KvFromHidden = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+@dataclass(slots=True)
+class HiddenProjection:
+    """K and V of stored layer inputs x [n, d_model] at positions [n]: ``x @ w.T + b`` split
+    into K and V, K rotated when ``cos``/``sin`` are given. ``project`` is the model's own
+    computation of that (packed weights on the CPU); the Triton kernel reads the fields."""
+    project: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    w: torch.Tensor                  # [2 * Hkv * D, d_model] dense: the K rows, then the V rows
+    b: torch.Tensor | None = None    # [2 * Hkv * D]
+    cos: torch.Tensor | None = None  # [max_len, D] rotary tables (HF layout), None: no rotary
+    sin: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.project(x, pos)
+
+
+KvFromHidden = HiddenProjection
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -128,21 +144,24 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kv_end = q.shape[0] if hb is None else hb.start
     if hb is not None:
         out[hb.start:] = hidden_attention(q[hb.start:], x[hb.start:], pool, hb, kv_from_hidden,
-                                          num_heads, num_kv_heads, head_dim, scale)
+                                          num_heads, num_kv_heads, head_dim, scale, batch.triton)
         if hb.start == 0:
             return out
         q, k, v = q[:hb.start], k[:hb.start], v[:hb.start]
     write_kv(pool, batch.k_slots, k)
     write_kv(pool, batch.v_slots, v)
-    for seg in batch.prefills:
-        out[seg.start:seg.end] = _prefill(q[seg.start:seg.end], k[seg.start:seg.end],
-                                          v[seg.start:seg.end], pool, seg,
-                                          num_heads, num_kv_heads, head_dim, scale)
+    tm = batch.triton
+    if tm is not None and tm.prefill is not None:
+        out[:batch.decode_start] = tm.attend_prefill(q[:batch.decode_start], pool, num_heads, scale)
+    else:
+        _prefills(q, k, v, out, pool, batch, num_heads, num_kv_heads, head_dim, scale)
     if batch.dec_lens is not None:
         qd = q[batch.decode_start:]
         nd = qd.shape[0]
         qg = qd.reshape(nd, num_kv_heads, -1, head_dim)                  # [nd, Hkv, g, hd]
-        if batch.kernel is not None and isinstance(pool, QuantLayer):
+        if tm is not None:
+            o = tm.attend_decode(qg, pool, scale)
+        elif batch.kernel is not None and isinstance(pool, QuantLayer):
             o = batch.kernel.paged_decode_q8(qg.contiguous(), pool.stage, pool.q, pool.scale, pool.low,
                                              pool.stage_of, batch.dec_k_rows, batch.dec_v_rows,
                                              batch.dec_lens, pool.block_size, scale)
@@ -153,6 +172,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             o = decode_attention(qg, pool, batch.dec_k_rows, batch.dec_v_rows, batch.dec_lens, scale)
         out[batch.decode_start:kv_end] = o.reshape(nd, -1)
     return out
+
+
+def _prefills(q, k, v, out, pool, batch: AttnBatch, num_heads, num_kv_heads, head_dim, scale) -> None:
+    """The torch path: each prefill segment attends over its gathered prefix and itself."""
+    for seg in batch.prefills:
+        out[seg.start:seg.end] = _prefill(q[seg.start:seg.end], k[seg.start:seg.end],
+                                          v[seg.start:seg.end], pool, seg,
+                                          num_heads, num_kv_heads, head_dim, scale)
 
 
 def _prefill(q, k, v, pool, seg: PrefillSegment, num_heads, num_kv_heads, head_dim, scale):
@@ -202,13 +229,20 @@ def read_hidden(pool: Pool, rows: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def hidden_attention(q, x, pool, hb: HiddenBatch, kv_from_hidden: KvFromHidden,
-                     num_heads, num_kv_heads, head_dim, scale) -> torch.Tensor:
+                     num_heads, num_kv_heads, head_dim, scale, triton=None) -> torch.Tensor:
     """Attention of hidden-cache requests: store the new inputs, rebuild each context's K and V
     from the stored prefix and the new inputs (positions 0..ctx-1), attend causally. q, x: the
-    hidden rows only."""
+    hidden rows only. With Triton metadata, its single-token segments go to the fused kernel."""
     write_hidden(pool, hb.write_rows, x)
     out = torch.empty_like(q)
-    for seg in hb.segs:
+    segs = hb.segs
+    if triton is not None and triton.hidden is not None:
+        starts = torch.tensor([segs[i].start for i in triton.hidden_segs], device=q.device)
+        qg = q[starts].reshape(starts.shape[0], num_kv_heads, -1, head_dim)
+        out[starts] = triton.attend_hidden(qg, pool, kv_from_hidden, scale).reshape(starts.shape[0], -1)
+        done = set(triton.hidden_segs)
+        segs = [s for i, s in enumerate(segs) if i not in done]
+    for seg in segs:
         n = seg.end - seg.start
         ctx = seg.ctx_rows.shape[0] // hb.m
         xs = x[seg.start:seg.end]

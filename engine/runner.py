@@ -5,6 +5,7 @@ StepInput. It runs in the worker process; tests may also drive it directly.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from tandem.engine.messages import (CacheImport, CacheType, Command, Direction, 
 from tandem.engine.models.spec import ModelSpec
 from tandem.engine.quantpool import QuantPool
 from tandem.engine.sampling import sample
+from tandem.engine.triton_attention import TritonMeta, pad, tables
 
 
 @dataclass(slots=True)
@@ -47,8 +49,9 @@ def block_offsets(block_size: int, direction: Direction) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, pool: torch.Tensor | QuantPool,
-                 block_size: int, kernel: object | None = None):
+                 block_size: int, kernel: object | None = None, triton: bool = False):
         self.kernel = kernel             # compiled CPU decode attention, None = torch path
+        self.triton = triton             # attention by the Triton kernels (engine.triton_attention)
         self.device = pool.device        # step metadata is built on the CPU and moved here once
         self.model = model
         self.spec = spec
@@ -322,8 +325,36 @@ class ModelRunner:
         empty = torch.empty(0, dtype=torch.long)
         batch = AttnBatch(to(torch.cat(k_w) if k_w else empty), to(torch.cat(v_w) if v_w else empty),
                           segs, decode_start, *(to(t) for t in dec), self.kernel, hb)
+        if self.triton:
+            batch.triton = self._triton_meta(prefills, dec, hidden, hb, to)
         return (to(torch.tensor(ids, dtype=torch.long)), to(torch.cat(pos)), batch,
                 to(torch.tensor(rows, dtype=torch.long)), samplers)
+
+    def _triton_meta(self, prefills, dec, hidden, hb: HiddenBatch | None, to) -> TritonMeta:
+        """Tables for the Triton kernels (engine.triton_attention), built after ``_build``'s
+        bookkeeping: the requests' computed counts are still those before this step."""
+        B = self.block_size
+        meta = TritonMeta(B)
+        if dec[0] is not None:
+            meta.decode = tables([dec[0], dec[1]], dec[2], B, to)
+            meta.decode_lens = to(dec[2])
+        if prefills and not self.int8:
+            sts = [self.reqs[s.req_id] for s in prefills]
+            ctx = [st.num_computed + s.num_new_tokens for st, s in zip(sts, prefills)]
+            lens = torch.tensor(ctx)
+            meta.prefill = tables([pad([st.slots[0, :c] for st, c in zip(sts, ctx)]),
+                                   pad([st.slots[1, :c] for st, c in zip(sts, ctx)])], lens, B, to)
+            meta.seg_n = [s.num_new_tokens for s in prefills]
+            meta.seg_start = [0] + list(itertools.accumulate(meta.seg_n))[:-1]
+            meta.seg_ctx = ctx
+        single = [i for i, s in enumerate(hidden) if s.num_new_tokens == 1] if hb is not None else []
+        if single and not self.int8:
+            sts = [self.reqs[hidden[i].req_id] for i in single]
+            ctx = [st.num_computed + 1 for st in sts]
+            lens = torch.tensor(ctx)
+            meta.hidden = tables([pad([st.slots[:, :c].T for st, c in zip(sts, ctx)])], lens, B, to)
+            meta.hidden_segs, meta.hidden_lens = single, to(lens)
+        return meta
 
     def _take(self, s, ids: list[int], pos: list[torch.Tensor]) -> tuple[ReqState, int, int]:
         """Append a scheduled request's new tokens [a, b) and their positions to the step."""

@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from tandem.engine.quantpool import QuantLayer
-from tandem.engine.triton_paging import Paging, next_pow2, token_rows
+from tandem.engine.triton_paging import Paging, next_pow2
+from tandem.engine.triton_rows import token_rows
 
 
 @triton.jit

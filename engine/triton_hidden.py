@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.engine.triton_paging import Paging, interpreting, next_pow2, token_rows
+from tandem.engine.triton_paging import Paging, next_pow2
+from tandem.engine.triton_rows import interpreted, token_rows
 
 
 @triton.jit
@@ -131,5 +132,5 @@ def hidden_decode(qg: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, len
         qg.stride(0), qg.stride(1), pool.stride(0), table.stride(0),
         table.stride(0) if rows else dirs.stride(0), w_kv.stride(0), cs.stride(0), scale,
         HKV=hkv, M=m, G=g, G_PAD=next_pow2(g), D=d, B=block_size, BLOCK_N=block_n, ROWS=rows,
-        ROPE=rope, BIAS=b_kv is not None, IEEE=qg.dtype == torch.float32 or interpreting())
+        ROPE=rope, BIAS=b_kv is not None, IEEE=qg.dtype == torch.float32 or interpreted(_hidden_decode))
     return out

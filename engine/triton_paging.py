@@ -47,74 +47,61 @@ def triton_available() -> bool:
     return torch.cuda.is_available() or interpreting()
 
 
+def supports_head_dim(head_dim: int) -> bool:
+    """The kernels take whole power-of-two heads, and the hidden kernel's rotary halves must
+    fill a tensor-core product (16 wide)."""
+    return head_dim >= 32 and head_dim & (head_dim - 1) == 0
+
+
 def interpreting() -> bool:
     """Kernels run under Triton's CPU interpreter (tests without a GPU)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def tables_from_rows(rows: list[torch.Tensor], block_size: int, pad: int = 0
+def tables_from_rows(rows: list[torch.Tensor], block_size: int
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Block table and directions for requests given as per-token pool rows (each a 1-D long
     tensor, or ``[n_i, m]`` for hidden caches), or None when some request's rows do not follow
-    whole blocks in one direction each (then the row table must be used).
+    whole blocks in one direction each (then the row table must serve)."""
+    lens = torch.tensor([r.shape[0] for r in rows], dtype=torch.long)
+    return block_tables(row_table(rows), lens, block_size)
 
-    Returns table int32 ``[n, max_blocks(, m)]`` and dirs int8 ``[n, max_blocks]``; unused
-    entries are ``pad``."""
+
+def block_tables(rows: torch.Tensor, lens: torch.Tensor, block_size: int
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The same from padded rows ``[n, L]`` or ``[n, L, m]`` (past ``lens[i]``: anything), in a
+    few batched operations: table int32 ``[n, ceil(L / B)(, m)]``, dirs int8 ``[n, ceil(L / B)]``
+    (unused entries 0), or None."""
     B = block_size
-    nb = max((-(-r.shape[0] // B) for r in rows), default=0)
-    lead = rows[0].shape[1:] if rows else ()
-    table = torch.full((len(rows), max(nb, 1), *lead), pad, dtype=torch.int32)
-    dirs = torch.zeros(len(rows), max(nb, 1), dtype=torch.int8)
-    for i, r in enumerate(rows):
-        n = r.shape[0]
-        if n == 0:
-            continue
-        first = r[::B]                                            # row of each token-block's offset 0
-        right = (first % B == B - 1) & (B > 1)
-        if right.dim() > 1:                                       # hidden: the m rows share a direction
-            if bool((right != right[:, :1]).any()):
-                return None
-            right = right[:, 0]
-        off = torch.arange(n) % B
-        slot = torch.where(right.repeat_interleave(B)[:n], B - 1 - off, off)
-        blk = first // B
-        expect = blk.repeat_interleave(B, dim=0)[:n] * B + (slot if r.dim() == 1 else slot[:, None])
-        if not torch.equal(expect, r):
+    n, L = rows.shape[:2]
+    nb = max(1, -(-L // B))
+    rows = rows.long()
+    if L < nb * B:                      # whole token-blocks, padded with copies of the last row
+        rows = torch.cat([rows, rows[:, -1:].expand(n, nb * B - L, *rows.shape[2:])], dim=1)
+    first = rows[:, ::B]                                        # [n, nb(, m)]: offset 0's row
+    right = (first % B == B - 1) & (B > 1)
+    if right.dim() == 3:                                        # a token's m rows share a direction
+        if bool((right != right[..., :1]).any()):
             return None
-        table[i, :blk.shape[0]] = blk.to(torch.int32)
-        dirs[i, :blk.shape[0]] = right.to(torch.int8)
-    return table, dirs
+        right = right[..., 0]
+    off = torch.arange(nb * B) % B
+    slot = torch.where(right.repeat_interleave(B, dim=1), B - 1 - off, off)      # [n, nb*B]
+    blk = first // B
+    expect = blk.repeat_interleave(B, dim=1) * B + (slot if rows.dim() == 2 else slot[..., None])
+    used = torch.arange(nb * B)[None, :] < lens[:, None]
+    if rows.dim() == 3:
+        used = used[..., None]
+    if not bool(((expect == rows) | ~used).all()):
+        return None
+    held = (torch.arange(nb)[None, :] * B < lens[:, None])
+    table = torch.where(held if blk.dim() == 2 else held[..., None], blk, 0).to(torch.int32)
+    return table, torch.where(held, right, False).to(torch.int8)
 
 
-def row_table(rows: list[torch.Tensor], pad: int = 0) -> torch.Tensor:
-    """Per-token rows of several requests, padded: int32 ``[n, L(, m)]``."""
-    return torch.nn.utils.rnn.pad_sequence([r.to(torch.int32) for r in rows], batch_first=True,
-                                           padding_value=pad)
+def row_table(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Per-token rows of several requests, padded with 0: int32 ``[n, L(, m)]``."""
+    return torch.nn.utils.rnn.pad_sequence([r.to(torch.int32) for r in rows], batch_first=True)
 
 
 def next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
-
-
-try:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def token_rows(tab_ptr, dir_ptr, req, t, valid, stride_tab, stride_dir,
-                   B: tl.constexpr, ROWS: tl.constexpr, COL: tl.constexpr = 0,
-                   STRIDE_COL: tl.constexpr = 1):
-        """Pool rows of logical tokens ``t`` (a vector) of request ``req``: through the row table
-        when ROWS, else the block table and directions (module docstring). COL picks one of a
-        hidden cache's m rows."""
-        if ROWS:
-            rows = tl.load(tab_ptr + req * stride_tab + t * STRIDE_COL + COL, mask=valid, other=0)
-        else:
-            blk_i = t // B
-            off = t % B
-            blk = tl.load(tab_ptr + req * stride_tab + blk_i * STRIDE_COL + COL, mask=valid, other=0)
-            right = tl.load(dir_ptr + req * stride_dir + blk_i, mask=valid, other=0)
-            rows = blk * B + tl.where(right != 0, B - 1 - off, off)
-        return rows.to(tl.int64)
-except ImportError:          # no Triton: the torch and C++ paths serve; nothing here is called
-    pass

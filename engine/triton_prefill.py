@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.engine.triton_paging import Paging, interpreting, token_rows
+from tandem.engine.triton_paging import Paging
+from tandem.engine.triton_rows import interpreted, token_rows
 
 
 @triton.jit
@@ -109,5 +110,5 @@ def paged_prefill(q: torch.Tensor, pool: torch.Tensor, k_table: torch.Tensor, v_
         q, out, pool, k_table, kd, v_table, vd, tile_seg, tile_m0, *segs,
         q.stride(0), pool.stride(0), k_table.stride(0), kd.stride(0), scale,
         G=num_heads // hkv, D=d, B=block_size, BLOCK_M=block_m, BLOCK_N=block_n, ROWS=rows,
-        IEEE=q.dtype == torch.float32 or interpreting())
+        IEEE=q.dtype == torch.float32 or interpreted(_paged_prefill))
     return out

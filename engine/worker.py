@@ -78,6 +78,7 @@ class WorkerConfig:
     kv_cache_dtype: str = "auto"    # "auto": the model's dtype; "int8": full blocks compressed
                                     # (engine.quantpool), open blocks at the model's dtype
     max_num_seqs: int = 64          # requests at once: an int8 pool reserves their open blocks' staging
+    triton_attention: bool = False  # attention by the Triton kernels (engine.triton_attention)
 
 
 def pool_blocks(cfg: WorkerConfig, bytes_per_block: int, reserved: int = 0) -> int:
@@ -124,13 +125,13 @@ def _build_runner(cfg: WorkerConfig):
     if cfg.compile:
         from tandem.engine.compiled import compile_model
         model = compile_model(model)
-    elif packs(cfg.device, dtype):
+    elif packs(cfg.device, dtype) and not cfg.triton_attention:   # its hidden kernel reads dense weights
         model.pack_weights()
     kernel = None
-    if cfg.device == "cpu" and cfg.cpu_kernels:
+    if cfg.device == "cpu" and cfg.cpu_kernels and not cfg.triton_attention:
         from tandem.engine.kernels import cpu_ops
         kernel = cpu_ops()
-    return ModelRunner(model, spec, pool, cfg.block_size, kernel), num_blocks
+    return ModelRunner(model, spec, pool, cfg.block_size, kernel, cfg.triton_attention), num_blocks
 
 
 def pool_info(runner, num_blocks: int) -> PoolInfo:

@@ -59,6 +59,20 @@ def parse_devices(devices: str) -> list[str]:
     raise ValueError(f"devices: {devices!r} is not 'cpu:N' or 'cuda:i,j,...'")
 
 
+def _triton_choice(asked: bool | None, devices: list[str], head_dim: int) -> bool:
+    """Whether the workers attend with the Triton kernels (LLM's triton_attention)."""
+    from tandem.engine.triton_paging import supports_head_dim, triton_available
+    if asked is None:
+        return (all(d.startswith("cuda") for d in devices) and triton_available()
+                and supports_head_dim(head_dim))
+    if asked and not triton_available():
+        raise ValueError("triton_attention: Triton is not installed, or there is no CUDA device "
+                         "(on the CPU it runs only under TRITON_INTERPRET=1)")
+    if asked and not supports_head_dim(head_dim):
+        raise ValueError(f"triton_attention: head_dim {head_dim} is not a power of two >= 32")
+    return bool(asked)
+
+
 class LLM:
     """Load a model onto worker processes and generate offline.
 
@@ -76,6 +90,9 @@ class LLM:
     compressed channel-wise, the open one kept at the model's dtype: about 2.7x the tokens of an
     fp32 pool per block, at a small accuracy cost; the budget first reserves max_num_seqs
     requests' open blocks at full precision).
+    triton_attention: attention by the Triton kernels (engine.triton_attention); None: on CUDA
+    devices whenever Triton is installed. On the CPU it needs TRITON_INTERPRET=1 (tests only:
+    the interpreter is hundreds of times slower than the compiled CPU kernel).
     """
 
     def __init__(self, model: str = "smollm2", devices: str = "cpu:1", *, dtype: str = "auto",
@@ -92,7 +109,8 @@ class LLM:
                  mixed_batches: bool = False, placement: str = "lb",
                  rebalance_interval_s: float = 1.0, slo_tbt_s: float = 0.2,
                  length_predictor: Any = None, preemption_mode: str | None = None,
-                 swap_space: float = 4.0, swap_dtype: str = "int8", kv_cache_dtype: str = "auto"):
+                 swap_space: float = 4.0, swap_dtype: str = "int8", kv_cache_dtype: str = "auto",
+                 triton_attention: bool | None = None):
         self._workers: list[WorkerHandle] = []
         self.runtime: Runtime | None = None
         self.rebalancer: Rebalancer | None = None
@@ -140,9 +158,11 @@ class LLM:
         if ncpu and cpu_kernels:
             from tandem.engine.kernels import cpu_ops
             cpu_kernels = cpu_ops() is not None      # build once here, before the workers load it
+        use_triton = _triton_choice(triton_attention, names, self.spec.head_dim)
         for i, dev in enumerate(names):
             wc = WorkerConfig(str(hf_dir), self.spec, dtype, dev, block_size, kv_cache_bytes, kv_cache_fraction,
-                              ncpu, threads, compile, cpu_kernels, omp_wait_policy, kv_cache_dtype, max_num_seqs)
+                              ncpu, threads, compile, cpu_kernels, omp_wait_policy, kv_cache_dtype, max_num_seqs,
+                              use_triton)
             self._workers.append(WorkerHandle(f"{dev}#{i}" if dev == "cpu" else dev, wc))
         try:
             wait_all(self._workers)

@@ -9,6 +9,18 @@ import pytest
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def _no_cuda() -> bool:
+    import torch
+    return not torch.cuda.is_available()
+
+
+# Without a GPU the Triton kernels' tests run under Triton's interpreter. Triton fixes the mode of
+# every jit function (its own library's included) when it is first imported, so it is chosen here,
+# before anything imports Triton; worker processes inherit it. Nothing else on a CPU runs Triton.
+if _no_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     from tandem.engine.models.tiny import write_tiny_model

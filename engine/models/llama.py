@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.attention import AttnBatch, paged_attention
+from tandem.engine.attention import AttnBatch, HiddenProjection, paged_attention
 from tandem.engine.linear import linear, pack_into
 from tandem.engine.models.spec import ModelSpec
 
@@ -126,7 +126,8 @@ class LlamaModel(nn.Module):
             k, v = linear(x, w).split([width, width], dim=-1)
             k = apply_rope(k.reshape(-1, s.num_kv_heads, s.head_dim), self.cos[pos], self.sin[pos])
             return k.reshape(-1, width), v.contiguous()
-        return kv
+        dense = None if w.is_mkldnn else w          # packed weights serve the CPU path only
+        return HiddenProjection(kv, dense, None, self.cos, self.sin)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
                 batch: AttnBatch, logit_rows: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.attention import AttnBatch, paged_attention
+from tandem.engine.attention import AttnBatch, HiddenProjection, paged_attention
 from tandem.engine.linear import linear, pack_into
 from tandem.engine.models.spec import ModelSpec
 
@@ -89,7 +89,8 @@ class OPTModel(nn.Module):
             kv = None
             if batch.hidden is not None:   # K and V of stored post-norm inputs (no positions in OPT attention)
                 kv_w = L.kv_w if L.kv_w is not None else L.qkv_w[d:]
-                kv = (lambda xs, pos, L=L, w=kv_w: linear(xs, w, L.qkv_b[d:]).split([d, d], dim=-1))  # noqa: E731
+                fn = (lambda xs, pos, L=L, w=kv_w: linear(xs, w, L.qkv_b[d:]).split([d, d], dim=-1))  # noqa: E731
+                kv = HiddenProjection(fn, None if kv_w.is_mkldnn else kv_w, L.qkv_b[d:])
             a = paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), pool[li], batch,
                                 s.num_heads, s.num_kv_heads, s.head_dim, scale, x, kv)
             h = h + linear(a, L.out_w, L.out_b)

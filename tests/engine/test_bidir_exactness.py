@@ -1,6 +1,7 @@
 """Bidirectional blocks on the real engine: RT and BE share blocks, the RT owner overwrites BE
 slots (checkpointed to the CPU first), the BE request is swapped back in later, and both produce
 exactly HF transformers' greedy tokens."""
+import pytest
 import torch
 
 from tandem.cache.bidir import BidirectionalPool
@@ -92,10 +93,14 @@ def test_be_overwritten_and_swapped_back_matches_hf(tiny_llama):
     assert d.output("be")[:be_new] == ref[0][:be_new]
 
 
-def test_scheduler_with_bidirectional_blocks_matches_hf(tiny_llama):
+@pytest.mark.parametrize("triton", [False, True])
+def test_scheduler_with_bidirectional_blocks_matches_hf(tiny_llama, triton, monkeypatch):
     """BROS + bidirectional blocks through the real Scheduler: BE requests fill the pool, RT
     requests arrive and take BE blocks over (checkpointing BE slots, dropping BE requests to the
-    CPU when needed); every request still produces HF's greedy tokens and the pool ends empty."""
+    CPU when needed); every request still produces HF's greedy tokens and the pool ends empty.
+    With ``triton`` the attention runs on the Triton kernels (interpreted without a GPU), which
+    read blocks filled from the back through the block table's directions, and steps whose
+    swapped-in tokens broke the block order through the row table."""
     from tandem.engine.messages import PoolInfo
     from tandem.engine.params import SamplingParams
     from tandem.sched.cost_model import CostModel, OnlineCostModel
@@ -104,7 +109,18 @@ def test_scheduler_with_bidirectional_blocks_matches_hf(tiny_llama):
 
     torch.set_num_threads(1)
     spec = load_spec(tiny_llama)
-    cfg = WorkerConfig(str(tiny_llama), spec, "float32", "cpu", B, 1 << 20, None, 1, 1, False, False)
+    pagings = []
+    if triton:
+        from tandem.engine import runner
+        real_tables = runner.tables
+
+        def recording(rows, lens, block_size, to):
+            t = real_tables(rows, lens, block_size, to)
+            pagings.append((t.paging.name, bool(t.dirs[0] is not None and t.dirs[0].any())))
+            return t
+        monkeypatch.setattr(runner, "tables", recording)
+    cfg = WorkerConfig(str(tiny_llama), spec, "float32", "cpu", B, 1 << 20, None, 1, 1, False, False,
+                       triton_attention=triton)
     dev = InProcessDevice("cpu", cfg)
     dev.pool_info = PoolInfo(num_blocks=2 * 20, block_size=B, hidden_rows=0)   # 20 token-blocks of 4 slots
     moves = {"checkpoints": 0, "swap_ins": 0}
@@ -137,3 +153,6 @@ def test_scheduler_with_bidirectional_blocks_matches_hf(tiny_llama):
     assert [s.output_token_ids for s in states[:2]] == hf_greedy(tiny_llama, be, 16)
     assert [s.output_token_ids for s in states[2:]] == hf_greedy(tiny_llama, rt, 10)
     assert sched.queues[0].pool.view()["free"] == 20
+    if triton:
+        assert ("BLOCKS", True) in pagings, "no step read a block filled from the back by its table"
+        assert any(p == "ROWS" for p, _ in pagings), "no step needed the row table"

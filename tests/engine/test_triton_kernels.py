@@ -2,7 +2,6 @@
 values the pool holds, and the engine's torch reference path. On a machine without a GPU they
 run under Triton's interpreter (tiny shapes); with one, on CUDA."""
 import importlib
-import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -21,20 +20,9 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 @pytest.fixture(scope="module")
 def kernels():
-    """The kernel modules, compiled for CUDA, or interpreted on the CPU (decided when the
-    kernels are defined, so the variable is set only while they are imported)."""
-    old = os.environ.get("TRITON_INTERPRET")
-    if DEV == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        names = ("triton_paging", "triton_decode", "triton_prefill", "triton_hidden")
-        mods = {n: importlib.reload(importlib.import_module(f"tandem.engine.{n}")) for n in names}
-        yield SimpleNamespace(**mods)
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+    """The kernel modules: compiled for CUDA, or interpreted on the CPU (tests/conftest.py)."""
+    names = ("triton_paging", "triton_decode", "triton_prefill", "triton_hidden")
+    return SimpleNamespace(**{n: importlib.import_module(f"tandem.engine.{n}") for n in names})
 
 
 def random_rows(lens, block_size, free_blocks, kinds=1, directions=(Direction.LEFT, Direction.RIGHT)):

@@ -1,0 +1,45 @@
+"""The engine with its attention on the Triton kernels (under the interpreter on a machine
+without a GPU, tests/conftest.py) generates exactly HF transformers' greedy tokens: KV caches with chunked
+prefill and preemption, and hidden caches. (Bidirectional blocks: tests/engine/test_bidir_exactness.py.)"""
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.engine.models.loader import load_spec
+from tests.conftest import assert_pool_free, hf_greedy, mixed_prompts
+
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def wide_models(tmp_path_factory):
+    """Tiny checkpoints with head_dim 32 (the kernels' smallest): Llama with 2 KV heads for 4
+    query heads (a hidden-cache token takes 2 blocks), OPT multi-head (1 block)."""
+    from tandem.engine.models.tiny import write_tiny_model
+    return {f: write_tiny_model(tmp_path_factory.mktemp(f"wide-{f}"), f, seed=5, d_model=128, num_heads=4,
+                                num_kv_heads=2) for f in ("llama", "opt")}
+
+
+def _run(model_dir, prompts, blocks, **kw):
+    spec = load_spec(model_dir)
+    with LLM(str(model_dir), "cpu:1", dtype="float32", block_size=8,
+             kv_cache_bytes=blocks * spec.num_layers * 8 * spec.unit * 4, max_num_batched_tokens=24,
+             threads_per_worker=1, triton_attention=True, **kw) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
+        preempted = sum(q.num_preemptions for q in llm.scheduler.queues)
+        assert_pool_free(llm)
+    return outs, preempted
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+@pytest.mark.parametrize("cache_type", ["kv", "hidden"])
+def test_triton_attention_matches_hf(family, cache_type, wide_models):
+    model_dir = wide_models[family]
+    prompts = mixed_prompts(5, 512, seed=31, lo=5, hi=40)
+    # 24-token chunks split the longer prompts; a pool of 7 token-blocks of 8 (the longest request
+    # takes 6) forces preemption. A token-block is K + V blocks, or a hidden cache's m.
+    per_token_block = 2 if cache_type == "kv" or family == "llama" else 1
+    outs, preempted = _run(model_dir, prompts, 7 * per_token_block, cache_type=cache_type)
+    assert preempted > 0, "the pool was meant to force preemption"
+    ref = hf_greedy(model_dir, prompts, MAX_NEW)
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        assert o.token_ids == r, f"prompt {i} differs"
