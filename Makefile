@@ -5,7 +5,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: serve test bench venv clean chromium
+.PHONY: serve test bench venv clean chromium gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -39,3 +39,10 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# wheels that bench/gpu_run.sh needs and a GPU machine without network lacks (its Python is 3.12)
+GPU_WHEELS := gguf orjson pytest-asyncio
+gpu-wheels:
+	mkdir -p .whl && $(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)

@@ -208,6 +208,13 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     sk.add_argument("--warmup-s", type=float, default=30.0)
     sk.add_argument("--seed", type=int, default=0)
     sk.add_argument("--out", default="soak.json")
+    kn = sub.add_parser("kernels", help="CUDA: the Triton paged decode attention's GB/s against the device's copy")
+    kn.add_argument("--shapes", nargs="+", default=["llama8b", "opt13b", "smollm2"])
+    kn.add_argument("--batch", type=int, default=64)
+    kn.add_argument("--ctx", type=int, default=2048)
+    kn.add_argument("--block-size", type=int, default=16)
+    kn.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    kn.add_argument("--out", default="kernels.json")
     args = ap.parse_args(argv)
     if args.cmd == "offline":
         from tandem.bench.offline import main as offline
@@ -261,6 +268,9 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     elif args.cmd == "soak":
         from tandem.bench.soak import run as soak
         soak(args)
+    elif args.cmd == "kernels":
+        from tandem.bench.kernels import run as kernels
+        kernels(args)
     elif args.cmd == "mixed":
         from tandem.bench.online import mixed
         mixed(args)

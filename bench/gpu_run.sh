@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU checks in one command, on a machine with CUDA and no network (at most ~10 minutes):
+#   1. the Triton kernels' tests on CUDA (the same tests run under the interpreter on a CPU);
+#   2. token-exactness against HF transformers on CUDA, tiny models, Triton attention;
+#   3. python -m bench kernels: paged decode GB/s against the device's copy bandwidth.
+# Python packages the machine lacks travel as wheels in ./.whl (make gpu-wheels, on a machine
+# with network access); they are installed into /tmp/site, nothing else is touched.
+# Results: bench/results/ (JSON) and the log on standard output.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE
+$PY - <<'PY'
+import torch, triton
+print("device:", torch.cuda.get_device_name(), "| torch", torch.__version__, "| triton", triton.__version__)
+PY
+status=0
+step() { echo "== $*"; "$@" || status=1; }
+step $PY -m pytest -q -p no:cacheprovider tests/engine/test_triton_kernels.py
+step $PY -m pytest -q -p no:cacheprovider tests/engine/test_triton_exactness.py \
+  "tests/engine/test_bidir_exactness.py::test_scheduler_with_bidirectional_blocks_matches_hf"
+step $PY -m bench kernels
+exit $status
