@@ -122,8 +122,8 @@ class ModelRunner:
             raise RuntimeError("bidirectional blocks' slot copies need a full-precision pool")
         if inp.checkpoints:
             rows = self._rows([(c.block, c.slot) for c in inp.checkpoints]).to(self.device)
-            k = self.pool[:, :, rows[0], :].cpu()           # [layers, kv_heads, n, head_dim]
-            v = self.pool[:, :, rows[1], :].cpu()
+            k = self._to_host(self.pool[:, :, rows[0], :])           # [layers, kv_heads, n, head_dim]
+            v = self._to_host(self.pool[:, :, rows[1], :])
             for j, c in enumerate(inp.checkpoints):
                 self.reqs[c.req_id].cpu[c.token] = torch.stack([k[:, :, j], v[:, :, j]])
         if inp.swap_ins:
@@ -141,10 +141,16 @@ class ModelRunner:
         and forget its blocks; its token ids stay."""
         st = self.reqs[off.req_id]
         g = st.slots.shape[0]
-        rows = self._gather(off.req_id, st, off.num_tokens)
+        rows = self._device_rows(off.req_id, st, off.num_tokens)
         self._drop_cache(st)
-        # an int8 pool's closed blocks come out exactly as they went in, so they stay compressed
-        st.host = quantize(rows, g, self.block_size) if off.int8 or self.int8 else rows
+        # an int8 pool's closed blocks come out exactly as they went in, so they stay compressed;
+        # compressed where the rows are, so a GPU sends a quarter of the bytes over the link
+        if off.int8 or self.int8:
+            q = quantize(rows, g, self.block_size)
+            st.host = Int8Rows(self._to_host(q.q), self._to_host(q.scale), self._to_host(q.low),
+                               q.num_tokens, q.dtype)
+        else:
+            st.host = self._to_host(rows)
 
     def _upload(self, rid: str) -> None:
         """Write a swapped request's rows back into the blocks appended to it in this step."""
@@ -153,18 +159,33 @@ class ModelRunner:
             raise RuntimeError(f"request {rid}: nothing of it is in the host pool")
         rows, st.host = st.host, None
         if isinstance(rows, Int8Rows):
-            rows = dequantize(rows)
+            dev = self.device
+            rows = dequantize(Int8Rows(rows.q.to(dev, non_blocking=True), rows.scale.to(dev, non_blocking=True),
+                                       rows.low.to(dev, non_blocking=True), rows.num_tokens, rows.dtype))
         self._write_rows(rid, st, rows.shape[2] // st.slots.shape[0], rows)
 
     def _gather(self, rid: str, st: ReqState, n: int) -> torch.Tensor:
         """The rows of the request's first n tokens, [layers, kv_heads, g * n, head_dim] on the
         host (row-major by kind: all K rows, then all V rows)."""
+        return self._to_host(self._device_rows(rid, st, n))
+
+    def _device_rows(self, rid: str, st: ReqState, n: int) -> torch.Tensor:
+        """``_gather``'s rows where the pool is."""
         if st.cpu:
             raise RuntimeError(f"request {rid}: tokens checkpointed on the CPU cannot be copied out")
         if n > st.num_computed:
             raise RuntimeError(f"request {rid}: {n} tokens asked for, {st.num_computed} computed")
         rows = st.slots[:, :n].reshape(-1).to(self.device)
-        return (self.pool.read(rows) if self.int8 else self.pool[:, :, rows, :]).cpu()
+        return self.pool.read(rows) if self.int8 else self.pool[:, :, rows, :]
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of pool rows; from a GPU into page-locked memory, so the copy runs at the
+        link's speed and the way back (``.to(device, non_blocking=True)``) is asynchronous."""
+        if self.device.type != "cuda":
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t)
+        return host
 
     def _write_rows(self, rid: str, st: ReqState, n: int, src: torch.Tensor) -> None:
         """Write rows in ``_gather``'s layout into the request's first n tokens' slots; it then
@@ -275,7 +296,9 @@ class ModelRunner:
         specs = [self.reqs[r].sampling for r in samplers]
         ngen = [len(self.reqs[r].token_ids) - self.reqs[r].num_prompt for r in samplers]
         with torch.inference_mode():
-            logits = self.model(ids, pos, self.pool, batch, rows).cpu()   # samplers' generators are CPU
+            logits = self.model(ids, pos, self.pool, batch, rows)      # sampled where it lies
+            if self.device.type == "cuda":      # the forward's time, not its launch's
+                torch.cuda.synchronize(self.device)
             t1 = time.perf_counter()
             tokens = sample(logits, specs, ngen)
         full = []

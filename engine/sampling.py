@@ -1,10 +1,15 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, on the logits' device.
 
 Randomness for a request's n-th generated token comes from a generator seeded
 with f(seed, n), so a seeded request samples the same tokens whatever batch it
-shares, whether it was preempted and recomputed, and on whichever device.
+shares, whether it was preempted and recomputed, and on whichever device of one
+kind (CPU and CUDA generators draw different streams).
 Sampling uses the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks
 token i with probability p_i.
+
+The batch is filtered in a few batched operations where the logits lie (a GPU samples
+without sending [n, V] logits to the host); only each sampled row's noise is drawn per row,
+from its own generator. One list of n ids comes back.
 """
 from __future__ import annotations
 
@@ -24,29 +29,55 @@ def token_seed(seed: int, index: int) -> int:
 
 
 def sample(logits: torch.Tensor, specs: list[SamplingSpec], num_generated: list[int]) -> list[int]:
-    """logits: [n, V] float32 (modified in place); returns one token id per row."""
+    """logits: [n, V] float32 on any device (modified in place); returns one token id per row."""
+    _mask_stops(logits, specs, num_generated)
+    out = logits.argmax(dim=-1)
+    rows = [r for r, sp in enumerate(specs) if sp.temperature > 0]
+    if rows:
+        idx = torch.tensor(rows, device=logits.device)
+        picked = [specs[r] for r in rows]
+        probs = _filtered_probs(logits[idx], picked)
+        race = torch.stack([_noise(probs.shape[1], logits.device, token_seed(sp.seed, num_generated[r]))
+                            for r, sp in zip(rows, picked)])
+        out[idx] = (probs / race).argmax(dim=-1)
+    return out.tolist()
+
+
+def _mask_stops(logits: torch.Tensor, specs: list[SamplingSpec], num_generated: list[int]) -> None:
+    """Stop ids cannot be produced below min_tokens (ids outside the vocabulary need no mask)."""
     vocab = logits.shape[-1]
+    rows, cols = [], []
     for row, (sp, n) in enumerate(zip(specs, num_generated)):
-        if n < sp.min_tokens and sp.stop_token_ids:      # ids the model cannot produce need no mask
-            logits[row, [t for t in sp.stop_token_ids if 0 <= t < vocab]] = float("-inf")
-    out = logits.argmax(dim=-1).tolist()
-    for row, (sp, n) in enumerate(zip(specs, num_generated)):
-        if sp.temperature > 0:
-            out[row] = _sample_row(logits[row], sp, n)
-    return out
+        if n < sp.min_tokens and sp.stop_token_ids:
+            ids = [t for t in sp.stop_token_ids if 0 <= t < vocab]
+            rows += [row] * len(ids)
+            cols += ids
+    if rows:
+        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
 
 
-def _sample_row(logits: torch.Tensor, sp: SamplingSpec, index: int) -> int:
-    x = logits / sp.temperature
-    if 0 < sp.top_k < x.shape[0]:
-        kth = torch.topk(x, sp.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
+def _filtered_probs(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
+    """[m, V] probabilities after temperature, top-k (k-th largest kept, ties included) and
+    top-p (the smallest prefix of the sorted distribution whose mass reaches top_p), per row."""
+    dev, vocab = logits.device, logits.shape[1]
+    temp = torch.tensor([sp.temperature for sp in specs], device=dev, dtype=logits.dtype)
+    x = logits / temp[:, None]
+    ks = [sp.top_k if 0 < sp.top_k < vocab else 0 for sp in specs]
+    if any(ks):
+        k = torch.tensor(ks, device=dev)
+        top = torch.topk(x, max(ks), dim=-1).values                            # [m, max k]
+        kth = top.gather(1, (k - 1).clamp(min=0)[:, None])
+        x = x.masked_fill((x < kth) & (k > 0)[:, None], float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    if sp.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        cum = sorted_p.cumsum(0)
-        drop_sorted = (cum - sorted_p) > sp.top_p     # keep the smallest prefix reaching top_p
-        probs = probs.scatter(0, order, sorted_p.masked_fill(drop_sorted, 0.0))
-    gen = torch.Generator().manual_seed(token_seed(sp.seed, index))
-    race = torch.empty_like(probs).exponential_(generator=gen)
-    return int((probs / race).argmax())
+    top_p = torch.tensor([sp.top_p for sp in specs], device=dev, dtype=probs.dtype)
+    if bool((top_p < 1.0).any()):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = (sorted_p.cumsum(-1) - sorted_p) > top_p[:, None]
+        probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
+    return probs
+
+
+def _noise(vocab: int, device: torch.device, seed: int) -> torch.Tensor:
+    """Exp(1) draws for one row, from a generator seeded for that row's token."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.empty(vocab, device=device).exponential_(generator=gen)
