@@ -215,6 +215,15 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     kn.add_argument("--block-size", type=int, default=16)
     kn.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     kn.add_argument("--out", default="kernels.json")
+    go = sub.add_parser("gpu-offline", help="our engine vs HF generate on one device, random weights at real shapes")
+    go.add_argument("--models", nargs="+", default=["smollm2-random", "llama8b-random"])
+    go.add_argument("--devices", default="cuda:0")
+    go.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    go.add_argument("--batch", type=int, default=64)
+    go.add_argument("--prompt-len", type=int, default=128)
+    go.add_argument("--max-tokens", type=int, default=128)
+    go.add_argument("--seed", type=int, default=0)
+    go.add_argument("--out", default="gpu_offline.json")
     args = ap.parse_args(argv)
     if args.cmd == "offline":
         from tandem.bench.offline import main as offline
@@ -271,6 +280,9 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     elif args.cmd == "kernels":
         from tandem.bench.kernels import run as kernels
         kernels(args)
+    elif args.cmd == "gpu-offline":
+        from tandem.bench.gpu_offline import run as gpu_offline
+        gpu_offline(args)
     elif args.cmd == "mixed":
         from tandem.bench.online import mixed
         mixed(args)

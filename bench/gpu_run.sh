@@ -2,7 +2,9 @@
 # The GPU checks in one command, on a machine with CUDA and no network (at most ~10 minutes):
 #   1. the Triton kernels' tests on CUDA (the same tests run under the interpreter on a CPU);
 #   2. token-exactness against HF transformers on CUDA, tiny models, Triton attention;
-#   3. python -m bench kernels: paged decode GB/s against the device's copy bandwidth.
+#   3. python -m bench kernels: paged decode GB/s against the device's copy bandwidth;
+#   4. python -m bench gpu-offline: our engine against HF generate at batch 64 (SmolLM2's and
+#      Llama-3-8B's shapes, random weights).
 # Python packages the machine lacks travel as wheels in ./.whl (make gpu-wheels, on a machine
 # with network access); they are installed into /tmp/site, nothing else is touched.
 # Results: bench/results/ (JSON) and the log on standard output.
@@ -24,4 +26,5 @@ step $PY -m pytest -q -p no:cacheprovider tests/engine/test_triton_kernels.py
 step $PY -m pytest -q -p no:cacheprovider tests/engine/test_triton_exactness.py \
   "tests/engine/test_bidir_exactness.py::test_scheduler_with_bidirectional_blocks_matches_hf"
 step $PY -m bench kernels
+step $PY -m bench gpu-offline
 exit $status

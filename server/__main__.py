@@ -18,7 +18,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     d = ServerConfig()
     ap = argparse.ArgumentParser(prog=prog, description="Tandem LLM server")
     ap.add_argument("--model", default=d.model, help="'smollm2', a HF checkpoint dir, a .gguf file, or "
-                    "'opt13b-random' / 'llama8b-random' (random weights at the real shapes, for GPU benchmarks)")
+                    "'opt13b-random' / 'llama8b-random' / 'smollm2-random' (random weights at the real shapes, for GPU benchmarks)")
     ap.add_argument("--served-model-name", default=None, help="name clients use (default: smollm2 or the dir name)")
     ap.add_argument("--devices", default=d.devices, help="cpu:N or cuda:0,1,...")
     ap.add_argument("--host", default=d.host)

@@ -24,6 +24,8 @@ from tandem.engine.models.spec import Family, ModelSpec, spec_from_hf_config
 
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CHOICES = ("'smollm2', a random-weight model at real shapes (opt13b-random, llama8b-random, "
+            "smollm2-random), a HF checkpoint directory (with config.json) or a .gguf file")
 
 
 def packaged_smollm2() -> Path:
@@ -38,8 +40,7 @@ def packaged_smollm2() -> Path:
 def resolve_model(model: str, cache_dir: str | os.PathLike) -> Path:
     """Return a HF checkpoint directory for ``model``; ValueError if there is none."""
     if not isinstance(model, str) or not model:
-        raise ValueError("model: must be 'smollm2', 'opt13b-random', 'llama8b-random', a HF checkpoint "
-                         "directory or a .gguf path")
+        raise ValueError(f"model: must be {_CHOICES}")
     if model == SMOLLM2:
         return convert_gguf(packaged_smollm2(), Path(cache_dir))
     from tandem.engine.models.paper import CONFIGS, write_random_model
@@ -52,8 +53,7 @@ def resolve_model(model: str, cache_dir: str | os.PathLike) -> Path:
         return convert_gguf(p, Path(cache_dir))
     if p.is_dir() and (p / "config.json").is_file():
         return p
-    raise ValueError(f"model: {model!r} is not 'smollm2', 'opt13b-random', 'llama8b-random', a HF "
-                     f"checkpoint directory (with config.json) or a .gguf file")
+    raise ValueError(f"model: {model!r} is not {_CHOICES}")
 
 
 def convert_gguf(path: Path, cache_dir: Path) -> Path:

@@ -1,6 +1,7 @@
 """Random-weight models at the real shapes of the papers' models, for paper-scale runs with no
-checkpoint to download: ``opt13b-random`` (OPT-13B, multi-head) and ``llama8b-random``
-(Llama-3-8B, grouped-query 32/8).
+checkpoint to download: ``opt13b-random`` (OPT-13B, multi-head), ``llama8b-random``
+(Llama-3-8B, grouped-query 32/8), and ``smollm2-random`` (SmolLM2-135M's shape, for machines
+where the packaged GGUF is not installed: a GPU machine without network).
 
 A model of this kind is a directory holding the HF ``config.json`` and ``random_weights.json``
 (seed and standard deviation) but no weights: the worker draws them on its own device when it
@@ -25,6 +26,13 @@ CONFIGS: dict[str, dict] = {
                           max_position_embeddings=2048, word_embed_proj_dim=5120, do_layer_norm_before=True,
                           activation_function="relu", enable_bias=True, layer_norm_elementwise_affine=True,
                           bos_token_id=2, eos_token_id=2, pad_token_id=1, torch_dtype="float16"),
+    # HuggingFaceTB/SmolLM2-135M-Instruct: the served model's shape where its GGUF cannot go
+    "smollm2-random": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152,
+                           hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                           num_key_value_heads=3, head_dim=64, intermediate_size=1536,
+                           max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+                           hidden_act="silu", tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                           torch_dtype="bfloat16"),
     # meta-llama/Meta-Llama-3-8B
     "llama8b-random": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
                            hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,

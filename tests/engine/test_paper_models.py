@@ -9,7 +9,7 @@ import torch
 from tandem.engine.models.loader import build_model, load_spec, resolve_model
 from tandem.engine.models.paper import MARKER
 
-PUBLISHED = {"opt13b-random": 12.85e9, "llama8b-random": 8.03e9}
+PUBLISHED = {"opt13b-random": 12.85e9, "llama8b-random": 8.03e9, "smollm2-random": 134.5e6}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -25,7 +25,7 @@ def test_shapes_are_the_real_models(name, tmp_path):
     n_hf = sum(p.numel() for p in hf.parameters())
     assert n_ours == n_hf, (n_ours, n_hf)
     assert abs(n_ours / PUBLISHED[name] - 1) < 0.01, n_ours
-    assert spec.head_dim == 128
+    assert spec.head_dim == (64 if name == "smollm2-random" else 128)
 
 
 def test_random_checkpoint_loads_and_serves(tmp_path):
