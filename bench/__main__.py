@@ -218,6 +218,8 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     kn.add_argument("--ctx", type=int, default=2048)
     kn.add_argument("--block-size", type=int, default=16)
     kn.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    kn.add_argument("--accuracy", action="store_true",
+                    help="max abs error per kernel and dtype against float64 instead (CPU: under Triton's interpreter)")
     kn.add_argument("--out", default="kernels.json")
     go = sub.add_parser("gpu-offline", help="our engine vs HF generate on one device, random weights at real shapes")
     go.add_argument("--models", nargs="+", default=["smollm2-random", "llama8b-random"])

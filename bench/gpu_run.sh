@@ -28,6 +28,7 @@ step() { echo "== $*"; "$@" || status=1; }
 step $PY -m pytest -q -p no:cacheprovider tests/engine/test_triton_kernels.py
 step $PY -m pytest -q -p no:cacheprovider tests/engine/test_triton_exactness.py \
   "tests/engine/test_bidir_exactness.py::test_scheduler_with_bidirectional_blocks_matches_hf"
+step $PY -m bench kernels --accuracy
 step $PY -m bench kernels
 step $PY -m bench gpu-offline
 DURATION=${DURATION:-20}

@@ -62,8 +62,10 @@ def decode_case(shape: str, batch: int, ctx: int, dtype: torch.dtype, block_size
 
 
 def run(args) -> None:
+    if args.accuracy:
+        return accuracy(args)
     if not torch.cuda.is_available():
-        raise SystemExit("bench kernels: needs a CUDA device (the kernels' correctness runs on the CPU in the tests)")
+        raise SystemExit("bench kernels: the bandwidth needs a CUDA device (--accuracy runs anywhere)")
     copy = copy_bandwidth()
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     rows = []
@@ -79,3 +81,82 @@ def run(args) -> None:
         print(f"{r['shape']:<9} {r['kv']:<5} {r['batch']:>5} x {r['ctx']:<5} {r['ms']:>8.3f} "
               f"{r['GB/s']:>8.0f} {r['of_copy']:>8.0%}")
     save_json(args.out, {"device": dev, "copy_GBps": copy / 1e9, "rows": rows})
+
+
+def accuracy(args) -> None:
+    """Max abs error of each Triton kernel against float64 attention computed from the same
+    pool values, per dtype, on random requests with blocks filled from either end. Runs on
+    CUDA, or on the CPU under Triton's interpreter (tiny shapes)."""
+    import os
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")     # before Triton is first imported
+    from tandem.engine.triton_decode import paged_decode
+    from tandem.engine.triton_hidden import hidden_decode
+    from tandem.engine.triton_paging import Paging, tables_from_rows
+    from tandem.engine.triton_prefill import paged_prefill
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    B, hkv, g, d, nb, scale = 16, 2, 4, 64, 64, 0.125
+    lens = [5, 37, 64, 100]
+    gen = torch.Generator().manual_seed(0)
+    free = torch.randperm(nb * 2, generator=gen).tolist()
+
+    def rows(kinds=1):
+        out = []
+        for n in lens:
+            parts = []
+            for _ in range(-(-n // B)):
+                offs = torch.arange(B) if torch.rand(1, generator=gen) < 0.5 or kinds > 1 else torch.arange(B).flip(0)
+                parts.append(torch.stack([free.pop() * B + offs for _ in range(kinds)], 1))
+            r = torch.cat(parts)[:n]
+            out.append(r[:, 0] if kinds == 1 else r)
+        return out
+
+    kr, vr, hr = rows(), rows(), rows(kinds=2)
+    out = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        pool = torch.randn(hkv, 2 * nb * B, d, generator=gen).to(dtype)
+        (kt, kd), (vt, vd), (ht, hd_) = (tables_from_rows(r, B) for r in (kr, vr, hr))
+        to = lambda t: t.to(dev)  # noqa: E731
+        lt = torch.tensor(lens)
+        q = torch.randn(len(lens), hkv, g, d, generator=gen).to(dtype)
+        err = {}
+        got = paged_decode(to(q), to(pool), to(kt), to(vt), to(lt), scale, B, Paging.BLOCKS, to(kd), to(vd)).cpu()
+        err["decode"] = max((got[r, h].double() - _attend64(q[r, h], pool[h, kr[r]], pool[h, vr[r]], scale)).abs().max().item()
+                            for r in range(len(lens)) for h in range(hkv))
+        qp = torch.randn(sum(lens), hkv * g * d, generator=gen).to(dtype)
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        got = paged_prefill(to(qp), to(pool), to(kt), to(vt), starts, lens, lens, hkv * g, scale, B,
+                            Paging.BLOCKS, to(kd), to(vd)).cpu()
+        e = 0.0
+        for s, n, k_, v_ in zip(starts, lens, kr, vr):
+            for hq in range(hkv * g):
+                qh = qp[s:s + n, hq * d:(hq + 1) * d]
+                ref = _attend64(qh, pool[hq // g, k_], pool[hq // g, v_], scale, causal=True)
+                e = max(e, (got[s:s + n, hq * d:(hq + 1) * d].double() - ref).abs().max().item())
+        err["prefill"] = e
+        w = (torch.randn(2 * hkv * d, 2 * hkv * d, generator=gen) / (2 * hkv * d) ** 0.5).to(dtype)
+        got = hidden_decode(to(q), to(pool), to(ht), to(lt), to(w), None, None, None, scale, B,
+                            Paging.BLOCKS, to(hd_)).cpu()
+        e = 0.0
+        for r, n in enumerate(lens):
+            x = pool[:, hr[r].reshape(-1)].transpose(0, 1).reshape(n, -1).double()
+            k, v = (x @ w.double().T).reshape(n, 2, hkv, d).unbind(1)
+            for h in range(hkv):
+                e = max(e, (got[r, h].double() - _attend64(q[r, h], k[:, h], v[:, h], scale)).abs().max().item())
+        err["hidden"] = e
+        out.append({"dtype": str(dtype).split(".")[-1], **err})
+    where = torch.cuda.get_device_name() if dev == "cuda" else "CPU, Triton interpreter"
+    print(f"max abs error against float64 ({where}; contexts {lens}, head_dim {d}, GQA {g}:1)")
+    print("| dtype | paged decode | paged prefill | hidden decode |\n|---|---|---|---|")
+    for r in out:
+        print(f"| {r['dtype']} | {r['decode']:.1e} | {r['prefill']:.1e} | {r['hidden']:.1e} |")
+    save_json(args.out.replace(".json", "_accuracy.json"), {"device": where, "rows": out})
+
+
+def _attend64(q, k, v, scale, causal=False):
+    """float64 softmax attention of q [m, D] over k, v [n, D]; causal: q's rows are the last m."""
+    s = q.double() @ k.double().T * scale
+    if causal:
+        m, n = s.shape
+        s = s.masked_fill(~torch.ones(m, n, dtype=torch.bool).tril(n - m), float("-inf"))
+    return torch.softmax(s, -1) @ v.double()
