@@ -1,8 +1,9 @@
 """Triton paged decode attention: one query token per request over its paged context.
 
 One program per (request, KV head) computes the ``G`` query heads that share the KV head
-(grouped-query attention; G = 1 is multi-head), streaming the context in tiles of
-``BLOCK_N`` tokens with an online softmax in fp32::
+(grouped-query attention; G = 1 is multi-head), padded to 16 rows so that both products run
+on the tensor cores, streaming the context in tiles of ``BLOCK_N`` tokens with an online
+softmax in fp32::
 
     for each tile of context tokens t:            rows from engine.triton_paging
         s   = (q @ K[t]^T) * scale                [G, BLOCK_N]
@@ -13,7 +14,9 @@ One program per (request, KV head) computes the ``G`` query heads that share the
 K and V are read in place from the pool, through the block table with per-block direction
 (bidirectional blocks need no gather) or through a per-token row table. Over the int8 pool of
 engine.quantpool a row is ``lo + λ q`` of its block and channel, or the staged full-precision
-copy while its block is open. The torch reference is engine.attention.decode_attention.
+copy while its block is open, at the model's dtype. Products are fp32 ("ieee") for fp32 models
+and under the interpreter (its bf16 product is wrong). The torch reference is
+engine.attention.decode_attention.
 """
 from __future__ import annotations
 
@@ -23,14 +26,15 @@ import triton.language as tl
 
 from tandem.engine.quantpool import QuantLayer
 from tandem.engine.triton_paging import Paging, next_pow2
-from tandem.engine.triton_rows import token_rows
+from tandem.engine.triton_rows import interpreted, token_rows
 
 
 @triton.jit
 def _load_rows(pool_ptr, qv_ptr, sc_ptr, lo_ptr, stage_ptr, stage_of_ptr, h, rows, valid, cols,
                s_pool_h, s_q_h, s_sc_h, s_stage_h,
                B: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr):
-    """[BLOCK_N, D] fp32 values of pool rows ``rows`` of KV head h."""
+    """[BLOCK_N, D] values of pool rows ``rows`` of KV head h, at the model's dtype (a closed
+    int8 block dequantized to it, as the torch path does)."""
     m2 = valid[:, None]
     if QUANT:
         blk = rows // B
@@ -43,10 +47,9 @@ def _load_rows(pool_ptr, qv_ptr, sc_ptr, lo_ptr, stage_ptr, stage_of_ptr, h, row
         code = tl.load(qv_ptr + h * s_q_h + rows[:, None] * D + cols[None, :], mask=closed, other=0)
         lam = tl.load(sc_ptr + h * s_sc_h + blk[:, None] * D + cols[None, :], mask=closed, other=0.0)
         lo = tl.load(lo_ptr + h * s_sc_h + blk[:, None] * D + cols[None, :], mask=closed, other=0.0)
-        x = tl.where(staged[:, None], xs, lo + lam * code.to(tl.float32))
+        x = tl.where(staged[:, None], xs, lo + lam * code.to(tl.float32)).to(stage_ptr.dtype.element_ty)
     else:
-        x = tl.load(pool_ptr + h * s_pool_h + rows[:, None] * D + cols[None, :], mask=m2,
-                    other=0.0).to(tl.float32)
+        x = tl.load(pool_ptr + h * s_pool_h + rows[:, None] * D + cols[None, :], mask=m2, other=0.0)
     return x
 
 
@@ -57,7 +60,7 @@ def _paged_decode(q_ptr, o_ptr, lens_ptr,
                   s_q_r, s_q_h, s_pool_h, s_qv_h, s_sc_h, s_stage_h, s_tab, s_dir,
                   scale,
                   G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
-                  BLOCK_N: tl.constexpr, ROWS: tl.constexpr, QUANT: tl.constexpr):
+                  BLOCK_N: tl.constexpr, ROWS: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr):
     req = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.load(lens_ptr + req)
@@ -78,13 +81,20 @@ def _paged_decode(q_ptr, o_ptr, lens_ptr,
                        cols, s_pool_h, s_qv_h, s_sc_h, s_stage_h, B, D, QUANT)      # [BLOCK_N, D]
         v = _load_rows(pool_ptr, qv_ptr, sc_ptr, lo_ptr, stage_ptr, stage_of_ptr, h, vrows, valid,
                        cols, s_pool_h, s_qv_h, s_sc_h, s_stage_h, B, D, QUANT)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)                             # [G_PAD, BLOCK_N]
+        if IEEE:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")           # [G_PAD, BLOCK_N]
+        else:
+            s = tl.dot(q.to(k.dtype), tl.trans(k))
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(o_ptr + req * s_q_r + h * s_q_h + gi[:, None] * D + cols[None, :],
@@ -121,5 +131,6 @@ def paged_decode(qg: torch.Tensor, pool: torch.Tensor | QuantLayer, k_table: tor
     _paged_decode[(nd, hkv)](
         qg, out, lens, *arrays, k_table, kd, v_table, vd,
         qg.stride(0), qg.stride(1), *strides, k_table.stride(0), kd.stride(0), scale,
-        G=g, G_PAD=next_pow2(g), D=d, B=block_size, BLOCK_N=block_n, ROWS=rows, QUANT=quant)
+        G=g, G_PAD=max(16, next_pow2(g)), D=d, B=block_size, BLOCK_N=block_n, ROWS=rows, QUANT=quant,
+        IEEE=qg.dtype == torch.float32 or interpreted(_paged_decode))
     return out

@@ -10,7 +10,8 @@ K and V of the whole context and attends, without writing K or V anywhere::
         X[t]  = the m rows of t, gathered from the pool          [BLOCK_N, d_model]
         K     = X @ Wk[h]^T + bk[h],  V = X @ Wv[h]^T + bv[h]    [BLOCK_N, D]  (fp32 accumulate)
         K     = rotary(K, position t)                            (Llama; none for OPT)
-        s     = q @ K^T * scale;  online softmax;  acc += p @ V  (G query heads of KV head h)
+        s     = q @ K^T * scale;  online softmax;  acc += p @ V  (G query heads of KV head h,
+                                                                  padded to 16 rows; fp32)
 
 The rotation pairs channel c with c + D/2 (HF's rotate_half), so K is computed as its two
 halves: K1 = X Wk1^T, K2 = X Wk2^T, and the rotated key is (K1 cos - K2 sin, K2 cos + K1 sin).
@@ -85,13 +86,14 @@ def _hidden_decode(q_ptr, o_ptr, lens_ptr, pool_ptr, tab_ptr, dir_ptr, w_ptr, b_
             cos = tl.load(cos_ptr + cs, mask=valid[:, None], other=0.0).to(tl.float32)
             sin = tl.load(sin_ptr + cs, mask=valid[:, None], other=0.0).to(tl.float32)
             k1, k2 = k1 * cos - k2 * sin, k2 * cos + k1 * sin
-        s = tl.sum(q1[:, None, :] * k1[None, :, :], axis=2) + tl.sum(q2[:, None, :] * k2[None, :, :], axis=2)
+        s = (tl.dot(q1, tl.trans(k1), input_precision="ieee")
+             + tl.dot(q2, tl.trans(k2), input_precision="ieee"))                  # [G_PAD, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(o_ptr + req * s_q_r + h * s_q_h + gi[:, None] * D + cols[None, :],
@@ -131,6 +133,6 @@ def hidden_decode(qg: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, len
         b_kv if b_kv is not None else w_kv, cs, sin if rope else w_kv,
         qg.stride(0), qg.stride(1), pool.stride(0), table.stride(0),
         table.stride(0) if rows else dirs.stride(0), w_kv.stride(0), cs.stride(0), scale,
-        HKV=hkv, M=m, G=g, G_PAD=next_pow2(g), D=d, B=block_size, BLOCK_N=block_n, ROWS=rows,
+        HKV=hkv, M=m, G=g, G_PAD=max(16, next_pow2(g)), D=d, B=block_size, BLOCK_N=block_n, ROWS=rows,
         ROPE=rope, BIAS=b_kv is not None, IEEE=qg.dtype == torch.float32 or interpreted(_hidden_decode))
     return out
