@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, on a machine with CUDA and no network (at most ~10 minutes):
 #   1. the Triton kernels' tests on CUDA (the same tests run under the interpreter on a CPU);
-#   2. token-exactness against HF transformers on CUDA, tiny models, Triton attention;
+#   2. token-exactness against HF transformers on CUDA, tiny models, Triton attention, and
+#      migration between two workers sharing the GPU (cuda:0,0: KV through CUDA IPC handles);
 #   3. python -m bench kernels: paged decode GB/s against the device's copy bandwidth;
 #   4. python -m bench gpu-offline: our engine against HF generate at batch 64 (SmolLM2's and
 #      Llama-3-8B's shapes, random weights);
@@ -28,6 +29,7 @@ step() { echo "== $*"; "$@" || status=1; }
 step $PY -m pytest -q -p no:cacheprovider tests/engine/test_triton_kernels.py
 step $PY -m pytest -q -p no:cacheprovider tests/engine/test_triton_exactness.py \
   "tests/engine/test_bidir_exactness.py::test_scheduler_with_bidirectional_blocks_matches_hf"
+step env TANDEM_TEST_TWO_DEVICES=cuda:0,0 $PY -m pytest -q -p no:cacheprovider tests/engine/test_migration.py
 step $PY -m bench kernels --accuracy
 step $PY -m bench kernels
 step $PY -m bench gpu-offline

@@ -103,13 +103,24 @@ class ScheduledRequest:
     new_slots: list[tuple[int, int]] | None = None   # bidirectional pools: (token-block, slot) per new token
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceRows:
+    """An exported cache that stays in GPU memory: the source worker's copy as a CUDA IPC handle
+    (torch.multiprocessing's pickle of the tensor), opened by the destination worker, which then
+    copies it GPU to GPU into its own blocks. The scheduler forwards the bytes and never touches
+    the GPU."""
+    handle: bytes               # pickled CUDA tensor [layers, kv_heads, g * n, head_dim]
+    nbytes: int                 # size of the cache it names
+
+
 @dataclass(slots=True)
 class CacheImport:
     """A migrated request's cache arriving on its new device: the rows the source worker exported
     for its first ``num_tokens`` tokens go into the blocks this device reserved for them, and the
     request continues from there without recomputing. ``rows`` is the exported tensor
     ([layers, kv_heads, g * num_tokens, head_dim], g pool rows per token: K and V, or the m rows of
-    a hidden cache), passed in shared memory; typed ``object`` so this module imports no torch."""
+    a hidden cache), passed in shared memory, or a DeviceRows between GPU workers; typed
+    ``object`` so this module imports no torch."""
     req_id: str
     num_tokens: int
     block_ids: list[int]

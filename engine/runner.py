@@ -13,8 +13,8 @@ import torch
 
 from tandem.engine.attention import AttnBatch, HiddenBatch, HiddenSegment, PrefillSegment
 from tandem.engine.kvquant import Int8Rows, dequantize, int8_block_bytes, quantize
-from tandem.engine.messages import (CacheImport, CacheType, Command, Direction, NewRequest, Offload, Phase,
-                             SamplingSpec, StepInput, StepOutput)
+from tandem.engine.messages import (CacheImport, CacheType, Command, DeviceRows, Direction, NewRequest, Offload,
+                             Phase, SamplingSpec, StepInput, StepOutput)
 from tandem.engine.models.spec import ModelSpec
 from tandem.engine.quantpool import QuantPool
 from tandem.engine.sampling import sample
@@ -52,6 +52,8 @@ class ModelRunner:
                  block_size: int, kernel: object | None = None, triton: bool = False):
         self.kernel = kernel             # compiled CPU decode attention, None = torch path
         self.triton = triton             # attention by the Triton kernels (engine.triton_attention)
+        self.cuda_ipc = False            # export GPU caches as CUDA IPC handles (worker processes)
+        self._exported: dict[str, torch.Tensor] = {}   # GPU copies whose handles are out
         self.device = pool.device        # step metadata is built on the CPU and moved here once
         self.model = model
         self.spec = spec
@@ -204,6 +206,7 @@ class ModelRunner:
 
     def _apply_bookkeeping(self, inp: StepInput) -> None:
         for rid in inp.finished_ids:
+            self._exported.pop(rid, None)
             st = self.reqs.pop(rid, None)
             if st is not None:
                 self._drop_cache(st)
@@ -247,12 +250,19 @@ class ModelRunner:
             self.pool.open(torch.cat(part).to(self.device))
 
     # ---- migration -----------------------------------------------------------
-    def export_cache(self, rid: str) -> torch.Tensor:
+    def export_cache(self, rid: str) -> torch.Tensor | DeviceRows:
         """A copy of the request's computed cache rows, [layers, kv_heads, g * n, head_dim] (g rows
         per token, row-major by kind: all K rows, then all V rows). On the CPU it is placed in
-        shared memory, so the pipe passes a handle, not the bytes; a CUDA pool is staged on the
-        host the same way."""
+        shared memory, so the pipe passes a handle, not the bytes. A GPU worker process keeps its
+        copy on the GPU and exports a CUDA IPC handle to it (DeviceRows), held until the
+        request's blocks here are freed (the destination has confirmed); in one process (tests,
+        profiling) a CUDA copy is staged on the host instead."""
         st = self.reqs[rid]
+        if self.device.type == "cuda" and self.cuda_ipc:
+            from torch.multiprocessing.reductions import ForkingPickler    # registers CUDA sharing
+            rows = self._device_rows(rid, st, st.num_computed).contiguous()
+            self._exported[rid] = rows
+            return DeviceRows(bytes(ForkingPickler.dumps(rows)), rows.nbytes)
         return self._gather(rid, st, st.num_computed).share_memory_()
 
     def _import(self, imp: CacheImport) -> None:
@@ -262,12 +272,17 @@ class ModelRunner:
         if st.capacity or st.num_computed:
             raise RuntimeError(f"request {imp.req_id}: imported into a request that holds a cache")
         self._append_blocks(st, imp.block_ids, imp.directions)
-        self._write_rows(imp.req_id, st, imp.num_tokens, imp.rows)
+        rows = imp.rows
+        if isinstance(rows, DeviceRows):      # the source GPU's copy, opened here: a device-to-device copy
+            from torch.multiprocessing.reductions import ForkingPickler
+            rows = ForkingPickler.loads(rows.handle)
+        self._write_rows(imp.req_id, st, imp.num_tokens, rows)
 
     # ---- one step ----------------------------------------------------------
     def step(self, inp: StepInput) -> StepOutput:
         if inp.command is Command.RESET:
             self.reqs.clear()
+            self._exported.clear()
             if self.int8:
                 self.pool.release(torch.arange(self.pool.num_blocks, device=self.device))
             return StepOutput(inp.step_id, {}, 0, 0.0, 0.0)

@@ -148,6 +148,7 @@ def worker_main(conn, cfg: WorkerConfig) -> None:
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
+    runner.cuda_ipc = cfg.device.startswith("cuda")   # its exports reach other processes
     conn.send(("ready", pool_info(runner, num_blocks)))
     while True:
         try:

@@ -52,8 +52,8 @@ def parse_devices(devices: str) -> list[str]:
             raise ValueError(f"devices: {devices!r}: use 'cpu:N' with N >= 1")
         return ["cpu"] * n
     if kind == "cuda" and rest:
-        ids = rest.split(",")
-        if not all(i.isdigit() for i in ids) or len(set(ids)) != len(ids):
+        ids = rest.split(",")        # a GPU named twice runs two workers, each with its own pool
+        if not all(i.isdigit() for i in ids):
             raise ValueError(f"devices: {devices!r}: use 'cuda:0,1,...'")
         return [f"cuda:{i}" for i in ids]
     raise ValueError(f"devices: {devices!r} is not 'cpu:N' or 'cuda:i,j,...'")
@@ -163,7 +163,8 @@ class LLM:
             wc = WorkerConfig(str(hf_dir), self.spec, dtype, dev, block_size, kv_cache_bytes, kv_cache_fraction,
                               ncpu, threads, compile, cpu_kernels, omp_wait_policy, kv_cache_dtype, max_num_seqs,
                               use_triton)
-            self._workers.append(WorkerHandle(f"{dev}#{i}" if dev == "cpu" else dev, wc))
+            shared = dev == "cpu" or names.count(dev) > 1
+            self._workers.append(WorkerHandle(f"{dev}#{i}" if shared else dev, wc))
         try:
             wait_all(self._workers)
         except BaseException:

@@ -188,7 +188,7 @@ class ActorThread:
         if rows is None:
             move.kind = Transfer.TOKEN
         else:
-            move.cache_bytes = rows.numel() * rows.element_size()
+            move.cache_bytes = rows.nbytes
         st = a.detach(msg.req_id, keep_cache=rows is not None)
         st.moving = move
         log.info("migrating %s from %s to %s as %s (%d tokens%s): %s", msg.req_id, a.device.name,
