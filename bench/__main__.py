@@ -128,6 +128,9 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     sl.add_argument("--bar", type=float, default=2.0,
                     help="latency bar = this x FCFS's normalized latency at the lowest rate")
     sl.add_argument("--seed", type=int, default=0)
+    sl.add_argument("--tuning-range", action="store_true",
+                    help="draw the trace from records before 15,000 (the predictor's training range: oracle and "
+                         "FCFS only make sense there), to check a scheduling choice without the held-out set")
     sl.add_argument("--out", default="sim_alise.json", help="result file under bench/results")
     ia = sub.add_parser("int8-accuracy", help="perplexity and greedy agreement of SmolLM2 with int8 KV vs full "
                         "precision on held-out ShareGPT replies (HF transformers)")

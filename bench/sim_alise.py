@@ -74,7 +74,7 @@ def run(args) -> dict:
     RESULTS.mkdir(exist_ok=True)
     tok = _tokenizer()
     traces = {rate: sharegpt_trace(tok, rate, args.num_requests / rate, args.seed, max_context=2048,
-                                   max_output_tokens=1024, held_out=True) for rate in args.rates}
+                                   max_output_tokens=1024, held_out=not args.tuning_range) for rate in args.rates}
     predicted = predict_all(list(traces.values())) if any(SYSTEMS[s][1] == "predictor" for s in args.systems) else {}
     rows = []
     print(f"{args.num_requests} held-out ShareGPT requests per rate, OPT-13B on an A100 (simulated), "

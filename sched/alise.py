@@ -38,6 +38,7 @@ import math
 
 from tandem.sched.bros import BlockBudget, CostFn, add_chunk
 from tandem.sched.cost_model import StepShape
+from tandem.engine.messages import CacheType
 from tandem.sched.policy import Candidate, Plan, Snapshot, _decide
 
 DEFAULT_LENGTH = 256        # L̂ for a request that comes without a prediction
@@ -134,6 +135,7 @@ class Alise:
         tokens_left, shape = lim.max_num_batched_tokens, StepShape()
         rt_limit = math.inf
         plan.levels = {c.req_id: key[1] for key, c, _ in keyed}
+        held = Footprint(snap, snap.running, rank)
         for key, c, _ in keyed:
             if c.req_id in plan.preempted:
                 continue
@@ -147,9 +149,17 @@ class Alise:
             if not c.rt and self.cost(add_chunk(shape, c, n), 0) > max(rt_limit, self.cost(shape, 0)):
                 plan.reasons[c.req_id] = _why(key, "it would make an RT step miss its SLO")
                 continue
+            if c.req_id not in running and not held.admits(c):
+                plan.reasons[c.req_id] = _why(key, "its predicted growth would not fit beside the running requests'")
+                continue
+            before = len(plan.preempted)
             if not self._room(c, n, budget, plan, running, rank):
                 plan.reasons[c.req_id] = _why(key, "no blocks left that it may take")
                 continue
+            for v in plan.preempted[before:]:
+                held.drop(v)
+            if c.req_id not in running:
+                held.add(c)
             shape = add_chunk(shape, c, n)
             tokens_left -= n
             plan.scheduled.append(_decide(c, n))
@@ -175,6 +185,64 @@ class Alise:
                           and x.req_id not in budget.held), key=lambda x: rank[x.req_id], reverse=True)
         return budget.take_from(c, n, victims, plan, "preempted: its blocks went to a request with less "
                                                      "remaining time")
+
+
+class Footprint:
+    """Look-ahead admission: the blocks that the requests holding a cache will need at their
+    peak, from their predicted remaining lengths.
+
+    Request i, with x_i tokens now and r_i = max(L̂_i - g_i, 1) still to generate, holds about
+    b (x_i + k) / B + b / 2 blocks k steps ahead (b blocks per token-block; its last one half
+    full on average) until it ends. The sum only grows between two endings, so it peaks just
+    before one: with the r_i sorted in descending order, after the j-th the j longest are
+    alive, and
+
+        peak = max_j  Σ_{i<=j} b_i (x_i + r_j - 1) / B + b_i / 2
+
+    A request that does not hold blocks (new, or preempted) is admitted only if this peak,
+    with it, fits the pool, counting the holders it may not displace (those of its class and
+    level or better: `Alise._room` lets it take blocks only from a lower class or level).
+    Without this, SRPT admitted every short arrival into free blocks, the running requests
+    outgrew the pool, and the lowest-ranked one was swapped out, to come back and be swapped
+    out again (in the simulator at 4 req/s: 3,607 preemptions for 500 requests with true
+    lengths)."""
+
+    def __init__(self, snap: Snapshot, holders: list[Candidate], rank: dict[str, tuple]):
+        self.snap = snap
+        self.rank = rank
+        self.total = snap.num_free_blocks + sum(c.num_blocks for c in snap.running)
+        self.items: dict[str, tuple[int, int, int]] = {}
+        for c in holders:
+            self.add(c)
+
+    def _item(self, c: Candidate) -> tuple[int, int, int]:
+        """(tokens now, tokens to go, blocks per token-block)."""
+        L, _ = Alise.predicted(c)
+        per = self.snap.hidden_blocks_per_token_block if c.cache_type is CacheType.HIDDEN else \
+            self.snap.blocks_per_token_block
+        return c.num_tokens, max(L - c.num_output, 1), per
+
+    def add(self, c: Candidate) -> None:
+        self.items[c.req_id] = self._item(c)
+
+    def drop(self, req_id: str) -> None:
+        self.items.pop(req_id, None)
+
+    def admits(self, c: Candidate) -> bool:
+        mine = self.rank[c.req_id][:2]
+        items = [v for rid, v in self.items.items() if self.rank[rid][:2] <= mine]
+        if not items:
+            return True
+        items.append(self._item(c))
+        items.sort(key=lambda t: -t[1])
+        B = self.snap.block_size
+        now = slope = partial = peak = 0.0
+        for x, r, b in items:
+            now += b * x / B
+            slope += b / B
+            partial += b / 2
+            peak = max(peak, now + slope * (r - 1) + partial)
+        return peak <= self.total
 
 
 def _why(key: tuple, what: str) -> str:
