@@ -72,3 +72,19 @@ def assert_pool_free(llm) -> None:
         assert q.pool.num_free == q.pool.geometry.num_blocks, "blocks leaked"
         assert not q.running and not q.waiting
         assert q.host is None or (len(q.host) == 0 and q.host.used == 0), "host memory leaked"
+
+
+def int8_blocks_as_read(values, closed_blocks, block_size: int):
+    """What an int8 pool's rows read back as, computed independently with numpy: each closed
+    block's rows rounded channel-wise to lo + λ·q (λ = (hi - lo) / 255), open blocks exact.
+    values [heads, rows, dim] -> float64 torch tensor of the same shape."""
+    import numpy as np
+    import torch
+    expect = values.double().numpy().copy()
+    B = block_size
+    for b in closed_blocks:
+        x = expect[:, b * B:(b + 1) * B]
+        lo, hi = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
+        step = (hi - lo) / 255
+        expect[:, b * B:(b + 1) * B] = lo + step * np.clip(np.round((x - lo) / np.where(step > 0, step, 1)), 0, 255)
+    return torch.from_numpy(expect)

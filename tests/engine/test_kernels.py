@@ -1,10 +1,10 @@
 """The compiled CPU decode-attention kernel equals the torch reference path."""
-import numpy as np
 import pytest
 import torch
 
 from tandem.engine.attention import decode_attention
 from tandem.engine.kernels import cpu_ops
+from tests.conftest import int8_blocks_as_read
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -55,13 +55,7 @@ def test_paged_decode_q8_matches_reference(dtype, tol):
     got = ops.paged_decode_q8(q, layer.stage, layer.q, layer.scale, layer.low, layer.stage_of,
                               k_rows, v_rows, lens, B, 0.125)
     # independent reference: what each row should hold, from the values written and numpy's code
-    expect = values[0].double().numpy().copy()                          # [hkv, rows, hd]
-    for b in closed.tolist():
-        x = expect[:, b * B:(b + 1) * B]
-        lo, hi = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
-        step = (hi - lo) / 255
-        expect[:, b * B:(b + 1) * B] = lo + step * np.clip(np.round((x - lo) / np.where(step > 0, step, 1)), 0, 255)
-    expect = torch.from_numpy(expect)
+    expect = int8_blocks_as_read(values[0], closed.tolist(), B)        # [hkv, rows, hd]
     for r in range(nd):
         n = int(lens[r])
         k, v = expect[:, k_rows[r, :n]], expect[:, v_rows[r, :n]]

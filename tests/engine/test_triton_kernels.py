@@ -4,7 +4,6 @@ run under Triton's interpreter (tiny shapes); with one, on CUDA."""
 import importlib
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
@@ -12,6 +11,7 @@ from tandem.engine.attention import _dense, decode_attention, read_hidden
 from tandem.engine.messages import Direction
 from tandem.engine.models.llama import apply_rope, rope_tables
 from tandem.engine.runner import block_offsets
+from tests.conftest import int8_blocks_as_read
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
@@ -90,13 +90,7 @@ def test_paged_decode_int8_pool(kernels, dtype):
     qp.write(torch.arange(nb * B, device=DEV), values.to(DEV))
     closed = torch.arange(0, nb, 3)
     qp.close(closed.to(DEV))
-    expect = values[0].double().numpy().copy()
-    for b in closed.tolist():
-        x = expect[:, b * B:(b + 1) * B]
-        lo, hi = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
-        step = (hi - lo) / 255
-        expect[:, b * B:(b + 1) * B] = lo + step * np.clip(np.round((x - lo) / np.where(step > 0, step, 1)), 0, 255)
-    expect = torch.from_numpy(expect)
+    expect = int8_blocks_as_read(values[0], closed.tolist(), B)
     lens = [3, 24, 33, 50]
     free = torch.randperm(nb).tolist()
     k_rows, v_rows = random_rows(lens, B, free), random_rows(lens, B, free)
