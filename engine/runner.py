@@ -18,7 +18,8 @@ from tandem.engine.messages import (CacheImport, CacheType, Command, DeviceRows,
 from tandem.engine.models.spec import ModelSpec
 from tandem.engine.quantpool import QuantPool
 from tandem.engine.sampling import sample
-from tandem.engine.triton_attention import TritonMeta, pad, tables
+from tandem.engine.triton_attention import TritonMeta, tables
+from tandem.engine.triton_paging import row_table
 
 
 @dataclass(slots=True)
@@ -359,10 +360,13 @@ class ModelRunner:
         dev = self.device
         to = (lambda t: t if t is None or dev.type == "cpu" else t.to(dev, non_blocking=True))  # noqa: E731
         hb = self._hidden_meta(hidden, row, ids, pos, rows, samplers, to) if hidden else None
-        segs = [PrefillSegment(g.start, g.end, to(g.k_ctx), to(g.v_ctx)) for g in segs]
+        # rows the Triton kernels read through their own tables stay on the host
+        dec_to = (lambda t: t) if self.triton else to  # noqa: E731
+        ctx_to = dec_to if not self.int8 else to        # an int8 pool's prefills keep the torch path
+        segs = [PrefillSegment(g.start, g.end, ctx_to(g.k_ctx), ctx_to(g.v_ctx)) for g in segs]
         empty = torch.empty(0, dtype=torch.long)
         batch = AttnBatch(to(torch.cat(k_w) if k_w else empty), to(torch.cat(v_w) if v_w else empty),
-                          segs, decode_start, *(to(t) for t in dec), self.kernel, hb)
+                          segs, decode_start, *(dec_to(t) for t in dec), self.kernel, hb)
         if self.triton:
             batch.triton = self._triton_meta(prefills, dec, hidden, hb, to)
         return (to(torch.tensor(ids, dtype=torch.long)), to(torch.cat(pos)), batch,
@@ -380,8 +384,8 @@ class ModelRunner:
             sts = [self.reqs[s.req_id] for s in prefills]
             ctx = [st.num_computed + s.num_new_tokens for st, s in zip(sts, prefills)]
             lens = torch.tensor(ctx)
-            meta.prefill = tables([pad([st.slots[0, :c] for st, c in zip(sts, ctx)]),
-                                   pad([st.slots[1, :c] for st, c in zip(sts, ctx)])], lens, B, to)
+            meta.prefill = tables([row_table([st.slots[0, :c] for st, c in zip(sts, ctx)]),
+                                   row_table([st.slots[1, :c] for st, c in zip(sts, ctx)])], lens, B, to)
             meta.seg_n = [s.num_new_tokens for s in prefills]
             meta.seg_start = [0] + list(itertools.accumulate(meta.seg_n))[:-1]
             meta.seg_ctx = ctx
@@ -390,7 +394,7 @@ class ModelRunner:
             sts = [self.reqs[hidden[i].req_id] for i in single]
             ctx = [st.num_computed + 1 for st in sts]
             lens = torch.tensor(ctx)
-            meta.hidden = tables([pad([st.slots[:, :c].T for st, c in zip(sts, ctx)])], lens, B, to)
+            meta.hidden = tables([row_table([st.slots[:, :c].T for st, c in zip(sts, ctx)])], lens, B, to)
             meta.hidden_segs, meta.hidden_lens = single, to(lens)
         return meta
 

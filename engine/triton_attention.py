@@ -68,6 +68,3 @@ def tables(rows: list[torch.Tensor], lens: torch.Tensor, block_size: int, to) ->
         return Tables(Paging.BLOCKS, tuple(to(b[0]) for b in blocks), tuple(to(b[1]) for b in blocks))
     return Tables(Paging.ROWS, tuple(to(r.to(torch.int32)) for r in rows), tuple(None for _ in rows))
 
-
-def pad(rows: list[torch.Tensor]) -> torch.Tensor:
-    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)

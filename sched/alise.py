@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import math
 
+from tandem.engine.messages import CacheType
 from tandem.sched.bros import BlockBudget, CostFn, add_chunk
 from tandem.sched.cost_model import StepShape
-from tandem.engine.messages import CacheType
 from tandem.sched.policy import Candidate, Plan, Snapshot, _decide
 
 DEFAULT_LENGTH = 256        # L̂ for a request that comes without a prediction
