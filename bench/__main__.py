@@ -132,6 +132,21 @@ def main(argv=None, prog: str = "python -m bench") -> None:
                     help="draw the trace from records before 15,000 (the predictor's training range: oracle and "
                          "FCFS only make sense there), to check a scheduling choice without the held-out set")
     sl.add_argument("--out", default="sim_alise.json", help="result file under bench/results")
+    stn = sub.add_parser("sim-tandem", help="simulated tandem vs each single policy and its ablations at paper "
+                         "scale: RT attainment, effective throughput, RT normalized latency, BE requests/s")
+    stn.add_argument("--systems", nargs="+", default=["fcfs", "bros", "aptserve", "alise", "tandem",
+                                                      "tandem-no-slo", "tandem-no-lengths", "tandem-no-hidden",
+                                                      "tandem-recompute"])
+    stn.add_argument("--rates", nargs="+", type=float, default=[1, 2, 3, 4])
+    stn.add_argument("--num-requests", type=int, default=1000)
+    stn.add_argument("--max-num-seqs", type=int, default=256)
+    stn.add_argument("--be-job-size", type=int, default=32)
+    stn.add_argument("--ttft-factor", type=float, default=10.0)
+    stn.add_argument("--tbt-factor", type=float, default=5.0)
+    stn.add_argument("--host-gbps", type=float, default=25.0, help="device-host link for swaps, GB/s")
+    stn.add_argument("--swap-gib", type=float, default=64.0, help="host memory for swapped caches")
+    stn.add_argument("--seed", type=int, default=0)
+    stn.add_argument("--out", default="sim_tandem.json", help="result file under bench/results")
     ia = sub.add_parser("int8-accuracy", help="perplexity and greedy agreement of SmolLM2 with int8 KV vs full "
                         "precision on held-out ShareGPT replies (HF transformers)")
     ia.add_argument("--num-pairs", type=int, default=200)
@@ -256,6 +271,9 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     elif args.cmd == "sim-alise":
         from tandem.bench.sim_alise import run as sim_alise
         sim_alise(args)
+    elif args.cmd == "sim-tandem":
+        from tandem.bench.sim_tandem import run as sim_tandem
+        sim_tandem(args)
     elif args.cmd == "int8-accuracy":
         from tandem.bench.int8_accuracy import run as int8_accuracy
         int8_accuracy(args)

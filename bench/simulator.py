@@ -21,7 +21,7 @@ from tandem.engine.messages import CacheType, Phase, PoolInfo, StepInput, StepOu
 from tandem.engine.params import SamplingParams
 from tandem.sched.cost_model import CostModel, OnlineCostModel, StepShape
 from tandem.sched.request import Request, ServiceClass
-from tandem.sched.scheduler import SchedConfig, Scheduler
+from tandem.sched.scheduler import PRICED, SchedConfig, Scheduler
 
 
 class SimClock:
@@ -137,8 +137,9 @@ def simulate(trace: list[TraceItem], setup: SimSetup, be: BeJobs | None = None,
     devices = [SimDevice(f"sim{i}", setup.geometry, setup.cost, clock, setup.noise, setup.seed + i,
                          setup.noise_prefill, setup.rho, setup.block_bytes, setup.host_bw)
                for i in range(setup.num_devices)]
-    priced = setup.sched.policy in ("bros", "alise")      # policies that price iterations
-    cost = OnlineCostModel(setup.cost, refit_every=1 << 60) if priced else None
+    # policies that price iterations see the device's cost model, hidden caches' recompute included
+    priced = replace(setup.cost, per_hidden_block=setup.rho or setup.cost.per_hidden_block)
+    cost = OnlineCostModel(priced, refit_every=1 << 60) if setup.sched.policy in PRICED else None
     cfg = setup.sched if setup.sched.rt_budget_s is not None else replace(setup.sched, rt_budget_s=setup.slo_tbt_s)
     sched = Scheduler(cfg, devices, eos_ids=(), max_model_len=setup.max_model_len, clock=clock,
                       cost=cost)

@@ -33,6 +33,7 @@ class AsyncEngine:
         self.step_listeners = self.runtime.listeners   # callables(actor), run on its thread per step
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.admitting = 0            # requests accepted, not queued yet (their lengths being predicted)
 
     # ---- called from the event loop -----------------------------------------
     def submit(self, req: Request) -> "Submission":
@@ -60,7 +61,8 @@ class AsyncEngine:
         return self.runtime.serving()
 
     def num_waiting(self) -> int:
-        return self.runtime.num_waiting()
+        """Requests waiting for a device, and those accepted on their way to one."""
+        return self.runtime.num_waiting() + self.admitting
 
     def shutdown(self) -> None:
         self.llm.shutdown()

@@ -33,6 +33,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Callable, Iterable
 
+from tandem.engine.messages import CacheType
 from tandem.sched.cost_model import StepShape
 from tandem.sched.policy import Candidate, Plan, Snapshot, _blocks, _decide, fcfs
 
@@ -80,15 +81,18 @@ def two_queue_merge(running: list[Candidate], waiting: Iterable[Candidate],
     return list(heapq.merge(sorted(running, key=key), waiting, key=key))
 
 
-def add_chunk(s: StepShape, c: Candidate, n: int) -> StepShape:
-    """``s`` plus c's next ``n`` tokens (a decode when it is the one token after its cache)."""
-    return s.add(n, c.num_computed + n, n == 1 and c.num_computed > 0 and c.num_computed + 1 == c.num_tokens)
+def add_chunk(s: StepShape, c: Candidate, n: int, block_size: int = 0) -> StepShape:
+    """``s`` plus c's next ``n`` tokens (a decode when it is the one token after its cache); with
+    ``block_size``, a hidden cache also re-projects the KV blocks of the context it had."""
+    hidden = 2 * -(-c.num_computed // block_size) if block_size and c.cache_type is CacheType.HIDDEN else 0
+    return s.add(n, c.num_computed + n, n == 1 and c.num_computed > 0 and c.num_computed + 1 == c.num_tokens,
+                 hidden)
 
 
-def _shape(items: list[tuple[Candidate, int]]) -> StepShape:
+def _shape(items: list[tuple[Candidate, int]], block_size: int = 0) -> StepShape:
     s = StepShape()
     for c, n in items:
-        s = add_chunk(s, c, n)
+        s = add_chunk(s, c, n, block_size)
     return s
 
 
@@ -112,10 +116,11 @@ class Bros:
         # one such iteration instead of a whole unbounded BE batch
         self.idle_budget_s = idle_budget_s
         self.loosest_s: float | None = None     # the loosest RT target seen (a TTFT target)
+        self.block_size = 0                     # the snapshot's, for pricing hidden caches
 
     # ---- helpers ---------------------------------------------------------------
     def _time(self, items: list[tuple[Candidate, int]]) -> float:
-        return self.cost(_shape(items), sum(c.num_cpu for c, _ in items))
+        return self.cost(_shape(items, self.block_size), sum(c.num_cpu for c, _ in items))
 
     def _fit_chunk(self, items, c: Candidate, n: int, limit: float) -> int:
         """Longest prefill chunk <= n (and >= min_chunk) keeping C(items + c) within ``limit``; 0 if none."""
@@ -184,14 +189,35 @@ class Bros:
             return False
         running = [x for x in snap.running if x.req_id not in taken and x.req_id != c.req_id
                    and x.req_id not in plan.preempted]
-        victims = sorted((x for x in running if not x.rt), key=lambda x: x.num_computed) + \
+        return budget.take_from(c, n, self._victims(c, running, t_avg), plan,
+                                "preempted: its blocks went to a more urgent RT request")
+
+    def _victims(self, c: Candidate, running: list[Candidate], t_avg: float) -> list[Candidate]:
+        """Whom an RT request ``c`` may preempt, first to last: best-effort work, least computed
+        first (least lost), then RT requests, those already late first, then by largest residual."""
+        return sorted((x for x in running if not x.rt), key=lambda x: x.num_computed) + \
             sorted((x for x in running if x.rt), key=lambda x: (not x.missed, -x.residual(t_avg)))
-        return budget.take_from(c, n, victims, plan, "preempted: its blocks went to a more urgent RT request")
+
+    def _be_room(self, b: Candidate, n: int, snap: Snapshot, budget: BlockBudget, plan: Plan,
+                 taken: set[str]) -> bool:
+        """Reserve a BE request's blocks (FindBlock): free blocks only."""
+        return budget.reserve(b, n)
+
+    def _admits(self, c: Candidate) -> bool:
+        """May ``c`` join this iteration at all? (Every request may, here.)"""
+        return True
+
+    def _be_queue(self, snap: Snapshot, plan: Plan) -> list[Candidate]:
+        """BE candidates in packing order: fewest checkpointed slots, then running, then arrival."""
+        running_ids = {c.req_id for c in snap.running}
+        return sorted((c for c in [*snap.running, *snap.waiting] if not c.rt and c.req_id not in plan.preempted),
+                      key=lambda c: (c.num_cpu, c.req_id not in running_ids, c.arrival))
 
     # ---- Algorithm 1 -------------------------------------------------------------
     def __call__(self, snap: Snapshot) -> Plan:
         plan = Plan()
         lim, t_avg = snap.limits, snap.t_avg
+        self.block_size = snap.block_size
         budget = BlockBudget(snap)
         res = lambda c: c.residual(t_avg)  # noqa: E731
         q_rt = deque(self._rt_order(snap, res))
@@ -213,6 +239,10 @@ class Bros:
             if n < r.num_tokens - r.num_computed and not lim.chunked_prefill:
                 plan.reasons[r.req_id] = "waiting: prompt exceeds this iteration's token budget"
                 break
+            if not self._admits(r):
+                q_rt.popleft()
+                plan.reasons[r.req_id] = "waiting: its predicted growth would not fit beside the running requests'"
+                continue
             if rt_ready and self._time(rt_ready + [(r, n)]) > t_res_min:
                 n = self._fit_chunk(rt_ready, r, n, t_res_min) if lim.chunked_prefill else 0
                 early = True
@@ -240,15 +270,17 @@ class Bros:
 
     def _pack_be(self, snap, budget, plan, rt_ready, q_rt, taken, t_res_min, tokens_left):
         lim, t_avg = snap.limits, snap.t_avg
-        running_ids = {c.req_id for c in snap.running}
-        q_be = sorted((c for c in [*snap.running, *snap.waiting] if not c.rt and c.req_id not in plan.preempted),
-                      key=lambda c: (c.num_cpu, c.req_id not in running_ids, c.arrival))
         be_ready: list[tuple[Candidate, int]] = []
-        for b in q_be:
+        for b in self._be_queue(snap, plan):
+            if b.req_id in plan.preempted:          # gave its blocks to a BE request ranked above it
+                continue
             n = min(b.num_tokens - b.num_computed, tokens_left)
             if n <= 0 or (n < b.num_tokens - b.num_computed and not lim.chunked_prefill):
                 break
-            if not budget.reserve(b, n):                               # FindBlock
+            if not self._admits(b):
+                plan.reasons[b.req_id] = "pending: its predicted growth would not fit beside the running requests'"
+                continue
+            if not self._be_room(b, n, snap, budget, plan, taken):      # FindBlock
                 plan.reasons[b.req_id] = "pending: no block for it"
                 break
             fits = lambda items, k: (len(items) + 1 <= self.b_curr  # noqa: E731

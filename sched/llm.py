@@ -21,7 +21,7 @@ from tandem.sched.placement import Placement
 from tandem.sched.rebalancer import PLACEMENTS, Budgets, Rebalancer
 from tandem.sched.request import FinishReason, Request, RequestState
 from tandem.sched.runtime import Runtime
-from tandem.sched.scheduler import SchedConfig, Scheduler, cache_type_of
+from tandem.sched.scheduler import PRICED, SchedConfig, Scheduler, cache_type_of
 from tandem.paths import cache_dir as user_cache_dir
 
 DEFAULT_CACHE_DIR = user_cache_dir()
@@ -90,6 +90,11 @@ class LLM:
     compressed channel-wise, the open one kept at the model's dtype: about 2.7x the tokens of an
     fp32 pool per block, at a small accuracy cost; the budget first reserves max_num_seqs
     requests' open blocks at full precision).
+    policy: "tandem" (the default: SLO-sized iterations with RT and BE classes, remaining-time order
+    with aging, hidden caches where they save memory, swapping by estimated wait; see
+    sched/tandem.py), or one mechanism alone: "fcfs", "rr", "bros", "aptserve", "alise"
+    (ablations and baselines); tandem_off: tandem's mechanisms to switch off ("slo", "lengths",
+    "hidden").
     triton_attention: attention by the Triton kernels (engine.triton_attention); None: on CUDA
     devices whenever Triton is installed. On the CPU it needs TRITON_INTERPRET=1 (tests only:
     the interpreter is hundreds of times slower than the compiled CPU kernel).
@@ -103,14 +108,14 @@ class LLM:
                  cache_dir: str | os.PathLike | None = None, compile: bool = False,
                  cpu_kernels: bool = True, omp_wait_policy: str | None = None,
                  chat_control_tokens: bool = False,
-                 policy: str = "fcfs", rt_budget_s: float | None = None,
+                 policy: str = "tandem", rt_budget_s: float | None = None,
                  bidirectional_blocks: bool = False, cache_type: str = "kv",
                  hybrid_cache: bool = True, adaptive: bool = True, slo_decay: float | None = None,
                  mixed_batches: bool = False, placement: str = "lb",
                  rebalance_interval_s: float = 1.0, slo_tbt_s: float = 0.2,
                  length_predictor: Any = None, preemption_mode: str | None = None,
                  swap_space: float = 4.0, swap_dtype: str = "int8", kv_cache_dtype: str = "auto",
-                 triton_attention: bool | None = None):
+                 triton_attention: bool | None = None, tandem_off: Sequence[str] = ()):
         self._workers: list[WorkerHandle] = []
         self.runtime: Runtime | None = None
         self.rebalancer: Rebalancer | None = None
@@ -128,7 +133,8 @@ class LLM:
                             bidirectional_blocks, cache_type_of(cache_type), hybrid_cache=hybrid_cache,
                             adaptive=adaptive, slo_decay=slo_decay, mixed_batches=mixed_batches,
                             preemption_mode=preemption_mode, swap_space_bytes=int(swap_space * 2**30),
-                            swap_dtype=swap_dtype, kv_cache_dtype=kv_cache_dtype).check()
+                            swap_dtype=swap_dtype, kv_cache_dtype=kv_cache_dtype,
+                            tandem_off=tuple(tandem_off)).check()
         if placement not in PLACEMENTS:
             raise ValueError(f"placement: {placement!r} is not one of {list(PLACEMENTS)}")
         for name, v in (("rebalance_interval_s", rebalance_interval_s), ("slo_tbt_s", slo_tbt_s)):
@@ -178,7 +184,16 @@ class LLM:
             self.scheduler = Scheduler(replace(final, policy="fcfs", bidirectional=False, hybrid_cache=True,
                                                adaptive=True, slo_decay=None, mixed_batches=False),
                                        self._workers, self.spec.eos_token_ids, self.max_model_len, detok)
-            if policy in ("bros", "alise"):  # policies that price iterations: profile first (seconds)
+            if policy == "tandem":          # the knapsack's ρ where hidden caches pay, and the cost model
+                t0 = time.monotonic()
+                options, cost = self._aptserve_options(hybrid_cache and not bidirectional_blocks, warn=False)
+                if cost is None:
+                    from tandem.sched.profiling import profile_cost
+                    cost = profile_cost(self.scheduler, self.spec.vocab_size)
+                log.info("policy tandem: start-up profile (iteration cost model%s) took %.1f s",
+                         ", hidden-cache rho" if options["hybrid_cache"] else "", time.monotonic() - t0)
+                self.scheduler.use_config(replace(final, **options), cost)
+            elif policy in PRICED:          # policies that price iterations: profile first (seconds)
                 from tandem.sched.profiling import SHORT_PLAN, profile_cost
                 # alise ranks requests by remaining time, where the short profile's rates suffice
                 plan = {"alise": SHORT_PLAN}.get(policy)
@@ -198,10 +213,18 @@ class LLM:
         self._ids = itertools.count()
 
     def _lengths(self, policy: str, source: Any) -> LengthSource | None:
-        """Predicted output lengths: alise needs them (default: the trained predictor)."""
-        if policy != "alise" and source is None:
+        """Predicted output lengths: alise needs them (default: the trained predictor); tandem uses
+        them when there is a predictor, and without one orders by prompt cost and aging alone."""
+        if policy not in ("alise", "tandem") and source is None:
             return None
-        src = LengthSource(source)
+        try:
+            src = LengthSource(source)
+        except ValueError as e:
+            if policy != "tandem" or source is not None:
+                raise
+            log.warning("policy tandem without output-length predictions (%s): requests are ordered by "
+                        "their prompts' cost and by aging only", e)
+            return None
         log.info("output lengths: %s", src.name if src.predictor is None else "the length predictor")
         return src
 
@@ -228,19 +251,20 @@ class LLM:
                           Budgets(bw, epoch_s, cost, tbt_s, max_tokens))
 
     # ---- prompts -------------------------------------------------------------
-    def _aptserve_options(self, hybrid: bool):
+    def _aptserve_options(self, hybrid: bool, warn: bool = True):
         """Apt-Serve's options and its online cost model (None with KV caches only); ρ is profiled
         when a hidden cache saves memory on this model, then refined from measured steps."""
         g = self.scheduler.queues[0].pool.geometry
         if hybrid and g.hidden_ratio >= 1:
-            log.warning("aptserve: a hidden cache takes %.2fx the memory of a KV cache for this model "
-                        "(grouped-query attention); offering KV caches only", g.hidden_ratio)
+            (log.warning if warn else log.info)("a hidden cache takes %.2fx the memory of a KV cache for this "
+                                                "model (grouped-query attention); offering KV caches only",
+                                                g.hidden_ratio)
             hybrid = False
         rho, cost = 0.0, None
         if hybrid:
             from tandem.sched.profiling import profile_aptserve
             rho, cost = profile_aptserve(self.scheduler, self.spec.vocab_size)
-            log.info("aptserve: hidden cache at %.2fx of KV, rho = %.3g s per KV block (paired runs), "
+            log.info("hidden cache at %.2fx of KV, rho = %.3g s per KV block (paired runs), "
                      "%.3g in the joint cost model, refined online", g.hidden_ratio, rho,
                      cost.model.per_hidden_block)
         self.rho = rho

@@ -21,8 +21,9 @@ from tandem.sched.bros import Bros, RoundRobin
 from tandem.sched.cost_model import OnlineCostModel
 from tandem.sched.policy import Limits, fcfs, fcfs_prefill_first
 from tandem.sched.request import Request, RequestState
+from tandem.sched.tandem import MECHANISMS, Tandem
 
-__all__ = ["POLICIES", "Device", "SchedConfig", "Scheduler", "Update", "make_policy"]
+__all__ = ["POLICIES", "PRICED", "Device", "SchedConfig", "Scheduler", "Update", "make_policy"]
 
 
 class Device(Protocol):
@@ -58,10 +59,11 @@ class SchedConfig:
     swap_dtype: str = "int8"             # swapped caches: "int8" (channel-wise, ALISE) or "auto" (as resident)
     kv_cache_dtype: str = "auto"         # the resident pool: "auto" (the model's dtype) or "int8" (full
                                          # blocks compressed as swapped ones, engine.quantpool)
+    tandem_off: tuple[str, ...] = ()     # tandem: mechanisms switched off (sched.tandem.MECHANISMS)
 
     @property
     def swapping(self) -> bool:
-        return self.preemption_mode == "swap" or (self.preemption_mode is None and self.policy == "alise")
+        return self.preemption_mode == "swap" or (self.preemption_mode is None and self.policy in ("alise", "tandem"))
 
     def check(self) -> "SchedConfig":
         """ValueError naming the option for any value or combination the scheduler cannot honour.
@@ -73,14 +75,20 @@ class SchedConfig:
                 raise ValueError(f"{name}: must be a positive integer, got {v!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy: {self.policy!r} is not one of {list(POLICIES)}")
-        if self.bidirectional and self.policy != "bros":
-            raise ValueError("bidirectional_blocks: bidirectional blocks need the bros policy")
+        if self.bidirectional and self.policy not in ("bros", "tandem"):
+            raise ValueError("bidirectional_blocks: bidirectional blocks need the bros or tandem policy")
         if self.bidirectional and self.cache_type is not CacheType.KV:
             raise ValueError("cache_type: bidirectional blocks hold KV caches only")
-        if self.policy == "aptserve" and self.cache_type is not CacheType.KV:
-            raise ValueError("cache_type: the aptserve policy chooses each request's cache type itself")
-        aptserve_only = {"kv-only (hybrid_cache=False)": not self.hybrid_cache,
-                         "aptserve-fcfs (adaptive=False)": not self.adaptive,
+        if self.policy in ("aptserve", "tandem") and self.cache_type is not CacheType.KV:
+            raise ValueError(f"cache_type: the {self.policy} policy chooses each request's cache type itself")
+        if not self.hybrid_cache and self.policy not in ("aptserve", "tandem"):
+            raise ValueError("kv-only (hybrid_cache=False): an option of the aptserve and tandem policies")
+        for m in self.tandem_off:
+            if m not in MECHANISMS:
+                raise ValueError(f"tandem_off: {m!r} is not one of {list(MECHANISMS)}")
+        if self.tandem_off and self.policy != "tandem":
+            raise ValueError("tandem_off: an option of the tandem policy")
+        aptserve_only = {"aptserve-fcfs (adaptive=False)": not self.adaptive,
                          "mixed_batches": self.mixed_batches, "slo_decay": self.slo_decay is not None}
         for name, set_ in aptserve_only.items():
             if set_ and self.policy != "aptserve":
@@ -104,7 +112,8 @@ class SchedConfig:
         return self
 
 
-POLICIES = ("fcfs", "rr", "bros", "aptserve", "alise", "fcfs-prefill-first")
+POLICIES = ("tandem", "fcfs", "rr", "bros", "aptserve", "alise", "fcfs-prefill-first")
+PRICED = ("bros", "alise", "tandem")     # policies that price iterations with the cost model
 
 
 def cache_type_of(name: str) -> CacheType:
@@ -138,6 +147,11 @@ def make_policy(cfg: SchedConfig, cost: OnlineCostModel | None):
         if cost is None:
             raise ValueError("policy: alise needs a cost model (profile the engine first)")
         return Alise(cost)
+    if cfg.policy == "tandem":
+        if cost is None:
+            raise ValueError("policy: tandem needs a cost model (profile the engine first)")
+        return Tandem(cost, cfg.max_num_seqs, cfg.rho, cfg.hybrid_cache and not cfg.bidirectional,
+                      idle_budget_s=cfg.rt_budget_s, off=frozenset(cfg.tandem_off))
     if cfg.policy == "aptserve":
         return AptServe(cfg.rho, cfg.hybrid_cache, cfg.adaptive, cfg.slo_decay, cfg.mixed_batches, cost)
     raise ValueError(f"policy: {cfg.policy!r} is not one of {list(POLICIES)}")

@@ -10,6 +10,7 @@ import time
 
 from tandem.sched.rebalancer import PLACEMENTS
 from tandem.sched.scheduler import POLICIES, SchedConfig, cache_type_of
+from tandem.sched.tandem import MECHANISMS
 from tandem.server.config import ServerConfig
 from tandem.server.connections import Limits
 
@@ -31,18 +32,22 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     ap.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                     help="new tokens per iteration (smaller: shorter decode stalls behind prefills)")
     ap.add_argument("--policy", default=d.policy, choices=list(POLICIES),
-                    help="fcfs: one queue (vLLM-like); rr: alternate RT and BE iterations; "
+                    help="tandem (default): all four mechanisms together: RT iterations sized by SLO slack "
+                         "with BE packed into what is left, shortest predicted remaining time first inside each "
+                         "class with aging, hidden caches where they save memory, swapping by estimated wait "
+                         "(profiles a few seconds at start); "
+                         "fcfs: one queue (vLLM-like); rr: alternate RT and BE iterations; "
                          "bros: RT by SLO slack, BE packed into what is left (profiles a few seconds at start); "
                          "aptserve: a knapsack over pending time picks requests and a KV or hidden cache "
                          "for each (Apt-Serve); alise: shortest predicted remaining time first, with aging "
                          "(ALISE; needs `python -m predictor train` once)")
     ap.add_argument("--length-predictor", default=None,
-                    help="with --policy alise: a predictor directory, or max_tokens (each request's max_tokens "
+                    help="with --policy tandem or alise: a predictor directory, or max_tokens (each request's max_tokens "
                          "as its length). Default: DATA_DIR/predictor, started from the trained predictor and "
                          "taught every finished request's real length (saved at shutdown)")
     ap.add_argument("--preemption-mode", default=d.preemption_mode, choices=["swap", "recompute"],
                     help="what a preempted request's cache does: swap to host memory and come back, or be "
-                         "recomputed from its tokens (default: swap under alise, recompute elsewhere)")
+                         "recomputed from its tokens (default: swap under tandem and alise, recompute elsewhere)")
     ap.add_argument("--swap-space", type=float, default=d.swap_space_gib,
                     help="GiB of host memory for swapped caches, per device")
     ap.add_argument("--swap-dtype", default=d.swap_dtype, choices=["int8", "auto"],
@@ -52,7 +57,12 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                     help="the resident cache: auto (the model's dtype) or int8 (each full block compressed "
                          "channel-wise, the block being filled kept exact: about 2.7x the tokens of fp32 in "
                          "the same memory; perplexity +0.03%% on held-out ShareGPT replies)")
-    ap.add_argument("--kv-only", action="store_true", help="with --policy aptserve: never a hidden cache (ablation)")
+    ap.add_argument("--kv-only", action="store_true",
+                    help="with --policy tandem or aptserve: never a hidden cache (ablation)")
+    ap.add_argument("--tandem-off", nargs="+", default=[], choices=list(MECHANISMS), metavar="MECHANISM",
+                    help="with --policy tandem, switch mechanisms off (ablation): slo (iterations not bounded "
+                         "by RT deadlines), lengths (no remaining-time order, no look-ahead admission), hidden "
+                         "(KV caches only)")
     ap.add_argument("--aptserve-fcfs", action="store_true",
                     help="with --policy aptserve: FCFS order, hidden caches only for requests that do not "
                          "fit otherwise (ablation)")
@@ -62,7 +72,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     ap.add_argument("--slo-decay", type=float, default=None,
                     help="with --policy aptserve: requests past their SLO keep this fraction of their value")
     ap.add_argument("--bidirectional-blocks", action="store_true", default=d.bidirectional_blocks,
-                    help="with --policy bros: RT and BE share KV blocks from both ends; BE slots an RT request "
+                    help="with --policy tandem or bros: RT and BE share KV blocks from both ends; BE slots an RT request "
                          "overwrites are checkpointed to the CPU and swapped back in (BROS)")
     ap.add_argument("--cache-type", default=d.cache_type, choices=["kv", "hidden"],
                     help="hidden: keep each layer's input instead of K and V and recompute them at every "
@@ -105,7 +115,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                     cache_type_of(a.cache_type), hybrid_cache=not a.kv_only, adaptive=not a.aptserve_fcfs,
                     slo_decay=a.slo_decay, mixed_batches=a.aptserve_mixed, preemption_mode=a.preemption_mode,
                     swap_space_bytes=int(a.swap_space * 2**30) if a.swap_space >= 0 else -1,
-                    swap_dtype=a.swap_dtype, kv_cache_dtype=a.kv_cache_dtype).check()
+                    swap_dtype=a.swap_dtype, kv_cache_dtype=a.kv_cache_dtype, tandem_off=tuple(a.tandem_off)).check()
         if a.rebalance_interval <= 0:
             raise ValueError("rebalance-interval: must be positive")
         if a.max_connections < 1 or a.header_timeout <= 0 or a.body_timeout <= 0:
@@ -116,7 +126,8 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     return ServerConfig(model=a.model, served_model_name=name, devices=a.devices, host=a.host, port=a.port,
                         api_key=a.api_key, data_dir=a.data_dir, max_num_seqs=a.max_num_seqs,
                         max_num_batched_tokens=a.max_num_batched_tokens,
-                        policy=a.policy, bidirectional_blocks=a.bidirectional_blocks, cache_type=a.cache_type,
+                        policy=a.policy, tandem_off=tuple(a.tandem_off),
+                        bidirectional_blocks=a.bidirectional_blocks, cache_type=a.cache_type,
                         hybrid_cache=not a.kv_only, adaptive=not a.aptserve_fcfs, slo_decay=a.slo_decay,
                         mixed_batches=a.aptserve_mixed, placement=a.placement,
                         rebalance_interval_s=a.rebalance_interval, length_predictor=a.length_predictor,
@@ -133,7 +144,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
 
 def _length_source(cfg: ServerConfig):
     """The data dir's own predictor once it has saved one, else the trained one (None)."""
-    if cfg.length_predictor is not None or cfg.policy != "alise":
+    if cfg.length_predictor is not None or cfg.policy not in ("alise", "tandem"):
         return cfg.length_predictor
     own = Path(cfg.data_dir) / "predictor"
     return own if (own / "meta.json").is_file() else None
@@ -181,7 +192,7 @@ def main(argv=None, prog: str = "python -m server") -> None:
                   rebalance_interval_s=cfg.rebalance_interval_s, slo_tbt_s=cfg.slo_tbt_ms / 1000,
                   length_predictor=_length_source(cfg), preemption_mode=cfg.preemption_mode,
                   swap_space=cfg.swap_space_gib, swap_dtype=cfg.swap_dtype,
-                  kv_cache_dtype=cfg.kv_cache_dtype)
+                  kv_cache_dtype=cfg.kv_cache_dtype, tandem_off=cfg.tandem_off)
         return AsyncEngine(llm)
 
     app = create_app(cfg, build_engine)

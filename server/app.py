@@ -172,8 +172,12 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
             for i in range(gen.n)]
     lengths = engine.llm.lengths
     if lengths is not None:          # embeds the prompt: off the event loop, one at a time
-        await asyncio.get_running_loop().run_in_executor(_predicting(), lengths.assign, reqs,
-                                                         [prediction_text(gen.prompt, engine.llm.decode_prompt)] * len(reqs))
+        engine.admitting += len(reqs)          # counted as waiting meanwhile (admission control)
+        try:
+            texts = [prediction_text(gen.prompt, engine.llm.decode_prompt)] * len(reqs)
+            await asyncio.get_running_loop().run_in_executor(_predicting(), lengths.assign, reqs, texts)
+        finally:
+            engine.admitting -= len(reqs)
     p = Prepared(gen, model, rid, ids, reqs, [])
     try:
         for r in reqs:

@@ -18,17 +18,18 @@ class ServerConfig:
     data_dir: str = field(default_factory=lambda: str(data_dir()))   # XDG data dir, outside any checkout
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    policy: str = "bros"               # keeps RT targets while batch jobs run
+    policy: str = "tandem"             # every mechanism together (see sched/tandem.py)
+    tandem_off: tuple[str, ...] = ()   # tandem: mechanisms switched off (ablations)
     bidirectional_blocks: bool = False  # BROS shared RT/BE blocks with lazy checkpointing
     cache_type: str = "kv"             # kv, or hidden: every request keeps layer inputs (Apt-Serve)
-    hybrid_cache: bool = True          # aptserve: offer hidden caches (False: the KV-only ablation)
+    hybrid_cache: bool = True          # tandem, aptserve: offer hidden caches (False: the KV-only ablation)
     adaptive: bool = True              # aptserve: knapsack order (False: the FCFS ablation)
     slo_decay: float | None = None     # aptserve: value factor past the SLO (None: near zero)
     mixed_batches: bool = False        # aptserve: prefill and decode in one iteration (Apt-Serve-S)
     placement: str = "lb"              # several devices: lb, static, mell, bf, wf
     rebalance_interval_s: float = 1.0  # seconds between the rebalancer's epochs
-    length_predictor: str | None = None  # alise: a predictor directory or "max_tokens" (None: the data dir's)
-    preemption_mode: str | None = None  # swap or recompute (None: swap under alise, recompute elsewhere)
+    length_predictor: str | None = None  # tandem, alise: a predictor directory or "max_tokens" (None: the data dir's)
+    preemption_mode: str | None = None  # swap or recompute (None: swap under tandem and alise, else recompute)
     swap_space_gib: float = 4.0        # host memory for swapped caches, per device
     swap_dtype: str = "int8"           # swapped caches: int8 (compressed) or auto (as resident)
     kv_cache_dtype: str = "auto"       # resident cache: auto (the model's dtype) or int8 (full blocks compressed)

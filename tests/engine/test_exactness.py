@@ -16,8 +16,8 @@ def test_greedy_matches_hf_with_preemption(family, workers, tiny_llama, tiny_opt
     from tandem.engine.models.loader import load_spec
     spec = load_spec(model_dir)
     block_bytes = spec.num_layers * 8 * spec.unit * 4
-    with LLM(str(model_dir), f"cpu:{workers}", dtype="float32", block_size=8, kv_cache_bytes=24 * block_bytes,
-             max_num_batched_tokens=64, threads_per_worker=1) as llm:
+    with LLM(str(model_dir), f"cpu:{workers}", dtype="float32", policy="fcfs", block_size=8,
+             kv_cache_bytes=24 * block_bytes, max_num_batched_tokens=64, threads_per_worker=1) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
         preemptions = sum(q.num_preemptions for q in llm.scheduler.queues)
         assert_pool_free(llm)

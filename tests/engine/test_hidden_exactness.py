@@ -24,8 +24,8 @@ def test_hidden_cache_matches_hf_with_chunks_and_preemption(family, tiny_llama, 
     # of about one longest request (15 token-blocks of 8: 2 blocks each for Llama, 1 for OPT)
     # forces preemption (recompute)
     blocks = 15 * (2 if family == "llama" else 1)
-    with LLM(str(model_dir), "cpu:1", dtype="float32", block_size=8, kv_cache_bytes=_pool_bytes(model_dir, blocks),
-             max_num_batched_tokens=16, threads_per_worker=1, cache_type="hidden") as llm:
+    with LLM(str(model_dir), "cpu:1", dtype="float32", policy="fcfs", block_size=8,
+             kv_cache_bytes=_pool_bytes(model_dir, blocks), max_num_batched_tokens=16, threads_per_worker=1, cache_type="hidden") as llm:
         g = llm.scheduler.queues[0].pool.geometry
         assert g.blocks_per_token_block(CacheType.HIDDEN) == (1 if family == "opt" else 2)
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
@@ -73,7 +73,7 @@ class Switcher:
 def test_mixed_cache_types_and_switches_match_hf(family, tiny_llama, tiny_opt):
     model_dir = tiny_llama if family == "llama" else tiny_opt
     prompts = mixed_prompts(8, 512, seed=5, lo=4, hi=40)
-    with LLM(str(model_dir), "cpu:1", dtype="float32", block_size=8, max_num_batched_tokens=64,
+    with LLM(str(model_dir), "cpu:1", dtype="float32", policy="fcfs", block_size=8, max_num_batched_tokens=64,
              threads_per_worker=1) as llm:
         sw = Switcher(llm.scheduler.policy, {6: [0, 1, 2], 12: [3, 4], 15: [0]})
         llm.scheduler.policy = sw

@@ -107,7 +107,7 @@ def test_int8_hidden_cache_matches_hf(tiny_opt):
     """Hidden caches (OPT) keep each layer's input: their full blocks are compressed the same
     way, and K and V are recomputed from the compressed inputs."""
     prompts = mixed_prompts(10, 512, seed=23)
-    with LLM(str(tiny_opt), "cpu:1", dtype="float32", block_size=B, kv_cache_bytes=1 << 20, max_num_batched_tokens=512,
+    with LLM(str(tiny_opt), "cpu:1", dtype="float32", policy="fcfs", block_size=B, kv_cache_bytes=1 << 20, max_num_batched_tokens=512,
              threads_per_worker=1, kv_cache_dtype="int8", cache_type="hidden") as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
         assert_pool_free(llm)

@@ -77,7 +77,7 @@ def test_migrated_request_matches_hf(llama2, tiny_llama):
 
 def test_hidden_cache_migrates_as_kv(tiny_opt):
     """A hidden cache (m rows per token, multi-head model) moves by the same export and import."""
-    with LLM(str(tiny_opt), TWO, dtype="float32", block_size=8, threads_per_worker=1, cache_type="hidden") as llm:
+    with LLM(str(tiny_opt), TWO, dtype="float32", policy="fcfs", block_size=8, threads_per_worker=1, cache_type="hidden") as llm:
         migrated_like_hf(llm, tiny_opt, [Transfer.KV, Transfer.TOKEN], n=1)
 
 
@@ -127,7 +127,7 @@ def test_rebalancer_migrations_keep_outputs_exact(placement, tiny_llama):
     block_bytes = spec.num_layers * 8 * spec.unit * 4
     prompts = mixed_prompts(8, 512, seed=21, lo=24, hi=40)
     sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
-    with LLM(str(tiny_llama), TWO, dtype="float32", block_size=8, kv_cache_bytes=48 * block_bytes,
+    with LLM(str(tiny_llama), TWO, dtype="float32", policy="fcfs", block_size=8, kv_cache_bytes=48 * block_bytes,
              threads_per_worker=1, max_num_batched_tokens=64, placement=placement, rebalance_interval_s=0.05) as llm:
         outs = llm.generate(prompts, sp)
         moved = [m for a in llm.scheduler.actors for m in a.moves]

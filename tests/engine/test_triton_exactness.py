@@ -21,7 +21,7 @@ def wide_models(tmp_path_factory):
 
 def _run(model_dir, prompts, blocks, **kw):
     spec = load_spec(model_dir)
-    with LLM(str(model_dir), "cpu:1", dtype="float32", block_size=8,
+    with LLM(str(model_dir), "cpu:1", dtype="float32", policy="fcfs", block_size=8,
              kv_cache_bytes=blocks * spec.num_layers * 8 * spec.unit * 4, max_num_batched_tokens=24,
              threads_per_worker=1, triton_attention=True, **kw) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))

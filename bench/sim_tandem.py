@@ -1,0 +1,129 @@
+"""python -m bench sim-tandem: the tandem policy against each single policy, and its ablations,
+at paper scale in the simulator.
+
+OPT-13B-like cost model on one A100-40GB with its 12k-token pool, which can also hold hidden
+caches (multi-head attention: half a KV cache; the device charges OPT_13B_A100_RHO per KV block
+a hidden request re-projects). Swaps are priced at 25 GB/s over the bytes the host pool counts
+(int8 where compressed), with 64 GiB of host memory. RT: held-out ShareGPT prompts, each forced
+to its real reply length, Poisson arrivals, the mixed bench's SLOs (10x / 5x the unloaded TTFT /
+TBT); BE: batch jobs of synthetic 512-1024 / 32-128 requests always pending (the next job when
+one completes), as in ``bench sim-mixed``. Predicted lengths come from predictor/ (frozen during
+the run) for the RT prompts; the BE prompts are random tokens, so their lengths are unknown to
+every policy.
+
+Each system is compared on the metrics of the policy that owns them: RT attainment of TTFT and
+TPOT (BROS), effective throughput = the highest rate with 90% of RT requests meeting TTFT and
+their P99 TBT (Apt-Serve), mean RT normalized latency (ALISE), BE requests/s (FCFS).
+"""
+from __future__ import annotations
+
+import json
+
+from tandem.bench.metrics import attainment, meets_apt, meets_bros, summarize
+from tandem.bench.sim_alise import OPT_13B_BLOCK_BYTES, capacity, predict_all, with_lengths
+from tandem.bench.sim_cli import RESULTS, _tokenizer, slos
+from tandem.bench.simulator import BeJobs, SimSetup, simulate
+from tandem.bench.workloads import sharegpt_trace, synthetic_be
+from tandem.cache import PoolGeometry
+from tandem.sched.cost_model import OPT_13B_A100, OPT_13B_A100_KV_TOKENS, OPT_13B_A100_RHO
+from tandem.sched.scheduler import SchedConfig
+
+# name -> (SchedConfig fields, where RT lengths come from)
+SYSTEMS = {
+    "fcfs": (dict(policy="fcfs"), None),
+    "bros": (dict(policy="bros"), None),
+    "bros-bidir": (dict(policy="bros", bidirectional=True), None),
+    "aptserve": (dict(policy="aptserve", mixed_batches=True), None),     # Apt-Serve-S: chunked, as the rest
+    "alise": (dict(policy="alise"), "predictor"),
+    "tandem": (dict(policy="tandem"), "predictor"),
+    "tandem-no-slo": (dict(policy="tandem", tandem_off=("slo",)), "predictor"),
+    "tandem-no-lengths": (dict(policy="tandem", tandem_off=("lengths",)), None),
+    "tandem-no-hidden": (dict(policy="tandem", hybrid_cache=False), "predictor"),
+    "tandem-recompute": (dict(policy="tandem", preemption_mode="recompute"), "predictor"),
+    "tandem-bidir": (dict(policy="tandem", bidirectional=True), "predictor"),
+    "tandem-oracle": (dict(policy="tandem"), "oracle"),
+}
+SINGLE = ("fcfs", "bros", "bros-bidir", "aptserve", "alise")
+# metric -> (row key, higher is better, the single policy that owns it)
+METRICS = {"RT TTFT & TPOT": ("attain_bros", True, "bros"),
+           "RT mean norm. latency ms/tok": ("norm_latency_ms", False, "alise"),
+           "BE req/s": ("be_rps", True, "fcfs")}
+
+
+def _setup(system: str, args, ttft: float, tbt: float) -> SimSetup:
+    fields, _ = SYSTEMS[system]
+    cfg = SchedConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048, rho=OPT_13B_A100_RHO,
+                      swap_space_bytes=int(args.swap_gib * 2**30), **fields)
+    return SimSetup(OPT_13B_A100, PoolGeometry(2 * OPT_13B_A100_KV_TOKENS // 16, 16, hidden_blocks=1), cfg,
+                    2048, slo_ttft_s=ttft, slo_tbt_s=tbt, rho=OPT_13B_A100_RHO, block_bytes=OPT_13B_BLOCK_BYTES,
+                    host_bw=args.host_gbps * 1e9, seed=args.seed)
+
+
+def run_one(system: str, rate: float, trace, be_items, args, ttft: float, tbt: float) -> dict:
+    be = BeJobs(be_items, args.be_job_size)
+    stats: dict = {}
+    recs, makespan = simulate(trace, _setup(system, args, ttft, tbt), be, stats=stats)
+    s = summarize(recs, makespan)["rt"]
+    return {"system": system, "rate": rate, "requests": len(recs), "makespan_s": makespan,
+            "attain_bros": attainment(recs, lambda r: meets_bros(r, ttft, tbt)),
+            "attain_apt": attainment(recs, lambda r: meets_apt(r, ttft, tbt)),
+            "norm_latency_ms": s["normalized_latency_mean_s"] * 1e3,
+            "be_rps": be.completed / makespan, "be_tok_s": be.output_tokens / makespan,
+            "preemptions": stats["preemptions"], "swaps": stats["swaps"], "tokens": stats["tokens"]}
+
+
+def run(args) -> dict:
+    RESULTS.mkdir(exist_ok=True)
+    tok = _tokenizer()
+    ttft, tbt, *_ = slos(OPT_13B_A100, args.ttft_factor, args.tbt_factor)
+    traces = {rate: sharegpt_trace(tok, rate, args.num_requests / rate, args.seed, max_context=2048,
+                                   max_output_tokens=1024, held_out=True) for rate in args.rates}
+    need = any(SYSTEMS[s][1] == "predictor" for s in args.systems)
+    predicted = predict_all(list(traces.values())) if need else {}
+    be_items = synthetic_be(256, args.seed + 1, len(tok))
+    print(f"{args.num_requests} held-out ShareGPT RT requests per rate with BE jobs of {args.be_job_size} always "
+          f"pending; OPT-13B on an A100 (simulated); SLOs TTFT {ttft:.3f} s, TBT {tbt:.3f} s", flush=True)
+    rows = []
+    for system in args.systems:
+        for rate in args.rates:
+            row = run_one(system, rate, with_lengths(traces[rate], SYSTEMS[system][1], predicted), be_items,
+                          args, ttft, tbt)
+            rows.append(row)
+            print(f"  {system:>18} @ {rate:g}: TTFT&TPOT {row['attain_bros']:.0%}, TTFT&P99TBT "
+                  f"{row['attain_apt']:.0%}, norm. latency {row['norm_latency_ms']:.1f} ms/tok, BE "
+                  f"{row['be_rps']:.2f} req/s, {row['preemptions']} preemptions", flush=True)
+    out = {"slo": {"ttft_s": ttft, "tbt_s": tbt}, "args": vars(args), "rows": rows,
+           "effective_throughput": effective(rows, args)}
+    (RESULTS / args.out).write_text(json.dumps(out, indent=2, default=str))
+    print_tables(rows, args, out["effective_throughput"])
+    print(f"wrote {RESULTS / args.out}")
+    return out
+
+
+def effective(rows: list[dict], args) -> dict[str, tuple[float, bool]]:
+    """Per system: the highest rate with 90% TTFT & P99-TBT attainment (linear between the rates
+    run) and whether it was reached within them."""
+    out = {}
+    for system in args.systems:
+        mine = [{"rate": r["rate"], "miss": -r["attain_apt"]} for r in rows if r["system"] == system]
+        out[system] = capacity([{**m, "norm_latency_s": m["miss"]} for m in mine], -0.9)
+    return out
+
+
+def print_tables(rows: list[dict], args, eff: dict) -> None:
+    systems = args.systems
+    for title, (key, higher, _) in METRICS.items():
+        print(f"\n{title} ({'higher' if higher else 'lower'} is better)\n")
+        print("| rate | " + " | ".join(systems) + " |")
+        print("|---|" + "---|" * len(systems))
+        for rate in args.rates:
+            cells = []
+            for s in systems:
+                r = next((x for x in rows if x["system"] == s and x["rate"] == rate), None)
+                cells.append("-" if r is None else f"{r[key]:.0%}" if key.startswith("attain") else f"{r[key]:.2f}")
+            print(f"| {rate:g} | " + " | ".join(cells) + " |")
+    print("\neffective throughput (RT req/s with 90% meeting TTFT & P99 TBT, BE pending)\n")
+    print("| system | req/s |\n|---|---|")
+    for s in systems:
+        c, reached = eff[s]
+        print(f"| {s} | {'' if reached else '>= '}{c:.2f} |")

@@ -1,0 +1,187 @@
+"""Tandem: the default policy. BROS's SLO packing, ALISE's remaining-time order and Apt-Serve's
+cache choice in one iteration plan; Mell places requests across devices outside the policy.
+
+Who decides what, each in its own module:
+
+    question                                    mechanism   where
+    ------------------------------------------  ----------  ---------------------------------
+    how long may this iteration take            BROS        Bros._budget: the residual time of
+      (and how many requests may it hold)                   the most urgent RT request that can
+                                                            still make it; adaptive batch size
+    who runs first inside a class               ALISE       Alise.order: levels of estimated
+      RT: (late last, level, SLO slack)                     remaining time T_rem, with aging
+      BE: (level, T_rem, arrival)
+    may a request that holds nothing start      ALISE       Footprint: the predicted peak of the
+                                                            caches it cannot displace, with it,
+                                                            fits the pool
+    which cache a starting request keeps        Apt-Serve   AptServe.hidden_choice: the prefill
+                                                            knapsack; only on models where a
+                                                            hidden cache is smaller than KV
+    whose blocks a request that must grow takes BROS+ALISE  RT: BE first, lowest ranked first,
+                                                            then RT (BROS's order); BE: only
+                                                            from BE ranked below it
+    what a preempted request's cache does       ALISE       the actor: swap to host memory by
+                                                            estimated wait (EWT), int8; on a
+                                                            bidirectional pool (BROS) BE slots
+                                                            are lent to RT and checkpointed
+    which device                                Mell        sched/rebalancer.py (placement)
+
+Memory pressure is met in that order of cost: BE blocks lent to RT (bidirectional pools), a
+hidden cache for a new request whose KV cache does not fit, swapping the lowest-ranked
+request out by EWT, recompute when the host pool is full.
+
+Each mechanism can be switched off (``off``) for ablations: ``slo`` (iterations are not
+bounded by RT deadlines: every request that fits runs), ``lengths`` (BROS's own order:
+RT by SLO slack, BE by arrival; no look-ahead admission), ``hidden`` (KV caches only).
+Swapping is switched off by preemption_mode "recompute", Mell by another placement.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from enum import Enum
+
+from tandem.engine.messages import CacheType
+from tandem.sched.alise import Alise, Footprint
+from tandem.sched.aptserve import AptServe
+from tandem.sched.bros import BlockBudget, Bros, CostFn
+from tandem.sched.policy import Candidate, Plan, Snapshot, _blocks
+
+
+class Mechanism(str, Enum):
+    """A part of the tandem policy that an ablation can switch off."""
+    SLO = "slo"              # BROS: iterations sized by the most urgent RT deadline
+    LENGTHS = "lengths"      # ALISE: order by predicted remaining time, look-ahead admission
+    HIDDEN = "hidden"        # Apt-Serve: hidden caches where they save memory
+
+
+MECHANISMS = tuple(m.value for m in Mechanism)
+
+
+class Tandem(Bros):
+    """``cost(shape, swap_slots)`` predicts an iteration; ``rho`` is the start-up value of the
+    hidden cache's recompute cost per KV block (refined by the cost model when it has one)."""
+
+    name = "tandem"
+
+    def __init__(self, cost: CostFn, max_num_seqs: int, rho: float = 0.0, hybrid: bool = True,
+                 idle_budget_s: float | None = None, off: frozenset[Mechanism] = frozenset()):
+        super().__init__(cost, max_num_seqs, idle_budget_s=idle_budget_s)
+        self.off = frozenset(Mechanism(m) for m in off)
+        self.alise = Alise(cost)
+        self.apt = AptServe(rho, hybrid=hybrid and Mechanism.HIDDEN not in self.off, cost=cost)
+        self._rank: dict[str, tuple] = {}
+        self._t_rem: dict[str, float] = {}
+        self._held: Footprint | None = None
+        self._running: set[str] = set()
+
+    # ---- the hooks BROS's packing calls ------------------------------------------------
+    def _rt_order(self, snap: Snapshot, res) -> list[Candidate]:
+        if Mechanism.LENGTHS in self.off:
+            return Bros._rt_order(snap, res)
+        rt = [c for c in snap.running + snap.waiting if c.rt]
+        return sorted(rt, key=lambda c: (c.missed, self._rank[c.req_id][1], res(c)))
+
+    def _be_queue(self, snap: Snapshot, plan: Plan) -> list[Candidate]:
+        if Mechanism.LENGTHS in self.off:
+            return super()._be_queue(snap, plan)
+        be = [c for c in snap.running + snap.waiting if not c.rt and c.req_id not in plan.preempted]
+        return sorted(be, key=lambda c: self._rank[c.req_id])
+
+    def _admits(self, c: Candidate) -> bool:
+        """Running requests always; others when their predicted growth fits (counted from then on)."""
+        if self._held is None or c.req_id in self._running:
+            return True
+        if not self._held.admits(c):
+            return False
+        self._held.add(c)
+        return True
+
+    def _budget(self, q_rt, res) -> float:
+        return math.inf if Mechanism.SLO in self.off else super()._budget(q_rt, res)
+
+    def _victims(self, c: Candidate, running: list[Candidate], t_avg: float) -> list[Candidate]:
+        if Mechanism.LENGTHS in self.off:
+            return super()._victims(c, running, t_avg)
+        be = sorted((x for x in running if not x.rt), key=lambda x: self._rank[x.req_id], reverse=True)
+        return be + [x for x in super()._victims(c, running, t_avg) if x.rt]
+
+    def _be_room(self, b: Candidate, n: int, snap: Snapshot, budget: BlockBudget, plan: Plan,
+                 taken: set[str]) -> bool:
+        """A BE request's blocks: free ones, else (a running one, so the best-ranked BE request
+        always progresses) those of running BE requests ranked below it that are not in this
+        iteration, lowest first."""
+        if budget.reserve(b, n):
+            return True
+        if b.req_id not in self._running or Mechanism.LENGTHS in self.off:
+            return False
+        mine = self._rank[b.req_id]
+        victims = sorted((x for x in snap.running if not x.rt and x.req_id not in taken and x.req_id != b.req_id
+                          and x.req_id not in plan.preempted and x.req_id not in budget.held
+                          and self._rank[x.req_id] > mine), key=lambda x: self._rank[x.req_id], reverse=True)
+        return budget.take_from(b, n, victims, plan, "preempted: its blocks went to a BE request with less "
+                                                     "remaining time")
+
+    # ---- one iteration -------------------------------------------------------------------
+    def __call__(self, snap: Snapshot) -> Plan:
+        snap, hidden = self._cache_choice(snap)
+        keyed = self.alise.order(snap)
+        self._rank = {c.req_id: (key[0], key[1], i) for i, (key, c, _) in enumerate(keyed)}
+        self._running = {c.req_id for c in snap.running}
+        self._held = None if Mechanism.LENGTHS in self.off else Footprint(snap, snap.running, self._rank)
+        if Mechanism.SLO in self.off:
+            self.b_curr = self.max_num_seqs
+        plan = super().__call__(snap)
+        if Mechanism.SLO in self.off:
+            self.b_curr = self.max_num_seqs
+        by_id = {c.req_id: c for c in snap.waiting}
+        for d in plan.scheduled:
+            c = by_id.get(d.req_id)
+            if c is not None and c.req_id in hidden:
+                plan.cache_types[c.req_id] = hidden[c.req_id]
+        plan.levels = {c.req_id: key[1] for key, c, _ in keyed}
+        plan.ewt = self.alise.ewt(keyed, plan) if Mechanism.LENGTHS not in self.off else {}
+        return plan
+
+    def _cache_choice(self, snap: Snapshot) -> tuple[Snapshot, dict[str, CacheType]]:
+        """The snapshot with a hidden cache for each waiting request (holding nothing) whose KV
+        cache would not fit the free blocks left by those ranked before it, where a hidden cache
+        would fit and pays; returns it and the requests whose cache type changes.
+
+        A hidden cache pays when the time the request has waited, p_i, exceeds what it would
+        cost the requests running beside it over its predicted life:
+
+            p_i > N_running · ρ · m_i · L̂_i
+
+        (ρ seconds per KV block re-projected each step, m_i its KV blocks, L̂_i its predicted
+        length). [open choice] Apt-Serve's per-iteration value p_i - U·ρ·m_i charges one step of
+        recompute only; with it, in the paper-scale simulation with batch jobs always pending,
+        most long BE prompts took hidden caches and every step slowed (RT normalized latency 68
+        vs 38 ms/token, BE 1.5 vs 2.8 req/s at 0.5 RT req/s, against KV caches only)."""
+        hb, kvb = snap.hidden_blocks_per_token_block, snap.blocks_per_token_block
+        if not self.apt.hybrid or not 0 < hb < kvb:
+            return snap, {}
+        fresh = sorted((c for c in snap.waiting if c.num_blocks == 0 and c.num_computed == 0 and c.num_cpu == 0),
+                       key=lambda c: self._rank_of(c))
+        if not fresh:
+            return snap, {}
+        free, rho = snap.num_free_blocks, self.apt.rho
+        want: dict[str, CacheType] = {}
+        for c in fresh:
+            kv, hid = _blocks(snap, c.num_tokens), -(-c.num_tokens // snap.block_size) * hb
+            pays = c.pending_s > max(1, len(snap.running)) * rho * kv * Alise.predicted(c)[0]
+            ct = CacheType.KV if kv <= free or not (hid <= free and pays) else CacheType.HIDDEN
+            free -= min(free, kv if ct is CacheType.KV else hid)
+            if ct is not c.cache_type:
+                want[c.req_id] = ct
+        if not want:
+            return snap, {}
+        waiting = [replace(c, cache_type=want[c.req_id]) if c.req_id in want else c for c in snap.waiting]
+        return replace(snap, waiting=waiting), want
+
+    def _rank_of(self, c: Candidate) -> tuple:
+        """Class, then (with lengths) level and estimated remaining time, then arrival."""
+        if Mechanism.LENGTHS in self.off:
+            return (not c.rt, c.arrival)
+        t = self.alise.t_rem(c)
+        return (not c.rt, self.alise.level(c, t), t, c.arrival)

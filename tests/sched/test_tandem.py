@@ -1,0 +1,157 @@
+"""The tandem policy on hand-built snapshots: RT before BE, shortest predicted remaining time
+first inside a class (checked against a brute-force sort), BE never pushing an RT step past its
+deadline, a hidden cache only where KV does not fit and a hidden cache is smaller and pays,
+look-ahead admission, estimated waits for what it preempts, and each mechanism's switch."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tandem.engine.messages import CacheType
+from tandem.sched.cost_model import CostModel, StepShape
+from tandem.sched.policy import Candidate, Limits, Snapshot
+from tandem.sched.tandem import Mechanism, Tandem
+
+COST = CostModel(base=0.01, per_prefill_token=1e-4, per_prefill_attn=0.0, per_decode_token=1e-3,
+                 per_decode_ctx=1e-6, per_hidden_block=1e-4)
+
+
+def cost(shape, swap_slots=0):
+    return COST.predict(shape)
+
+
+def cand(rid, prompt, predicted, *, out=0, rt=False, computed=None, arrival=0.0, slo=None, pending=0.0,
+         blocks=None):
+    n = prompt + out
+    c = (n - 1 if out else n) if computed is None else computed     # a decoding request's last token is new
+    return Candidate(rid, n, c, blocks if blocks is not None else -(-c // 16) * 2, arrival, rt, slo, pending,
+                     num_output=out, predicted=predicted)
+
+
+def snap(running, waiting, free=10_000, seqs=64, hidden=0, t_avg=0.0):
+    return Snapshot(running, waiting, free, 16, 2, Limits(seqs, 2048, True), t_avg=t_avg,
+                    hidden_blocks_per_token_block=hidden)
+
+
+def policy(max_num_seqs=64, **kw):
+    return Tandem(cost, max_num_seqs=max_num_seqs, rho=1e-4, **kw)
+
+
+def test_be_in_order_of_predicted_remaining_time_as_a_brute_force_sort():
+    """Eight BE prompts arriving in one order, predicted lengths in another: with room for one
+    (a first iteration's batch size is half of max_num_seqs), the one admitted is the one with
+    the least remaining time (computed by hand from the cost model), whatever its arrival."""
+    import random
+    rng = random.Random(4)
+    preds = [rng.randrange(5, 2000) for _ in range(8)]
+    prompts = [rng.randrange(8, 600) for _ in range(8)]
+    waiting = [cand(f"b{i}", n, p, computed=0, arrival=float(i)) for i, (n, p) in enumerate(zip(prompts, preds))]
+    plan = policy(max_num_seqs=2)(snap([], waiting))
+
+    def t_rem(c):
+        pre = COST.predict(StepShape().add(c.num_tokens, c.num_tokens, False))
+        return pre + c.predicted * COST.predict(StepShape().add(1, c.num_tokens, True))
+    assert [d.req_id for d in plan.scheduled] == [min(waiting, key=t_rem).req_id]
+
+
+def test_lengths_off_admits_be_in_arrival_order():
+    waiting = [cand("long", 32, 1900, computed=0, arrival=0.0), cand("short", 32, 5, computed=0, arrival=1.0)]
+    on = policy(max_num_seqs=2)(snap([], waiting))
+    off = policy(max_num_seqs=2, off=frozenset({Mechanism.LENGTHS}))(snap([], waiting))
+    assert [d.req_id for d in on.scheduled] == ["short"]
+    assert [d.req_id for d in off.scheduled] == ["long"]
+
+
+def test_rt_before_be_and_within_rt_by_level_then_slack():
+    """Room for two (and an average iteration longer than any RT slack, so BROS may not trade an
+    RT request for a BE one): the two short RT requests, the one with less slack first; neither
+    the shorter, earlier BE request nor the long RT one."""
+    be = cand("be", 32, 5, computed=0, arrival=0.0)
+    rt_long = cand("rt-long", 32, 1900, rt=True, computed=0, arrival=1.0, slo=10.0)
+    rt_short_a = cand("rt-a", 32, 6, rt=True, computed=0, arrival=2.0, slo=10.0, pending=0.5)
+    rt_short_b = cand("rt-b", 32, 6, rt=True, computed=0, arrival=3.0, slo=10.0, pending=2.0)
+    plan = policy(max_num_seqs=4)(snap([], [be, rt_long, rt_short_a, rt_short_b], t_avg=20.0))
+    assert [d.req_id for d in plan.scheduled] == ["rt-b", "rt-a"]
+
+
+def test_be_never_makes_the_rt_step_late():
+    """A decoding RT request with 30 ms of slack and a BE prompt whose prefill alone takes
+    10 + 0.1 x 800 ms: the BE prompt joins only as a chunk that keeps the step within 30 ms."""
+    rt = cand("rt", 100, 50, rt=True, out=3, slo=0.05, pending=0.02)
+    be = cand("be", 800, 40, computed=0)
+    plan = policy()(snap([rt], [be]))
+    chunks = {d.req_id: d.num_new_tokens for d in plan.scheduled}
+    assert chunks["rt"] == 1
+    shape = StepShape().add(1, 103, True).add(chunks.get("be", 0), chunks.get("be", 0), False)
+    assert COST.predict(shape) <= 0.03 + 1e-9
+    assert 0 < chunks.get("be", 0) < 800
+
+
+def test_hidden_cache_only_where_kv_does_not_fit_and_it_pays():
+    """Multi-head geometry (a hidden cache takes 1 block per 16 tokens, KV 2). 14 free blocks:
+    a 64-token request (KV 8 blocks) goes first and keeps KV; the next one (KV 8, hidden 4)
+    no longer fits as KV, has waited long enough for the hidden cache to pay, and gets one; a
+    third fits neither way, keeps KV and waits."""
+    first = cand("first", 64, 1, computed=0, blocks=0, arrival=0.0, pending=100.0)
+    second = cand("second", 64, 1, computed=0, blocks=0, arrival=1.0, pending=100.0)
+    third = cand("third", 64, 1, computed=0, blocks=0, arrival=2.0, pending=100.0)
+    plan = policy()(snap([], [first, second, third], free=14, hidden=1))
+    assert {d.req_id for d in plan.scheduled} == {"first", "second"}
+    assert plan.cache_types == {"second": CacheType.HIDDEN}
+
+
+def test_hidden_cache_that_does_not_pay_waits():
+    """The same pool, but the second request has waited less than its recompute would cost
+    over its predicted life (1 running x ρ = 1e-4 s per block x 8 blocks x 1 token = 0.8 ms):
+    it keeps KV and waits; once it has waited 2 ms it gets the hidden cache."""
+    first = cand("first", 64, 1, computed=0, blocks=0, arrival=0.0, pending=100.0)
+    second = cand("second", 64, 1, computed=0, blocks=0, arrival=1.0, pending=0.0005)
+    plan = policy()(snap([], [first, second], free=14, hidden=1))
+    assert [d.req_id for d in plan.scheduled] == ["first"]
+    assert plan.cache_types == {}
+    ok = policy()(snap([], [first, replace(second, pending_s=0.002)], free=14, hidden=1))
+    assert ok.cache_types == {"second": CacheType.HIDDEN}
+
+
+def test_no_hidden_cache_on_grouped_query_geometry_or_when_switched_off():
+    first = cand("first", 64, 1, computed=0, blocks=0, arrival=0.0, pending=100.0)
+    second = cand("second", 64, 1, computed=0, blocks=0, arrival=1.0, pending=100.0)
+    gqa = policy()(snap([], [first, second], free=14, hidden=3))       # hidden: 3 blocks per 16 tokens
+    assert gqa.cache_types == {} and [d.req_id for d in gqa.scheduled] == ["first"]
+    off = policy(off=frozenset({Mechanism.HIDDEN}))(snap([], [first, second], free=14, hidden=1))
+    assert off.cache_types == {}
+    kv_only = policy(hybrid=False)(snap([], [first, second], free=14, hidden=1))
+    assert kv_only.cache_types == {}
+
+
+def test_look_ahead_admission_keeps_out_what_the_running_growth_will_need():
+    """Two running BE requests at 97 tokens (14 blocks each) with 39 more predicted, 12 blocks
+    free: 40 in all. Their peak is 35.75 blocks (Footprint's formula by hand: 2 x 97/16 x 2 +
+    38 x 4/16 + 2); a new 32-token request predicted to run 200 tokens (longer than theirs, so
+    it may not displace them) raises the peak to 45.5, so it waits though its prompt fits now;
+    without lengths it runs."""
+    running = [cand(f"r{i}", 96, 40, out=1) for i in range(2)]
+    new = cand("new", 32, 200, computed=0, blocks=0, arrival=5.0)
+    on = policy()(snap(running, [new], free=12))
+    assert "new" not in {d.req_id for d in on.scheduled}
+    assert {"r0", "r1"} <= {d.req_id for d in on.scheduled}
+    off = policy(off=frozenset({Mechanism.LENGTHS}))(snap(running, [new], free=12))
+    assert "new" in {d.req_id for d in off.scheduled}
+
+
+def test_rt_takes_blocks_from_the_be_request_with_the_most_remaining_time_and_gets_its_wait():
+    """No free block; an RT prompt needs 4. Of two running BE requests, the one predicted to run
+    longest gives its blocks up, and the plan carries an estimated wait for it (for swapping)."""
+    short = cand("be-short", 32, 10, out=1)
+    long = cand("be-long", 32, 1500, out=1)
+    rt = cand("rt", 30, 10, rt=True, computed=0, blocks=0, arrival=9.0, slo=5.0)
+    plan = policy()(snap([short, long], [rt], free=0))
+    assert plan.preempted == ["be-long"]
+    assert "rt" in {d.req_id for d in plan.scheduled}
+    assert plan.ewt.get("be-long", -1) >= 0
+
+
+def test_slo_off_runs_every_request_that_fits():
+    rt = cand("rt", 100, 50, rt=True, out=3, slo=0.05, pending=0.02)
+    be = cand("be", 800, 40, computed=0)
+    plan = policy(off=frozenset({Mechanism.SLO}))(snap([rt], [be]))
+    assert {d.req_id: d.num_new_tokens for d in plan.scheduled} == {"rt": 1, "be": 800}
