@@ -103,6 +103,7 @@ class DeviceActor:
         self.last_plan = Plan()
         self.num_preemptions = 0
         self.preemptions_by_class: Counter = Counter()
+        self.preemption_reasons: Counter = Counter()   # the policy's reason for each preemption
         self.tokens_by_cache_type: Counter = Counter()
         self.cache_switches: Counter = Counter()   # type changes that discarded a cache, by new type
         self.step_log: list[tuple[StepShape, float]] | None = None   # set to a list to record steps
@@ -236,6 +237,8 @@ class DeviceActor:
         self._switch_types(plan)
         self._preempt([self.states[r] for r in plan.preempted], plan.ewt,
                       frozenset(d.req_id for d in plan.scheduled))
+        for r in plan.preempted:
+            self.preemption_reasons[reason_kind(plan.reasons.get(r, "preempted"))] += 1
         inp = self._due_input()
         shape = StepShape()
         placed = []
@@ -554,6 +557,12 @@ class DeviceActor:
                 raise AssertionError("a running request still holds host memory")
         if any(self.states[r].status is not Status.RUNNING for r in self.running):
             raise AssertionError("running list holds a non-running request")
+
+
+def reason_kind(why: str) -> str:
+    """A policy's reason without its per-request details (the level and class ALISE appends), so
+    reasons can be counted."""
+    return why.split(" (level ", 1)[0]
 
 
 def missed_ttft(st: RequestState, now: float) -> bool:

@@ -181,14 +181,15 @@ class Bros:
 
     def _make_room(self, c: Candidate, n: int, snap: Snapshot, budget: BlockBudget, plan: Plan,
                    taken: set[str], t_avg: float) -> bool:
-        """FindPreemptBlock on a whole-block pool: free blocks, else preempt best-effort work
-        (least computed first: least lost), else RT requests not in this batch (largest residual)."""
+        """FindPreemptBlock: free blocks, else preempt best-effort work (least computed first:
+        least lost), else RT requests not in this batch (largest residual). A bidirectional pool
+        takes BE slots itself (its BE-only blocks count as room); when even those are not enough,
+        RT requests are preempted as on a whole-block pool (else RT requests that fill the pool
+        at a block boundary would all wait for each other)."""
         if budget.reserve(c, n):
             return True
-        if snap.block_preemption:            # the bidirectional pool takes blocks from BE itself
-            return False
         running = [x for x in snap.running if x.req_id not in taken and x.req_id != c.req_id
-                   and x.req_id not in plan.preempted]
+                   and x.req_id not in plan.preempted and (x.rt or not snap.block_preemption)]
         return budget.take_from(c, n, self._victims(c, running, t_avg), plan,
                                 "preempted: its blocks went to a more urgent RT request")
 
@@ -264,6 +265,9 @@ class Bros:
         for c, n in rt_ready + be_ready:
             plan.scheduled.append(_decide(c, n))
             plan.reasons.setdefault(c.req_id, "scheduled (RT)" if c.rt else "scheduled (BE)")
+        for c in [*snap.running, *snap.waiting]:          # those the packing did not reach
+            plan.reasons.setdefault(c.req_id, ("waiting" if c.rt else "pending") + ": behind requests that fill "
+                                    "this iteration or cannot run (batch size, time or blocks)")
         self.last_early = early
         self.b_curr = self.b_base if early else min(2 * self.b_curr, self.max_num_seqs)
         return plan

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 from tandem.engine.messages import CacheType
+from tandem.sched.actor import reason_kind
 from tandem.sched.scheduler import load_by_class, pool_view
 
 MAX_LISTED = 256          # requests listed per device (the oldest first); the counts cover them all
@@ -13,9 +14,11 @@ MAX_LISTED = 256          # requests listed per device (the oldest first); the c
 
 def device_status(actor, now: float) -> dict:
     """Pool by owner and by cache type, requests running and waiting per class, and each
-    request's place: running or waiting, why (the policy's last word on it), its level."""
+    request's place: running or waiting, why (the policy's last word on it), its level; how many
+    wait for each reason."""
     load = {c.value: {"running": v[0], "waiting": v[1], "blocks": v[2]} for c, v in load_by_class([actor]).items()}
     by_type: Counter = Counter()
+    waiting_why: Counter = Counter()
     plan = actor.last_plan
     requests = []
     for state, ids in (("running", actor.running), ("waiting", actor.waiting)):
@@ -25,6 +28,9 @@ def device_status(actor, now: float) -> dict:
                 continue
             blocks = actor.pool.num_blocks_of(rid)
             by_type[st.cache_type.value] += blocks
+            if state == "waiting":
+                why = plan.reasons.get(rid, "waiting: arrived after the last iteration's plan")
+                waiting_why[(st.request.service_class.value, reason_kind(why))] += 1
             if len(requests) >= MAX_LISTED:
                 continue
             r = st.request
@@ -44,4 +50,5 @@ def device_status(actor, now: float) -> dict:
         "tokens_computed": actor.tokens_computed,
         "swaps": dict(actor.swaps), "host_pool_bytes": actor.host.used if actor.host is not None else 0,
         "requests": requests,
+        "waiting_reasons": [{"class": c, "why": why, "requests": n} for (c, why), n in sorted(waiting_why.items())],
     }

@@ -82,6 +82,11 @@ class Metrics:
                                   "memory (out) and back (in)", ["model_name", "direction"], registry=r)
         self.swaps = Counter("tandem:swaps", "Preempted requests' caches swapped out, back in, or evicted "
                              "from host memory to be recomputed", ["model_name", "event"], registry=r)
+        self.preemption_reasons = Counter("tandem:preemptions_by_reason", "Preemptions by the policy's reason "
+                                          "(whom the blocks went to)", ["model_name", "reason"], registry=r)
+        self.waiting_reasons = Gauge("tandem:requests_waiting_by_reason", "Waiting requests by class and by "
+                                     "the policy's reason for not running them", ["model_name", "service_class",
+                                     "reason"], registry=r)
         self.cache_config = Gauge("vllm:cache_config_info", "The resident cache: block size, dtype (int8: "
                                   "full blocks compressed) and blocks over all devices", ["model_name", "block_size",
                                   "cache_dtype", "num_gpu_blocks"], registry=r)
@@ -146,6 +151,22 @@ class Metrics:
             self._count(self.cache_switches, actor.index, actor.cache_switches)
             self._count(self.swap_bytes, actor.index, actor.swap_bytes)
             self._count(self.swaps, actor.index, actor.swaps)
+            self._count(self.preemption_reasons, actor.index, actor.preemption_reasons)
+            if status is not None:
+                self._set_waiting_reasons()
+
+    def _set_waiting_reasons(self) -> None:
+        """The waiting-by-reason gauge from every device's latest view (reasons gone drop to 0)."""
+        totals: dict = {}
+        for st in self._status.values():
+            for row in st.get("waiting_reasons", ()):
+                key = (row["class"], row["why"])
+                totals[key] = totals.get(key, 0) + row["requests"]
+        for key in self._seen.get("waiting_reasons", set()) - set(totals):
+            self.waiting_reasons.labels(self.model, *key).set(0)
+        for key, n in totals.items():
+            self.waiting_reasons.labels(self.model, *key).set(n)
+        self._seen["waiting_reasons"] = set(totals)
 
     def _count_moves(self, actor) -> None:
         """Migrations that arrived on this device since the last call (its ``moves`` log)."""

@@ -192,3 +192,15 @@ def test_an_rt_request_preempted_for_a_more_urgent_one_is_not_also_scheduled():
     lax = Candidate("lax", 9, 8, 4, 0.0, True, 10.0, 0.0)
     plan = Bros(cost, max_num_seqs=8)(snap(running=[lax], waiting=[new("urgent", 8, slo=0.5, pending=0.2)], free=0))
     assert plan.preempted == ["lax"] and planned(plan) == [("urgent", 8)]
+
+
+def test_bidirectional_pool_full_of_rt_at_a_block_boundary_preempts_rt():
+    """Every block held by RT requests (no free block, none BE-only) and each at the end of its
+    last block: the pool has no BE slot to take, so the most urgent request runs and the least
+    urgent one not in the batch is preempted to make its room (else none could ever run)."""
+    p = Bros(cost, max_num_seqs=8, b_base=8)
+    running = [dec("a", 0.1, 0.09, ctx=8), dec("b", 0.1, 0.01, ctx=8)]     # 8 tokens: 2 full token-blocks
+    s = Snapshot(running, [], 0, B, 2, Limits(8, 512, True), 0.02, be_only_blocks=0, block_preemption=True)
+    plan = p(s)
+    assert planned(plan) == [("a", 1)]
+    assert plan.preempted == ["b"]

@@ -1,5 +1,6 @@
-"""The server under --policy bros, rr, aptserve, fcfs-prefill-first and alise: RT and BE batch work complete with the same greedy tokens
-as under FCFS, and /metrics shows the cost model's error and the pool by owner."""
+"""The server under --policy fcfs, bros, rr, aptserve, fcfs-prefill-first and alise: RT and BE batch work
+complete with the same greedy tokens as under the default (tandem), and /metrics shows the cost model's
+error and the pool by owner."""
 import json
 import urllib.request
 
@@ -23,11 +24,11 @@ def complete(server, prompt, tier=None) -> str:
         return json.loads(r.read())["choices"][0]["text"]
 
 
-@pytest.mark.parametrize("policy", ["bros", "rr", "aptserve", "aptserve --aptserve-mixed", "fcfs-prefill-first",
+@pytest.mark.parametrize("policy", ["fcfs", "bros", "rr", "aptserve", "aptserve --aptserve-mixed", "fcfs-prefill-first",
                                     "alise --length-predictor max_tokens"])
 @pytest.mark.asyncio
 async def test_policy_serves_mixed_work(policy, server, tiny_chat_model, tmp_path):
-    reference = [complete(server, p) for p in PROMPTS]            # the FCFS server
+    reference = [complete(server, p) for p in PROMPTS]            # the default (tandem) server
     s = start_server(tiny_chat_model, tmp_path, "--policy", *policy.split(), "--slo-ttft-ms", "2000",
                      "--slo-tbt-ms", "500")
     try:

@@ -25,7 +25,8 @@ async def test_swapped_requests_reply_as_if_alone(tiny_chat_model, tmp_path):
     from tandem.engine.models.loader import load_spec
     spec = load_spec(tiny_chat_model)
     block_bytes = spec.num_layers * 16 * spec.unit * 4
-    s = start_server(tiny_chat_model, tmp_path, "--preemption-mode", "swap", "--swap-dtype", "auto",
+    s = start_server(tiny_chat_model, tmp_path, "--policy", "fcfs", "--preemption-mode", "swap",
+                     "--swap-dtype", "auto",
                      "--kv-cache-bytes", str(16 * block_bytes), "--max-num-batched-tokens", "64")
 
     async def run():
@@ -40,6 +41,8 @@ async def test_swapped_requests_reply_as_if_alone(tiny_chat_model, tmp_path):
     finally:
         assert stop_server(s) == 0
     assert metric(text, "vllm:num_preemptions_total") > 0, "the pool was meant to force preemption"
+    # every preemption is counted once under the policy's reason for it
+    assert metric(text, "tandem:preemptions_by_reason_total") == metric(text, "vllm:num_preemptions_total")
     out = metric(text, "tandem:swaps_total", event="out")
     assert out > 0 and metric(text, "tandem:swaps_total", event="in") == out
     moved = metric(text, "tandem:swap_bytes_total", direction="out")
