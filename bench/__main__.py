@@ -19,7 +19,9 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     mx = sub.add_parser("mixed", help="RT ShareGPT online while BE work (batch jobs) is always pending")
     for p in (on, mx):
         p.add_argument("--systems", nargs="+", default=["tandem"],
-                       help="tandem (FCFS), tandem-<policy>, vllm, vllm-priority, llamacpp, transformers")
+                       help="tandem (our default policy), tandem-<policy> (tandem-fcfs, tandem-bros, ...; "
+                            "tandem-no-slo etc.: the default with one mechanism off), vllm, vllm-priority, "
+                            "llamacpp, transformers")
         p.add_argument("--rates", nargs="+", type=float, default=[1.0, 2.0])
         p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
         p.add_argument("--drain", type=float, default=120.0, help="seconds to wait after the last arrival")

@@ -78,7 +78,7 @@ def run(args) -> None:
     for rate in sorted({r["rate"] for r in real["rows"]}):
         trace = sharegpt_trace(tok, rate, args.duration, args.seed, max_output_tokens=args.max_output)
         load = load_of(cost, rate, [(len(it.prompt_ids), it.max_tokens) for it in trace], be)
-        fcfs = by.get(("tandem", rate))
+        fcfs = by.get(("tandem-fcfs", rate))
         if fcfs is None:
             continue
         lat = fcfs["summary"]["rt"]["normalized_latency_s"]["50"]

@@ -26,7 +26,7 @@ def completion_body(model: str, item: TraceItem, system: str, stream: bool = Tru
         body["prompt"] = item.prompt_text
         body["generation_config"] = NEVER_EOS
     if item.service_class == "be":
-        if system == "tandem":
+        if system.startswith("tandem"):
             body["service_tier"] = "flex"
         elif system == "vllm-priority":
             body["priority"] = 1          # vLLM: lower runs first; RT keeps the default 0

@@ -160,7 +160,7 @@ async def run_mixed(url: str, model: str, rt: list[TraceItem], be_items: list[Tr
     return recs, result
 
 
-def co_serving_targets(rows: list[dict], baseline: str = "tandem", peer: str = "vllm-priority") -> list[dict]:
+def co_serving_targets(rows: list[dict], baseline: str = "tandem-fcfs", peer: str = "vllm-priority") -> list[dict]:
     """Each co-serving system against FCFS (``baseline``) and ``peer`` at every rate, in BROS's terms.
 
     BROS (§7.1) reports RT normalized latency as the *mean* over requests of end-to-end latency /

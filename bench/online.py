@@ -45,18 +45,21 @@ def tandem_server(model: str, max_num_seqs: int, extra: list[str] = ()):
 
 
 def tandem_args(system: str, slo: dict | None = None, kv_cache_gib: float | None = None) -> list[str]:
-    """Server flags for ``tandem[-<policy>][-bidir|-mixed][-kv][-oracle][-recompute|-swap]`` (a policy
-    name may hold dashes: ``tandem-fcfs-prefill-first``; ``-oracle``: alise told each request's true
-    length), the SLOs our server is told, and the KV cache size."""
+    """Server flags for ``tandem[-<policy>][-bidir|-mixed][-kv][-oracle][-recompute|-swap][-no-<mechanism>]``
+    (bare ``tandem``: the default policy; a policy name may hold dashes: ``tandem-fcfs-prefill-first``;
+    ``-oracle``: each request's true length as its prediction; ``-no-slo``, ``-no-lengths``, ``-no-hidden``:
+    the default policy with that mechanism off), the SLOs our server is told, and the KV cache size."""
     policy = system.removeprefix("tandem").removeprefix("-")
     flags = []
-    for suffix, flag in (("-kv", ["--kv-only"]), ("-mixed", ["--aptserve-mixed"]),
+    for suffix, flag in (("-no-slo", ["--tandem-off", "slo"]), ("-no-lengths", ["--tandem-off", "lengths"]),
+                         ("-no-hidden", ["--tandem-off", "hidden"]),
+                         ("-kv", ["--kv-only"]), ("-mixed", ["--aptserve-mixed"]),
                          ("-bidir", ["--bidirectional-blocks"]), ("-oracle", ["--length-predictor", "max_tokens"]),
                          ("-recompute", ["--preemption-mode", "recompute"]), ("-swap", ["--preemption-mode", "swap"])):
         if policy.endswith(suffix):
             policy = policy.removesuffix(suffix)
             flags[:0] = flag
-    extra = ["--policy", policy or "fcfs", *flags]
+    extra = ["--policy", policy or "tandem", *flags]
     if slo:
         extra += ["--slo-ttft-ms", f"{slo['ttft_s'] * 1e3:.1f}", "--slo-tbt-ms", f"{slo['tbt_s'] * 1e3:.1f}"]
     if kv_cache_gib:
@@ -112,7 +115,7 @@ def slo_for(args, hf_dir: Path, tok) -> dict:
     elif tok is None:
         raise SystemExit("without a tokenizer the SLOs cannot be calibrated: give --slo-ttft-ms and --slo-tbt-ms")
     else:
-        with start("tandem", hf_dir, args.max_num_seqs, None, getattr(args, "model", "smollm2"),
+        with start("tandem-fcfs", hf_dir, args.max_num_seqs, None, getattr(args, "model", "smollm2"),
                    getattr(args, "kv_cache_gib", None), getattr(args, "devices", None)) as url:
             ttft0, tbt0 = calibrate(url, tok)
         slo = {"ttft_s": ttft0 * args.ttft_factor, "tbt_s": tbt0 * args.tbt_factor, "source": "calibrated",

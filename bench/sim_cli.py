@@ -156,7 +156,7 @@ def print_mixed_table(rows: list[dict]) -> None:
 
 
 def sim_validate(args) -> None:
-    """Replay the traces of a `bench online` run (tandem rows) in the simulator with the fitted cost
+    """Replay the traces of a `bench online` run (its tandem-fcfs rows) in the simulator with the fitted cost
     model, with and without the measured step-time spread, and compare attainment with the real one."""
     real = json.loads((RESULTS / args.real).read_text())
     tok = _tokenizer()
@@ -176,7 +176,7 @@ def sim_validate(args) -> None:
           "| sim (spread) |")
     print("|---|---|---|---|---|---|---|")
     rows = []
-    for r in sorted((x for x in real["rows"] if x["system"] == "tandem"), key=lambda x: x["rate"]):
+    for r in sorted((x for x in real["rows"] if x["system"] == "tandem-fcfs"), key=lambda x: x["rate"]):
         trace = sharegpt_trace(tok, r["rate"], tr["duration_s"], tr["seed"], max_output_tokens=args.max_output)
         row = {"rate": r["rate"], "real_apt": r["attain_apt"], "real_bros": r["attain_bros"]}
         for name, setup in setups.items():
