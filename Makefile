@@ -20,7 +20,13 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-serve: $(STAMP)
+# the default policy predicts output lengths with the trained predictor: trained once (minutes)
+PREDICTOR := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/tandem/predictor/meta.json
+
+$(PREDICTOR): | $(STAMP)
+	$(VPY) -m predictor train
+
+serve: $(STAMP) $(PREDICTOR)
 	$(VPY) -m server --model smollm2 --host 127.0.0.1 --port 8000
 
 test: $(STAMP) chromium

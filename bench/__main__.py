@@ -39,6 +39,8 @@ def main(argv=None, prog: str = "python -m bench") -> None:
                             "the *-random paper shapes (for a GPU) draw prompts of ShareGPT's lengths from "
                             "bench/data/sharegpt_lengths.json when no tokenizer or dataset is installed")
         p.add_argument("--devices", default=None, help="our server's --devices (default: its own)")
+        p.add_argument("--held-out", action="store_true",
+                       help="draw RT prompts from ShareGPT's held-out records (those the length predictor never saw)")
         p.add_argument("--kv-cache-gib", type=float, default=None,
                        help="KV cache size for our server and vLLM alike, may be a fraction (default: 2 GiB each)")
     mx.add_argument("--be-mode", default="auto", choices=["auto", "batches", "online"],
@@ -53,8 +55,6 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     on.add_argument("--search", nargs=2, type=float, metavar=("LO", "HI"), default=None,
                     help="also search the effective throughput (90%% attainment) between these rates")
     on.add_argument("--search-metric", default="bros", choices=["apt", "bros"])
-    on.add_argument("--held-out", action="store_true",
-                    help="draw prompts from ShareGPT's held-out records (those the length predictor never saw)")
     tb = sub.add_parser("table", help="the whole peers table: offline + online + effective throughput")
     tb.add_argument("--rates", nargs=2, type=float, default=[1.0, 2.0])
     tb.add_argument("--duration", type=float, default=30.0)

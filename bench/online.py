@@ -45,20 +45,21 @@ def tandem_server(model: str, max_num_seqs: int, extra: list[str] = ()):
 
 
 def tandem_args(system: str, slo: dict | None = None, kv_cache_gib: float | None = None) -> list[str]:
-    """Server flags for ``tandem[-<policy>][-bidir|-mixed][-kv][-oracle][-recompute|-swap][-no-<mechanism>]``
-    (bare ``tandem``: the default policy; a policy name may hold dashes: ``tandem-fcfs-prefill-first``;
-    ``-oracle``: each request's true length as its prediction; ``-no-slo``, ``-no-lengths``, ``-no-hidden``:
-    the default policy with that mechanism off), the SLOs our server is told, and the KV cache size."""
-    policy = system.removeprefix("tandem").removeprefix("-")
-    flags = []
-    for suffix, flag in (("-no-slo", ["--tandem-off", "slo"]), ("-no-lengths", ["--tandem-off", "lengths"]),
-                         ("-no-hidden", ["--tandem-off", "hidden"]),
+    """Server flags for ``tandem[-<policy>][-bidir|-mixed][-kv][-oracle][-recompute|-swap]
+    [-no-<mechanism>][-tpot]`` (bare ``tandem``: the default policy; a policy name may hold dashes:
+    ``tandem-fcfs-prefill-first``; ``-oracle``: each request's true length as its prediction;
+    ``-no-slo``, ``-no-lengths``, ``-no-hidden``: the default policy with that mechanism off;
+    ``-tpot``: its TBT target on the mean gap), the SLOs our server is told, and the KV cache size."""
+    name, flags = system, []
+    for suffix, flag in (("-tpot", ["--slo-tbt-mean"]), ("-no-slo", ["--tandem-off", "slo"]),
+                         ("-no-lengths", ["--tandem-off", "lengths"]), ("-no-hidden", ["--tandem-off", "hidden"]),
                          ("-kv", ["--kv-only"]), ("-mixed", ["--aptserve-mixed"]),
                          ("-bidir", ["--bidirectional-blocks"]), ("-oracle", ["--length-predictor", "max_tokens"]),
                          ("-recompute", ["--preemption-mode", "recompute"]), ("-swap", ["--preemption-mode", "swap"])):
-        if policy.endswith(suffix):
-            policy = policy.removesuffix(suffix)
+        if name.endswith(suffix):
+            name = name.removesuffix(suffix)
             flags[:0] = flag
+    policy = name.removeprefix("tandem").removeprefix("-")
     extra = ["--policy", policy or "tandem", *flags]
     if slo:
         extra += ["--slo-ttft-ms", f"{slo['ttft_s'] * 1e3:.1f}", "--slo-tbt-ms", f"{slo['tbt_s'] * 1e3:.1f}"]
@@ -268,7 +269,7 @@ def mixed(args) -> None:
         mode = args.be_mode if args.be_mode != "auto" else ("batches" if system.startswith("tandem") else "online")
         with start(system, hf_dir, args.max_num_seqs, told, args.model, args.kv_cache_gib, args.devices) as url:
             for rate in args.rates:
-                rt = rt_trace(args, hf_dir, tok, rate)
+                rt = rt_trace(args, hf_dir, tok, rate, held_out=args.held_out)
                 recs, be = asyncio.run(run_mixed(url, "smollm2", rt, be_items, system, be_mode=mode,
                                                  job_size=args.be_job_size, be_concurrency=args.be_concurrency,
                                                  drain_s=args.drain))

@@ -42,6 +42,7 @@ SYSTEMS = {
     "tandem-recompute": (dict(policy="tandem", preemption_mode="recompute"), "predictor"),
     "tandem-bidir": (dict(policy="tandem", bidirectional=True), "predictor"),
     "tandem-oracle": (dict(policy="tandem"), "oracle"),
+    "tandem-tpot": (dict(policy="tandem", mean_tbt=True), "predictor"),
 }
 SINGLE = ("fcfs", "bros", "bros-bidir", "aptserve", "alise")
 # metric -> (row key, higher is better, the single policy that owns it)

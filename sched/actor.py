@@ -226,7 +226,8 @@ class DeviceActor:
             return Candidate(rid, st.num_tokens, st.num_computed, pool.num_blocks_of(rid), r.arrival_time,
                              r.service_class is ServiceClass.RT, slo, now - (st.last_token_time or r.arrival_time),
                              pool.num_cpu(rid), missed_ttft(st, now), st.cache_type, len(st.output_token_ids),
-                             r.predicted_len, st.stalled_s)
+                             r.predicted_len, st.stalled_s,
+                             None if st.first_token_time is None else now - st.first_token_time)
         g = pool.geometry
         return Snapshot([cand(r) for r in self.running], [cand(r) for r in self.waiting],
                         pool.num_free, g.block_size, g.blocks_per_token_block(CacheType.KV),

@@ -197,7 +197,11 @@ class Bros:
         """Whom an RT request ``c`` may preempt, first to last: best-effort work, least computed
         first (least lost), then RT requests, those already late first, then by largest residual."""
         return sorted((x for x in running if not x.rt), key=lambda x: x.num_computed) + \
-            sorted((x for x in running if x.rt), key=lambda x: (not x.missed, -x.residual(t_avg)))
+            sorted((x for x in running if x.rt), key=lambda x: (not x.missed, -self._res(x, t_avg)))
+
+    def _res(self, c: Candidate, t_avg: float) -> float:
+        """A request's residual time (BROS: its SLO less the time since its last token)."""
+        return c.residual(t_avg)
 
     def _be_room(self, b: Candidate, n: int, snap: Snapshot, budget: BlockBudget, plan: Plan,
                  taken: set[str]) -> bool:
@@ -220,7 +224,7 @@ class Bros:
         lim, t_avg = snap.limits, snap.t_avg
         self.block_size = snap.block_size
         budget = BlockBudget(snap)
-        res = lambda c: c.residual(t_avg)  # noqa: E731
+        res = lambda c: self._res(c, t_avg)  # noqa: E731
         q_rt = deque(self._rt_order(snap, res))
         slos = [c.slo_s for c in q_rt if c.slo_s is not None]
         if slos:
@@ -299,7 +303,7 @@ class Bros:
                 budget.release(b)
                 break
             r, rn = rt_ready.pop()                                     # try replacing the least urgent RT
-            slack_ok = not self.safeguard or r.residual(t_avg) - self._time(rt_ready + be_ready + [(b, n)]) >= t_avg
+            slack_ok = not self.safeguard or self._res(r, t_avg) - self._time(rt_ready + be_ready + [(b, n)]) >= t_avg
             if slack_ok and fits(rt_ready + be_ready, n):
                 budget.release(r)
                 q_rt.appendleft(r)

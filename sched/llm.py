@@ -94,7 +94,8 @@ class LLM:
     with aging, hidden caches where they save memory, swapping by estimated wait; see
     sched/tandem.py), or one mechanism alone: "fcfs", "rr", "bros", "aptserve", "alise"
     (ablations and baselines); tandem_off: tandem's mechanisms to switch off ("slo", "lengths",
-    "hidden").
+    "hidden"); slo_tbt_mean: under tandem, an RT request's TBT target bounds its mean time per
+    output token (TPOT) instead of each gap.
     triton_attention: attention by the Triton kernels (engine.triton_attention); None: on CUDA
     devices whenever Triton is installed. On the CPU it needs TRITON_INTERPRET=1 (tests only:
     the interpreter is hundreds of times slower than the compiled CPU kernel).
@@ -115,7 +116,8 @@ class LLM:
                  rebalance_interval_s: float = 1.0, slo_tbt_s: float = 0.2,
                  length_predictor: Any = None, preemption_mode: str | None = None,
                  swap_space: float = 4.0, swap_dtype: str = "int8", kv_cache_dtype: str = "auto",
-                 triton_attention: bool | None = None, tandem_off: Sequence[str] = ()):
+                 triton_attention: bool | None = None, tandem_off: Sequence[str] = (),
+                 slo_tbt_mean: bool = False):
         self._workers: list[WorkerHandle] = []
         self.runtime: Runtime | None = None
         self.rebalancer: Rebalancer | None = None
@@ -134,7 +136,7 @@ class LLM:
                             adaptive=adaptive, slo_decay=slo_decay, mixed_batches=mixed_batches,
                             preemption_mode=preemption_mode, swap_space_bytes=int(swap_space * 2**30),
                             swap_dtype=swap_dtype, kv_cache_dtype=kv_cache_dtype,
-                            tandem_off=tuple(tandem_off)).check()
+                            tandem_off=tuple(tandem_off), mean_tbt=slo_tbt_mean).check()
         if placement not in PLACEMENTS:
             raise ValueError(f"placement: {placement!r} is not one of {list(PLACEMENTS)}")
         for name, v in (("rebalance_interval_s", rebalance_interval_s), ("slo_tbt_s", slo_tbt_s)):

@@ -26,12 +26,24 @@ class Candidate:
     num_output: int = 0        # tokens generated so far
     predicted: int | None = None   # predicted output length (ALISE), None when unknown
     stalled_s: float = 0.0     # seconds its past tokens waited beyond one iteration each (aging)
+    decoding_s: float | None = None  # seconds since its first token (None before it)
 
     def residual(self, t_avg: float = 0.0, k: int = 1) -> float:
         """BROS residual time res_i = T_SLO,i - t_i - (k_i - 1) T_avg (inf without an SLO)."""
         if self.slo_s is None:
             return float("inf")
         return self.slo_s - self.pending_s - (k - 1) * t_avg
+
+    def residual_tpot(self, t_avg: float = 0.0) -> float:
+        """Residual time against a time-per-output-token target T: a request that has generated
+        g tokens, the first d seconds ago, keeps its mean gap within T while its next token
+        comes within g·T - d, i.e. it may use the slack its earlier tokens banked; one gap
+        is held to at most 2T. Never less than the per-token residual."""
+        own = self.residual(t_avg)
+        if self.slo_s is None or self.decoding_s is None or self.num_output < 1:
+            return own
+        banked = self.num_output * self.slo_s - self.decoding_s
+        return max(own, min(banked, 2 * self.slo_s - self.pending_s))
 
 
 @dataclass(frozen=True, slots=True)

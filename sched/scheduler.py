@@ -60,6 +60,7 @@ class SchedConfig:
     kv_cache_dtype: str = "auto"         # the resident pool: "auto" (the model's dtype) or "int8" (full
                                          # blocks compressed as swapped ones, engine.quantpool)
     tandem_off: tuple[str, ...] = ()     # tandem: mechanisms switched off (sched.tandem.MECHANISMS)
+    mean_tbt: bool = False               # tandem: the TBT target bounds the mean gap (TPOT), not each gap
 
     @property
     def swapping(self) -> bool:
@@ -88,6 +89,8 @@ class SchedConfig:
                 raise ValueError(f"tandem_off: {m!r} is not one of {list(MECHANISMS)}")
         if self.tandem_off and self.policy != "tandem":
             raise ValueError("tandem_off: an option of the tandem policy")
+        if self.mean_tbt and self.policy != "tandem":
+            raise ValueError("slo_tbt_mean: an option of the tandem policy")
         aptserve_only = {"aptserve-fcfs (adaptive=False)": not self.adaptive,
                          "mixed_batches": self.mixed_batches, "slo_decay": self.slo_decay is not None}
         for name, set_ in aptserve_only.items():
@@ -151,7 +154,7 @@ def make_policy(cfg: SchedConfig, cost: OnlineCostModel | None):
         if cost is None:
             raise ValueError("policy: tandem needs a cost model (profile the engine first)")
         return Tandem(cost, cfg.max_num_seqs, cfg.rho, cfg.hybrid_cache and not cfg.bidirectional,
-                      idle_budget_s=cfg.rt_budget_s, off=frozenset(cfg.tandem_off))
+                      idle_budget_s=cfg.rt_budget_s, off=frozenset(cfg.tandem_off), mean_tbt=cfg.mean_tbt)
     if cfg.policy == "aptserve":
         return AptServe(cfg.rho, cfg.hybrid_cache, cfg.adaptive, cfg.slo_decay, cfg.mixed_batches, cost)
     raise ValueError(f"policy: {cfg.policy!r} is not one of {list(POLICIES)}")

@@ -60,14 +60,18 @@ MECHANISMS = tuple(m.value for m in Mechanism)
 
 class Tandem(Bros):
     """``cost(shape, swap_slots)`` predicts an iteration; ``rho`` is the start-up value of the
-    hidden cache's recompute cost per KV block (refined by the cost model when it has one)."""
+    hidden cache's recompute cost per KV block (refined by the cost model when it has one);
+    ``mean_tbt``: an RT request's TBT target bounds its mean time per output token (TPOT), not
+    each gap (see Candidate.residual_tpot)."""
 
     name = "tandem"
 
     def __init__(self, cost: CostFn, max_num_seqs: int, rho: float = 0.0, hybrid: bool = True,
-                 idle_budget_s: float | None = None, off: frozenset[Mechanism] = frozenset()):
+                 idle_budget_s: float | None = None, off: frozenset[Mechanism] = frozenset(),
+                 mean_tbt: bool = False):
         super().__init__(cost, max_num_seqs, idle_budget_s=idle_budget_s)
         self.off = frozenset(Mechanism(m) for m in off)
+        self.mean_tbt = mean_tbt
         self.alise = Alise(cost)
         self.apt = AptServe(rho, hybrid=hybrid and Mechanism.HIDDEN not in self.off, cost=cost)
         self._rank: dict[str, tuple] = {}
@@ -96,6 +100,11 @@ class Tandem(Bros):
             return False
         self._held.add(c)
         return True
+
+    def _res(self, c: Candidate, t_avg: float) -> float:
+        """Each gap against the TBT target, or with ``mean_tbt`` the mean time per output token
+        (slack earlier tokens banked counts, one gap at most twice the target)."""
+        return c.residual_tpot(t_avg) if self.mean_tbt else super()._res(c, t_avg)
 
     def _budget(self, q_rt, res) -> float:
         return math.inf if Mechanism.SLO in self.off else super()._budget(q_rt, res)

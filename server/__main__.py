@@ -88,6 +88,10 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                     help="seconds between the rebalancer's epochs (placements other than static)")
     ap.add_argument("--slo-ttft-ms", type=float, default=d.slo_ttft_ms)
     ap.add_argument("--slo-tbt-ms", type=float, default=d.slo_tbt_ms)
+    ap.add_argument("--slo-tbt-mean", action="store_true",
+                    help="with --policy tandem: the TBT target bounds each RT request's mean time per output "
+                         "token (TPOT) instead of every gap; a gap may then take up to twice the target where "
+                         "earlier tokens came early (more BE work and longer prompt chunks fit)")
     ap.add_argument("--max-waiting", type=int, default=d.max_waiting, help="waiting requests before 429")
     ap.add_argument("--max-upload-mb", type=float, default=d.max_upload_bytes / 2**20,
                     help="largest file upload (413 beyond)")
@@ -115,7 +119,8 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                     cache_type_of(a.cache_type), hybrid_cache=not a.kv_only, adaptive=not a.aptserve_fcfs,
                     slo_decay=a.slo_decay, mixed_batches=a.aptserve_mixed, preemption_mode=a.preemption_mode,
                     swap_space_bytes=int(a.swap_space * 2**30) if a.swap_space >= 0 else -1,
-                    swap_dtype=a.swap_dtype, kv_cache_dtype=a.kv_cache_dtype, tandem_off=tuple(a.tandem_off)).check()
+                    swap_dtype=a.swap_dtype, kv_cache_dtype=a.kv_cache_dtype, tandem_off=tuple(a.tandem_off),
+                    mean_tbt=a.slo_tbt_mean).check()
         if a.rebalance_interval <= 0:
             raise ValueError("rebalance-interval: must be positive")
         if a.max_connections < 1 or a.header_timeout <= 0 or a.body_timeout <= 0:
@@ -126,7 +131,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     return ServerConfig(model=a.model, served_model_name=name, devices=a.devices, host=a.host, port=a.port,
                         api_key=a.api_key, data_dir=a.data_dir, max_num_seqs=a.max_num_seqs,
                         max_num_batched_tokens=a.max_num_batched_tokens,
-                        policy=a.policy, tandem_off=tuple(a.tandem_off),
+                        policy=a.policy, tandem_off=tuple(a.tandem_off), slo_tbt_mean=a.slo_tbt_mean,
                         bidirectional_blocks=a.bidirectional_blocks, cache_type=a.cache_type,
                         hybrid_cache=not a.kv_only, adaptive=not a.aptserve_fcfs, slo_decay=a.slo_decay,
                         mixed_batches=a.aptserve_mixed, placement=a.placement,
@@ -192,7 +197,8 @@ def main(argv=None, prog: str = "python -m server") -> None:
                   rebalance_interval_s=cfg.rebalance_interval_s, slo_tbt_s=cfg.slo_tbt_ms / 1000,
                   length_predictor=_length_source(cfg), preemption_mode=cfg.preemption_mode,
                   swap_space=cfg.swap_space_gib, swap_dtype=cfg.swap_dtype,
-                  kv_cache_dtype=cfg.kv_cache_dtype, tandem_off=cfg.tandem_off)
+                  kv_cache_dtype=cfg.kv_cache_dtype, tandem_off=cfg.tandem_off,
+                  slo_tbt_mean=cfg.slo_tbt_mean)
         return AsyncEngine(llm)
 
     app = create_app(cfg, build_engine)

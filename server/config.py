@@ -20,6 +20,7 @@ class ServerConfig:
     max_num_batched_tokens: int = 2048
     policy: str = "tandem"             # every mechanism together (see sched/tandem.py)
     tandem_off: tuple[str, ...] = ()   # tandem: mechanisms switched off (ablations)
+    slo_tbt_mean: bool = False         # tandem: the TBT target bounds the mean gap (TPOT), not each gap
     bidirectional_blocks: bool = False  # BROS shared RT/BE blocks with lazy checkpointing
     cache_type: str = "kv"             # kv, or hidden: every request keeps layer inputs (Apt-Serve)
     hybrid_cache: bool = True          # tandem, aptserve: offer hidden caches (False: the KV-only ablation)

@@ -12,7 +12,7 @@ def _row(system, rate, attain, mean, p50, be_rps, be_tps, str_keys=False):
 
 
 def test_ratios_use_the_mean_and_requests_per_second():
-    rows = [_row("tandem", 0.5, 0.05, 0.800, 0.250, 1.00, 40.0),
+    rows = [_row("tandem-fcfs", 0.5, 0.05, 0.800, 0.250, 1.00, 40.0),
             _row("vllm-priority", 0.5, 0.02, 0.600, 0.300, 1.30, 52.0),
             # p50 only 40% lower, the mean (BROS's metric) 75% lower; BE 90% of requests, 80% of tokens
             _row("tandem-bros", 0.5, 0.60, 0.200, 0.150, 0.90, 32.0, str_keys=True)]
@@ -27,7 +27,7 @@ def test_ratios_use_the_mean_and_requests_per_second():
 
 
 def test_rates_are_matched_and_zero_baselines_do_not_divide():
-    rows = [_row("tandem", 0.25, 0.0, 0.5, 0.2, 1.0, 40.0), _row("tandem", 0.75, 0.1, 1.0, 0.3, 0.5, 20.0),
+    rows = [_row("tandem-fcfs", 0.25, 0.0, 0.5, 0.2, 1.0, 40.0), _row("tandem-fcfs", 0.75, 0.1, 1.0, 0.3, 0.5, 20.0),
             _row("tandem-rr", 0.75, 0.0, 1.5, 0.4, 0.25, 10.0), _row("tandem-bros", 0.25, 0.5, 0.25, 0.1, 1.0, 40.0)]
     got = {(t["system"], t["rate"]): t for t in co_serving_targets(rows)}
     assert set(got) == {("tandem-rr", 0.75), ("tandem-bros", 0.25)}
@@ -39,7 +39,11 @@ def test_rates_are_matched_and_zero_baselines_do_not_divide():
 
 def test_system_names_map_to_server_flags():
     from tandem.bench.online import tandem_args
-    assert tandem_args("tandem") == ["--policy", "fcfs"]
+    assert tandem_args("tandem") == ["--policy", "tandem"]
+    assert tandem_args("tandem-fcfs") == ["--policy", "fcfs"]
+    assert tandem_args("tandem-no-lengths") == ["--policy", "tandem", "--tandem-off", "lengths"]
+    assert tandem_args("tandem-recompute") == ["--policy", "tandem", "--preemption-mode", "recompute"]
+    assert tandem_args("tandem-tpot") == ["--policy", "tandem", "--slo-tbt-mean"]
     assert tandem_args("tandem-fcfs-prefill-first") == ["--policy", "fcfs-prefill-first"]
     assert tandem_args("tandem-bros-bidir") == ["--policy", "bros", "--bidirectional-blocks"]
     assert tandem_args("tandem-aptserve-mixed-kv") == ["--policy", "aptserve", "--aptserve-mixed", "--kv-only"]

@@ -155,3 +155,28 @@ def test_slo_off_runs_every_request_that_fits():
     be = cand("be", 800, 40, computed=0)
     plan = policy(off=frozenset({Mechanism.SLO}))(snap([rt], [be]))
     assert {d.req_id: d.num_new_tokens for d in plan.scheduled} == {"rt": 1, "be": 800}
+
+
+def test_mean_tbt_residual_counts_banked_slack_up_to_twice_the_target():
+    """TBT target 0.1 s, last token 0.02 s ago (per-gap residual 0.08 s). Ten tokens since the
+    first one 0.5 s ago: 0.5 s banked, so the next may come within 2 x 0.1 - 0.02 = 0.18 s.
+    Ten tokens in 1.2 s: behind, the per-gap residual stands."""
+    ahead = cand("a", 20, 100, rt=True, out=10, slo=0.1, pending=0.02)
+    ahead = replace(ahead, decoding_s=0.5)
+    assert abs(ahead.residual() - 0.08) < 1e-12
+    assert abs(ahead.residual_tpot() - 0.18) < 1e-12
+    behind = replace(ahead, decoding_s=1.2)
+    assert abs(behind.residual_tpot() - 0.08) < 1e-12
+
+
+def test_mean_tbt_lets_a_longer_be_chunk_in_beside_a_request_ahead_of_schedule():
+    """The step of test_be_never_makes_the_rt_step_late, with the RT request 0.5 s ahead of its
+    mean-gap schedule: under mean_tbt the BE chunk may fill a 0.08 s step (2 x 0.05 - 0.02) instead
+    of 0.03 s."""
+    rt = replace(cand("rt", 100, 50, rt=True, out=10, slo=0.05, pending=0.02), decoding_s=0.0)
+    be = cand("be", 800, 40, computed=0)
+    gap = {d.req_id: d.num_new_tokens for d in policy()(snap([rt], [be])).scheduled}
+    mean = {d.req_id: d.num_new_tokens for d in policy(mean_tbt=True)(snap([rt], [be])).scheduled}
+    assert mean["be"] > gap.get("be", 0)
+    shape = StepShape().add(1, 110, True).add(mean["be"], mean["be"], False)
+    assert COST.predict(shape) <= 2 * 0.05 - 0.02 + 1e-9
