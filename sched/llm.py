@@ -184,7 +184,8 @@ class LLM:
         try:
             # FCFS over plain pools while profiling; then the configuration asked for
             self.scheduler = Scheduler(replace(final, policy="fcfs", bidirectional=False, hybrid_cache=True,
-                                               adaptive=True, slo_decay=None, mixed_batches=False),
+                                               adaptive=True, slo_decay=None, mixed_batches=False,
+                                               tandem_off=(), mean_tbt=False),
                                        self._workers, self.spec.eos_token_ids, self.max_model_len, detok)
             if policy == "tandem":          # the knapsack's ρ where hidden caches pay, and the cost model
                 t0 = time.monotonic()

@@ -30,6 +30,10 @@ Memory pressure is met in that order of cost: BE blocks lent to RT (bidirectiona
 hidden cache for a new request whose KV cache does not fit, swapping the lowest-ranked
 request out by EWT, recompute when the host pool is full.
 
+An RT request's TBT target bounds each gap between its tokens (as BROS plans it), or with
+``mean_tbt`` its mean time per output token: slack banked by early tokens lets an iteration
+run up to twice the target (more BE work and longer prompt chunks fit; its P99 gap grows).
+
 Each mechanism can be switched off (``off``) for ablations: ``slo`` (iterations are not
 bounded by RT deadlines: every request that fits runs), ``lengths`` (BROS's own order:
 RT by SLO slack, BE by arrival; no look-ahead admission), ``hidden`` (KV caches only).

@@ -42,3 +42,17 @@ def test_tandem_with_hidden_caches_and_swaps_matches_hf(tiny_opt):
     for i, (o, r) in enumerate(zip(outs, ref)):
         assert o.token_ids == r, f"prompt {i} differs"
         assert o.finish_reason == "length"
+
+
+def test_tandem_options_reach_the_policy_and_it_serves(tiny_llama):
+    """Switches and the mean-gap target go through LLM to every device's policy (the start-up
+    profile runs under FCFS meanwhile), and outputs stay HF's."""
+    from tandem.sched.tandem import Mechanism
+    prompts = mixed_prompts(4, 512, seed=3)
+    with LLM(str(tiny_llama), "cpu:1", dtype="float32", threads_per_worker=1, length_predictor="max_tokens",
+             tandem_off=("slo", "hidden"), slo_tbt_mean=True) as llm:
+        p = llm.scheduler.policy
+        assert p.off == {Mechanism.SLO, Mechanism.HIDDEN} and p.mean_tbt
+        outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    for o, r in zip(outs, hf_greedy(tiny_llama, prompts, 8)):
+        assert o.token_ids == r
