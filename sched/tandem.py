@@ -79,7 +79,6 @@ class Tandem(Bros):
         self.alise = Alise(cost)
         self.apt = AptServe(rho, hybrid=hybrid and Mechanism.HIDDEN not in self.off, cost=cost)
         self._rank: dict[str, tuple] = {}
-        self._t_rem: dict[str, float] = {}
         self._held: Footprint | None = None
         self._running: set[str] = set()
 
