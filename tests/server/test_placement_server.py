@@ -19,7 +19,10 @@ def two_devices(tiny_chat_model, tmp_path_factory):
     block_bytes = spec.num_layers * 16 * spec.unit * 4
     s = start_server(tiny_chat_model, tmp_path_factory.mktemp("placement"), "--devices", "cpu:2",
                      "--placement", "lb", "--rebalance-interval", "0.05", "--threads-per-worker", "1",
-                     "--kv-cache-bytes", str(24 * block_bytes), "--max-num-batched-tokens", "64")
+                     "--kv-cache-bytes", str(24 * block_bytes), "--max-num-batched-tokens", "64",
+                     # FCFS admits what fits now, so caches outgrow the small pools and must move (the
+                     # default policy's look-ahead admission may keep them from outgrowing at all)
+                     "--policy", "fcfs")
     yield s
     stop_server(s)
 
