@@ -136,9 +136,9 @@ class Tandem(Bros):
 
     # ---- one iteration -------------------------------------------------------------------
     def __call__(self, snap: Snapshot) -> Plan:
-        snap, hidden = self._cache_choice(snap)
         keyed = self.alise.order(snap)
         self._rank = {c.req_id: (key[0], key[1], i) for i, (key, c, _) in enumerate(keyed)}
+        snap, hidden = self._cache_choice(snap)       # a cache type does not enter T_rem: the order holds
         self._running = {c.req_id for c in snap.running}
         self._held = None if Mechanism.LENGTHS in self.off else Footprint(snap, snap.running, self._rank)
         if Mechanism.SLO in self.off:
@@ -174,7 +174,7 @@ class Tandem(Bros):
         if not self.apt.hybrid or not 0 < hb < kvb:
             return snap, {}
         fresh = sorted((c for c in snap.waiting if c.num_blocks == 0 and c.num_computed == 0 and c.num_cpu == 0),
-                       key=lambda c: self._rank_of(c))
+                       key=lambda c: (not c.rt, c.arrival) if Mechanism.LENGTHS in self.off else self._rank[c.req_id])
         if not fresh:
             return snap, {}
         free, rho = snap.num_free_blocks, self.apt.rho
@@ -190,10 +190,3 @@ class Tandem(Bros):
             return snap, {}
         waiting = [replace(c, cache_type=want[c.req_id]) if c.req_id in want else c for c in snap.waiting]
         return replace(snap, waiting=waiting), want
-
-    def _rank_of(self, c: Candidate) -> tuple:
-        """Class, then (with lengths) level and estimated remaining time, then arrival."""
-        if Mechanism.LENGTHS in self.off:
-            return (not c.rt, c.arrival)
-        t = self.alise.t_rem(c)
-        return (not c.rt, self.alise.level(c, t), t, c.arrival)
