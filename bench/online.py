@@ -25,6 +25,7 @@ from tandem.bench import plots
 from tandem.bench.metrics import attainment, effective_throughput, meets_apt, meets_bros, record_dict, summarize
 from tandem.bench.peers import free_port, serve, vllm_server
 from tandem.bench.workloads import TraceItem, chat_text, sharegpt_trace
+from tandem.engine.dtype import resolve_dtype
 from tandem.engine.models.loader import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +50,9 @@ def tandem_args(system: str, slo: dict | None = None, kv_cache_gib: float | None
     [-no-<mechanism>][-tpot]`` (bare ``tandem``: the default policy; a policy name may hold dashes:
     ``tandem-fcfs-prefill-first``; ``-oracle``: each request's true length as its prediction;
     ``-no-slo``, ``-no-lengths``, ``-no-hidden``: the default policy with that mechanism off;
-    ``-tpot``: its TBT target on the mean gap), the SLOs our server is told, and the KV cache size."""
+    ``-tpot``: its TBT target on the mean gap), the SLOs our server is told, and the KV cache size.
+    tandem's and alise's predictions are not capped by max_tokens: the bench fixes each reply's
+    length through it."""
     name, flags = system, []
     for suffix, flag in (("-tpot", ["--slo-tbt-mean"]), ("-no-slo", ["--tandem-off", "slo"]),
                          ("-no-lengths", ["--tandem-off", "lengths"]), ("-no-hidden", ["--tandem-off", "hidden"]),
@@ -61,6 +64,8 @@ def tandem_args(system: str, slo: dict | None = None, kv_cache_gib: float | None
             flags[:0] = flag
     policy = name.removeprefix("tandem").removeprefix("-")
     extra = ["--policy", policy or "tandem", *flags]
+    if policy in ("", "alise") and "--length-predictor" not in flags:
+        extra.append("--no-length-cap")
     if slo:
         extra += ["--slo-ttft-ms", f"{slo['ttft_s'] * 1e3:.1f}", "--slo-tbt-ms", f"{slo['tbt_s'] * 1e3:.1f}"]
     if kv_cache_gib:
@@ -82,7 +87,7 @@ def start(system: str, hf_dir: Path, max_num_seqs: int, slo: dict | None = None,
         return tandem_server("smollm2", max_num_seqs, extra)
     if system in ("vllm", "vllm-priority"):
         extra = ["--scheduling-policy", "priority"] if system == "vllm-priority" else []
-        return vllm_server(hf_dir, dtype="float32", max_num_seqs=max_num_seqs, extra=extra,
+        return vllm_server(hf_dir, dtype=resolve_dtype("auto", "cpu")[0], max_num_seqs=max_num_seqs, extra=extra,
                            log_path=RESULTS / f"{system}-online.log", kv_cache_gib=kv_cache_gib or 2)
     if system == "llamacpp":
         from tandem.bench.peers import llama_server

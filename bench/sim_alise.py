@@ -7,7 +7,8 @@ held-out records (never seen by the predictor's training), each forced to its re
 Poisson arrivals; all requests interactive with no SLO, as in the paper. Systems:
 
     fcfs             vLLM-like: first come first served, preempted requests recompute
-    alise            predicted lengths (predictor/), swapping with int8 compression
+    alise            predicted lengths and their spread (predictor/), swapping with int8 compression
+    alise-point      predicted lengths without their spread (ranked by L̂ - g, doubled when outlived)
     alise-oracle     the true lengths, swapping with int8 compression
     alise-recompute  predicted lengths, preempted requests recompute
     fcfs-swap        FCFS with swapping (what swapping alone buys)
@@ -33,6 +34,7 @@ from tandem.sched.scheduler import SchedConfig
 SYSTEMS = {
     "fcfs": (dict(policy="fcfs", preemption_mode="recompute"), None),
     "alise": (dict(policy="alise", preemption_mode="swap"), "predictor"),
+    "alise-point": (dict(policy="alise", preemption_mode="swap"), "point"),
     "alise-oracle": (dict(policy="alise", preemption_mode="swap"), "oracle"),
     "alise-recompute": (dict(policy="alise", preemption_mode="recompute"), "predictor"),
     "fcfs-swap": (dict(policy="fcfs", preemption_mode="swap"), None),
@@ -41,21 +43,24 @@ SYSTEMS = {
 OPT_13B_BLOCK_BYTES = (40 * 16 * 5120 * 2, int8_block_bytes(40, 40, 128, 16))
 
 
-def with_lengths(trace: list[TraceItem], source: str | None, predicted: dict[str, int]) -> list[TraceItem]:
+def with_lengths(trace: list[TraceItem], source: str | None, predicted: dict) -> list[TraceItem]:
+    """The trace with the lengths ``source`` gives: None, "oracle" (the truth), "predictor"
+    (L̂ and its spread) or "point" (L̂ alone)."""
     if source is None:
         return trace
     if source == "oracle":
         return [replace(it, predicted=it.max_tokens) for it in trace]
-    return [replace(it, predicted=predicted[it.user_text]) for it in trace]
+    return [replace(it, predicted=predicted[it.user_text].length,
+                    spread=predicted[it.user_text].spread if source == "predictor" else ()) for it in trace]
 
 
-def predict_all(traces: list[list[TraceItem]]) -> dict[str, int]:
-    """The predictor's length for every distinct prompt of the traces (frozen: it does not learn
-    during the run, which only handicaps it)."""
+def predict_all(traces: list[list[TraceItem]]) -> dict:
+    """The predictor's Prediction for every distinct prompt of the traces (frozen: it does not
+    learn during the run, which only handicaps it)."""
     from tandem.predictor import LengthPredictor
     texts = sorted({it.user_text for tr in traces for it in tr})
     p = LengthPredictor.load()
-    return dict(zip(texts, p.predict(texts)))
+    return dict(zip(texts, p.predict_detailed(texts)))
 
 
 def capacity(rows: list[dict], bar: float) -> tuple[float, bool]:
@@ -75,7 +80,7 @@ def run(args) -> dict:
     tok = _tokenizer()
     traces = {rate: sharegpt_trace(tok, rate, args.num_requests / rate, args.seed, max_context=2048,
                                    max_output_tokens=1024, held_out=not args.tuning_range) for rate in args.rates}
-    predicted = predict_all(list(traces.values())) if any(SYSTEMS[s][1] == "predictor" for s in args.systems) else {}
+    predicted = predict_all(list(traces.values())) if any(SYSTEMS[s][1] in ("predictor", "point") for s in args.systems) else {}
     rows = []
     print(f"{args.num_requests} held-out ShareGPT requests per rate, OPT-13B on an A100 (simulated), "
           f"{OPT_13B_A100_KV_TOKENS} KV tokens, host link {args.host_gbps:g} GB/s")

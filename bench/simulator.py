@@ -154,6 +154,7 @@ def simulate(trace: list[TraceItem], setup: SimSetup, be: BeJobs | None = None,
         sched.add(Request(rid, it.prompt_ids, SamplingParams(max_tokens=it.max_tokens, temperature=0,
                                                              ignore_eos=True),
                           ServiceClass(it.service_class), arrival_time=at, predicted_len=it.predicted,
+                          predicted_spread=it.spread,
                           slo_ttft_s=setup.slo_ttft_s if rt else None, slo_tbt_s=setup.slo_tbt_s if rt else None))
     i = 0
     trace_left = len(items)

@@ -107,6 +107,7 @@ class TraceItem:
     prompt_text: str = ""       # the same prompt as text, for servers that take only strings
     user_text: str = ""         # the user's message alone (what a length predictor reads)
     predicted: int | None = None  # predicted output length (policy alise), None: unknown
+    spread: tuple[int, ...] = ()  # equally likely output lengths (the predictor's), empty: ``predicted`` alone
 
 
 def arrivals(rate: float, n: int, seed: int, cv: float = 1.0) -> list[float]:

@@ -227,7 +227,8 @@ class DeviceActor:
                              r.service_class is ServiceClass.RT, slo, now - (st.last_token_time or r.arrival_time),
                              pool.num_cpu(rid), missed_ttft(st, now), st.cache_type, len(st.output_token_ids),
                              r.predicted_len, st.stalled_s,
-                             None if st.first_token_time is None else now - st.first_token_time)
+                             None if st.first_token_time is None else now - st.first_token_time,
+                             r.predicted_spread)
         g = pool.geometry
         return Snapshot([cand(r) for r in self.running], [cand(r) for r in self.waiting],
                         pool.num_free, g.block_size, g.blocks_per_token_block(CacheType.KV),

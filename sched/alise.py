@@ -4,10 +4,18 @@ Each request J has a predicted output length L̂ (from predictor/, or the truth 
 oracle), g generated tokens and prompt length s. Its estimated remaining time, from the
 shared cost model (one standalone step of each kind):
 
-    T_rem(J) = T_prefill(tokens still to compute) + max(L̂ - g, 1) · T_decode(context)
+    T_rem(J) = T_prefill(tokens still to compute) + max(r, 1) · T_decode(context)
+
+with r = L̂ - g. [open choice] When the predictor also gives a spread (the retrieved
+neighbours' lengths as equally likely points), r is the spread's Gittins remaining after g
+tokens (``gittins_remaining``): a request that may well end soon goes first, and one that
+outlives its short neighbours falls back. In the simulator at 4-6 req/s this cut alise's
+normalized latency by 4-9% against L̂ - g (`bench sim-alise`, systems alise / alise-point).
+Memory is still budgeted with L̂ (look-ahead admission below).
 
 Priority levels θ_i = θ_1 · 2^(i-1), i = 1..h; level(J) = the first i with T_rem <= θ_i
-(h when none). Misprediction: while g >= L̂, L̂ doubles and J drops one level. Virtual
+(h when none). Misprediction: while g >= L̂ (with a spread: its longest point), it doubles
+and J drops one level. Virtual
 aging: every ``age_s`` seconds J waits it rises one level, and stays risen once it runs
 again; [open choice] a request that would rise above level 1 goes to level 0, served in
 arrival order ahead of everyone, so nothing starves even under a stream of short jobs.
@@ -35,6 +43,7 @@ requests in this iteration since they run together (continuous batching).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from tandem.engine.messages import CacheType
 from tandem.sched.bros import BlockBudget, CostFn, add_chunk
@@ -75,17 +84,29 @@ class Alise:
             L, j = 2 * L, j + 1
         return L, j
 
+    @classmethod
+    def remaining(cls, c: Candidate) -> tuple[float, int]:
+        """(output tokens still to come as the ranking counts them, demotions). With a spread,
+        its Gittins index while some of its lengths exceed the tokens generated; past all of
+        them, or without one, L̂ doubled until it exceeds them (each doubling a demotion)."""
+        if c.spread and c.spread[-1] > c.num_output:
+            return gittins_remaining(c.spread, c.num_output), 0
+        if c.spread:
+            c = replace(c, predicted=c.spread[-1])
+        L, j = cls.predicted(c)
+        return max(L - c.num_output, 1), j
+
     def t_rem(self, c: Candidate) -> float:
-        L, _ = self.predicted(c)
+        left, _ = self.remaining(c)
         todo = c.num_tokens - c.num_computed
         pre = self.cost(StepShape().add(todo, c.num_tokens, False), 0) if todo > 1 else 0.0
-        return pre + max(L - c.num_output, 1) * self._decode_step(c.num_tokens)
+        return pre + max(left, 1) * self._decode_step(c.num_tokens)
 
     def level(self, c: Candidate, t_rem: float | None = None) -> int:
         """0 (aged past level 1) .. levels."""
         t = self.t_rem(c) if t_rem is None else t_rem
         base = 1 if t <= self.theta1 else min(self.levels, 1 + math.ceil(math.log2(t / self.theta1)))
-        _, demotions = self.predicted(c)
+        _, demotions = self.remaining(c)
         promotions = int(self.waited(c) // self.age_s) if self.age_s > 0 else 0
         lvl = min(self.levels, base + demotions) - promotions
         return max(lvl, 0)
@@ -243,6 +264,28 @@ class Footprint:
             partial += b / 2
             peak = max(peak, now + slope * (r - 1) + partial)
         return peak <= self.total
+
+
+def gittins_remaining(spread: tuple[int, ...], a: int) -> float:
+    """1 / Gittins index of a job whose length is one of ``spread`` (ascending, equally
+    likely) and that has run ``a`` tokens: the least expected work per unit of chance to
+    finish, over every horizon Δ it could be given,
+
+        r(a) = min_Δ  E[min(L - a, Δ) | L > a] / P(L - a <= Δ | L > a)
+
+    The minimum is at a point of the spread: with S_1 <= .. <= S_n the points above a,
+    r = min_i (Σ_{j<=i} (S_j - a) + (n - i)(S_i - a)) / i. Serving the least r first
+    minimises mean response time when only each job's distribution is known (Gittins; an
+    M/G/1 result), where shortest expected remaining time does not: a request whose
+    neighbours replied either briefly or at length gets the chance of a brief reply, and
+    once it outlives those its r rises to what the long ones leave. A single point gives
+    L - a, i.e. SRPT."""
+    surv = [x - a for x in spread if x > a]
+    n, done, best = len(surv), 0.0, math.inf
+    for i, d in enumerate(surv, 1):
+        done += d
+        best = min(best, (done + (n - i) * d) / i)
+    return best
 
 
 def _why(key: tuple, what: str) -> str:

@@ -53,8 +53,13 @@ def prediction_text(prompt: Any, detokenize=None) -> str:
 
 
 class LengthSource:
-    def __init__(self, source: "str | Path | Any | None"):
+    """``cap``: a prediction never exceeds the request's max_tokens (right for users; benchmarks
+    that fix each reply's length through max_tokens turn it off, or the cap tells the predictor
+    every over-estimate's answer)."""
+
+    def __init__(self, source: "str | Path | Any | None", cap: bool = True):
         self.predictor = None
+        self.cap = cap
         if source != MAX_TOKENS:
             from tandem.predictor import LengthPredictor
             if isinstance(source, LengthPredictor):
@@ -87,8 +92,9 @@ class LengthSource:
         preds = self.predictor.predict_vectors(vecs, [len(t) for t in texts])
         with self._lock:
             for r, p, v in zip(reqs, preds, vecs):
-                cap = r.sampling.max_tokens
+                cap = r.sampling.max_tokens if self.cap else None
                 r.predicted_len = p.length if cap is None else min(p.length, cap)
+                r.predicted_spread = p.spread if cap is None else tuple(min(x, cap) for x in p.spread)
                 if len(self._pending) < _MAX_PENDING:
                     self._pending[r.req_id] = [v, 0, r.sampling.ignore_eos, r.predicted_len]
                 self.predicted += 1

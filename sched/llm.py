@@ -81,7 +81,8 @@ class LLM:
     length_predictor: where predicted output lengths come from (policy "alise" needs them):
     None (the trained predictor, ``python -m predictor train``), a predictor directory, a
     ``predictor.LengthPredictor``, or "max_tokens" (each request's max_tokens: an oracle
-    when max_tokens is the length to generate).
+    when max_tokens is the length to generate). length_cap: predictions are capped by each
+    request's max_tokens (False for benchmarks that fix reply lengths through max_tokens).
     preemption_mode: "swap" (a preempted request's cache goes to host memory and comes back),
     "recompute", or None (swap under alise, recompute elsewhere); swap_space: GiB of host memory
     for swapped caches per device; swap_dtype: "int8" (compressed, channel-wise per block) or
@@ -117,12 +118,12 @@ class LLM:
                  length_predictor: Any = None, preemption_mode: str | None = None,
                  swap_space: float = 4.0, swap_dtype: str = "int8", kv_cache_dtype: str = "auto",
                  triton_attention: bool | None = None, tandem_off: Sequence[str] = (),
-                 slo_tbt_mean: bool = False):
+                 slo_tbt_mean: bool = False, length_cap: bool = True):
         self._workers: list[WorkerHandle] = []
         self.runtime: Runtime | None = None
         self.rebalancer: Rebalancer | None = None
         self._sinks: dict[str, Callable[[list[Update]], None]] = {}
-        self.lengths = self._lengths(policy, length_predictor)
+        self.lengths = self._lengths(policy, length_predictor, length_cap)
         names = parse_devices(devices)
         dtype, why = resolve_dtype(dtype, names[0])
         log.info("dtype %s: %s", dtype, why)
@@ -215,13 +216,13 @@ class LLM:
             raise
         self._ids = itertools.count()
 
-    def _lengths(self, policy: str, source: Any) -> LengthSource | None:
+    def _lengths(self, policy: str, source: Any, cap: bool) -> LengthSource | None:
         """Predicted output lengths: alise needs them (default: the trained predictor); tandem uses
         them when there is a predictor, and without one orders by prompt cost and aging alone."""
         if policy not in ("alise", "tandem") and source is None:
             return None
         try:
-            src = LengthSource(source)
+            src = LengthSource(source, cap)
         except ValueError as e:
             if policy != "tandem" or source is not None:
                 raise

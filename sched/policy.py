@@ -27,6 +27,7 @@ class Candidate:
     predicted: int | None = None   # predicted output length (ALISE), None when unknown
     stalled_s: float = 0.0     # seconds its past tokens waited beyond one iteration each (aging)
     decoding_s: float | None = None  # seconds since its first token (None before it)
+    spread: tuple[int, ...] = ()   # equally likely output lengths, ascending (ALISE); empty: ``predicted`` alone
 
     def residual(self, t_avg: float = 0.0, k: int = 1) -> float:
         """BROS residual time res_i = T_SLO,i - t_i - (k_i - 1) T_avg (inf without an SLO)."""

@@ -58,6 +58,7 @@ class Request:
     prompt: str | None = None          # original text, when there was one
     stream_text: bool = False          # text wanted as tokens arrive (streams); else once at the end
     predicted_len: int | None = None   # predicted output tokens (length predictor or an oracle)
+    predicted_spread: tuple[int, ...] = ()   # equally likely output lengths, ascending (empty: a point)
 
 
 @dataclass(slots=True)

@@ -45,6 +45,9 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                     help="with --policy tandem or alise: a predictor directory, or max_tokens (each request's max_tokens "
                          "as its length). Default: DATA_DIR/predictor, started from the trained predictor and "
                          "taught every finished request's real length (saved at shutdown)")
+    ap.add_argument("--no-length-cap", action="store_true",
+                    help="predicted lengths may exceed a request's max_tokens (for benchmarks that fix each reply's "
+                         "length through max_tokens, where capping would hand the predictor the answer)")
     ap.add_argument("--preemption-mode", default=d.preemption_mode, choices=["swap", "recompute"],
                     help="what a preempted request's cache does: swap to host memory and come back, or be "
                          "recomputed from its tokens (default: swap under tandem and alise, recompute elsewhere)")
@@ -136,6 +139,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                         hybrid_cache=not a.kv_only, adaptive=not a.aptserve_fcfs, slo_decay=a.slo_decay,
                         mixed_batches=a.aptserve_mixed, placement=a.placement,
                         rebalance_interval_s=a.rebalance_interval, length_predictor=a.length_predictor,
+                        length_cap=not a.no_length_cap,
                         preemption_mode=a.preemption_mode, swap_space_gib=a.swap_space, swap_dtype=a.swap_dtype,
                         kv_cache_dtype=a.kv_cache_dtype, slo_ttft_ms=a.slo_ttft_ms, slo_tbt_ms=a.slo_tbt_ms,
                         max_waiting=a.max_waiting, max_upload_bytes=int(a.max_upload_mb * 2**20),
@@ -195,7 +199,7 @@ def main(argv=None, prog: str = "python -m server") -> None:
                   omp_wait_policy=cfg.omp_wait_policy, threads_per_worker=cfg.threads_per_worker,
                   chat_control_tokens=cfg.chat_control_tokens, placement=cfg.placement,
                   rebalance_interval_s=cfg.rebalance_interval_s, slo_tbt_s=cfg.slo_tbt_ms / 1000,
-                  length_predictor=_length_source(cfg), preemption_mode=cfg.preemption_mode,
+                  length_predictor=_length_source(cfg), length_cap=cfg.length_cap, preemption_mode=cfg.preemption_mode,
                   swap_space=cfg.swap_space_gib, swap_dtype=cfg.swap_dtype,
                   kv_cache_dtype=cfg.kv_cache_dtype, tandem_off=cfg.tandem_off,
                   slo_tbt_mean=cfg.slo_tbt_mean)

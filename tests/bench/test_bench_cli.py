@@ -39,11 +39,12 @@ def test_rates_are_matched_and_zero_baselines_do_not_divide():
 
 def test_system_names_map_to_server_flags():
     from tandem.bench.online import tandem_args
-    assert tandem_args("tandem") == ["--policy", "tandem"]
+    assert tandem_args("tandem") == ["--policy", "tandem", "--no-length-cap"]
     assert tandem_args("tandem-fcfs") == ["--policy", "fcfs"]
-    assert tandem_args("tandem-no-lengths") == ["--policy", "tandem", "--tandem-off", "lengths"]
-    assert tandem_args("tandem-recompute") == ["--policy", "tandem", "--preemption-mode", "recompute"]
-    assert tandem_args("tandem-tpot") == ["--policy", "tandem", "--slo-tbt-mean"]
+    assert tandem_args("tandem-no-lengths") == ["--policy", "tandem", "--tandem-off", "lengths", "--no-length-cap"]
+    assert tandem_args("tandem-recompute") == ["--policy", "tandem", "--preemption-mode", "recompute",
+                                           "--no-length-cap"]
+    assert tandem_args("tandem-tpot") == ["--policy", "tandem", "--slo-tbt-mean", "--no-length-cap"]
     assert tandem_args("tandem-fcfs-prefill-first") == ["--policy", "fcfs-prefill-first"]
     assert tandem_args("tandem-bros-bidir") == ["--policy", "bros", "--bidirectional-blocks"]
     assert tandem_args("tandem-aptserve-mixed-kv") == ["--policy", "aptserve", "--aptserve-mixed", "--kv-only"]

@@ -63,16 +63,25 @@ def test_index_neighbours_match_brute_force():
     assert np.all(np.diff(sims, axis=1) <= 1e-6)  # most similar first
 
 
-def _wmedian(values, weights):
-    """Reference weighted median: walk the sorted values until half the weight is reached."""
+def _wquantile(values, weights, q):
+    """Reference weighted quantile: walk the sorted values until q of the weight is reached."""
     if not any(weights):
         weights = [1.0] * len(values)
     pairs = sorted(zip(values, weights))
     total, acc = sum(weights), 0.0
     for v, w in pairs:
         acc += w
-        if acc >= total / 2:
+        if acc >= q * total:
             return v
+    return pairs[-1][0]
+
+
+def _wmedian(values, weights):
+    return _wquantile(values, weights, 0.5)
+
+
+def _spread(values, weights, scale=1.0):
+    return tuple(max(1, round(_wquantile(values, weights, (j + 0.5) / 8) * scale)) for j in range(8))
 
 
 def test_prediction_rule_by_hand():
@@ -99,10 +108,14 @@ def test_prediction_rule_by_hand():
             keep = [j for j in top if sim[j] >= 0.8]
             want = sum(sim[j] * lengths[j] for j in keep) / sum(sim[j] for j in keep)
             assert g.retrieved
+            assert g.spread == _spread([lengths[j] for j in keep], [sim[j] for j in keep]), i
         else:
-            want = 0.5 * mlp[i] + 0.5 * _wmedian([lengths[j] for j in top], [max(sim[j], 0) for j in top])
+            ls, ws = [lengths[j] for j in top], [max(sim[j], 0) for j in top]
+            want = 0.5 * mlp[i] + 0.5 * _wmedian(ls, ws)
             assert not g.retrieved
+            assert g.spread == _spread(ls, ws, want / _wmedian(ls, ws)), i
         assert g.length == max(1, round(want)), i
+        assert list(g.spread) == sorted(g.spread)
         assert abs(g.similarity - sim[top[0]]) < 1e-4
     assert sum(g.retrieved for g in got) == 20
 
@@ -115,6 +128,7 @@ def test_empty_index_uses_the_mlp():
     got = p.predict_vectors(q, [5, 50, 500])
     assert [g.length for g in got] == [max(1, round(x)) for x in head.predict(q, [5, 50, 500])]
     assert not any(g.retrieved for g in got)
+    assert all(g.spread == () for g in got)       # no neighbours, no spread: the length alone
 
 
 def test_lad_line_is_the_least_absolute_deviation_fit():
@@ -185,3 +199,26 @@ def test_prediction_reads_the_last_user_message():
               "<|start_header_id|>assistant<|end_header_id|>\n\n")
     assert prediction_text(llama3) == "What is 2+2?"
     assert prediction_text("Once upon a time") == "Once upon a time"
+
+
+def test_length_source_hands_length_and_spread_on_capped_or_not(embedder):
+    """What a request carries into the scheduler: the predictor's length and spread, each capped
+    by the request's max_tokens unless the cap is off (benchmarks that fix reply lengths through
+    max_tokens)."""
+    from tandem.sched.lengths import LengthSource
+    from tandem.sched.request import Request, SamplingParams
+    prompts = [f"Write a long story about {w}" for w in ("cats", "ships", "rain", "glass")]
+    vecs = embedder.encode(prompts)
+    ix = LengthIndex(DIM, ef=50)
+    ix.add(vecs, np.array([300, 500, 700, 900]))
+    p = LengthPredictor(Settings(k=4, threshold=0.0, hidden=16), LengthHead(DIM, 16), ix, embedder=embedder)
+    sims, lens = ix.query(vecs[:1], 4)
+    want = p.predict_vectors(vecs[:1], [len(prompts[0])])[0]
+    assert want.length == round(float((sims[0] * lens[0]).sum() / sims[0].sum()))
+    assert want.spread == _spread(list(lens[0]), list(sims[0]))
+    for cap, expect_len, expect_spread in ((True, min(want.length, 400), tuple(min(x, 400) for x in want.spread)),
+                                           (False, want.length, want.spread)):
+        r = Request("a", [1, 2, 3], SamplingParams(max_tokens=400))
+        LengthSource(p, cap=cap).assign([r], prompts[:1])
+        assert (r.predicted_len, r.predicted_spread) == (expect_len, expect_spread)
+    assert max(want.spread) > 400 and want.length > 400     # the cap did cut something

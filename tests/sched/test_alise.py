@@ -4,6 +4,7 @@ aging, RT before BE, and preemption only of requests ranked lower."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from tandem.sched.alise import Alise
 from tandem.sched.cost_model import CostModel
@@ -146,3 +147,69 @@ def test_promotion_stays_once_the_request_runs_again():
     fresh = cand("new", 64, 0, 3, computed=0)
     plan = a(snap([ran], [fresh], free=0))
     assert plan.preempted == [] and [d.req_id for d in plan.scheduled] == ["old"]
+
+
+def _best_first_jobs(spreads):
+    """Brute force: the jobs that an optimal preemptive schedule may run first, one server, no
+    arrivals, minimising the expected sum of completion times, each job's length one of its
+    spread's points with equal chance. Dynamic programming over (tokens run per job, done)."""
+    from functools import lru_cache
+    from fractions import Fraction
+
+    @lru_cache(maxsize=None)
+    def value(state):                     # state: per job, tokens run so far, or None when done
+        alive = [j for j, a in enumerate(state) if a is not None]
+        if not alive:
+            return Fraction(0)
+        return min(step(state, j) for j in alive)
+
+    def step(state, j):
+        a = state[j]
+        surv = [x for x in spreads[j] if x > a]
+        p_end = Fraction(sum(1 for x in surv if x == a + 1), len(surv))
+        alive = sum(1 for s in state if s is not None)
+        ended = state[:j] + (None,) + state[j + 1:]
+        goes = state[:j] + (a + 1,) + state[j + 1:]
+        return alive + p_end * value(ended) + ((1 - p_end) * value(goes) if p_end < 1 else 0)
+
+    start = tuple(0 for _ in spreads)
+    best = value(start)
+    return {j for j in range(len(spreads)) if step(start, j) == best}
+
+
+def test_gittins_order_is_optimal_brute_force():
+    """The request with the least Gittins remaining r(a) is one an optimal schedule runs first,
+    on random small instances, at their start and after some tokens; shortest expected
+    remaining time is not (the by-hand case at the end)."""
+    import random
+
+    from tandem.sched.alise import gittins_remaining
+    rng = random.Random(4)
+    for _ in range(150):
+        spreads = [tuple(sorted(rng.randint(1, 7) for _ in range(rng.choice([1, 2, 3, 4])))) for _ in range(3)]
+        ran = [rng.randint(0, s[-1] - 1) if rng.random() < 0.5 else 0 for s in spreads]
+        # run a_j tokens so far: the same problem with the points above a_j, shifted down by it
+        shifted = [tuple(x - a for x in s if x > a) for s, a in zip(spreads, ran)]
+        r = [gittins_remaining(s, a) for s, a in zip(spreads, ran)]
+        assert r.index(min(r)) in _best_first_jobs(shifted), (spreads, ran, r)
+    # a job that ends after 1 token or after 100, equally likely, against one that needs 30: run
+    # the gamble first (a mean of 50.5 would put it second)
+    assert _best_first_jobs([(1, 100), (30,)]) == {0}
+    assert gittins_remaining((1, 100), 0) == 2.0 and gittins_remaining((1, 100), 1) == 99.0
+
+
+def test_spread_ranks_by_gittins_and_outliving_it_doubles_its_longest():
+    a = Alise(cost, levels=8, theta1_s=0.05, age_s=1e9)
+    step = lambda n: 0.01 + 1e-3 + 1e-6 * n            # noqa: E731  a decode step at context n
+    gamble = replace(cand("g", 10, 0, 50), spread=(1, 100))
+    assert Alise.remaining(gamble) == (2.0, 0)
+    steady = cand("s", 10, 0, 30)
+    plan = a(snap([gamble, steady], [], seqs=1))
+    assert [d.req_id for d in plan.scheduled] == ["g"]
+    outlived = replace(cand("g", 10, 1, 50), spread=(1, 100))
+    assert Alise.remaining(outlived) == (99.0, 0)
+    assert math.isclose(a.t_rem(outlived), 99 * step(11))
+    assert [d.req_id for d in a(snap([outlived, steady], [], seqs=1)).scheduled] == ["s"]
+    # past every point: the longest doubles, one demotion each time
+    past = replace(cand("p", 10, 250, 50), spread=(1, 100))
+    assert Alise.remaining(past) == (150, 2)           # 100 -> 200 -> 400
