@@ -4,9 +4,18 @@ keep across iterations is the adaptive batch size (BROS) or the turn (round-robi
 
 Per iteration (Algorithm 1):
   1. RT candidates (running and waiting) in order of residual time
-     res_i = T_SLO,i - t_i (token groups of one token: k_i = 1), polled from two queues:
-     the running ones sorted, the waiting ones already in urgency order (arrival order, one
-     TTFT target) -- a two-way merge instead of a global sort.
+     res_i = T_SLO,i - t_i - (k_i - 1) T_avg, where k_i is the number of iterations its next
+     token still needs (see _groups): 1 for a decode; for a prompt (or a recompute) that
+     prefill chunks spread over several iterations, its remaining prefill in units of T_avg.
+     [open choice] The paper prefills a prompt whole (k_i = 1 for every token); with chunked
+     prefill a long prompt's first token needs several iterations, and counting them is what
+     keeps its TTFT: with k_i = 1 its slack looked ample until its last iteration, BE work
+     replaced it meanwhile (step 3), and its remaining chunks then ran past the target.
+     k_i orders requests and guards the replacement; the time budget T_res_min is each
+     request's own next deadline (k_i = 1), since k_i is only an estimate of how the coming
+     iterations will chunk the prompt. Because k_i varies with the prompt, waiting requests
+     are not in urgency order by arrival, so both queues are sorted (the paper's two-way
+     merge assumed they were).
   2. RT requests are taken while the batch has room (B_curr), blocks can be found (by
      preempting best-effort work if needed) and the predicted iteration time C(batch) stays
      within T_res_min = min_i res_i (over requests that can still make it: see _budget).
@@ -27,7 +36,6 @@ Per iteration (Algorithm 1):
 """
 from __future__ import annotations
 
-import heapq
 import math
 from collections import deque
 from dataclasses import replace
@@ -73,12 +81,6 @@ class BlockBudget:
             plan.reasons[v.req_id] = reason
             self.free += v.num_blocks
         return self.reserve(c, n)
-
-
-def two_queue_merge(running: list[Candidate], waiting: Iterable[Candidate],
-                    key: Callable[[Candidate], float]) -> list[Candidate]:
-    """Poll the heads of the sorted running queue and the (urgency-ordered) waiting queue."""
-    return list(heapq.merge(sorted(running, key=key), waiting, key=key))
 
 
 def add_chunk(s: StepShape, c: Candidate, n: int, block_size: int = 0) -> StepShape:
@@ -145,11 +147,8 @@ class Bros:
         past capacity); a request that missed its TTFT has missed its SLO whatever happens, so it
         runs on what the savable ones leave, still ahead of best-effort work.
         """
-        groups = []
-        for missed in (False, True):
-            groups += two_queue_merge([c for c in snap.running if c.rt and c.missed == missed],
-                                      [c for c in snap.waiting if c.rt and c.missed == missed], res)
-        return groups
+        rt = [c for c in snap.running + snap.waiting if c.rt]
+        return sorted(rt, key=lambda c: (c.missed, res(c)))
 
     def _budget(self, q_rt, res) -> float:
         """T_res_min over the RT requests that can still make their deadline.
@@ -197,11 +196,37 @@ class Bros:
         """Whom an RT request ``c`` may preempt, first to last: best-effort work, least computed
         first (least lost), then RT requests, those already late first, then by largest residual."""
         return sorted((x for x in running if not x.rt), key=lambda x: x.num_computed) + \
-            sorted((x for x in running if x.rt), key=lambda x: (not x.missed, -self._res(x, t_avg)))
+            sorted((x for x in running if x.rt), key=lambda x: (not x.missed, -self._urgency(x, t_avg)))
 
     def _res(self, c: Candidate, t_avg: float) -> float:
         """A request's residual time (BROS: its SLO less the time since its last token)."""
         return c.residual(t_avg)
+
+    def _urgency(self, c: Candidate, t_avg: float) -> float:
+        """The residual time less the further iterations its next token needs, (k_i - 1) T_avg:
+        the order of RT requests, and what a request keeps if BE work replaces it. A request
+        past its TTFT keeps its residual (its SLO is lost; those wait in arrival order)."""
+        if c.missed:
+            return self._res(c, t_avg)
+        return self._res(c, t_avg) - (self._groups(c, t_avg) - 1) * t_avg
+
+    def _groups(self, c: Candidate, t_avg: float) -> int:
+        """k_i: iterations the request's next token still needs. 1 for a decode; for a prompt
+        (or a recompute) with more tokens to compute, its remaining prefill priced as one
+        standalone step, C(prefill), in units of the recent iteration time:
+
+            k_i = ceil(C(prefill of the remaining tokens) / T_avg)
+
+        (a prefill that fits one average iteration needs that one: k_i = 1)."""
+        todo = c.num_tokens - c.num_computed
+        if todo <= 1 or t_avg <= 0 or c.slo_s is None:
+            return 1
+        return max(1, math.ceil(self.cost(StepShape().add(todo, c.num_tokens, False), c.num_cpu) / t_avg))
+
+    def _may_replace(self, r: Candidate, t_iter: float, t_avg: float) -> bool:
+        """May BE work take RT request ``r``'s place in an iteration of ``t_iter`` seconds?
+        [SPEC safeguard] Only if r can still run in the next one: urgency - t_iter >= T_avg."""
+        return not self.safeguard or self._urgency(r, t_avg) - t_iter >= t_avg
 
     def _be_room(self, b: Candidate, n: int, snap: Snapshot, budget: BlockBudget, plan: Plan,
                  taken: set[str]) -> bool:
@@ -225,7 +250,7 @@ class Bros:
         self.block_size = snap.block_size
         budget = BlockBudget(snap)
         res = lambda c: self._res(c, t_avg)  # noqa: E731
-        q_rt = deque(self._rt_order(snap, res))
+        q_rt = deque(self._rt_order(snap, lambda c: self._urgency(c, t_avg)))
         slos = [c.slo_s for c in q_rt if c.slo_s is not None]
         if slos:
             self.loosest_s = max(slos + [self.loosest_s or 0.0])
@@ -303,8 +328,7 @@ class Bros:
                 budget.release(b)
                 break
             r, rn = rt_ready.pop()                                     # try replacing the least urgent RT
-            slack_ok = not self.safeguard or self._res(r, t_avg) - self._time(rt_ready + be_ready + [(b, n)]) >= t_avg
-            if slack_ok and fits(rt_ready + be_ready, n):
+            if self._may_replace(r, self._time(rt_ready + be_ready + [(b, n)]), t_avg) and fits(rt_ready + be_ready, n):
                 budget.release(r)
                 q_rt.appendleft(r)
                 taken.discard(r.req_id)

@@ -17,6 +17,9 @@ Who decides what, each in its own module:
     which cache a starting request keeps        Apt-Serve   AptServe.hidden_choice: the prefill
                                                             knapsack; only on models where a
                                                             hidden cache is smaller than KV
+    may BE work take an RT request's place      BROS        Tandem._may_replace: between its
+                                                            tokens, if its slack allows; never
+                                                            before its first token
     whose blocks a request that must grow takes BROS+ALISE  RT: BE first, lowest ranked first,
                                                             then RT (BROS's order); BE: only
                                                             from BE ranked below it
@@ -108,6 +111,13 @@ class Tandem(Bros):
         """Each gap against the TBT target, or with ``mean_tbt`` the mean time per output token
         (slack earlier tokens banked counts, one gap at most twice the target)."""
         return c.residual_tpot(t_avg) if self.mean_tbt else super()._res(c, t_avg)
+
+    def _may_replace(self, r: Candidate, t_iter: float, t_avg: float) -> bool:
+        """BE work borrows an RT request's slack between two of its tokens (BROS), never before
+        its first one: a prompt deferred while its TTFT slack lasts gets its first token just
+        before the target (or past it, when its chunks take longer than estimated), and moving
+        RT work later frees nothing for BE work in the long run."""
+        return r.num_output > 0 and super()._may_replace(r, t_iter, t_avg)
 
     def _budget(self, q_rt, res) -> float:
         return math.inf if Mechanism.SLO in self.off else super()._budget(q_rt, res)

@@ -9,6 +9,7 @@ from dataclasses import replace
 from tandem.engine.messages import CacheType
 from tandem.sched.cost_model import CostModel, StepShape
 from tandem.sched.policy import Candidate, Limits, Snapshot
+from tandem.sched.bros import Bros
 from tandem.sched.tandem import Mechanism, Tandem
 
 COST = CostModel(base=0.01, per_prefill_token=1e-4, per_prefill_attn=0.0, per_decode_token=1e-3,
@@ -180,3 +181,17 @@ def test_mean_tbt_lets_a_longer_be_chunk_in_beside_a_request_ahead_of_schedule()
     assert mean["be"] > gap.get("be", 0)
     shape = StepShape().add(1, 110, True).add(mean["be"], mean["be"], False)
     assert COST.predict(shape) <= 2 * 0.05 - 0.02 + 1e-9
+
+
+def test_be_never_takes_the_place_of_an_rt_prompt():
+    """A decoding RT request sets a 30 ms budget; a 500-token RT prompt with 10 s of TTFT slack
+    gets the rest of it (188 tokens: 11.1 + 18.8 ms); a decoding BE request then does not fit.
+    BROS lets the BE request take the prompt's place (its slack allows it), which defers the
+    prompt until its slack runs out; tandem keeps the prompt and the BE request waits."""
+    d = cand("d", 100, 50, rt=True, out=3, slo=0.05, pending=0.02)
+    w = cand("w", 500, 50, rt=True, computed=0, blocks=0, slo=10.0, arrival=1.0)
+    b = cand("b", 100, 10, out=3)
+    s = snap([d, b], [w], t_avg=0.02)
+    chunks = lambda plan: [(x.req_id, x.num_new_tokens) for x in plan.scheduled]  # noqa: E731
+    assert chunks(policy()(s)) == [("d", 1), ("w", 188)]
+    assert chunks(Bros(cost, max_num_seqs=64)(s)) == [("d", 1), ("b", 1)]
