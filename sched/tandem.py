@@ -7,7 +7,9 @@ Who decides what, each in its own module:
     ------------------------------------------  ----------  ---------------------------------
     how long may this iteration take            BROS        Bros._budget: the residual time of
       (and how many requests may it hold)                   the most urgent RT request that can
-                                                            still make it; adaptive batch size
+                                                            still make it, while a prompt waits
+                                                            at most the tightest TBT target;
+                                                            adaptive batch size
     who runs first inside a class               ALISE       Alise.order: levels of estimated
       RT: (late last, level, SLO slack)                     remaining time T_rem, with aging
       BE: (level, T_rem, arrival)
@@ -120,7 +122,17 @@ class Tandem(Bros):
         return r.num_output > 0 and super()._may_replace(r, t_iter, t_avg)
 
     def _budget(self, q_rt, res) -> float:
-        return math.inf if Mechanism.SLO in self.off else super()._budget(q_rt, res)
+        """BROS's budget, and while an RT prompt can still make its TTFT, at most the tightest RT
+        target seen (a TBT target): BROS would stretch an iteration with BE work to the prompt's
+        TTFT slack when no decoding RT request bounds it (an idle chat server running a batch
+        job), and the first token would come at about the TTFT target instead of as soon as the
+        prompt is computed."""
+        if Mechanism.SLO in self.off:
+            return math.inf
+        budget = super()._budget(q_rt, res)
+        if self.idle_budget_s and any(c.num_output == 0 and not c.missed for c in q_rt):
+            budget = min(budget, self._margin(self.idle_budget_s))
+        return budget
 
     def _victims(self, c: Candidate, running: list[Candidate], t_avg: float) -> list[Candidate]:
         if Mechanism.LENGTHS in self.off:

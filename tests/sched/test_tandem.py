@@ -195,3 +195,16 @@ def test_be_never_takes_the_place_of_an_rt_prompt():
     chunks = lambda plan: [(x.req_id, x.num_new_tokens) for x in plan.scheduled]  # noqa: E731
     assert chunks(policy()(s)) == [("d", 1), ("w", 188)]
     assert chunks(Bros(cost, max_num_seqs=64)(s)) == [("d", 1), ("b", 1)]
+
+
+def test_an_rt_prompt_is_not_held_behind_be_work_up_to_its_ttft():
+    """No decoding RT request bounds the iteration, only a prompt with 10 s of TTFT slack: BROS
+    stretches the iteration with the BE prompt up to that slack (its first token would come
+    seconds late), tandem stops at the tightest RT target it knows (50 ms: 10 ms + 100 prompt
+    tokens + 300 BE tokens at 0.1 ms)."""
+    w = cand("w", 100, 50, rt=True, computed=0, blocks=0, slo=10.0)
+    be = cand("be", 2000, 40, computed=0, blocks=0)
+    s = snap([], [w, be])
+    chunks = lambda plan: [(x.req_id, x.num_new_tokens) for x in plan.scheduled]  # noqa: E731
+    assert chunks(policy(idle_budget_s=0.05)(s)) == [("w", 100), ("be", 300)]
+    assert chunks(Bros(cost, max_num_seqs=64, idle_budget_s=0.05)(s)) == [("w", 100), ("be", 1948)]
