@@ -139,8 +139,9 @@ class Bros:
 
     @staticmethod
     def _rt_order(snap: Snapshot, res) -> list[Candidate]:
-        """RT candidates, most urgent first: those that can still meet their SLO by residual time,
-        then [open choice] those whose TTFT already passed, by residual time too.
+        """RT candidates, most urgent first (``res``: the urgency, residual less the further
+        iterations a prompt needs): those that can still meet their SLO, then [open choice]
+        those whose TTFT already passed, by residual time.
 
         Serving the latest requests first (pure residual order) is earliest-deadline-first, which
         under overload makes every request late in turn (the domino effect seen in the simulator

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tandem.engine.messages import CacheType
+from tandem.sched.bros import Bros
 from tandem.sched.cost_model import CostModel, StepShape
 from tandem.sched.policy import Candidate, Limits, Snapshot
-from tandem.sched.bros import Bros
 from tandem.sched.tandem import Mechanism, Tandem
 
 COST = CostModel(base=0.01, per_prefill_token=1e-4, per_prefill_attn=0.0, per_decode_token=1e-3,
@@ -35,6 +35,11 @@ def snap(running, waiting, free=10_000, seqs=64, hidden=0, t_avg=0.0):
 
 def policy(max_num_seqs=64, **kw):
     return Tandem(cost, max_num_seqs=max_num_seqs, rho=1e-4, **kw)
+
+
+def chunks(plan):
+    """(request, tokens) of each scheduled chunk, in plan order."""
+    return [(d.req_id, d.num_new_tokens) for d in plan.scheduled]
 
 
 def test_be_in_order_of_predicted_remaining_time_as_a_brute_force_sort():
@@ -80,11 +85,11 @@ def test_be_never_makes_the_rt_step_late():
     rt = cand("rt", 100, 50, rt=True, out=3, slo=0.05, pending=0.02)
     be = cand("be", 800, 40, computed=0)
     plan = policy()(snap([rt], [be]))
-    chunks = {d.req_id: d.num_new_tokens for d in plan.scheduled}
-    assert chunks["rt"] == 1
-    shape = StepShape().add(1, 103, True).add(chunks.get("be", 0), chunks.get("be", 0), False)
+    sizes = {d.req_id: d.num_new_tokens for d in plan.scheduled}
+    assert sizes["rt"] == 1
+    shape = StepShape().add(1, 103, True).add(sizes.get("be", 0), sizes.get("be", 0), False)
     assert COST.predict(shape) <= 0.03 + 1e-9
-    assert 0 < chunks.get("be", 0) < 800
+    assert 0 < sizes.get("be", 0) < 800
 
 
 def test_hidden_cache_only_where_kv_does_not_fit_and_it_pays():
@@ -192,7 +197,6 @@ def test_be_never_takes_the_place_of_an_rt_prompt():
     w = cand("w", 500, 50, rt=True, computed=0, blocks=0, slo=10.0, arrival=1.0)
     b = cand("b", 100, 10, out=3)
     s = snap([d, b], [w], t_avg=0.02)
-    chunks = lambda plan: [(x.req_id, x.num_new_tokens) for x in plan.scheduled]  # noqa: E731
     assert chunks(policy()(s)) == [("d", 1), ("w", 188)]
     assert chunks(Bros(cost, max_num_seqs=64)(s)) == [("d", 1), ("b", 1)]
 
@@ -201,10 +205,10 @@ def test_an_rt_prompt_is_not_held_behind_be_work_up_to_its_ttft():
     """No decoding RT request bounds the iteration, only a prompt with 10 s of TTFT slack: BROS
     stretches the iteration with the BE prompt up to that slack (its first token would come
     seconds late), tandem stops at the tightest RT target it knows (50 ms: 10 ms + 100 prompt
-    tokens + 300 BE tokens at 0.1 ms)."""
+    tokens + 300 BE tokens at 0.1 ms). Every time here is the test cost model's prediction (no
+    clock is read): the chunk sizes follow from it exactly."""
     w = cand("w", 100, 50, rt=True, computed=0, blocks=0, slo=10.0)
     be = cand("be", 2000, 40, computed=0, blocks=0)
     s = snap([], [w, be])
-    chunks = lambda plan: [(x.req_id, x.num_new_tokens) for x in plan.scheduled]  # noqa: E731
     assert chunks(policy(idle_budget_s=0.05)(s)) == [("w", 100), ("be", 300)]
     assert chunks(Bros(cost, max_num_seqs=64, idle_budget_s=0.05)(s)) == [("w", 100), ("be", 1948)]
