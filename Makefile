@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# the default policy predicts output lengths with the trained predictor: trained once (minutes)
-PREDICTOR := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/tandem/predictor/meta.json
+# the default policy predicts output lengths with the trained predictor: trained once (minutes),
+# and again where it predates the whole-prompt text head (text.pt)
+PREDICTOR := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/tandem/predictor/text.pt
 
 $(PREDICTOR): | $(STAMP)
 	$(VPY) -m predictor train

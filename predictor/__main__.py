@@ -14,7 +14,8 @@ def main(argv=None, prog: str = "python -m predictor") -> int:
     t = sub.add_parser("train", help="fit the seed predictor on ShareGPT's training records")
     t.add_argument("--out", type=Path, default=None, help="directory (default: the user cache)")
     t.add_argument("--limit", type=int, default=None, help="use only the first N training records")
-    t.add_argument("--epochs", type=int, default=80)
+    t.add_argument("--epochs", type=int, default=80, help="epochs of the embedding head")
+    t.add_argument("--text-epochs", type=int, default=40, help="epochs of the text head")
     t.add_argument("--k", type=int, default=None)
     t.add_argument("--threshold", type=float, default=None)
     t.add_argument("--max-tokens", type=int, default=None)
@@ -42,7 +43,7 @@ def _train(a) -> int:
     settings = replace(Settings(), **{k: v for k, v in given.items() if v is not None})
     examples = sharegpt(held_out=False, limit=a.limit)
     print(f"{len(examples)} ShareGPT training records; settings {settings}")
-    train(examples, settings, epochs=a.epochs, out=a.out or default_dir())
+    train(examples, settings, epochs=a.epochs, text_epochs=a.text_epochs, out=a.out or default_dir())
     return 0
 
 
@@ -68,7 +69,7 @@ def _predict(a) -> int:
     from tandem.predictor.model import LengthPredictor
     pred = LengthPredictor.load(a.path)
     for prompt, out in zip(a.prompts, pred.predict_detailed(a.prompts)):
-        how = f"similar past prompts (best {out.similarity:.2f})" if out.retrieved else "the MLP"
+        how = f"similar past prompts (best {out.similarity:.2f})" if out.retrieved else "the fallback heads"
         print(f"{out.length:>6} tokens  by {how}: {prompt[:60]!r}")
     return 0
 

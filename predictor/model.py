@@ -3,7 +3,7 @@
     V = Enc(prompt)                                # unit vector
     (S, L) = the k most similar past prompts and their real output lengths
     if max(S) >= s0:  L̂ = Σ_{s >= s0} s·len / Σ_{s >= s0} s      (retrieval)
-    else:             L̂ = ½·MLP(V) + ½·wmedian(len; weights max(S, 0))   (fallback)
+    else:             L̂ = √( Text(prompt) · (½·MLP(V) + ½·wmedian(len; weights max(S, 0))) )   (fallback)
     spread:           SPREAD equally likely lengths, the similarity-weighted quantiles of the
                       same neighbours' lengths (fallback: of all k, scaled so their median is L̂)
     on finish:        add (V, real length) to the index
@@ -11,7 +11,11 @@
 The fallback departs from the paper's MLP alone: neighbours below the threshold still
 say something, and on held-in validation records (ShareGPT 12,000-15,000, fitted on the
 records before) averaging the MLP with their similarity-weighted median cut the mean
-absolute error by about 3% (``blend=False`` restores the MLP alone).
+absolute error by about 3% (``blend=False`` restores the MLP alone). Text(prompt) is a
+second head that reads the whole prompt's words where the encoder reads its first few
+(predictor/text.py); the geometric mean with it cut the same validation error by another 5%
+and raised the rank correlation with the real lengths from 0.45 to 0.53 (``text_hidden=0``
+leaves it out).
 
 The spread is what a scheduler needs to rank a request that has outlived part of it (see
 sched/alise.py, the Gittins index); L̂ is what it needs to budget memory.
@@ -21,9 +25,10 @@ Everything here is numbers in, numbers out; the scheduler decides what they mean
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +37,7 @@ from tandem.paths import cache_dir
 from tandem.predictor.embed import DEFAULT_MAX_TOKENS, DIM, Embedder
 from tandem.predictor.head import LengthHead
 from tandem.predictor.index import LengthIndex
+from tandem.predictor.text import TextHead
 
 FORMAT = 1
 SPREAD = 8                   # points of a prediction's length distribution
@@ -49,6 +55,7 @@ class Settings:
     max_tokens: int = DEFAULT_MAX_TOKENS   # encoder tokens read per prompt
     hidden: int = 512            # width of the fallback MLP
     blend: bool = True           # fallback: MLP averaged with the neighbours' weighted median
+    text_hidden: int = 256       # width of the text head's MLP (0: no text head)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +70,10 @@ class LengthPredictor:
     """``predict(prompts) -> list[int]``; ``observe(prompts, lengths)`` teaches it real lengths."""
 
     def __init__(self, settings: Settings, head: LengthHead, index: LengthIndex | None = None,
-                 embedder: Embedder | None = None):
+                 embedder: Embedder | None = None, text: TextHead | None = None):
         self.settings = settings
         self.head = head
+        self.text = text
         self.index = index if index is not None else LengthIndex(DIM)
         self._embedder = embedder
         self._lock = threading.Lock()
@@ -82,14 +90,15 @@ class LengthPredictor:
         meta = json.loads(meta_file.read_text())
         if meta.get("format") != FORMAT:
             raise ValueError(f"{d}: predictor format {meta.get('format')!r}, expected {FORMAT}")
-        s = Settings(**meta["settings"])
-        return cls(s, LengthHead.load(d / "head.pt", DIM, s.hidden), LengthIndex.load(d, DIM))
+        s = Settings(**{"text_hidden": 0, **meta["settings"]})   # saved before the text head: none
+        text = TextHead.load(d / "text.pt", s.text_hidden) if s.text_hidden else None
+        return cls(s, LengthHead.load(d / "head.pt", DIM, s.hidden), LengthIndex.load(d, DIM), text=text)
 
     def predict(self, prompts: list[str]) -> list[int]:
         return [p.length for p in self.predict_detailed(prompts)]
 
     def predict_detailed(self, prompts: list[str]) -> list[Prediction]:
-        return self.predict_vectors(self.encode(prompts), [len(p) for p in prompts])
+        return self.predict_vectors(self.encode(prompts), prompts)
 
     def observe(self, prompts: list[str], lengths: list[int]) -> None:
         """Remember the real output lengths of finished prompts."""
@@ -107,24 +116,27 @@ class LengthPredictor:
             raise TypeError("prompts: a list of strings, not one string")
         return self.embedder.encode(list(prompts))
 
-    def predict_vectors(self, vectors: np.ndarray, chars: list[int]) -> list[Prediction]:
-        """Predictions for prompts embedded as ``vectors`` and ``chars`` characters long."""
+    def predict_vectors(self, vectors: np.ndarray, texts: list[str]) -> list[Prediction]:
+        """Predictions for the prompts ``texts``, embedded as ``vectors``."""
         s = self.settings
         with self._lock:
             sims, lens = self.index.query(vectors, s.k)
         out: list[Prediction] = []
         fallback = [i for i in range(len(vectors)) if sims.shape[1] == 0 or sims[i, 0] < s.threshold]
-        mlp = dict(zip(fallback, self.head.predict(vectors[fallback], np.asarray(chars)[fallback]))) if fallback else {}
+        mlp = dict(zip(fallback, self.head.predict(vectors[fallback], [len(texts[i]) for i in fallback]))) if fallback else {}
+        text = dict(zip(fallback, self.text.predict([texts[i] for i in fallback]))) if fallback and self.text else {}
         for i in range(len(vectors)):
             best = float(sims[i, 0]) if sims.shape[1] else -1.0
             if i in mlp:
                 guess, w = mlp[i], np.maximum(sims[i], 0.0)
                 if not sims.shape[1]:
-                    out.append(Prediction(_tokens(guess), False, best))
+                    out.append(Prediction(_tokens(math.sqrt(guess * text[i]) if text else guess), False, best))
                     continue
                 med = weighted_median(lens[i], w)
                 if s.blend:
                     guess = 0.5 * guess + 0.5 * med
+                if text:
+                    guess = math.sqrt(guess * text[i])
                 pts = spread(lens[i], w) * (guess / max(med, 1.0))
                 out.append(Prediction(_tokens(guess), False, best, tuple(_tokens(x) for x in pts)))
                 continue
@@ -147,9 +159,13 @@ class LengthPredictor:
         with self._lock:
             self.index.save(tmp)
             self.head.save(tmp / "head.pt")
-            meta = {"format": FORMAT, "settings": asdict(self.settings), "size": len(self.index)}
+            if self.text is not None:
+                self.text.save(tmp / "text.pt")
+            settings = self.settings if self.text is not None else replace(self.settings, text_hidden=0)
+            meta = {"format": FORMAT, "settings": asdict(settings), "size": len(self.index)}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        for name in ("index.bin", "lengths.npy", "head.pt", "meta.json"):   # meta last: it marks done
+        names = ("index.bin", "lengths.npy", "head.pt") + (("text.pt",) if self.text is not None else ())
+        for name in names + ("meta.json",):                                   # meta last: it marks done
             os.replace(tmp / name, d / name)
         tmp.rmdir()
 

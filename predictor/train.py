@@ -1,4 +1,4 @@
-"""Build the seed predictor: embed the training prompts, fit the MLP, index them all."""
+"""Build the seed predictor: embed the training prompts, fit the MLP and the text head, index them all."""
 from __future__ import annotations
 
 import time
@@ -9,11 +9,12 @@ from tandem.predictor.embed import DIM, Embedder
 from tandem.predictor.head import LengthHead
 from tandem.predictor.index import LengthIndex
 from tandem.predictor.model import LengthPredictor, Settings
+from tandem.predictor.text import TextHead
 
 
-def train(examples: Examples, settings: Settings = Settings(), *, epochs: int = 80, seed: int = 0,
-          out: Path | None = None, log=print) -> LengthPredictor:
-    """A predictor whose index holds every example and whose MLP was fitted on them.
+def train(examples: Examples, settings: Settings = Settings(), *, epochs: int = 80, text_epochs: int = 40,
+          seed: int = 0, out: Path | None = None, log=print) -> LengthPredictor:
+    """A predictor whose index holds every example and whose MLP and text head were fitted on them.
 
     Refuses held-out records (ShareGPT index >= HELD_OUT_FROM): those only evaluate.
     """
@@ -31,9 +32,15 @@ def train(examples: Examples, settings: Settings = Settings(), *, epochs: int = 
     losses = head.fit(vectors, [len(p) for p in examples.prompts], examples.lengths, epochs=epochs, seed=seed,
                       progress=True)
     log(f"fitted the MLP in {time.perf_counter() - t0:.0f} s (L1 in log space: {losses[-1]:.3f})")
+    text = None
+    if settings.text_hidden:
+        t0 = time.perf_counter()
+        text = TextHead(settings.text_hidden)
+        losses = text.fit(examples.prompts, examples.lengths, epochs=text_epochs, seed=seed, progress=True)
+        log(f"fitted the text head in {time.perf_counter() - t0:.0f} s (L1 in log space: {losses[-1]:.3f})")
     index = LengthIndex(DIM, capacity=len(examples))
     index.add(vectors, examples.lengths)
-    pred = LengthPredictor(settings, head, index, embedder)
+    pred = LengthPredictor(settings, head, index, embedder, text)
     if out is not None:
         pred.save(out)
         log(f"saved to {out}")

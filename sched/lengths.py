@@ -89,7 +89,7 @@ class LengthSource:
                 r.predicted_len = r.sampling.max_tokens
             return
         vecs = self.predictor.encode(texts)
-        preds = self.predictor.predict_vectors(vecs, [len(t) for t in texts])
+        preds = self.predictor.predict_vectors(vecs, texts)
         with self._lock:
             for r, p, v in zip(reqs, preds, vecs):
                 cap = r.sampling.max_tokens if self.cap else None

@@ -3,14 +3,17 @@ embeddings (numbers recorded from it), exact nearest neighbours by brute force, 
 prediction rule recomputed by hand, and a real train / save / load / learn cycle."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
 from tandem.predictor.embed import DIM, Embedder
-from tandem.predictor.evaluate import lad_line
+from tandem.predictor.evaluate import lad_line, spearman
 from tandem.predictor.head import LengthHead
 from tandem.predictor.index import LengthIndex
 from tandem.predictor.model import LengthPredictor, Settings
+from tandem.predictor.text import TextHead
 
 SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.",
              "The new movie is awful and far too long for anyone to enjoy it."]
@@ -90,17 +93,22 @@ def test_prediction_rule_by_hand():
     lengths = rng.integers(1, 1000, 400)
     head = LengthHead(DIM, 32)
     head.fit(base, rng.integers(10, 5000, 400), lengths, epochs=3)
-    s = Settings(k=8, threshold=0.8, hidden=32)
+    words = ["brief", "essay", "code", "list", "why", "story"]
+    corpus = [" ".join(rng.choice(words, 6)) for _ in range(400)]
+    text = TextHead(16)
+    text.fit(corpus, lengths, epochs=2)
+    s = Settings(k=8, threshold=0.8, hidden=32, text_hidden=16)
     ix = LengthIndex(DIM, ef=400)               # searches every item: exact, as the reference
     ix.add(base, lengths)
-    p = LengthPredictor(s, head, ix)
+    p = LengthPredictor(s, head, ix, text=text)
     near = base[:20] + 0.2 * _unit(rng, 20)     # close to a stored prompt: retrieval
     far = _unit(rng, 20)                        # unlike anything: the fallback
     q = np.concatenate([near, far])
     q /= np.linalg.norm(q, axis=1, keepdims=True)
-    chars = rng.integers(10, 5000, 40)
-    got = p.predict_vectors(q, chars.tolist())
-    mlp = head.predict(q, chars)
+    texts = [" ".join(rng.choice(words, n)) for n in rng.integers(1, 30, 40)]
+    got = p.predict_vectors(q, texts)
+    mlp = head.predict(q, [len(t) for t in texts])
+    second = text.predict(texts)
     for i, g in enumerate(got):
         sim = q[i] @ base.T
         top = np.argsort(-sim)[:8]
@@ -111,7 +119,7 @@ def test_prediction_rule_by_hand():
             assert g.spread == _spread([lengths[j] for j in keep], [sim[j] for j in keep]), i
         else:
             ls, ws = [lengths[j] for j in top], [max(sim[j], 0) for j in top]
-            want = 0.5 * mlp[i] + 0.5 * _wmedian(ls, ws)
+            want = math.sqrt((0.5 * mlp[i] + 0.5 * _wmedian(ls, ws)) * second[i])
             assert not g.retrieved
             assert g.spread == _spread(ls, ws, want / _wmedian(ls, ws)), i
         assert g.length == max(1, round(want)), i
@@ -125,7 +133,7 @@ def test_empty_index_uses_the_mlp():
     head = LengthHead(DIM, 16)
     p = LengthPredictor(Settings(hidden=16), head)
     q = _unit(rng, 3)
-    got = p.predict_vectors(q, [5, 50, 500])
+    got = p.predict_vectors(q, ["a" * 5, "b" * 50, "c" * 500])
     assert [g.length for g in got] == [max(1, round(x)) for x in head.predict(q, [5, 50, 500])]
     assert not any(g.retrieved for g in got)
     assert all(g.spread == () for g in got)       # no neighbours, no spread: the length alone
@@ -139,6 +147,22 @@ def test_lad_line_is_the_least_absolute_deviation_fit():
     cost = np.abs(y - a - b * x).sum()
     grid = min(np.abs(y - aa - bb * x).sum() for aa in np.linspace(-10, 15, 101) for bb in np.linspace(1.5, 2.5, 101))
     assert cost <= grid + 1e-6 * grid
+
+
+def test_rank_correlation_by_counting():
+    """Spearman's rho: without ties the textbook 1 - 6 Σd² / (n(n² - 1)); with ties the Pearson
+    correlation of ranks counted by hand (values below, plus half the others equal)."""
+    rng = np.random.default_rng(4)
+    a, b = rng.permutation(50).astype(float), rng.permutation(50).astype(float)
+    assert spearman(a, b) == pytest.approx(1 - 6 * ((a - b) ** 2).sum() / (50 * (50 ** 2 - 1)))
+    x, y = rng.integers(0, 5, 60), rng.integers(0, 7, 60)
+
+    def rank(v):
+        return np.array([(v < e).sum() + ((v == e).sum() - 1) / 2 for e in v])
+    rx, ry = rank(x), rank(y)
+    want = ((rx - rx.mean()) * (ry - ry.mean())).sum() / np.sqrt(((rx - rx.mean()) ** 2).sum() * ((ry - ry.mean()) ** 2).sum())
+    assert spearman(x, y) == pytest.approx(want)
+    assert spearman(np.full(10, 3.0), np.arange(10)) == 0.0      # a constant predictor ranks nothing
 
 
 def test_train_save_load_and_learn_online(tmp_path, embedder):
@@ -213,7 +237,7 @@ def test_length_source_hands_length_and_spread_on_capped_or_not(embedder):
     ix.add(vecs, np.array([300, 500, 700, 900]))
     p = LengthPredictor(Settings(k=4, threshold=0.0, hidden=16), LengthHead(DIM, 16), ix, embedder=embedder)
     sims, lens = ix.query(vecs[:1], 4)
-    want = p.predict_vectors(vecs[:1], [len(prompts[0])])[0]
+    want = p.predict_vectors(vecs[:1], prompts[:1])[0]
     assert want.length == round(float((sims[0] * lens[0]).sum() / sims[0].sum()))
     assert want.spread == _spread(list(lens[0]), list(sims[0]))
     for cap, expect_len, expect_spread in ((True, min(want.length, 400), tuple(min(x, 400) for x in want.spread)),
