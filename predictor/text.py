@@ -32,9 +32,15 @@ NUMERIC = 6
 _WORD = re.compile(r"[a-z0-9]+|[^\sa-z0-9]")
 
 
-def hashed(text: str) -> list[int]:
-    """The rows of E a prompt reads: its distinct features, hashed (stable across processes)."""
-    words = _WORD.findall(text.lower())
+def split_words(text: str) -> list[str]:
+    """The prompt's lower-cased words and punctuation marks, in order."""
+    return _WORD.findall(text.lower())
+
+
+def hashed(text: str, words: list[str] | None = None) -> list[int]:
+    """The rows of E a prompt reads: its distinct features, hashed (stable across processes).
+    ``words``: the prompt's ``split_words``, when the caller has them already."""
+    words = split_words(text) if words is None else words
     feats = {"u:" + w for w in words}
     feats.update("b:" + a + " " + b for a, b in zip(words, words[1:]))
     feats.update("h:" + w for w in words[:EDGE])
@@ -42,9 +48,8 @@ def hashed(text: str) -> list[int]:
     return sorted(zlib.crc32(f.encode()) % BUCKETS for f in feats)
 
 
-def numeric(text: str) -> list[float]:
+def numeric(text: str, words: list[str]) -> list[float]:
     """Scaled logs of the prompt's size and of a few character counts."""
-    words = _WORD.findall(text.lower())
     return [math.log1p(len(text)) / 10, math.log1p(len(words)) / 10, math.log1p(text.count("\n")) / 5,
             math.log1p(text.count("?")) / 3, math.log1p(sum(text.count(c) for c in "{};=<>")) / 5,
             math.log1p(sum(c.isdigit() for c in text)) / 5]
@@ -71,7 +76,10 @@ class TextHead:
 
     @staticmethod
     def inputs(texts: list[str]) -> tuple[list[list[int]], np.ndarray]:
-        return [hashed(t) for t in texts], np.array([numeric(t) for t in texts], np.float32).reshape(-1, NUMERIC)
+        """Each text's hashed features and its numeric ones (its words split once)."""
+        split = [split_words(t) for t in texts]
+        return ([hashed(t, w) for t, w in zip(texts, split)],
+                np.array([numeric(t, w) for t, w in zip(texts, split)], np.float32).reshape(-1, NUMERIC))
 
     def predict(self, texts: list[str]) -> np.ndarray:
         """Predicted lengths (float, >= 1) of ``texts``."""
