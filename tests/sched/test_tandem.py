@@ -204,11 +204,12 @@ def test_be_never_takes_the_place_of_an_rt_prompt():
 def test_an_rt_prompt_is_not_held_behind_be_work_up_to_its_ttft():
     """No decoding RT request bounds the iteration, only a prompt with 10 s of TTFT slack: BROS
     stretches the iteration with the BE prompt up to that slack (its first token would come
-    seconds late), tandem stops at the tightest RT target it knows (50 ms: 10 ms + 100 prompt
-    tokens + 300 BE tokens at 0.1 ms). Every time here is the test cost model's prediction (no
-    clock is read): the chunk sizes follow from it exactly."""
+    seconds late), tandem stops at the tightest RT target it knows. No clock is read: that target
+    is set to what the test cost model prices a step of the 100 prompt tokens and 300 BE tokens
+    at, so tandem's plan must be exactly that step; BROS's is bounded by the token budget alone."""
     w = cand("w", 100, 50, rt=True, computed=0, blocks=0, slo=10.0)
     be = cand("be", 2000, 40, computed=0, blocks=0)
     s = snap([], [w, be])
-    assert chunks(policy(idle_budget_s=0.05)(s)) == [("w", 100), ("be", 300)]
-    assert chunks(Bros(cost, max_num_seqs=64, idle_budget_s=0.05)(s)) == [("w", 100), ("be", 1948)]
+    target = COST.predict(StepShape().add(100, 100, False).add(300, 300, False))   # cost-model units
+    assert chunks(policy(idle_budget_s=target)(s)) == [("w", 100), ("be", 300)]
+    assert chunks(Bros(cost, max_num_seqs=64, idle_budget_s=target)(s)) == [("w", 100), ("be", 1948)]
