@@ -13,6 +13,8 @@ Arrivals: Poisson at the paper's rates, and bursty (Gamma gaps, CV 3).
 
 Per policy: peak and mean active devices, memory utilisation of the active devices, migrations
 and (for BF / WF, which cannot migrate) preemptions per second, most item moves per operation.
+Beside them the floor: in each epoch no placement can use fewer devices than the KV blocks in
+use divided by a device's capacity, rounded up; its peak and mean bound every policy's.
 A BF / WF preemption keeps its progress here (it is placed again at once), which flatters them.
 """
 from __future__ import annotations
@@ -77,6 +79,7 @@ def simulate(reqs: list[SimRequest], policy: Placement, *, tbt_s: float, epoch_s
     nxt, t, timeline = 0, 0.0, []
     migrations = preemptions = max_ops = 0
     used_sum = active_sum = 0.0
+    floor: list[int] = []
     per_epoch = epoch_s / tbt_s
     while nxt < len(order) or done:
         t += epoch_s
@@ -106,12 +109,14 @@ def simulate(reqs: list[SimRequest], policy: Placement, *, tbt_s: float, epoch_s
         used_sum += used
         active_sum += len(cl.active)
         timeline.append(len(cl.active))
+        floor.append(math.ceil(used / capacity))
     seconds = t
     return {"policy": policy.value, "peak_devices": max(timeline, default=0),
             "mean_devices": active_sum / max(1, len(timeline)),
             "memory_utilisation": used_sum / max(1.0, active_sum * capacity),
             "migrations_per_s": migrations / seconds, "preemptions_per_s": preemptions / seconds,
-            "max_moves_per_op": max_ops, "seconds": seconds, "timeline": timeline}
+            "max_moves_per_op": max_ops, "seconds": seconds, "timeline": timeline,
+            "floor_peak": max(floor, default=0), "floor_mean": sum(floor) / max(1, len(floor)), "floor": floor}
 
 
 def run(args) -> None:
@@ -135,14 +140,16 @@ def run(args) -> None:
 def _print_group(rows: list[dict]) -> None:
     r0 = rows[0]
     base = {r["policy"]: r["peak_devices"] for r in rows}
-    print(f"\n{r0['trace']}  cv={r0['cv']}  rate={r0['rate']} req/s")
+    print(f"\n{r0['trace']}  cv={r0['cv']}  rate={r0['rate']} req/s  floor (KV in use / capacity): "
+          f"peak {r0['floor_peak']}, mean {r0['floor_mean']:.1f}")
     print(f"{'policy':6} {'peak':>5} {'mean':>6} {'util':>6} {'migr/s':>7} {'preempt/s':>9} "
-          f"{'moves/op':>8} {'peak/WF':>7} {'peak/BF':>7}")
+          f"{'moves/op':>8} {'peak/WF':>7} {'peak/BF':>7} {'peak/floor':>10}")
     for r in rows:
         print(f"{r['policy']:6} {r['peak_devices']:5d} {r['mean_devices']:6.1f} "
               f"{100 * r['memory_utilisation']:5.1f}% {r['migrations_per_s']:7.3f} "
               f"{r['preemptions_per_s']:9.3f} {r['max_moves_per_op']:8d} "
-              f"{r['peak_devices'] / base.get('wf', math.nan):7.2f} {r['peak_devices'] / base.get('bf', math.nan):7.2f}")
+              f"{r['peak_devices'] / base.get('wf', math.nan):7.2f} {r['peak_devices'] / base.get('bf', math.nan):7.2f} "
+              f"{r['peak_devices'] / max(1, r['floor_peak']):10.2f}")
 
 
 def _plot(rows: list[dict]) -> None:
@@ -157,6 +164,8 @@ def _plot(rows: list[dict]) -> None:
     for r in pick:
         if r["rate"] == rate:
             ax.plot(r["timeline"], label=r["policy"], linewidth=1)
+            floor = r["floor"]
+    ax.plot(floor, label="floor (KV / capacity)", color="black", linestyle=":", linewidth=1)
     ax.set_xlabel("time (s)")
     ax.set_ylabel("active devices")
     ax.set_title(f"ShareGPT x10, Poisson {rate} req/s, 80 GB devices, 13B-class KV")
