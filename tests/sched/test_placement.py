@@ -238,3 +238,17 @@ def test_mell_new_l_device_takes_t_fillers_from_the_newest_t_device():
     assert [(m.req_id, m.src, m.dst) for m in dec.moves] == [("t5", 1, 2)]   # 38/48: enough
     assert layout(cl2) == {0: {"t1", "t2", "t3", "t4"}, 1: {"t6"}, 2: {"big", "t5"}}
     assert not violations(cl2)
+
+
+def test_mell_t_departure_refills_only_a_device_left_under_three_quarters():
+    """A T-device that stays 3/4 full after a T departure keeps its room for its requests'
+    growth (Theorem 1 asks no more); one left under 3/4 takes the largest T-item that fits from
+    the most recently activated T-device."""
+    devices = {0: {"t1": 10, "t2": 10, "t3": 10, "t4": 9, "t0": 8}, 1: {"t5": 8, "t6": 7}}
+    cl2, dec = place(Placement.MELL, cluster(devices), Epoch(departures={"t0"}))    # 39/48 left
+    assert not dec.moves
+    assert layout(cl2) == {0: {"t1", "t2", "t3", "t4"}, 1: {"t5", "t6"}}
+    cl2, dec = place(Placement.MELL, cluster(devices), Epoch(departures={"t0", "t1"}))   # 29/48 left
+    assert [(m.req_id, m.src, m.dst) for m in dec.moves] == [("t5", 1, 0)]
+    assert layout(cl2) == {0: {"t2", "t3", "t4", "t5"}, 1: {"t6"}}
+    assert not violations(cl2)
