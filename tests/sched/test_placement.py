@@ -252,3 +252,14 @@ def test_mell_t_departure_refills_only_a_device_left_under_three_quarters():
     assert [(m.req_id, m.src, m.dst) for m in dec.moves] == [("t5", 1, 0)]
     assert layout(cl2) == {0: {"t2", "t3", "t4", "t5"}, 1: {"t6"}}
     assert not violations(cl2)
+
+
+def test_mell_overflow_moves_the_item_with_fewest_requests_that_makes_room():
+    """A T-device overflows by one block as a request grows within its category. Every T-item
+    there would make room; the single request that does (the smallest) moves, not the
+    multi-item of three tiny requests of the same size as the largest."""
+    cl = cluster({0: {"t1": 10, "t2": 10, "t3": 10, "t4": 7, "x1": 4, "x2": 3, "x3": 3}, 1: {"u": 10}},
+                 groups={"x1": "g", "x2": "g", "x3": "g"})
+    cl2, dec = place(Placement.MELL, cl, Epoch(sizes={"t4": 9}))        # 49 > 48
+    assert [(m.req_id, m.src, m.dst) for m in dec.moves] == [("t4", 0, 1)]
+    assert layout(cl2) == {0: {"t1", "t2", "t3", "x1", "x2", "x3"}, 1: {"u", "t4"}}
