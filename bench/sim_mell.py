@@ -115,8 +115,8 @@ def simulate(reqs: list[SimRequest], policy: Placement, *, tbt_s: float, epoch_s
             "mean_devices": active_sum / max(1, len(timeline)),
             "memory_utilisation": used_sum / max(1.0, active_sum * capacity),
             "migrations_per_s": migrations / seconds, "preemptions_per_s": preemptions / seconds,
-            "max_moves_per_op": max_ops, "seconds": seconds, "timeline": timeline,
-            "floor_peak": max(floor, default=0), "floor_mean": sum(floor) / max(1, len(floor)), "floor": floor}
+            "max_moves_per_op": max_ops, "seconds": seconds, "timeline": timeline, "floor": floor,
+            "floor_peak": max(floor, default=0), "floor_mean": sum(floor) / max(1, len(floor))}
 
 
 def run(args) -> None:
@@ -161,11 +161,10 @@ def _plot(rows: list[dict]) -> None:
     rate = max(r["rate"] for r in pick)
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    for r in pick:
-        if r["rate"] == rate:
-            ax.plot(r["timeline"], label=r["policy"], linewidth=1)
-            floor = r["floor"]
-    ax.plot(floor, label="floor (KV / capacity)", color="black", linestyle=":", linewidth=1)
+    mine = [r for r in pick if r["rate"] == rate]
+    for r in mine:
+        ax.plot(r["timeline"], label=r["policy"], linewidth=1)
+    ax.plot(mine[0]["floor"], label="floor (KV / capacity)", color="black", linestyle=":", linewidth=1)
     ax.set_xlabel("time (s)")
     ax.set_ylabel("active devices")
     ax.set_title(f"ShareGPT x10, Poisson {rate} req/s, 80 GB devices, 13B-class KV")
