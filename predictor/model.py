@@ -129,14 +129,14 @@ class LengthPredictor:
             best = float(sims[i, 0]) if sims.shape[1] else -1.0
             if i in mlp:
                 guess, w = mlp[i], np.maximum(sims[i], 0.0)
-                if not sims.shape[1]:
-                    out.append(Prediction(_tokens(math.sqrt(guess * text[i]) if text else guess), False, best))
-                    continue
-                med = weighted_median(lens[i], w)
-                if s.blend:
+                med = weighted_median(lens[i], w) if sims.shape[1] else None
+                if med is not None and s.blend:
                     guess = 0.5 * guess + 0.5 * med
                 if text:
                     guess = math.sqrt(guess * text[i])
+                if med is None:                            # an empty index: no neighbours, no spread
+                    out.append(Prediction(_tokens(guess), False, best))
+                    continue
                 pts = spread(lens[i], w) * (guess / max(med, 1.0))
                 out.append(Prediction(_tokens(guess), False, best, tuple(_tokens(x) for x in pts)))
                 continue
