@@ -231,26 +231,29 @@ def test_a_bounded_box_never_opens_more_devices_than_it_has(policy):
 
 def test_mell_new_l_device_takes_t_fillers_from_the_newest_t_device():
     """T-devices may only exist while every L/M-device is 3/4 full: a new L-device pulls
-    T-items (largest that fits first) from the most recently activated T-device."""
+    T-items from the most recently activated T-device, the smallest that brings it to 3/4."""
     cl = cluster({0: {"t1": 10, "t2": 10, "t3": 10, "t4": 9}, 1: {"t5": 8, "t6": 7}})
     cl2, dec = place(Placement.MELL, cl, Epoch({"big": 30}))       # 30/48 is under 3/4
     assert dec.placed == {"big": 2}
-    assert [(m.req_id, m.src, m.dst) for m in dec.moves] == [("t5", 1, 2)]   # 38/48: enough
-    assert layout(cl2) == {0: {"t1", "t2", "t3", "t4"}, 1: {"t6"}, 2: {"big", "t5"}}
+    assert [(m.req_id, m.src, m.dst) for m in dec.moves] == [("t6", 1, 2)]   # 37/48: enough
+    assert layout(cl2) == {0: {"t1", "t2", "t3", "t4"}, 1: {"t5"}, 2: {"big", "t6"}}
     assert not violations(cl2)
 
 
 def test_mell_t_departure_refills_only_a_device_left_under_three_quarters():
     """A T-device that stays 3/4 full after a T departure keeps its room for its requests'
-    growth (Theorem 1 asks no more); one left under 3/4 takes the largest T-item that fits from
-    the most recently activated T-device."""
+    growth (Theorem 1 asks no more); one left under 3/4 takes, from the most recently activated
+    T-device, the smallest T-item that brings it back to 3/4 (36/48), not the largest."""
     devices = {0: {"t1": 10, "t2": 10, "t3": 10, "t4": 9, "t0": 8}, 1: {"t5": 8, "t6": 7}}
     cl2, dec = place(Placement.MELL, cluster(devices), Epoch(departures={"t0"}))    # 39/48 left
     assert not dec.moves
     assert layout(cl2) == {0: {"t1", "t2", "t3", "t4"}, 1: {"t5", "t6"}}
     cl2, dec = place(Placement.MELL, cluster(devices), Epoch(departures={"t0", "t1"}))   # 29/48 left
-    assert [(m.req_id, m.src, m.dst) for m in dec.moves] == [("t5", 1, 0)]
-    assert layout(cl2) == {0: {"t2", "t3", "t4", "t5"}, 1: {"t6"}}
+    assert [(m.req_id, m.src, m.dst) for m in dec.moves] == [("t6", 1, 0)]             # 36/48
+    assert layout(cl2) == {0: {"t2", "t3", "t4", "t6"}, 1: {"t5"}}
+    cl2, dec = place(Placement.MELL, cluster(devices), Epoch(departures={"t0", "t1", "t2"}))  # 19/48
+    assert {(m.req_id, m.src, m.dst) for m in dec.moves} == {("t5", 1, 0), ("t6", 1, 0)}   # 34/48
+    assert layout(cl2) == {0: {"t3", "t4", "t5", "t6"}} and set(cl2.active) == {0}
     assert not violations(cl2)
 
 
@@ -263,3 +266,14 @@ def test_mell_overflow_moves_the_item_with_fewest_requests_that_makes_room():
     cl2, dec = place(Placement.MELL, cl, Epoch(sizes={"t4": 9}))        # 49 > 48
     assert [(m.req_id, m.src, m.dst) for m in dec.moves] == [("t4", 0, 1)]
     assert layout(cl2) == {0: {"t1", "t2", "t3", "x1", "x2", "x3"}, 1: {"u", "t4"}}
+
+
+def test_mell_t_item_fills_an_older_t_device_left_under_three_quarters():
+    """Device 0 is a T-device under 3/4 full (30/48) that is not the most recent one: a new
+    T-item goes there, where it closes the gap without a later migration, rather than onto the
+    most recent T-device (which has room too)."""
+    cl = cluster({0: {"t1": 10, "t2": 10, "t3": 10}, 1: {"t4": 9, "t5": 8}})
+    cl2, dec = place(Placement.MELL, cl, Epoch({"new": 8}))
+    assert dec.placed == {"new": 0} and not dec.moves
+    assert layout(cl2) == {0: {"t1", "t2", "t3", "new"}, 1: {"t4", "t5"}}
+    assert not violations(cl2)
