@@ -12,7 +12,8 @@ traces to long-context use), and a long-prompt trace (8k-48k-token prompts, repl
 Arrivals: Poisson at the paper's rates, and bursty (Gamma gaps, CV 3).
 
 Per policy: peak and mean active devices, memory utilisation of the active devices, migrations
-and (for BF / WF, which cannot migrate) preemptions per second, most item moves per operation.
+(and the KV bytes they move) and, for BF / WF, which cannot migrate, preemptions per second, most
+item moves per operation.
 Beside them the floor: in each epoch no placement can use fewer devices than the KV blocks in
 use divided by a device's capacity, rounded up; its peak and mean bound every policy's.
 A BF / WF preemption keeps its progress here (it is placed again at once), which flatters them.
@@ -77,7 +78,7 @@ def simulate(reqs: list[SimRequest], policy: Placement, *, tbt_s: float, epoch_s
     done: dict[str, int] = {}                      # live request -> tokens generated
     order = sorted(range(len(reqs)), key=lambda k: reqs[k].arrival_s)
     nxt, t, timeline = 0, 0.0, []
-    migrations = preemptions = max_ops = 0
+    migrations = preemptions = max_ops = moved_blocks = 0
     used_sum = active_sum = 0.0
     floor: list[int] = []
     per_epoch = epoch_s / tbt_s
@@ -103,6 +104,7 @@ def simulate(reqs: list[SimRequest], policy: Placement, *, tbt_s: float, epoch_s
                 sizes[rid] = blocks(r.prompt + int(n))
         cl, dec = place(policy, cl, Epoch(arr, gone, sizes))
         migrations += sum(m.kind is MoveKind.MIGRATION for m in dec.moves)
+        moved_blocks += sum(cl.sizes[m.req_id] for m in dec.moves if m.kind is MoveKind.MIGRATION)
         preemptions += sum(m.kind is MoveKind.PREEMPTION for m in dec.moves)
         max_ops = max([max_ops] + dec.item_moves)
         used = sum(cl.sizes.values())
@@ -115,6 +117,7 @@ def simulate(reqs: list[SimRequest], policy: Placement, *, tbt_s: float, epoch_s
             "mean_devices": active_sum / max(1, len(timeline)),
             "memory_utilisation": used_sum / max(1.0, active_sum * capacity),
             "migrations_per_s": migrations / seconds, "preemptions_per_s": preemptions / seconds,
+            "migrated_gb_per_s": moved_blocks * BLOCK_TOKENS * KV_BYTES_PER_TOKEN / seconds / 1e9,
             "max_moves_per_op": max_ops, "seconds": seconds, "timeline": timeline, "floor": floor,
             "floor_peak": max(floor, default=0), "floor_mean": sum(floor) / max(1, len(floor))}
 
@@ -142,11 +145,11 @@ def _print_group(rows: list[dict]) -> None:
     base = {r["policy"]: r["peak_devices"] for r in rows}
     print(f"\n{r0['trace']}  cv={r0['cv']}  rate={r0['rate']} req/s  floor (KV in use / capacity): "
           f"peak {r0['floor_peak']}, mean {r0['floor_mean']:.1f}")
-    print(f"{'policy':6} {'peak':>5} {'mean':>6} {'util':>6} {'migr/s':>7} {'preempt/s':>9} "
+    print(f"{'policy':6} {'peak':>5} {'mean':>6} {'util':>6} {'migr/s':>7} {'GB/s':>6} {'preempt/s':>9} "
           f"{'moves/op':>8} {'peak/WF':>7} {'peak/BF':>7} {'peak/floor':>10}")
     for r in rows:
         print(f"{r['policy']:6} {r['peak_devices']:5d} {r['mean_devices']:6.1f} "
-              f"{100 * r['memory_utilisation']:5.1f}% {r['migrations_per_s']:7.3f} "
+              f"{100 * r['memory_utilisation']:5.1f}% {r['migrations_per_s']:7.3f} {r['migrated_gb_per_s']:6.2f} "
               f"{r['preemptions_per_s']:9.3f} {r['max_moves_per_op']:8d} "
               f"{r['peak_devices'] / base.get('wf', math.nan):7.2f} {r['peak_devices'] / base.get('bf', math.nan):7.2f} "
               f"{r['peak_devices'] / max(1, r['floor_peak']):10.2f}")
