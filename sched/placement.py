@@ -360,6 +360,11 @@ class _Mell(_Books):
         items = self.items_on(d)
         return max((self.cat(i) for i in items), default=None)
 
+    def under_three_quarters(self, d: int) -> bool:
+        """Below Theorem 1's level: every T-device but the newest, and every L/M-device while
+        T-devices exist, holds at least 3/4 of C."""
+        return 4 * self.load(d) < 3 * self.C
+
     def count(self, d: int, c: Category) -> int:
         return sum(1 for i in self.items_on(d) if self.cat(i) is c)
 
@@ -410,7 +415,7 @@ class _Mell(_Books):
         T-device (which keeps every other T-device full); at most ``max_moves`` items, so an
         operation stays within its migration bound."""
         for _ in range(max_moves):
-            if 4 * self.load(d) >= 3 * self.C:
+            if not self.under_three_quarters(d):
                 return
             src = self.most_recent({Category.T}, exclude={d})
             if src is None:
@@ -435,7 +440,7 @@ class _Mell(_Books):
             return self.put(i, d, f"T-item fills {self.dev_cat(d).name}-device {d}")
         newest = self.most_recent({Category.T}, avoid)
         lagging = [d for d in self.cl.active if d not in avoid and d != newest and self.dev_cat(d) is Category.T
-                   and 4 * self.load(d) < 3 * self.C and self.free(d) >= s]
+                   and self.under_three_quarters(d) and self.free(d) >= s]
         if lagging:
             d = max(lagging, key=lambda d: (self.load(d), -d))
             return self.put(i, d, f"T-item fills T-device {d}, under 3/4 full")
@@ -556,7 +561,7 @@ class _Mell(_Books):
         requests' growth. Refilling it anyway packed it to the brim, so the next tokens
         overflowed it and an item moved out again: in the paper-scale simulation (six ShareGPT x10
         traces) the lazy refill moved 28-40% fewer requests, peaks within a device."""
-        if 4 * self.load(d) >= 3 * self.C:
+        if not self.under_three_quarters(d):
             return
         src = self.most_recent(kinds, exclude={d})
         if src is None:
@@ -784,12 +789,12 @@ def violations(cluster: Cluster) -> list[str]:
             out.append(f"M-device {d} holds {m.count(d, Category.M)} M-items")
         if c is Category.S and m.count(d, Category.S) != 3:
             out.append(f"S-device {d} holds {m.count(d, Category.S)} S-items")
-        if c is Category.T and 4 * m.load(d) < 3 * m.C:
+        if c is Category.T and m.under_three_quarters(d):
             out.append(f"T-device {d} is {m.load(d)}/{m.C} full")
         if c is Category.L and m._sm_room(d) > 0 and not any(
                 m.cat(i) in (Category.S, Category.M) for i in m.items_on(d)):
             if any(m.size(i) <= m._sm_room(d) for j, i in sm_items):
                 out.append(f"L-device {d} has room for an S/M-item left on an S/M-device")
-        if t_exist and c in (Category.L, Category.M) and 4 * m.load(d) < 3 * m.C:
+        if t_exist and c in (Category.L, Category.M) and m.under_three_quarters(d):
             out.append(f"T-devices exist while {c.name}-device {d} is {m.load(d)}/{m.C} full")
     return out
