@@ -53,3 +53,32 @@ def test_system_names_map_to_server_flags():
     assert tandem_args("tandem-aptserve-mixed", {"ttft_s": 0.5, "tbt_s": 0.1}, 0.25) == [
         "--policy", "aptserve", "--aptserve-mixed", "--slo-ttft-ms", "500.0", "--slo-tbt-ms", "100.0",
         "--kv-cache-bytes", str(2**28)]
+
+
+class _Called(Exception):
+    """Stops a command at the point where it hands its arguments to the online bench."""
+
+
+def _online_args(monkeypatch, run) -> dict:
+    import tandem.bench.online as online
+
+    def capture(args):
+        raise _Called(vars(args))
+    monkeypatch.setattr(online, "main", capture)
+    with pytest.raises(_Called) as called:
+        run()
+    return called.value.args[0]
+
+
+def test_the_peers_table_gives_the_online_bench_every_setting_its_cli_has(monkeypatch):
+    """`bench table` calls the online bench with a hand-built namespace; every option that
+    `bench online` parses (the reference: its own command line, defaults only) must be in it,
+    or the table stops with an AttributeError part way through."""
+    import argparse
+    from tandem.bench import table
+    from tandem.bench.__main__ import main
+    cli = _online_args(monkeypatch, lambda: main(["online"]))
+    monkeypatch.setattr(table, "installed", lambda system: system == "tandem")
+    built = _online_args(monkeypatch, lambda: table.run(argparse.Namespace(
+        rates=[1.0, 2.0], duration=30.0, drain=60.0, search=None, skip_offline=True)))
+    assert set(cli) - {"cmd"} <= set(built), sorted(set(cli) - set(built))
