@@ -103,8 +103,9 @@ def simulate(reqs: list[SimRequest], policy: Placement, *, tbt_s: float, epoch_s
             elif blocks(r.prompt + int(n)) != cl.sizes[rid]:
                 sizes[rid] = blocks(r.prompt + int(n))
         cl, dec = place(policy, cl, Epoch(arr, gone, sizes))
-        migrations += sum(m.kind is MoveKind.MIGRATION for m in dec.moves)
-        moved_blocks += sum(cl.sizes[m.req_id] for m in dec.moves if m.kind is MoveKind.MIGRATION)
+        migrated = [m.req_id for m in dec.moves if m.kind is MoveKind.MIGRATION]
+        migrations += len(migrated)
+        moved_blocks += sum(cl.sizes[r] for r in migrated)
         preemptions += sum(m.kind is MoveKind.PREEMPTION for m in dec.moves)
         max_ops = max([max_ops] + dec.item_moves)
         used = sum(cl.sizes.values())
