@@ -132,6 +132,8 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     sl.add_argument("--swap-gib", type=float, default=64.0, help="host memory for swapped caches")
     sl.add_argument("--bar", type=float, default=2.0,
                     help="latency bar = this x FCFS's normalized latency at the lowest rate")
+    sl.add_argument("--noise", nargs="+", type=float, default=[0.25, 0.5, 0.75, 1.0],
+                    help="log-normal σ of each alise-noise system (the true lengths times exp(σz))")
     sl.add_argument("--seed", type=int, default=0)
     sl.add_argument("--tuning-range", action="store_true",
                     help="draw the trace from records before 15,000 (the predictor's training range: oracle and "

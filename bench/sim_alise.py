@@ -12,6 +12,12 @@ Poisson arrivals; all requests interactive with no SLO, as in the paper. Systems
     alise-oracle     the true lengths, swapping with int8 compression
     alise-recompute  predicted lengths, preempted requests recompute
     fcfs-swap        FCFS with swapping (what swapping alone buys)
+    alise-noise      the true lengths times log-normal noise, one system per ``--noise`` σ
+                     (``alise-noise0.5``, ...): what a predictor of that error would buy
+
+The noisy systems measure how good a predictor the policy needs: each request's length is
+L·exp(σz) (z standard normal, one draw per prompt), with the spread a predictor calibrated
+to that error would give, so they differ from the oracle only in the predictor's accuracy.
 
 Normalized latency = mean over requests of end-to-end latency / output tokens. Capacity at a
 latency bar = the highest rate at which a system stays under the bar (linear between the rates
@@ -20,7 +26,10 @@ run); the bar is FCFS's latency at its knee, taken as ``bar`` times its latency 
 from __future__ import annotations
 
 import json
+import math
+import random
 from dataclasses import asdict, replace
+from statistics import NormalDist
 
 from tandem.bench.sim_cli import RESULTS, _tokenizer
 from tandem.bench.simulator import SimSetup, simulate
@@ -38,6 +47,7 @@ SYSTEMS = {
     "alise-oracle": (dict(policy="alise", preemption_mode="swap"), "oracle"),
     "alise-recompute": (dict(policy="alise", preemption_mode="recompute"), "predictor"),
     "fcfs-swap": (dict(policy="fcfs", preemption_mode="swap"), None),
+    "alise-noise": (dict(policy="alise", preemption_mode="swap"), "predictor"),
 }
 # OPT-13B in fp16: 40 layers, 40 heads of 128; one pool block holds K or V of 16 tokens
 OPT_13B_BLOCK_BYTES = (40 * 16 * 5120 * 2, int8_block_bytes(40, 40, 128, 16))
@@ -63,6 +73,41 @@ def predict_all(traces: list[list[TraceItem]]) -> dict:
     return dict(zip(texts, p.predict_detailed(texts)))
 
 
+def noisy_predictions(truth: dict[str, int], sigma: float, seed: int) -> dict:
+    """A Prediction for every prompt of ``truth`` (prompt -> true length): the length times
+    exp(σz), z standard normal drawn per prompt in sorted order from ``seed``, and the spread
+    that error implies, the prediction times exp(σ Φ⁻¹((j + ½)/SPREAD)), j = 0..SPREAD-1 (its
+    quantiles: calibrated, by construction)."""
+    from tandem.predictor.model import SPREAD, Prediction
+    rng = random.Random(seed)
+    levels = [NormalDist().inv_cdf((j + 0.5) / SPREAD) for j in range(SPREAD)]
+    out = {}
+    for text in sorted(truth):
+        guess = truth[text] * math.exp(sigma * rng.gauss(0.0, 1.0))
+        out[text] = Prediction(max(1, round(guess)), False, 0.0,
+                               tuple(max(1, round(guess * math.exp(sigma * q))) for q in levels))
+    return out
+
+
+def rank_correlation(truth: dict[str, int], guess: dict) -> float:
+    """Spearman's rho between the predicted and the true lengths (``python -m predictor eval``'s)."""
+    import numpy as np
+    from tandem.predictor.evaluate import spearman
+    keys = sorted(truth)
+    return spearman(np.array([guess[k].length for k in keys], float), np.array([truth[k] for k in keys], float))
+
+
+def expand(systems: list[str], noise: list[float]) -> list[tuple[str, str, float | None]]:
+    """(label, system, σ): ``alise-noise`` once per σ, every other system once."""
+    out = []
+    for s in systems:
+        if s == "alise-noise":
+            out += [(f"alise-noise{x:g}", s, x) for x in noise]
+        else:
+            out.append((s, s, None))
+    return out
+
+
 def capacity(rows: list[dict], bar: float) -> tuple[float, bool]:
     """(highest rate under ``bar``, whether it was reached within the rates run)."""
     rows = sorted(rows, key=lambda r: r["rate"])
@@ -80,43 +125,53 @@ def run(args) -> dict:
     tok = _tokenizer()
     traces = {rate: sharegpt_trace(tok, rate, args.num_requests / rate, args.seed, max_context=2048,
                                    max_output_tokens=1024, held_out=not args.tuning_range) for rate in args.rates}
-    predicted = predict_all(list(traces.values())) if any(SYSTEMS[s][1] in ("predictor", "point") for s in args.systems) else {}
+    runs = expand(args.systems, args.noise)
+    needs = any(SYSTEMS[s][1] in ("predictor", "point") for _, s, x in runs if x is None)
+    predicted = predict_all(list(traces.values())) if needs else {}
+    truth = {it.user_text: it.max_tokens for tr in traces.values() for it in tr}
     rows = []
     print(f"{args.num_requests} held-out ShareGPT requests per rate, OPT-13B on an A100 (simulated), "
           f"{OPT_13B_A100_KV_TOKENS} KV tokens, host link {args.host_gbps:g} GB/s")
-    for system in args.systems:
+    for label, system, sigma in runs:
         fields, source = SYSTEMS[system]
+        lengths = predicted if sigma is None else noisy_predictions(truth, sigma, args.seed)
         setup = SimSetup(OPT_13B_A100, PoolGeometry(2 * OPT_13B_A100_KV_TOKENS // 16, 16),
                          SchedConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048,
                                      swap_space_bytes=int(args.swap_gib * 2**30), **fields),
                          2048, block_bytes=OPT_13B_BLOCK_BYTES, host_bw=args.host_gbps * 1e9)
         for rate in args.rates:
             stats: dict = {}
-            recs, makespan = simulate(with_lengths(traces[rate], source, predicted), setup, stats=stats)
+            recs, makespan = simulate(with_lengths(traces[rate], source, lengths), setup, stats=stats)
             ok = [r for r in recs if r.ok]
             norm = sum(r.normalized_latency for r in ok) / len(ok)
-            rows.append({"system": system, "rate": rate, "requests": len(recs), "makespan_s": makespan,
+            rows.append({"system": label, "rate": rate, "requests": len(recs), "makespan_s": makespan,
                          "norm_latency_s": norm, "preemptions": stats["preemptions"],
                          "swaps": stats["swaps"], "swap_gb": {k: v / 1e9 for k, v in stats["swap_bytes"].items()}})
-            print(f"  {system:>16} @ {rate:g} req/s: normalized latency {norm * 1e3:.1f} ms/token, "
+            print(f"  {label:>16} @ {rate:g} req/s: normalized latency {norm * 1e3:.1f} ms/token, "
                   f"{stats['preemptions']} preemptions, swaps {dict(stats['swaps'])}", flush=True)
-    return summarize(rows, args)
+    for label, _, sigma in runs:
+        if sigma is not None:
+            rho = rank_correlation(truth, noisy_predictions(truth, sigma, args.seed))
+            print(f"  {label}: rank correlation with the true lengths {rho:.2f}")
+    if predicted:
+        print(f"  the predictor: rank correlation with the true lengths {rank_correlation(truth, predicted):.2f}")
+    return summarize(rows, [label for label, _, _ in runs], args)
 
 
-def summarize(rows: list[dict], args) -> dict:
+def summarize(rows: list[dict], systems: list[str], args) -> dict:
     base = sorted((r for r in rows if r["system"] == "fcfs"), key=lambda r: r["rate"])
     bar = args.bar * base[0]["norm_latency_s"] if base else None
     caps = {}
     if bar is not None:
-        for system in args.systems:
+        for system in systems:
             caps[system] = capacity([r for r in rows if r["system"] == system], bar)
     print(f"\nnormalized latency (ms/token), mean over requests; bar = {args.bar:g} x FCFS at "
           f"{base[0]['rate']:g} req/s = {bar * 1e3:.1f} ms/token\n" if bar else "")
-    print("| rate | " + " | ".join(args.systems) + " |")
-    print("|---|" + "---|" * len(args.systems))
+    print("| rate | " + " | ".join(systems) + " |")
+    print("|---|" + "---|" * len(systems))
     for rate in args.rates:
         cells = [next((f"{r['norm_latency_s'] * 1e3:.1f}" for r in rows if r["system"] == s and r["rate"] == rate), "-")
-                 for s in args.systems]
+                 for s in systems]
         print(f"| {rate:g} | " + " | ".join(cells) + " |")
     if caps and caps.get("fcfs", (0,))[0] > 0:
         f = caps["fcfs"][0]
