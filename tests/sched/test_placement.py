@@ -121,6 +121,39 @@ def test_baselines_keep_consistent_books(run, policy):
             assert kinds <= {MoveKind.PREEMPTION}
 
 
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(epochs(max_live=12), st.sampled_from(list(Placement)), st.integers(2, 3))
+def test_a_full_box_never_moves_a_request_onto_a_device_it_overflows(run, policy, devices):
+    """On a box with a fixed number of devices, every move the decision carries out ends on a
+    device the books show within capacity, the moved requests are where the moves say, and a
+    multi-item's members share one device."""
+    cl = Cluster(C, max_devices=devices)
+    for ep in run:
+        before = dict(cl.where)
+        cl, dec = place(policy, cl, ep)
+        load = {d: sum(cl.sizes[r] for r in rs) for d, rs in layout(cl).items()}
+        for m in dec.moves:
+            assert before[m.req_id] == m.src and cl.where[m.req_id] == m.dst
+            assert load[m.dst] <= C, (m, load)
+        for g in set(cl.groups.values()):
+            assert len({cl.where[r] for r, h in cl.groups.items() if h == g}) == 1
+
+
+@pytest.mark.parametrize("policy", [Placement.LB, Placement.WF, Placement.BF])
+def test_an_overflow_with_no_room_elsewhere_stays_put(policy):
+    """Both devices of a two-device box are nearly full; one request's growth takes device 0
+    over. Moving its newest request to device 1 would take that one over instead (and the
+    next epoch would move it back), so nothing moves; with room on device 1 it does."""
+    full = cluster({0: {"old": 20, "new": 20}, 1: {"c": 40}}, max_devices=2)
+    cl2, dec = place(policy, full, Epoch(sizes={"old": 30}))     # 50 on 48; device 1 has 8 free
+    assert not dec.moves and dec.overflowing == [0]
+    assert layout(cl2) == {0: {"old", "new"}, 1: {"c"}}
+    roomy = cluster({0: {"old": 20, "new": 20}, 1: {"c": 20}}, max_devices=2)
+    cl2, dec = place(policy, roomy, Epoch(sizes={"old": 30}))    # device 1 has 28 free
+    assert [(m.req_id, m.src, m.dst) for m in dec.moves] == [("new", 0, 1)]
+    assert not dec.overflowing
+
+
 def test_mell_needs_fewer_devices_than_worst_fit_on_a_growth_heavy_run():
     """The baselines' fragmentation shows on a deterministic run where requests keep growing."""
     import random
