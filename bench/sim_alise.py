@@ -149,16 +149,16 @@ def run(args) -> dict:
                          "swaps": stats["swaps"], "swap_gb": {k: v / 1e9 for k, v in stats["swap_bytes"].items()}})
             print(f"  {label:>16} @ {rate:g} req/s: normalized latency {norm * 1e3:.1f} ms/token, "
                   f"{stats['preemptions']} preemptions, swaps {dict(stats['swaps'])}", flush=True)
-    for label, _, sigma in runs:
-        if sigma is not None:
-            rho = rank_correlation(truth, noisy_predictions(truth, sigma, args.seed))
-            print(f"  {label}: rank correlation with the true lengths {rho:.2f}")
+    rho = {label: rank_correlation(truth, noisy_predictions(truth, sigma, args.seed))
+           for label, _, sigma in runs if sigma is not None}
     if predicted:
-        print(f"  the predictor: rank correlation with the true lengths {rank_correlation(truth, predicted):.2f}")
-    return summarize(rows, [label for label, _, _ in runs], args)
+        rho["predictor"] = rank_correlation(truth, predicted)
+    for label, x in rho.items():
+        print(f"  {label}: rank correlation with the true lengths {x:.2f}")
+    return summarize(rows, [label for label, _, _ in runs], args, {"rank_correlation": rho})
 
 
-def summarize(rows: list[dict], systems: list[str], args) -> dict:
+def summarize(rows: list[dict], systems: list[str], args, extra: dict | None = None) -> dict:
     base = sorted((r for r in rows if r["system"] == "fcfs"), key=lambda r: r["rate"])
     bar = args.bar * base[0]["norm_latency_s"] if base else None
     caps = {}
@@ -179,7 +179,7 @@ def summarize(rows: list[dict], systems: list[str], args) -> dict:
         for s, (c, reached) in caps.items():
             print(f"| {s} | {'' if reached else '>= '}{c:.2f} | {c / f:.2f}x |")
     out = {"preset": "opt13b", "cost": asdict(OPT_13B_A100), "kv_tokens": OPT_13B_A100_KV_TOKENS,
-           "bar_s": bar, "bar_factor": args.bar, "capacity": caps, "rows": rows}
+           "bar_s": bar, "bar_factor": args.bar, "capacity": caps, "rows": rows, **(extra or {})}
     path = RESULTS / args.out
     path.write_text(json.dumps(out, indent=2))
     print(f"wrote {path}")
