@@ -27,8 +27,15 @@ def two_devices(tiny_chat_model, tmp_path_factory):
     stop_server(s)
 
 
+def prompt(i: int) -> str:
+    """Prompts of 15 to about 100 tokens: caches of unequal sizes, so the two devices' loads
+    drift apart by more than one request's cache and balancing has a request worth moving
+    (equal caches would never do: moving one only flips which device holds more)."""
+    return f"Tell me story number {i} about a cat and a dog in a garden" + " and then" * (5 * i) + ":"
+
+
 async def stream(session, url, i):
-    body = {"prompt": f"Tell me story number {i} about a cat and a dog in a garden:", "max_tokens": MAX_TOKENS,
+    body = {"prompt": prompt(i), "max_tokens": MAX_TOKENS,
             "temperature": 0, "ignore_eos": True, "stream": True}
     pieces = []
     async with session.post(url + "/v1/completions", json=body) as r:
@@ -40,7 +47,7 @@ async def stream(session, url, i):
 
 
 async def whole(session, url, i):
-    body = {"prompt": f"Tell me story number {i} about a cat and a dog in a garden:", "max_tokens": MAX_TOKENS,
+    body = {"prompt": prompt(i), "max_tokens": MAX_TOKENS,
             "temperature": 0, "ignore_eos": True}
     async with session.post(url + "/v1/completions", json=body) as r:
         return (await r.json())["choices"][0]["text"]
@@ -52,7 +59,9 @@ async def test_streams_survive_migrations_and_metrics_show_them(two_devices):
 
     async def run():
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as s:
-            streamed = await asyncio.gather(*(stream(s, url, i) for i in range(N)))
+            streamed = []
+            for _ in range(2):                   # two waves: twice the chances for loads to drift apart
+                streamed += await asyncio.gather(*(stream(s, url, i) for i in range(N)))
             await asyncio.sleep(0.3)
             text = await (await s.get(url + "/metrics")).text()
             alone = [await whole(s, url, i) for i in range(N)]   # one at a time: nothing moves
@@ -63,5 +72,5 @@ async def test_streams_survive_migrations_and_metrics_show_them(two_devices):
     assert metric(text, "tandem:migration_pause_seconds_count") == moved
     assert 'tandem:device_pool_usage_perc{device="cpu#1"' in text.replace("model_name=\"" + two_devices.model + "\",", "")
     assert "tandem:devices_active" in text
-    assert streamed == alone, "a stream that crossed devices differs from the same request run alone"
+    assert streamed == alone * 2, "a stream that crossed devices differs from the same request run alone"
     assert "migrating" in two_devices.log.read_text()
