@@ -113,13 +113,13 @@ def simulate(reqs: list[SimRequest], policy: Placement, *, tbt_s: float, epoch_s
         active_sum += len(cl.active)
         timeline.append(len(cl.active))
         floor.append(math.ceil(used / capacity))
-    seconds = t
+    simulated_s = t                 # the trace's length in epochs of 1 s, not a clock
     return {"policy": policy.value, "peak_devices": max(timeline, default=0),
             "mean_devices": active_sum / max(1, len(timeline)),
             "memory_utilisation": used_sum / max(1.0, active_sum * capacity),
-            "migrations_per_s": migrations / seconds, "preemptions_per_s": preemptions / seconds,
-            "migrated_gb_per_s": moved_blocks * BLOCK_TOKENS * KV_BYTES_PER_TOKEN / seconds / 1e9,
-            "max_moves_per_op": max_ops, "seconds": seconds, "timeline": timeline, "floor": floor,
+            "migrations_per_s": migrations / simulated_s, "preemptions_per_s": preemptions / simulated_s,
+            "migrated_gb_per_s": moved_blocks * BLOCK_TOKENS * KV_BYTES_PER_TOKEN / simulated_s / 1e9,
+            "max_moves_per_op": max_ops, "simulated_s": simulated_s, "timeline": timeline, "floor": floor,
             "floor_peak": max(floor, default=0), "floor_mean": sum(floor) / max(1, len(floor))}
 
 

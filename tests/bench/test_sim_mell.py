@@ -37,13 +37,13 @@ def test_migrated_bytes_are_the_moved_requests_kv_by_hand():
     blocks each with their first token: one device, full). In the second each has 11 tokens, 90
     in all, 6 blocks: 12 > 10, so LB moves the newer one, 6 blocks, onto a new device. Then both
     grow to 9 blocks each on their own device and leave at the sixth epoch: one migration of 6
-    blocks. ``seconds`` is simulated time (epochs of 1 s), so per-second rates times it are the
+    blocks. ``simulated_s`` is simulated time (epochs of 1 s), so per-second rates times it are the
     counts; no clock is read."""
     from tandem.bench.sim_mell import KV_BYTES_PER_TOKEN
     reqs = [SimRequest(0.0, 79, 50), SimRequest(0.5, 79, 50)]
     res = simulate(reqs, Placement.LB, tbt_s=0.1, capacity=10)
     assert res["timeline"] == [1, 2, 2, 2, 2, 0]
-    assert res["seconds"] == len(res["timeline"]) == 6
-    assert round(res["migrations_per_s"] * res["seconds"]) == 1
-    moved = res["migrated_gb_per_s"] * res["seconds"] * 1e9
+    assert res["simulated_s"] == len(res["timeline"]) == 6
+    assert round(res["migrations_per_s"] * res["simulated_s"]) == 1
+    moved = res["migrated_gb_per_s"] * res["simulated_s"] * 1e9
     assert moved == pytest.approx(6 * BLOCK_TOKENS * KV_BYTES_PER_TOKEN)
