@@ -129,12 +129,13 @@ def run(args) -> dict:
     needs = any(SYSTEMS[s][1] in ("predictor", "point") for _, s, x in runs if x is None)
     predicted = predict_all(list(traces.values())) if needs else {}
     truth = {it.user_text: it.max_tokens for tr in traces.values() for it in tr}
+    noisy = {label: noisy_predictions(truth, sigma, args.seed) for label, _, sigma in runs if sigma is not None}
     rows = []
     print(f"{args.num_requests} held-out ShareGPT requests per rate, OPT-13B on an A100 (simulated), "
           f"{OPT_13B_A100_KV_TOKENS} KV tokens, host link {args.host_gbps:g} GB/s")
-    for label, system, sigma in runs:
+    for label, system, _ in runs:
         fields, source = SYSTEMS[system]
-        lengths = predicted if sigma is None else noisy_predictions(truth, sigma, args.seed)
+        lengths = noisy.get(label, predicted)
         setup = SimSetup(OPT_13B_A100, PoolGeometry(2 * OPT_13B_A100_KV_TOKENS // 16, 16),
                          SchedConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048,
                                      swap_space_bytes=int(args.swap_gib * 2**30), **fields),
@@ -149,8 +150,7 @@ def run(args) -> dict:
                          "swaps": stats["swaps"], "swap_gb": {k: v / 1e9 for k, v in stats["swap_bytes"].items()}})
             print(f"  {label:>16} @ {rate:g} req/s: normalized latency {norm * 1e3:.1f} ms/token, "
                   f"{stats['preemptions']} preemptions, swaps {dict(stats['swaps'])}", flush=True)
-    rho = {label: rank_correlation(truth, noisy_predictions(truth, sigma, args.seed))
-           for label, _, sigma in runs if sigma is not None}
+    rho = {label: rank_correlation(truth, guess) for label, guess in noisy.items()}
     if predicted:
         rho["predictor"] = rank_correlation(truth, predicted)
     for label, x in rho.items():
