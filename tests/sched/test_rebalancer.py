@@ -93,6 +93,36 @@ def test_rebalancer_moves_as_tokens_when_the_link_is_busy():
     assert orders and all(o.transfer is Transfer.TOKEN and (o.src, o.dst) == (0, 1) for o in orders)
 
 
+def test_where_both_fit_a_move_goes_the_way_that_pauses_it_less():
+    # best fit alone sends the first as tokens (it leaves 10% of the compute budget, 90% of the
+    # link's) and the second as KV (9% of the link's, 91% of compute's)
+    tight_comp = Candidate("a", 0, 1, kv_bytes=100, tokens=90)
+    tight_link = Candidate("b", 0, 1, kv_bytes=100, tokens=90)
+    assert [len(x) for x in split([tight_comp], 1000, {1: 100})] == [0, 1, 0]
+    assert [len(x) for x in split([tight_link], 110, {1: 1000})] == [1, 0, 0]
+    fast_copy = Candidate("a", 0, 1, 100, 90, kv_s=0.01, tok_s=0.5)
+    fast_prefill = Candidate("b", 0, 1, 100, 90, kv_s=0.5, tok_s=0.01)
+    assert [len(x) for x in split([fast_copy], 1000, {1: 100})] == [1, 0, 0]
+    assert [len(x) for x in split([fast_prefill], 110, {1: 1000})] == [0, 1, 0]
+    # the faster way full: the other one, as before
+    assert [len(x) for x in split([fast_copy], 50, {1: 100})] == [0, 1, 0]
+
+
+def test_rebalancer_estimates_each_way_from_the_link_and_the_cost_model():
+    # each moved request: 30 blocks of 1,000 bytes, 230 tokens; device 1 decodes nothing.
+    # A re-prefill adds 230 x 0.5 ms = 115 ms to its step (budget at a 1 s TBT: 1,980 tokens).
+    # At 1 GB/s the copy takes 30 us: KV. At 40 kB/s it takes 0.75 s (and fits the link's
+    # 40,000-byte epoch budget): tokens.
+    fast = skewed(rebalancer(link_bytes_per_s=1e9, tbt=1.0))
+    assert fast and all(o.transfer is Transfer.KV for o in fast)
+    slow = skewed(rebalancer(link_bytes_per_s=40_000, tbt=1.0))
+    assert slow and all(o.transfer is Transfer.TOKEN for o in slow)
+    b = Budgets(40_000, 1.0, COST.predict, 1.0)
+    assert b.kv_seconds(30_000) == 0.75
+    assert abs(b.reprefill_seconds(DeviceView(1, {}, {}), 230) - 0.115) < 1e-12
+    assert abs(b.reprefill_seconds(DeviceView(1, {}, {}, 3, 690), 230) - 0.115) < 1e-12
+
+
 def test_rebalancer_defers_what_fits_neither_and_sends_it_later():
     rb = rebalancer(link_bytes_per_s=0, tbt=0.001)
     assert skewed(rb) == [] and rb.deferred_total > 0
