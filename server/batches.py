@@ -39,7 +39,9 @@ def validate_lines(raw: bytes, endpoint: str) -> tuple[list[tuple[int, str, dict
     except UnicodeDecodeError:
         return [], [{"code": "invalid_file", "message": "the input file is not UTF-8", "param": None,
                      "line": None}]
-    rows = [(i + 1, s) for i, s in enumerate(text.splitlines()) if s.strip()]
+    # JSONL lines end at "\n" only: str.splitlines() would also cut at U+2028, U+0085 and the
+    # like, which a JSON string may hold unescaped
+    rows = [(i + 1, s) for i, s in enumerate(text.split("\n")) if s.strip()]
     if not rows:
         return [], [{"code": "empty_file", "message": "the input file has no requests", "param": None, "line": None}]
     if len(rows) > MAX_LINES:
@@ -50,6 +52,9 @@ def validate_lines(raw: bytes, endpoint: str) -> tuple[list[tuple[int, str, dict
             obj = json.loads(s)
         except json.JSONDecodeError as e:
             err(n, f"line is not valid JSON: {e.msg}")
+            continue
+        except RecursionError:
+            err(n, "line is not valid JSON: nested too deeply")
             continue
         if not isinstance(obj, dict):
             err(n, "line must be a JSON object")
@@ -110,13 +115,27 @@ class BatchRunner:
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
 
     async def _run(self, bid: str) -> None:
+        """Run a batch to its end; a bug on the way fails the batch (with an error id in the log)
+        instead of leaving it active for ever."""
+        try:
+            await self._steps(bid)
+        except asyncio.CancelledError:
+            raise
+        except Exception:                    # noqa: BLE001 -- the batch must reach a final state
+            eid = "err-" + uuid.uuid4().hex[:12]
+            log.exception("batch %s failed (%s)", bid, eid)
+            self._fail(bid, [{"code": "server_error", "message": f"internal error (error id {eid})",
+                              "param": None, "line": None}])
+
+    async def _steps(self, bid: str) -> None:
         b = self.store.get_batch(bid)
         if b["status"] == "validating":
             raw = self.store.file_content(b["input_file_id"])
             if raw is None:
                 return self._fail(bid, [{"code": "file_not_found", "message": "input file was deleted",
                                          "param": "input_file_id", "line": None}])
-            lines, errors = validate_lines(raw, b["endpoint"])
+            # off the event loop: parsing 50,000 lines would stall every stream meanwhile
+            lines, errors = await asyncio.to_thread(validate_lines, raw, b["endpoint"])
             if errors:
                 return self._fail(bid, errors)
             self.store.add_lines(bid, lines)

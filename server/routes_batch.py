@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 
-from aiohttp import web
+from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from tandem.server.app import STATE, complete, json_response, prepare, read_json
@@ -73,7 +73,7 @@ async def upload_file(request: web.Request):
     try:
         purpose, data, filename = await _read_upload(request, request.app[STATE].cfg.max_upload_bytes)
         body_read(request)
-    except (ValueError, AssertionError, KeyError, RuntimeError, HttpProcessingError) as e:   # a bad body
+    except (ValueError, AssertionError, KeyError, LookupError, RuntimeError, HttpProcessingError) as e:  # a bad body
         raise bad_request(f"malformed multipart/form-data body: {str(e) or type(e).__name__}") from None
     if purpose not in PURPOSES:
         raise bad_request(f"'purpose' must be one of {', '.join(PURPOSES)}", param="purpose")
@@ -87,6 +87,8 @@ async def _read_upload(request: web.Request, limit: int) -> tuple[str | None, by
     reader = await request.multipart()
     purpose, data, filename = None, None, "upload.jsonl"
     async for part in reader:
+        if not isinstance(part, BodyPartReader):
+            raise ValueError("a part holds parts of its own (nested multipart)")
         if part.name == "purpose":
             purpose = (await part.text()).strip()
         elif part.name == "file":
@@ -120,8 +122,11 @@ async def get_file(request):
 
 
 async def file_content(request):
+    """Sent from disk in chunks (a batch's output may be hundreds of MB: read whole, it would
+    stall every stream on the event loop)."""
     f = _file_or_404(request)
-    return web.Response(body=_store(request).file_content(f["id"]), content_type="application/octet-stream")
+    return web.FileResponse(_store(request).file_path(f["id"]),
+                            headers={"Content-Type": "application/octet-stream"})
 
 
 async def delete_file(request):

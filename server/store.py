@@ -75,10 +75,13 @@ class Store:
                                "ORDER BY created_at DESC, rowid DESC", (purpose, purpose)).fetchall()
         return [self.get_file(r["id"]) for r in rows]
 
+    def file_path(self, fid: str) -> Path | None:
+        """Where a (not deleted) file's bytes are."""
+        return None if self.get_file(fid) is None else self.files_dir / fid
+
     def file_content(self, fid: str) -> bytes | None:
-        if self.get_file(fid) is None:
-            return None
-        return (self.files_dir / fid).read_bytes()
+        path = self.file_path(fid)
+        return None if path is None else path.read_bytes()
 
     def delete_file(self, fid: str) -> bool:
         cur = self.db.execute("UPDATE files SET deleted=1 WHERE id=? AND deleted=0", (fid,))

@@ -79,13 +79,33 @@ def test_batch_round_trip(server, client):
 
 def test_bad_lines_fail_the_batch_with_line_numbers(server, client):
     good = fix_model([chat_line(0)], server.model)[0]
-    raw = jsonl([good]) + b"{not json}\n" + jsonl([dict(good, url="/v1/completions"), good])
+    nested = b"[" * 5000 + b"]" * 5000 + b"\n"          # deeper than the JSON parser recurses
+    raw = jsonl([good]) + b"{not json}\n" + jsonl([dict(good, url="/v1/completions"), good]) + nested
     f = client.files.create(file=("bad.jsonl", io.BytesIO(raw)), purpose="batch")
     b = wait_batch(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                                 completion_window="24h").id)
+                                                 completion_window="24h").id, timeout=60)
     assert b.status == "failed"
     lines = {(e.line, e.param) for e in b.errors.data}
-    assert (2, None) in lines and (3, "url") in lines and (4, "custom_id") in lines
+    assert (2, None) in lines and (3, "url") in lines and (4, "custom_id") in lines and (5, None) in lines
+
+
+def test_a_line_separator_inside_a_string_does_not_split_the_line(server, client):
+    """U+2028 / U+0085 are legal unescaped in a JSON string; the line must stay one request."""
+    line = fix_model([chat_line(0)], server.model)[0]
+    content = "Question\u2028 zero\x85?"
+    line["body"]["messages"][0]["content"] = content
+    raw = (json.dumps(line, ensure_ascii=False) + "\n").encode()
+    assert "\u2028".encode() in raw
+    f = client.files.create(file=("sep.jsonl", io.BytesIO(raw)), purpose="batch")
+    b = wait_batch(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                 completion_window="24h").id)
+    assert b.status == "completed", b.errors
+    out = [json.loads(x) for x in client.files.content(b.output_file_id).text.splitlines()]
+    direct = client.chat.completions.create(model=server.model, max_tokens=6, temperature=0,
+                                            messages=[{"role": "user", "content": content}],
+                                            extra_body={"ignore_eos": True})
+    assert [o["response"]["body"]["choices"][0]["message"]["content"] for o in out] == \
+        [direct.choices[0].message.content]
 
 
 def test_batch_request_validation(server, client):
