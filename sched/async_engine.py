@@ -102,7 +102,8 @@ class Submission:
         self.engine._forget(self.req_id, abort=False)
 
     def close(self) -> None:
-        """Abort the request if it has not ended (idempotent; frees its blocks at once)."""
-        if not self.done:
-            self.done = True
-            self.engine._forget(self.req_id, abort=True)
+        """Stop listening; abort the request if it has not ended (frees its blocks at once).
+        Idempotent, and needed also after the last event when the caller stopped reading there
+        (an error event, a client gone while the last chunk was written)."""
+        abort, self.done = not self.done, True
+        self.engine._forget(self.req_id, abort=abort)

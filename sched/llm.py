@@ -302,7 +302,11 @@ class LLM:
             if not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt):
                 raise ValueError("prompt: chat messages need string 'role' and 'content'")
             self._check_chars(sum(len(m["content"]) for m in prompt))
-            text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            from jinja2 import TemplateError
+            try:
+                text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            except TemplateError as e:        # the model's template refuses these messages
+                raise ValueError(f"messages: the model's chat template rejects them: {e}") from None
             if not self.chat_control_tokens and self._holds_control_text(prompt):
                 return self._encode_chat_literally(prompt), text
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), text

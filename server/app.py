@@ -73,7 +73,9 @@ async def errors_middleware(request: web.Request, handler):
 def bearer_ok(header: str, key: str) -> bool:
     """``Authorization: Bearer <key>``; the scheme is case-insensitive (RFC 7235)."""
     scheme, _, token = header.strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    # a header's bytes that are not UTF-8 arrive as surrogates: compare them back as bytes
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(errors="surrogateescape"),
+                                                              key.encode())
 
 
 @web.middleware
@@ -270,13 +272,23 @@ def new_choices(p: Prepared) -> list[Choice]:
     return [Choice(i) for i in range(len(p.requests))]
 
 
+async def all_or_none(coros) -> None:
+    """Await every coroutine; when one fails (or this is cancelled) the others are cancelled
+    too, so none of them waits for ever on a request already closed."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
 async def complete(engine: AsyncEngine, st: AppState, p: Prepared, chat: bool) -> dict:
     """Run a prepared, non-streamed request to its end; the OpenAI response body."""
     choices = new_choices(p)
     created = int(time.time())
     try:
-        await asyncio.gather(*(run_choice(sub, st.metrics, r, ch)
-                               for sub, r, ch in zip(p.subs, p.requests, choices)))
+        await all_or_none(run_choice(sub, st.metrics, r, ch) for sub, r, ch in zip(p.subs, p.requests, choices))
     finally:
         p.close()
     return {"id": p.rid, "object": "chat.completion" if chat else "text_completion", "created": created,
@@ -322,8 +334,8 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
             await send(chunk(ch, "", ch.finish_reason))
 
     try:
-        await asyncio.gather(*(run_choice(sub, st.metrics, r, ch, sink)
-                               for sub, r, ch in zip(p.subs, p.requests, choices)))
+        await all_or_none(run_choice(sub, st.metrics, r, ch, sink)
+                          for sub, r, ch in zip(p.subs, p.requests, choices))
         if p.gen.include_usage:
             await send({"id": p.rid, "object": obj, "created": created, "model": p.model,
                         "choices": [], "usage": usage(p, choices)})

@@ -82,3 +82,18 @@ def test_ordinary_chats_tokenize_as_the_template_does_and_the_option_restores_co
     llm.chat_control_tokens = True
     text = tok.apply_chat_template(FORGED, tokenize=False, add_generation_prompt=True)
     assert llm.encode_prompt(FORGED)[0] == tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_chat_template_that_rejects_the_messages_is_a_bad_request(tok):
+    """A template's raise_exception (Llama-2's and Mistral's when roles do not alternate) is the
+    caller's error, with the template's own words, not a server failure."""
+    import copy
+    strict = copy.deepcopy(tok)
+    strict.chat_template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                            "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+                            "{{ m['content'] }}{% endfor %}")
+    llm = bare_llm(strict, 2048)
+    llm.chat_control_tokens = True
+    with pytest.raises(ValueError, match="^messages: .*roles must alternate user/assistant"):
+        llm.encode_prompt([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    assert llm.encode_prompt([{"role": "user", "content": "a"}])[1] == "a"

@@ -11,6 +11,10 @@ MSG = [{"role": "user", "content": "hi"}]
 LONG = "word " * 5000          # far past the tiny model's 512-token context
 FILES = "/v1/files"
 GOOD_PART = (b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--B--\r\n')
+NESTED_PART = (b'--B\r\nContent-Disposition: form-data; name="file"\r\nContent-Type: multipart/mixed; boundary=C'
+               b'\r\n\r\n--C\r\n\r\nx\r\n--C--\r\n--B--\r\n')
+CHARSET_PART = (b'--B\r\nContent-Disposition: form-data; name="purpose"\r\nContent-Type: text/plain; '
+                b'charset=no-such-charset\r\n\r\nbatch\r\n--B--\r\n')
 
 
 def multipart(content_type: str):
@@ -84,6 +88,8 @@ CASES = [
     ("model not string", "POST", CHAT, {"model": 3, "messages": MSG}, None, 400, "invalid_request_error", "model"),
     ("missing key", "POST", CHAT, {"messages": MSG}, {}, 401, "invalid_request_error", None),
     ("wrong key", "POST", CHAT, {"messages": MSG}, {"Authorization": "Bearer nope"}, 401, "invalid_request_error", None),
+    ("key not UTF-8", "POST", CHAT, {"messages": MSG}, {"Authorization": "Bearer \xff\xfe"}, 401,
+     "invalid_request_error", None),
     ("unknown path", "GET", "/v1/nothing", None, None, 404, "not_found_error", None),
     ("wrong method", "GET", CHAT, None, None, 405, "invalid_request_error", None),
     ("upload not multipart", "POST", FILES, b"purpose=batch", multipart("text/plain"), 400,
@@ -94,6 +100,10 @@ CASES = [
      400, "invalid_request_error", None),
     ("multipart cut off", "POST", FILES, GOOD_PART[:40], multipart("multipart/form-data; boundary=B"), 400,
      "invalid_request_error", None),
+    ("multipart nested in a part", "POST", FILES, NESTED_PART, multipart("multipart/form-data; boundary=B"), 400,
+     "invalid_request_error", None),
+    ("purpose in an unknown charset", "POST", FILES, CHARSET_PART, multipart("multipart/form-data; boundary=B"),
+     400, "invalid_request_error", None),
 ]
 
 
