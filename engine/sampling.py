@@ -17,6 +17,7 @@ import torch
 
 from tandem.engine.messages import SamplingSpec
 
+MIN_TEMPERATURE = 1e-5     # below it sampling is greedy: logits / T would overflow float32 to inf
 _MIX = 0x9E3779B97F4A7C15
 _MASK63 = (1 << 63) - 1
 
@@ -32,7 +33,7 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec], num_generated: list[
     """logits: [n, V] float32 on any device (modified in place); returns one token id per row."""
     _mask_stops(logits, specs, num_generated)
     out = logits.argmax(dim=-1)
-    rows = [r for r, sp in enumerate(specs) if sp.temperature > 0]
+    rows = [r for r, sp in enumerate(specs) if sp.temperature >= MIN_TEMPERATURE]
     if rows:
         idx = torch.tensor(rows, device=logits.device)
         picked = [specs[r] for r in rows]

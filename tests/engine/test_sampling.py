@@ -47,6 +47,16 @@ def test_greedy_and_min_tokens_mask():
     assert sample(logits, specs, [0, 2]) == [2, 1]
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-9])
+def test_a_vanishing_temperature_samples_the_argmax(temperature):
+    """numpy's limit of softmax(logits / T) as T -> 0 is all mass on the largest logit; float32
+    division by such a T overflows to inf, whose softmax is NaN."""
+    logits = torch.tensor([[3.0, 40.0, -35.0, 39.9, 0.0]] * 8)
+    specs = [SamplingSpec(temperature, 1.0, -1, seed=s, min_tokens=0, stop_token_ids=()) for s in range(8)]
+    limit = int(np.argmax(logits[0].numpy()))
+    assert sample(logits, specs, [0] * 8) == [limit] * 8
+
+
 def test_each_row_keeps_its_own_parameters_in_a_mixed_batch():
     """Rows of one batch with different temperature / top-k / top-p each draw from their own
     distribution (the filters are applied per row in batched operations), greedy rows among them
