@@ -53,16 +53,6 @@ class KnapsackParams:
     eps: float = 1e-6        # value per block of a violated request
 
 
-def value(r: KnapsackRequest, mode: CacheType, p: KnapsackParams) -> float:
-    """g_i of one request in one mode (what the plan maximises)."""
-    base = p.eps * r.kv_blocks if r.violated else max(r.pending_s, 2 * p.eps * r.kv_blocks)
-    return base - (p.u_cnt * p.rho * r.kv_blocks if mode is CacheType.HIDDEN else 0.0)
-
-
-def blocks(r: KnapsackRequest, mode: CacheType) -> int:
-    return r.hidden_blocks if mode is CacheType.HIDDEN else r.kv_blocks
-
-
 def greedy_arrays(pending: np.ndarray, kv: np.ndarray, hid: np.ndarray, violated: np.ndarray,
                   p: KnapsackParams) -> tuple[np.ndarray, np.ndarray]:
     """The greedy over arrays (one entry per request): (chosen request indices in the order the
@@ -114,10 +104,3 @@ def greedy(reqs: list[KnapsackRequest], p: KnapsackParams) -> dict[str, CacheTyp
                                 np.array([r.violated for r in reqs], dtype=bool), p)
     return {reqs[i].req_id: CacheType.HIDDEN if h else CacheType.KV for i, h in zip(idx.tolist(), hidden.tolist())}
 
-
-def plan_value(reqs: list[KnapsackRequest], plan: dict[str, CacheType], p: KnapsackParams) -> float:
-    return sum(value(r, plan[r.req_id], p) for r in reqs if r.req_id in plan)
-
-
-def plan_blocks(reqs: list[KnapsackRequest], plan: dict[str, CacheType]) -> int:
-    return sum(blocks(r, plan[r.req_id]) for r in reqs if r.req_id in plan)

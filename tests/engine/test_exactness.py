@@ -23,7 +23,7 @@ def test_greedy_matches_hf_with_preemption(family, workers, tiny_llama, tiny_opt
         assert_pool_free(llm)
     assert preemptions > 0, "the pool was meant to be small enough to force preemption"
     ref = hf_greedy(model_dir, prompts, MAX_NEW)
-    for i, (o, r) in enumerate(zip(outs, ref)):
+    for i, (o, r) in enumerate(zip(outs, ref, strict=True)):
         assert o.token_ids == r, f"prompt {i} differs"
         assert o.finish_reason == "length"
 
@@ -49,5 +49,5 @@ def test_swapped_requests_match_hf(family, tiny_llama, tiny_opt):
     assert swaps["out"] > 0 and swaps["in"] == swaps["out"], swaps
     assert moved["in"] == moved["out"] > 0
     ref = hf_greedy(model_dir, prompts, MAX_NEW)
-    for i, (o, r) in enumerate(zip(outs, ref)):
+    for i, (o, r) in enumerate(zip(outs, ref, strict=True)):
         assert o.token_ids == r, f"prompt {i} differs"

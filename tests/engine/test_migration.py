@@ -55,8 +55,10 @@ def migrated_like_hf(llm, model_dir, kinds, n=2):
     for kind in kinds:
         for i, p in enumerate(prompts):
             rid = f"mig-{kind.value}-{i}"
+            before = llm.scheduler.actors[1].moves_total
             seen, st = run(llm, p, greedy, kind, rid)
             assert st.device == 1, "the request never reached the other device"
+            assert llm.scheduler.actors[1].moves_total == before + 1, "this request's move was not recorded"
             moves = [m for m in llm.scheduler.actors[1].moves if m.src == 0]
             assert moves and moves[-1].kind is kind, f"expected a {kind.value} migration, got {moves}"
             assert moves[-1].tokens >= len(p) + MOVE_AFTER
@@ -115,6 +117,7 @@ def test_cancelled_while_moving_ends(llama2):
     assert done.wait(60)
     wait_pool_free(llm)
     assert [r.value for r in ended] == ["abort"]
+    assert st.device == 1, "the abort was meant to meet the request on its way or at its destination"
     assert len(st.output_token_ids) < 400
 
 
@@ -134,7 +137,7 @@ def test_rebalancer_migrations_keep_outputs_exact(placement, tiny_llama):
         wait_pool_free(llm)
     assert moved, f"{placement}: no request was migrated; the pool was meant to force it"
     assert all(m.pause_s is not None and m.pause_s >= 0 for m in moved)
-    for i, (o, r) in enumerate(zip(outs, hf_greedy(tiny_llama, prompts, 48))):
+    for i, (o, r) in enumerate(zip(outs, hf_greedy(tiny_llama, prompts, 48), strict=True)):
         assert o.token_ids == r, f"prompt {i} differs after {placement} migrations"
 
 

@@ -39,7 +39,7 @@ def test_tandem_with_hidden_caches_and_swaps_matches_hf(tiny_opt):
     assert tokens[CacheType.HIDDEN] > 0, f"no request was given a hidden cache: {tokens}"
     assert swaps["out"] > 0 and swaps["in"] == swaps["out"], swaps
     ref = hf_greedy(tiny_opt, prompts, MAX_NEW)
-    for i, (o, r) in enumerate(zip(outs, ref)):
+    for i, (o, r) in enumerate(zip(outs, ref, strict=True)):
         assert o.token_ids == r, f"prompt {i} differs"
         assert o.finish_reason == "length"
 
@@ -54,5 +54,5 @@ def test_tandem_options_reach_the_policy_and_it_serves(tiny_llama):
         p = llm.scheduler.policy
         assert p.off == {Mechanism.SLO, Mechanism.HIDDEN} and p.mean_tbt
         outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    for o, r in zip(outs, hf_greedy(tiny_llama, prompts, 8)):
+    for o, r in zip(outs, hf_greedy(tiny_llama, prompts, 8), strict=True):
         assert o.token_ids == r

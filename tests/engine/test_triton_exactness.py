@@ -41,5 +41,5 @@ def test_triton_attention_matches_hf(family, cache_type, wide_models):
     outs, preempted = _run(model_dir, prompts, 7 * per_token_block, cache_type=cache_type)
     assert preempted > 0, "the pool was meant to force preemption"
     ref = hf_greedy(model_dir, prompts, MAX_NEW)
-    for i, (o, r) in enumerate(zip(outs, ref)):
+    for i, (o, r) in enumerate(zip(outs, ref, strict=True)):
         assert o.token_ids == r, f"prompt {i} differs"

@@ -6,7 +6,7 @@ import json
 import aiohttp
 import pytest
 
-from tests.server.conftest import API_KEY, start_server, stop_server
+from tests.server.conftest import API_KEY, hf_texts, start_server, stop_server
 from tests.server.test_load import metric
 
 N, MAX_TOKENS = 10, 40
@@ -54,7 +54,7 @@ async def whole(session, url, i):
 
 
 @pytest.mark.asyncio
-async def test_streams_survive_migrations_and_metrics_show_them(two_devices):
+async def test_streams_survive_migrations_and_metrics_show_them(two_devices, tiny_chat_model):
     url = two_devices.url
 
     async def run():
@@ -65,12 +65,15 @@ async def test_streams_survive_migrations_and_metrics_show_them(two_devices):
             await asyncio.sleep(0.3)
             text = await (await s.get(url + "/metrics")).text()
             alone = [await whole(s, url, i) for i in range(N)]   # one at a time: nothing moves
-            return streamed, text, alone
-    streamed, text, alone = await run()
+            after = await (await s.get(url + "/metrics")).text()
+            return streamed, text, alone, after
+    streamed, text, alone, after = await run()
     moved = metric(text, "tandem:migrations_total")
     assert moved > 0, "the small pools were meant to make the rebalancer migrate"
     assert metric(text, "tandem:migration_pause_seconds_count") == moved
     assert 'tandem:device_pool_usage_perc{device="cpu#1"' in text.replace("model_name=\"" + two_devices.model + "\",", "")
     assert "tandem:devices_active" in text
+    assert metric(after, "tandem:migrations_total") == moved, "a request alone was moved"
+    assert alone == hf_texts(tiny_chat_model, [prompt(i) for i in range(N)], MAX_TOKENS)
     assert streamed == alone * 2, "a stream that crossed devices differs from the same request run alone"
     assert "migrating" in two_devices.log.read_text()

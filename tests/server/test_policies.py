@@ -1,6 +1,6 @@
 """The server under --policy fcfs, bros, rr, aptserve, fcfs-prefill-first and alise: RT and BE batch work
-complete with the same greedy tokens as under the default (tandem), and /metrics shows the cost model's
-error and the pool by owner."""
+complete, the greedy replies are HF transformers' (decoded by the model's tokenizer), and /metrics
+shows the cost model's error and the pool by owner."""
 import json
 import urllib.request
 
@@ -9,10 +9,15 @@ import pytest
 from tandem.bench.mixed import run_mixed
 from tandem.bench.online import server_counters
 from tandem.bench.workloads import TraceItem
-from tests.server.conftest import API_KEY, start_server, stop_server
+from tests.server.conftest import API_KEY, hf_texts, start_server, stop_server
 from tests.server.test_load import metric
 
 PROMPTS = [[5 + i, 17, 33, 99, 7 * i + 1] for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_chat_model) -> list[str]:
+    return hf_texts(tiny_chat_model, PROMPTS, 10)
 
 
 def complete(server, prompt, tier=None) -> str:
@@ -27,8 +32,7 @@ def complete(server, prompt, tier=None) -> str:
 @pytest.mark.parametrize("policy", ["fcfs", "bros", "rr", "aptserve", "aptserve --aptserve-mixed", "fcfs-prefill-first",
                                     "alise --length-predictor max_tokens"])
 @pytest.mark.asyncio
-async def test_policy_serves_mixed_work(policy, server, tiny_chat_model, tmp_path):
-    reference = [complete(server, p) for p in PROMPTS]            # the default (tandem) server
+async def test_policy_serves_mixed_work(policy, reference, tiny_chat_model, tmp_path):
     s = start_server(tiny_chat_model, tmp_path, "--policy", *policy.split(), "--slo-ttft-ms", "2000",
                      "--slo-tbt-ms", "500")
     try:
