@@ -118,7 +118,7 @@ class Prepared:
     gen: GenRequest
     model: str
     rid: str
-    prompt_ids: list[int]
+    prompt_tokens: int              # over all its prompts
     requests: list[Request]
     subs: list[Submission]          # already queued in the engine
 
@@ -130,8 +130,8 @@ class Prepared:
 
 async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool,
                   force_be: bool = False) -> Prepared:
-    """Validate a body and build its n engine Requests (raises ApiError). The prompt is tokenized
-    on a worker thread: a long one never holds up the event loop."""
+    """Validate a body and build its engine Requests, n per prompt (raises ApiError). Prompts are
+    tokenized on a worker thread: a long one never holds up the event loop."""
     model = check_model(body, cfg.served_model_name)
     defaults = dict(default_ttft_s=None, default_tbt_s=None) if force_be else \
         dict(default_ttft_s=cfg.slo_ttft_ms / 1000, default_tbt_s=cfg.slo_tbt_ms / 1000)  # RT targets only
@@ -139,48 +139,34 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
     if force_be:                      # batch-job lines are best-effort whatever they ask
         gen.service_class = ServiceClass.BE
     param = "messages" if chat else "prompt"
-    try:
-        ids, text = await asyncio.get_running_loop().run_in_executor(None, engine.llm.encode_prompt,
-                                                                     gen.prompt)
-    except ValueError as e:
-        raise bad_request(str(e), param=param) from None
-    limit = engine.llm.max_model_len
-    if len(ids) >= limit:
-        raise bad_request(f"This model's maximum context length is {limit} tokens; the prompt has "
-                          f"{len(ids)}", param=param, code="context_length_exceeded")
+    encoded = []
+    for prompt in gen.prompts:
+        try:
+            encoded.append(await asyncio.get_running_loop().run_in_executor(None, engine.llm.encode_prompt, prompt))
+        except ValueError as e:
+            raise bad_request(str(e), param=param) from None
     sp = gen.sampling
-    if sp.max_tokens is None:
-        sp.max_tokens = limit - len(ids)
-    elif len(ids) + sp.max_tokens > limit:
-        raise bad_request(f"This model's maximum context length is {limit} tokens; the prompt has "
-                          f"{len(ids)} and max_tokens asks for {sp.max_tokens}", param="max_tokens",
-                          code="context_length_exceeded")
-    try:
-        sp.validate()
-        engine.llm.check_token_ids(sp)
-        engine.scheduler.check_fits(len(ids), sp.max_tokens)
-    except ValueError as e:
-        field_name = str(e).split(":", 1)[0]
-        raise bad_request(str(e), param=field_name) from None
+    budgets = [max_tokens_for(engine, sp, len(ids), param) for ids, _ in encoded]
     if not force_be and engine.num_waiting() >= cfg.max_waiting:
         raise ApiError(429, "too many requests are waiting; retry later", type="rate_limit_error",
                        headers={"Retry-After": "1"})
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     now = time.monotonic()
-    reqs = [Request(f"{rid}-{i}", ids,
-                    replace(sp, seed=None if sp.seed is None else sp.seed + i, stop=list(sp.stop),
+    reqs = [Request(f"{rid}-{j * gen.n + i}", ids,          # choice index: prompt j's i-th choice
+                    replace(sp, max_tokens=mt, seed=None if sp.seed is None else sp.seed + i, stop=list(sp.stop),
                             stop_token_ids=list(sp.stop_token_ids)),
                     gen.service_class, now, gen.slo_ttft_s, gen.slo_tbt_s, text, stream_text=gen.stream)
-            for i in range(gen.n)]
+            for j, ((ids, text), mt) in enumerate(zip(encoded, budgets)) for i in range(gen.n)]
     lengths = engine.llm.lengths
     if lengths is not None:          # embeds the prompt: off the event loop, one at a time
         engine.admitting += len(reqs)          # counted as waiting meanwhile (admission control)
         try:
-            texts = [prediction_text(gen.prompt, engine.llm.decode_prompt)] * len(reqs)
+            texts = [prediction_text(prompt, engine.llm.decode_prompt) for prompt in gen.prompts
+                     for _ in range(gen.n)]
             await asyncio.get_running_loop().run_in_executor(_predicting(), lengths.assign, reqs, texts)
         finally:
             engine.admitting -= len(reqs)
-    p = Prepared(gen, model, rid, ids, reqs, [])
+    p = Prepared(gen, model, rid, sum(len(ids) for ids, _ in encoded), reqs, [])
     try:
         for r in reqs:
             p.subs.append(engine.submit(r))
@@ -191,6 +177,28 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
         p.close()
         raise bad_request(str(e), param=param) from None
     return p
+
+
+def max_tokens_for(engine: AsyncEngine, sp, prompt_tokens: int, param: str) -> int:
+    """A prompt's max_tokens (the rest of the context when the request set none), once it is
+    known to fit the context and the pool (raises ApiError)."""
+    limit = engine.llm.max_model_len
+    if prompt_tokens >= limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens; the prompt has "
+                          f"{prompt_tokens}", param=param, code="context_length_exceeded")
+    mt = limit - prompt_tokens if sp.max_tokens is None else sp.max_tokens
+    if prompt_tokens + mt > limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens; the prompt has "
+                          f"{prompt_tokens} and max_tokens asks for {mt}", param="max_tokens",
+                          code="context_length_exceeded")
+    try:
+        replace(sp, max_tokens=mt)                  # validates
+        engine.llm.check_token_ids(sp)
+        engine.scheduler.check_fits(prompt_tokens, mt)
+    except ValueError as e:
+        field_name = str(e).split(":", 1)[0]
+        raise bad_request(str(e), param=field_name) from None
+    return mt
 
 
 @functools.cache
@@ -257,8 +265,7 @@ async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice
 
 def usage(p: Prepared, choices: list[Choice]) -> dict:
     c = sum(len(ch.token_ids) for ch in choices)
-    return {"prompt_tokens": len(p.prompt_ids), "completion_tokens": c,
-            "total_tokens": len(p.prompt_ids) + c}
+    return {"prompt_tokens": p.prompt_tokens, "completion_tokens": c, "total_tokens": p.prompt_tokens + c}
 
 
 def choice_json(chat: bool, ch: Choice) -> dict:

@@ -8,10 +8,12 @@ from tandem.sched.request import ServiceClass
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.schema import CHAT_BODY, COMPLETION_BODY, UNSUPPORTED, validate
 
+MAX_CHOICES = 64            # prompts x n in one request
+
 @dataclass(slots=True)
 class GenRequest:
     """One validated /v1/completions or /v1/chat/completions call."""
-    prompt: object                  # str, token id list, or chat messages (engine.LLM.encode_prompt)
+    prompts: list                   # each a str, token id list, or chat messages (LLM.encode_prompt)
     sampling: SamplingParams        # max_tokens may still be None: filled from the context
     n: int
     stream: bool
@@ -85,16 +87,19 @@ def parse_chat(body: dict, **defaults) -> GenRequest:
         role = "system" if m["role"] == "developer" else m["role"]
         out.append({"role": role, "content": content})
     sp, extra = parse_common(body, chat=True, **defaults)
-    return GenRequest(out, sp, **extra)
+    return GenRequest([out], sp, **extra)
 
 
 def parse_completion(body: dict, **defaults) -> GenRequest:
     validate(body, COMPLETION_BODY)
     prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]                  # a batch of one
+    several = isinstance(prompt, list) and isinstance(prompt[0], (str, list))
+    prompts = prompt if several else [prompt]
     sp, extra = parse_common(body, chat=False, **defaults)
-    return GenRequest(prompt, sp, **extra)
+    if len(prompts) * extra["n"] > MAX_CHOICES:
+        raise bad_request(f"{len(prompts)} prompts x n = {extra['n']} asks for more than {MAX_CHOICES} "
+                          "choices", param="n")
+    return GenRequest(prompts, sp, **extra)
 
 
 def check_model(body: dict, served: str) -> str:

@@ -12,6 +12,7 @@ from tandem.server.batches import ENDPOINTS, WINDOWS
 from tandem.server.errors import bad_request
 
 MAX_N = 16
+MAX_PROMPTS = 64            # prompts in one /v1/completions request
 MAX_STOPS = 16              # stop strings per request
 MAX_STOP_CHARS = 512        # each: the stream holds back up to this many characters while matching
 INT64 = 2 ** 63 - 1
@@ -67,9 +68,10 @@ MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
     "name": {"type": "string"}}}
 TOKEN_IDS = {"type": "array", "items": _int(0, INT64, "token id"), "minItems": 1}
 PROMPT = {"anyOf": [{"type": "string", "minLength": 1}, TOKEN_IDS,
-                    {"type": "array", "minItems": 1, "maxItems": 1,
+                    {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS,
                      "items": {"anyOf": [{"type": "string", "minLength": 1}, TOKEN_IDS]}}],
-          "description": "a string or token ids (a list of one of them is accepted too)"}
+          "description": f"a string or token ids, or a list of up to {MAX_PROMPTS} of them (one "
+                         "set of choices each)"}
 
 
 def _body(extra: dict, required: list[str]) -> dict:

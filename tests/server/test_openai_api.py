@@ -6,7 +6,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY
+from tests.server.conftest import API_KEY, hf_texts
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +71,38 @@ async def test_streamed_stop_string_never_leaks(server):
             return base, stop, text
     base, stop, text = await run()
     assert text == base[:base.index(stop)]
+
+
+def test_several_prompts_in_one_completion_request(server, client, tiny_chat_model):
+    """OpenAI's prompt may be a list: n choices per prompt, indexed prompt by prompt, each the
+    reply that prompt gets alone (HF's greedy tokens); usage counts every prompt's tokens."""
+    from transformers import AutoTokenizer
+    prompts = ["Once upon a time", "The capital of France", [5, 17, 33, 99]]
+    r = client.completions.create(model=server.model, prompt=prompts, max_tokens=8, n=2, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == list(range(6))
+    want = hf_texts(tiny_chat_model, prompts, 8)
+    assert [c.text for c in r.choices] == [w for w in want for _ in range(2)]
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    assert r.usage.prompt_tokens == len(tok(prompts[0])["input_ids"]) + len(tok(prompts[1])["input_ids"]) + 4
+    assert r.usage.completion_tokens == 6 * 8
+    # seeded sampling: each prompt's choices are what it gets alone with the same seed
+    sampled = client.completions.create(model=server.model, prompt=prompts[:2], max_tokens=8, n=2,
+                                        temperature=0.9, seed=11, extra_body={"ignore_eos": True})
+    alone = client.completions.create(model=server.model, prompt=prompts[1], max_tokens=8, n=2,
+                                      temperature=0.9, seed=11, extra_body={"ignore_eos": True})
+    assert [c.text for c in sampled.choices[2:]] == [c.text for c in alone.choices]
+    streamed = client.completions.create(model=server.model, prompt=prompts, max_tokens=8, temperature=0,
+                                         stream=True, extra_body={"ignore_eos": True})
+    texts = {}
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert [texts[i] for i in range(3)] == want
+
+
+@pytest.mark.parametrize("prompt, n", [(["a"] * 65, 1), (["a", "b"], 33), (["a", ""], 1), (["a", [1, -2]], 1)])
+def test_bad_prompt_lists_are_refused(server, client, prompt, n):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=server.model, prompt=prompt, max_tokens=2, n=n)
+    assert e.value.body["param"] in ("prompt", "n")
