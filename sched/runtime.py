@@ -34,7 +34,7 @@ from tandem.cache import PoolGeometry
 from tandem.engine.messages import Command, DeviceError, StepInput
 from tandem.sched.actor import DeviceActor, Update
 from tandem.sched.rebalancer import Rebalancer, view_of
-from tandem.sched.request import FinishReason, Migration, Transfer, RequestState
+from tandem.sched.request import FinishReason, Migration, RequestState, Status, Transfer
 
 log = logging.getLogger("tandem.runtime")
 
@@ -133,19 +133,21 @@ class ActorThread:
                     self._wake.wait()
                 if self._stop:
                     return
-                inbox, self._inbox = list(self._inbox), deque()
+                inbox, self._inbox = self._inbox, deque()
             updates: list[Update] = []
             try:
-                for msg in inbox:
-                    updates.extend(self._handle(msg))
+                while inbox:
+                    updates.extend(self._handle(inbox.popleft()))
                 self._release_settled()
                 if a.dead is None and (a.has_work() or a.has_messages()):
                     updates.extend(self._step())
                     self.loop_failures = 0
             except DeviceError as e:
-                updates.extend(self._worker_died(str(e)))
+                self._put_back(inbox)
+                updates.extend(self._recover(self._worker_died, str(e)))
             except Exception:            # a bug in the loop (a policy, the books): never silent
-                updates.extend(self._loop_failed(traceback.format_exc()))
+                self._put_back(inbox)
+                updates.extend(self._recover(self._loop_failed, traceback.format_exc()))
             if updates:
                 self.on_updates(updates)
             for fn in self.listeners:
@@ -153,6 +155,35 @@ class ActorThread:
                     fn(a)
                 except Exception:
                     log.exception("step listener failed")
+
+    def _recover(self, how: Callable[[str], list[Update]], why: str) -> list[Update]:
+        """Run a recovery. Should it fail as well (the books it works on are what broke), the
+        device is marked dead and every request on it ends with an error, built without those
+        books: the thread lives on, answering arrivals with errors, instead of dying silently
+        while the server still routes requests to it."""
+        try:
+            return how(why)
+        except Exception:                # noqa: BLE001 -- the last line of defence
+            a, eid = self.actor, error_id()
+            log.critical("%s: recovery failed (%s); the device is marked down:\n%s", a.device.name, eid,
+                         traceback.format_exc())
+            a.dead = f"recovery failed (error id {eid})"
+            self.restarting = False
+            why = f"device {a.device.name} failed: {a.dead}"
+            for st in a.states.values():
+                st.status, st.finish_reason, st.error = Status.FINISHED, FinishReason.ERROR, why
+            ended = [Update(rid, [], FinishReason.ERROR, why) for rid in a.states]
+            a.states.clear()
+            return ended
+
+    def _put_back(self, unread: deque) -> None:
+        """Messages not handled when one of them failed go back to the front of the inbox, in
+        order, for the next turn (after the recovery): an arrival, a migrating request or an
+        abort behind the failed message is never dropped with it."""
+        if unread:
+            with self._wake:
+                self._inbox.extendleft(reversed(unread))
+            unread.clear()
 
     def _handle(self, msg: Message) -> list[Update]:
         a = self.actor

@@ -137,3 +137,70 @@ def test_devices_step_without_waiting_for_each_other(tiny_llama):
         outs = llm.generate([[5, 6, 7], [8, 9, 10]], SamplingParams(max_tokens=20, **GREEDY))
         assert waited == [True], "device 0 was held until device 1 had finished"
     assert [o.token_ids for o in outs] == hf_greedy(tiny_llama, [[5, 6, 7], [8, 9, 10]], 20)
+
+
+def test_messages_behind_one_that_fails_are_still_handled(tiny_llama, monkeypatch):
+    """A message whose handling raises (the loop's recovery then runs) must not take the
+    arrivals queued behind it in the same turn down with it: they are served, token-exact."""
+    import time
+    from tandem.sched.request import Request
+    prompts = mixed_prompts(3, 512, seed=13)
+    with LLM(str(tiny_llama), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
+        rt = llm.start_runtime()
+        thread = rt.threads[0]
+        real = thread._handle
+
+        def handle(msg):
+            if isinstance(msg, runtime.Abort) and msg.req_id == "boom":
+                raise RuntimeError("a message the loop cannot handle")
+            return real(msg)
+        monkeypatch.setattr(thread, "_handle", handle)
+        sp = SamplingParams(max_tokens=8, **GREEDY)
+        states = [llm.scheduler.new_state(Request(f"q{i}", p, sp, arrival_time=time.monotonic()))
+                  for i, p in enumerate(prompts)]
+        ended = {}
+        done = threading.Event()
+
+        def sink(ups):
+            for u in ups:
+                if u.finish_reason is not None:
+                    ended[u.req_id] = u.finish_reason.value
+                    if len(ended) == len(states):
+                        done.set()
+        llm.subscribe([st.req_id for st in states], sink)
+        with thread._wake:                      # one turn of the loop reads all of these
+            thread.post(runtime.Abort("boom"))
+            for st in states:
+                rt.add(st, device=0)
+        assert done.wait(60), f"requests queued behind the failing message were lost: {ended}"
+        assert ended == {st.req_id: "length" for st in states}
+        assert [st.output_token_ids for st in states] == hf_greedy(tiny_llama, prompts, 8)
+        assert_pool_free(llm)
+
+
+def test_a_recovery_that_fails_marks_the_device_down_and_ends_its_requests(tiny_llama, monkeypatch):
+    """The policy raises, and so does failing its requests: the requests still end (with an
+    error), the device is reported down, and later arrivals are refused, never left waiting."""
+    def broken(snapshot):
+        raise RuntimeError("policy bug")
+
+    def also_broken(why):
+        raise RuntimeError("books broken too")
+    with LLM(str(tiny_llama), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
+        llm.scheduler.policy = broken
+        monkeypatch.setattr(llm.scheduler.actors[0], "fail_all", also_broken)
+        raised = []
+
+        def run():
+            try:
+                llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, **GREEDY))
+            except DeviceError as e:
+                raised.append(str(e))
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(60)
+        assert not t.is_alive(), "the requests never ended: the device thread died with them"
+        assert raised and "recovery failed" in raised[0]
+        assert not llm.runtime.serving() and llm.runtime.threads[0]._thread.is_alive()
+        with pytest.raises(DeviceError, match="no device can serve"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **GREEDY))
