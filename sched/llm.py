@@ -37,6 +37,17 @@ class RequestOutput:
     text: str                      # generated text, special tokens skipped, stop string cut
     finish_reason: str             # "stop" | "length" | "abort" | "error"
 
+    @property
+    def request_id(self) -> str:
+        """vLLM's name for ``req_id``."""
+        return self.req_id
+
+    @property
+    def outputs(self) -> list["RequestOutput"]:
+        """vLLM's shape: the request's completions (one here), each with ``text``, ``token_ids``
+        and ``finish_reason``, so ``out.outputs[0].text`` works as with vLLM."""
+        return [self]
+
 
 log = logging.getLogger(__name__)
 
@@ -123,15 +134,16 @@ class LLM:
         self.runtime: Runtime | None = None
         self.rebalancer: Rebalancer | None = None
         self._sinks: dict[str, Callable[[list[Update]], None]] = {}
-        self.lengths = self._lengths(policy, length_predictor, length_cap)
+        # every argument is checked before anything loads (the length predictor included)
         names = parse_devices(devices)
-        dtype, why = resolve_dtype(dtype, names[0])
-        log.info("dtype %s: %s", dtype, why)
-        self.dtype = dtype
-        self.kv_cache_dtype = kv_cache_dtype
         _positive("block_size", block_size)
+        for name, v in (("max_model_len", max_model_len), ("threads_per_worker", threads_per_worker)):
+            if v is not None:
+                _positive(name, v)
         if not isinstance(swap_space, (int, float)) or isinstance(swap_space, bool) or swap_space < 0:
             raise ValueError(f"swap_space: must be a non-negative number of GiB, got {swap_space!r}")
+        if isinstance(tandem_off, str):
+            tandem_off = (tandem_off,)
         final = SchedConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, policy, rt_budget_s,
                             bidirectional_blocks, cache_type_of(cache_type), hybrid_cache=hybrid_cache,
                             adaptive=adaptive, slo_decay=slo_decay, mixed_batches=mixed_batches,
@@ -145,8 +157,19 @@ class LLM:
                 raise ValueError(f"{name}: must be a positive number of seconds, got {v!r}")
         if kv_cache_bytes is not None:
             _positive("kv_cache_bytes", kv_cache_bytes)
-        if kv_cache_fraction is not None and not 0 < kv_cache_fraction <= 1:
-            raise ValueError(f"kv_cache_fraction: must be in (0, 1], got {kv_cache_fraction!r}")
+            if kv_cache_fraction is not None:
+                raise ValueError("kv_cache_bytes, kv_cache_fraction: give one of them, not both")
+        if kv_cache_fraction is not None and (not isinstance(kv_cache_fraction, (int, float))
+                                              or isinstance(kv_cache_fraction, bool)
+                                              or not 0 < kv_cache_fraction <= 1):
+            raise ValueError(f"kv_cache_fraction: must be a number in (0, 1], got {kv_cache_fraction!r}")
+        if omp_wait_policy not in (None, "ACTIVE", "PASSIVE"):
+            raise ValueError(f"omp_wait_policy: {omp_wait_policy!r} is not ACTIVE or PASSIVE")
+        self.lengths = self._lengths(policy, length_predictor, length_cap)
+        dtype, why = resolve_dtype(dtype, names[0])
+        log.info("dtype %s: %s", dtype, why)
+        self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype
         t_load = time.monotonic()
         hf_dir = resolve_model(model, cache_dir or DEFAULT_CACHE_DIR)
         self.spec = load_spec(hf_dir)
@@ -160,8 +183,6 @@ class LLM:
             self._decode = fast.decode if fast is not None else self.tokenizer.decode
         ncpu = sum(n == "cpu" for n in names)
         threads = threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, ncpu))
-        if omp_wait_policy not in (None, "ACTIVE", "PASSIVE"):
-            raise ValueError(f"omp_wait_policy: {omp_wait_policy!r} is not ACTIVE or PASSIVE")
         if kv_cache_bytes is None and kv_cache_fraction is None:
             kv_cache_bytes = DEFAULT_KV_CACHE_BYTES
         if ncpu and cpu_kernels:
@@ -409,10 +430,10 @@ class LLM:
                 raise ValueError("sampling_params: must be SamplingParams")
             p.validate()
         encoded = [self.encode_prompt(p) for p in plist]
-        for ids, _ in encoded:
+        for (ids, _), p in zip(encoded, params):
             self._check_length(ids)
-        for p in params:
             self.check_token_ids(p)
+            self.scheduler.check_fits(len(ids), p.max_tokens)
         now = time.monotonic()
         reqs = [Request(f"gen-{next(self._ids)}", ids, sp, arrival_time=now, prompt=text)
                 for (ids, text), sp in zip(encoded, params)]

@@ -54,7 +54,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     ap.add_argument("--swap-space", type=float, default=d.swap_space_gib,
                     help="GiB of host memory for swapped caches, per device")
     ap.add_argument("--swap-dtype", default=d.swap_dtype, choices=["int8", "auto"],
-                    help="swapped caches: int8 (channel-wise per block, about a quarter of fp32) or auto "
+                    help="swapped caches: int8 (channel-wise per block, about 40% of fp32) or auto "
                          "(as the resident cache: swapped requests generate exactly the same tokens)")
     ap.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "int8"],
                     help="the resident cache: auto (the model's dtype) or int8 (each full block compressed "
@@ -126,6 +126,12 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                     mean_tbt=a.slo_tbt_mean).check()
         if a.rebalance_interval <= 0:
             raise ValueError("rebalance-interval: must be positive")
+        from tandem.sched.llm import parse_devices
+        parse_devices(a.devices)
+        for flag, v in (("threads-per-worker", a.threads_per_worker), ("kv-cache-bytes", a.kv_cache_bytes),
+                        ("max-waiting", a.max_waiting)):
+            if v is not None and v < 1:
+                raise ValueError(f"{flag}: must be a positive integer, got {v}")
         if a.max_connections < 1 or a.header_timeout <= 0 or a.body_timeout <= 0:
             raise ValueError("max-connections, header-timeout and body-timeout must be positive")
     except ValueError as e:
@@ -148,7 +154,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                         limits=Limits(a.max_connections, a.header_timeout, a.body_timeout),
                         # the server shares the cores with its workers: their OpenMP threads sleep
                         # between ops unless the user asked otherwise (an idle server then uses no CPU)
-                        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY") or "PASSIVE")
+                        omp_wait_policy=(os.environ.get("OMP_WAIT_POLICY") or "PASSIVE").upper())
 
 
 def _length_source(cfg: ServerConfig):

@@ -122,3 +122,30 @@ def test_unknown_model_is_a_value_error(model, devices):
 def test_bad_devices(devices, tiny_llama):
     with pytest.raises(ValueError, match="devices"):
         LLM(str(tiny_llama), devices)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(threads_per_worker=-1), "threads_per_worker"),
+    (dict(max_model_len=-5), "max_model_len"),
+    (dict(max_model_len="512"), "max_model_len"),
+    (dict(kv_cache_fraction="0.5"), "kv_cache_fraction"),
+    (dict(kv_cache_bytes=1 << 20, kv_cache_fraction=0.5), "kv_cache_fraction"),
+    (dict(omp_wait_policy="spin"), "omp_wait_policy"),
+])
+def test_bad_llm_arguments_fail_before_anything_loads(kwargs, field, tiny_llama, monkeypatch):
+    import tandem.sched.llm as llm_module
+
+    def loaded(*a, **k):
+        raise AssertionError("the length predictor was loaded before the arguments were checked")
+    monkeypatch.setattr(llm_module.LLM, "_lengths", loaded)
+    with pytest.raises(ValueError, match=field):
+        LLM(str(tiny_llama), "cpu:1", **kwargs)
+
+
+def test_outputs_read_as_vllm_users_expect(llm, tiny_llama):
+    p = mixed_prompts(1, 512, seed=6)
+    out = llm.generate(p, SamplingParams(max_tokens=6, **GREEDY))[0]
+    assert out.request_id == out.req_id and len(out.outputs) == 1
+    first = out.outputs[0]
+    assert first.token_ids == hf_greedy(tiny_llama, p, 6)[0] and first.finish_reason == "length"
+    assert first.text == out.text

@@ -1,0 +1,28 @@
+"""The server's command line refuses bad settings at once, with argparse's message and exit
+code 2, instead of starting and answering 503 ("model failed to load") for ever."""
+import subprocess
+import sys
+
+import pytest
+
+from tests.server.conftest import ROOT, free_port
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--devices", "cpu2"], "devices"),
+    (["--threads-per-worker", "-3"], "threads-per-worker"),
+    (["--kv-cache-bytes", "-5"], "kv-cache-bytes"),
+    (["--max-waiting", "0"], "max-waiting"),
+    (["--rebalance-interval", "0"], "rebalance-interval"),
+])
+def test_bad_settings_exit_before_loading(args, says):
+    run = subprocess.run([sys.executable, "-m", "server", "--port", str(free_port()), *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and says in run.stderr, run.stderr[-2000:]
+    assert "loading" not in run.stdout
+
+
+def test_the_omp_wait_policy_is_read_in_any_case(monkeypatch):
+    from tandem.server.__main__ import parse_args
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    assert parse_args([]).omp_wait_policy == "PASSIVE"
