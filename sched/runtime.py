@@ -209,6 +209,10 @@ class ActorThread:
         st = a.states.get(msg.req_id)
         if st is None:               # it finished (or was cancelled) meanwhile
             return
+        if not msg.dst.serving:      # down or restarting: the request would wait there, or fail
+            log.info("not migrating %s to %s: that device is %s", msg.req_id, msg.dst.actor.device.name,
+                     "restarting" if msg.dst.restarting else "down")
+            return
         move = Migration(msg.kind, a.index, msg.dst.actor.index, a.clock(), st.num_tokens, reason=msg.reason)
         rows = None
         if msg.kind is Transfer.KV and a.can_export(msg.req_id):

@@ -178,3 +178,21 @@ def test_cache_lost_before_its_import_is_sent(lose, tiny_llama):
         assert st.output_token_ids == hf_greedy(tiny_llama, [prompt], 12)[0]
     else:
         assert st.finish_reason.value == "abort"
+
+
+def test_no_move_to_a_device_that_is_restarting(llama2, tiny_llama):
+    """A migration asked for while its destination restarts is not carried out: the request
+    finishes where it is, as HF does, instead of waiting out the restart (or failing with it)."""
+    prompt = mixed_prompts(1, 512, seed=17, lo=20, hi=30)[0]
+    rt = llama2.start_runtime()
+    dst = rt.threads[1]
+    before = llama2.scheduler.actors[1].moves_total
+    dst.restarting = True
+    try:
+        seen, st = run(llama2, prompt, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True),
+                       Transfer.KV, "to-restarting")
+    finally:
+        dst.restarting = False
+    assert st.device == 0 and llama2.scheduler.actors[1].moves_total == before
+    assert seen == hf_greedy(tiny_llama, [prompt], MAX_NEW)[0]
+    wait_pool_free(llama2)
