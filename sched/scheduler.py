@@ -282,9 +282,11 @@ class Scheduler:
         return None
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """ValueError if such a request could never fit a device's pool (safe from any thread)."""
+        """ValueError if such a request could never fit a device's pool (safe from any thread).
+        Against the smallest pool: devices sized by a memory fraction differ, and a request may
+        be placed on, or migrated to, any of them."""
         longest = min(num_prompt_tokens + max_tokens, self.max_model_len)
-        g = self.actors[0].pool.geometry
+        g = min((a.pool.geometry for a in self.actors), key=lambda g: g.num_blocks)
         need = g.blocks_for(longest, self.cfg.cache_type)
         if need > g.num_blocks:
             raise ValueError(f"prompt: {longest} tokens of context need {need} "

@@ -1,4 +1,5 @@
 """The Scheduler driving an in-process device (the profiling path) matches HF too."""
+import pytest
 import torch
 
 from tandem.engine.models.loader import load_spec
@@ -22,3 +23,20 @@ def test_in_process_device_matches_hf(tiny_opt):
         sched.step()
     assert [s.output_token_ids for s in states] == hf_greedy(tiny_opt, prompts, 12)
     assert sched.queues[0].pool.num_free == dev.pool_info.num_blocks
+
+
+def test_a_request_must_fit_the_smallest_pool(tiny_llama):
+    """Devices whose pools differ (sized by a memory fraction): a request that fits only the
+    larger pool is refused, since it could be placed on or moved to the smaller one."""
+    torch.set_num_threads(1)
+    spec = load_spec(tiny_llama)
+    devs = [InProcessDevice(f"cpu#{i}", WorkerConfig(str(tiny_llama), spec, "float32", "cpu", 8, budget, None, 1, 1,
+                                                       False, False))
+            for i, budget in enumerate((4 << 20, 1 << 20))]
+    small = devs[1].pool_info.num_blocks
+    assert small < devs[0].pool_info.num_blocks
+    sched = Scheduler(SchedConfig(), devs, spec.eos_token_ids, 1 << 16)
+    per_block = 8 // sched.actors[1].pool.geometry.blocks_for(8, sched.cfg.cache_type)
+    sched.check_fits(small * per_block - 4, 4)                    # exactly the smaller pool
+    with pytest.raises(ValueError, match="pool has"):
+        sched.check_fits(small * per_block - 4, 5)
