@@ -54,7 +54,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     ap.add_argument("--swap-space", type=float, default=d.swap_space_gib,
                     help="GiB of host memory for swapped caches, per device")
     ap.add_argument("--swap-dtype", default=d.swap_dtype, choices=["int8", "auto"],
-                    help="swapped caches: int8 (channel-wise per block, about 40% of fp32) or auto "
+                    help="swapped caches: int8 (channel-wise per block, about 40%% of fp32) or auto "
                          "(as the resident cache: swapped requests generate exactly the same tokens)")
     ap.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "int8"],
                     help="the resident cache: auto (the model's dtype) or int8 (each full block compressed "
