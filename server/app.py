@@ -197,7 +197,7 @@ def max_tokens_for(engine: AsyncEngine, sp, prompt_tokens: int, param: str) -> i
         engine.scheduler.check_fits(prompt_tokens, mt)
     except ValueError as e:
         field_name = str(e).split(":", 1)[0]
-        raise bad_request(str(e), param=field_name) from None
+        raise bad_request(str(e), param=param if field_name == "prompt" else field_name) from None
     return mt
 
 

@@ -36,10 +36,14 @@ async def test_swapped_requests_reply_as_if_alone(tiny_chat_model, tmp_path):
     async def run():
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as session:
             together = await asyncio.gather(*(complete(session, s.url, i) for i in range(N)))
+            # a chat whose context can never fit the small pool: refused, naming the messages
+            async with session.post(s.url + "/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400}) as r:
+                refused = r.status, (await r.json())["error"]
             async with session.get(s.url + "/metrics") as r:
-                return together, await r.text()
+                return together, await r.text(), refused
     try:
-        together, text = await run()
+        together, text, refused = await run()
     finally:
         assert stop_server(s) == 0
     assert metric(text, "vllm:num_preemptions_total") > 0, "the pool was meant to force preemption"
@@ -49,6 +53,7 @@ async def test_swapped_requests_reply_as_if_alone(tiny_chat_model, tmp_path):
     assert out > 0 and metric(text, "tandem:swaps_total", event="in") == out
     moved = metric(text, "tandem:swap_bytes_total", direction="out")
     assert moved > 0 and metric(text, "tandem:swap_bytes_total", direction="in") == moved
+    assert refused[0] == 400 and refused[1]["param"] == "messages" and "pool has" in refused[1]["message"]
     assert together == hf_texts(tiny_chat_model, [prompt(i) for i in range(N)], MAX_TOKENS)
 
 
