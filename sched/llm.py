@@ -430,16 +430,16 @@ class LLM:
                 raise ValueError("sampling_params: must be SamplingParams")
             p.validate()
         encoded = [self.encode_prompt(p) for p in plist]
-        for (ids, _), p in zip(encoded, params):
+        for ids, _ in encoded:
             self._check_length(ids)
+        for p in params:
             self.check_token_ids(p)
-            self.scheduler.check_fits(len(ids), p.max_tokens)
         now = time.monotonic()
         reqs = [Request(f"gen-{next(self._ids)}", ids, sp, arrival_time=now, prompt=text)
                 for (ids, text), sp in zip(encoded, params)]
-        if self.lengths is not None:
+        states = [self.scheduler.new_state(r) for r in reqs]    # each checks it fits a pool
+        if self.lengths is not None:            # recorded only for requests that will run
             self.lengths.assign(reqs, [prediction_text(p, self.decode_prompt if self.tokenizer is not None else None) for p in plist])
-        states = [self.scheduler.new_state(r) for r in reqs]
         self._run(states, _progress(len(reqs)) if use_tqdm else None)
         failed = [st for st in states if st.finish_reason is FinishReason.ERROR]
         if failed:

@@ -10,8 +10,9 @@ It keeps the placement's books (``sched.placement.Cluster``) for the device acto
 The books are the placement's intent; the devices reach it through migrations. A move waits
 (``pending``) until its request is seen on a device; it is then sent as its cache or as its
 tokens by SPEC §4.4's two-bin packing (``split``) against this epoch's budgets, or waits for the
-next epoch when it fits neither. Where both fit, it goes the way that pauses it less. A baseline's PREEMPTION moves (BF/WF overflow) always go as
-tokens: the request starts again elsewhere, as those baselines do.
+next epoch when it fits neither; where both fit, it goes the way that pauses it less. A
+baseline's PREEMPTION moves (BF/WF overflow) always go as tokens: the request starts again
+elsewhere, as those baselines do.
 
 The budgets (``Budgets``): ``Bcomm``, the bytes the box's link copies within one epoch (a
 start-up bandwidth probe times the epoch), shared by every KV move of the epoch; and ``Bcomp``,
@@ -242,7 +243,8 @@ class Rebalancer:
             if p.kind is MoveKind.PREEMPTION:
                 orders.append(Order(rid, src, p.dst, Transfer.TOKEN, p.reason))
                 continue
-            n, nbytes = self.views[src].tokens[rid], self.views[src].blocks[rid] * self.block_bytes
+            v = self.views[src]
+            n, nbytes = v.tokens[rid], v.blocks[rid] * self.block_bytes
             cands.append(Candidate(rid, src, p.dst, nbytes, n, p.reason, self.budgets.kv_seconds(nbytes),
                                    self.budgets.reprefill_seconds(dst, n)))
         comp = {d: self.budgets.comp_tokens(v) for d, v in self.views.items()}

@@ -169,10 +169,10 @@ class ActorThread:
                          traceback.format_exc())
             a.dead = f"recovery failed (error id {eid})"
             self.restarting = False
-            why = f"device {a.device.name} failed: {a.dead}"
+            error = f"device {a.device.name} failed: {a.dead}"
             for st in a.states.values():
-                st.status, st.finish_reason, st.error = Status.FINISHED, FinishReason.ERROR, why
-            ended = [Update(rid, [], FinishReason.ERROR, why) for rid in a.states]
+                st.status, st.finish_reason, st.error = Status.FINISHED, FinishReason.ERROR, error
+            ended = [Update(rid, [], FinishReason.ERROR, error) for rid in a.states]
             a.states.clear()
             return ended
 

@@ -146,6 +146,10 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
         except ValueError as e:
             raise bad_request(str(e), param=param) from None
     sp = gen.sampling
+    try:
+        engine.llm.check_token_ids(sp)
+    except ValueError as e:
+        raise bad_request(str(e), param="stop_token_ids") from None
     budgets = [max_tokens_for(engine, sp, len(ids), param) for ids, _ in encoded]
     if not force_be and engine.num_waiting() >= cfg.max_waiting:
         raise ApiError(429, "too many requests are waiting; retry later", type="rate_limit_error",
@@ -193,7 +197,6 @@ def max_tokens_for(engine: AsyncEngine, sp, prompt_tokens: int, param: str) -> i
                           code="context_length_exceeded")
     try:
         replace(sp, max_tokens=mt)                  # validates
-        engine.llm.check_token_ids(sp)
         engine.scheduler.check_fits(prompt_tokens, mt)
     except ValueError as e:
         field_name = str(e).split(":", 1)[0]
