@@ -48,6 +48,15 @@ def block_offsets(block_size: int, direction: Direction) -> torch.Tensor:
     return offs if direction is Direction.LEFT else offs.flip(0)
 
 
+def _cuda_pickler():
+    """multiprocessing's pickler with torch's reducers registered (importing torch.multiprocessing
+    registers them): a CUDA tensor pickles as a CUDA IPC handle to its memory, and unpickling
+    the handle in another process opens that memory there."""
+    import torch.multiprocessing  # noqa: F401
+    from multiprocessing.reduction import ForkingPickler
+    return ForkingPickler
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, pool: torch.Tensor | QuantPool,
                  block_size: int, kernel: object | None = None, triton: bool = False):
@@ -260,10 +269,9 @@ class ModelRunner:
         profiling) a CUDA copy is staged on the host instead."""
         st = self.reqs[rid]
         if self.device.type == "cuda" and self.cuda_ipc:
-            from torch.multiprocessing.reductions import ForkingPickler    # registers CUDA sharing
             rows = self._device_rows(rid, st, st.num_computed).contiguous()
             self._exported[rid] = rows
-            return DeviceRows(bytes(ForkingPickler.dumps(rows)), rows.nbytes)
+            return DeviceRows(bytes(_cuda_pickler().dumps(rows)), rows.nbytes)
         return self._gather(rid, st, st.num_computed).share_memory_()
 
     def _import(self, imp: CacheImport) -> None:
@@ -275,8 +283,7 @@ class ModelRunner:
         self._append_blocks(st, imp.block_ids, imp.directions)
         rows = imp.rows
         if isinstance(rows, DeviceRows):      # the source GPU's copy, opened here: a device-to-device copy
-            from torch.multiprocessing.reductions import ForkingPickler
-            rows = ForkingPickler.loads(rows.handle)
+            rows = _cuda_pickler().loads(rows.handle)
         self._write_rows(imp.req_id, st, imp.num_tokens, rows)
 
     # ---- one step ----------------------------------------------------------
