@@ -70,7 +70,8 @@ def _hidden_decode(q_ptr, o_ptr, lens_ptr, pool_ptr, tab_ptr, dir_ptr, w_ptr, b_
         v = tl.zeros([BLOCK_N, D], tl.float32)
         for j in tl.static_range(M):
             rows = token_rows(tab_ptr, dir_ptr, req, t, valid, s_tab, s_dir, B, ROWS, j, M)
-            for hh in tl.static_range(HKV):
+            for hh in range(HKV):        # a loop, not unrolled: unrolled, the compiler hoists
+                #                            every head's weight tiles out of the context loop
                 x = tl.load(pool_ptr + hh * s_pool_h + rows[:, None] * D + cols[None, :],
                             mask=valid[:, None], other=0.0)                          # [BLOCK_N, D]
                 e0 = (j * HKV + hh) * D                  # x's columns in d_model

@@ -2,6 +2,10 @@
 values the pool holds, and the engine's torch reference path. On a machine without a GPU they
 run under Triton's interpreter (tiny shapes); with one, on CUDA."""
 import importlib
+import json
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -185,3 +189,38 @@ def test_tables_from_rows_refuses_irregular_rows(kernels):
     moved = regular.clone()
     moved[5] = 7 * B + 3
     assert P.tables_from_rows([moved], B) is None
+
+
+# Compiles the hidden-cache kernel for a Hopper GPU (sm_90) without one: Triton's own compiler
+# and its bundled ptxas, outside the interpreter. Prints the shared memory one block needs.
+_COMPILE_HIDDEN = """
+import inspect, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tandem.engine.triton_hidden import _hidden_decode
+const = json.loads(sys.argv[1])
+ptrs = {"lens_ptr": "*i32", "tab_ptr": "*i32", "dir_ptr": "*i8"}
+sig = {p: "constexpr" if p in const else ptrs.get(p, "*bf16") if p.endswith("_ptr")
+       else "fp32" if p == "scale" else "i32" for p in inspect.signature(_hidden_decode.fn).parameters}
+k = triton.compile(ASTSource(_hidden_decode, sig, const), target=GPUTarget("cuda", 90, 32))
+print(k.metadata.shared)
+"""
+HOPPER_SHARED = 232448        # bytes of shared memory one block may use on an H100 or H200
+
+
+@pytest.mark.parametrize("model, shape", [
+    ("opt13b", dict(HKV=40, M=1, G=1, ROPE=False, BIAS=True)),       # d_model 5120, 40 heads of 128
+    ("llama8b", dict(HKV=8, M=4, G=4, ROPE=True, BIAS=False))])      # 8 KV heads of 128, d_model 4096
+def test_hidden_decode_fits_hopper_shared_memory(model, shape):
+    """At the paper models' shapes the hidden-cache kernel fits one block's shared memory on an
+    H100/H200, however many KV heads it loops over (unrolled, the compiler kept every head's
+    weight tiles in shared memory: 2.8 MB at OPT-13B's shape, and the launch failed)."""
+    pytest.importorskip("triton.backends.nvidia")
+    const = dict(shape, G_PAD=16, D=128, B=16, BLOCK_N=16, ROWS=False, IEEE=False)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE_HIDDEN, json.dumps(const)], env=env, timeout=240,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    shared = int(out.stdout.split()[-1])
+    assert shared <= HOPPER_SHARED, f"{model}: {shared} bytes of shared memory"
