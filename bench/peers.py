@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -30,6 +31,8 @@ def vllm_python() -> Path | None:
 
 
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
+    """Until ``url`` answers 200. A server that answers its model failed to load (ours keeps
+    serving /health with the reason) is not waited for."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         if proc.poll() is not None:
@@ -38,6 +41,11 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
                     return
+        except urllib.error.HTTPError as e:
+            body = e.read().decode(errors="replace")
+            if "failed to load" in body:
+                raise RuntimeError(f"{url}: {body[:2000]}") from None
+            time.sleep(1)
         except OSError:
             time.sleep(1)
     raise RuntimeError(f"{url} did not answer within {timeout_s} s")

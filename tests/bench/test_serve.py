@@ -1,0 +1,27 @@
+"""The bench's server launcher against a real server whose model fails to load: it stops waiting
+at once with the server's reason, instead of for its whole start-up timeout."""
+import os
+import shutil
+import sys
+import time
+
+import pytest
+
+from tandem.bench.peers import free_port, serve
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_a_model_that_fails_to_load_is_not_waited_for(tiny_llama, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama, broken)
+    (broken / "model.safetensors").write_bytes(b"not a checkpoint")
+    port = free_port()
+    cmd = [sys.executable, "-m", "server", "--model", str(broken), "--port", str(port), "--data-dir",
+           str(tmp_path / "data"), "--kv-cache-bytes", str(64 << 20), "--watch-parent", str(os.getpid()),
+           "--dtype", "float32"]
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="model failed to load"):
+        with serve(cmd, port, start_timeout_s=240, cwd=ROOT, log_path=tmp_path / "server.log"):
+            pass
+    assert time.monotonic() - t0 < 200
