@@ -196,8 +196,11 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     ml.add_argument("--tbt-ms", type=float, default=50.0, help="time per output token of every request")
     ml.add_argument("--seed", type=int, default=0)
     ml.add_argument("--out", default="sim_mell.json", help="result file under bench/results")
-    sk = sub.add_parser("skew", help="two CPU devices: static placement vs migrating ones as request sizes diverge")
-    sk.add_argument("--placements", nargs="+", default=["static", "lb", "mell"], choices=["static", "mell", "lb", "bf", "wf"])
+    sk = sub.add_parser("skew", help="two devices: static placement vs migrating ones as request sizes diverge")
+    sk.add_argument("--placements", nargs="*", default=["static", "lb", "mell"], choices=["static", "mell", "lb", "bf", "wf"],
+                    help="none: the migration sweep alone")
+    sk.add_argument("--devices", default="cpu:2", help="two workers: cpu:2, or cuda:0,0 (one GPU) / cuda:0,1")
+    sk.add_argument("--model", default="smollm2", help="smollm2-random where the packaged model is not installed")
     sk.add_argument("--rate", type=float, default=1.0, help="arrivals per second (Poisson)")
     sk.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
     sk.add_argument("--drain", type=float, default=180.0, help="seconds to wait after the last arrival")

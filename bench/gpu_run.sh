@@ -2,7 +2,8 @@
 # The GPU checks in one command, on a machine with CUDA and no network (at most ~10 minutes):
 #   1. the Triton kernels' tests on CUDA (the same tests run under the interpreter on a CPU);
 #   2. token-exactness against HF transformers on CUDA, tiny models, Triton attention, and
-#      migration between two workers sharing the GPU (cuda:0,0: KV through CUDA IPC handles);
+#      migration between two workers sharing the GPU (cuda:0,0: KV through CUDA IPC handles),
+#      with the pause of each kind against the request's size (bench skew's sweep);
 #   3. python -m bench kernels: paged decode GB/s against the device's copy bandwidth;
 #   4. python -m bench gpu-offline: our engine against HF generate at batch 64 (SmolLM2's and
 #      Llama-3-8B's shapes, random weights);
@@ -11,7 +12,8 @@
 #      (bench mixed). Rates: APT_RATES and BROS_RATES; seconds of arrivals: DURATION.
 # Python packages the machine lacks travel as wheels in ./.whl (make gpu-wheels, on a machine
 # with network access); they are installed into /tmp/site, nothing else is touched.
-# Results: bench/results/ (JSON) and the log on standard output.
+#   STEPS="tests migration" runs some of them (tests migration kernels offline apt bros).
+# Results: bench/results/ (JSON, copied to $OUT where that is set) and the log on standard output.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -25,18 +27,36 @@ import torch, triton
 print("device:", torch.cuda.get_device_name(), "| torch", torch.__version__, "| triton", triton.__version__)
 PY
 status=0
-step() { echo "== $*"; "$@" || status=1; }
-step $PY -m pytest -q -p no:cacheprovider tests/engine/test_triton_kernels.py
-step $PY -m pytest -q -p no:cacheprovider tests/engine/test_triton_exactness.py \
-  "tests/engine/test_bidir_exactness.py::test_scheduler_with_bidirectional_blocks_matches_hf"
-step env TANDEM_TEST_TWO_DEVICES=cuda:0,0 $PY -m pytest -q -p no:cacheprovider tests/engine/test_migration.py
-step $PY -m bench kernels --accuracy
-step $PY -m bench kernels
-step $PY -m bench gpu-offline
+# STEPS picks steps by name (default: all, in this order); each step has its own time limit (s)
+STEPS=${STEPS:-"tests migration kernels offline apt bros"}
+step() {
+  local limit=$1; shift; echo "== $*"; SECONDS=0
+  timeout -k 10 "$limit" "$@" || { echo "!! exit $? from: $*"; status=1; }
+  echo "== ${SECONDS}s"
+  # the device tool brings back what is under $OUT
+  if [[ -n "${OUT:-}" ]]; then cp bench/results/gpu_*.json bench/results/kernels*.json "$OUT"/ 2>/dev/null; fi
+}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+if want tests; then
+  step 150 $PY -m pytest -q -p no:cacheprovider tests/engine/test_triton_kernels.py
+  step 150 env TANDEM_TEST_DEVICE=cuda:0 $PY -m pytest -q -p no:cacheprovider tests/engine/test_triton_exactness.py \
+    "tests/engine/test_bidir_exactness.py::test_scheduler_with_bidirectional_blocks_matches_hf"
+fi
+if want migration; then
+  step 150 env TANDEM_TEST_TWO_DEVICES=cuda:0,0 $PY -m pytest -q -p no:cacheprovider tests/engine/test_migration.py
+  # the pause of one KV (CUDA IPC) and one token migration against the request's size
+  step 120 $PY -m bench skew --devices cuda:0,0 --model smollm2-random --placements --sweep 64 256 1024 4096 \
+    --out gpu_skew.json
+fi
+if want kernels; then
+  step 90 $PY -m bench kernels --accuracy
+  step 90 $PY -m bench kernels
+fi
+want offline && step 180 $PY -m bench gpu-offline
 DURATION=${DURATION:-20}
 PAPER=(--model opt13b-random --devices cuda:0 --kv-cache-gib 8 --slo-ttft-ms 1000 --slo-tbt-ms 1000
        --duration "$DURATION" --drain 30 --max-output 512)
-step $PY -m bench online "${PAPER[@]}" --systems tandem tandem-fcfs-prefill-first tandem-aptserve \
+want apt && step 400 $PY -m bench online "${PAPER[@]}" --systems tandem tandem-fcfs-prefill-first tandem-aptserve \
   --rates ${APT_RATES:-2} --out gpu_apt.json
-step $PY -m bench mixed "${PAPER[@]}" --systems tandem tandem-bros --rates ${BROS_RATES:-1} --out gpu_bros.json
+want bros && step 300 $PY -m bench mixed "${PAPER[@]}" --systems tandem tandem-bros --rates ${BROS_RATES:-1} --out gpu_bros.json
 exit $status

@@ -1,4 +1,4 @@
-"""Two CPU devices, one placement each run: what migrations buy when request sizes diverge.
+"""Two devices, one placement each run: what migrations buy when request sizes diverge.
 
 The trace: ShareGPT prompts at ``rate`` req/s (Poisson), each one either long (``--long``
 output tokens, a ``--long-share`` of them) or short (``--short``), EOS ignored, so the devices'
@@ -11,6 +11,10 @@ a request with a prompt of n tokens is moved to the other device after its secon
 as its cache (KV) and once as its tokens, with both devices otherwise idle.
 
     python -m bench skew [--placements static lb mell] [--rate 1.2] [--duration 60]
+
+Two CPU workers by default. ``--devices cuda:0,0 --model smollm2-random --placements`` (no
+placement: the sweep alone, which needs no tokenizer) times the same migrations between two
+workers sharing one GPU, the cache going through CUDA IPC handles.
 """
 from __future__ import annotations
 
@@ -23,13 +27,14 @@ from tandem.bench.metrics import percentile
 from tandem.bench.output import save_json
 
 
-def _llm(placement: str, pool_tokens: int, interval: float, slo_tbt_s: float):
+def _llm(placement: str, pool_tokens: int, interval: float, slo_tbt_s: float, model: str, devices: str):
     from tandem.engine.models.loader import load_spec, resolve_model
     from tandem.sched.llm import DEFAULT_CACHE_DIR, LLM
-    spec = load_spec(resolve_model("smollm2", DEFAULT_CACHE_DIR))
+    spec = load_spec(resolve_model(model, DEFAULT_CACHE_DIR))
     block = 16
-    pool_bytes = (pool_tokens // block) * 2 * spec.num_layers * block * spec.unit * 4
-    return LLM("smollm2", "cpu:2", dtype="float32", threads_per_worker=1, kv_cache_bytes=pool_bytes,
+    dtype = "float32" if devices.startswith("cpu") else "bfloat16"
+    pool_bytes = (pool_tokens // block) * 2 * spec.num_layers * block * spec.unit * (4 if dtype == "float32" else 2)
+    return LLM(model, devices, dtype=dtype, threads_per_worker=1, kv_cache_bytes=pool_bytes,
                max_num_batched_tokens=256, placement=placement, rebalance_interval_s=interval,
                slo_tbt_s=slo_tbt_s)
 
@@ -100,11 +105,11 @@ def summarize(placement: str, res: dict, ttft_slo: float) -> dict:
     return row
 
 
-def sweep(sizes: list[int]) -> list[dict]:
+def sweep(sizes: list[int], model: str = "smollm2", devices: str = "cpu:2") -> list[dict]:
     """Pause of one forced migration per kind against the request's context length."""
     from tandem.engine.params import SamplingParams
     from tandem.sched.request import Request, Transfer
-    llm = _llm("static", max(sizes) * 2 + 256, 1.0, 0.2)
+    llm = _llm("static", max(sizes) * 2 + 256, 1.0, 0.2, model, devices)
     rng = random.Random(0)
     rows = []
     try:
@@ -130,6 +135,8 @@ def sweep(sizes: list[int]) -> list[dict]:
                     llm.unsubscribe([rid])
                 m = [m for m in llm.scheduler.actors[1].moves if m.reason == "sweep" and m.kind is kind
                      and m.tokens >= n]
+                if not m:
+                    raise RuntimeError(f"no {n}-token request moved as {kind.value} (the log says why)")
                 pauses = [x.pause_s for x in m[-3:]]
                 rows.append({"tokens": n, "kind": kind.value, "pause_ms": 1e3 * statistics.median(pauses),
                              "bytes": m[-1].cache_bytes})
@@ -143,12 +150,13 @@ def sweep(sizes: list[int]) -> list[dict]:
 def main(args) -> None:
     from tandem.engine.models.loader import load_tokenizer, resolve_model
     from tandem.sched.llm import DEFAULT_CACHE_DIR
-    tok = load_tokenizer(resolve_model("smollm2", DEFAULT_CACHE_DIR))
-    n = max(1, round(args.rate * args.duration))
-    items = trace(tok, n, args.rate, args.seed, args.long_share, args.long, args.short)
-    rows = []
+    rows, items = [], []
+    if args.placements:
+        tok = load_tokenizer(resolve_model(args.model, DEFAULT_CACHE_DIR))
+        n = max(1, round(args.rate * args.duration))
+        items = trace(tok, n, args.rate, args.seed, args.long_share, args.long, args.short)
     for placement in args.placements:
-        llm = _llm(placement, args.pool_tokens, args.interval, args.slo_tbt_ms / 1000)
+        llm = _llm(placement, args.pool_tokens, args.interval, args.slo_tbt_ms / 1000, args.model, args.devices)
         try:
             res = run_trace(llm, items, args.duration + args.drain)
         finally:
@@ -156,7 +164,7 @@ def main(args) -> None:
         rows.append(summarize(placement, res, args.slo_ttft_ms / 1000))
         rows[-1]["moves"] = res["moves"]
         print_row(rows[-1])
-    table = sweep(args.sweep) if args.sweep else []
+    table = sweep(args.sweep, args.model, args.devices) if args.sweep else []
     save_json(args.out, {"args": vars(args), "rows": rows, "sweep": table})
 
 

@@ -20,6 +20,10 @@ def _no_cuda() -> bool:
 if _no_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The device of the single-device tests that check the Triton kernels against HF: the CPU (under
+# the interpreter) by default; a GPU machine sets TANDEM_TEST_DEVICE=cuda:0 (bench/gpu_run.sh).
+ONE_DEVICE = os.environ.get("TANDEM_TEST_DEVICE", "cpu")
+
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):

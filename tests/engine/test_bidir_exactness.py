@@ -8,7 +8,7 @@ from tandem.cache.bidir import BidirectionalPool
 from tandem.engine.messages import CacheType, Command, NewRequest, Phase, SamplingSpec, ScheduledRequest, StepInput
 from tandem.engine.models.loader import load_spec
 from tandem.engine.worker import InProcessDevice, WorkerConfig
-from tests.conftest import hf_greedy
+from tests.conftest import ONE_DEVICE, hf_greedy
 
 B = 4                   # slots per token-block
 
@@ -68,7 +68,7 @@ class Driver:
 def test_be_overwritten_and_swapped_back_matches_hf(tiny_llama):
     torch.set_num_threads(1)
     spec = load_spec(tiny_llama)
-    cfg = WorkerConfig(str(tiny_llama), spec, "float32", "cpu", B, 1 << 20, None, 1, 1, False, False)
+    cfg = WorkerConfig(str(tiny_llama), spec, "float32", ONE_DEVICE, B, 1 << 20, None, 1, 1, False, False)
     runner = InProcessDevice("cpu", cfg).runner
     g = torch.Generator().manual_seed(7)
     be_prompt = torch.randint(3, 500, (10,), generator=g).tolist()
@@ -119,9 +119,9 @@ def test_scheduler_with_bidirectional_blocks_matches_hf(tiny_llama, triton, monk
             pagings.append((t.paging.name, bool(t.dirs[0] is not None and t.dirs[0].any())))
             return t
         monkeypatch.setattr(runner, "tables", recording)
-    cfg = WorkerConfig(str(tiny_llama), spec, "float32", "cpu", B, 1 << 20, None, 1, 1, False, False,
+    cfg = WorkerConfig(str(tiny_llama), spec, "float32", ONE_DEVICE, B, 1 << 20, None, 1, 1, False, False,
                        triton_attention=triton)
-    dev = InProcessDevice("cpu", cfg)
+    dev = InProcessDevice(ONE_DEVICE, cfg)
     dev.pool_info = PoolInfo(num_blocks=2 * 20, block_size=B, hidden_rows=0)   # 20 token-blocks of 4 slots
     moves = {"checkpoints": 0, "swap_ins": 0}
     submit = dev.submit

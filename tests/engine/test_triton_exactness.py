@@ -5,7 +5,7 @@ import pytest
 
 from tandem import LLM, SamplingParams
 from tandem.engine.models.loader import load_spec
-from tests.conftest import assert_pool_free, hf_greedy, mixed_prompts
+from tests.conftest import ONE_DEVICE, assert_pool_free, hf_greedy, mixed_prompts
 
 MAX_NEW = 10
 
@@ -21,7 +21,7 @@ def wide_models(tmp_path_factory):
 
 def _run(model_dir, prompts, blocks, **kw):
     spec = load_spec(model_dir)
-    with LLM(str(model_dir), "cpu:1", dtype="float32", policy="fcfs", block_size=8,
+    with LLM(str(model_dir), ONE_DEVICE, dtype="float32", policy="fcfs", block_size=8,
              kv_cache_bytes=blocks * spec.num_layers * 8 * spec.unit * 4, max_num_batched_tokens=24,
              threads_per_worker=1, triton_attention=True, **kw) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
