@@ -3,7 +3,8 @@
 #   1. the Triton kernels' tests on CUDA (the same tests run under the interpreter on a CPU);
 #   2. token-exactness against HF transformers on CUDA, tiny models, Triton attention, and
 #      migration between two workers sharing the GPU (cuda:0,0: KV through CUDA IPC handles),
-#      with the pause of each kind against the request's size (bench skew's sweep);
+#      with the pause of each kind against the request's size (bench skew's sweep), and static
+#      placement against LB and Mell on a skewed trace (bench skew);
 #   3. python -m bench kernels: paged decode GB/s against the device's copy bandwidth;
 #   4. python -m bench gpu-offline: our engine against HF generate at batch 64 (SmolLM2's and
 #      Llama-3-8B's shapes, random weights);
@@ -12,7 +13,7 @@
 #      (bench mixed). Rates: APT_RATES and BROS_RATES; seconds of arrivals: DURATION.
 # Python packages the machine lacks travel as wheels in ./.whl (make gpu-wheels, on a machine
 # with network access); they are installed into /tmp/site, nothing else is touched.
-#   STEPS="tests migration" runs some of them (tests migration kernels offline apt bros).
+#   STEPS="tests migration" runs some of them (tests migration placement kernels offline apt bros).
 # Results: bench/results/ (JSON, copied to $OUT where that is set) and the log on standard output.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +29,7 @@ print("device:", torch.cuda.get_device_name(), "| torch", torch.__version__, "| 
 PY
 status=0
 # STEPS picks steps by name (default: all, in this order); each step has its own time limit (s)
-STEPS=${STEPS:-"tests migration kernels offline apt bros"}
+STEPS=${STEPS:-"tests migration placement kernels offline apt bros"}
 step() {
   local limit=$1; shift; echo "== $*"; SECONDS=0
   timeout -k 10 "$limit" "$@" || { echo "!! exit $? from: $*"; status=1; }
@@ -48,6 +49,9 @@ if want migration; then
   step 120 $PY -m bench skew --devices cuda:0,0 --model smollm2-random --placements --sweep 64 256 1024 4096 \
     --out gpu_skew.json
 fi
+# static placement against LB and Mell on a skewed trace, two workers sharing the GPU
+want placement && step 400 $PY -m bench skew --devices cuda:0,0 --model smollm2-random --placements static lb mell \
+  --rate ${SKEW_RATE:-4} --duration 30 --drain 60 --pool-tokens 1024 --sweep --out gpu_placement.json
 if want kernels; then
   step 90 $PY -m bench kernels --accuracy
   step 90 $PY -m bench kernels

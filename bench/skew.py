@@ -12,12 +12,14 @@ as its cache (KV) and once as its tokens, with both devices otherwise idle.
 
     python -m bench skew [--placements static lb mell] [--rate 1.2] [--duration 60]
 
-Two CPU workers by default. ``--devices cuda:0,0 --model smollm2-random --placements`` (no
-placement: the sweep alone, which needs no tokenizer) times the same migrations between two
-workers sharing one GPU, the cache going through CUDA IPC handles.
+Two CPU workers by default. ``--devices cuda:0,0 --model smollm2-random`` runs the same between
+two workers sharing one GPU, the cache going through CUDA IPC handles; where the ShareGPT
+dataset is not installed, the prompts are random ids of its shipped prompt lengths.
+``--placements`` with no value runs the sweep alone.
 """
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import threading
@@ -39,12 +41,19 @@ def _llm(placement: str, pool_tokens: int, interval: float, slo_tbt_s: float, mo
                slo_tbt_s=slo_tbt_s)
 
 
-def trace(tokenizer, n: int, rate: float, seed: int, long_share: float, long: int, short: int):
-    from tandem.bench.workloads import arrivals, chat_ids, sharegpt_prompts
+def trace(tokenizer, n: int, rate: float, seed: int, long_share: float, long: int, short: int,
+          vocab_size: int = 0):
+    """n (arrival, prompt ids, output tokens). Without a tokenizer (a random-weight model where
+    the dataset is not installed): random ids of the shipped ShareGPT prompt lengths that fit."""
+    from tandem.bench.workloads import LENGTHS_FILE, arrivals, chat_ids, sharegpt_prompts
     rng = random.Random(seed)
-    prompts = sharegpt_prompts(n, tokenizer, max_prompt_tokens=256)
-    return [(t, chat_ids(tokenizer, p.prompt), long if rng.random() < long_share else short)
-            for t, p in zip(arrivals(rate, n, seed), prompts)]
+    if tokenizer is None:
+        ids = random.Random(seed + 1)
+        fit = [p for p, _ in json.loads(LENGTHS_FILE.read_text())["prompt_reply_tokens"] if 4 <= p <= 256]
+        prompts = [[ids.randrange(3, vocab_size) for _ in range(fit[i % len(fit)])] for i in range(n)]
+    else:
+        prompts = [chat_ids(tokenizer, p.prompt) for p in sharegpt_prompts(n, tokenizer, max_prompt_tokens=256)]
+    return [(t, p, long if rng.random() < long_share else short) for t, p in zip(arrivals(rate, n, seed), prompts)]
 
 
 def run_trace(llm, items, drain_s: float) -> dict:
@@ -148,13 +157,17 @@ def sweep(sizes: list[int], model: str = "smollm2", devices: str = "cpu:2") -> l
 
 
 def main(args) -> None:
-    from tandem.engine.models.loader import load_tokenizer, resolve_model
+    from tandem.bench.online import _no_dataset
+    from tandem.engine.models.loader import load_spec, load_tokenizer, resolve_model
+    from tandem.engine.models.paper import CONFIGS
     from tandem.sched.llm import DEFAULT_CACHE_DIR
     rows, items = [], []
     if args.placements:
-        tok = load_tokenizer(resolve_model(args.model, DEFAULT_CACHE_DIR))
+        hf_dir = resolve_model(args.model, DEFAULT_CACHE_DIR)
+        tok = None if args.model in CONFIGS and _no_dataset() else load_tokenizer(hf_dir)
         n = max(1, round(args.rate * args.duration))
-        items = trace(tok, n, args.rate, args.seed, args.long_share, args.long, args.short)
+        items = trace(tok, n, args.rate, args.seed, args.long_share, args.long, args.short,
+                      load_spec(hf_dir).vocab_size)
     for placement in args.placements:
         llm = _llm(placement, args.pool_tokens, args.interval, args.slo_tbt_ms / 1000, args.model, args.devices)
         try:
