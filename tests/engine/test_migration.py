@@ -196,3 +196,26 @@ def test_no_move_to_a_device_that_is_restarting(llama2, tiny_llama):
     assert st.device == 0 and llama2.scheduler.actors[1].moves_total == before
     assert seen == hf_greedy(tiny_llama, [prompt], MAX_NEW)[0]
     wait_pool_free(llama2)
+
+
+def test_placement_packs_to_the_smallest_pool(tiny_llama, monkeypatch):
+    """Pools sized by a memory fraction differ (two workers sharing a GPU): the placement packs
+    every device to the smallest pool, as the workers report them, never to the first's."""
+    from tandem.engine.models.loader import load_spec
+    from tandem.sched import llm as llm_module
+    spec = load_spec(tiny_llama)
+    block_bytes = spec.num_layers * 8 * spec.unit * 4
+    real, made = llm_module.WorkerConfig, []
+
+    def second_gets_half(*args):
+        args = list(args)
+        if made:
+            args[5] //= 2                                   # kv_cache_bytes
+        made.append(args[3])
+        return real(*args)
+    monkeypatch.setattr(llm_module, "WorkerConfig", second_gets_half)
+    with LLM(str(tiny_llama), TWO, dtype="float32", policy="fcfs", block_size=8, kv_cache_bytes=256 * block_bytes,
+             threads_per_worker=1, placement="mell") as llm:
+        big, small = (w.pool_info.num_blocks for w in llm._workers)
+        assert len(made) == 2 and small < big
+        assert llm.rebalancer.capacity == small
