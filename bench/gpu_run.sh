@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks in one command, on a machine with CUDA and no network (at most ~10 minutes):
+# The GPU checks, on a machine with CUDA and no network:
 #   1. the Triton kernels' tests on CUDA (the same tests run under the interpreter on a CPU);
 #   2. token-exactness against HF transformers on CUDA, tiny models, Triton attention, and
 #      migration between two workers sharing the GPU (cuda:0,0: KV through CUDA IPC handles),
@@ -14,6 +14,8 @@
 # Python packages the machine lacks travel as wheels in ./.whl (make gpu-wheels, on a machine
 # with network access); they are installed into /tmp/site, nothing else is touched.
 #   STEPS="tests migration" runs some of them (tests migration placement kernels offline apt bros).
+#   All of them take longer than a 10-minute call: on an H200, "tests migration kernels offline"
+#   took 3.5 minutes; run "placement", "apt" and "bros" in calls of their own.
 # Results: bench/results/ (JSON, copied to $OUT where that is set) and the log on standard output.
 set -uo pipefail
 cd "$(dirname "$0")/.."
