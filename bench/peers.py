@@ -31,8 +31,8 @@ def vllm_python() -> Path | None:
 
 
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
-    """Until ``url`` answers 200. A server that answers its model failed to load (ours keeps
-    serving /health with the reason) is not waited for."""
+    """Until ``url`` answers 200. A server whose model failed to load (ours keeps answering
+    /health with status "failed"; its log says why) is not waited for."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         if proc.poll() is not None:
@@ -42,9 +42,12 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
                 if r.status == 200:
                     return
         except urllib.error.HTTPError as e:
-            body = e.read().decode(errors="replace")
-            if "failed to load" in body:
-                raise RuntimeError(f"{url}: {body[:2000]}") from None
+            try:
+                body = json.loads(e.read())
+            except ValueError:
+                body = None
+            if isinstance(body, dict) and body.get("status") == "failed":
+                raise RuntimeError(f"{url}: the server's model failed to load (its log says why)") from None
             time.sleep(1)
         except OSError:
             time.sleep(1)

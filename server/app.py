@@ -375,9 +375,8 @@ async def models(request):
 async def health(request):
     st = request.app[STATE]
     if st.engine is None or not st.engine.serving():
-        if st.load_error:
-            return json_response({"status": "failed", "error": f"model failed to load: {st.load_error}"}, 503)
-        return json_response({"status": "loading" if st.engine is None else "unavailable"}, 503)
+        status = "failed" if st.load_error else ("loading" if st.engine is None else "unavailable")
+        return json_response({"status": status}, 503)
     return json_response({"status": "ok"})
 
 

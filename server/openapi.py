@@ -79,8 +79,7 @@ def _path_id(name: str) -> list:
 def document(version: str = "0.1.0") -> dict:
     upload = {"type": "object", "required": ["purpose", "file"], "properties": {
         "purpose": {"enum": ["batch", "user_data"]}, "file": {"type": "string", "format": "binary"}}}
-    status = {"type": "object", "required": ["status"], "properties": {
-        "status": {"type": "string"}, "error": {"type": "string", "description": "why it failed, when it did"}}}
+    status = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
     query = lambda name, schema: {"name": name, "in": "query", "required": False, "schema": schema}  # noqa: E731
     return {
         "openapi": "3.1.0",

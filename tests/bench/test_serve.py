@@ -1,5 +1,5 @@
 """The bench's server launcher against a real server whose model fails to load: it stops waiting
-at once with the server's reason, instead of for its whole start-up timeout."""
+at once and says so, instead of waiting out its whole start-up timeout."""
 import os
 import shutil
 import sys
