@@ -268,15 +268,12 @@ class LLM:
             cost = profile_cost(self.scheduler, self.spec.vocab_size, plan=SHORT_PLAN)
             log.info("placement %s: iteration cost model profiled in %.1f s", placement, time.monotonic() - t0)
         bw = copy_bandwidth()
-        # Mell's devices are all of one capacity: pools sized by a memory fraction differ (two
-        # workers sharing a GPU), and packing to the smallest never overfills one
-        sizes = [a.pool.geometry.num_blocks for a in self.scheduler.actors]
-        if len(set(sizes)) > 1:
-            log.info("placement %s: device pools of %s blocks; packing to the smallest", placement, sizes)
+        # Mell's devices are all of one capacity: packing to the smallest pool never overfills one
+        capacity = self.scheduler.smallest_pool().num_blocks
         block_bytes = self._workers[0].pool_info.block_bytes
-        log.info("placement %s over %d devices: epoch %.2f s, link %.2f GB/s (copy probe), TBT %.3f s",
-                 placement, n, epoch_s, bw / 1e9, tbt_s)
-        return Rebalancer(Placement(placement), n, min(sizes), block_bytes,
+        log.info("placement %s over %d devices of %d blocks (the smallest pool): epoch %.2f s, link %.2f GB/s "
+                 "(copy probe), TBT %.3f s", placement, n, capacity, epoch_s, bw / 1e9, tbt_s)
+        return Rebalancer(Placement(placement), n, capacity, block_bytes,
                           Budgets(bw, epoch_s, cost, tbt_s, max_tokens))
 
     # ---- prompts -------------------------------------------------------------

@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+from tandem.cache import PoolGeometry
 from tandem.engine.messages import CacheType, DeviceError, PoolInfo, StepInput, StepOutput
 from tandem.sched.actor import ActorConfig, DeviceActor, SwapConfig, Update
 from tandem.sched.alise import Alise
@@ -281,12 +282,16 @@ class Scheduler:
                 return a.abort(req_id)
         return None
 
+    def smallest_pool(self) -> PoolGeometry:
+        """The geometry of the smallest device pool: pools sized by a memory fraction differ (two
+        workers sharing a GPU), and a request may be placed on, or migrated to, any of them."""
+        return min((a.pool.geometry for a in self.actors), key=lambda g: g.num_blocks)
+
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """ValueError if such a request could never fit a device's pool (safe from any thread).
-        Against the smallest pool: devices sized by a memory fraction differ, and a request may
-        be placed on, or migrated to, any of them."""
+        """ValueError if such a request could never fit the smallest device pool (safe from any
+        thread)."""
         longest = min(num_prompt_tokens + max_tokens, self.max_model_len)
-        g = min((a.pool.geometry for a in self.actors), key=lambda g: g.num_blocks)
+        g = self.smallest_pool()
         need = g.blocks_for(longest, self.cfg.cache_type)
         if need > g.num_blocks:
             raise ValueError(f"prompt: {longest} tokens of context need {need} "

@@ -139,12 +139,11 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
     if force_be:                      # batch-job lines are best-effort whatever they ask
         gen.service_class = ServiceClass.BE
     param = "messages" if chat else "prompt"
-    encoded = []
-    for prompt in gen.prompts:
-        try:
-            encoded.append(await asyncio.get_running_loop().run_in_executor(None, engine.llm.encode_prompt, prompt))
-        except ValueError as e:
-            raise bad_request(str(e), param=param) from None
+    try:
+        encoded = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: [engine.llm.encode_prompt(prompt) for prompt in gen.prompts])
+    except ValueError as e:
+        raise bad_request(str(e), param=param) from None
     sp = gen.sampling
     try:
         engine.llm.check_token_ids(sp)
@@ -165,8 +164,8 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
     if lengths is not None:          # embeds the prompt: off the event loop, one at a time
         engine.admitting += len(reqs)          # counted as waiting meanwhile (admission control)
         try:
-            texts = [prediction_text(prompt, engine.llm.decode_prompt) for prompt in gen.prompts
-                     for _ in range(gen.n)]
+            texts = [text for prompt in gen.prompts
+                     for text in [prediction_text(prompt, engine.llm.decode_prompt)] * gen.n]
             await asyncio.get_running_loop().run_in_executor(_predicting(), lengths.assign, reqs, texts)
         finally:
             engine.admitting -= len(reqs)

@@ -73,7 +73,7 @@ async def upload_file(request: web.Request):
     try:
         purpose, data, filename = await _read_upload(request, request.app[STATE].cfg.max_upload_bytes)
         body_read(request)
-    except (ValueError, AssertionError, KeyError, LookupError, RuntimeError, HttpProcessingError) as e:  # a bad body
+    except (ValueError, AssertionError, LookupError, RuntimeError, HttpProcessingError) as e:   # a bad body
         raise bad_request(f"malformed multipart/form-data body: {str(e) or type(e).__name__}") from None
     if purpose not in PURPOSES:
         raise bad_request(f"'purpose' must be one of {', '.join(PURPOSES)}", param="purpose")

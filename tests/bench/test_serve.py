@@ -1,9 +1,8 @@
 """The bench's server launcher against a real server whose model fails to load: it stops waiting
-at once and says so, instead of waiting out its whole start-up timeout."""
+and says the model failed to load (waiting out its start-up timeout raises "did not answer")."""
 import os
 import shutil
 import sys
-import time
 
 import pytest
 
@@ -20,8 +19,6 @@ def test_a_model_that_fails_to_load_is_not_waited_for(tiny_llama, tmp_path):
     cmd = [sys.executable, "-m", "server", "--model", str(broken), "--port", str(port), "--data-dir",
            str(tmp_path / "data"), "--kv-cache-bytes", str(64 << 20), "--watch-parent", str(os.getpid()),
            "--dtype", "float32"]
-    t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="model failed to load"):
         with serve(cmd, port, start_timeout_s=240, cwd=ROOT, log_path=tmp_path / "server.log"):
             pass
-    assert time.monotonic() - t0 < 200
