@@ -361,6 +361,14 @@ class DeviceActor:
         queued first, to recompute every known token (True: not run in this iteration)."""
         holds = st.num_computed > 0 or self.pool.num_blocks_of(st.req_id) > 0
         self.pool.check_cache_type(ct)          # ValueError if the pool cannot hold it
+        self._start_over(st)
+        st.cache_type = ct
+        return holds
+
+    def _start_over(self, st: RequestState) -> None:
+        """The request loses its cache here, in the host pool and on the worker (which forgets
+        it, to hear of it again as new), and waits to recompute every token it has: first in
+        line if it was running, where it was if it was waiting."""
         self.pool.free(st.req_id)
         self._release_host(st)
         if st.req_id in self._reset_ids:
@@ -368,12 +376,11 @@ class DeviceActor:
         if st.req_id in self.running:
             self.running.remove(st.req_id)
             self.waiting.appendleft(st.req_id)
-        st.status, st.num_computed, st.cache_type = Status.WAITING, 0, ct
+        st.status, st.num_computed = Status.WAITING, 0
         self._cancel_import(st)
         if st.sent_to_device:
             self._finished_ids.append(st.req_id)
             st.sent_to_device = False
-        return holds
 
     def _place(self, st: RequestState, dec, inp: StepInput, planned: set[str]) -> ScheduledRequest | None:
         """Grow the request's cache for this step (None = skip it this step). Where the pool
@@ -518,6 +525,21 @@ class DeviceActor:
             st.sent_to_device = False
 
     # ---- failures ----------------------------------------------------------------------
+    def recover_step(self, inp: StepInput) -> None:
+        """The worker raised somewhere in this step, so how much of it took effect is unknown.
+        What is safe to repeat goes again (the requests it was to forget); the requests whose
+        caches it imported, offloaded, reset or moved slots of without running them are
+        forgotten there and recompute every token here. The step's scheduled requests are the
+        caller's to fail."""
+        ran = {s.req_id for s in inp.scheduled}
+        self._finished_ids.extend(r for r in inp.finished_ids if r not in self._finished_ids)
+        unsure = ([i.req_id for i in inp.imports] + [o.req_id for o in inp.offloads] + inp.reset_ids
+                  + [c.req_id for c in inp.checkpoints + inp.swap_ins])
+        for rid in dict.fromkeys(unsure):
+            st = self.states.get(rid)
+            if st is not None and rid not in ran:
+                self._start_over(st)
+
     def fail(self, req_id: str, why: str) -> Update:
         """End one request with an error (the worker is told to drop it)."""
         return self._finish(self.states[req_id], FinishReason.ERROR, error=why)

@@ -216,9 +216,11 @@ class ActorThread:
         move = Migration(msg.kind, a.index, msg.dst.actor.index, a.clock(), st.num_tokens, reason=msg.reason)
         rows = None
         if msg.kind is Transfer.KV and a.can_export(msg.req_id):
-            out = self._exchange(a.export_input(msg.req_id))
+            inp = a.export_input(msg.req_id)
+            out = self._exchange(inp)
             if out.error:
                 log.error("%s: exporting %s failed, it moves as tokens:\n%s", a.device.name, msg.req_id, out.error)
+                a.recover_step(inp)
             rows = out.exported.get(msg.req_id)
         if rows is None:
             move.kind = Transfer.TOKEN
@@ -280,6 +282,7 @@ class ActorThread:
             log.error("%s: step failed (%s), its %d request(s) fail:\n%s", a.device.name, eid,
                       len(p.inp.scheduled), out.error)
             why = f"internal error while generating (error id {eid})"
+            a.recover_step(p.inp)
             return [a.fail(s.req_id, why) for s in p.inp.scheduled if s.req_id in a.states]
         return a.account(p, out)
 

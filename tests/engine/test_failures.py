@@ -204,3 +204,43 @@ def test_a_recovery_that_fails_marks_the_device_down_and_ends_its_requests(tiny_
         assert not llm.runtime.serving() and llm.runtime.threads[0]._thread.is_alive()
         with pytest.raises(DeviceError, match="no device can serve"):
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **GREEDY))
+
+
+def test_a_step_that_fails_midway_loses_no_swapped_request(tiny_llama):
+    """The worker raises in the middle of a step that swaps caches out, before it has copied
+    them: the step's scheduled requests fail, and the preempted requests (whose caches the
+    books said were in the host pool) recompute and still give HF's greedy tokens."""
+    import time
+    from tandem.engine.messages import Offload
+    from tandem.engine.models.loader import load_spec
+    from tandem.sched.request import FinishReason, Request
+    spec = load_spec(tiny_llama)
+    block_bytes = spec.num_layers * 8 * spec.unit * 4
+    prompts = mixed_prompts(18, 512, seed=11)
+    with LLM(str(tiny_llama), "cpu:1", dtype="float32", block_size=8, kv_cache_bytes=24 * block_bytes,
+             max_num_batched_tokens=64, threads_per_worker=1, preemption_mode="swap",
+             swap_dtype="auto", tandem_off=("lengths",)) as llm:
+        handle = llm._workers[0]
+        real, failed_step = handle.submit, {}
+
+        def submit(inp):
+            if inp.offloads and not failed_step:         # the worker raises before any copy
+                failed_step.update(ran={s.req_id for s in inp.scheduled},
+                                   swapped={o.req_id for o in inp.offloads})
+                inp.offloads.insert(0, Offload("no-such-request", 1, False))
+            real(inp)
+        handle.submit = submit
+        now = time.monotonic()
+        states = [llm.scheduler.new_state(Request(f"r{i}", p, SamplingParams(max_tokens=24, **GREEDY),
+                                                  arrival_time=now))
+                  for i, p in enumerate(prompts)]
+        llm._run(states, None)
+        assert_pool_free(llm)
+    assert failed_step["swapped"] - failed_step["ran"], "no request was being swapped out"
+    ref = hf_greedy(tiny_llama, prompts, 24)
+    for st, r in zip(states, ref, strict=True):
+        if st.req_id in failed_step["ran"]:
+            assert st.finish_reason is FinishReason.ERROR and "internal error" in st.error
+        else:
+            assert st.finish_reason is FinishReason.LENGTH, (st.req_id, st.error)
+            assert st.output_token_ids == r, f"{st.req_id} differs"
