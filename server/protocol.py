@@ -30,11 +30,18 @@ def _val(body: dict, key: str, default):
     return default if v is None else v
 
 
+# the counts that ask for nothing extra: no alternatives per token (top_logprobs: 0), one
+# candidate per choice (best_of: 1). A completion's ``logprobs: 0`` is not among them: it asks
+# for the sampled tokens' log probabilities.
+HARMLESS_COUNT = {"top_logprobs": 0, "best_of": 1}
+
+
 def _reject_unsupported(body: dict) -> None:
     for key in UNSUPPORTED:
         v = body.get(key)
         harmless = v is None or v is False or v == [] or v == {} or (
-            isinstance(v, int) and not isinstance(v, bool) and v <= (key == "best_of"))
+            isinstance(v, int) and not isinstance(v, bool) and key in HARMLESS_COUNT
+            and v <= HARMLESS_COUNT[key])
         if not harmless:
             raise bad_request(f"'{key}' is not supported by this server", param=key,
                               code="unsupported_parameter")

@@ -75,7 +75,8 @@ PROMPT = {"anyOf": [{"type": "string", "minLength": 1}, TOKEN_IDS,
 
 
 def _body(extra: dict, required: list[str]) -> dict:
-    unsupported = {k: {"description": "not supported: rejected unless null, false or empty"} for k in UNSUPPORTED}
+    doc = "not supported: rejected unless null, false or empty (or top_logprobs 0, best_of 1)"
+    unsupported = {k: {"description": doc} for k in UNSUPPORTED}
     return {"type": "object", "required": required, "properties": {**SAMPLING, **extra, **unsupported}}
 
 

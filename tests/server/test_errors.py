@@ -63,6 +63,8 @@ CASES = [
     ("min_tokens over max", "POST", COMP, {"prompt": "a", "max_tokens": 2, "min_tokens": 5}, None, 400,
      "invalid_request_error", "min_tokens"),
     ("logprobs unsupported", "POST", CHAT, {"messages": MSG, "logprobs": True}, None, 400, "invalid_request_error", "logprobs"),
+    ("completion logprobs 0: the sampled tokens' log probabilities", "POST", COMP, {"prompt": "a", "logprobs": 0},
+     None, 400, "invalid_request_error", "logprobs"),
     ("tools unsupported", "POST", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, None, 400,
      "invalid_request_error", "tools"),
     ("presence penalty", "POST", CHAT, {"messages": MSG, "presence_penalty": 0.5}, None, 400,
@@ -135,6 +137,17 @@ def test_malformed_request(server, name, method, path, body, headers, status, et
     assert call(server, "GET", "/health", None, None) == (200, {"status": "ok"}), "healthy after a bad request"
     ok, _ = call(server, "POST", COMP, {"prompt": "a", "max_tokens": 2}, None)
     assert ok == 200, "the server must keep serving after a bad request"
+
+
+@pytest.mark.parametrize("path, body", [
+    (CHAT, {"messages": MSG, "logprobs": False, "top_logprobs": 0}),
+    (COMP, {"prompt": "a", "best_of": 1, "logprobs": None, "echo": False}),
+])
+def test_unsupported_fields_that_ask_for_nothing_are_accepted(server, path, body):
+    """What OpenAI's SDKs and eval harnesses send as their defaults is served, not refused."""
+    got, payload = call(server, "POST", path, dict(body, max_tokens=2), None)
+    assert got == 200, payload
+    assert payload["choices"][0]["logprobs"] is None
 
 
 @pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
