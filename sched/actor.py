@@ -14,6 +14,7 @@ the start-up profiles). Only the thread driving an actor may call it.
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 import time
 from collections import Counter, deque
@@ -28,7 +29,9 @@ from tandem.engine.messages import (CacheImport, CacheType, Command, NewRequest,
 from tandem.sched.cost_model import OnlineCostModel, StepShape
 from tandem.sched.detok import TextTracker
 from tandem.sched.policy import Candidate, Limits, Plan, Snapshot
-from tandem.sched.request import FinishReason, Migration, RequestState, ServiceClass, Status
+from tandem.sched.request import FinishReason, Migration, RequestState, ServiceClass, Status, error_id
+
+log = logging.getLogger("tandem.actor")
 
 
 @dataclass(slots=True)
@@ -452,7 +455,13 @@ class DeviceActor:
             if st.moving is not None:
                 self._arrived(st.moving, now)
                 st.moving = None
-            updates.append(self._token_update(st, tok))
+            try:
+                updates.append(self._token_update(st, tok))
+            except Exception:        # a bug in one request's stops or text: it alone fails
+                eid = error_id()
+                log.exception("%s: request %s failed on its new token (%s)", self.device.name, rid, eid)
+                self._texts.pop(rid, None)
+                updates.append(self.end_with_error(st, f"internal error while generating (error id {eid})"))
         return updates
 
     def _arrived(self, move: Migration, now: float) -> None:
@@ -542,11 +551,28 @@ class DeviceActor:
 
     def fail(self, req_id: str, why: str) -> Update:
         """End one request with an error (the worker is told to drop it)."""
-        return self._finish(self.states[req_id], FinishReason.ERROR, error=why)
+        return self.end_with_error(self.states[req_id], why)
 
     def fail_all(self, why: str) -> list[Update]:
-        """End every request on this device with an error."""
-        return [self._finish(st, FinishReason.ERROR, error=why) for st in list(self.states.values())]
+        """End every request on this device with an error; each one ends, whatever the books."""
+        return [self.end_with_error(st, why) for st in list(self.states.values())]
+
+    def end_with_error(self, st: RequestState, why: str) -> Update:
+        """End a request with an error. Should undoing its books raise (they may be what broke),
+        it still leaves this device's states and queues, so its caller hears that it ended; the
+        recovery that follows a broken book resets the rest (``requeue_all``)."""
+        try:
+            return self._finish(st, FinishReason.ERROR, error=why)
+        except Exception:            # noqa: BLE001 -- logged; the request must still end
+            log.exception("%s: ending %s with an error failed; it ends without its books",
+                          self.device.name, st.req_id)
+            self.states.pop(st.req_id, None)
+            self._texts.pop(st.req_id, None)
+            for queue in (self.running, self.waiting):
+                if st.req_id in queue:
+                    queue.remove(st.req_id)
+            st.status, st.finish_reason, st.error = Status.FINISHED, FinishReason.ERROR, why
+            return Update(st.req_id, [], FinishReason.ERROR, why)
 
     def requeue_all(self, geometry: PoolGeometry) -> None:
         """A fresh worker replaced a dead one: every request waits again, to recompute its prompt

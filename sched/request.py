@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import uuid
 from dataclasses import dataclass, field
 
 from tandem.engine.messages import CacheType
@@ -94,3 +95,8 @@ class RequestState:
 
     def all_token_ids(self) -> list[int]:
         return self.request.prompt_token_ids + self.output_token_ids
+
+
+def error_id() -> str:
+    """An id for one internal failure: the client's error message and the log line both carry it."""
+    return "err-" + uuid.uuid4().hex[:12]

@@ -25,7 +25,6 @@ import logging
 import threading
 import time
 import traceback
-import uuid
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -34,7 +33,7 @@ from tandem.cache import PoolGeometry
 from tandem.engine.messages import Command, DeviceError, StepInput
 from tandem.sched.actor import DeviceActor, Update
 from tandem.sched.rebalancer import Rebalancer, view_of
-from tandem.sched.request import FinishReason, Migration, RequestState, Status, Transfer
+from tandem.sched.request import FinishReason, Migration, RequestState, Status, Transfer, error_id
 
 log = logging.getLogger("tandem.runtime")
 
@@ -76,10 +75,6 @@ class Release:
 
 
 Message = Add | Abort | MoveOut | MoveIn | Release
-
-
-def error_id() -> str:
-    return "err-" + uuid.uuid4().hex[:12]
 
 
 class ActorThread:
@@ -169,6 +164,7 @@ class ActorThread:
                          traceback.format_exc())
             a.dead = f"recovery failed (error id {eid})"
             self.restarting = False
+            self._release_sources()      # the sources of caches it was importing free theirs
             error = f"device {a.device.name} failed: {a.dead}"
             for st in a.states.values():
                 st.status, st.finish_reason, st.error = Status.FINISHED, FinishReason.ERROR, error

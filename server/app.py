@@ -19,8 +19,7 @@ from aiohttp import web
 from tandem.engine.messages import DeviceError
 from tandem.sched.async_engine import AsyncEngine, Submission
 from tandem.sched.lengths import prediction_text
-from tandem.sched.request import Request, ServiceClass
-from tandem.sched.runtime import error_id
+from tandem.sched.request import Request, ServiceClass, error_id
 from tandem.server.config import ServerConfig
 from tandem.server.connections import GUARD, body_read, connections_middleware
 from tandem.server.errors import ApiError, bad_request

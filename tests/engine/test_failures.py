@@ -206,6 +206,65 @@ def test_a_recovery_that_fails_marks_the_device_down_and_ends_its_requests(tiny_
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **GREEDY))
 
 
+def test_books_broken_for_one_request_still_end_every_request(tiny_llama):
+    """A policy bug leaves one request's books inconsistent (preempted twice in one plan), so
+    failing that request raises too: every request still ends, none hangs, and the device's
+    fresh books serve the next request token-exact."""
+    from tandem.sched.policy import Plan, fcfs
+    with LLM(str(tiny_llama), "cpu:1", dtype="float32", policy="fcfs", kv_cache_bytes=1 << 22,
+             threads_per_worker=1) as llm:
+        plans = [0]
+
+        def buggy(snap):
+            plans[0] += 1
+            if plans[0] == 4 and snap.running:
+                r = snap.running[-1].req_id
+                return Plan(preempted=[r, r])
+            return fcfs(snap)
+        llm.scheduler.policy = buggy
+        raised = []
+
+        def run():
+            try:
+                llm.generate([[5, 6, 7], [8, 9, 10], [11, 12, 13]], SamplingParams(max_tokens=20, **GREEDY))
+            except DeviceError as e:
+                raised.append(str(e))
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(60)
+        assert not t.is_alive(), "a request never ended"
+        assert raised and "3 request(s) failed" in raised[0] and "internal error in the scheduler" in raised[0]
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, **GREEDY))
+        assert_pool_free(llm)
+    assert out[0].token_ids == hf_greedy(tiny_llama, [[5, 6, 7]], 6)[0]
+
+
+def test_a_request_whose_token_handling_raises_fails_alone(tiny_llama, monkeypatch):
+    """A bug in one request's stop or text handling fails that request only: the others on
+    the device finish with HF's greedy tokens."""
+    from tandem.sched.actor import DeviceActor
+    prompts = mixed_prompts(4, 512, seed=21)
+    real = DeviceActor._token_update
+
+    def token_update(self, st, tok):
+        if st.req_id.endswith("-1") and len(st.output_token_ids) == 3:
+            raise RuntimeError("a stop-string bug")
+        return real(self, st, tok)
+    monkeypatch.setattr(DeviceActor, "_token_update", token_update)
+    with LLM(str(tiny_llama), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
+        import time
+        from tandem.sched.request import FinishReason, Request
+        now = time.monotonic()
+        states = [llm.scheduler.new_state(Request(f"q-{i}", p, SamplingParams(max_tokens=10, **GREEDY),
+                                                  arrival_time=now)) for i, p in enumerate(prompts)]
+        llm._run(states, None)
+        assert_pool_free(llm)
+    ref = hf_greedy(tiny_llama, prompts, 10)
+    assert states[1].finish_reason is FinishReason.ERROR and "internal error" in states[1].error
+    for i in (0, 2, 3):
+        assert states[i].finish_reason is FinishReason.LENGTH and states[i].output_token_ids == ref[i]
+
+
 def test_a_step_that_fails_midway_loses_no_swapped_request(tiny_llama):
     """The worker raises in the middle of a step that swaps caches out, before it has copied
     them: the step's scheduled requests fail, and the preempted requests (whose caches the
