@@ -14,7 +14,7 @@ import uuid
 from typing import Awaitable, Callable
 
 from tandem.server.errors import ApiError
-from tandem.server.store import Store
+from tandem.server.store import Store, new_id
 
 ENDPOINTS = {"/v1/chat/completions": True, "/v1/completions": False}   # -> chat?
 WINDOWS = {"24h": 24 * 3600}
@@ -26,6 +26,31 @@ log = logging.getLogger("tandem.batches")
 
 # run_line(body, chat) -> (status_code, response body); BE class forced by the caller
 RunLine = Callable[[dict, bool], Awaitable[tuple[int, dict]]]
+
+
+def result_files(rows: list[dict], final: str) -> tuple[bytes, bytes]:
+    """A batch's output and error files (JSONL) from its recorded line results; a line that did
+    not run lands in the error file with why (the batch was cancelled, or expired)."""
+    out, errs = [], []
+    reason = {"cancelled": ("batch_cancelled", "the batch was cancelled"),
+              "expired": ("batch_expired", "the batch expired before this request ran")}.get(
+                  final, ("not_run", "the request did not run"))
+    for r in rows:
+        rid = f"batch_req_{uuid.uuid4().hex[:24]}"
+        if r["status"] == "pending":
+            errs.append({"id": rid, "custom_id": r["custom_id"], "response": None,
+                         "error": {"code": reason[0], "message": reason[1]}})
+            continue
+        body = json.loads(r["result"])
+        line = {"id": rid, "custom_id": r["custom_id"],
+                "response": {"status_code": r["status_code"], "request_id": body.get("id", rid),
+                             "body": body}, "error": None}
+        (out if r["status_code"] == 200 else errs).append(line)
+    return _jsonl(out), _jsonl(errs)
+
+
+def _jsonl(rows: list[dict]) -> bytes:
+    return "".join(json.dumps(x) + "\n" for x in rows).encode()
 
 
 def validate_lines(raw: bytes, endpoint: str) -> tuple[list[tuple[int, str, dict]], list[dict]]:
@@ -139,19 +164,22 @@ class BatchRunner:
             if errors:
                 return self._fail(bid, errors)
             self.store.add_lines(bid, lines)
+        expired = False
         if self.store.status(bid) == "in_progress":
-            await self._run_lines(bid, ENDPOINTS[b["endpoint"]], b["expires_at"])
+            expired = await self._run_lines(bid, ENDPOINTS[b["endpoint"]], b["expires_at"])
         status = self.store.status(bid)
-        if status in ("in_progress", "finalizing"):
+        if status == "cancelling":
+            await self._finalize(bid, "cancelled")
+        elif expired:                 # "expired" is written with its files: a stop in between resumes
+            await self._finalize(bid, "expired")
+        elif status in ("in_progress", "finalizing"):
             self.store.set_status(bid, "finalizing")
-            self._finalize(bid, "completed")
-        elif status == "cancelling":
-            self._finalize(bid, "cancelled")
-        elif status == "expired":
-            self._finalize(bid, "expired")
+            await self._finalize(bid, "completed")
 
-    async def _run_lines(self, bid: str, chat: bool, expires_at: int) -> None:
-        stop = asyncio.Event()
+    async def _run_lines(self, bid: str, chat: bool, expires_at: int) -> bool:
+        """Run the pending lines until all are done, the batch is cancelled or it expires (True).
+        Lines still running then, or when this task is cancelled (the server stops), are aborted."""
+        stop, expired = asyncio.Event(), False
 
         async def one(line_no: int, body: dict) -> None:
             async with self.slots:
@@ -161,12 +189,13 @@ class BatchRunner:
                 self.store.finish_line(bid, line_no, code, resp)
 
         async def watch() -> None:
+            nonlocal expired
             while not stop.is_set():
                 await asyncio.sleep(0.5)
                 if self.store.status(bid) == "cancelling":
                     stop.set()
                 elif time.time() > expires_at:
-                    self.store.set_status(bid, "expired")
+                    expired = True
                     stop.set()
 
         watcher = asyncio.create_task(watch())
@@ -175,12 +204,13 @@ class BatchRunner:
             while jobs and not stop.is_set():
                 done, _ = await asyncio.wait(jobs + [watcher], return_when=asyncio.FIRST_COMPLETED)
                 jobs = [j for j in jobs if not j.done()]
-            for j in jobs:            # cancelled or expired: in-flight requests are aborted
-                j.cancel()
-            await asyncio.gather(*jobs, return_exceptions=True)
         finally:
             stop.set()
             watcher.cancel()
+            for j in jobs:            # cancelled, expired or stopping: in-flight requests are aborted
+                j.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+        return expired
 
     async def _attempts(self, bid: str, line_no: int, body: dict, chat: bool) -> tuple[int, dict]:
         """Run one line. A client error (4xx) is its result at once; a failure on the server's
@@ -204,25 +234,17 @@ class BatchRunner:
     def _fail(self, bid: str, errors: list[dict]) -> None:
         self.store.set_status(bid, "failed", errors=json.dumps({"object": "list", "data": errors}))
 
-    def _finalize(self, bid: str, final: str) -> None:
-        """Write the output and error files from the recorded results, then the final status."""
-        out, errs = [], []
-        reason = {"cancelled": ("batch_cancelled", "the batch was cancelled"),
-                  "expired": ("batch_expired", "the batch expired before this request ran")}.get(
-                      final, ("not_run", "the request did not run"))    # every line lands in a file
-        for r in self.store.line_results(bid):
-            rid = f"batch_req_{uuid.uuid4().hex[:24]}"
-            if r["status"] == "pending":
-                if reason:
-                    errs.append({"id": rid, "custom_id": r["custom_id"], "response": None,
-                                 "error": {"code": reason[0], "message": reason[1]}})
-                continue
-            body = json.loads(r["result"])
-            line = {"id": rid, "custom_id": r["custom_id"],
-                    "response": {"status_code": r["status_code"], "request_id": body.get("id", rid),
-                                 "body": body}, "error": None}
-            (out if r["status_code"] == 200 else errs).append(line)
-        jsonl = lambda rows: "".join(json.dumps(x) + "\n" for x in rows).encode()  # noqa: E731
-        out_id = self.store.add_file(jsonl(out), f"{bid}_output.jsonl", "batch_output")["id"] if out else None
-        err_id = self.store.add_file(jsonl(errs), f"{bid}_error.jsonl", "batch_output")["id"] if errs else None
-        self.store.set_status(bid, final, output_file_id=out_id, error_file_id=err_id)
+    async def _finalize(self, bid: str, final: str) -> None:
+        """Write the output and error files from the recorded results, then the final status.
+        The files are built and written off the event loop (50,000 lines take over a second)."""
+        rows = [dict(r) for r in self.store.line_results(bid)]
+        out, errs = await asyncio.to_thread(result_files, rows, final)
+        ids = []
+        for data, kind in ((out, "output"), (errs, "error")):
+            fid = None
+            if data:
+                fid = new_id("file")
+                await asyncio.to_thread(self.store.write_blob, fid, data)
+                self.store.register_file(fid, len(data), f"{bid}_{kind}.jsonl", "batch_output")
+            ids.append(fid)
+        self.store.set_status(bid, final, output_file_id=ids[0], error_file_id=ids[1])

@@ -52,14 +52,22 @@ class Store:
     # ---- files ---------------------------------------------------------------
     def add_file(self, data: bytes, filename: str, purpose: str) -> dict:
         fid = new_id("file")
+        self.write_blob(fid, data)
+        return self.register_file(fid, len(data), filename, purpose)
+
+    def write_blob(self, fid: str, data: bytes) -> None:
+        """A file's bytes on disk, whole or not at all (touches no database: safe from a thread)."""
         tmp = self.files_dir / f".{fid}.tmp"
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.files_dir / fid)
+
+    def register_file(self, fid: str, nbytes: int, filename: str, purpose: str) -> dict:
+        """List a file whose bytes ``write_blob`` has written."""
         self.db.execute("INSERT INTO files (id, bytes, created_at, filename, purpose) VALUES (?,?,?,?,?)",
-                        (fid, len(data), int(time.time()), filename, purpose))
+                        (fid, nbytes, int(time.time()), filename, purpose))
         return self.get_file(fid)
 
     def get_file(self, fid: str) -> dict | None:
@@ -110,13 +118,14 @@ class Store:
         self.db.execute(f"UPDATE batches SET {cols} WHERE id=?", (*sets.values(), bid))
 
     def add_lines(self, bid: str, lines: list[tuple[int, str, dict]]) -> None:
-        """Insert validated lines and move to in_progress in one transaction."""
+        """Insert validated lines and move to in_progress in one transaction (unless cancelled)."""
         with self.db:
             self.db.execute("BEGIN")
             self.db.executemany("INSERT OR IGNORE INTO batch_lines (batch_id, line_no, custom_id, body) "
                                 "VALUES (?,?,?,?)", [(bid, n, cid, json.dumps(b)) for n, cid, b in lines])
-            self.db.execute("UPDATE batches SET status='in_progress', in_progress_at=? WHERE id=?",
-                            (int(time.time()), bid))
+            # a batch cancelled while it was validating stays cancelling
+            self.db.execute("UPDATE batches SET status='in_progress', in_progress_at=? WHERE id=? AND "
+                            "status='validating'", (int(time.time()), bid))
 
     def pending_lines(self, bid: str) -> list[tuple[int, str, dict]]:
         rows = self.db.execute("SELECT line_no, custom_id, body FROM batch_lines WHERE batch_id=? AND "

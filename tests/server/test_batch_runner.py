@@ -1,0 +1,154 @@
+"""The Batch API's state machine, with a stand-in for the engine: a cancel during validation,
+expiry across a stop, a stop that aborts the lines in flight, and finalization off the loop.
+The states and error codes are OpenAI's (validating -> in_progress -> finalizing -> completed;
+cancelling -> cancelled; expired, with batch_cancelled / batch_expired per line not run)."""
+import asyncio
+import json
+import threading
+
+from tandem.server import batches
+from tandem.server.batches import BatchRunner
+from tandem.server.store import Store
+
+ENDPOINT = "/v1/chat/completions"
+
+
+def input_file(store: Store, n: int) -> str:
+    rows = [{"custom_id": f"c{i}", "method": "POST", "url": ENDPOINT,
+             "body": {"messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 2}} for i in range(n)]
+    return store.add_file("".join(json.dumps(r) + "\n" for r in rows).encode(), "in.jsonl", "batch")["id"]
+
+
+def lines_of(store: Store, fid: str | None) -> list[dict]:
+    if fid is None:
+        return []
+    return [json.loads(x) for x in store.file_path(fid).read_text().splitlines()]
+
+
+def answer(body):
+    return 200, {"id": "chatcmpl-1", "object": "chat.completion", "choices": []}
+
+
+def test_a_cancel_while_validating_is_kept(tmp_path, monkeypatch):
+    """Cancelled while its input is being validated (in a thread): the batch ends cancelled, every
+    line as batch_cancelled, and nothing runs."""
+    store = Store(tmp_path)
+    ran, validating, go_on = [], threading.Event(), threading.Event()
+    real = batches.validate_lines
+
+    def slow_validation(raw, endpoint):
+        validating.set()
+        go_on.wait(30)
+        return real(raw, endpoint)
+    monkeypatch.setattr(batches, "validate_lines", slow_validation)
+
+    async def run_line(body, chat):
+        ran.append(body)
+        return answer(body)
+
+    async def main():
+        runner = BatchRunner(store, run_line, 4)
+        b = store.add_batch(input_file(store, 5), ENDPOINT, 3600, "1h", None)
+        runner.start(b["id"])
+        await asyncio.to_thread(validating.wait, 30)
+        assert runner.cancel(b["id"])["status"] == "cancelling"
+        go_on.set()
+        await runner.tasks[b["id"]]
+        return store.get_batch(b["id"])
+    b = asyncio.run(main())
+    assert b["status"] == "cancelled" and not ran
+    errs = lines_of(store, b["error_file_id"])
+    assert len(errs) == 5 and {e["error"]["code"] for e in errs} == {"batch_cancelled"}
+    assert b["output_file_id"] is None
+
+
+def test_an_expired_batch_stopped_before_its_files_resumes_and_gets_them(tmp_path, monkeypatch):
+    """The window passes while lines still run; the server stops before the files are written.
+    The batch must stay active, so the next start writes its files: the lines that ran in the
+    output file, the others as batch_expired."""
+    store = Store(tmp_path)
+
+    async def main():
+        release = asyncio.Event()
+
+        async def run_line(body, chat):
+            if body["messages"][0]["content"] != "q0":
+                await release.wait()           # never set: these run past the window
+            return answer(body)
+        runner = BatchRunner(store, run_line, 4)
+        b = store.add_batch(input_file(store, 3), ENDPOINT, 0, "0s", None)
+        entered = asyncio.Event()
+
+        async def stuck(bid, final):
+            entered.set()
+            await asyncio.Event().wait()
+        monkeypatch.setattr(runner, "_finalize", stuck)
+        runner.start(b["id"])
+        await asyncio.wait_for(entered.wait(), 30)
+        await runner.stop()
+        return b["id"]
+    bid = asyncio.run(main())
+    monkeypatch.undo()
+    assert bid in store.active_batches(), store.get_batch(bid)["status"]
+
+    async def restart():
+        async def run_line(body, chat):
+            raise AssertionError("an expired batch runs nothing more")
+        runner = BatchRunner(store, run_line, 4)
+        runner.resume_all()
+        await asyncio.gather(*runner.tasks.values())
+    asyncio.run(restart())
+    b = store.get_batch(bid)
+    assert b["status"] == "expired" and b["expired_at"]
+    assert [x["custom_id"] for x in lines_of(store, b["output_file_id"])] == ["c0"]
+    errs = lines_of(store, b["error_file_id"])
+    assert sorted(e["custom_id"] for e in errs) == ["c1", "c2"]
+    assert {e["error"]["code"] for e in errs} == {"batch_expired"}
+
+
+def test_stopping_aborts_the_lines_in_flight_and_keeps_them_pending(tmp_path):
+    store = Store(tmp_path)
+    started, aborted = [], []
+
+    async def main():
+        async def run_line(body, chat):
+            started.append(body)
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                aborted.append(body)
+                raise
+        runner = BatchRunner(store, run_line, 3)
+        b = store.add_batch(input_file(store, 6), ENDPOINT, 3600, "1h", None)
+        runner.start(b["id"])
+        while len(started) < 3:
+            await asyncio.sleep(0.01)
+        await runner.stop()
+        return b["id"], len(aborted)          # counted before the loop closes (which cancels all)
+    bid, aborted_by_stop = asyncio.run(main())
+    assert len(started) == 3 and aborted_by_stop == 3
+    assert len(store.pending_lines(bid)) == 6 and bid in store.active_batches()
+
+
+def test_result_files_are_built_off_the_event_loop(tmp_path, monkeypatch):
+    store = Store(tmp_path)
+    threads = []
+    real = batches.result_files
+
+    def recording(rows, final):
+        threads.append(threading.current_thread())
+        return real(rows, final)
+    monkeypatch.setattr(batches, "result_files", recording)
+
+    async def run_line(body, chat):
+        return answer(body)
+
+    async def main():
+        runner = BatchRunner(store, run_line, 2)
+        b = store.add_batch(input_file(store, 4), ENDPOINT, 3600, "1h", None)
+        runner.start(b["id"])
+        await runner.tasks[b["id"]]
+        return store.get_batch(b["id"]), threading.current_thread()
+    b, loop_thread = asyncio.run(main())
+    assert b["status"] == "completed" and len(lines_of(store, b["output_file_id"])) == 4
+    assert threads and loop_thread not in threads
