@@ -60,7 +60,8 @@ async def errors_middleware(request: web.Request, handler):
         if e.status < 400:
             raise
         kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-        return json_response(ApiError(e.status, e.reason, type=kind).body(), e.status)
+        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None    # 405 must say it
+        return json_response(ApiError(e.status, e.reason, type=kind).body(), e.status, allow)
     except ConnectionError:  # the client went away mid-response: nobody to answer
         raise
     except Exception:        # a bug: logged with an id the client can quote, never a traceback

@@ -118,6 +118,30 @@ def test_idle_connection_closed_after_the_head_timeout(strict_server):
     assert counter(strict_server.url, "tandem:http_connections_closed_total", reason="timed_out") >= 1
 
 
+def test_a_download_slower_than_the_head_timeout_arrives_whole(strict_server):
+    """A file read by a client slower than the 1 s head timeout: the connection is serving a
+    request until the last byte is sent, so nothing cuts it."""
+    import io
+    import openai
+    size = 24 << 20
+    data = bytes(range(256)) * (size // 256)
+    client = openai.OpenAI(base_url=strict_server.url + "/v1", api_key=API_KEY, max_retries=0)
+    fid = client.files.create(file=("big.bin", io.BytesIO(data)), purpose="user_data").id
+    s = socket.create_connection(addr(strict_server))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+    s.sendall(f"GET /v1/files/{fid}/content HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+              "Connection: close\r\n\r\n".encode())
+    s.settimeout(30)
+    got = bytearray()
+    with s:
+        while chunk := s.recv(65536):
+            got += chunk
+            time.sleep(0.005)           # at most ~13 MB/s: the whole file takes seconds
+    head, body = bytes(got).split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 200"), head[:200]
+    assert len(body) == size and body == data
+
+
 def test_slow_body_gets_408(strict_server):
     with socket.create_connection(addr(strict_server)) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode()

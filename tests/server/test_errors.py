@@ -156,3 +156,13 @@ def test_bearer_scheme_is_case_insensitive(server, scheme):
     got, payload = call(server, "POST", COMP, {"prompt": "a", "max_tokens": 2},
                         {"Authorization": f"{scheme} {key}"})
     assert got == 200, payload
+
+
+def test_405_says_which_methods_are_allowed(server):
+    """RFC 9110: a 405 carries Allow; the JSON error body keeps it."""
+    req = urllib.request.Request(server.url + "/v1/models", headers=server.headers(), method="DELETE")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == 405
+    assert "GET" in {m.strip() for m in e.value.headers.get("Allow", "").split(",")}
+    assert json.loads(e.value.read())["error"]["type"] == "invalid_request_error"
