@@ -287,6 +287,11 @@ class Scheduler:
         workers sharing a GPU), and a request may be placed on, or migrated to, any of them."""
         return min((a.pool.geometry for a in self.actors), key=lambda g: g.num_blocks)
 
+    def pool_tokens(self) -> int:
+        """The longest context (prompt + output) one request can hold on the smallest pool."""
+        g = self.smallest_pool()
+        return g.num_blocks // g.blocks_per_token_block(self.cfg.cache_type) * g.block_size
+
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """ValueError if such a request could never fit the smallest device pool (safe from any
         thread)."""

@@ -40,10 +40,14 @@ async def test_swapped_requests_reply_as_if_alone(tiny_chat_model, tmp_path):
             async with session.post(s.url + "/v1/chat/completions", json={
                     "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400}) as r:
                 refused = r.status, (await r.json())["error"]
+            # no max_tokens: the rest of what the pool holds (16 blocks, K and V: 8 x 16 tokens)
+            async with session.post(s.url + "/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}) as r:
+                whole = r.status, await r.json()
             async with session.get(s.url + "/metrics") as r:
-                return together, await r.text(), refused
+                return together, await r.text(), refused, whole
     try:
-        together, text, refused = await run()
+        together, text, refused, whole = await run()
     finally:
         assert stop_server(s) == 0
     assert metric(text, "vllm:num_preemptions_total") > 0, "the pool was meant to force preemption"
@@ -54,6 +58,8 @@ async def test_swapped_requests_reply_as_if_alone(tiny_chat_model, tmp_path):
     moved = metric(text, "tandem:swap_bytes_total", direction="out")
     assert moved > 0 and metric(text, "tandem:swap_bytes_total", direction="in") == moved
     assert refused[0] == 400 and refused[1]["param"] == "messages" and "pool has" in refused[1]["message"]
+    assert whole[0] == 200, whole[1]
+    assert whole[1]["choices"][0]["finish_reason"] == "length" and whole[1]["usage"]["total_tokens"] == 8 * 16
     assert together == hf_texts(tiny_chat_model, [prompt(i) for i in range(N)], MAX_TOKENS)
 
 
