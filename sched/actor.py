@@ -175,7 +175,11 @@ class DeviceActor:
     def attach(self, st: RequestState, rows: object | None = None) -> bool:
         """Place a request detached from another device. With its exported cache ``rows``, blocks
         for its computed tokens are reserved here and it continues where it stopped (True); when
-        they do not fit, or without rows, it waits first in line to recompute (False)."""
+        they do not fit, or without rows, it waits first in line to recompute (False). One that
+        left here with its cache and comes back before the release reached here frees those
+        blocks first: its next device has (or has dropped) the copy."""
+        if st.req_id in self.leaving:
+            self.release(st.req_id)
         st.device = self.index
         self.states[st.req_id] = st
         if st.text is not None:
@@ -607,6 +611,8 @@ class DeviceActor:
                 raise AssertionError("a running request still holds host memory")
         if any(self.states[r].status is not Status.RUNNING for r in self.running):
             raise AssertionError("running list holds a non-running request")
+        if self.leaving.keys() & self.states.keys():
+            raise AssertionError("a request both here and leaving with its cache")
 
 
 def reason_kind(why: str) -> str:

@@ -421,6 +421,8 @@ class Runtime:
         """Migration a request from device ``src`` to ``dst`` between two of src's steps: as its cache
         (KV; as tokens where the cache cannot be exported or does not fit ``dst``) or as its
         tokens, recomputed by ``dst`` first in line. No-op if it is no longer on ``src``."""
+        if src == dst:
+            raise ValueError(f"migrate: {req_id} would move from device {src} to itself")
         self.threads[src].post(MoveOut(req_id, self.threads[dst], kind, reason))
 
     def serving(self) -> bool:

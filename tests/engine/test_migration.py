@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.sched.request import Transfer, Request
+from tandem.sched.request import Request, Status, Transfer
 from tests.conftest import assert_pool_free, hf_greedy, mixed_prompts
 
 # two devices: two CPU workers, or on a GPU machine e.g. "cuda:0,0" (two workers sharing a GPU:
@@ -178,6 +178,43 @@ def test_cache_lost_before_its_import_is_sent(lose, tiny_llama):
         assert st.output_token_ids == hf_greedy(tiny_llama, [prompt], 12)[0]
     else:
         assert st.finish_reason.value == "abort"
+
+
+@pytest.mark.parametrize("back_as", ["tokens", "cache"])
+def test_back_before_the_release_of_its_old_blocks(back_as, tiny_llama):
+    """A request leaves with its cache and comes back (moved on again at once, as tokens or with
+    a copy) before the release of its old blocks reached this device: those blocks are freed
+    first, and it continues as HF does."""
+    import torch
+    from tandem.engine.models.loader import load_spec
+    from tandem.engine.worker import InProcessDevice, WorkerConfig
+    from tandem.sched.scheduler import SchedConfig, Scheduler
+    torch.set_num_threads(1)
+    spec = load_spec(tiny_llama)
+    dev = InProcessDevice("cpu", WorkerConfig(str(tiny_llama), spec, "float32", "cpu", 8, 1 << 20, None, 1, 1,
+                                              False, False))
+    sched = Scheduler(SchedConfig(), [dev], spec.eos_token_ids, spec.max_model_len)
+    a = sched.actors[0]
+    prompt = mixed_prompts(1, 512, seed=5, lo=20, hi=21)[0]
+    st = sched.add(Request("x", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))
+    while len(st.output_token_ids) < 4:
+        sched.step()
+    dev.submit(a.export_input("x"))
+    rows = dev.collect().exported["x"]
+    a.detach("x", keep_cache=True)                       # left with its cache; no release yet
+    if back_as == "tokens":
+        st.num_computed, st.status, st.sent_to_device = 0, Status.WAITING, False
+        a.attach(st)
+    else:
+        assert a.attach(st, rows), "the copy should fit beside nothing"
+    a.release("x")                                       # the late release changes nothing now
+    if back_as == "cache":
+        assert a.pool.num_blocks_of("x") == a.pool.geometry.blocks_for(st.num_computed), "its blocks were freed"
+    while sched.has_unfinished():
+        sched.step()
+    a.check_invariants()
+    assert a.pool.num_free == a.pool.geometry.num_blocks and not a.leaving
+    assert st.output_token_ids == hf_greedy(tiny_llama, [prompt], 12)[0]
 
 
 def test_no_move_to_a_device_that_is_restarting(llama2, tiny_llama):
