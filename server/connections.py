@@ -197,13 +197,7 @@ async def connections_middleware(request: web.Request, handler):
         return await handler(request)
     conn.begin(request.body_exists)
     try:
-        resp = await handler(request)
-        if isinstance(resp, web.FileResponse) and not resp.prepared:
-            # sent here, not after this returns: a download is a request in progress (never
-            # idle, so never cut by the head timeout or closed to make room) until its last byte
-            await resp.prepare(request)
-            await resp.write_eof()
-        return resp
+        return await handler(request)
     finally:
         if not conn.transport.is_closing():
             conn.idle()

@@ -121,12 +121,27 @@ async def get_file(request):
     return json_response(_file_or_404(request))
 
 
+DOWNLOAD_CHUNK = 1 << 20
+
+
 async def file_content(request):
-    """Sent from disk in chunks (a batch's output may be hundreds of MB: read whole, it would
-    stall every stream on the event loop)."""
+    """Sent from disk in chunks read off the event loop (a batch's output may be hundreds of MB:
+    read whole, it would stall every stream), all before the handler returns: until its last
+    byte the download is a request in progress, so the head timeout that starts when a request
+    ends cannot cut it, and its connection is not idle (closed to make room for another)."""
     f = _file_or_404(request)
-    return web.FileResponse(_store(request).file_path(f["id"]),
-                            headers={"Content-Type": "application/octet-stream"})
+    resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+    resp.content_length = f["bytes"]
+    try:
+        fh = open(_found(_store(request).file_path(f["id"]), "file", f["id"]), "rb")
+    except FileNotFoundError:                 # deleted meanwhile
+        raise ApiError(404, f"No such file: {f['id']}", param="file_id", code="not_found") from None
+    with fh:
+        await resp.prepare(request)
+        while chunk := await asyncio.to_thread(fh.read, DOWNLOAD_CHUNK):
+            await resp.write(chunk)
+    await resp.write_eof()
+    return resp
 
 
 async def delete_file(request):

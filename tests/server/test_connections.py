@@ -130,16 +130,23 @@ def test_a_download_slower_than_the_head_timeout_arrives_whole(strict_server):
     s = socket.create_connection(addr(strict_server))
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
     s.sendall(f"GET /v1/files/{fid}/content HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
-              "Connection: close\r\n\r\n".encode())
+              "\r\n".encode())
     s.settimeout(30)
     got = bytearray()
     with s:
-        while chunk := s.recv(65536):
+        while b"\r\n\r\n" not in got or len(got) < got.index(b"\r\n\r\n") + 4 + size:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
             got += chunk
             time.sleep(0.005)           # at most ~13 MB/s: the whole file takes seconds
-    head, body = bytes(got).split(b"\r\n\r\n", 1)
-    assert head.startswith(b"HTTP/1.1 200"), head[:200]
-    assert len(body) == size and body == data
+        head, body = bytes(got).split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 200"), head[:200]
+        assert len(body) == size and body == data
+        # the connection is kept alive and serves its next request
+        s.sendall(f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+                  "Connection: close\r\n\r\n".encode())
+        assert recv_all(s, timeout=10).startswith(b"HTTP/1.1 200")
 
 
 def test_slow_body_gets_408(strict_server):
