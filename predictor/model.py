@@ -27,6 +27,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import tempfile
 import threading
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -82,17 +84,21 @@ class LengthPredictor:
     @classmethod
     def load(cls, path: str | Path | None = None) -> "LengthPredictor":
         """The predictor saved in ``path`` (None: the default one ``python -m predictor train`` made)."""
-        d = Path(path) if path is not None else default_dir()
+        base = Path(path) if path is not None else default_dir()
+        d = saved_dir(base)
         meta_file = d / "meta.json"
         if not meta_file.is_file():
             hint = " (run `python -m predictor train` to make it)" if path is None else ""
-            raise FileNotFoundError(f"no length predictor in {d}{hint}")
+            raise FileNotFoundError(f"no length predictor in {base}{hint}")
         meta = json.loads(meta_file.read_text())
         if meta.get("format") != FORMAT:
             raise ValueError(f"{d}: predictor format {meta.get('format')!r}, expected {FORMAT}")
         s = Settings(**{"text_hidden": 0, **meta["settings"]})   # saved before the text head: none
         text = TextHead.load(d / "text.pt", s.text_hidden) if s.text_hidden else None
-        return cls(s, LengthHead.load(d / "head.pt", DIM, s.hidden), LengthIndex.load(d, DIM), text=text)
+        index = LengthIndex.load(d, DIM)
+        if len(index) != meta.get("size", len(index)):
+            raise ValueError(f"{d}: the index holds {len(index)} lengths, its meta.json says {meta['size']}")
+        return cls(s, LengthHead.load(d / "head.pt", DIM, s.hidden), index, text=text)
 
     def predict(self, prompts: list[str]) -> list[int]:
         return [p.length for p in self.predict_detailed(prompts)]
@@ -151,23 +157,60 @@ class LengthPredictor:
             self.index.add(vectors, lengths)
 
     def save(self, path: str | Path) -> None:
-        """Write settings, MLP and index to ``path`` (each file replaced atomically)."""
+        """Write settings, MLP and index into a new generation under ``path``, synced to disk,
+        then name it in ``CURRENT`` (one atomic rename). A save cut short (killed, disk full)
+        leaves the previous generation in force; two processes saving at once each write their
+        own. Older complete generations are then removed."""
         d = Path(path)
         d.mkdir(parents=True, exist_ok=True)
-        tmp = d / ".saving"
-        tmp.mkdir(exist_ok=True)
+        gen = Path(tempfile.mkdtemp(prefix="gen-", dir=d))
         with self._lock:
-            self.index.save(tmp)
-            self.head.save(tmp / "head.pt")
+            self.index.save(gen)
+            self.head.save(gen / "head.pt")
             if self.text is not None:
-                self.text.save(tmp / "text.pt")
+                self.text.save(gen / "text.pt")
             settings = self.settings if self.text is not None else replace(self.settings, text_hidden=0)
             meta = {"format": FORMAT, "settings": asdict(settings), "size": len(self.index)}
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        names = ("index.bin", "lengths.npy", "head.pt") + (("text.pt",) if self.text is not None else ())
-        for name in names + ("meta.json",):                                   # meta last: it marks done
-            os.replace(tmp / name, d / name)
-        tmp.rmdir()
+        (gen / "meta.json").write_text(json.dumps(meta, indent=1))       # last: the generation is whole
+        for f in gen.iterdir():
+            _fsync(f)
+        _fsync(gen)
+        pointer = d / f".{CURRENT}-{gen.name}"
+        pointer.write_text(gen.name)
+        _fsync(pointer)
+        os.replace(pointer, d / CURRENT)
+        _fsync(d)
+        keep = {gen, saved_dir(d)}               # another process may have named its own since
+        for old in d.glob("gen-*"):
+            if old not in keep and (old / "meta.json").is_file():
+                shutil.rmtree(old, ignore_errors=True)
+        for name in LEGACY_FILES:                 # a predictor saved before generations
+            (d / name).unlink(missing_ok=True)
+
+
+CURRENT = "CURRENT"         # names the generation subdirectory of the last complete save
+LEGACY_FILES = ("meta.json", "index.bin", "lengths.npy", "head.pt", "text.pt")
+
+
+def saved_dir(path: str | Path) -> Path:
+    """Where a saved predictor's files are: the generation ``CURRENT`` names, or ``path``
+    itself for one saved before generations."""
+    d = Path(path)
+    cur = d / CURRENT
+    return d / cur.read_text().strip() if cur.is_file() else d
+
+
+def is_saved(path: str | Path) -> bool:
+    """Has a predictor been saved (completely) in ``path``?"""
+    return (saved_dir(path) / "meta.json").is_file()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def weighted_quantiles(values: np.ndarray, weights: np.ndarray, levels) -> np.ndarray:

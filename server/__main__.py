@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 from pathlib import Path
 import sys
@@ -158,11 +159,25 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
 
 
 def _length_source(cfg: ServerConfig):
-    """The data dir's own predictor once it has saved one, else the trained one (None)."""
+    """The data dir's own predictor once it has saved one, else the trained one (None). One
+    that cannot be loaded (a damaged disk, a file written by hand) is moved aside with a
+    warning: what it learned is lost, and the server starts from the trained one."""
     if cfg.length_predictor is not None or cfg.policy not in ("alise", "tandem"):
         return cfg.length_predictor
+    from tandem.predictor import LengthPredictor
+    from tandem.predictor.model import is_saved
     own = Path(cfg.data_dir) / "predictor"
-    return own if (own / "meta.json").is_file() else None
+    if not is_saved(own):
+        return None
+    try:
+        return LengthPredictor.load(own)
+    except Exception as e:                 # noqa: BLE001 -- any damage: start without it
+        aside = own.with_name(f"predictor.unreadable-{int(time.time())}")
+        os.replace(own, aside)
+        logging.getLogger("tandem.server").warning(
+            "the data dir's length predictor could not be loaded (%s: %s); moved to %s, starting "
+            "from the trained one", type(e).__name__, e, aside)
+        return None
 
 
 async def _watch_parent(pid: int) -> None:

@@ -469,8 +469,12 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
         app_["loader"].cancel()
         await routes_batch.stop(app_)
         if state.engine is not None:
-            await asyncio.get_running_loop().run_in_executor(None, _save_lengths, state.engine, cfg)
-            await asyncio.get_running_loop().run_in_executor(None, state.engine.shutdown)
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, _save_lengths, state.engine, cfg)
+            except Exception:            # noqa: BLE001 -- the engine still shuts down cleanly
+                log.exception("saving the learned output lengths to %s failed", cfg.data_dir)
+            finally:
+                await asyncio.get_running_loop().run_in_executor(None, state.engine.shutdown)
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)

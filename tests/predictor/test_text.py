@@ -2,6 +2,7 @@
 process, it survives a save and a load, and predictors saved before it still load."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -10,7 +11,7 @@ import sys
 import numpy as np
 
 from tandem.predictor.data import Examples
-from tandem.predictor.model import LengthPredictor, Settings
+from tandem.predictor.model import LengthPredictor, Settings, saved_dir
 from tandem.predictor.text import TextHead, hashed
 from tandem.predictor.train import train
 
@@ -82,10 +83,67 @@ def test_a_predictor_saved_before_the_text_head_loads_without_one(tmp_path):
     ex = Examples(prompts, lens, np.full(len(prompts), 40), np.arange(len(prompts)))
     p = train(ex, Settings(k=5, threshold=0.99, hidden=16, text_hidden=0), epochs=3, out=tmp_path,
               log=lambda _: None)
-    meta = json.loads((tmp_path / "meta.json").read_text())
+    meta_file = saved_dir(tmp_path) / "meta.json"
+    meta = json.loads(meta_file.read_text())
     del meta["settings"]["text_hidden"]
-    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    meta_file.write_text(json.dumps(meta))
     old = LengthPredictor.load(tmp_path)
     assert old.text is None and old.settings.text_hidden == 0
     fresh, _ = _prompts(rng, 10)
     assert old.predict(fresh) == p.predict(fresh)
+
+
+def _small_predictor(tmp_path, seed=4):
+    rng = np.random.default_rng(seed)
+    prompts, lens = _prompts(rng, 60)
+    ex = Examples(prompts, lens, np.full(len(prompts), 40), np.arange(len(prompts)))
+    return train(ex, Settings(k=5, threshold=0.99, hidden=16, text_hidden=8), epochs=2, out=tmp_path / "trained",
+                 log=lambda _: None), rng
+
+
+def test_a_save_cut_short_anywhere_leaves_a_whole_predictor(tmp_path, monkeypatch):
+    """A save that dies at any of its file renames (killed, disk full) leaves a predictor that
+    loads: the one saved before, or the new one whole, never a new index beside old lengths."""
+    p, rng = _small_predictor(tmp_path)
+    d = tmp_path / "data" / "predictor"
+    p.save(d)
+    before = len(p.index)
+    more, lens = _prompts(rng, 7)
+    p.observe(more, lens)
+    real, outcomes = os.replace, set()
+    for k in range(1, 8):
+        calls = [0]
+
+        def failing(src, dst, k=k, calls=calls):
+            calls[0] += 1
+            if calls[0] == k:
+                raise OSError("no space left on device")
+            return real(src, dst)
+        monkeypatch.setattr(os, "replace", failing)
+        try:
+            p.save(d)
+        except OSError:
+            pass
+        monkeypatch.setattr(os, "replace", real)
+        loaded = LengthPredictor.load(d)
+        assert len(loaded.index) in (before, before + 7)
+        outcomes.add(len(loaded.index))
+        assert loaded.predict(more) == LengthPredictor.load(d).predict(more)
+    assert before in outcomes, "the first rename's failure kept the previous save"
+    p.save(d)
+    assert len(LengthPredictor.load(d).index) == before + 7
+    assert len(list(d.glob("gen-*"))) <= 2, "older generations are removed"
+
+
+def test_a_predictor_saved_in_the_old_layout_loads_and_is_replaced_whole(tmp_path):
+    p, rng = _small_predictor(tmp_path)
+    d = tmp_path / "old"
+    d.mkdir()
+    p.index.save(d)
+    p.head.save(d / "head.pt")
+    p.text.save(d / "text.pt")
+    (d / "meta.json").write_text(json.dumps({"format": 1, "settings": dataclasses.asdict(p.settings), "size": len(p.index)}))
+    fresh, _ = _prompts(rng, 5)
+    assert LengthPredictor.load(d).predict(fresh) == p.predict(fresh)
+    p.save(d)
+    assert not (d / "index.bin").exists() and LengthPredictor.load(d).predict(fresh) == p.predict(fresh)

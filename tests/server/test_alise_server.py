@@ -47,6 +47,44 @@ def test_alise_predicts_learns_and_saves(tiny_chat_model, tmp_path):
     assert saved.predict(["Write a story about a dragon and a knight"]) == [9]
 
 
+def test_a_damaged_learned_predictor_does_not_stop_the_server(tiny_chat_model, tmp_path):
+    """The data dir's predictor was cut short on disk: the server starts from the trained one
+    (tandem runs without predictions when there is none), serves, and keeps the damaged files
+    aside for a person to look at."""
+    own = tmp_path / "data" / "predictor"
+    ex = Examples(SEED, np.array([40, 12, 30, 60, 3, 8]), np.full(len(SEED), 8), np.arange(len(SEED)))
+    train(ex, Settings(k=3, threshold=0.95, hidden=16), epochs=2, out=own, log=lambda _: None)
+    index = next(own.glob("gen-*/index.bin"))
+    index.write_bytes(index.read_bytes()[: index.stat().st_size // 2])
+    cut = index.stat().st_size
+    s = start_server(tiny_chat_model, tmp_path, "--policy", "tandem")
+    try:
+        assert chat(s, "What is 2 + 2?", 4)["usage"]["completion_tokens"] == 4
+    finally:
+        assert stop_server(s) == 0
+    aside = list((tmp_path / "data").glob("predictor.unreadable-*"))
+    assert len(aside) == 1 and next(aside[0].glob("gen-*/index.bin")).stat().st_size == cut
+    assert "could not be loaded" in s.log.read_text()
+
+
+def test_a_save_that_fails_at_shutdown_still_shuts_down_cleanly(tiny_chat_model, tmp_path):
+    """The data dir cannot take the learned lengths (a file where the predictor's folder goes):
+    the failure is logged, and the server still stops its engine and exits 0."""
+    seed_dir = tmp_path / "seed"
+    ex = Examples(SEED, np.array([40, 12, 30, 60, 3, 8]), np.full(len(SEED), 8), np.arange(len(SEED)))
+    train(ex, Settings(k=3, threshold=0.95, hidden=16), epochs=2, out=seed_dir, log=lambda _: None)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "predictor").write_text("not a folder")
+    s = start_server(tiny_chat_model, tmp_path, "--policy", "alise", "--length-predictor", str(seed_dir))
+    try:
+        chat(s, "What is 2 + 2?", 5)
+    finally:
+        rc = stop_server(s)
+    log = s.log.read_text()
+    assert rc == 0, log[-2000:]
+    assert "saving the learned output lengths" in log and "Traceback" in log
+
+
 def status(server) -> dict:
     with urllib.request.urlopen(server.url + "/status", timeout=10) as r:
         return json.loads(r.read())
