@@ -100,6 +100,13 @@ class LengthSource:
                 self.predicted += 1
                 self.retrieved += p.retrieved
 
+    def forget(self, req_ids: list[str]) -> None:
+        """Requests predicted for that will never run (their client left, or they were refused):
+        nothing to learn from them."""
+        with self._lock:
+            for rid in req_ids:
+                self._pending.pop(rid, None)
+
     def drain(self) -> list[tuple[int, int]]:
         """(predicted, real) of the requests learned from since the last call."""
         with self._lock:

@@ -166,20 +166,32 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
         try:
             texts = [text for prompt in gen.prompts
                      for text in [prediction_text(prompt, engine.llm.decode_prompt)] * gen.n]
-            await asyncio.get_running_loop().run_in_executor(_predicting(), lengths.assign, reqs, texts)
+            await predict_lengths(lengths, reqs, texts)
         finally:
             engine.admitting -= len(reqs)
     p = Prepared(gen, model, rid, sum(len(ids) for ids, _ in encoded), reqs, [])
     try:
         for r in reqs:
             p.subs.append(engine.submit(r))
-    except DeviceError as e:
+    except (DeviceError, ValueError) as e:
         p.close()
-        raise ApiError(503, str(e), type="service_unavailable", headers={"Retry-After": "5"}) from None
-    except ValueError as e:
-        p.close()
+        if lengths is not None:
+            lengths.forget([r.req_id for r in reqs])
+        if isinstance(e, DeviceError):
+            raise ApiError(503, str(e), type="service_unavailable", headers={"Retry-After": "5"}) from None
         raise bad_request(str(e), param=param) from None
     return p
+
+
+async def predict_lengths(lengths, reqs: list[Request], texts: list[str]) -> None:
+    """The requests' predicted lengths, from the prediction thread. A client that leaves
+    meanwhile cannot stop the prediction under way; its requests are forgotten once it ends."""
+    job = _predicting().submit(lengths.assign, reqs, texts)
+    try:
+        await asyncio.wrap_future(job)
+    except asyncio.CancelledError:
+        job.add_done_callback(lambda _: lengths.forget([r.req_id for r in reqs]))
+        raise
 
 
 def max_tokens_for(engine: AsyncEngine, sp, prompt_tokens: int, param: str) -> int:

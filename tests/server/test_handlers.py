@@ -71,3 +71,40 @@ def test_when_one_choice_fails_the_others_are_cancelled():
         return state, pending
     state, pending = asyncio.run(go())
     assert state == {"cancelled": True} and pending == []
+
+
+def test_a_client_that_leaves_during_its_prediction_leaves_nothing_pending():
+    """The prediction thread cannot be stopped part-way: when the handler is cancelled (its
+    client went away), the requests are forgotten once the prediction ends, instead of waiting
+    for ever among those whose real length the predictor would learn."""
+    import threading
+    from tandem.sched.request import Request
+    from tandem.engine.params import SamplingParams
+    from tandem.server.app import predict_lengths
+
+    class Lengths:
+        def __init__(self):
+            self.entered, self.go_on, self.forgotten = threading.Event(), threading.Event(), threading.Event()
+            self.pending: set[str] = set()
+
+        def assign(self, reqs, texts):
+            self.entered.set()
+            self.go_on.wait(10)
+            self.pending |= {r.req_id for r in reqs}
+
+        def forget(self, ids):
+            self.pending -= set(ids)
+            self.forgotten.set()
+
+    lengths = Lengths()
+    reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=4)) for i in range(2)]
+
+    async def main():
+        task = asyncio.create_task(predict_lengths(lengths, reqs, ["a", "b"]))
+        await asyncio.to_thread(lengths.entered.wait, 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    asyncio.run(main())
+    lengths.go_on.set()
+    assert lengths.forgotten.wait(10) and not lengths.pending
