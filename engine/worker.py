@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -79,10 +79,13 @@ class WorkerConfig:
                                     # (engine.quantpool), open blocks at the model's dtype
     max_num_seqs: int = 64          # requests at once: an int8 pool reserves their open blocks' staging
     triton_attention: bool = False  # attention by the Triton kernels (engine.triton_attention)
+    num_blocks: int | None = None   # the pool's size, fixed (a restarted worker's: its books stay valid)
 
 
 def pool_blocks(cfg: WorkerConfig, bytes_per_block: int, reserved: int = 0) -> int:
     """Number of blocks the memory budget buys, after ``reserved`` bytes."""
+    if cfg.num_blocks is not None:
+        return cfg.num_blocks
     if cfg.kv_cache_bytes is not None:
         budget = cfg.kv_cache_bytes
     elif cfg.device.startswith("cuda"):
@@ -197,7 +200,11 @@ class WorkerHandle:
 
     def restart(self) -> PoolInfo:
         """Replace a dead worker with a fresh one of the same configuration (blocks until it
-        is ready); its pool, which should equal the old one's."""
+        is ready), and a pool of as many blocks as before: a pool sized by a fraction of the
+        GPU's free memory would otherwise come out another size (the free memory changed,
+        another worker shares the GPU), and the device's books and placement assume this one."""
+        if self.pool_info is not None:
+            self.cfg = replace(self.cfg, num_blocks=self.pool_info.num_blocks)
         self.shutdown()
         self._spawn()
         return self.wait_ready()

@@ -49,6 +49,25 @@ def test_killed_worker_is_restarted_and_its_requests_finish_token_exact(tiny_lla
     assert [o.token_ids for o in outs] == hf_greedy(tiny_llama, prompts, 30)
 
 
+def test_a_restarted_worker_keeps_its_pool_size_when_its_budget_changed(tiny_llama):
+    """A pool sized by a share of the GPU's free memory comes out another size after a crash
+    (the free memory changed meanwhile). The new worker must take as many blocks as before: the
+    device's books and the placement assume them. Here the budget is changed by hand before the
+    worker is killed."""
+    from dataclasses import replace
+    prompts = mixed_prompts(6, 512, seed=12)
+    with LLM(str(tiny_llama), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
+        handle = llm._workers[0]
+        blocks = handle.pool_info.num_blocks
+        handle.cfg = replace(handle.cfg, kv_cache_bytes=1 << 21)       # half the memory is free now
+        killed = kill_on_calls(handle, {3})
+        outs = llm.generate(prompts, SamplingParams(max_tokens=20, **GREEDY))
+        assert killed == [3] and llm.runtime.threads[0].restarts == 1
+        assert handle.pool_info.num_blocks == blocks and llm.runtime.serving()
+        assert_pool_free(llm)
+    assert [o.token_ids for o in outs] == hf_greedy(tiny_llama, prompts, 20)
+
+
 def test_arrivals_wait_out_a_restart_instead_of_being_refused(tiny_llama):
     """While its only device is marked restarting (not serving, not dead), a new request is
     dispatched to it and served, rather than refused with "no device can serve"."""
