@@ -1,6 +1,7 @@
 """SamplingParams: what a user asks of generation (vLLM's names and meanings)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -19,6 +20,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is None:                   # vLLM's defaults: none
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
         self.validate()
 
     def validate(self) -> None:
@@ -50,4 +55,4 @@ def _is_int(x) -> bool:
 
 
 def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -61,7 +61,9 @@ def _filtered_probs(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Te
     """[m, V] probabilities after temperature, top-k (k-th largest kept, ties included) and
     top-p (the smallest prefix of the sorted distribution whose mass reaches top_p), per row."""
     dev, vocab = logits.device, logits.shape[1]
-    temp = torch.tensor([sp.temperature for sp in specs], device=dev, dtype=logits.dtype)
+    # a temperature past the dtype's range would turn the suppressed stop ids' -inf into NaN
+    limit = torch.finfo(logits.dtype).max
+    temp = torch.tensor([min(sp.temperature, limit) for sp in specs], device=dev, dtype=logits.dtype)
     x = logits / temp[:, None]
     ks = [sp.top_k if 0 < sp.top_k < vocab else 0 for sp in specs]
     if any(ks):
@@ -73,7 +75,7 @@ def _filtered_probs(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Te
     top_p = torch.tensor([sp.top_p for sp in specs], device=dev, dtype=probs.dtype)
     if bool((top_p < 1.0).any()):
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop = (sorted_p.cumsum(-1) - sorted_p) > top_p[:, None]
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p[:, None]     # the tokens before reach top_p
         probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
     return probs
 

@@ -393,6 +393,8 @@ class LLM:
     # ---- generation ------------------------------------------------------------
     def start_runtime(self) -> Runtime:
         """Start the device actors (once): from here on every step runs on an actor's thread."""
+        if getattr(self, "_closed", False):
+            raise RuntimeError("LLM: it was shut down; make a new one")
         if self.runtime is None:
             self.runtime = Runtime(self.scheduler, self._route, self.rebalancer)
         return self.runtime
@@ -493,6 +495,8 @@ class LLM:
         return [w.proc.pid for w in self._workers if w.proc is not None and w.proc.pid is not None]
 
     def shutdown(self) -> None:
+        """Stop the actors and the workers; the LLM refuses work from then on."""
+        self._closed = True
         if self.runtime is not None:
             self.runtime.stop()
             self.runtime = None

@@ -85,6 +85,8 @@ def test_eos_stops_unless_ignored(llm, tiny_llama):
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=-3), "max_tokens"),
     (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(top_p=float("nan")), "top_p"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"),
@@ -149,3 +151,20 @@ def test_outputs_read_as_vllm_users_expect(llm, tiny_llama):
     first = out.outputs[0]
     assert first.token_ids == hf_greedy(tiny_llama, p, 6)[0] and first.finish_reason == "length"
     assert first.text == out.text
+
+
+def test_no_stops_given_as_none_as_vllm_accepts():
+    sp = SamplingParams(stop=None, stop_token_ids=None)
+    assert sp.stop == [] and sp.stop_token_ids == []
+
+
+def test_a_shut_down_llm_refuses_work_instead_of_starting_again(tiny_llama):
+    """vLLM's engine is gone once shut down; here generate() had started a fresh worker that no
+    later shutdown() stopped."""
+    m = LLM(str(tiny_llama), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1)
+    m.generate([[5, 6, 7]], SamplingParams(max_tokens=2, **GREEDY))
+    worker = m.scheduler.actors[0].device
+    m.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        m.generate([[5, 6, 7]], SamplingParams(max_tokens=2, **GREEDY))
+    assert not worker.proc.is_alive()

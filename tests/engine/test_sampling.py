@@ -19,7 +19,7 @@ def expected(temperature, top_k, top_p):
         order = np.argsort(-p)
         cum_before = np.cumsum(p[order]) - p[order]
         nucleus = np.zeros_like(keep)
-        nucleus[order[cum_before <= top_p]] = True
+        nucleus[order[cum_before < top_p]] = True          # the smallest prefix reaching top_p
         keep &= nucleus
     q = np.where(keep, p, 0)
     return q / q.sum()
@@ -93,3 +93,24 @@ def test_seeded_rows_are_batch_invariant():
         batch = torch.cat([torch.randn(3, 300), row, torch.randn(2, 300)])
         mixed = sample(batch, [other] * 3 + [spec] + [other] * 2, [gen_index] * 6)
         assert mixed[3] == alone
+
+
+@pytest.mark.parametrize("probs, top_p, kept", [
+    ([0.25] * 4, 0.5, 2), ([0.25] * 4, 0.25, 1), ([0.5, 0.25, 0.25], 0.5, 1), ([0.5, 0.25, 0.25], 0.75, 2),
+    ([0.25] * 4, 0.51, 3)])
+def test_top_p_keeps_the_smallest_set_that_reaches_it(probs, top_p, kept):
+    """Exact masses (dyadic, as ties after top-k give): a token whose predecessors already hold
+    top_p is dropped (HF's TopPLogitsWarper and vLLM keep the same sets)."""
+    logits = torch.tensor(np.log(probs), dtype=torch.float32)[None]
+    specs = [SamplingSpec(1.0, top_p, -1, seed=s, min_tokens=0, stop_token_ids=()) for s in range(400)]
+    seen = {t for t in sample(logits.repeat(400, 1), specs, [0] * 400)}
+    assert seen == set(range(kept))
+
+
+def test_an_enormous_temperature_still_suppresses_stop_tokens():
+    """Past float32's range a temperature turned the suppressed ids' -inf into NaN, and token 0,
+    suppressed, came out every time. It is uniform over the allowed tokens instead."""
+    logits = torch.tensor([[3.0, 1.0, 0.0, -1.0]])
+    specs = [SamplingSpec(1e300, 1.0, -1, seed=s, min_tokens=4, stop_token_ids=(0,)) for s in range(300)]
+    seen = sample(logits.repeat(300, 1), specs, [0] * 300)
+    assert 0 not in seen and set(seen) == {1, 2, 3}
