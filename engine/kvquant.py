@@ -9,6 +9,9 @@ and channel c = (layer, head, dim)::
     q  = clamp(round((x - lo) / λ), 0, 255)   (uint8)
     x̂  = lo + λ · q                           so |x - x̂| <= λ / 2
 
+(computed in float32; returned in a 16-bit dtype, x̂ is rounded once more, by up to half a unit
+in its last place, so there the bound is λ/2 + ulp(x̂)/2).
+
 [open choice] The zero point is kept as the float minimum ``lo`` instead of the paper's rounded
 integer z = round(-lo / λ): the bound stays λ/2 with no extra rounding of z, and a constant
 channel (λ = 0) comes back exact. Storage per group and channel: block_size bytes plus two fp32
