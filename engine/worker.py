@@ -7,6 +7,7 @@ memory on the CPU.
 from __future__ import annotations
 
 import os
+import signal
 import time
 import traceback
 from dataclasses import dataclass, replace
@@ -143,7 +144,10 @@ def pool_info(runner, num_blocks: int) -> PoolInfo:
 
 
 def worker_main(conn, cfg: WorkerConfig) -> None:
-    """Process entry point: load, report ready, then serve steps until SHUTDOWN."""
+    """Process entry point: load, report ready, then serve steps until SHUTDOWN. Ctrl-C in a
+    terminal reaches the whole process group; the worker leaves stopping to its parent (which
+    sends SHUTDOWN), instead of dying mid-step with a traceback of its own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     bound_native_memory()
     trimmer = HeapTrimmer()
     try:

@@ -39,7 +39,7 @@ HARMLESS_COUNT = {"top_logprobs": 0, "best_of": 1}
 def _reject_unsupported(body: dict) -> None:
     for key in UNSUPPORTED:
         v = body.get(key)
-        harmless = v is None or v is False or v == [] or v == {} or (
+        harmless = v is None or v is False or v == [] or v == {} or (key == "modalities" and v == ["text"]) or (
             isinstance(v, int) and not isinstance(v, bool) and key in HARMLESS_COUNT
             and v <= HARMLESS_COUNT[key])
         if not harmless:

@@ -75,7 +75,7 @@ PROMPT = {"anyOf": [{"type": "string", "minLength": 1}, TOKEN_IDS,
 
 
 def _body(extra: dict, required: list[str]) -> dict:
-    doc = "not supported: rejected unless null, false or empty (or top_logprobs 0, best_of 1)"
+    doc = "not supported: rejected unless null, false or empty (or top_logprobs 0, best_of 1, modalities [text])"
     unsupported = {k: {"description": doc} for k in UNSUPPORTED}
     return {"type": "object", "required": required, "properties": {**SAMPLING, **extra, **unsupported}}
 

@@ -322,3 +322,16 @@ def test_a_step_that_fails_midway_loses_no_swapped_request(tiny_llama):
         else:
             assert st.finish_reason is FinishReason.LENGTH, (st.req_id, st.error)
             assert st.output_token_ids == r, f"{st.req_id} differs"
+
+
+def test_ctrl_c_in_the_terminal_leaves_the_worker_to_its_parent(tiny_llama):
+    """SIGINT goes to the whole process group: a worker that died of it (KeyboardInterrupt, with
+    its own traceback) mid-step left the server to restart it while shutting down. It ignores
+    SIGINT and keeps serving until its parent stops it."""
+    with LLM(str(tiny_llama), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
+        handle = llm._workers[0]
+        os.kill(handle.proc.pid, signal.SIGINT)
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, **GREEDY))
+        assert handle.proc.is_alive() and llm.runtime.threads[0].restarts == 0
+    assert out[0].token_ids == hf_greedy(tiny_llama, [[5, 6, 7]], 6)[0]
+    assert not handle.proc.is_alive()

@@ -142,6 +142,7 @@ def test_malformed_request(server, name, method, path, body, headers, status, et
 @pytest.mark.parametrize("path, body", [
     (CHAT, {"messages": MSG, "logprobs": False, "top_logprobs": 0}),
     (COMP, {"prompt": "a", "best_of": 1, "logprobs": None, "echo": False}),
+    (CHAT, {"messages": MSG, "modalities": ["text"]}),
 ])
 def test_unsupported_fields_that_ask_for_nothing_are_accepted(server, path, body):
     """What OpenAI's SDKs and eval harnesses send as their defaults is served, not refused."""
