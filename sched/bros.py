@@ -199,9 +199,15 @@ class Bros:
 
     def _victims(self, c: Candidate, running: list[Candidate], t_avg: float) -> list[Candidate]:
         """Whom an RT request ``c`` may preempt, first to last: best-effort work, least computed
-        first (least lost), then RT requests, those already late first, then by largest residual."""
+        first (least lost), then RT requests, those already late first, then by largest residual;
+        only RT requests whose deadline is later than c's (or already lost while c's is not).
+        Urgency alone would let two prompts preempt each other every iteration: the one that
+        lost its cache needs one more iteration, so it looks more urgent than the one that took
+        its blocks, and takes them back."""
+        def later(x: Candidate) -> bool:
+            return (x.missed and not c.missed) or self._res(x, t_avg) > self._res(c, t_avg)
         return sorted((x for x in running if not x.rt), key=lambda x: x.num_computed) + \
-            sorted((x for x in running if x.rt), key=lambda x: (not x.missed, -self._urgency(x, t_avg)))
+            sorted((x for x in running if x.rt and later(x)), key=lambda x: (not x.missed, -self._urgency(x, t_avg)))
 
     def _res(self, c: Candidate, t_avg: float) -> float:
         """A request's residual time (BROS: its SLO less the time since its last token)."""
@@ -235,8 +241,21 @@ class Bros:
 
     def _be_room(self, b: Candidate, n: int, snap: Snapshot, budget: BlockBudget, plan: Plan,
                  taken: set[str]) -> bool:
-        """Reserve a BE request's blocks (FindBlock): free blocks only."""
-        return budget.reserve(b, n)
+        """Reserve a BE request's blocks (FindBlock): free blocks; for a running one, else those
+        of running BE requests after it in the BE order and not in this iteration, last first
+        (as vLLM preempts the latest): with free blocks only, running BE requests that filled
+        the pool between them all waited for a block for ever."""
+        if budget.reserve(b, n):
+            return True
+        if b.req_id not in {c.req_id for c in snap.running}:
+            return False
+        queue = [x.req_id for x in self._be_queue(snap, plan)]
+        running = {c.req_id: c for c in snap.running}
+        victims = [running[r] for r in reversed(queue[queue.index(b.req_id) + 1:])
+                   if r in running and r not in taken and r not in budget.held]
+        if budget.free + sum(v.num_blocks for v in victims) < budget.need(b, n):
+            return False                 # preempting them all would not be enough: preempt none
+        return budget.take_from(b, n, victims, plan, "preempted: its blocks went to an earlier BE request")
 
     def _admits(self, c: Candidate) -> bool:
         """May ``c`` join this iteration at all? (Every request may, here.)"""
@@ -264,11 +283,15 @@ class Bros:
         tokens_left = lim.max_num_batched_tokens
         rt_ready: list[tuple[Candidate, int]] = []
         taken: set[str] = set()
-        early = False
+        early, blocked, running_ids = False, False, {c.req_id for c in snap.running}
         while q_rt and len(rt_ready) < self.b_curr and tokens_left > 0:
             r = q_rt[0]
             if r.req_id in plan.preempted:      # gave its blocks to a more urgent request this iteration
                 q_rt.popleft()
+                continue
+            if blocked and r.req_id not in running_ids:
+                q_rt.popleft()
+                plan.reasons[r.req_id] = "waiting: behind a more urgent RT request that waits for blocks"
                 continue
             n = min(r.num_tokens - r.num_computed, tokens_left)
             if n < r.num_tokens - r.num_computed and not lim.chunked_prefill:
@@ -288,7 +311,9 @@ class Bros:
                 early = True        # the most urgent request cannot make it: run it alone-first anyway
             if not self._make_room(r, n, snap, budget, plan, taken, t_avg):
                 plan.reasons[r.req_id] = "waiting: no block can be found or preempted"
-                break
+                q_rt.popleft()
+                blocked = True      # no waiting request overtakes it; running ones (holding the
+                continue            # blocks it needs) still run, and finish
             q_rt.popleft()
             rt_ready.append((r, n))
             taken.add(r.req_id)
@@ -309,6 +334,7 @@ class Bros:
     def _pack_be(self, snap, budget, plan, rt_ready, q_rt, taken, t_res_min, tokens_left):
         lim, t_avg = snap.limits, snap.t_avg
         be_ready: list[tuple[Candidate, int]] = []
+        running_ids, blocked = {c.req_id for c in snap.running}, False
         for b in self._be_queue(snap, plan):
             if b.req_id in plan.preempted:          # gave its blocks to a BE request ranked above it
                 continue
@@ -318,9 +344,13 @@ class Bros:
             if not self._admits(b):
                 plan.reasons[b.req_id] = "pending: its predicted growth would not fit beside the running requests'"
                 continue
+            if b.req_id not in running_ids and blocked:
+                plan.reasons[b.req_id] = "pending: behind a BE request that waits for blocks"
+                continue
             if not self._be_room(b, n, snap, budget, plan, taken):      # FindBlock
                 plan.reasons[b.req_id] = "pending: no block for it"
-                break
+                blocked = True      # no waiting request overtakes it; running ones still run
+                continue
             fits = lambda items, k: (len(items) + 1 <= self.b_curr  # noqa: E731
                                      and self._time(items + [(b, k)]) <= t_res_min)
             if not fits(rt_ready + be_ready, n) and lim.chunked_prefill and len(rt_ready + be_ready) < self.b_curr:
