@@ -35,6 +35,23 @@ def kill_on_calls(handle, calls: set[int]) -> list[int]:
     return killed
 
 
+def generate_bounded(llm, prompts, max_tokens: int) -> list[str]:
+    """Greedy generate on a thread of its own; fails (instead of hanging) unless every request
+    ended within 60 s. The DeviceError messages it raised."""
+    raised = []
+
+    def run():
+        try:
+            llm.generate(prompts, SamplingParams(max_tokens=max_tokens, **GREEDY))
+        except DeviceError as e:
+            raised.append(str(e))
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "a request never ended"
+    return raised
+
+
 def test_killed_worker_is_restarted_and_its_requests_finish_token_exact(tiny_llama):
     prompts = mixed_prompts(8, 512, seed=11)
     with LLM(str(tiny_llama), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
@@ -208,17 +225,7 @@ def test_a_recovery_that_fails_marks_the_device_down_and_ends_its_requests(tiny_
     with LLM(str(tiny_llama), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
         llm.scheduler.policy = broken
         monkeypatch.setattr(llm.scheduler.actors[0], "fail_all", also_broken)
-        raised = []
-
-        def run():
-            try:
-                llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, **GREEDY))
-            except DeviceError as e:
-                raised.append(str(e))
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-        t.join(60)
-        assert not t.is_alive(), "the requests never ended: the device thread died with them"
+        raised = generate_bounded(llm, [[5, 6, 7], [8, 9]], 4)
         assert raised and "recovery failed" in raised[0]
         assert not llm.runtime.serving() and llm.runtime.threads[0]._thread.is_alive()
         with pytest.raises(DeviceError, match="no device can serve"):
@@ -241,17 +248,7 @@ def test_books_broken_for_one_request_still_end_every_request(tiny_llama):
                 return Plan(preempted=[r, r])
             return fcfs(snap)
         llm.scheduler.policy = buggy
-        raised = []
-
-        def run():
-            try:
-                llm.generate([[5, 6, 7], [8, 9, 10], [11, 12, 13]], SamplingParams(max_tokens=20, **GREEDY))
-            except DeviceError as e:
-                raised.append(str(e))
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-        t.join(60)
-        assert not t.is_alive(), "a request never ended"
+        raised = generate_bounded(llm, [[5, 6, 7], [8, 9, 10], [11, 12, 13]], 20)
         assert raised and "3 request(s) failed" in raised[0] and "internal error in the scheduler" in raised[0]
         out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, **GREEDY))
         assert_pool_free(llm)

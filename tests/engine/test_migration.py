@@ -141,27 +141,33 @@ def test_rebalancer_migrations_keep_outputs_exact(placement, tiny_llama):
         assert o.token_ids == r, f"prompt {i} differs after {placement} migrations"
 
 
+def exported_after_four_tokens(model_dir, seed: int):
+    """A lock-step scheduler on an in-process CPU device, request "x" (a 20-token prompt, 12 to
+    generate) four tokens in, and its cache exported: (scheduler, its state, prompt, rows)."""
+    import torch
+    from tandem.engine.models.loader import load_spec
+    from tandem.engine.worker import InProcessDevice, WorkerConfig
+    from tandem.sched.scheduler import SchedConfig, Scheduler
+    torch.set_num_threads(1)
+    spec = load_spec(model_dir)
+    dev = InProcessDevice("cpu", WorkerConfig(str(model_dir), spec, "float32", "cpu", 8, 1 << 20, None, 1, 1,
+                                              False, False))
+    sched = Scheduler(SchedConfig(), [dev], spec.eos_token_ids, spec.max_model_len)
+    prompt = mixed_prompts(1, 512, seed=seed, lo=20, hi=21)[0]
+    st = sched.add(Request("x", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))
+    while len(st.output_token_ids) < 4:
+        sched.step()
+    dev.submit(sched.actors[0].export_input("x"))
+    return sched, st, prompt, dev.collect().exported["x"]
+
+
 @pytest.mark.parametrize("lose", ["preempted", "aborted"])
 def test_cache_lost_before_its_import_is_sent(lose, tiny_llama):
     """A request that arrives with its cache and is preempted (or cancelled) before the import
     reaches the worker: the worker never hears of it, and a preempted one recomputes exactly."""
-    import torch
-    from tandem.engine.models.loader import load_spec
-    from tandem.engine.worker import InProcessDevice, WorkerConfig
     from tandem.sched.policy import Plan, fcfs
-    from tandem.sched.scheduler import SchedConfig, Scheduler
-    torch.set_num_threads(1)
-    spec = load_spec(tiny_llama)
-    dev = InProcessDevice("cpu", WorkerConfig(str(tiny_llama), spec, "float32", "cpu", 8, 1 << 20, None, 1, 1,
-                                              False, False))
-    sched = Scheduler(SchedConfig(), [dev], spec.eos_token_ids, spec.max_model_len)
+    sched, st, prompt, rows = exported_after_four_tokens(tiny_llama, seed=3)
     a = sched.actors[0]
-    prompt = mixed_prompts(1, 512, seed=3, lo=20, hi=21)[0]
-    st = sched.add(Request("x", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))
-    while len(st.output_token_ids) < 4:
-        sched.step()
-    dev.submit(a.export_input("x"))
-    rows = dev.collect().exported["x"]
     a.detach("x", keep_cache=True)
     a.release("x")
     assert a.attach(st, rows), "the cache should fit back"
@@ -185,22 +191,8 @@ def test_back_before_the_release_of_its_old_blocks(back_as, tiny_llama):
     """A request leaves with its cache and comes back (moved on again at once, as tokens or with
     a copy) before the release of its old blocks reached this device: those blocks are freed
     first, and it continues as HF does."""
-    import torch
-    from tandem.engine.models.loader import load_spec
-    from tandem.engine.worker import InProcessDevice, WorkerConfig
-    from tandem.sched.scheduler import SchedConfig, Scheduler
-    torch.set_num_threads(1)
-    spec = load_spec(tiny_llama)
-    dev = InProcessDevice("cpu", WorkerConfig(str(tiny_llama), spec, "float32", "cpu", 8, 1 << 20, None, 1, 1,
-                                              False, False))
-    sched = Scheduler(SchedConfig(), [dev], spec.eos_token_ids, spec.max_model_len)
+    sched, st, prompt, rows = exported_after_four_tokens(tiny_llama, seed=5)
     a = sched.actors[0]
-    prompt = mixed_prompts(1, 512, seed=5, lo=20, hi=21)[0]
-    st = sched.add(Request("x", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))
-    while len(st.output_token_ids) < 4:
-        sched.step()
-    dev.submit(a.export_input("x"))
-    rows = dev.collect().exported["x"]
     a.detach("x", keep_cache=True)                       # left with its cache; no release yet
     if back_as == "tokens":
         st.num_computed, st.status, st.sent_to_device = 0, Status.WAITING, False
