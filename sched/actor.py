@@ -235,7 +235,8 @@ class DeviceActor:
                              pool.num_cpu(rid), missed_ttft(st, now), st.cache_type, len(st.output_token_ids),
                              r.predicted_len, st.stalled_s,
                              None if st.first_token_time is None else now - st.first_token_time,
-                             r.predicted_spread)
+                             r.predicted_spread,
+                             min(r.sampling.max_tokens, self.max_model_len - len(r.prompt_token_ids)))
         g = pool.geometry
         return Snapshot([cand(r) for r in self.running], [cand(r) for r in self.waiting],
                         pool.num_free, g.block_size, g.blocks_per_token_block(CacheType.KV),

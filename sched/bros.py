@@ -241,14 +241,16 @@ class Bros:
 
     def _be_room(self, b: Candidate, n: int, snap: Snapshot, budget: BlockBudget, plan: Plan,
                  taken: set[str]) -> bool:
-        """Reserve a BE request's blocks (FindBlock): free blocks; for a running one, else those
-        of running BE requests after it in the BE order and not in this iteration, last first
-        (as vLLM preempts the latest): with free blocks only, running BE requests that filled
-        the pool between them all waited for a block for ever."""
+        """Reserve a BE request's blocks (FindBlock): free blocks. When nothing else runs in this
+        iteration, a running one takes those of running BE requests after it in the BE order,
+        last first (as vLLM preempts the latest): with free blocks only, BE requests that filled
+        the pool between them all waited for a block for ever. While others run it waits, as in
+        BROS (on a bidirectional pool, RT requests then take BE slots rather than BE taking BE
+        requests' blocks)."""
         if budget.reserve(b, n):
             return True
-        if b.req_id not in {c.req_id for c in snap.running}:
-            return False
+        if b.req_id not in {c.req_id for c in snap.running} or budget.held:
+            return False            # others run in this iteration: it waits for their blocks, as in BROS
         queue = [x.req_id for x in self._be_queue(snap, plan)]
         running = {c.req_id: c for c in snap.running}
         victims = [running[r] for r in reversed(queue[queue.index(b.req_id) + 1:])

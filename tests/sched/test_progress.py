@@ -85,3 +85,27 @@ def test_two_prompts_that_cannot_both_fit_do_not_take_each_others_blocks_in_turn
     run.to_the_end(limit_s=30)
     assert run.tokens == {"A": 60, "B": 60}
     assert sum(run.s.actors[0].preemptions_by_class.values()) <= 2
+
+
+@pytest.mark.parametrize("policy", ["tandem", "alise"])
+def test_a_request_far_past_its_prediction_is_admitted_again_after_a_preemption(policy):
+    """A BE request predicted at 100 tokens runs to 1,650 of its 1,800, is preempted by a burst
+    of chats, then waits beside a light chat stream. Its prediction doubled past what it may
+    still generate made its predicted peak larger than the pool, so it was never admitted again."""
+    run = Run(SchedConfig(policy=policy, max_num_seqs=64, max_num_batched_tokens=2048,
+                          rt_budget_s=0.2 if policy == "tandem" else None), num_blocks=320)
+    run.add("be", 100, 1800, "be", pred=100)
+    while run.tokens.get("be", 0) < 1650:
+        assert run.step()
+    for j in range(12):
+        run.add(f"burst{j}", 100, 30, ttft=1.0, tbt=0.2, pred=30)
+    next_chat, k = run.clock.t, 0
+    while "be" not in run.done:
+        if run.clock.t >= next_chat:
+            run.add(f"chat{k}", 16, 60, ttft=1.0, tbt=0.2, pred=60)
+            k, next_chat = k + 1, next_chat + 0.5
+        if not run.step():
+            run.clock.t = next_chat
+        assert run.clock.t < 200, f"still waiting: {run.reasons().get('be')}"
+    assert run.tokens["be"] == 1800
+    assert run.s.actors[0].preemptions_by_class[ServiceClass.BE] >= 1, "the burst was meant to preempt it"
