@@ -30,6 +30,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -182,7 +183,8 @@ class LengthPredictor:
         _fsync(d)
         keep = {gen, saved_dir(d)}               # another process may have named its own since
         for old in d.glob("gen-*"):
-            if old not in keep and (old / "meta.json").is_file():
+            # a complete one, or one a save cut short an hour ago (a younger one may be being written)
+            if old not in keep and ((old / "meta.json").is_file() or time.time() - old.stat().st_mtime > 3600):
                 shutil.rmtree(old, ignore_errors=True)
         for name in LEGACY_FILES:                 # a predictor saved before generations
             (d / name).unlink(missing_ok=True)

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -130,9 +131,13 @@ def test_a_save_cut_short_anywhere_leaves_a_whole_predictor(tmp_path, monkeypatc
         outcomes.add(len(loaded.index))
         assert loaded.predict(more) == LengthPredictor.load(d).predict(more)
     assert before in outcomes, "the first rename's failure kept the previous save"
+    cut_short = d / "gen-killed"                      # a save killed two hours ago left this
+    cut_short.mkdir()
+    (cut_short / "index.bin").write_bytes(b"partial")
+    os.utime(cut_short, (time.time() - 7200, time.time() - 7200))
     p.save(d)
     assert len(LengthPredictor.load(d).index) == before + 7
-    assert len(list(d.glob("gen-*"))) <= 2, "older generations are removed"
+    assert len(list(d.glob("gen-*"))) <= 2 and not cut_short.exists(), "older generations are removed"
 
 
 def test_a_predictor_saved_in_the_old_layout_loads_and_is_replaced_whole(tmp_path):
