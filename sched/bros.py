@@ -200,12 +200,16 @@ class Bros:
     def _victims(self, c: Candidate, running: list[Candidate], t_avg: float) -> list[Candidate]:
         """Whom an RT request ``c`` may preempt, first to last: best-effort work, least computed
         first (least lost), then RT requests, those already late first, then by largest residual;
-        only RT requests whose deadline is later than c's (or already lost while c's is not).
+        only RT requests whose deadline is later than c's (or equal and they arrived later, or
+        already lost while c's is not).
         Urgency alone would let two prompts preempt each other every iteration: the one that
         lost its cache needs one more iteration, so it looks more urgent than the one that took
         its blocks, and takes them back."""
+        def order(x: Candidate) -> tuple:       # deadline, then arrival: a strict order
+            return self._res(x, t_avg), x.arrival, x.req_id
+
         def later(x: Candidate) -> bool:
-            return (x.missed and not c.missed) or self._res(x, t_avg) > self._res(c, t_avg)
+            return (x.missed and not c.missed) or order(x) > order(c)
         return sorted((x for x in running if not x.rt), key=lambda x: x.num_computed) + \
             sorted((x for x in running if x.rt and later(x)), key=lambda x: (not x.missed, -self._urgency(x, t_avg)))
 

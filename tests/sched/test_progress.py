@@ -109,3 +109,15 @@ def test_a_request_far_past_its_prediction_is_admitted_again_after_a_preemption(
         assert run.clock.t < 200, f"still waiting: {run.reasons().get('be')}"
     assert run.tokens["be"] == 1800
     assert run.s.actors[0].preemptions_by_class[ServiceClass.BE] >= 1, "the burst was meant to preempt it"
+
+
+@pytest.mark.parametrize("policy", ["bros", "tandem"])
+def test_chats_without_targets_that_outgrow_the_pool_together_all_finish(policy):
+    """RT requests with no latency target have equal (infinite) deadlines: one of them must
+    still give its blocks to another (by arrival), or all wait for a block for ever."""
+    run = Run(SchedConfig(policy=policy, max_num_seqs=16, max_num_batched_tokens=2048, rt_budget_s=0.2),
+              num_blocks=64)
+    for i in range(4):
+        run.add(f"rt{i}", 100, 200)
+    run.to_the_end(limit_s=120)
+    assert run.tokens == {f"rt{i}": 200 for i in range(4)}
