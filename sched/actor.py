@@ -571,13 +571,19 @@ class DeviceActor:
         except Exception:            # noqa: BLE001 -- logged; the request must still end
             log.exception("%s: ending %s with an error failed; it ends without its books",
                           self.device.name, st.req_id)
-            self.states.pop(st.req_id, None)
-            self._texts.pop(st.req_id, None)
-            for queue in (self.running, self.waiting):
-                if st.req_id in queue:
-                    queue.remove(st.req_id)
-            st.status, st.finish_reason, st.error = Status.FINISHED, FinishReason.ERROR, why
-            return Update(st.req_id, [], FinishReason.ERROR, why)
+            return self.end_without_books(st, why)
+
+    def end_without_books(self, st: RequestState, why: str) -> Update:
+        """End a request with an error, touching none of the books that may be what broke (its
+        blocks, host memory and worker copy): it only leaves this device's states, queues and
+        text tracking."""
+        self.states.pop(st.req_id, None)
+        self._texts.pop(st.req_id, None)
+        for queue in (self.running, self.waiting):
+            if st.req_id in queue:
+                queue.remove(st.req_id)
+        st.status, st.finish_reason, st.error = Status.FINISHED, FinishReason.ERROR, why
+        return Update(st.req_id, [], FinishReason.ERROR, why)
 
     def requeue_all(self, geometry: PoolGeometry) -> None:
         """A fresh worker replaced a dead one: every request waits again, to recompute its prompt

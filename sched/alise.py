@@ -236,24 +236,19 @@ class Footprint:
         for c in holders:
             self.add(c)
 
-    def _item(self, c: Candidate) -> tuple[int, int, int]:
-        """(tokens now, tokens to go, blocks per token-block)."""
-        L, _ = Alise.predicted(c)
+    def _item(self, c: Candidate, starting: bool = False) -> tuple[int, int, int]:
+        """(tokens now, tokens to go, blocks per token-block). A request ``starting`` that
+        outlived its prediction (doubled) counts at most what it may still generate, or
+        doubling without bound would keep it out for ever beside any other request."""
+        L, doublings = Alise.predicted(c)
+        if starting and doublings and c.max_output is not None:
+            L = min(L, c.max_output)
         per = self.snap.hidden_blocks_per_token_block if c.cache_type is CacheType.HIDDEN else \
             self.snap.blocks_per_token_block
         return c.num_tokens, max(L - c.num_output, 1), per
 
     def add(self, c: Candidate) -> None:
         self.items[c.req_id] = self._item(c)
-
-    def _candidate(self, c: Candidate) -> tuple[int, int, int]:
-        """The item of a request asking to start: one that outlived its prediction (doubled)
-        counts at most what it may still generate, or doubling without bound would keep it
-        out for ever beside any other request."""
-        now, left, per = self._item(c)
-        if Alise.predicted(c)[1] and c.max_output is not None:
-            left = max(1, min(left, c.max_output - c.num_output))
-        return now, left, per
 
     def drop(self, req_id: str) -> None:
         self.items.pop(req_id, None)
@@ -263,7 +258,7 @@ class Footprint:
         items = [v for rid, v in self.items.items() if self.rank[rid][:2] <= mine]
         if not items:
             return True
-        items.append(self._candidate(c))
+        items.append(self._item(c, starting=True))
         items.sort(key=lambda t: -t[1])
         B = self.snap.block_size
         now = slope = partial = peak = 0.0

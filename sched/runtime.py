@@ -33,7 +33,7 @@ from tandem.cache import PoolGeometry
 from tandem.engine.messages import Command, DeviceError, StepInput
 from tandem.sched.actor import DeviceActor, Update
 from tandem.sched.rebalancer import Rebalancer, view_of
-from tandem.sched.request import FinishReason, Migration, RequestState, Status, Transfer, error_id
+from tandem.sched.request import FinishReason, Migration, RequestState, Transfer, error_id
 
 log = logging.getLogger("tandem.runtime")
 
@@ -166,11 +166,7 @@ class ActorThread:
             self.restarting = False
             self._release_sources()      # the sources of caches it was importing free theirs
             error = f"device {a.device.name} failed: {a.dead}"
-            for st in a.states.values():
-                st.status, st.finish_reason, st.error = Status.FINISHED, FinishReason.ERROR, error
-            ended = [Update(rid, [], FinishReason.ERROR, error) for rid in a.states]
-            a.states.clear()
-            return ended
+            return [a.end_without_books(st, error) for st in list(a.states.values())]
 
     def _put_back(self, unread: deque) -> None:
         """Messages not handled when one of them failed go back to the front of the inbox, in

@@ -13,6 +13,7 @@ import time
 import uuid
 from typing import Awaitable, Callable
 
+from tandem.sched.request import error_id
 from tandem.server.errors import ApiError
 from tandem.server.store import Store, new_id
 
@@ -147,7 +148,7 @@ class BatchRunner:
         except asyncio.CancelledError:
             raise
         except Exception:                    # noqa: BLE001 -- the batch must reach a final state
-            eid = "err-" + uuid.uuid4().hex[:12]
+            eid = error_id()
             log.exception("batch %s failed (%s)", bid, eid)
             self._fail(bid, [{"code": "server_error", "message": f"internal error (error id {eid})",
                               "param": None, "line": None}])
@@ -223,7 +224,7 @@ class BatchRunner:
                     return e.status, e.body()
                 code, resp = e.status, e.body()
             except Exception:                # noqa: BLE001 -- never lose a line to a bug
-                eid = "err-" + uuid.uuid4().hex[:12]
+                eid = error_id()
                 log.exception("batch %s line %d failed (%s)", bid, line_no, eid)
                 code, resp = 500, ApiError(500, f"internal error (error id {eid})", type="server_error").body()
             if attempt < MAX_LINE_ATTEMPTS:
