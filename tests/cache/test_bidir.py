@@ -56,6 +56,41 @@ def test_rt_preempts_the_be_only_block_with_most_empty_slots():
     p.check_invariants()
 
 
+def test_be_swaps_back_into_the_room_an_rt_owner_left_in_its_earlier_block():
+    """With no free block, a BE request whose earlier block lost tokens to an RT owner that
+    has since finished takes that room back (it used to look at its last block only, and
+    never grew again while the pool stayed full)."""
+    p = BidirectionalPool(2, S)
+    p.grow("be", 8, rt=False)                   # both blocks full
+    p.grow("rt", 2, rt=True)                    # overwrites two of be's tokens in one block
+    lost = [t for t, s in enumerate(p.slots_of("be")) if s is None]
+    block = p.seqs["rt"].blocks[0]
+    assert len(lost) == 2 and p.seqs["be"].blocks[-1] != block
+    p.free_request("rt")
+    g = p.grow("be", 8, rt=False)               # swap the two back in: room only in that block
+    assert g is not None and sorted(c.token for c in g.swap_ins) == lost
+    assert {c.block for c in g.swap_ins} == {block}
+    p.check_invariants()
+
+
+def test_rt_grows_into_room_a_be_owner_left_in_its_earlier_block():
+    """An RT request's earlier block that a BE owner has left has room: RT grows there instead
+    of overwriting another BE request's token (or failing when there is none)."""
+    p = BidirectionalPool(3, S)
+    p.grow("be1", 2, rt=False)                  # half a block
+    p.grow("be2", 8, rt=False)                  # two full blocks: none free
+    p.grow("rt", 2, rt=True)                    # fills be1's block from the left
+    shared = p.seqs["rt"].blocks[0]
+    p.free_request("be2")
+    p.grow("rt", 6, rt=True)                    # a free block of its own, filled
+    p.grow("be3", 4, rt=False)                  # the last free block, full
+    p.free_request("be1")                       # room in rt's first block again
+    g = p.grow("rt", 7, rt=True)
+    assert g.slots == [(shared, 2)] and not g.checkpoints
+    assert p.num_cpu("be3") == 0
+    p.check_invariants()
+
+
 def test_drop_and_swap_in_whole_request():
     p = BidirectionalPool(2, S)
     p.grow("r", 6, rt=True)

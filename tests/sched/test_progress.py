@@ -121,3 +121,22 @@ def test_chats_without_targets_that_outgrow_the_pool_together_all_finish(policy)
         run.add(f"rt{i}", 100, 200)
     run.to_the_end(limit_s=120)
     assert run.tokens == {f"rt{i}": 200 for i in range(4)}
+
+
+@pytest.mark.parametrize("policy", ["bros", "tandem"])
+def test_batch_requests_whose_tokens_a_chat_overwrote_grow_again_on_bidirectional_blocks(policy):
+    """Two BE requests fill a bidirectional pool; two chats arrive, take BE slots (the
+    overwritten BE tokens go to the CPU) and finish. Their slots are then empty inside the BE
+    requests' earlier blocks while the pool has no free block: the BE requests must swap their
+    tokens back in there (a request looking at its last block only never grew again)."""
+    run = Run(SchedConfig(policy=policy, max_num_seqs=16, max_num_batched_tokens=256, rt_budget_s=0.2,
+                          bidirectional=True), num_blocks=16, max_model_len=128)
+    run.add("be0", 32, 4, "be", pred=4)
+    run.add("be1", 58, 63, "be", pred=63)
+    for rid, at, prompt, out in (("rt0", 0.7, 55, 7), ("rt1", 1.1, 4, 8)):
+        while run.clock.t < at:
+            assert run.step()
+        run.add(rid, prompt, out, ttft=1.0, tbt=0.1, pred=out)
+    run.to_the_end(limit_s=60)
+    assert run.tokens == {"be0": 4, "be1": 63, "rt0": 7, "rt1": 8}
+    assert run.s.actors[0].pool.preemption_table, "no chat overwrote a BE token: the case was not built"
