@@ -93,6 +93,7 @@ class AptServe:
         budget = snap.num_free_blocks if free is None else free
         idx, hidden = self._greedy(snap, q, tokens, budget, u, eps)
         chunked = False
+        picked: list[tuple[int, int, bool]] = []         # (candidate index, tokens, hidden)
         for i, h in zip(idx.tolist(), hidden.tolist()):
             c = q.cands[i]
             n = c.num_tokens - c.num_computed
@@ -102,13 +103,37 @@ class AptServe:
                 if not lim.chunked_prefill or chunked:
                     continue
                 n, chunked = tokens_left, True
+            picked.append((i, n, h))
+            tokens_left -= n
+            seqs += 1
+        for (i, n, _), h in zip(picked, self._retype(snap, q, tokens, budget, u, eps, picked)):
+            c = q.cands[i]
             ct = CacheType.HIDDEN if h else CacheType.KV
             plan.scheduled.append(_decide(c, n))
             plan.cache_types[c.req_id] = ct
             plan.reasons[c.req_id] = f"prefill ({ct.value} cache)"
-            tokens_left -= n
-            seqs += 1
         return plan
+
+    def _retype(self, snap: Snapshot, q: _Queue, tokens: np.ndarray, budget: int, u: int, eps: float,
+                picked: list[tuple[int, int, bool]]) -> list[bool]:
+        """Cache types of the requests that run, by the greedy over them alone.
+
+        [open choice] The greedy over every waiting request gives blocks to requests that the
+        token and sequence limits then leave waiting; the ones that run got hidden caches
+        against that phantom crowding, and the next decode iteration, seeing the pool, switched
+        them to KV caches and threw away their prefill (two chunked prompts did so to each other
+        for ever). Their first steps fit the budget together, so the greedy over them keeps them
+        all and only decides the upgrades; if its double check would drop some, the first
+        answer stands."""
+        if len(picked) == len(q.cands) or not picked:
+            return [h for *_, h in picked]
+        sub = np.array([i for i, *_ in picked])
+        idx, hidden = self._greedy(snap, _Queue([q.cands[i] for i in sub], q.pending[sub], q.violated[sub]),
+                                   tokens[sub], budget, u, eps)
+        if len(idx) < len(sub):
+            return [h for *_, h in picked]
+        flags = dict(zip(idx.tolist(), hidden.tolist()))
+        return [flags[j] for j in range(len(sub))]
 
     def _mixed(self, snap: Snapshot, w: _Queue, r: _Queue, total: int, u: int, eps: float) -> Plan:
         """Apt-Serve-S (paper §6.6, chunked prefill and coalesced batches): the decode knapsack
@@ -131,7 +156,10 @@ class AptServe:
         to_hidden = np.zeros(n, dtype=bool)
         to_hidden[idx] = hidden
         is_hidden = np.fromiter((c.cache_type is _HIDDEN for c in cands), bool, n)
-        switch = chosen & (to_hidden != is_hidden)
+        # [open choice] a hidden cache whose prompt is still being computed (chunked) is not
+        # upgraded before the prompt ends: the switch would discard the chunks it computed
+        mid_prefill = (ncomp > 0) & (ncomp + 1 < ntok)
+        switch = chosen & (to_hidden != is_hidden) & ~(mid_prefill & is_hidden)
         for i in np.flatnonzero(~chosen).tolist():
             plan.preempted.append(cands[i].req_id)
             plan.reasons[cands[i].req_id] = "preempted: not in the decode knapsack"

@@ -115,3 +115,39 @@ def test_a_request_that_just_ran_outranks_violators_in_the_decode_knapsack():
     r = [running("v", 8, 0.9, slo=0.1), running("h", 8, 0.0, slo=0.1)]
     plan = AptServe(rho=0.0, hybrid=False)(snap(running=r, free=0))
     assert [d.req_id for d in plan.scheduled] == ["h"] and plan.preempted == ["v"]
+
+
+def _best_types(cands, budget, u, rho, hidden_bpt=1):
+    """Brute force: the cache types of ``cands`` (all of them running) that maximise the summed
+    value p - [hidden] U·ρ·m within the block budget."""
+    import itertools
+    best = None
+    for hid in itertools.product((False, True), repeat=len(cands)):
+        kv_blocks = [-(-c.num_tokens // B) * 2 for c in cands]
+        blocks = sum(m // 2 * hidden_bpt if h else m for m, h in zip(kv_blocks, hid))
+        value = sum(c.pending_s - (u * rho * m if h else 0) for c, m, h in zip(cands, kv_blocks, hid))
+        if blocks <= budget and (best is None or value > best[0]):
+            best = (value, hid)
+    return {c.req_id: HID if h else KV for c, h in zip(cands, best[1])}
+
+
+def test_requests_left_out_by_the_token_limit_do_not_crowd_the_cache_types_of_those_that_run():
+    # as in the first test the greedy over a, b and c gives b a hidden cache to leave c room;
+    # with 16 tokens per iteration c does not run, and a and b both fit as KV caches
+    w = [waiting("a", 8, 1.0), waiting("b", 8, 0.9), waiting("c", 8, 0.8)]
+    plan = AptServe(rho=0.001)(snap(waiting=w, free=8, tokens=16))
+    assert [d.req_id for d in plan.scheduled] == ["a", "b"]
+    assert plan.cache_types == _best_types(w[:2], budget=8, u=3, rho=0.001) == {"a": KV, "b": KV}
+
+
+def test_a_hidden_cache_is_not_upgraded_while_its_chunked_prompt_is_computed():
+    # r holds a hidden cache for 8 of its 20 prompt tokens; the pool has room for a KV cache,
+    # but switching now would discard the chunk computed (two such prompts once took turns
+    # discarding each other's for ever). It finishes its prompt as it is
+    r = Candidate("r", 20, 8, 2, 0.0, True, 10.0, 0.5, cache_type=HID)
+    plan = AptServe(rho=0.001)(snap(running=[r], free=100))
+    assert [(d.req_id, d.num_new_tokens) for d in plan.scheduled] == [("r", 12)] and not plan.cache_types
+    # once the prompt is done the knapsack may upgrade it (the paper's switch)
+    done = Candidate("r", 21, 20, 5, 0.0, True, 10.0, 0.5, cache_type=HID)
+    plan = AptServe(rho=0.001)(snap(running=[done], free=100))
+    assert plan.cache_types == {"r": KV}

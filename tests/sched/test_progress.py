@@ -13,9 +13,10 @@ from tandem.sched.scheduler import PRICED, SchedConfig, Scheduler
 
 
 class Run:
-    def __init__(self, cfg: SchedConfig, num_blocks: int, max_model_len: int = 2048):
+    def __init__(self, cfg: SchedConfig, num_blocks: int, max_model_len: int = 2048, hidden_blocks: int = 0):
         self.clock = SimClock()
-        dev = SimDevice("sim0", PoolGeometry(num_blocks, 16), OPT_13B_A100, self.clock)
+        dev = SimDevice("sim0", PoolGeometry(num_blocks, 16, hidden_blocks=hidden_blocks), OPT_13B_A100, self.clock,
+                        rho=cfg.rho or 0.0)
         cost = OnlineCostModel(OPT_13B_A100, refit_every=1 << 60) if cfg.policy in PRICED else None
         self.s = Scheduler(cfg, [dev], eos_ids=(), max_model_len=max_model_len, clock=self.clock, cost=cost)
         self.tokens: dict[str, int] = {}
@@ -38,8 +39,10 @@ class Run:
         return self.clock.t > before
 
     def to_the_end(self, limit_s: float) -> None:
+        idle = 0            # an iteration that only preempts or switches cache types computes nothing
         while self.s.has_unfinished():
-            assert self.step(), f"stalled at {self.clock.t:.2f} s: {self.reasons()}"
+            idle = 0 if self.step() else idle + 1
+            assert idle < 5, f"stalled at {self.clock.t:.2f} s: {self.reasons()}"
             assert self.clock.t < limit_s, f"not done by {limit_s} s: {self.reasons()}"
 
     def reasons(self) -> dict:
@@ -140,3 +143,24 @@ def test_batch_requests_whose_tokens_a_chat_overwrote_grow_again_on_bidirectiona
     run.to_the_end(limit_s=60)
     assert run.tokens == {"be0": 4, "be1": 63, "rt0": 7, "rt1": 8}
     assert run.s.actors[0].pool.preemption_table, "no chat overwrote a BE token: the case was not built"
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_chunked_prompts_with_hidden_caches_do_not_discard_each_other_for_ever(mixed):
+    """Apt-Serve on a pool that holds hidden caches, prompts longer than one iteration's tokens:
+    a prompt admitted with a hidden cache (the greedy had kept room for requests the token
+    limit then left waiting) was switched to a KV cache halfway, by the next iteration, which
+    discarded its chunk; the other prompt, admitted in its place, met the same fate, in turn,
+    for ever."""
+    run = Run(SchedConfig(policy="aptserve", mixed_batches=mixed, rho=0.002, max_num_seqs=16,
+                          max_num_batched_tokens=256), num_blocks=64, max_model_len=512, hidden_blocks=1)
+    work = [("be", 195, 2), ("be", 219, 44), ("be", 341, 25), ("be", 361, 24), ("be", 382, 55),
+            ("rt", 51, 39), ("rt", 337, 19), ("rt", 372, 23)] if mixed else \
+        [("be", 42, 10), ("be", 122, 36), ("be", 152, 33), ("be", 321, 43), ("be", 329, 47), ("be", 339, 12),
+         ("be", 360, 27), ("be", 384, 8), ("rt", 13, 22), ("rt", 18, 5), ("rt", 19, 21), ("rt", 150, 10),
+         ("rt", 191, 8), ("rt", 203, 57), ("rt", 315, 55), ("rt", 340, 17)]
+    for i, (cls, prompt, out) in enumerate(work):
+        run.add(f"{cls}{i}", prompt, out, cls, ttft=1.0, tbt=0.1)
+    run.to_the_end(limit_s=600)
+    assert run.tokens == {f"{cls}{i}": out for i, (cls, _, out) in enumerate(work)}
+    assert run.s.actors[0].cache_switches, "no request changed its cache type: the case was not built"
