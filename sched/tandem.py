@@ -144,10 +144,12 @@ class Tandem(Bros):
                  taken: set[str]) -> bool:
         """A BE request's blocks: free ones, else (a running one, so the best-ranked BE request
         always progresses) those of running BE requests ranked below it that are not in this
-        iteration, lowest first."""
+        iteration, lowest first. Without ranks (lengths off), BROS's rule."""
+        if Mechanism.LENGTHS in self.off:
+            return super()._be_room(b, n, snap, budget, plan, taken)
         if budget.reserve(b, n):
             return True
-        if b.req_id not in self._running or Mechanism.LENGTHS in self.off:
+        if b.req_id not in self._running:
             return False
         mine = self._rank[b.req_id]
         victims = sorted((x for x in snap.running if not x.rt and x.req_id not in taken and x.req_id != b.req_id

@@ -50,13 +50,14 @@ class Run:
         return {r: a.last_plan.reasons.get(r) for r in [*a.running, *a.waiting]}
 
 
-@pytest.mark.parametrize("policy, bidirectional", [("bros", False), ("bros", True), ("tandem", False),
-                                                   ("fcfs", False)])
-def test_batch_requests_that_outgrow_the_pool_together_all_finish(policy, bidirectional):
+@pytest.mark.parametrize("policy, extra", [("bros", {}), ("bros", {"bidirectional": True}), ("tandem", {}),
+                                           ("tandem", {"tandem_off": ("lengths",)}), ("fcfs", {})],
+                         ids=["bros", "bros-bidir", "tandem", "tandem-lengths-off", "fcfs"])
+def test_batch_requests_that_outgrow_the_pool_together_all_finish(policy, extra):
     """Four BE requests, each fitting alone, fill the pool as they grow: one must give its
     blocks to the others (with free blocks only, none ever got one again)."""
-    run = Run(SchedConfig(policy=policy, max_num_seqs=16, max_num_batched_tokens=2048, rt_budget_s=0.2,
-                          bidirectional=bidirectional), num_blocks=64)
+    run = Run(SchedConfig(policy=policy, max_num_seqs=16, max_num_batched_tokens=2048, rt_budget_s=0.2, **extra),
+              num_blocks=64)
     for i in range(4):
         run.add(f"be{i}", 100, 200, "be")
     run.to_the_end(limit_s=120)
