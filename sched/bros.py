@@ -388,7 +388,9 @@ class RoundRobin:
     """BROS's second baseline: alternate RT and BE iterations (FCFS within the class); a class
     with nothing to do gives its turn to the other. When the turn's class cannot run for lack
     of blocks, the other class's running requests are preempted (latest arrival first) before
-    its own."""
+    its own, on RT's turn only: [open choice] BE's turn takes no RT blocks (as in BROS, BE work
+    never displaces RT work). Preempting both ways, a chat and a batch request that could not
+    fit together took each other's blocks turn by turn, each recomputing for ever."""
 
     name = "rr"
 
@@ -409,7 +411,7 @@ class RoundRobin:
         waiting = [c for c in snap.waiting if c.rt == rt]
         if not running and not waiting:
             return Plan()
-        others = sorted((c for c in snap.running if c.rt != rt), key=lambda c: -c.arrival)
+        others = sorted((c for c in snap.running if rt and not c.rt), key=lambda c: -c.arrival)
         free, taken = snap.num_free_blocks, []
         while True:
             plan = fcfs(replace(snap, running=running, waiting=waiting, num_free_blocks=free))

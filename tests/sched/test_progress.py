@@ -165,3 +165,14 @@ def test_chunked_prompts_with_hidden_caches_do_not_discard_each_other_for_ever(m
     run.to_the_end(limit_s=600)
     assert run.tokens == {f"{cls}{i}": out for i, (cls, _, out) in enumerate(work)}
     assert run.s.actors[0].cache_switches, "no request changed its cache type: the case was not built"
+
+
+def test_round_robin_classes_do_not_take_each_others_blocks_in_turn():
+    """Round robin between the classes, a chat and a batch request that each fit the pool
+    alone, not together: the turn of one class preempted the other's request, the next turn
+    preempted it back, and both recomputed for ever."""
+    run = Run(SchedConfig(policy="rr", max_num_seqs=16, max_num_batched_tokens=256), num_blocks=128, max_model_len=1024)
+    run.add("chat", 500, 300)
+    run.add("batch", 500, 300, "be")
+    run.to_the_end(limit_s=600)
+    assert run.tokens == {"chat": 300, "batch": 300}
