@@ -5,12 +5,13 @@ Per iteration:
      than the waiting queue's, or when no waiting request fits; prefill otherwise. The two are
      never mixed in one iteration (as in the paper), unless ``mixed`` (Apt-Serve-S): then every
      iteration runs the decode plan and a prefill plan on the blocks it leaves.
-  2. Prefill: the greedy of sched/knapsack.py over the waiting requests, budget = free blocks,
-     each chosen request with the cache type the greedy gave it; the token and sequence limits
-     then cut the chosen list in the greedy's order.
+  2. Prefill: the greedy of sched/knapsack.py over the waiting requests, budget = free blocks;
+     the token and sequence limits then cut the chosen list in the greedy's order, and the
+     cache types of those that run come from the greedy over them alone (``_retype``).
   3. Decode: the greedy over the running requests with budget = the whole pool (each needs its
      blocks after one more token); a request not chosen is preempted (recompute), one chosen
-     with the other cache type switches (its cache is discarded and recomputed).
+     with the other cache type switches (its cache is discarded and recomputed), except a
+     hidden cache whose chunked prompt is not done yet, which keeps it until the prompt ends.
 Values: p_i (pending time) minus U·ρ·m_i with a hidden cache; a request past its SLO (TTFT if
 never run, else TBT) is worth ε per block, or [flag] decay·p_i (the paper's decay variant).
 U = queued requests not past their SLO (the code's form).
