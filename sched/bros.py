@@ -59,10 +59,14 @@ class BlockBudget:
     def need(self, c: Candidate, n: int) -> int:
         return max(0, _blocks(self.snap, c.num_computed + n, c) - c.num_blocks)
 
+    def room(self, c: Candidate) -> int:
+        """Blocks c may take without preempting anyone (an RT request on a bidirectional pool
+        also takes BE-only blocks)."""
+        return self.free + (self.snap.be_only_blocks if c.rt and self.snap.block_preemption else 0)
+
     def reserve(self, c: Candidate, n: int) -> bool:
         k = self.need(c, n)
-        room = self.free + (self.snap.be_only_blocks if c.rt and self.snap.block_preemption else 0)
-        if k > room:
+        if k > self.room(c):
             return False
         self.free -= k
         self.held[c.req_id] = k
@@ -73,7 +77,11 @@ class BlockBudget:
 
     def take_from(self, c: Candidate, n: int, victims: Iterable[Candidate], plan: Plan, reason: str) -> bool:
         """Reserve c's blocks, preempting ``victims`` in order (each loses its cache) only until
-        they fit; False (nothing reserved) when even all of them are not enough."""
+        they fit; False, preempting none, when even all of them are not enough (they would lose
+        their caches for nothing)."""
+        victims = list(victims)
+        if self.need(c, n) > self.room(c) + sum(v.num_blocks for v in victims):
+            return False
         for v in victims:
             if self.need(c, n) <= self.free:
                 break
@@ -259,8 +267,6 @@ class Bros:
         running = {c.req_id: c for c in snap.running}
         victims = [running[r] for r in reversed(queue[queue.index(b.req_id) + 1:])
                    if r in running and r not in taken and r not in budget.held]
-        if budget.free + sum(v.num_blocks for v in victims) < budget.need(b, n):
-            return False                 # preempting them all would not be enough: preempt none
         return budget.take_from(b, n, victims, plan, "preempted: its blocks went to an earlier BE request")
 
     def _admits(self, c: Candidate) -> bool:

@@ -210,3 +210,11 @@ def test_bidirectional_pool_full_of_rt_at_a_block_boundary_preempts_rt():
     plan = p(s)
     assert planned(plan) == [("a", 1)]
     assert plan.preempted == ["b"]
+
+
+def test_victims_that_would_not_make_room_are_not_preempted():
+    # the waiting RT prompt needs 20 blocks, none free; the running BE request holds 4: preempting
+    # it would not let the prompt in, so it keeps its cache and keeps decoding
+    be = dec("be", None, 0.0, rt=False, ctx=7)
+    plan = Bros(cost, max_num_seqs=8)(snap(running=[be], waiting=[new("rt", 40, slo=1.0)], free=0))
+    assert plan.preempted == [] and planned(plan) == [("be", 1)]

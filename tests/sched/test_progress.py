@@ -39,6 +39,8 @@ class Run:
         return self.clock.t > before
 
     def to_the_end(self, limit_s: float) -> None:
+        """Step until every request ends; ``limit_s`` bounds the simulator's virtual clock (its
+        seconds come from the cost model, not from this machine's speed)."""
         idle = 0            # an iteration that only preempts or switches cache types computes nothing
         while self.s.has_unfinished():
             idle = 0 if self.step() else idle + 1
