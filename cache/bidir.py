@@ -86,6 +86,20 @@ class BidirectionalPool:
     def slots_of(self, rid: str) -> list[tuple[int, int] | None]:
         return list(self.seqs[rid].slots)
 
+    def foreign_slots(self, rid: str) -> int:
+        """Slots of rid's token-blocks that it cannot fill, because the other side's owner holds
+        them: for a BE request the RT tokens in its blocks (BE never overwrites RT); for an RT
+        request the BE tokens in its blocks but the last (it overwrites BE only at the meeting
+        point of its last block). A request of k token-blocks can hold k·S minus these slots
+        before it needs another block; counting k·S alone, a BE request sharing a full block
+        with an RT request was planned to decode where it could not, and nothing ran."""
+        s = self.seqs.get(rid)
+        if s is None:
+            return 0
+        if s.rt:
+            return sum(self.blocks[i].be_fill for i in s.blocks[:-1] if self.blocks[i].rt_id == rid)
+        return sum(self.blocks[i].rt_fill for i in s.blocks if self.blocks[i].be_id == rid)
+
     def empty_slots(self) -> int:
         return sum(b.empty(self.size) for b in self.blocks)
 
@@ -336,6 +350,12 @@ class BidirBlockPool(BidirectionalPool):
     def num_be_only(self) -> int:
         """Blocks an RT request could take from BE owners (BE-only token-blocks)."""
         return 2 * sum(1 for b in self.blocks if b.be_id is not None and b.rt_id is None)
+
+    @property
+    def num_rt_with_room(self) -> int:
+        """Blocks a BE request could fill from the other end beside an RT owner (RT-only
+        token-blocks with empty slots)."""
+        return 2 * sum(1 for b in self.blocks if b.be_id is None and b.rt_id is not None and b.empty(self.size))
 
     def num_blocks_of(self, rid: str) -> int:
         s = self.seqs.get(rid)

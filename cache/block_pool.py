@@ -73,12 +73,13 @@ class _Table:
 
 class BlockPool:
     """Whole blocks per request. The scheduler uses ``place``, ``free``, ``num_blocks_of``,
-    ``num_free``, ``num_cpu``, ``num_be_only``, ``drop`` and ``check_cache_type``; a pool that
-    can take a BE owner's slots for an RT request (bidirectional blocks) says so with
-    ``preempts_blocks``."""
+    ``num_free``, ``num_cpu``, ``num_be_only``, ``num_rt_with_room``, ``foreign_slots``, ``drop``
+    and ``check_cache_type``; a pool that can take a BE owner's slots for an RT request
+    (bidirectional blocks) says so with ``preempts_blocks``."""
 
     preempts_blocks = False
     num_be_only = 0                      # blocks an RT request could take from BE owners
+    num_rt_with_room = 0                 # blocks a BE request could fill beside an RT owner
 
     def __init__(self, geometry: PoolGeometry):
         self.geometry = geometry
@@ -136,6 +137,10 @@ class BlockPool:
 
     def num_cpu(self, req_id: str) -> int:
         """Tokens of req_id parked on the CPU (never, with whole blocks)."""
+        return 0
+
+    def foreign_slots(self, req_id: str) -> int:
+        """Slots of req_id's blocks that it cannot fill (none: a whole block is its owner's)."""
         return 0
 
     def drop(self, req_id: str) -> list[SlotCopy]:

@@ -236,11 +236,13 @@ class DeviceActor:
                              r.predicted_len, st.stalled_s,
                              None if st.first_token_time is None else now - st.first_token_time,
                              r.predicted_spread,
-                             min(r.sampling.max_tokens, self.max_model_len - len(r.prompt_token_ids)))
+                             min(r.sampling.max_tokens, self.max_model_len - len(r.prompt_token_ids)),
+                             pool.foreign_slots(rid))
         g = pool.geometry
         return Snapshot([cand(r) for r in self.running], [cand(r) for r in self.waiting],
                         pool.num_free, g.block_size, g.blocks_per_token_block(CacheType.KV),
-                        self.cfg.limits, self.t_avg, pool.num_be_only, pool.preempts_blocks, g.hidden_blocks)
+                        self.cfg.limits, self.t_avg, pool.num_be_only, pool.preempts_blocks, g.hidden_blocks,
+                        pool.num_rt_with_room)
 
     def _apply(self, plan: Plan) -> tuple[StepInput, StepShape]:
         """Carry out the plan in the bookkeeping; describe it to the device (and its cost shape)."""

@@ -245,7 +245,7 @@ class Footprint:
             L = min(L, c.max_output)
         per = self.snap.hidden_blocks_per_token_block if c.cache_type is CacheType.HIDDEN else \
             self.snap.blocks_per_token_block
-        return c.num_tokens, max(L - c.num_output, 1), per
+        return c.num_tokens + c.foreign_slots, max(L - c.num_output, 1), per
 
     def add(self, c: Candidate) -> None:
         self.items[c.req_id] = self._item(c)

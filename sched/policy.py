@@ -29,6 +29,7 @@ class Candidate:
     decoding_s: float | None = None  # seconds since its first token (None before it)
     spread: tuple[int, ...] = ()   # equally likely output lengths, ascending (ALISE); empty: ``predicted`` alone
     max_output: int | None = None  # output tokens it may reach at most (max_tokens, the context)
+    foreign_slots: int = 0     # bidirectional pools: slots of its blocks the other class's owner holds
 
     def residual(self, t_avg: float = 0.0, k: int = 1) -> float:
         """BROS residual time res_i = T_SLO,i - t_i - (k_i - 1) T_avg (inf without an SLO)."""
@@ -67,6 +68,7 @@ class Snapshot:
     be_only_blocks: int = 0    # bidirectional pools: BE-only blocks an RT request may take over
     block_preemption: bool = False  # bidirectional pools: the pool preempts blocks, not the policy
     hidden_blocks_per_token_block: int = 0   # hidden caches: d_model / unit (0: not possible)
+    rt_room_blocks: int = 0    # bidirectional pools: RT-only blocks with empty slots a BE request may fill
 
 
 @dataclass(slots=True)

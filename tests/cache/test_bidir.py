@@ -1,5 +1,7 @@
 """Bidirectional blocks: hand-made cases, and random operation sequences checked against a mock
 memory that plays the engine (each slot holds the (request, token) written into it)."""
+import copy
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -156,3 +158,35 @@ def test_random_operations_keep_invariants_and_data(operations, num_blocks):
         p.free_request(q)
     p.check_invariants()
     assert p.view()["free"] == num_blocks and not p.seqs
+
+
+def _fits_in_its_own_blocks(p: BidirectionalPool, rid: str, num_tokens: int) -> bool:
+    """Whether a copy of the pool, with no free block to claim, grows ``rid`` to ``num_tokens``
+    tokens within the blocks it holds now."""
+    probe = copy.deepcopy(p)
+    probe.free_blocks = set()
+    own = set(probe.seqs[rid].blocks)
+    g = probe.grow(rid, num_tokens, probe.seqs[rid].rt)
+    return g is not None and all(s[0] in own for s in [*g.slots, *((c.block, c.slot) for c in g.swap_ins)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops, st.integers(1, 6))
+def test_foreign_slots_are_what_a_request_cannot_fill_in_its_own_blocks(operations, num_blocks):
+    """A request of k token-blocks can hold k·S tokens minus ``foreign_slots`` before it needs
+    another block (the scheduler counts its blocks that way): checked by growing it."""
+    p = BidirectionalPool(num_blocks, S)
+    for op, r, k in operations:
+        rid, rt = f"q{r}", r % 2 == 0
+        if op == "grow":
+            p.grow(rid, p.num_tokens(rid) + k, rt)
+        elif op == "free":
+            p.free_request(rid)
+        elif op == "drop" and rid in p.seqs:
+            p.drop(rid)
+    for rid, seq in p.seqs.items():
+        room = S * len(seq.blocks) - p.foreign_slots(rid)
+        if room >= p.num_tokens(rid):
+            assert _fits_in_its_own_blocks(p, rid, room) and not _fits_in_its_own_blocks(p, rid, room + 1)
+        else:
+            assert not _fits_in_its_own_blocks(p, rid, p.num_tokens(rid))

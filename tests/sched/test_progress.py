@@ -148,6 +148,23 @@ def test_batch_requests_whose_tokens_a_chat_overwrote_grow_again_on_bidirectiona
     assert run.s.actors[0].pool.preemption_table, "no chat overwrote a BE token: the case was not built"
 
 
+@pytest.mark.parametrize("policy", ["bros", "tandem"])
+def test_a_batch_request_that_shares_a_full_block_with_a_chat_is_not_planned_to_grow_in_it(policy):
+    """One request per iteration; a BE request and a chat fill a bidirectional pool, sharing a
+    block. The BE request counted that block as its own whole, so the policy planned its next
+    token (the chat's slack allowed it), which had no slot: nothing ran, for ever. It must see
+    that it needs another block, so that the chat runs, takes its blocks and both end."""
+    run = Run(SchedConfig(policy=policy, max_num_seqs=1, max_num_batched_tokens=64, rt_budget_s=0.2,
+                          bidirectional=True), num_blocks=24, max_model_len=192)
+    run.add("be", 64, 105, "be", pred=105)
+    while run.clock.t < 1.0:
+        assert run.step()
+    run.add("rt", 70, 70, ttft=1.0, tbt=0.1, pred=70)
+    run.to_the_end(limit_s=600)
+    assert run.tokens == {"be": 105, "rt": 70}
+    assert run.s.actors[0].pool.preemption_table, "the chat never took a BE slot: the case was not built"
+
+
 @pytest.mark.parametrize("mixed", [True, False])
 def test_chunked_prompts_with_hidden_caches_do_not_discard_each_other_for_ever(mixed):
     """Apt-Serve on a pool that holds hidden caches, prompts longer than one iteration's tokens:
