@@ -87,17 +87,17 @@ class BidirectionalPool:
         return list(self.seqs[rid].slots)
 
     def foreign_slots(self, rid: str) -> int:
-        """Slots of rid's token-blocks that it cannot fill, because the other side's owner holds
-        them: for a BE request the RT tokens in its blocks (BE never overwrites RT); for an RT
-        request the BE tokens in its blocks but the last (it overwrites BE only at the meeting
-        point of its last block). A request of k token-blocks can hold k·S minus these slots
-        before it needs another block; counting k·S alone, a BE request sharing a full block
-        with an RT request was planned to decode where it could not, and nothing ran."""
+        """Slots of a BE request's token-blocks that it cannot fill, because RT owners hold them
+        (BE never overwrites RT): it can hold k·S minus these before it needs another block.
+        Counting k·S alone, a BE request sharing a full block with an RT request was planned to
+        decode where it had no slot, and nothing ran. None for an RT request: it takes BE slots
+        (the meeting point of its last block, a BE-only block), and where the pool finds none
+        the scheduler sends other requests to the CPU until it fits, so the policy counts its
+        blocks whole. (Counting the BE tokens in its earlier blocks against it stopped such
+        a request for ever.)"""
         s = self.seqs.get(rid)
-        if s is None:
+        if s is None or s.rt:
             return 0
-        if s.rt:
-            return sum(self.blocks[i].be_fill for i in s.blocks[:-1] if self.blocks[i].rt_id == rid)
         return sum(self.blocks[i].rt_fill for i in s.blocks if self.blocks[i].be_id == rid)
 
     def empty_slots(self) -> int:

@@ -59,19 +59,16 @@ class BlockBudget:
     def need(self, c: Candidate, n: int) -> int:
         """Blocks c must add for its next ``n`` tokens.
 
-        On a bidirectional pool c cannot fill the slots the other class's owner holds in its
-        blocks (``foreign_slots``). They are counted when the pool has no other block for c
-        (none free; for BE, no RT-only block with room; for RT, no BE-only block): its growth
-        is then bounded by its own blocks, and a plan that took them as room scheduled a step
+        On a bidirectional pool a BE request cannot fill the slots RT owners hold in its blocks
+        (``foreign_slots``). They are counted when the pool has no other block for it (none
+        free, no RT-only block with room): its growth is then bounded by its own blocks, and a plan that took them as room scheduled a step
         that could not be placed, so nothing ran, for ever. [open choice] With other blocks
         left the pool gives c one of them, and its blocks count whole, as BROS counts them:
         counting the foreign slots there too cost BROS 11-15% of its BE throughput at 1 req/s
         in the simulator."""
-        extra = c.foreign_slots if c.foreign_slots and not self._elsewhere(c) else 0
+        bounded = c.foreign_slots and self.free <= 0 and self.snap.rt_room_blocks <= 0
+        extra = c.foreign_slots if bounded else 0
         return max(0, _blocks(self.snap, c.num_computed + n + extra, c) - c.num_blocks)
-
-    def _elsewhere(self, c: Candidate) -> bool:
-        return self.room(c) > 0 or (not c.rt and self.snap.rt_room_blocks > 0)
 
     def room(self, c: Candidate) -> int:
         """Blocks c may take without preempting anyone (an RT request on a bidirectional pool

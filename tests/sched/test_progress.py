@@ -165,6 +165,23 @@ def test_a_batch_request_that_shares_a_full_block_with_a_chat_is_not_planned_to_
     assert run.s.actors[0].pool.preemption_table, "the chat never took a BE slot: the case was not built"
 
 
+def test_a_chat_whose_room_is_batch_slots_in_its_earlier_block_is_not_held_back():
+    """A chat moved on to a new block before meeting the BE tokens in its earlier one; with no
+    block free it takes BE slots (the pool, or the scheduler sending the BE request to the
+    CPU). Counting those BE tokens against its blocks made the policy see no room for it, and
+    the chat and the batch request waited for each other for ever."""
+    run = Run(SchedConfig(policy="tandem", max_num_seqs=16, max_num_batched_tokens=256, rt_budget_s=0.2,
+                          bidirectional=True, swap_space_bytes=1 << 20), num_blocks=24, max_model_len=192)
+    work = [(0.0, "be11", 70, 121), (1.1, "rt6", 92, 96), (1.8, "rt27", 51, 119), (5.1, "rt12", 51, 40),
+            (6.2, "rt19", 80, 105)]
+    for at, rid, prompt, out in work:
+        while run.clock.t < at:
+            assert run.step()
+        run.add(rid, prompt, out, rid[:2], pred=out, ttft=1.0, tbt=0.1)
+    run.to_the_end(limit_s=600)
+    assert run.tokens == {rid: out for _, rid, _, out in work}
+
+
 @pytest.mark.parametrize("mixed", [True, False])
 def test_chunked_prompts_with_hidden_caches_do_not_discard_each_other_for_ever(mixed):
     """Apt-Serve on a pool that holds hidden caches, prompts longer than one iteration's tokens:
