@@ -5,13 +5,14 @@ Per iteration:
      than the waiting queue's, or when no waiting request fits; prefill otherwise. The two are
      never mixed in one iteration (as in the paper), unless ``mixed`` (Apt-Serve-S): then every
      iteration runs the decode plan and a prefill plan on the blocks it leaves.
-  2. Prefill: the greedy of sched/knapsack.py over the waiting requests, budget = free blocks;
+  2. Prefill: the greedy of sched/knapsack.py over the waiting requests, budget = free blocks
+     less those the running chunked prompts still need to finish (``_prompt_blocks_left``);
      the token and sequence limits then cut the chosen list in the greedy's order, and the
      cache types of those that run come from the greedy over them alone (``_retype``).
   3. Decode: the greedy over the running requests with budget = the whole pool (each needs its
      blocks after one more token); a request not chosen is preempted (recompute), one chosen
      with the other cache type switches (its cache is discarded and recomputed), except a
-     hidden cache whose chunked prompt is not done yet, which keeps it until the prompt ends.
+     chunked prompt not done yet, which keeps its type until the prompt ends.
 Values: p_i (pending time) minus U·ρ·m_i with a hidden cache; a request past its SLO (TTFT if
 never run, else TBT) is worth ε per block, or [flag] decay·p_i (the paper's decay variant).
 U = queued requests not past their SLO (the code's form).
@@ -70,9 +71,15 @@ class AptServe:
         slo = np.array([c.slo_s for c in cands], dtype=float)      # None -> nan: never violated
         return pending, pending > slo
 
-    def _greedy(self, snap: Snapshot, q: _Queue, tokens: np.ndarray, budget: int, u: int, eps: float):
-        """(indices into q's candidates, hidden flags) chosen, in the order the greedy took them."""
+    def _greedy(self, snap: Snapshot, q: _Queue, tokens: np.ndarray, budget: int, u: int, eps: float,
+                fixed: np.ndarray | None = None, is_hidden: np.ndarray | None = None):
+        """(indices into q's candidates, hidden flags) chosen, in the order the greedy took them.
+        Candidates in ``fixed`` keep their cache type (hidden where ``is_hidden``): the greedy
+        only keeps or drops them, at that type's size."""
         kv, hid = self._sizes(snap, tokens)
+        if fixed is not None and fixed.any():
+            size = np.where(is_hidden, hid, kv)
+            kv, hid = np.where(fixed, size, kv), np.where(fixed, size, hid)
         pending, violated = q.pending, q.violated
         if self.decay is not None:       # decay variant: a discounted value, both modes
             pending = np.where(violated, self.decay * pending, pending)
@@ -143,24 +150,27 @@ class AptServe:
         plan = self._decode(snap, r, total, u, eps) if r.cands else Plan()
         if not w.cands:
             return plan
-        return self._prefill(snap, w, u, eps, plan, max(0, _free_after(snap, plan)), len(plan.scheduled))
+        free = _free_after(snap, plan) - _prompt_blocks_left(snap, plan)
+        return self._prefill(snap, w, u, eps, plan, max(0, free), len(plan.scheduled))
 
     def _decode(self, snap: Snapshot, q: _Queue, total: int, u: int, eps: float) -> Plan:
         plan = Plan()
         cands, n = q.cands, len(q.cands)
         ntok = np.fromiter((c.num_tokens for c in cands), np.int64, n)
         ncomp = np.fromiter((c.num_computed for c in cands), np.int64, n)
+        is_hidden = np.fromiter((c.cache_type is _HIDDEN for c in cands), bool, n)
+        # [open choice] a prompt still being computed (chunked) keeps its cache type until it
+        # ends: a switch would discard the chunks it computed. The greedy keeps or preempts it
+        # at its own type's size. (Upgrading such hidden caches, and then downgrading such KV
+        # caches, made prompts discard each other's chunks in turn, for ever.)
+        mid_prefill = (ncomp > 0) & (ncomp + 1 < ntok)
         # blocks after one more token (after the whole prompt for a request still in prefill)
-        idx, hidden = self._greedy(snap, q, np.maximum(ncomp + 1, ntok), total, u, eps)
+        idx, hidden = self._greedy(snap, q, np.maximum(ncomp + 1, ntok), total, u, eps, mid_prefill, is_hidden)
         chosen = np.zeros(n, dtype=bool)
         chosen[idx] = True
         to_hidden = np.zeros(n, dtype=bool)
         to_hidden[idx] = hidden
-        is_hidden = np.fromiter((c.cache_type is _HIDDEN for c in cands), bool, n)
-        # [open choice] a hidden cache whose prompt is still being computed (chunked) is not
-        # upgraded before the prompt ends: the switch would discard the chunks it computed
-        mid_prefill = (ncomp > 0) & (ncomp + 1 < ntok)
-        switch = chosen & (to_hidden != is_hidden) & ~(mid_prefill & is_hidden)
+        switch = chosen & (to_hidden != is_hidden) & ~mid_prefill
         for i in np.flatnonzero(~chosen).tolist():
             plan.preempted.append(cands[i].req_id)
             plan.reasons[cands[i].req_id] = "preempted: not in the decode knapsack"
@@ -234,7 +244,8 @@ class AptServe:
         urg_w, urg_r = float(w.pending.sum()), float(r.pending.sum())
         if r.cands and urg_r > 0 and urg_r > urg_w:
             return self._decode(snap, r, total, u, eps)
-        pre = self._prefill(snap, w, u, eps) if w.cands else Plan()
+        pre = self._prefill(snap, w, u, eps, free=max(0, snap.num_free_blocks - _prompt_blocks_left(snap))) \
+            if w.cands else Plan()
         if r.cands and not pre.scheduled:      # (the code also asks urg_r > 0: with a virtual
             return self._decode(snap, r, total, u, eps)   # clock that can stall the running queue)
         return pre
@@ -249,6 +260,22 @@ def _free_after(snap: Snapshot, plan: Plan) -> int:
         c = by_id[d.req_id]
         free -= _blocks(snap, c.num_computed + d.num_new_tokens, c) - c.num_blocks
     return free
+
+
+def _prompt_blocks_left(snap: Snapshot, plan: Plan | None = None) -> int:
+    """Blocks the running requests still need to finish their prompts beyond what they hold (and
+    what ``plan`` gives them). [open choice] The greedy admitted each prompt at its whole size,
+    but chunked prefill takes its blocks chunk by chunk; a prefill budget of the free blocks
+    alone gave them to new prompts, the pool then could not hold every prompt, and the decode
+    greedy moved a running one to another cache type, discarding its chunks, in turn, for ever."""
+    gone = set(plan.preempted) | set(plan.cache_types) if plan is not None else set()
+    planned = {d.req_id: d.num_new_tokens for d in plan.scheduled} if plan is not None else {}
+    left = 0
+    for c in snap.running:
+        if c.num_tokens - c.num_computed > 1 and c.req_id not in gone:
+            held = max(c.num_blocks, _blocks(snap, c.num_computed + planned.get(c.req_id, 0), c))
+            left += max(0, _blocks(snap, c.num_tokens, c) - held)
+    return left
 
 
 @dataclass(slots=True)

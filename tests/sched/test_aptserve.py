@@ -151,3 +151,28 @@ def test_a_hidden_cache_is_not_upgraded_while_its_chunked_prompt_is_computed():
     done = Candidate("r", 21, 20, 5, 0.0, True, 10.0, 0.5, cache_type=HID)
     plan = AptServe(rho=0.001)(snap(running=[done], free=100))
     assert plan.cache_types == {"r": KV}
+
+
+def test_a_prefill_iteration_leaves_the_blocks_a_running_chunked_prompt_still_needs():
+    # r is halfway through a 20-token prompt: it holds 6 KV blocks (10 tokens) and needs 4 more
+    # to finish. 6 are free, so a's 8-token prompt fits beside it as a hidden cache (2 blocks),
+    # not as a KV cache (4): admitted as KV it would leave r short, and the next decode
+    # iteration would move one of them to another cache type, discarding its chunks
+    r = Candidate("r", 20, 10, 6, 0.0, True, 10.0, 0.1)
+    a = waiting("a", 8, 1.0)
+    plan = AptServe(rho=0.001)(snap(running=[r], waiting=[a], free=6))
+    assert [d.req_id for d in plan.scheduled] == ["a"] and plan.cache_types == {"a": HID}
+    # KV caches only: a does not fit beside r, so r goes on with its prompt
+    plan = AptServe(rho=0.001, hybrid=False)(snap(running=[r], waiting=[a], free=6))
+    assert [(d.req_id, d.num_new_tokens) for d in plan.scheduled] == [("r", 10)] and not plan.cache_types
+
+
+def test_a_kv_cache_is_not_downgraded_while_its_chunked_prompt_is_computed():
+    # r holds a KV cache for 8 of its 20 prompt tokens (4 blocks); its whole prompt needs 10,
+    # the whole pool (2 free + r's 4 + h's 4). Hidden caches for both would fit (5 + 3), but
+    # switching r now discards its chunk: it keeps its type and h, worth less, gives way
+    r = Candidate("r", 20, 8, 4, 0.0, True, 10.0, 0.5)
+    h = running("h", 8, 0.1)
+    plan = AptServe(rho=0.001)(snap(running=[r, h], free=2))
+    assert [(d.req_id, d.num_new_tokens) for d in plan.scheduled] == [("r", 12)]
+    assert plan.preempted == ["h"] and not plan.cache_types
