@@ -61,11 +61,11 @@ class BlockBudget:
 
         On a bidirectional pool a BE request cannot fill the slots RT owners hold in its blocks
         (``foreign_slots``). They are counted when the pool has no other block for it (none
-        free, no RT-only block with room): its growth is then bounded by its own blocks, and a plan that took them as room scheduled a step
-        that could not be placed, so nothing ran, for ever. [open choice] With other blocks
-        left the pool gives c one of them, and its blocks count whole, as BROS counts them:
-        counting the foreign slots there too cost BROS 11-15% of its BE throughput at 1 req/s
-        in the simulator."""
+        free, no RT-only block with room): its growth is then bounded by its own blocks, and a
+        plan that took them as room scheduled a step that could not be placed, so nothing ran,
+        for ever. [open choice] With other blocks left the pool gives it one of them, and its
+        blocks count whole, as BROS counts them: counting the foreign slots there too cost
+        BROS 11-15% of its BE throughput at 1 req/s in the simulator."""
         bounded = c.foreign_slots and self.free <= 0 and self.snap.rt_room_blocks <= 0
         extra = c.foreign_slots if bounded else 0
         return max(0, _blocks(self.snap, c.num_computed + n + extra, c) - c.num_blocks)

@@ -29,7 +29,7 @@ class Candidate:
     decoding_s: float | None = None  # seconds since its first token (None before it)
     spread: tuple[int, ...] = ()   # equally likely output lengths, ascending (ALISE); empty: ``predicted`` alone
     max_output: int | None = None  # output tokens it may reach at most (max_tokens, the context)
-    foreign_slots: int = 0     # bidirectional pools: slots of its blocks the other class's owner holds
+    foreign_slots: int = 0     # bidirectional pools: slots of a BE request's blocks that RT owners hold
 
     def residual(self, t_avg: float = 0.0, k: int = 1) -> float:
         """BROS residual time res_i = T_SLO,i - t_i - (k_i - 1) T_avg (inf without an SLO)."""
