@@ -268,11 +268,14 @@ def _prompt_blocks_left(snap: Snapshot, plan: Plan | None = None) -> int:
     but chunked prefill takes its blocks chunk by chunk; a prefill budget of the free blocks
     alone gave them to new prompts, the pool then could not hold every prompt, and the decode
     greedy moved a running one to another cache type, discarding its chunks, in turn, for ever."""
+    chunked = [c for c in snap.running if c.num_tokens - c.num_computed > 1]
+    if not chunked:                 # the usual iteration: every running request decodes
+        return 0
     gone = set(plan.preempted) | set(plan.cache_types) if plan is not None else set()
     planned = {d.req_id: d.num_new_tokens for d in plan.scheduled} if plan is not None else {}
     left = 0
-    for c in snap.running:
-        if c.num_tokens - c.num_computed > 1 and c.req_id not in gone:
+    for c in chunked:
+        if c.req_id not in gone:
             held = max(c.num_blocks, _blocks(snap, c.num_computed + planned.get(c.req_id, 0), c))
             left += max(0, _blocks(snap, c.num_tokens, c) - held)
     return left
