@@ -39,6 +39,11 @@ class Run:
         self.s.check_invariants()
         return self.clock.t > before
 
+    def until(self, t: float) -> None:
+        """Step until the virtual clock reaches ``t``; every iteration on the way computes."""
+        while self.clock.t < t:
+            assert self.step()
+
     def to_the_end(self, limit_s: float) -> None:
         """Step until every request ends; ``limit_s`` bounds the simulator's virtual clock (its
         seconds come from the cost model, not from this machine's speed)."""
@@ -141,8 +146,7 @@ def test_batch_requests_whose_tokens_a_chat_overwrote_grow_again_on_bidirectiona
     run.add("be0", 32, 4, "be", pred=4)
     run.add("be1", 58, 63, "be", pred=63)
     for rid, at, prompt, out in (("rt0", 0.7, 55, 7), ("rt1", 1.1, 4, 8)):
-        while run.clock.t < at:
-            assert run.step()
+        run.until(at)
         run.add(rid, prompt, out, ttft=1.0, tbt=0.1, pred=out)
     run.to_the_end(limit_s=60)
     assert run.tokens == {"be0": 4, "be1": 63, "rt0": 7, "rt1": 8}
@@ -158,8 +162,7 @@ def test_a_batch_request_that_shares_a_full_block_with_a_chat_is_not_planned_to_
     run = Run(SchedConfig(policy=policy, max_num_seqs=1, max_num_batched_tokens=64, rt_budget_s=0.2,
                           bidirectional=True), num_blocks=24, max_model_len=192)
     run.add("be", 64, 105, "be", pred=105)
-    while run.clock.t < 1.0:
-        assert run.step()
+    run.until(1.0)
     run.add("rt", 70, 70, ttft=1.0, tbt=0.1, pred=70)
     run.to_the_end(limit_s=600)
     assert run.tokens == {"be": 105, "rt": 70}
@@ -176,8 +179,7 @@ def test_a_chat_whose_room_is_batch_slots_in_its_earlier_block_is_not_held_back(
     work = [(0.0, "be11", 70, 121), (1.1, "rt6", 92, 96), (1.8, "rt27", 51, 119), (5.1, "rt12", 51, 40),
             (6.2, "rt19", 80, 105)]
     for at, rid, prompt, out in work:
-        while run.clock.t < at:
-            assert run.step()
+        run.until(at)
         run.add(rid, prompt, out, rid[:2], pred=out, ttft=1.0, tbt=0.1)
     run.to_the_end(limit_s=600)
     assert run.tokens == {rid: out for _, rid, _, out in work}
