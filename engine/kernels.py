@@ -6,6 +6,8 @@ different).
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -27,13 +29,37 @@ def _build_dir() -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _sole_loader(build: Path):
+    """Hold the build directory alone while loading, and clear a lock a dead loader left.
+
+    torch's build lock is a file (``lock``) that every load takes, even with nothing to build
+    (ninja checks the sources each time). A process killed while loading -- a worker killed at
+    start-up, a server stopped with SIGKILL -- leaves it behind, and every later load then waits
+    for it for ever: the server never starts again. An flock on a file beside it is dropped by
+    the kernel when its holder dies, so while this process holds it no other load of ours is
+    under way, and a ``lock`` file found then is stale."""
+    with open(build / "load.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = build / "lock"
+            if stale.exists():
+                log.warning("removing the lock a killed kernel load left in %s", build)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @functools.cache
 def cpu_ops():
     try:
         from torch.utils.cpp_extension import load
-        return load(name="tandem_cpu_ops", sources=[str(_SRC)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], build_directory=str(_build_dir()), verbose=False)
+        build = _build_dir()
+        with _sole_loader(build):
+            return load(name="tandem_cpu_ops", sources=[str(_SRC)],
+                        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                        extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
     except Exception as e:        # no compiler / ninja: keep serving on the torch path
         log.warning("CPU kernels unavailable, using the torch path: %s", e)
         return None

@@ -63,3 +63,34 @@ def test_paged_decode_q8_matches_reference(dtype, tol):
         torch.testing.assert_close(got[r].double(), p @ v, atol=max(tol, 1e-4), rtol=tol)
     ref = decode_attention(q, layer, k_rows, v_rows, lens, 0.125)
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_a_load_killed_midway_does_not_stop_later_loads():
+    """torch's build lock is a file every load takes; a process killed while holding it (a
+    worker killed at start-up) left it behind, and every later load -- a restarted worker, the
+    next server -- waited for it for ever. Here a process takes that lock exactly as torch's
+    loader does and is killed; a fresh process must still load the kernels."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from tandem.engine.kernels import _build_dir
+    assert cpu_ops() is not None                       # built (once per machine) before the clock runs
+    lock = _build_dir() / "lock"
+    taker = subprocess.run([sys.executable, "-c", (
+        "import os, signal\n"
+        "from torch.utils.file_baton import FileBaton\n"
+        f"assert FileBaton({str(lock)!r}).try_acquire()\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n")], timeout=120)
+    try:
+        assert taker.returncode == -signal.SIGKILL and lock.exists(), "the lock was meant to be left behind"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        try:
+            loaded = subprocess.run([sys.executable, "-c", "from tandem.engine.kernels import cpu_ops\n"
+                                     "print(cpu_ops().__name__)"], capture_output=True, text=True,
+                                    timeout=90, env=env)
+        except subprocess.TimeoutExpired:
+            pytest.fail("a load waited for the lock of a killed process")
+        assert loaded.stdout.strip() == "tandem_cpu_ops", loaded.stderr
+    finally:
+        lock.unlink(missing_ok=True)
