@@ -29,6 +29,7 @@ from tandem.engine.models.spec import ModelSpec
 # hour. 64 entries keep the last ~10 row counts of a step's ~6 weight shapes; a step at a new
 # count rebuilds its primitives in ~3 ms.
 PRIMITIVE_CACHE = 64
+START_TIMEOUT_S = 600.0  # a worker not ready by then (loading the model, building kernels) is stopped
 TRIM_EVERY_S = 30.0     # how often a worker hands freed heap back to the system
 
 
@@ -213,8 +214,10 @@ class WorkerHandle:
         self._spawn()
         return self.wait_ready()
 
-    def wait_ready(self) -> PoolInfo:
-        kind, payload = self._recv()
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> PoolInfo:
+        """The worker's pool once it has loaded; a worker not ready within ``timeout_s`` is
+        killed and its start fails (a restart would otherwise wait on a hung start for ever)."""
+        kind, payload = self._recv(time.monotonic() + timeout_s)
         if kind == "error":
             self.proc.join(timeout=5)
             raise RuntimeError(f"{self.name}: worker failed to start:\n{payload}")
@@ -230,10 +233,14 @@ class WorkerHandle:
     def collect(self) -> StepOutput:
         return self._recv()
 
-    def _recv(self):
+    def _recv(self, deadline: float | None = None):
         while not self.conn.poll(self.POLL_S):
             if not self.proc.is_alive():
                 raise DeviceError(f"{self.name}: worker process died (exit code {self.proc.exitcode})")
+            if deadline is not None and time.monotonic() > deadline:
+                self.proc.kill()
+                self.proc.join(timeout=3)
+                raise DeviceError(f"{self.name}: the worker was not ready in time; it was stopped")
         try:
             return self.conn.recv()
         except (EOFError, OSError) as e:
@@ -253,13 +260,11 @@ class WorkerHandle:
         self.conn.close()
 
 
-def wait_all(handles: list[WorkerHandle], timeout_s: float = 600.0) -> None:
-    """Wait until every worker is ready (they load in parallel)."""
-    t0 = time.monotonic()
+def wait_all(handles: list[WorkerHandle], timeout_s: float = START_TIMEOUT_S) -> None:
+    """Wait until every worker is ready (they load in parallel, so one deadline covers all)."""
+    deadline = time.monotonic() + timeout_s
     for h in handles:
-        h.wait_ready()
-        if time.monotonic() - t0 > timeout_s:
-            raise RuntimeError("workers did not start in time")
+        h.wait_ready(max(0.0, deadline - time.monotonic()))
 
 
 class InProcessDevice:

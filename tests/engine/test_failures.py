@@ -332,3 +332,19 @@ def test_ctrl_c_in_the_terminal_leaves_the_worker_to_its_parent(tiny_llama):
         assert handle.proc.is_alive() and llm.runtime.threads[0].restarts == 0
     assert out[0].token_ids == hf_greedy(tiny_llama, [[5, 6, 7]], 6)[0]
     assert not handle.proc.is_alive()
+
+
+def test_a_worker_not_ready_in_time_is_stopped_and_its_start_fails(tiny_llama):
+    """A start that hangs (a restart behind a stuck lock, a model load that never returns) must
+    not hold the device for ever: past the deadline the worker is killed and the start fails."""
+    from tandem.engine.models.loader import load_spec
+    from tandem.engine.worker import WorkerConfig, WorkerHandle
+    spec = load_spec(tiny_llama)
+    h = WorkerHandle("cpu#0", WorkerConfig(str(tiny_llama), spec, "float32", "cpu", 8, 1 << 20, None, 1, 1,
+                                           False, False))
+    try:
+        with pytest.raises(DeviceError, match="not ready in time"):
+            h.wait_ready(timeout_s=0.05)                 # spawning alone takes longer
+        assert not h.proc.is_alive()
+    finally:
+        h.shutdown()
