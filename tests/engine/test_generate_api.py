@@ -168,3 +168,21 @@ def test_a_shut_down_llm_refuses_work_instead_of_starting_again(tiny_llama):
     with pytest.raises(RuntimeError, match="shut down"):
         m.generate([[5, 6, 7]], SamplingParams(max_tokens=2, **GREEDY))
     assert not worker.proc.is_alive()
+
+
+@pytest.mark.parametrize("policy", ["bros", "alise", "tandem"])
+def test_policies_that_price_iterations_start_on_a_pool_smaller_than_their_profile(policy, tiny_llama):
+    """The start-up profile's requests (up to 1,024 prompt tokens) are cut to what the pool holds:
+    a pool of 24 tokens still gets a cost model, where the profile used to measure too few steps
+    and the server refused to start; its requests then give HF's tokens."""
+    from tandem.engine.models.loader import load_spec
+    spec = load_spec(tiny_llama)
+    block_bytes = spec.num_layers * 8 * spec.unit * 4                 # one block of 8 tokens, fp32
+    prompts = mixed_prompts(3, 512, seed=8, lo=6, hi=12)
+    with LLM(str(tiny_llama), "cpu:1", dtype="float32", block_size=8, kv_cache_bytes=6 * block_bytes,
+             threads_per_worker=1, policy=policy, length_predictor="max_tokens") as m:
+        assert m.scheduler.actors[0].pool.geometry.num_blocks == 6
+        assert m.scheduler.cost is not None
+        outs = m.generate(prompts, SamplingParams(max_tokens=8, **GREEDY))
+        assert_pool_free(m)
+    assert [o.token_ids for o in outs] == hf_greedy(tiny_llama, prompts, 8)
