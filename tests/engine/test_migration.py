@@ -1,5 +1,6 @@
 """A request migrated between two workers mid-generation continues exactly: the same greedy
 tokens as HF transformers, the same seeded samples as a run that never moved, each token once."""
+import itertools
 import os
 import threading
 import time
@@ -248,3 +249,82 @@ def test_placement_packs_to_the_smallest_pool(tiny_llama, monkeypatch):
         big, small = (w.pool_info.num_blocks for w in llm._workers)
         assert len(made) == 2 and small < big
         assert llm.rebalancer.capacity == small
+
+
+def test_random_moves_cancels_and_a_worker_death_keep_every_output_exact(tiny_llama):
+    """Requests arriving over a second on a small pool, moved between the two devices at random
+    (as cache or as tokens, every few milliseconds, beside the rebalancer's own moves), two of
+    them cancelled, and one worker killed midway: each stream sees its request's tokens once
+    each, every request that was not cancelled gives HF's greedy tokens (a cancelled one a
+    prefix of them), and no block is left held."""
+    import random
+    import signal
+    from tandem.engine.models.loader import load_spec
+    spec = load_spec(tiny_llama)
+    block_bytes = spec.num_layers * 8 * spec.unit * 4
+    rng = random.Random(4)
+    prompts = mixed_prompts(16, 512, seed=31, lo=8, hi=40)
+    lengths = [rng.randrange(8, 48) for _ in prompts]
+    refs = hf_greedy(tiny_llama, prompts, 48)
+    with LLM(str(tiny_llama), TWO, dtype="float32", policy="fcfs", block_size=8, kv_cache_bytes=40 * block_bytes,
+             threads_per_worker=1, max_num_batched_tokens=64, placement="lb", rebalance_interval_s=0.05) as llm:
+        rt = llm.start_runtime()
+        states, seen, ended = {}, {}, {}
+        lock, done = threading.Lock(), threading.Event()
+
+        def sink(ups):
+            with lock:
+                for u in ups:
+                    seen[u.req_id].extend(u.new_token_ids)
+                    if u.finish_reason is not None:
+                        assert u.req_id not in ended, f"{u.req_id} ended twice"
+                        ended[u.req_id] = u.finish_reason.value
+                if len(ended) == len(prompts):
+                    done.set()
+
+        cancelled, killed, stop = set(), [], threading.Event()
+        events = [(25, "cancel"), (40, "kill"), (60, "cancel")]    # at the first tick from then on
+
+        def chaos():
+            for tick in itertools.count():
+                if stop.wait(rng.uniform(0.005, 0.03)):
+                    return
+                with lock:
+                    live = [st for rid, st in states.items() if rid not in ended]
+                if not live:
+                    continue
+                st = rng.choice(live)
+                event = events.pop(0)[1] if events and tick >= events[0][0] else None
+                if event == "kill":
+                    os.kill(llm._workers[1].proc.pid, signal.SIGKILL)
+                    killed.append(tick)
+                elif event == "cancel":
+                    cancelled.add(st.req_id)
+                    rt.abort(st.req_id)
+                else:
+                    rt.migrate(st.req_id, st.device, 1 - st.device, rng.choice([Transfer.KV, Transfer.TOKEN]), "test")
+        mover = threading.Thread(target=chaos, daemon=True)
+        mover.start()
+        for i, (p, n) in enumerate(zip(prompts, lengths)):
+            rid = f"chaos-{i}"
+            st = llm.scheduler.new_state(Request(rid, p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                                                 arrival_time=time.monotonic()))
+            with lock:
+                states[rid], seen[rid] = st, []
+            llm.subscribe([rid], sink)
+            rt.add(st)
+            time.sleep(rng.uniform(0, 0.12))
+        assert done.wait(120), f"requests never ended: {sorted(set(states) - set(ended))}"
+        stop.set()
+        mover.join()
+        wait_pool_free(llm)
+        moves = sum(a.moves_total for a in llm.scheduler.actors)
+        assert rt.threads[1].restarts == 1, "the killed worker was meant to be started again"
+    assert killed and moves >= 10, f"the chaos was meant to kill a worker and move requests ({moves} moves)"
+    for i, (ref, n) in enumerate(zip(refs, lengths)):
+        rid, st = f"chaos-{i}", states[f"chaos-{i}"]
+        assert seen[rid] == st.output_token_ids, f"{rid}: the stream saw other tokens than the output"
+        if ended[rid] == "abort":
+            assert rid in cancelled and st.output_token_ids == ref[:len(st.output_token_ids)]
+        else:
+            assert ended[rid] == "length" and st.output_token_ids == ref[:n], f"{rid} differs from HF"
