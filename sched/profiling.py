@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import random
 
-from tandem.engine.messages import CacheType
 from tandem.engine.params import SamplingParams
 from tandem.sched.cost_model import CostModel, OnlineCostModel
 from tandem.sched.request import Request
@@ -28,7 +27,8 @@ def profile_cost(scheduler, vocab_size: int, seed: int = 0, plan=PLAN) -> Online
     log = scheduler.step_log = []
     n = 0
     try:
-        room = min(scheduler.max_model_len - 1, _room(scheduler))
+        # the plan's shapes are cut to what one request can hold, so a small pool is profiled too
+        room = min(scheduler.max_model_len - 1, scheduler.pool_tokens())
         for reqs, prompt, out in [(1, 8, 2)] + plan:          # the first is a warm-up, not fitted
             out = max(1, min(out, room - 1))
             prompt = max(1, min(prompt, room - out))
@@ -55,13 +55,6 @@ def _fits(scheduler, reqs: int, tokens: int) -> bool:
     return reqs * g.blocks_for(tokens) <= g.num_blocks
 
 
-def _room(scheduler) -> int:
-    """Tokens of context one request's KV cache can hold in the (empty) pool: the plan's shapes
-    are cut to it, so a pool smaller than the plan's longest request is still profiled."""
-    g = scheduler.queues[0].pool.geometry
-    return g.num_blocks // g.blocks_per_token_block(CacheType.KV) * g.block_size
-
-
 def profile_aptserve(scheduler, vocab_size: int, seed: int = 0) -> tuple[float, OnlineCostModel]:
     """Apt-Serve's start-up profile: ρ from profile_rho's paired runs, and the iteration cost model
     fitted on profile_cost's steps plus those runs' steps (KV and hidden caches), so its
@@ -82,6 +75,7 @@ def profile_rho(scheduler, vocab_size: int, seed: int = 0, contexts: tuple[int, 
     batch's size in KV blocks. A few seconds on this CPU for SmolLM2-sized models. Every measured
     step (shape, seconds) is also appended to ``samples`` when given.
     """
+    from tandem.engine.messages import CacheType
     rng = random.Random(seed)
     g = scheduler.queues[0].pool.geometry
     if not g.hidden_blocks:
