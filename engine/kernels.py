@@ -40,15 +40,12 @@ def _sole_loader(build: Path):
     the kernel when its holder dies, so while this process holds it no other load of ours is
     under way, and a ``lock`` file found then is stale."""
     with open(build / "load.flock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            stale = build / "lock"
-            if stale.exists():
-                log.warning("removing the lock a killed kernel load left in %s", build)
-                stale.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        fcntl.flock(f, fcntl.LOCK_EX)            # released when the file closes
+        stale = build / "lock"
+        if stale.exists():
+            log.warning("removing the lock a killed kernel load left in %s", build)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 @functools.cache
