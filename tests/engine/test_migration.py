@@ -269,15 +269,16 @@ def test_random_moves_cancels_and_a_worker_death_keep_every_output_exact(tiny_ll
     with LLM(str(tiny_llama), TWO, dtype="float32", policy="fcfs", block_size=8, kv_cache_bytes=40 * block_bytes,
              threads_per_worker=1, max_num_batched_tokens=64, placement="lb", rebalance_interval_s=0.05) as llm:
         rt = llm.start_runtime()
-        states, seen, ended = {}, {}, {}
+        states, seen, ended, twice = {}, {}, {}, []
         lock, done = threading.Lock(), threading.Event()
 
-        def sink(ups):
+        def sink(ups):              # on the actors' threads: what it finds is asserted below
             with lock:
                 for u in ups:
                     seen[u.req_id].extend(u.new_token_ids)
                     if u.finish_reason is not None:
-                        assert u.req_id not in ended, f"{u.req_id} ended twice"
+                        if u.req_id in ended:
+                            twice.append(u.req_id)
                         ended[u.req_id] = u.finish_reason.value
                 if len(ended) == len(prompts):
                     done.set()
@@ -285,7 +286,7 @@ def test_random_moves_cancels_and_a_worker_death_keep_every_output_exact(tiny_ll
         cancelled, killed, stop = set(), [], threading.Event()
         events = [(25, "cancel"), (40, "kill"), (60, "cancel")]    # at the first tick from then on
 
-        def chaos():
+        def chaos(rng=random.Random(5)):
             for tick in itertools.count():
                 if stop.wait(rng.uniform(0.005, 0.03)):
                     return
@@ -320,6 +321,7 @@ def test_random_moves_cancels_and_a_worker_death_keep_every_output_exact(tiny_ll
         wait_pool_free(llm)
         moves = sum(a.moves_total for a in llm.scheduler.actors)
         assert rt.threads[1].restarts == 1, "the killed worker was meant to be started again"
+    assert not twice, f"requests ended twice: {twice}"
     assert killed and moves >= 10, f"the chaos was meant to kill a worker and move requests ({moves} moves)"
     for i, (ref, n) in enumerate(zip(refs, lengths)):
         rid, st = f"chaos-{i}", states[f"chaos-{i}"]
