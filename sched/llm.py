@@ -304,6 +304,11 @@ class LLM:
         """Prompt ids to text with special tokens kept (a chat template stays recognisable)."""
         return self._decode(ids, skip_special_tokens=False)
 
+    def prediction_text(self, prompt: Any) -> str:
+        """What the length predictor reads of a prompt (text, token ids or chat messages); token
+        ids of a model without a tokenizer read as no text."""
+        return prediction_text(prompt, self.decode_prompt if self.tokenizer is not None else None)
+
     def check_token_ids(self, sp: SamplingParams) -> None:
         """ValueError unless every stop token id is one the model can produce."""
         bad = [t for t in sp.stop_token_ids if not 0 <= t < self.spec.vocab_size]
@@ -442,7 +447,7 @@ class LLM:
                 for (ids, text), sp in zip(encoded, params)]
         states = [self.scheduler.new_state(r) for r in reqs]    # each checks it fits a pool
         if self.lengths is not None:            # recorded only for requests that will run
-            self.lengths.assign(reqs, [prediction_text(p, self.decode_prompt if self.tokenizer is not None else None) for p in plist])
+            self.lengths.assign(reqs, [self.prediction_text(p) for p in plist])
         self._run(states, _progress(len(reqs)) if use_tqdm else None)
         failed = [st for st in states if st.finish_reason is FinishReason.ERROR]
         if failed:

@@ -18,7 +18,6 @@ from aiohttp import web
 
 from tandem.engine.messages import DeviceError
 from tandem.sched.async_engine import AsyncEngine, Submission
-from tandem.sched.lengths import prediction_text
 from tandem.sched.request import Request, ServiceClass, error_id
 from tandem.server.config import ServerConfig
 from tandem.server.connections import GUARD, body_read, connections_middleware
@@ -165,7 +164,7 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
         engine.admitting += len(reqs)          # counted as waiting meanwhile (admission control)
         try:
             texts = [text for prompt in gen.prompts
-                     for text in [prediction_text(prompt, engine.llm.decode_prompt)] * gen.n]
+                     for text in [engine.llm.prediction_text(prompt)] * gen.n]
             await predict_lengths(lengths, reqs, texts)
         finally:
             engine.admitting -= len(reqs)
@@ -238,6 +237,9 @@ class Choice:
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     parts: list[str] = field(default_factory=list)      # text deltas, joined once at the end
+    prompt_ids: list[int] | None = None     # set where the request asked for token ids back
+    ids_sent: int = 0                       # of token_ids, how many a stream has sent
+    prompt_sent: bool = False               # a stream has sent prompt_ids
 
     @property
     def text(self) -> str:
@@ -245,7 +247,8 @@ class Choice:
 
 
 async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice, sink=None) -> None:
-    """Drive one request to its end, appending text; ``sink(choice, delta)`` gets streamed deltas.
+    """Drive one request to its end, appending text; ``sink(choice, delta)`` gets streamed deltas
+    (and is called for new token ids alone where the choice returns token ids).
 
     If the caller goes away (cancellation), the request is aborted in the engine
     and counted with finish reason "abort".
@@ -268,7 +271,8 @@ async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice
                 record(ch.finish_reason, now)
             if delta:
                 ch.parts.append(delta)
-            if sink is not None and (delta or ev.finish_reason is not None):
+            new_ids = ch.prompt_ids is not None and ev.new_token_ids
+            if sink is not None and (delta or new_ids or ev.finish_reason is not None):
                 await sink(ch, delta)
             if ev.finish_reason is not None and ev.error:
                 raise ApiError(500, f"generation failed: {ev.error}", type="server_error")
@@ -287,13 +291,29 @@ def usage(p: Prepared, choices: list[Choice]) -> dict:
 
 def choice_json(chat: bool, ch: Choice) -> dict:
     if chat:
-        return {"index": ch.index, "message": {"role": "assistant", "content": ch.text},
-                "logprobs": None, "finish_reason": ch.finish_reason}
-    return {"index": ch.index, "text": ch.text, "logprobs": None, "finish_reason": ch.finish_reason}
+        c = {"index": ch.index, "message": {"role": "assistant", "content": ch.text},
+             "logprobs": None, "finish_reason": ch.finish_reason}
+    else:
+        c = {"index": ch.index, "text": ch.text, "logprobs": None, "finish_reason": ch.finish_reason}
+    return c | token_ids_json(chat, ch, ch.token_ids)
+
+
+def token_ids_json(chat: bool, ch: Choice, ids: list[int]) -> dict:
+    """vLLM's ``return_token_ids`` fields of a choice: its (new) output ids; a completion's choice
+    also carries its prompt's ids (a chat response carries them once, beside the choices)."""
+    if ch.prompt_ids is None:
+        return {}
+    return {"token_ids": ids} if chat else {"prompt_token_ids": ch.prompt_ids, "token_ids": ids}
 
 
 def new_choices(p: Prepared) -> list[Choice]:
-    return [Choice(i) for i in range(len(p.requests))]
+    return [Choice(i, prompt_ids=list(r.prompt_token_ids) if p.gen.return_token_ids else None)
+            for i, r in enumerate(p.requests)]
+
+
+def chat_prompt_ids(p: Prepared) -> dict:
+    """A chat response's ``prompt_token_ids`` (one conversation, so one prompt), when asked for."""
+    return {"prompt_token_ids": list(p.requests[0].prompt_token_ids)} if p.gen.return_token_ids else {}
 
 
 async def all_or_none(coros) -> None:
@@ -316,7 +336,8 @@ async def complete(engine: AsyncEngine, st: AppState, p: Prepared, chat: bool) -
     finally:
         p.close()
     return {"id": p.rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": p.model, "choices": [choice_json(chat, ch) for ch in choices], "usage": usage(p, choices)}
+            "model": p.model, "choices": [choice_json(chat, ch) for ch in choices], "usage": usage(p, choices)} | (
+        chat_prompt_ids(p) if chat else {})
 
 
 async def generate_handler(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -345,14 +366,19 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
             c = {"index": ch.index, "delta": d, "logprobs": None, "finish_reason": finish}
         else:
             c = {"index": ch.index, "text": delta, "logprobs": None, "finish_reason": finish}
+        if ch.prompt_ids is not None and not first:     # the ids not sent yet; a completion's
+            c |= token_ids_json(chat, ch, ch.token_ids[ch.ids_sent:])     # prompt ids go once
+            if ch.prompt_sent:
+                c.pop("prompt_token_ids", None)
+            ch.ids_sent, ch.prompt_sent = len(ch.token_ids), True
         return {"id": p.rid, "object": obj, "created": created, "model": p.model, "choices": [c]}
 
     if chat:
-        for ch in choices:
-            await send(chunk(ch, "", None, first=True))
+        for i, ch in enumerate(choices):
+            await send(chunk(ch, "", None, first=True) | (chat_prompt_ids(p) if i == 0 else {}))
 
     async def sink(ch: Choice, delta: str) -> None:
-        if delta:
+        if delta or (ch.prompt_ids is not None and len(ch.token_ids) > ch.ids_sent):
             await send(chunk(ch, delta, None))
         if ch.finish_reason is not None:
             await send(chunk(ch, "", ch.finish_reason))

@@ -22,6 +22,7 @@ class GenRequest:
     slo_ttft_s: float | None
     slo_tbt_s: float | None
     max_tokens_given: bool
+    return_token_ids: bool = False  # token ids beside the text (streamed: each chunk's new ones)
 
 
 def _val(body: dict, key: str, default):
@@ -80,7 +81,8 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
                  service_class=ServiceClass.BE if be else ServiceClass.RT,
                  slo_ttft_s=ttft / 1000 if ttft else None if be else default_ttft_s,
                  slo_tbt_s=tbt / 1000 if tbt else None if be else default_tbt_s,
-                 max_tokens_given=max_tokens is not None)
+                 max_tokens_given=max_tokens is not None,
+                 return_token_ids=_val(body, "return_token_ids", False))
     return sp, extra
 
 

@@ -48,6 +48,8 @@ SAMPLING = {
     "stop_token_ids": {"type": "array", "items": _int(0, INT64, "a token id of the vocabulary"),
                        "description": "vLLM's extension; ids must be inside the vocabulary"},
     "ignore_eos": {"type": "boolean", "description": "vLLM's extension"},
+    "return_token_ids": {"type": "boolean", "description": "vLLM's extension: the token ids of the output "
+                         "(and of the prompt) beside its text"},
     "min_tokens": _int(0, MAX_TOKENS_CAP, "vLLM's extension; at most max_tokens"),
     "max_tokens": _int(1, MAX_TOKENS_CAP, "prompt + max_tokens must fit the context"),
     "presence_penalty": _num(0, 0, "only 0 is supported"),

@@ -16,6 +16,12 @@ SEED = ["Write a poem about rivers", "Translate to French: good morning", "Fix t
         "Summarize the history of Rome", "What is 2 + 2?", "List three colours"]
 
 
+def seed_predictor(out) -> None:
+    """A small trained length predictor in ``out``: SEED's prompts and their lengths."""
+    ex = Examples(SEED, np.array([40, 12, 30, 60, 3, 8]), np.full(len(SEED), 8), np.arange(len(SEED)))
+    train(ex, Settings(k=3, threshold=0.95, hidden=16), epochs=2, out=out, log=lambda _: None)
+
+
 def chat(server, text, n):
     body = {"model": server.model, "messages": [{"role": "user", "content": text}], "max_tokens": n,
             "temperature": 0, "ignore_eos": True}
@@ -27,8 +33,7 @@ def chat(server, text, n):
 
 def test_alise_predicts_learns_and_saves(tiny_chat_model, tmp_path):
     seed_dir = tmp_path / "seed"
-    ex = Examples(SEED, np.array([40, 12, 30, 60, 3, 8]), np.full(len(SEED), 8), np.arange(len(SEED)))
-    train(ex, Settings(k=3, threshold=0.95, hidden=16), epochs=2, out=seed_dir, log=lambda _: None)
+    seed_predictor(seed_dir)
     s = start_server(tiny_chat_model, tmp_path, "--policy", "alise", "--length-predictor", str(seed_dir))
     try:
         asks = [("What is 2 + 2?", 5), ("Write a story about a dragon and a knight", 9), ("List three colours", 7)]
@@ -52,8 +57,7 @@ def test_a_damaged_learned_predictor_does_not_stop_the_server(tiny_chat_model, t
     (tandem runs without predictions when there is none), serves, and keeps the damaged files
     aside for a person to look at."""
     own = tmp_path / "data" / "predictor"
-    ex = Examples(SEED, np.array([40, 12, 30, 60, 3, 8]), np.full(len(SEED), 8), np.arange(len(SEED)))
-    train(ex, Settings(k=3, threshold=0.95, hidden=16), epochs=2, out=own, log=lambda _: None)
+    seed_predictor(own)
     index = next(own.glob("gen-*/index.bin"))
     index.write_bytes(index.read_bytes()[: index.stat().st_size // 2])
     cut = index.stat().st_size
@@ -71,8 +75,7 @@ def test_a_save_that_fails_at_shutdown_still_shuts_down_cleanly(tiny_chat_model,
     """The data dir cannot take the learned lengths (a file where the predictor's folder goes):
     the failure is logged, and the server still stops its engine and exits 0."""
     seed_dir = tmp_path / "seed"
-    ex = Examples(SEED, np.array([40, 12, 30, 60, 3, 8]), np.full(len(SEED), 8), np.arange(len(SEED)))
-    train(ex, Settings(k=3, threshold=0.95, hidden=16), epochs=2, out=seed_dir, log=lambda _: None)
+    seed_predictor(seed_dir)
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "predictor").write_text("not a folder")
     s = start_server(tiny_chat_model, tmp_path, "--policy", "alise", "--length-predictor", str(seed_dir))

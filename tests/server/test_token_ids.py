@@ -1,0 +1,97 @@
+"""``return_token_ids`` (vLLM's extension): the output's and the prompt's token ids beside the text,
+whole and streamed, checked against HF transformers' greedy tokens and the model's own tokenizer;
+a model without a tokenizer streams its tokens as ids, which is what the bench client times."""
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import pytest
+
+from tandem.bench.client import run_trace
+from tandem.bench.workloads import TraceItem
+from tests.conftest import hf_greedy
+from tests.server.conftest import API_KEY, start_server, stop_server
+from tests.server.test_alise_server import seed_predictor
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+
+
+async def post(url: str, path: str, body: dict):
+    """The whole JSON response, or the list of a stream's chunks."""
+    async with aiohttp.ClientSession(headers=HEADERS) as s:
+        async with s.post(url + path, json=body) as r:
+            assert r.status == 200, await r.text()
+            if not body.get("stream"):
+                return await r.json()
+            chunks = []
+            async for line in r.content:
+                if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                    chunks.append(json.loads(line[6:]))
+            return chunks
+
+
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.mark.asyncio
+async def test_completion_returns_the_prompt_and_output_ids(server, tiny_chat_model):
+    prompt = "The quick brown fox"
+    want_prompt = tokenizer(tiny_chat_model)(prompt)["input_ids"]
+    want = hf_greedy(tiny_chat_model, [want_prompt], 9)[0]
+    body = {"prompt": prompt, "max_tokens": 9, "temperature": 0, "ignore_eos": True, "n": 2}
+    plain = await post(server.url, "/v1/completions", body)
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+    whole = await post(server.url, "/v1/completions", body | {"return_token_ids": True})
+    for c in whole["choices"]:
+        assert c["prompt_token_ids"] == want_prompt and c["token_ids"] == want
+    chunks = await post(server.url, "/v1/completions", body | {"return_token_ids": True, "stream": True})
+    for i in range(2):
+        mine = [c for ch in chunks for c in ch["choices"] if c["index"] == i]
+        assert [c["prompt_token_ids"] for c in mine if "prompt_token_ids" in c] == [want_prompt]
+        assert [t for c in mine for t in c["token_ids"]] == want
+        assert "".join(c["text"] for c in mine) == whole["choices"][i]["text"]
+
+
+@pytest.mark.asyncio
+async def test_chat_returns_the_templated_prompt_and_output_ids(server, tiny_chat_model):
+    messages = [{"role": "user", "content": "Name three colours"}]
+    tok = tokenizer(tiny_chat_model)
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    want_prompt = tok(text, add_special_tokens=False)["input_ids"]
+    want = hf_greedy(tiny_chat_model, [want_prompt], 7)[0]
+    body = {"messages": messages, "max_tokens": 7, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    whole = await post(server.url, "/v1/chat/completions", body)
+    assert whole["prompt_token_ids"] == want_prompt and whole["choices"][0]["token_ids"] == want
+    chunks = await post(server.url, "/v1/chat/completions", body | {"stream": True})
+    assert [ch["prompt_token_ids"] for ch in chunks if "prompt_token_ids" in ch] == [want_prompt]
+    assert [t for ch in chunks for c in ch["choices"] for t in c.get("token_ids", [])] == want
+
+
+@pytest.fixture(scope="module")
+def server_without_tokenizer(tiny_llama, tmp_path_factory):
+    """The default policy with a length predictor, which has no text to read of id prompts."""
+    tmp = tmp_path_factory.mktemp("srv-ids")
+    seed_predictor(tmp / "seed")
+    s = start_server(tiny_llama, tmp, "--policy", "tandem", "--length-predictor", str(tmp / "seed"))
+    yield s
+    stop_server(s)
+
+
+@pytest.mark.asyncio
+async def test_a_model_without_a_tokenizer_streams_its_tokens_as_ids(server_without_tokenizer, tiny_llama):
+    s = server_without_tokenizer
+    prompts = [[5, 9, 200, 31], [77, 3, 3, 120, 64, 8]]
+    want = hf_greedy(tiny_llama, prompts, 6)
+    for p, w in zip(prompts, want):
+        chunks = await post(s.url, "/v1/completions", {"prompt": p, "max_tokens": 6, "temperature": 0,
+                                                       "ignore_eos": True, "stream": True,
+                                                       "return_token_ids": True})
+        assert [t for ch in chunks for c in ch["choices"] for t in c["token_ids"]] == w
+    # the bench's client times each token of such a model (random-weight runs at paper scale)
+    items = [TraceItem(0.05 * i, p, 6, "rt") for i, p in enumerate(prompts)]
+    recs, _ = await run_trace(s.url, s.model, items, "tandem", api_key=API_KEY, drain_s=60, progress=False)
+    assert all(r.ok and r.ttft is not None and r.output_tokens == 6 for r in recs), [r.error for r in recs]
+    assert all(1 <= len(r.token_times) <= 6 for r in recs)
