@@ -25,6 +25,8 @@ def completion_body(model: str, item: TraceItem, system: str, stream: bool = Tru
         del body["ignore_eos"]
         body["prompt"] = item.prompt_text
         body["generation_config"] = NEVER_EOS
+    if system.startswith("tandem") and not item.prompt_text:
+        body["return_token_ids"] = True   # random ids of a model without a tokenizer: no text to time
     if item.service_class == "be":
         if system.startswith("tandem"):
             body["service_tier"] = "flex"
@@ -47,7 +49,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict, rec:
                 if msg.get("usage"):
                     rec.output_tokens = msg["usage"]["completion_tokens"]
                 for c in msg.get("choices") or []:
-                    if c.get("text"):
+                    if c.get("text") or c.get("token_ids"):
                         rec.token_times.append(now)
                 if "error" in msg:
                     rec.error = str(msg["error"])[:200]
@@ -62,7 +64,7 @@ async def fire_trace(s: aiohttp.ClientSession, url: str, model: str, items: list
     """Send each item at ``t0`` + its arrival offset; wait at most ``drain_s`` after the last arrival.
 
     Unfinished requests are aborted and marked as errors. Token times are the
-    arrival times of SSE chunks that carry text.
+    arrival times of SSE chunks that carry text (or token ids: a model without a tokenizer).
     """
     recs = [RequestRecord(it.service_class, 0.0) for it in items]
     bar = None

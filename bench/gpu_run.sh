@@ -9,13 +9,16 @@
 #   4. python -m bench gpu-offline: our engine against HF generate at batch 64 (SmolLM2's and
 #      Llama-3-8B's shapes, random weights);
 #   5. paper scale, OPT-13B's shape, ShareGPT's lengths, 1 s TTFT / 1 s P99 TBT: Apt-Serve vs FCFS
-#      vs FCFS prefill-first (bench online), then BROS vs FCFS with batch jobs always pending
-#      (bench mixed). Rates: APT_RATES and BROS_RATES; seconds of arrivals: DURATION.
+#      vs FCFS prefill-first vs the default policy (bench online), then BROS vs FCFS vs the default
+#      with batch jobs always pending (bench mixed). Rates: APT_RATES and BROS_RATES; seconds of
+#      arrivals: DURATION, of drain: DRAIN; the KV pool: KV_GIB (8 GiB, ~10,000 tokens of OPT-13B,
+#      was not filled at 4 req/s on an H100: a smaller pool or higher rates make memory bind).
 # Python packages the machine lacks travel as wheels in ./.whl (make gpu-wheels, on a machine
 # with network access); they are installed into /tmp/site, nothing else is touched.
 #   STEPS="tests migration" runs some of them (tests migration placement kernels offline apt bros).
 #   All of them take longer than a 10-minute call: on an H200, "tests migration kernels offline"
-#   took 3.5 minutes; run "placement", "apt" and "bros" in calls of their own.
+#   took 3.5 minutes; run "placement", "apt" and "bros" in calls of their own (or shorten them:
+#   SKEW_DURATION and SKEW_DRAIN for placement, DURATION and DRAIN for apt and bros).
 # Results: bench/results/ (JSON, copied to $OUT where that is set) and the log on standard output.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,16 +56,16 @@ if want migration; then
 fi
 # static placement against LB and Mell on a skewed trace, two workers sharing the GPU
 want placement && step 400 $PY -m bench skew --devices cuda:0,0 --model smollm2-random --placements static lb mell \
-  --rate ${SKEW_RATE:-4} --duration 30 --drain 60 --pool-tokens 1024 --sweep --out gpu_placement.json
+  --rate ${SKEW_RATE:-4} --duration ${SKEW_DURATION:-30} --drain ${SKEW_DRAIN:-60} --pool-tokens 1024 --sweep --out gpu_placement.json
 if want kernels; then
   step 90 $PY -m bench kernels --accuracy
   step 90 $PY -m bench kernels
 fi
 want offline && step 180 $PY -m bench gpu-offline
 DURATION=${DURATION:-20}
-PAPER=(--model opt13b-random --devices cuda:0 --kv-cache-gib 8 --slo-ttft-ms 1000 --slo-tbt-ms 1000
-       --duration "$DURATION" --drain 30 --max-output 512)
-want apt && step 400 $PY -m bench online "${PAPER[@]}" --systems tandem tandem-fcfs-prefill-first tandem-aptserve \
+PAPER=(--model opt13b-random --devices cuda:0 --kv-cache-gib ${KV_GIB:-8} --slo-ttft-ms 1000 --slo-tbt-ms 1000
+       --duration "$DURATION" --drain ${DRAIN:-30} --max-output 512)
+want apt && step 400 $PY -m bench online "${PAPER[@]}" --systems tandem-fcfs tandem-fcfs-prefill-first tandem-aptserve tandem \
   --rates ${APT_RATES:-2} --out gpu_apt.json
-want bros && step 300 $PY -m bench mixed "${PAPER[@]}" --systems tandem tandem-bros --rates ${BROS_RATES:-1} --out gpu_bros.json
+want bros && step 300 $PY -m bench mixed "${PAPER[@]}" --systems tandem-fcfs tandem-bros tandem --rates ${BROS_RATES:-1} --out gpu_bros.json
 exit $status
