@@ -32,7 +32,7 @@ Nothing here touches tensors: the caller turns the recorded copies into engine w
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tandem.cache.block_pool import Placement
 from tandem.engine.messages import CacheType, SlotCopy
@@ -340,7 +340,9 @@ class BidirBlockPool(BidirectionalPool):
 
     def __init__(self, geometry):
         super().__init__(geometry.num_blocks // 2, geometry.block_size)
-        self.geometry = geometry
+        # blocks pair into token-blocks: an odd last block is never used, so the geometry the
+        # scheduler and the placement read (capacity, pool usage) leaves it out
+        self.geometry = replace(geometry, num_blocks=geometry.num_blocks // 2 * 2)
 
     @property
     def num_free(self) -> int:

@@ -300,7 +300,7 @@ class ActorThread:
                 except Exception as e:          # noqa: BLE001 -- any failure to start counts as a try
                     log.error("%s: restart %d failed: %s", a.device.name, attempt + 1, e)
                     continue
-                if geometry != a.pool.geometry:
+                if a.new_pool(geometry).geometry != a.pool.geometry:     # as the pool reads it
                     log.error("%s: the new worker's pool differs (%s, was %s)", a.device.name,
                               geometry, a.pool.geometry)
                     break

@@ -75,3 +75,20 @@ def test_both_pool_kinds_answer_the_schedulers_contract():
     assert bidir.preempts_blocks and bidir.num_free == 4      # two token-blocks (K, V pairs) taken
     with pytest.raises(ValueError, match="KV caches only"):
         bidir.place("h", 2, CacheType.HIDDEN, rt=True)
+
+
+@pytest.mark.parametrize("num_blocks", [8, 9])
+def test_a_pool_says_how_many_blocks_it_can_hand_out(num_blocks):
+    """The geometry a pool reports (the scheduler's capacity, the placement's C, pool usage) is
+    what it can really give out: KV requests of one token-block (a K and a V block) until none
+    fits, then, in a whole-block pool, a hidden cache of one block (multi-head attention) in an
+    odd block left over. A bidirectional pool pairs its blocks and holds KV only."""
+    from tandem.cache.bidir import BidirBlockPool
+    g = PoolGeometry(num_blocks=num_blocks, block_size=4, hidden_blocks=1)
+    for pool in (BlockPool(g), BidirBlockPool(g)):
+        given = 0
+        while pool.place(f"r{given}", 4, CacheType.KV, rt=True) is not None:
+            given += 2
+        if not pool.preempts_blocks and pool.place("h", 4, CacheType.HIDDEN, rt=True) is not None:
+            given += 1
+        assert given == pool.geometry.num_blocks and pool.num_free == 0, type(pool).__name__
