@@ -125,21 +125,28 @@ def test_cancelled_while_moving_ends(llama2):
 @pytest.mark.parametrize("placement", ["mell", "lb"])
 def test_rebalancer_migrations_keep_outputs_exact(placement, tiny_llama):
     """Requests that outgrow a small pool are migrated by the rebalancer (its epochs every 50 ms);
-    every output still equals HF's greedy tokens, and nothing leaks."""
+    every output still equals HF's greedy tokens, and nothing leaks. How many moves a run makes
+    depends on how the requests' growth meets the epochs (Mell often makes just one here), so
+    the same batch runs again, up to three times, until one run has migrated; every run's
+    outputs are checked."""
     from tandem.engine.models.loader import load_spec
     spec = load_spec(tiny_llama)
     block_bytes = spec.num_layers * 8 * spec.unit * 4
     prompts = mixed_prompts(8, 512, seed=21, lo=24, hi=40)
     sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    want = hf_greedy(tiny_llama, prompts, 48)
     with LLM(str(tiny_llama), TWO, dtype="float32", policy="fcfs", block_size=8, kv_cache_bytes=48 * block_bytes,
              threads_per_worker=1, max_num_batched_tokens=64, placement=placement, rebalance_interval_s=0.05) as llm:
-        outs = llm.generate(prompts, sp)
-        moved = [m for a in llm.scheduler.actors for m in a.moves]
-        wait_pool_free(llm)
-    assert moved, f"{placement}: no request was migrated; the pool was meant to force it"
+        for _run in range(3):
+            outs = llm.generate(prompts, sp)
+            wait_pool_free(llm)
+            for i, (o, r) in enumerate(zip(outs, want, strict=True)):
+                assert o.token_ids == r, f"prompt {i} differs after {placement} migrations"
+            moved = [m for a in llm.scheduler.actors for m in a.moves]
+            if moved:
+                break
+    assert moved, f"{placement}: no request was migrated in three runs; the pool was meant to force it"
     assert all(m.pause_s is not None and m.pause_s >= 0 for m in moved)
-    for i, (o, r) in enumerate(zip(outs, hf_greedy(tiny_llama, prompts, 48), strict=True)):
-        assert o.token_ids == r, f"prompt {i} differs after {placement} migrations"
 
 
 def exported_after_four_tokens(model_dir, seed: int):
