@@ -309,12 +309,16 @@ class LLM:
         ids of a model without a tokenizer read as no text."""
         return prediction_text(prompt, self.decode_prompt if self.tokenizer is not None else None)
 
-    def check_token_ids(self, sp: SamplingParams) -> None:
-        """ValueError unless every stop token id is one the model can produce."""
+    def check_stops(self, sp: SamplingParams) -> None:
+        """ValueError unless every stop token id is one the model can produce, and stop strings
+        have text to match (a model without a tokenizer has none: they would never stop it)."""
         bad = [t for t in sp.stop_token_ids if not 0 <= t < self.spec.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids: {bad[0]} is not a token id of this model "
                              f"(0 to {self.spec.vocab_size - 1})")
+        if sp.stop and self.tokenizer is None:
+            raise ValueError("stop: this model has no tokenizer, so its output has no text to match; "
+                             "use stop_token_ids")
 
     def encode_prompt(self, prompt: Any) -> tuple[list[int], str | None]:
         """A string, a token id list, or chat messages -> (token ids, text or None)."""
@@ -441,7 +445,7 @@ class LLM:
         for ids, _ in encoded:
             self._check_length(ids)
         for p in params:
-            self.check_token_ids(p)
+            self.check_stops(p)
         now = time.monotonic()
         reqs = [Request(f"gen-{next(self._ids)}", ids, sp, arrival_time=now, prompt=text)
                 for (ids, text), sp in zip(encoded, params)]

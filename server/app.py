@@ -23,7 +23,8 @@ from tandem.server.config import ServerConfig
 from tandem.server.connections import GUARD, body_read, connections_middleware
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.metrics import Metrics
-from tandem.server.protocol import GenRequest, check_model, parse_chat, parse_completion
+from tandem.server.protocol import (GenRequest, check_model, parse_chat, parse_completion, parse_detokenize,
+                                    parse_tokenize)
 
 OPEN_PATHS = ("/health", "/metrics", "/status", "/dashboard", "/openapi.json")   # what /metrics shows, no request text
 DASHBOARD = Path(__file__).parent / "static" / "dashboard.html"
@@ -145,9 +146,9 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
         raise bad_request(str(e), param=param) from None
     sp = gen.sampling
     try:
-        engine.llm.check_token_ids(sp)
+        engine.llm.check_stops(sp)
     except ValueError as e:
-        raise bad_request(str(e), param="stop_token_ids") from None
+        raise bad_request(str(e), param=str(e).split(":")[0]) from None
     budgets = [max_tokens_for(engine, sp, len(ids), param) for ids, _ in encoded]
     if not force_be and engine.num_waiting() >= cfg.max_waiting:
         raise ApiError(429, "too many requests are waiting; retry later", type="rate_limit_error",
@@ -405,6 +406,32 @@ async def completions(request):
     return await generate_handler(request, chat=False)
 
 
+async def tokenize(request):
+    """vLLM's /tokenize: a prompt's token ids as a completion (text) or a chat (messages) would
+    see them, on a worker thread."""
+    engine = ready_engine(request)
+    body = await read_json(request)
+    check_model(body, request.app[STATE].cfg.served_model_name)
+    prompt = parse_tokenize(body)
+    try:
+        ids, _ = await asyncio.get_running_loop().run_in_executor(None, engine.llm.encode_prompt, prompt)
+    except ValueError as e:
+        raise bad_request(str(e), param="prompt" if isinstance(prompt, str) else "messages") from None
+    return json_response({"count": len(ids), "max_model_len": engine.llm.max_model_len, "tokens": ids})
+
+
+async def detokenize(request):
+    """vLLM's /detokenize: token ids to text, special tokens kept."""
+    engine = ready_engine(request)
+    body = await read_json(request)
+    check_model(body, request.app[STATE].cfg.served_model_name)
+    ids = parse_detokenize(body, engine.llm.spec.vocab_size)
+    if engine.llm.tokenizer is None:
+        raise bad_request("this model has no tokenizer", param="tokens")
+    text = await asyncio.get_running_loop().run_in_executor(None, engine.llm.decode_prompt, ids)
+    return json_response({"prompt": text})
+
+
 async def models(request):
     st = request.app[STATE]
     return json_response({"object": "list", "data": [
@@ -476,6 +503,8 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
     app[STATE] = state
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

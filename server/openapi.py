@@ -2,7 +2,7 @@
 the same ones the server validates with; responses describe what the handlers return."""
 from __future__ import annotations
 
-from tandem.server.schema import BATCH_BODY, CHAT_BODY, COMPLETION_BODY
+from tandem.server.schema import BATCH_BODY, CHAT_BODY, COMPLETION_BODY, DETOKENIZE_BODY, TOKENIZE_BODY
 
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"], "properties": {
@@ -26,6 +26,9 @@ CHAT_COMPLETION = _completion("chat.completion", {"message": {
     "type": "object", "required": ["role", "content"],
     "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]}}}})
 COMPLETION = _completion("text_completion", {"text": {"type": "string"}})
+TOKENS = {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
+    "count": {"type": "integer", "minimum": 0}, "max_model_len": {"type": "integer"},
+    "tokens": {"type": "array", "items": {"type": "integer"}}}}
 FILE = {"type": "object", "required": ["id", "object", "bytes", "created_at", "filename", "purpose"], "properties": {
     "id": {"type": "string"}, "object": {"const": "file"}, "bytes": {"type": "integer"},
     "created_at": {"type": "integer"}, "filename": {"type": "string"}, "purpose": {"type": "string"}}}
@@ -92,6 +95,10 @@ def document(version: str = "0.1.0") -> dict:
                                                  CHAT_BODY, stream=True)},
             "/v1/completions": {"post": _op("text completion (stream: server-sent events)", COMPLETION,
                                             COMPLETION_BODY, stream=True)},
+            "/tokenize": {"post": _op("a prompt's token ids (text, or chat messages through the template)",
+                                      TOKENS, TOKENIZE_BODY)},
+            "/detokenize": {"post": _op("token ids to text", {"type": "object", "required": ["prompt"], "properties": {
+                "prompt": {"type": "string"}}}, DETOKENIZE_BODY)},
             "/v1/models": {"get": _op("the served model", _list({"type": "object", "required": ["id", "object"]}))},
             "/v1/files": {
                 "post": {**_op("upload a file", FILE), "requestBody": {"required": True, "content": {

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from tandem.engine.params import SamplingParams
 from tandem.sched.request import ServiceClass
 from tandem.server.errors import ApiError, bad_request
-from tandem.server.schema import CHAT_BODY, COMPLETION_BODY, UNSUPPORTED, validate
+from tandem.server.schema import (CHAT_BODY, COMPLETION_BODY, DETOKENIZE_BODY, TOKENIZE_BODY, UNSUPPORTED,
+                                  validate)
 
 MAX_CHOICES = 64            # prompts x n in one request
 
@@ -86,17 +87,40 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
     return sp, extra
 
 
-def parse_chat(body: dict, **defaults) -> GenRequest:
-    validate(body, CHAT_BODY)
+def chat_messages(messages: list[dict]) -> list[dict]:
+    """Validated chat messages as the chat template takes them: text content, OpenAI's
+    ``developer`` role as ``system``."""
     out = []
-    for m in body["messages"]:
+    for m in messages:
         content = m["content"]
         if isinstance(content, list):        # content parts: text only
             content = "".join(p["text"] for p in content)
         role = "system" if m["role"] == "developer" else m["role"]
         out.append({"role": role, "content": content})
+    return out
+
+
+def parse_chat(body: dict, **defaults) -> GenRequest:
+    validate(body, CHAT_BODY)
     sp, extra = parse_common(body, chat=True, **defaults)
-    return GenRequest([out], sp, **extra)
+    return GenRequest([chat_messages(body["messages"])], sp, **extra)
+
+
+def parse_tokenize(body: dict):
+    """A /tokenize body's prompt: its text or its chat messages (exactly one of them)."""
+    validate(body, TOKENIZE_BODY)
+    given = [k for k in ("prompt", "messages") if body.get(k) is not None]
+    if len(given) != 1:
+        raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
+    return body["prompt"] if given == ["prompt"] else chat_messages(body["messages"])
+
+
+def parse_detokenize(body: dict, vocab_size: int) -> list[int]:
+    validate(body, DETOKENIZE_BODY)
+    bad = [t for t in body["tokens"] if t >= vocab_size]
+    if bad:
+        raise bad_request(f"{bad[0]} is not a token id of this model (0 to {vocab_size - 1})", param="tokens")
+    return body["tokens"]
 
 
 def parse_completion(body: dict, **defaults) -> GenRequest:

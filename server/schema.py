@@ -85,6 +85,13 @@ def _body(extra: dict, required: list[str]) -> dict:
 CHAT_BODY = _body({"messages": {"type": "array", "items": MESSAGE, "minItems": 1},
                    "max_completion_tokens": _int(1, MAX_TOKENS_CAP, "alias of max_tokens")}, ["messages"])
 COMPLETION_BODY = _body({"prompt": PROMPT}, ["prompt"])
+TOKENIZE_BODY = {"type": "object", "properties": {   # vLLM's /tokenize: one of prompt and messages
+    "model": SAMPLING["model"],
+    "prompt": {"type": "string", "minLength": 1, "description": "text, tokenized as a completion's prompt is"},
+    "messages": {"type": "array", "items": MESSAGE, "minItems": 1,
+                 "description": "a chat, rendered by the model's template as a chat request's prompt is"}}}
+DETOKENIZE_BODY = {"type": "object", "required": ["tokens"], "properties": {    # vLLM's /detokenize
+    "model": SAMPLING["model"], "tokens": {"type": "array", "items": _int(0, INT64, "token id")}}}
 BATCH_BODY = {"type": "object", "required": ["input_file_id", "endpoint"], "properties": {
     "input_file_id": {"type": "string", "description": "a file uploaded with purpose 'batch'"},
     "endpoint": {"enum": list(ENDPOINTS)},

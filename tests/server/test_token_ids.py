@@ -1,6 +1,7 @@
-"""``return_token_ids`` (vLLM's extension): the output's and the prompt's token ids beside the text,
-whole and streamed, checked against HF transformers' greedy tokens and the model's own tokenizer;
-a model without a tokenizer streams its tokens as ids, which is what the bench client times."""
+"""Token ids through the API, checked against HF transformers' greedy tokens and the model's own
+tokenizer: ``return_token_ids`` (vLLM's extension: the output's and the prompt's ids beside the
+text, whole and streamed; a model without a tokenizer streams its tokens as ids, which is what
+the bench client times), and vLLM's /tokenize and /detokenize."""
 from __future__ import annotations
 
 import json
@@ -17,11 +18,11 @@ from tests.server.test_alise_server import seed_predictor
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 
-async def post(url: str, path: str, body: dict):
+async def post(url: str, path: str, body: dict, status: int = 200):
     """The whole JSON response, or the list of a stream's chunks."""
     async with aiohttp.ClientSession(headers=HEADERS) as s:
         async with s.post(url + path, json=body) as r:
-            assert r.status == 200, await r.text()
+            assert r.status == status, await r.text()
             if not body.get("stream"):
                 return await r.json()
             chunks = []
@@ -95,3 +96,50 @@ async def test_a_model_without_a_tokenizer_streams_its_tokens_as_ids(server_with
     recs, _ = await run_trace(s.url, s.model, items, "tandem", api_key=API_KEY, drain_s=60, progress=False)
     assert all(r.ok and r.ttft is not None and r.output_tokens == 6 for r in recs), [r.error for r in recs]
     assert all(1 <= len(r.token_times) <= 6 for r in recs)
+
+
+@pytest.mark.asyncio
+async def test_stop_strings_without_a_tokenizer_are_refused_not_ignored(server_without_tokenizer):
+    """No text is ever made, so a stop string could never match: 400 naming ``stop`` (stop token
+    ids still work), and the server keeps serving."""
+    s = server_without_tokenizer
+    body = {"prompt": [5, 9, 200, 31], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    async with aiohttp.ClientSession(headers=HEADERS) as c:
+        async with c.post(s.url + "/v1/completions", json=body | {"stop": ["x"]}) as r:
+            assert r.status == 400
+            err = (await r.json())["error"]
+    assert err["param"] == "stop" and "stop_token_ids" in err["message"]
+    out = await post(s.url, "/v1/completions", body | {"return_token_ids": True})
+    first = out["choices"][0]["token_ids"][0]
+    out = await post(s.url, "/v1/completions", body | {"stop_token_ids": [first], "return_token_ids": True})
+    assert out["choices"][0]["finish_reason"] == "stop" and out["choices"][0]["token_ids"] == [first]
+
+
+@pytest.mark.asyncio
+async def test_tokenize_and_detokenize_agree_with_the_models_tokenizer(server, tiny_chat_model):
+    tok = tokenizer(tiny_chat_model)
+    text = "Tokenize me, please: 12 + 30 = 42"
+    messages = [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi there"}]
+    chat_ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False)["input_ids"]
+    max_len = json.loads((tiny_chat_model / "config.json").read_text())["max_position_embeddings"]
+    for body, want in (({"prompt": text}, tok(text)["input_ids"]), ({"messages": messages}, chat_ids)):
+        out = await post(server.url, "/tokenize", body)
+        assert out == {"count": len(want), "max_model_len": max_len, "tokens": want}
+        back = await post(server.url, "/detokenize", {"tokens": want})
+        assert back == {"prompt": tok.decode(want, skip_special_tokens=False)}
+    assert (await post(server.url, "/detokenize", {"tokens": []})) == {"prompt": ""}
+    for body in ({}, {"prompt": text, "messages": messages}):
+        err = (await post(server.url, "/tokenize", body, status=400))["error"]
+        assert err["param"] == "prompt" and "exactly one" in err["message"]
+    err = (await post(server.url, "/detokenize", {"tokens": [5, len(tok) + 10**6]}, status=400))["error"]
+    assert err["param"] == "tokens"
+    err = (await post(server.url, "/tokenize", {"prompt": text, "model": "other"}, status=404))["error"]
+    assert err["code"] == "model_not_found"
+
+
+@pytest.mark.asyncio
+async def test_tokenize_without_a_tokenizer_is_refused(server_without_tokenizer):
+    s = server_without_tokenizer
+    assert "no tokenizer" in (await post(s.url, "/tokenize", {"prompt": "hi"}, status=400))["error"]["message"]
+    assert "no tokenizer" in (await post(s.url, "/detokenize", {"tokens": [5]}, status=400))["error"]["message"]
