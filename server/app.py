@@ -148,7 +148,7 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
     try:
         engine.llm.check_stops(sp)
     except ValueError as e:
-        raise bad_request(str(e), param=str(e).split(":")[0]) from None
+        raise bad_request(str(e), param=str(e).split(":")[0]) from None    # "stop: ...", "stop_token_ids: ..."
     budgets = [max_tokens_for(engine, sp, len(ids), param) for ids, _ in encoded]
     if not force_be and engine.num_waiting() >= cfg.max_waiting:
         raise ApiError(429, "too many requests are waiting; retry later", type="rate_limit_error",
