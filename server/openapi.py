@@ -13,19 +13,25 @@ USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "t
 FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", "error", None]}
 
 
-def _completion(object_name: str, choice: dict) -> dict:
+IDS = {"type": "array", "items": {"type": "integer"}, "description": "with return_token_ids"}
+
+
+def _completion(object_name: str, choice: dict, **extra) -> dict:
     return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
         "id": {"type": "string"}, "object": {"const": object_name}, "created": {"type": "integer"},
-        "model": {"type": "string"}, "usage": USAGE,
+        "model": {"type": "string"}, "usage": USAGE, **extra,
         "choices": {"type": "array", "items": {"type": "object", "required": ["index", "finish_reason"],
                                                "properties": {"index": {"type": "integer"},
-                                                              "finish_reason": FINISH, **choice}}}}}
+                                                              "finish_reason": FINISH, "token_ids": IDS,
+                                                              "logprobs": {"type": "null"},
+                                                              **choice}}}}}
 
 
 CHAT_COMPLETION = _completion("chat.completion", {"message": {
     "type": "object", "required": ["role", "content"],
-    "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]}}}})
-COMPLETION = _completion("text_completion", {"text": {"type": "string"}})
+    "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]}}}},
+    prompt_token_ids=IDS)
+COMPLETION = _completion("text_completion", {"text": {"type": "string"}, "prompt_token_ids": IDS})
 TOKENS = {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
     "count": {"type": "integer", "minimum": 0}, "max_model_len": {"type": "integer"},
     "tokens": {"type": "array", "items": {"type": "integer"}}}}

@@ -143,3 +143,22 @@ async def test_tokenize_without_a_tokenizer_is_refused(server_without_tokenizer)
     s = server_without_tokenizer
     assert "no tokenizer" in (await post(s.url, "/tokenize", {"prompt": "hi"}, status=400))["error"]["message"]
     assert "no tokenizer" in (await post(s.url, "/detokenize", {"tokens": [5]}, status=400))["error"]["message"]
+
+
+@pytest.mark.asyncio
+async def test_the_api_document_describes_every_field_returned(server):
+    """With return_token_ids, each response is valid under /openapi.json's schema (checked by
+    jsonschema_rs) and names no field the document leaves out, at the top and in its choices."""
+    import jsonschema_rs
+    async with aiohttp.ClientSession() as c:
+        async with c.get(server.url + "/openapi.json") as r:
+            doc = await r.json()
+    calls = (("/v1/completions", {"prompt": "Hello", "n": 2}),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]}))
+    for path, body in calls:
+        schema = doc["paths"][path]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+        out = await post(server.url, path, body | {"max_tokens": 3, "return_token_ids": True})
+        jsonschema_rs.validate(schema, out)
+        assert set(out) <= set(schema["properties"]), path
+        documented = set(schema["properties"]["choices"]["items"]["properties"])
+        assert all(set(ch) <= documented for ch in out["choices"]), (path, documented)
