@@ -309,13 +309,25 @@ class LLM:
         ids of a model without a tokenizer read as no text."""
         return prediction_text(prompt, self.decode_prompt if self.tokenizer is not None else None)
 
+    def check_ids(self, ids: Sequence[int], field: str) -> None:
+        """ValueError naming ``field`` unless every id is a token id of the model."""
+        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"{field}: {bad[0]} is not a token id of this model "
+                             f"(0 to {self.spec.vocab_size - 1})")
+
+    def ids_to_text(self, ids: list[int]) -> str:
+        """Token ids to text, special tokens kept (/detokenize); ValueError for ids outside the
+        vocabulary or a model without a tokenizer."""
+        self.check_ids(ids, "tokens")
+        if self.tokenizer is None:
+            raise ValueError("tokens: this model has no tokenizer")
+        return self.decode_prompt(ids)
+
     def check_stops(self, sp: SamplingParams) -> None:
         """ValueError unless every stop token id is one the model can produce, and stop strings
         have text to match (a model without a tokenizer has none: they would never stop it)."""
-        bad = [t for t in sp.stop_token_ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids: {bad[0]} is not a token id of this model "
-                             f"(0 to {self.spec.vocab_size - 1})")
+        self.check_ids(sp.stop_token_ids, "stop_token_ids")
         if sp.stop and self.tokenizer is None:
             raise ValueError("stop: this model has no tokenizer, so its output has no text to match; "
                              "use stop_token_ids")
@@ -342,8 +354,7 @@ class LLM:
                 return self._encode_chat_literally(prompt), text
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), text
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if min(prompt) < 0 or max(prompt) >= self.spec.vocab_size:
-                raise ValueError(f"prompt: token ids must be in [0, {self.spec.vocab_size})")
+            self.check_ids(prompt, "prompt")
             return list(prompt), None
         raise ValueError("prompt: must be a non-empty string, token id list or chat message list")
 

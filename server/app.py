@@ -240,7 +240,6 @@ class Choice:
     parts: list[str] = field(default_factory=list)      # text deltas, joined once at the end
     prompt_ids: list[int] | None = None     # set where the request asked for token ids back
     ids_sent: int = 0                       # of token_ids, how many a stream has sent
-    prompt_sent: bool = False               # a stream has sent prompt_ids
 
     @property
     def text(self) -> str:
@@ -248,8 +247,8 @@ class Choice:
 
 
 async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice, sink=None) -> None:
-    """Drive one request to its end, appending text; ``sink(choice, delta)`` gets streamed deltas
-    (and is called for new token ids alone where the choice returns token ids).
+    """Drive one request to its end, appending text; ``sink(choice, delta)`` is called for each
+    event that brings text, token ids or the end (it sends what its stream carries).
 
     If the caller goes away (cancellation), the request is aborted in the engine
     and counted with finish reason "abort".
@@ -272,8 +271,7 @@ async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice
                 record(ch.finish_reason, now)
             if delta:
                 ch.parts.append(delta)
-            new_ids = ch.prompt_ids is not None and ev.new_token_ids
-            if sink is not None and (delta or new_ids or ev.finish_reason is not None):
+            if sink is not None and (delta or ev.new_token_ids or ev.finish_reason is not None):
                 await sink(ch, delta)
             if ev.finish_reason is not None and ev.error:
                 raise ApiError(500, f"generation failed: {ev.error}", type="server_error")
@@ -368,10 +366,10 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
         else:
             c = {"index": ch.index, "text": delta, "logprobs": None, "finish_reason": finish}
         if ch.prompt_ids is not None and not first:     # the ids not sent yet; a completion's
-            c |= token_ids_json(chat, ch, ch.token_ids[ch.ids_sent:])     # prompt ids go once
-            if ch.prompt_sent:
+            c |= token_ids_json(chat, ch, ch.token_ids[ch.ids_sent:])     # prompt ids go once,
+            if ch.ids_sent:                                   # with its first ids
                 c.pop("prompt_token_ids", None)
-            ch.ids_sent, ch.prompt_sent = len(ch.token_ids), True
+            ch.ids_sent = len(ch.token_ids)
         return {"id": p.rid, "object": obj, "created": created, "model": p.model, "choices": [c]}
 
     if chat:
@@ -425,10 +423,11 @@ async def detokenize(request):
     engine = ready_engine(request)
     body = await read_json(request)
     check_model(body, request.app[STATE].cfg.served_model_name)
-    ids = parse_detokenize(body, engine.llm.spec.vocab_size)
-    if engine.llm.tokenizer is None:
-        raise bad_request("this model has no tokenizer", param="tokens")
-    text = await asyncio.get_running_loop().run_in_executor(None, engine.llm.decode_prompt, ids)
+    ids = parse_detokenize(body)
+    try:
+        text = await asyncio.get_running_loop().run_in_executor(None, engine.llm.ids_to_text, ids)
+    except ValueError as e:
+        raise bad_request(str(e), param="tokens") from None
     return json_response({"prompt": text})
 
 
