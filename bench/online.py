@@ -16,6 +16,7 @@ import statistics
 import re
 import sys
 import tempfile
+import time
 import urllib.request
 from pathlib import Path
 
@@ -134,8 +135,10 @@ def slo_for(args, hf_dir: Path, tok) -> dict:
 
 
 def server_counters(url: str) -> dict[str, float]:
-    """Counters from the server's Prometheus /metrics: preemptions (vLLM's name; ours too) and
-    our tokens per cache type (tokens_kv, tokens_hidden); {} where there is no /metrics."""
+    """Counters from the server's Prometheus /metrics: preemptions (vLLM's name; ours too), our
+    tokens per cache type (tokens_kv, tokens_hidden), its device steps (steps, step_seconds) and
+    the tokens they computed by class and phase (tokens_rt_prefill, tokens_be_decode, ...);
+    {} where there is no /metrics."""
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
             text = resp.read().decode()
@@ -151,6 +154,11 @@ def server_counters(url: str) -> dict[str, float]:
             key = "preemptions"
         elif name == "tandem:cache_tokens_total" and (m := re.search(r'cache_type="(\w+)"', head)):
             key = f"tokens_{m.group(1)}"
+        elif name in ("tandem:step_seconds_count", "tandem:step_seconds_sum"):
+            key = "steps" if name.endswith("count") else "step_seconds"
+        elif name == "tandem:step_tokens_total":
+            labels = dict(re.findall(r'(\w+)="(\w*)"', head))
+            key = f"tokens_{labels.get('service_class')}_{labels.get('phase')}"
         else:
             continue
         out[key] = out.get(key, 0.0) + float(val)
@@ -292,11 +300,14 @@ def mixed(args) -> None:
         with start(system, hf_dir, args.max_num_seqs, told, args.model, args.kv_cache_gib, args.devices) as url:
             for rate in args.rates:
                 rt = rt_trace(args, hf_dir, tok, rate, held_out=args.held_out)
+                before, t0 = server_counters(url), time.monotonic()
                 recs, be = asyncio.run(run_mixed(url, "smollm2", rt, be_items, system, be_mode=mode,
                                                  job_size=args.be_job_size, be_concurrency=args.be_concurrency,
                                                  drain_s=args.drain))
+                after, elapsed = server_counters(url), time.monotonic() - t0
                 row = judge(system + (label if system.startswith("tandem") else ""), rate, recs, be.window_s,
-                            slo) | {"be": be.summary()}
+                            slo) | {"be": be.summary(), "elapsed_s": elapsed,
+                                    "server": {k: v - before.get(k, 0.0) for k, v in after.items()}}
                 print_row(row, flush=True)
                 rows.append(row)
     targets = co_serving_targets(rows)
@@ -311,8 +322,27 @@ def mixed(args) -> None:
         plots.latency_cdfs([r for r in rows if r["rate"] == rate], RESULTS / f"{stem}_cdf_{rate:g}.png",
                            f"RT latency CDFs at {rate:g} req/s, BE pending")
     print_table(rows)
+    print_steps(rows)
     print_targets(targets)
     print(f"wrote {out} and {stem}_*.png")
+
+
+def print_steps(rows: list[dict]) -> None:
+    """Where each server's device time went (our server's /metrics; none for a peer): how many
+    steps it ran and what each held on average. On a CPU a step has a large fixed cost, so the
+    step count is what an RT latency target costs BE throughput."""
+    ours = [r for r in rows if r.get("server", {}).get("steps")]
+    if not ours:
+        return
+    print("\n| system | rate (req/s) | steps/s | busy | step ms mean | prompt tokens / step (RT / BE) "
+          "| decoding requests / step (RT / BE) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in ours:
+        c, n = r["server"], r["server"]["steps"]
+        per = {k: c.get(f"tokens_{k}", 0.0) / n for k in ("rt_prefill", "be_prefill", "rt_decode", "be_decode")}
+        print(f"| {r['system']} | {r['rate']} | {n / r['elapsed_s']:.2f} | {c['step_seconds'] / r['elapsed_s']:.0%} | "
+              f"{c['step_seconds'] / n * 1e3:.0f} | {per['rt_prefill']:.1f} / {per['be_prefill']:.1f} | "
+              f"{per['rt_decode']:.1f} / {per['be_decode']:.1f} |")
 
 
 def _ms(d: dict, p: int) -> str:

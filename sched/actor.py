@@ -108,6 +108,9 @@ class DeviceActor:
         self.preemptions_by_class: Counter = Counter()
         self.preemption_reasons: Counter = Counter()   # the policy's reason for each preemption
         self.tokens_by_cache_type: Counter = Counter()
+        self.tokens_by_phase: Counter = Counter()  # (ServiceClass, Phase) -> tokens computed
+        self.steps: deque[tuple[float, int]] = deque(maxlen=1024)   # (seconds, tokens) of recent steps
+        self.steps_total = 0
         self.cache_switches: Counter = Counter()   # type changes that discarded a cache, by new type
         self.step_log: list[tuple[StepShape, float]] | None = None   # set to a list to record steps
 
@@ -273,6 +276,7 @@ class DeviceActor:
                 st.sent_to_device = True
             inp.scheduled.append(sr)
             self.tokens_by_cache_type[st.cache_type] += dec.num_new_tokens
+            self.tokens_by_phase[st.request.service_class, dec.phase] += dec.num_new_tokens
         plan.scheduled = placed
         return inp, shape
 
@@ -478,6 +482,8 @@ class DeviceActor:
         self.moves_total += 1
 
     def observe(self, shape: StepShape, seconds: float) -> None:
+        self.steps.append((seconds, shape.prefill_tokens + shape.decode_tokens))
+        self.steps_total += 1
         if self.step_log is not None:
             self.step_log.append((shape, seconds))
         if self.cost is not None:

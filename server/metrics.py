@@ -13,6 +13,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
 CLASSES = ("rt", "be")
 SLO_WINDOW_S = 300.0       # the status endpoint's SLO attainment: requests finished in the last 5 minutes
 RATE_WINDOW_S = 10.0       # its tokens/s: over the last 10 seconds of steps
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)   # vLLM's
 STATUS_EVERY_S = 0.25      # a device's status view is rebuilt at most this often while its requests stay the same
 
 
@@ -43,6 +44,14 @@ class Metrics:
                                 "|predicted - measured| / measured (EWMA over steps)", ["model_name"], registry=r)
         self.cost_steps = Gauge("tandem:cost_model_observed_steps", "Steps the cost model has been checked "
                                 "against (and refitted from)", ["model_name"], registry=r)
+        self.step_seconds = Histogram("tandem:step_seconds", "Wall time of each device step (plan to "
+                                      "results)", ["model_name"], buckets=LATENCY_BUCKETS, registry=r)
+        self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Tokens computed per device step "
+                                          "(prompt tokens plus one per decoding request)", ["model_name"],
+                                          buckets=ITERATION_TOKEN_BUCKETS, registry=r)
+        self.step_tokens = Counter("tandem:step_tokens", "Tokens computed in steps, by class and phase (prefill: "
+                                   "prompt tokens, recomputed ones included; decode: one per decoding request)",
+                                   lab + ["phase"], registry=r)
         self.t_avg = Gauge("tandem:iteration_seconds_avg", "Moving average of the iteration time (T_avg)",
                            ["model_name"], registry=r)
         self.pool_blocks = Gauge("tandem:pool_blocks", "Pool blocks by owner: rt, be, shared, checkpointed "
@@ -130,6 +139,7 @@ class Metrics:
             self.device_pool.labels(self.model, actor.device.name).set(
                 1 - actor.pool.num_free / max(1, actor.pool.geometry.num_blocks))
             self._count_moves(actor)
+            self._count_steps(actor)
             for cls in CLASSES:
                 running = sum(d[0].get(cls, (0, 0, 0))[0] for d in devices)
                 waiting = sum(d[0].get(cls, (0, 0, 0))[1] for d in devices)
@@ -168,23 +178,35 @@ class Metrics:
             self.waiting_reasons.labels(self.model, *key).set(n)
         self._seen["waiting_reasons"] = set(totals)
 
+    def _fresh(self, key: tuple, log: deque, total: int) -> list:
+        """What a device appended to a bounded ``log`` (``total`` entries ever) since the last call."""
+        new = total - self._seen.get(key, 0)
+        self._seen[key] = total
+        n = len(log)
+        return [log[i] for i in range(n - min(new, n), n)] if new > 0 else []   # O(new) at a deque's end
+
     def _count_moves(self, actor) -> None:
         """Migrations that arrived on this device since the last call (its ``moves`` log)."""
-        seen = self._seen.get(("moves", actor.index), 0)
-        new = actor.moves_total - seen
-        if new <= 0:
-            return
-        for m in list(actor.moves)[-min(new, len(actor.moves)):]:
+        for m in self._fresh(("moves", actor.index), actor.moves, actor.moves_total):
             self.migrations.labels(self.model, m.kind.value).inc()
             self.migration_pause.labels(self.model, m.kind.value).observe(m.pause_s)
-        self._seen[("moves", actor.index)] = actor.moves_total
+
+    def _count_steps(self, actor) -> None:
+        """Steps this device finished since the last call (its ``steps`` log), and its tokens by
+        class and phase."""
+        for seconds, tokens in self._fresh(("steps", actor.index), actor.steps, actor.steps_total):
+            self.step_seconds.labels(self.model).observe(seconds)
+            self.iteration_tokens.labels(self.model).observe(tokens)
+        self._count(self.step_tokens, actor.index, actor.tokens_by_phase)
 
     def _count(self, counter: Counter, device: int, totals) -> None:
-        """Bring a Prometheus counter up to one device's running totals (enum key -> count)."""
+        """Bring a Prometheus counter up to one device's running totals (key -> count; a key is an
+        enum, a string or a tuple of them, one per label after the model's)."""
         for key, n in list(totals.items()):
             seen = self._seen.get((counter, device, key), 0)
             if n > seen:
-                counter.labels(self.model, getattr(key, "value", key)).inc(n - seen)
+                labels = key if isinstance(key, tuple) else (key,)
+                counter.labels(self.model, *(getattr(k, "value", k) for k in labels)).inc(n - seen)
                 self._seen[(counter, device, key)] = n
 
     def request_done(self, cls: str, *, prompt_tokens: int, token_times: list[float], arrival: float,

@@ -1,0 +1,56 @@
+"""/metrics counts the device steps and the tokens each computed, by class and phase: checked
+against what the test itself sent (prompt ids it chose, max_tokens it fixed) and its own clock."""
+import json
+import time
+import urllib.request
+
+from tandem.bench.online import server_counters
+from tests.server.conftest import API_KEY, start_server, stop_server
+from tests.server.test_load import metric
+
+MAX_TOKENS = 7
+RT_PROMPTS = [[5 + i, 17, 33, 99, 7 * i + 1][: 3 + i] for i in range(3)]
+BE_PROMPTS = [list(range(40, 52 + 5 * i)) for i in range(2)]
+
+
+def complete(server, prompt: list[int], tier: str | None) -> dict:
+    body = {"model": server.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "service_tier": tier}
+    req = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **server.headers()})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def test_steps_and_their_tokens_are_counted_by_class_and_phase(tiny_chat_model, tmp_path):
+    """One request at a time, so no two share a step and none is preempted: each takes one
+    prefill step for its whole prompt and one decode step per further token."""
+    s = start_server(tiny_chat_model, tmp_path, "--policy", "fcfs")
+    try:
+        start = time.monotonic()
+        for p in RT_PROMPTS:
+            assert complete(s, p, None)["usage"]["completion_tokens"] == MAX_TOKENS
+        for p in BE_PROMPTS:
+            assert complete(s, p, "flex")["usage"]["completion_tokens"] == MAX_TOKENS
+        wall = time.monotonic() - start
+        req = urllib.request.Request(s.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
+        text = urllib.request.urlopen(req).read().decode()
+        tokens = {(cls, phase): metric(text, "tandem:step_tokens_total", service_class=cls, phase=phase)
+                  for cls in ("rt", "be") for phase in ("prefill", "decode")}
+        assert tokens == {("rt", "prefill"): sum(map(len, RT_PROMPTS)),
+                          ("rt", "decode"): len(RT_PROMPTS) * (MAX_TOKENS - 1),
+                          ("be", "prefill"): sum(map(len, BE_PROMPTS)),
+                          ("be", "decode"): len(BE_PROMPTS) * (MAX_TOKENS - 1)}
+        requests = len(RT_PROMPTS) + len(BE_PROMPTS)
+        assert metric(text, "tandem:step_seconds_count") == requests * MAX_TOKENS
+        assert metric(text, "vllm:iteration_tokens_total_count") == requests * MAX_TOKENS
+        assert metric(text, "vllm:iteration_tokens_total_sum") == sum(tokens.values())
+        # a prefill step of a 3-token prompt holds 3 tokens; a decode step of one request, one
+        assert metric(text, "vllm:iteration_tokens_total_bucket", le="1.0") == requests * (MAX_TOKENS - 1)
+        assert 0 < metric(text, "tandem:step_seconds_sum") < wall
+        seen = server_counters(s.url)                               # what the bench scrapes
+        assert seen["steps"] == requests * MAX_TOKENS
+        assert seen["tokens_be_prefill"] == tokens["be", "prefill"]
+        assert seen["tokens_rt_decode"] == tokens["rt", "decode"]
+    finally:
+        assert stop_server(s) == 0
