@@ -240,12 +240,15 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     sk.add_argument("--warmup-s", type=float, default=30.0)
     sk.add_argument("--seed", type=int, default=0)
     sk.add_argument("--out", default="soak.json")
-    kn = sub.add_parser("kernels", help="CUDA: the Triton paged decode attention's GB/s against the device's copy")
+    kn = sub.add_parser("kernels", help="the paged decode attention's GB/s against the device's copy (CUDA: Triton; "
+                                        "--cpu: the compiled CPU kernel)")
     kn.add_argument("--shapes", nargs="+", default=["llama8b", "opt13b", "smollm2"])
     kn.add_argument("--batch", type=int, default=64)
     kn.add_argument("--ctx", type=int, default=2048)
     kn.add_argument("--block-size", type=int, default=16)
     kn.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    kn.add_argument("--cpu", action="store_true",
+                    help="the compiled CPU kernel on one thread against one core's copy bandwidth instead (float32 and int8)")
     kn.add_argument("--accuracy", action="store_true",
                     help="max abs error per kernel and dtype against float64 instead (CPU: under Triton's interpreter)")
     kn.add_argument("--out", default="kernels.json")

@@ -1,5 +1,7 @@
 """python -m bench kernels: the Triton paged decode attention's memory bandwidth against the
-device's own copy bandwidth (CUDA), at batch x context, for the shapes of the served models.
+device's own copy bandwidth (CUDA), at batch x context, for the shapes of the served models;
+with ``--cpu``, the same for the compiled CPU kernel (engine/csrc) on one thread against one
+core's copy bandwidth.
 
 Bytes counted per call: the K and V rows of every context token (what the kernel must read),
 plus q and out; the copy's bytes: read + written. A decode kernel is memory-bound, so the
@@ -61,9 +63,86 @@ def decode_case(shape: str, batch: int, ctx: int, dtype: torch.dtype, block_size
             "kv": "int8" if int8 else "full", "ms": ms, "GB/s": total / (ms / 1e3) / 1e9}
 
 
+def cpu_copy_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
+    """Bytes per second (read + written) of one thread copying a buffer larger than the caches."""
+    src = torch.empty(nbytes, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _best(lambda: dst.copy_(src), repeats)
+
+
+def _best(fn, repeats: int) -> float:
+    """The median wall time of ``fn`` over ``repeats`` calls after one warm-up call."""
+    import statistics
+    import time
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def cpu_decode_case(shape: str, batch: int, ctx: int, block_size: int, int8: bool, repeats: int = 7) -> dict:
+    """The CPU kernel over one layer of fp32 K/V (or the int8 pool, every block closed), each
+    request's blocks scattered over the pool as a long-running server leaves them."""
+    from tandem.engine.kernels import cpu_ops
+    ops = cpu_ops()
+    if ops is None:
+        raise SystemExit("bench kernels --cpu: the CPU kernel could not be built (no compiler)")
+    hkv, g, d = SHAPES[shape]
+    nbt = -(-ctx // block_size)
+    num_blocks = 2 * batch * nbt
+    gen = torch.Generator().manual_seed(0)
+    perm = torch.randperm(num_blocks, generator=gen)
+    offs = torch.arange(ctx)
+    rows = [(perm[i * nbt:(i + 1) * nbt][offs // block_size] * block_size + offs % block_size) for i in range(2 * batch)]
+    k_rows, v_rows = torch.stack(rows[:batch]), torch.stack(rows[batch:])
+    lens = torch.full((batch,), ctx, dtype=torch.long)
+    q = torch.randn(batch, hkv, g, d, generator=gen)
+    if int8:
+        codes = torch.randint(0, 256, (hkv, num_blocks * block_size, d), dtype=torch.uint8, generator=gen)
+        scale, low = torch.rand(hkv, num_blocks, d, generator=gen) * 0.01, torch.randn(hkv, num_blocks, d, generator=gen)
+        stage, stage_of = torch.zeros(hkv, block_size, d), torch.full((num_blocks,), -1, dtype=torch.long)
+        run = lambda: ops.paged_decode_q8(q, stage, codes, scale, low, stage_of, k_rows, v_rows, lens,  # noqa: E731
+                                          block_size, d ** -0.5)
+        kv_bytes = 2 * batch * ctx * hkv * d + 2 * batch * nbt * hkv * d * 8
+    else:
+        pool = torch.randn(hkv, num_blocks * block_size, d, generator=gen)
+        run = lambda: ops.paged_decode(q, pool, k_rows, v_rows, lens, d ** -0.5)  # noqa: E731
+        kv_bytes = 2 * batch * ctx * hkv * d * 4
+    sec = _best(run, repeats)
+    total = kv_bytes + 2 * q.numel() * q.element_size()
+    return {"shape": shape, "batch": batch, "ctx": ctx, "dtype": "float32", "kv": "int8" if int8 else "full",
+            "ms": sec * 1e3, "GB/s": total / sec / 1e9}
+
+
+def run_cpu(args) -> None:
+    torch.set_num_threads(1)
+    copy = cpu_copy_bandwidth()
+    rows = []
+    for shape in args.shapes:
+        for int8 in (False, True):
+            r = cpu_decode_case(shape, args.batch, args.ctx, args.block_size, int8)
+            r["of_copy"] = r["GB/s"] * 1e9 / copy
+            rows.append(r)
+    _print(f"one CPU thread: copy {copy / 1e9:.1f} GB/s (read + written)", rows, "ms")
+    save_json(args.out, {"device": "cpu, one thread", "copy_GBps": copy / 1e9, "rows": rows})
+
+
+def _print(head: str, rows: list[dict], unit: str) -> None:
+    print(head)
+    print(f"{'shape':<9} {'kv':<5} {'batch x ctx':>12} {unit:>8} {'GB/s':>8} {'of copy':>8}")
+    for r in rows:
+        print(f"{r['shape']:<9} {r['kv']:<5} {r['batch']:>5} x {r['ctx']:<5} {r['ms']:>8.3f} "
+              f"{r['GB/s']:>8.1f} {r['of_copy']:>8.0%}")
+
+
 def run(args) -> None:
     if args.accuracy:
         return accuracy(args)
+    if args.cpu:
+        return run_cpu(args)
     if not torch.cuda.is_available():
         raise SystemExit("bench kernels: the bandwidth needs a CUDA device (--accuracy runs anywhere)")
     copy = copy_bandwidth()
@@ -75,11 +154,7 @@ def run(args) -> None:
             r["of_copy"] = r["GB/s"] * 1e9 / copy
             rows.append(r)
     dev = torch.cuda.get_device_name()
-    print(f"{dev}: device-to-device copy {copy / 1e9:.0f} GB/s (read + written)")
-    print(f"{'shape':<9} {'kv':<5} {'batch x ctx':>12} {'ms':>8} {'GB/s':>8} {'of copy':>8}")
-    for r in rows:
-        print(f"{r['shape']:<9} {r['kv']:<5} {r['batch']:>5} x {r['ctx']:<5} {r['ms']:>8.3f} "
-              f"{r['GB/s']:>8.0f} {r['of_copy']:>8.0%}")
+    _print(f"{dev}: device-to-device copy {copy / 1e9:.0f} GB/s (read + written)", rows, "ms")
     save_json(args.out, {"device": dev, "copy_GBps": copy / 1e9, "rows": rows})
 
 
