@@ -67,10 +67,10 @@ def cpu_copy_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
     """Bytes per second (read + written) of one thread copying a buffer larger than the caches."""
     src = torch.empty(nbytes, dtype=torch.uint8).random_()
     dst = torch.empty_like(src)
-    return 2 * nbytes / _best(lambda: dst.copy_(src), repeats)
+    return 2 * nbytes / _median_s(lambda: dst.copy_(src), repeats)
 
 
-def _best(fn, repeats: int) -> float:
+def _median_s(fn, repeats: int) -> float:
     """The median wall time of ``fn`` over ``repeats`` calls after one warm-up call."""
     import statistics
     import time
@@ -111,7 +111,7 @@ def cpu_decode_case(shape: str, batch: int, ctx: int, block_size: int, int8: boo
         pool = torch.randn(hkv, num_blocks * block_size, d, generator=gen)
         run = lambda: ops.paged_decode(q, pool, k_rows, v_rows, lens, d ** -0.5)  # noqa: E731
         kv_bytes = 2 * batch * ctx * hkv * d * 4
-    sec = _best(run, repeats)
+    sec = _median_s(run, repeats)
     total = kv_bytes + 2 * q.numel() * q.element_size()
     return {"shape": shape, "batch": batch, "ctx": ctx, "dtype": "float32", "kv": "int8" if int8 else "full",
             "ms": sec * 1e3, "GB/s": total / sec / 1e9}
@@ -126,13 +126,13 @@ def run_cpu(args) -> None:
             r = cpu_decode_case(shape, args.batch, args.ctx, args.block_size, int8)
             r["of_copy"] = r["GB/s"] * 1e9 / copy
             rows.append(r)
-    _print(f"one CPU thread: copy {copy / 1e9:.1f} GB/s (read + written)", rows, "ms")
+    _print(f"one CPU thread: copy {copy / 1e9:.1f} GB/s (read + written)", rows)
     save_json(args.out, {"device": "cpu, one thread", "copy_GBps": copy / 1e9, "rows": rows})
 
 
-def _print(head: str, rows: list[dict], unit: str) -> None:
+def _print(head: str, rows: list[dict]) -> None:
     print(head)
-    print(f"{'shape':<9} {'kv':<5} {'batch x ctx':>12} {unit:>8} {'GB/s':>8} {'of copy':>8}")
+    print(f"{'shape':<9} {'kv':<5} {'batch x ctx':>12} {'ms':>8} {'GB/s':>8} {'of copy':>8}")
     for r in rows:
         print(f"{r['shape']:<9} {r['kv']:<5} {r['batch']:>5} x {r['ctx']:<5} {r['ms']:>8.3f} "
               f"{r['GB/s']:>8.1f} {r['of_copy']:>8.0%}")
@@ -154,7 +154,7 @@ def run(args) -> None:
             r["of_copy"] = r["GB/s"] * 1e9 / copy
             rows.append(r)
     dev = torch.cuda.get_device_name()
-    _print(f"{dev}: device-to-device copy {copy / 1e9:.0f} GB/s (read + written)", rows, "ms")
+    _print(f"{dev}: device-to-device copy {copy / 1e9:.0f} GB/s (read + written)", rows)
     save_json(args.out, {"device": dev, "copy_GBps": copy / 1e9, "rows": rows})
 
 
