@@ -1,7 +1,7 @@
 """/metrics counts the device steps and the tokens each computed, by class and phase: checked
-against what the test itself sent (prompt ids it chose, max_tokens it fixed) and its own clock."""
+against what the test itself sent (prompt ids it chose, max_tokens it fixed); step times against
+the requests' own latencies, whatever the machine's speed."""
 import json
-import time
 import urllib.request
 
 from tandem.bench.online import server_counters
@@ -27,12 +27,10 @@ def test_steps_and_their_tokens_are_counted_by_class_and_phase(tiny_chat_model, 
     prefill step for its whole prompt and one decode step per further token."""
     s = start_server(tiny_chat_model, tmp_path, "--policy", "fcfs")
     try:
-        start = time.monotonic()
         for p in RT_PROMPTS:
             assert complete(s, p, None)["usage"]["completion_tokens"] == MAX_TOKENS
         for p in BE_PROMPTS:
             assert complete(s, p, "flex")["usage"]["completion_tokens"] == MAX_TOKENS
-        wall = time.monotonic() - start
         req = urllib.request.Request(s.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
         text = urllib.request.urlopen(req).read().decode()
         tokens = {(cls, phase): metric(text, "tandem:step_tokens_total", service_class=cls, phase=phase)
@@ -47,7 +45,9 @@ def test_steps_and_their_tokens_are_counted_by_class_and_phase(tiny_chat_model, 
         assert metric(text, "vllm:iteration_tokens_total_sum") == sum(tokens.values())
         # a prefill step of a 3-token prompt holds 3 tokens; a decode step of one request, one
         assert metric(text, "vllm:iteration_tokens_total_bucket", le="1.0") == requests * (MAX_TOKENS - 1)
-        assert 0 < metric(text, "tandem:step_seconds_sum") < wall
+        # every step ran inside the lifetime of the one request it served: no step time is lost
+        # or counted twice (a bound, not a speed: both sides scale with the machine)
+        assert 0 < metric(text, "tandem:step_seconds_sum") <= metric(text, "vllm:e2e_request_latency_seconds_sum")
         seen = server_counters(s.url)                               # what the bench scrapes
         assert seen["steps"] == requests * MAX_TOKENS
         assert seen["tokens_be_prefill"] == tokens["be", "prefill"]
