@@ -7,13 +7,12 @@ different).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import logging
 from pathlib import Path
 
-from tandem.paths import cache_dir
+from tandem.paths import cache_dir, exclusive
 
 log = logging.getLogger(__name__)
 _SRC = Path(__file__).parent / "csrc" / "paged_decode.cpp"
@@ -39,8 +38,7 @@ def _sole_loader(build: Path):
     for it for ever: the server never starts again. An flock on a file beside it is dropped by
     the kernel when its holder dies, so while this process holds it no other load of ours is
     under way, and a ``lock`` file found then is stale."""
-    with open(build / "load.flock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)            # released when the file closes
+    with exclusive(build / "load.flock"):
         stale = build / "lock"
         if stale.exists():
             log.warning("removing the lock a killed kernel load left in %s", build)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from tandem.engine.models.spec import Family, ModelSpec, spec_from_hf_config
+from tandem.paths import exclusive
 
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -57,16 +58,22 @@ def resolve_model(model: str, cache_dir: str | os.PathLike) -> Path:
 
 
 def convert_gguf(path: Path, cache_dir: Path) -> Path:
-    """Dequantize a GGUF to fp32 and save it as a HF directory (once; cached by content key)."""
-    key = _content_key(path)
-    out = cache_dir / f"{path.stem}-{key}"
-    if (out / "model.safetensors").is_file():
-        _name_architecture(out)
-        return out
+    """Dequantize a GGUF to fp32 and save it as a HF directory (once; cached by content key).
+    Processes converting the same file at once take turns: the later ones find it done."""
+    out = cache_dir / f"{path.stem}-{_content_key(path)}"
+    if not (out / "model.safetensors").is_file():
+        with exclusive(cache_dir / f".{out.name}.lock"):
+            if not (out / "model.safetensors").is_file():
+                _write_converted(path, out)
+    _name_architecture(out)
+    return out
+
+
+def _write_converted(path: Path, out: Path) -> None:
+    """Convert into a scratch folder beside ``out``, then rename it: a reader never sees half."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".convert-"))
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
     try:
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
@@ -81,14 +88,12 @@ def convert_gguf(path: Path, cache_dir: Path) -> Path:
         hf.generation_config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if out.exists():
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, out)
+        if out.exists():                 # an earlier, interrupted layout: replace it whole
+            shutil.rmtree(out)
+        os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 def _name_architecture(hf_dir: Path) -> None:
