@@ -30,8 +30,13 @@ $(PREDICTOR): | $(STAMP)
 serve: $(STAMP) $(PREDICTOR)
 	$(VPY) -m server --model smollm2 --host 127.0.0.1 --port 8000
 
+# the suite keeps one core busy on average (a test mostly waits on its server, and the server on
+# its worker), so two pytest workers halve its time on two cores; a test file stays on one worker,
+# which starts its module's server once. TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP) chromium
-	OMP_WAIT_POLICY=PASSIVE $(VPY) -m pytest -q --durations=20 tests
+	OMP_WAIT_POLICY=PASSIVE $(VPY) -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadfile tests
 
 # the dashboard test drives a real headless browser: Debian's chromium, installed when missing
 # (as root; elsewhere the test says it was skipped and why)
