@@ -32,6 +32,9 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     ap.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                     help="new tokens per iteration (smaller: shorter decode stalls behind prefills)")
+    ap.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                    help="longest context, prompt plus output, in tokens (default: the model's; "
+                         "a larger value is cut to it)")
     ap.add_argument("--policy", default=d.policy, choices=list(POLICIES),
                     help="tandem (default): all four mechanisms together: RT iterations sized by SLO slack "
                          "with BE packed into what is left, shortest predicted remaining time first inside each "
@@ -130,7 +133,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
         from tandem.sched.llm import parse_devices
         parse_devices(a.devices)
         for flag, v in (("threads-per-worker", a.threads_per_worker), ("kv-cache-bytes", a.kv_cache_bytes),
-                        ("max-waiting", a.max_waiting)):
+                        ("max-waiting", a.max_waiting), ("max-model-len", a.max_model_len)):
             if v is not None and v < 1:
                 raise ValueError(f"{flag}: must be a positive integer, got {v}")
         if a.max_connections < 1 or a.header_timeout <= 0 or a.body_timeout <= 0:
@@ -140,7 +143,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     name = a.served_model_name or (a.model if a.model == "smollm2" else os.path.basename(a.model.rstrip("/")))
     return ServerConfig(model=a.model, served_model_name=name, devices=a.devices, host=a.host, port=a.port,
                         api_key=a.api_key, data_dir=a.data_dir, max_num_seqs=a.max_num_seqs,
-                        max_num_batched_tokens=a.max_num_batched_tokens,
+                        max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                         policy=a.policy, tandem_off=tuple(a.tandem_off), slo_tbt_mean=a.slo_tbt_mean,
                         bidirectional_blocks=a.bidirectional_blocks, cache_type=a.cache_type,
                         hybrid_cache=not a.kv_only, adaptive=not a.aptserve_fcfs, slo_decay=a.slo_decay,
@@ -212,7 +215,7 @@ def main(argv=None, prog: str = "python -m server") -> None:
 
     def build_engine() -> AsyncEngine:
         llm = LLM(cfg.model, cfg.devices, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
-                  max_num_batched_tokens=cfg.max_num_batched_tokens,
+                  max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len,
                   kv_cache_bytes=cfg.kv_cache_bytes, policy=cfg.policy,
                   rt_budget_s=cfg.slo_tbt_ms / 1000, bidirectional_blocks=cfg.bidirectional_blocks,
                   cache_type=cfg.cache_type, hybrid_cache=cfg.hybrid_cache, adaptive=cfg.adaptive,

@@ -18,6 +18,7 @@ class ServerConfig:
     data_dir: str = field(default_factory=lambda: str(data_dir()))   # XDG data dir, outside any checkout
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None   # prompt + output tokens (None: the model's context)
     policy: str = "tandem"             # every mechanism together (see sched/tandem.py)
     tandem_off: tuple[str, ...] = ()   # tandem: mechanisms switched off (ablations)
     slo_tbt_mean: bool = False         # tandem: the TBT target bounds the mean gap (TPOT), not each gap

@@ -13,6 +13,7 @@ from tests.server.conftest import ROOT, free_port
     (["--threads-per-worker", "-3"], "threads-per-worker"),
     (["--kv-cache-bytes", "-5"], "kv-cache-bytes"),
     (["--max-waiting", "0"], "max-waiting"),
+    (["--max-model-len", "0"], "max-model-len"),
     (["--rebalance-interval", "0"], "rebalance-interval"),
 ])
 def test_bad_settings_exit_before_loading(args, says):
