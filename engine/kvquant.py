@@ -12,6 +12,14 @@ and channel c = (layer, head, dim)::
 (computed in float32; returned in a 16-bit dtype, x̂ is rounded once more, by up to half a unit
 in its last place, so there the bound is λ/2 + ulp(x̂)/2).
 
+Both directions are computed on halves -- λ/2 = (hi/2 - lo/2) / 255 and x̂ = 2 (lo/2 + (λ/2) q)
+-- because hi - lo, x - lo and λ q exceed float32's range when a channel spans more than half of
+it (values of opposite sign above 1.7e38), which made λ infinite and x̂ NaN. Halving and
+doubling are exact, so for normal numbers the results are those of the plain formulas bit for
+bit; a subnormal lo may move by the smallest subnormal. The readers of the codes (the torch
+paths here and in engine.quantpool, the Triton decode kernel) use the halved form; the C++
+kernel a fused multiply-add where the CPU has one (λ q is never rounded there), else the halves.
+
 [open choice] The zero point is kept as the float minimum ``lo`` instead of the paper's rounded
 integer z = round(-lo / λ): the bound stays λ/2 with no extra rounding of z, and a constant
 channel (λ = 0) comes back exact. Storage per group and channel: block_size bytes plus two fp32
@@ -42,19 +50,26 @@ class Int8Rows:
 
 def quantize_groups(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``g [..., block_size, D]`` -> (q uint8 [..., block_size, D], λ [..., D], lo [..., D]):
-    each group of rows (dim -2) compressed channel by channel."""
+    each group of rows (dim -2) compressed channel by channel, on halves (module docstring)."""
     g = g.float()
     lo = g.amin(dim=-2)
-    scale = (g.amax(dim=-2) - lo) / LEVELS
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = ((g - lo.unsqueeze(-2)) / safe.unsqueeze(-2)).round_().clamp_(0, LEVELS)
-    return q.to(torch.uint8), scale, lo
+    half_lo = lo * 0.5
+    half_scale = (g.amax(dim=-2) * 0.5 - half_lo) / LEVELS
+    safe = torch.where(half_scale > 0, half_scale, torch.ones_like(half_scale))
+    q = ((g * 0.5 - half_lo.unsqueeze(-2)) / safe.unsqueeze(-2)).round_().clamp_(0, LEVELS)
+    return q.to(torch.uint8), half_scale * 2, lo
+
+
+def reconstruct(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """x̂ = lo + λ q in float32, computed as 2 (lo/2 + (λ/2) q) (module docstring); the three
+    broadcast together."""
+    return (low * 0.5 + (scale * 0.5) * q.float()) * 2
 
 
 def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
                       dtype: torch.dtype) -> torch.Tensor:
     """Inverse of ``quantize_groups``: q [..., rows, D] with λ, lo [..., D] -> rows in ``dtype``."""
-    return (low.unsqueeze(-2) + scale.unsqueeze(-2) * q.float()).to(dtype)
+    return reconstruct(q, scale.unsqueeze(-2), low.unsqueeze(-2)).to(dtype)
 
 
 def quantize(x: torch.Tensor, kinds: int, block_size: int) -> Int8Rows:

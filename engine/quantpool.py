@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.engine.kvquant import quantize_groups
+from tandem.engine.kvquant import quantize_groups, reconstruct
 
 
 def _resolve(q, scale, low, stage, stage_of, block_size: int, rows: torch.Tensor) -> torch.Tensor:
@@ -37,7 +37,7 @@ def _resolve(q, scale, low, stage, stage_of, block_size: int, rows: torch.Tensor
     blocks = torch.div(flat, block_size, rounding_mode="floor")
     slot = stage_of[blocks]
     staged = slot >= 0
-    out = (low[..., blocks, :] + scale[..., blocks, :] * q[..., flat, :].float()).to(stage.dtype)
+    out = reconstruct(q[..., flat, :], scale[..., blocks, :], low[..., blocks, :]).to(stage.dtype)
     if bool(staged.any()):
         idx = staged.nonzero().squeeze(1)
         src = slot[idx] * block_size + flat[idx] % block_size

@@ -47,7 +47,9 @@ def _load_rows(pool_ptr, qv_ptr, sc_ptr, lo_ptr, stage_ptr, stage_of_ptr, h, row
         code = tl.load(qv_ptr + h * s_q_h + rows[:, None] * D + cols[None, :], mask=closed, other=0)
         lam = tl.load(sc_ptr + h * s_sc_h + blk[:, None] * D + cols[None, :], mask=closed, other=0.0)
         lo = tl.load(lo_ptr + h * s_sc_h + blk[:, None] * D + cols[None, :], mask=closed, other=0.0)
-        x = tl.where(staged[:, None], xs, lo + lam * code.to(tl.float32)).to(stage_ptr.dtype.element_ty)
+        # lo + λ q on halves (engine.kvquant): no overflow where a channel spans float32's range
+        x = tl.where(staged[:, None], xs, (lo * 0.5 + (lam * 0.5) * code.to(tl.float32)) * 2.0)
+        x = x.to(stage_ptr.dtype.element_ty)
     else:
         x = tl.load(pool_ptr + h * s_pool_h + rows[:, None] * D + cols[None, :], mask=m2, other=0.0)
     return x

@@ -33,8 +33,11 @@ def test_paged_decode_matches_reference(dtype, tol, hkv, g):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_paged_decode_q8_matches_reference(dtype, tol):
-    """Over the int8 pool: closed blocks read as lo + λ·q, open blocks from staging."""
+@pytest.mark.parametrize("wide", [False, True])
+def test_paged_decode_q8_matches_reference(dtype, tol, wide):
+    """Over the int8 pool: closed blocks read as lo + λ·q, open blocks from staging. ``wide``: one
+    channel spans ±3e38, so hi - lo and λ·q pass float32's maximum (the query ignores that
+    channel, so only V's rows carry it into the output, which stays finite)."""
     from tandem.engine.quantpool import QuantPool
     ops = cpu_ops()
     assert ops is not None
@@ -42,7 +45,14 @@ def test_paged_decode_q8_matches_reference(dtype, tol):
     hkv, g, hd, B, nb, nd = 3, 3, 64, 8, 30, 6
     pool = QuantPool(1, hkv, nb, B, hd, dtype, open_capacity=2)     # staging grows as blocks open
     pool.open(torch.arange(nb))
-    values = torch.randn(1, hkv, nb * B, hd).to(dtype)
+    values = torch.randn(1, hkv, nb * B, hd)
+    q = torch.randn(nd, hkv, g, hd)
+    unit = torch.ones(hd, dtype=torch.float64)      # each output channel compared in its own unit
+    if wide:
+        values[..., 5] = (torch.rand(1, hkv, nb * B) * 2 - 1) * 3e38
+        q[..., 5] = 0
+        unit[5] = 3e38
+    values, q = values.to(dtype), q.to(dtype)
     pool.write(torch.arange(nb * B), values)
     closed = torch.arange(0, nb, 3)
     pool.close(closed)
@@ -51,18 +61,18 @@ def test_paged_decode_q8_matches_reference(dtype, tol):
     L = int(lens.max())
     k_rows = torch.randint(0, nb * B, (nd, L))
     v_rows = torch.randint(0, nb * B, (nd, L))
-    q = torch.randn(nd, hkv, g, hd).to(dtype)
     got = ops.paged_decode_q8(q, layer.stage, layer.q, layer.scale, layer.low, layer.stage_of,
                               k_rows, v_rows, lens, B, 0.125)
+    assert torch.isfinite(got).all()
     # independent reference: what each row should hold, from the values written and numpy's code
     expect = int8_blocks_as_read(values[0], closed.tolist(), B)        # [hkv, rows, hd]
     for r in range(nd):
         n = int(lens[r])
         k, v = expect[:, k_rows[r, :n]], expect[:, v_rows[r, :n]]
         p = torch.softmax(q[r].double() @ k.transpose(-1, -2) * 0.125, dim=-1)
-        torch.testing.assert_close(got[r].double(), p @ v, atol=max(tol, 1e-4), rtol=tol)
+        torch.testing.assert_close(got[r].double() / unit, p @ v / unit, atol=max(tol, 1e-4), rtol=tol)
     ref = decode_attention(q, layer, k_rows, v_rows, lens, 0.125)
-    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got.double() / unit, ref.double() / unit, atol=tol, rtol=tol)
 
 
 def test_a_load_killed_midway_does_not_stop_later_loads():

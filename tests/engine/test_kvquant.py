@@ -60,3 +60,26 @@ def test_constant_channels_and_storage():
     assert r.q.dtype == torch.uint8
     # a quarter of fp32 plus two fp32 numbers per block and channel
     assert r.nbytes == x.numel() + 2 * 4 * (2 * 2 * 2 * 4)
+
+
+def test_channels_wider_than_float32s_range():
+    """A channel spanning ±3e38 has hi - lo, x - lo and λ·q past float32's maximum: it still
+    comes back finite and within half a step of numpy's float64 rounding; ordinary channels beside
+    it are unaffected."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 2, 2 * 16, 8, generator=g)
+    x[..., 3] = (torch.rand(2, 2, 2 * 16, generator=g) * 2 - 1) * 3e38
+    x[..., 5] = torch.rand(2, 2, 2 * 16, generator=g) * 3e38       # one sign: within range before too
+    y = dequantize(quantize(x, 2, 8))
+    assert torch.isfinite(y).all()
+    ref = numpy_reference(x.numpy(), 2, 8)
+    xs = x.double().numpy().reshape(2, 2, 2, 2, 8, 8)             # [L, H, kind, group, row, channel]
+    half_step = (xs.max(axis=4) - xs.min(axis=4)) / 255 / 2
+    err = np.abs(y.double().numpy().reshape(xs.shape) - xs).max(axis=4)
+    assert (err <= half_step * (1 + 1e-5) + 1e-6).all()
+    # numpy's own rounding, up to one level where float32 and float64 round a .5 the other way
+    diff = np.abs(y.double().numpy() - ref)
+    assert (diff <= 2 * half_step.max(axis=(2, 3))[:, :, None, :] + 1e-6).all()
+    ordinary = [c for c in range(8) if c not in (3, 5)]
+    plain = numpy_reference(x[..., ordinary].numpy(), 2, 8)
+    assert np.allclose(y[..., ordinary].numpy(), plain, atol=1e-5)
