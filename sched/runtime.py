@@ -74,7 +74,13 @@ class Release:
     req_id: str
 
 
-Message = Add | Abort | MoveOut | MoveIn | Release
+@dataclass(slots=True)
+class Report:
+    """Nothing to do: the turn it wakes runs the step listeners, so they see the device before
+    its first step (the dashboard lists an idle device, its pool all free)."""
+
+
+Message = Add | Abort | MoveOut | MoveIn | Release | Report
 
 
 class ActorThread:
@@ -377,6 +383,11 @@ class Runtime:
                     self.migrate(o.req_id, o.src, o.dst, o.transfer, o.reason)
             except Exception:                  # never silent, never fatal: the next epoch tries again
                 log.exception("rebalancer epoch failed")
+
+    def report(self) -> None:
+        """Every actor runs the step listeners once, on its own thread, without stepping."""
+        for t in self.threads:
+            t.post(Report())
 
     def add(self, st: RequestState, device: int | None = None) -> None:
         """Hand a checked request (Scheduler.new_state) to ``device``, or to the one the

@@ -522,6 +522,7 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
             print(f"tandem: model failed to load: {state.load_error}", flush=True)
             return
         engine.step_listeners.append(state.metrics.engine_step)
+        engine.runtime.report()             # /status and /metrics show every device from the start
         state.metrics.cache_configured(*engine.llm.cache_config())
         state.metrics.lengths = engine.llm.lengths
         state.engine = engine

@@ -92,6 +92,19 @@ def busy_server(tiny_chat_model, tmp_path_factory):
     stop_server(s)
 
 
+def test_a_fresh_idle_server_shows_its_device(busy_server):
+    """Before any request (so before any step) the page lists the device with its whole pool
+    free, as /metrics counts it."""
+    m = metrics(busy_server.url)
+    blocks = int(re.search(r'num_gpu_blocks="(\d+)"', "".join(k for k in m if k.startswith("vllm:cache_config_info")))
+                 .group(1))
+    assert metric(m, "vllm:request_success_total") == 0 and blocks > 0
+    assert metric(m, "tandem:pool_blocks", owner="free") == blocks
+    page = rendered(busy_server.url)
+    assert page.values[("0", "pool-free")] == page.values[("0", "pool-total")] == str(blocks)
+    assert page.values[("0", "rt-running")] == page.values[("0", "be-waiting")] == "0"
+
+
 def test_dashboard_under_load_matches_metrics(busy_server, tmp_path):
     url, model = busy_server.url, busy_server.model
     client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
@@ -109,7 +122,10 @@ def test_dashboard_under_load_matches_metrics(busy_server, tmp_path):
     streams = [threading.Thread(target=chat) for _ in range(6)]
     for t in streams:
         t.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 120
+    while metric(metrics(url), "vllm:num_requests_running") == 0:     # a step has taken the load
+        assert time.monotonic() < deadline, "no request started"
+        time.sleep(0.1)
     shot = tmp_path / "dashboard.png"
     busy = rendered(url, screenshot=shot)                         # under load
     assert shot.stat().st_size > 10_000
