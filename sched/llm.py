@@ -174,6 +174,9 @@ class LLM:
         hf_dir = resolve_model(model, cache_dir or DEFAULT_CACHE_DIR)
         self.spec = load_spec(hf_dir)
         self.max_model_len = min(self.spec.max_model_len, max_model_len or self.spec.max_model_len)
+        if max_model_len is not None and max_model_len > self.spec.max_model_len:
+            log.warning("max_model_len %d is past the model's %d positions: using %d", max_model_len,
+                        self.spec.max_model_len, self.max_model_len)
         if not enable_chunked_prefill and max_num_batched_tokens < self.max_model_len:
             raise ValueError("max_num_batched_tokens: must be >= max_model_len without chunked prefill")
         self.tokenizer = load_tokenizer(hf_dir)

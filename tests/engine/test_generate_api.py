@@ -144,6 +144,22 @@ def test_bad_llm_arguments_fail_before_anything_loads(kwargs, field, tiny_llama,
         LLM(str(tiny_llama), "cpu:1", **kwargs)
 
 
+def test_max_model_len_cuts_the_context_and_never_passes_the_models(tiny_llama, caplog):
+    import json
+    positions = json.loads((tiny_llama / "config.json").read_text())["max_position_embeddings"]
+    with caplog.at_level("WARNING", logger="tandem.sched.llm"):
+        with LLM(str(tiny_llama), "cpu:1", policy="fcfs", max_model_len=positions + 1000,
+                 kv_cache_bytes=1 << 22, threads_per_worker=1) as m:
+            assert m.max_model_len == positions
+    assert f"past the model's {positions} positions" in caplog.text
+    with LLM(str(tiny_llama), "cpu:1", policy="fcfs", max_model_len=40, kv_cache_bytes=1 << 22,
+             threads_per_worker=1) as m:
+        out = m.generate([list(range(5, 35))], SamplingParams(max_tokens=10, **GREEDY))[0]
+        assert len(out.token_ids) == 10
+        with pytest.raises(ValueError, match="context of 40"):
+            m.generate([list(range(5, 45))], SamplingParams(max_tokens=1, **GREEDY))
+
+
 def test_outputs_read_as_vllm_users_expect(llm, tiny_llama):
     p = mixed_prompts(1, 512, seed=6)
     out = llm.generate(p, SamplingParams(max_tokens=6, **GREEDY))[0]
