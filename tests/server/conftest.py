@@ -6,7 +6,9 @@ import signal
 import socket
 import subprocess
 import sys
+import json
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +73,20 @@ def start_server(model_dir: Path, tmp: Path, *extra: str, inject: str = "") -> S
             time.sleep(0.3)
     proc.kill()
     raise RuntimeError(f"server did not become healthy:\n{log.read_text()}")
+
+
+def call(server: Server, method: str, path: str, body=None, headers=None) -> tuple[int, dict]:
+    """One request with a real HTTP client: (status, JSON body). ``body``: bytes as they are, else
+    JSON; ``headers``: the API key's unless given (a dict, or a function of the server)."""
+    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+    h = {"Content-Type": "application/json"}
+    h.update(server.headers() if headers is None else headers(server) if callable(headers) else headers)
+    req = urllib.request.Request(server.url + path, data=data, headers=h, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
 
 
 def stop_server(s: Server) -> int:

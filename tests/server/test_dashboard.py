@@ -85,6 +85,12 @@ def metric(values: dict, name: str, **labels) -> float:
     return total
 
 
+def pool_size(values: dict) -> int:
+    """The pool's blocks, from the labels of /metrics' cache config."""
+    info = "".join(k for k in values if k.startswith("vllm:cache_config_info"))
+    return int(re.search(r'num_gpu_blocks="(\d+)"', info).group(1))
+
+
 @pytest.fixture(scope="module")
 def busy_server(tiny_chat_model, tmp_path_factory):
     s = start_server(tiny_chat_model, tmp_path_factory.mktemp("dash"), "--max-num-seqs", "4")
@@ -96,8 +102,7 @@ def test_a_fresh_idle_server_shows_its_device(busy_server):
     """Before any request (so before any step) the page lists the device with its whole pool
     free, as /metrics counts it."""
     m = metrics(busy_server.url)
-    blocks = int(re.search(r'num_gpu_blocks="(\d+)"', "".join(k for k in m if k.startswith("vllm:cache_config_info")))
-                 .group(1))
+    blocks = pool_size(m)
     assert metric(m, "vllm:request_success_total") == 0 and blocks > 0
     assert metric(m, "tandem:pool_blocks", owner="free") == blocks
     page = rendered(busy_server.url)
@@ -115,17 +120,18 @@ def test_dashboard_under_load_matches_metrics(busy_server, tmp_path):
                             purpose="batch")
     batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
 
+    generating = threading.Event()             # a step has produced a token: the load is running
+
     def chat():
-        for _ in client.chat.completions.create(model=model, max_tokens=150, stream=True, extra_body={"ignore_eos": True},
-                                                messages=[{"role": "user", "content": "Tell me a story"}]):
-            pass
+        for chunk in client.chat.completions.create(model=model, max_tokens=150, stream=True,
+                                                    extra_body={"ignore_eos": True, "return_token_ids": True},
+                                                    messages=[{"role": "user", "content": "Tell me a story"}]):
+            if chunk.choices and getattr(chunk.choices[0], "token_ids", None):
+                generating.set()
     streams = [threading.Thread(target=chat) for _ in range(6)]
     for t in streams:
         t.start()
-    deadline = time.monotonic() + 120
-    while metric(metrics(url), "vllm:num_requests_running") == 0:     # a step has taken the load
-        assert time.monotonic() < deadline, "no request started"
-        time.sleep(0.1)
+    assert generating.wait(120), "no chat produced a token"
     shot = tmp_path / "dashboard.png"
     busy = rendered(url, screenshot=shot)                         # under load
     assert shot.stat().st_size > 10_000
@@ -137,8 +143,7 @@ def test_dashboard_under_load_matches_metrics(busy_server, tmp_path):
         time.sleep(0.3)
 
     m = metrics(url)
-    blocks = int(re.search(r'num_gpu_blocks="(\d+)"', "".join(k for k in m if k.startswith("vllm:cache_config_info")))
-                 .group(1))
+    blocks = pool_size(m)
     assert busy.values[("0", "pool-total")] == str(blocks)
     held = sum(int(busy.values[("0", f"pool-{o}")]) for o in ("rt", "be", "shared", "checkpointed"))
     assert held > 0, "the page showed no block in use under load"

@@ -5,6 +5,8 @@ import urllib.request
 
 import pytest
 
+from tests.server.conftest import call
+
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]
@@ -107,18 +109,6 @@ CASES = [
     ("purpose in an unknown charset", "POST", FILES, CHARSET_PART, multipart("multipart/form-data; boundary=B"),
      400, "invalid_request_error", None),
 ]
-
-
-def call(server, method, path, body, headers):
-    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
-    h = {"Content-Type": "application/json"}
-    h.update(server.headers() if headers is None else headers(server) if callable(headers) else headers)
-    req = urllib.request.Request(server.url + path, data=data, headers=h, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
 
 
 @pytest.mark.parametrize("name, method, path, body, headers, status, etype, param", CASES,

@@ -7,13 +7,12 @@ import json
 import shutil
 import subprocess
 import sys
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.server.conftest import API_KEY, start_server, stop_server
+from tests.server.conftest import API_KEY, call, start_server, stop_server
 
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"
 EXAMPLES = 24                 # per operation: a few hundred cases in all
@@ -68,28 +67,16 @@ def test_max_model_len_cuts_the_context(fuzz_server, tiny_chat_model):
     reports it, an open-ended request generates up to it, and what cannot fit in it is refused."""
     model_len = json.loads((tiny_chat_model / "config.json").read_text())["max_position_embeddings"]
     assert model_len > CONTEXT
-
-    def call(path, body=None):
-        req = urllib.request.Request(fuzz_server.url + path, method="POST" if body else "GET",
-                                     data=json.dumps(body).encode() if body else None,
-                                     headers={"Authorization": f"Bearer {API_KEY}",
-                                              "Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
-
-    assert call("/v1/models")[1]["data"][0]["max_model_len"] == CONTEXT
-    assert call("/tokenize", {"prompt": "Hi"})[1]["max_model_len"] == CONTEXT
+    assert call(fuzz_server, "GET", "/v1/models")[1]["data"][0]["max_model_len"] == CONTEXT
+    assert call(fuzz_server, "POST", "/tokenize", {"prompt": "Hi"})[1]["max_model_len"] == CONTEXT
     # a chat without max_tokens may use the rest of the context (a completion's default is 16)
-    status, out = call("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
-                                                "temperature": 0, "ignore_eos": True})
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "ignore_eos": True}
+    status, out = call(fuzz_server, "POST", "/v1/chat/completions", chat)
     assert status == 200 and out["choices"][0]["finish_reason"] == "length"
     assert out["usage"]["total_tokens"] == CONTEXT and out["usage"]["prompt_tokens"] > 1, out["usage"]
     prompt = list(range(100, 110))
     for body, param in (({"prompt": list(range(100, 100 + CONTEXT))}, "prompt"),
                         ({"prompt": prompt, "max_tokens": CONTEXT - 9}, "max_tokens")):
-        status, out = call("/v1/completions", body)
+        status, out = call(fuzz_server, "POST", "/v1/completions", body)
         assert status == 400 and out["error"]["param"] == param, out
         assert out["error"]["code"] == "context_length_exceeded", out
