@@ -251,6 +251,12 @@ def main(argv=None, prog: str = "python -m bench") -> None:
                     help="the compiled CPU kernel on one thread against one core's copy bandwidth instead (float32 and int8)")
     kn.add_argument("--accuracy", action="store_true",
                     help="max abs error per kernel and dtype against float64 instead (CPU: under Triton's interpreter)")
+    kn.add_argument("--hidden-batch", type=int, default=8, help="requests of the hidden-cache decode case")
+    kn.add_argument("--hidden-ctx", type=int, default=1024, help="context of the hidden-cache decode case")
+    kn.add_argument("--sweep", action="store_true",
+                    help="time every launch setting of the decode kernel (tile, warps, context parts) instead")
+    kn.add_argument("--sweep-batch", type=int, default=16,
+                    help="--sweep: the batch at which the parts are tried again with each shape's best tile")
     kn.add_argument("--out", default="kernels.json")
     go = sub.add_parser("gpu-offline", help="our engine vs HF generate on one device, random weights at real shapes")
     go.add_argument("--models", nargs="+", default=["smollm2-random", "llama8b-random"])

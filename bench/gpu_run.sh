@@ -5,7 +5,9 @@
 #      migration between two workers sharing the GPU (cuda:0,0: KV through CUDA IPC handles),
 #      with the pause of each kind against the request's size (bench skew's sweep), and static
 #      placement against LB and Mell on a skewed trace (bench skew);
-#   3. python -m bench kernels: paged decode GB/s against the device's copy bandwidth;
+#   3. python -m bench kernels: paged decode GB/s against the device's copy bandwidth, and the
+#      hidden-cache decode kernel at Llama-3-8B's and OPT-13B's shapes (time, max abs error);
+#      with STEPS=sweep, the decode kernel under every launch setting (tile, warps, parts);
 #   4. python -m bench gpu-offline: our engine against HF generate at batch 64 (SmolLM2's and
 #      Llama-3-8B's shapes, random weights);
 #   5. paper scale, OPT-13B's shape, ShareGPT's lengths, 1 s TTFT / 1 s P99 TBT: Apt-Serve vs FCFS
@@ -15,7 +17,7 @@
 #      was not filled at 4 req/s on an H100: a smaller pool or higher rates make memory bind).
 # Python packages the machine lacks travel as wheels in ./.whl (make gpu-wheels, on a machine
 # with network access); they are installed into /tmp/site, nothing else is touched.
-#   STEPS="tests migration" runs some of them (tests migration placement kernels offline apt bros).
+#   STEPS="tests migration" runs some of them (tests migration placement sweep kernels offline apt bros).
 #   All of them take longer than a 10-minute call: on an H200, "tests migration kernels offline"
 #   took 3.5 minutes; run "placement", "apt" and "bros" in calls of their own (or shorten them:
 #   SKEW_DURATION and SKEW_DRAIN for placement, DURATION and DRAIN for apt and bros).
@@ -57,6 +59,7 @@ fi
 # static placement against LB and Mell on a skewed trace, two workers sharing the GPU
 want placement && step 400 $PY -m bench skew --devices cuda:0,0 --model smollm2-random --placements static lb mell \
   --rate ${SKEW_RATE:-4} --duration ${SKEW_DURATION:-30} --drain ${SKEW_DRAIN:-60} --pool-tokens 1024 --sweep --out gpu_placement.json
+want sweep && step 300 $PY -m bench kernels --sweep
 if want kernels; then
   step 90 $PY -m bench kernels --accuracy
   step 90 $PY -m bench kernels

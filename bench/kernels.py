@@ -9,6 +9,8 @@ ratio says how close it gets to what the memory system can do.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from tandem.bench.output import save_json
@@ -29,7 +31,9 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms / 1e3)
 
 
-def decode_case(shape: str, batch: int, ctx: int, dtype: torch.dtype, block_size: int, int8: bool) -> dict:
+def decode_case(shape: str, batch: int, ctx: int, dtype: torch.dtype, block_size: int, int8: bool,
+                launch=None) -> dict:
+    """One timed launch setting (engine.triton_decode.Launch; None: the kernel's own choice)."""
     from triton.testing import do_bench
 
     from tandem.engine.quantpool import QuantPool
@@ -53,14 +57,68 @@ def decode_case(shape: str, batch: int, ctx: int, dtype: torch.dtype, block_size
         elem = pool.element_size()
     q = torch.randn(batch, hkv, g, d, dtype=dtype, device="cuda", generator=gen)
     run = lambda: paged_decode(q, pool, k_tab, v_tab, lens, d ** -0.5, block_size, Paging.BLOCKS,  # noqa: E731
-                               dirs, dirs)
+                               dirs, dirs, launch=launch)
     ms = do_bench(run)
     kv_bytes = 2 * batch * ctx * hkv * d * elem
     if int8:                                     # lo and λ per block and channel, fp32
         kv_bytes += 2 * batch * nbt * hkv * d * 8
     total = kv_bytes + 2 * q.numel() * q.element_size()
+    from tandem.engine.triton_decode import choose_launch, cut
+    used = cut(launch or choose_launch(batch, hkv, d, nbt * block_size, int8, q.device), nbt * block_size)
     return {"shape": shape, "batch": batch, "ctx": ctx, "dtype": str(dtype).split(".")[-1],
-            "kv": "int8" if int8 else "full", "ms": ms, "GB/s": total / (ms / 1e3) / 1e9}
+            "kv": "int8" if int8 else "full", "ms": ms, "GB/s": total / (ms / 1e3) / 1e9,
+            "launch": dataclasses.asdict(used)}
+
+
+HIDDEN_SHAPES = {              # kv heads, query heads per kv head, head_dim, rows per token, rotary, bias
+    "llama8b": (8, 4, 128, 4, True, False),
+    "opt13b": (40, 1, 128, 1, False, True),
+}
+
+
+def hidden_case(shape: str, batch: int, ctx: int, dtype: torch.dtype, block_size: int) -> dict:
+    """The hidden-cache decode kernel at a paper model's shape: its time, the projection FLOP/s
+    it reaches (ctx x d_model x 2 D x 2 per request and KV head), and its max abs error on two
+    requests against float64 attention over K and V projected here from the same stored inputs."""
+    from triton.testing import do_bench
+
+    from tandem.engine.attention import read_hidden
+    from tandem.engine.models.llama import apply_rope
+    from tandem.engine.triton_hidden import hidden_decode
+    hkv, g, d, m, rope, bias = HIDDEN_SHAPES[shape]
+    dm = m * hkv * d
+    nbt = -(-ctx // block_size)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    perm = torch.randperm(batch * nbt * m, device="cuda", generator=gen).to(torch.int32)
+    table = perm.view(batch, nbt, m)
+    dirs = torch.zeros(batch, nbt, dtype=torch.int8, device="cuda")
+    pool = torch.randn(hkv, batch * nbt * m * block_size, d, device="cuda", generator=gen).to(dtype)
+    w = (torch.randn(2 * hkv * d, dm, device="cuda", generator=gen) / dm ** 0.5).to(dtype)
+    b = torch.randn(2 * hkv * d, device="cuda", generator=gen).to(dtype) if bias else None
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float64) / d))
+    ang = torch.arange(ctx, device="cuda", dtype=torch.float64)[:, None] * inv[None, :]
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    q = torch.randn(batch, hkv, g, d, device="cuda", generator=gen).to(dtype)
+    lens = torch.full((batch,), ctx, dtype=torch.long, device="cuda")
+    scale = d ** -0.5
+    run = lambda: hidden_decode(q, pool, table, lens, w, b, cos.to(dtype) if rope else None,  # noqa: E731
+                                sin.to(dtype) if rope else None, scale, block_size, dirs=dirs)
+    got = run()
+    err = 0.0
+    for r in (0, batch - 1):
+        offs = torch.arange(ctx, device="cuda")
+        rows = (table[r, offs // block_size].long() * block_size + (offs % block_size)[:, None]).reshape(-1)
+        x = read_hidden(pool, rows, ctx).double()                              # [ctx, d_model]
+        k, v = (x @ w.double().T + (b.double() if bias else 0)).reshape(ctx, 2, hkv, d).unbind(1)
+        if rope:
+            k = apply_rope(k, cos, sin)
+        for h in range(hkv):
+            p = torch.softmax(q[r, h].double() @ k[:, h].T * scale, -1)
+            err = max(err, (got[r, h].double() - p @ v[:, h]).abs().max().item())
+    ms = do_bench(run)
+    flops = batch * hkv * ctx * dm * 2 * d * 2
+    return {"shape": shape, "batch": batch, "ctx": ctx, "dtype": str(dtype).split(".")[-1], "ms": ms,
+            "TFLOP/s": flops / (ms / 1e3) / 1e12, "max_abs_err": err}
 
 
 def cpu_copy_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
@@ -132,10 +190,42 @@ def run_cpu(args) -> None:
 
 def _print(head: str, rows: list[dict]) -> None:
     print(head)
-    print(f"{'shape':<9} {'kv':<5} {'batch x ctx':>12} {'ms':>8} {'GB/s':>8} {'of copy':>8}")
+    print(f"{'shape':<9} {'kv':<5} {'batch x ctx':>12} {'ms':>8} {'GB/s':>8} {'of copy':>8}  launch")
     for r in rows:
+        how = " ".join(f"{k}={v}" for k, v in r["launch"].items()) if "launch" in r else ""
         print(f"{r['shape']:<9} {r['kv']:<5} {r['batch']:>5} x {r['ctx']:<5} {r['ms']:>8.3f} "
-              f"{r['GB/s']:>8.1f} {r['of_copy']:>8.0%}")
+              f"{r['GB/s']:>8.1f} {r['of_copy']:>8.0%}  {how}")
+
+
+# launch settings --sweep tries: (tokens per tile, warps) that compile for sm_90 without spilling
+# registers (bf16 at 64 x 4 warps spills, int8 at 32 x 4), each with the context cut in 1-8 parts
+SWEEP_TILES = {False: [(16, 4), (16, 8), (32, 4), (32, 8), (64, 8)], True: [(16, 4), (16, 8), (32, 8)]}
+SWEEP_PARTS = [1, 2, 4, 8]
+
+
+def sweep(args, dtype: torch.dtype, copy: float) -> list[dict]:
+    """Every launch setting at batch x ctx, then the parts again at ``--sweep-batch`` requests
+    with the best tile of each shape and cache: the table choose_launch is read from."""
+    from tandem.engine.triton_decode import Launch
+    rows = []
+    for shape in args.shapes:
+        for int8 in (False, True):
+            tried = []
+            for (bn, warps) in SWEEP_TILES[int8]:
+                for parts in SWEEP_PARTS:
+                    launch = Launch(block_n=bn, parts=parts, num_warps=warps, num_stages=2)
+                    tried.append(decode_case(shape, args.batch, args.ctx, dtype, args.block_size, int8, launch))
+            best = min(tried, key=lambda r: r["ms"])
+            for parts in SWEEP_PARTS + [16]:
+                launch = Launch(**{**best["launch"], "parts": parts})
+                tried.append(decode_case(shape, args.sweep_batch, args.ctx, dtype, args.block_size, int8, launch))
+            for r in tried:
+                r["of_copy"] = r["GB/s"] * 1e9 / copy
+                print(f"{shape:<9} {r['kv']:<5} {r['batch']:>4} x {r['ctx']:<5} tile {r['launch']['block_n']:>3} "
+                      f"warps {r['launch']['num_warps']} parts {r['launch']['parts']:>2}: {r['ms']:8.3f} ms "
+                      f"{r['of_copy']:5.0%}", flush=True)
+            rows += tried
+    return rows
 
 
 def run(args) -> None:
@@ -147,6 +237,11 @@ def run(args) -> None:
         raise SystemExit("bench kernels: the bandwidth needs a CUDA device (--accuracy runs anywhere)")
     copy = copy_bandwidth()
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    if args.sweep:
+        rows = sweep(args, dtype, copy)
+        save_json(args.out.replace(".json", "_sweep.json"),
+                  {"device": torch.cuda.get_device_name(), "copy_GBps": copy / 1e9, "rows": rows})
+        return
     rows = []
     for shape in args.shapes:
         for int8 in (False, True):
@@ -155,7 +250,13 @@ def run(args) -> None:
             rows.append(r)
     dev = torch.cuda.get_device_name()
     _print(f"{dev}: device-to-device copy {copy / 1e9:.0f} GB/s (read + written)", rows)
-    save_json(args.out, {"device": dev, "copy_GBps": copy / 1e9, "rows": rows})
+    hidden = [hidden_case(shape, args.hidden_batch, args.hidden_ctx, dtype, args.block_size)
+              for shape in HIDDEN_SHAPES if shape in args.shapes]
+    print("hidden-cache decode (K and V projected from the stored inputs inside the kernel):")
+    for r in hidden:
+        print(f"{r['shape']:<9} {r['batch']:>5} x {r['ctx']:<5} {r['ms']:>8.3f} ms {r['TFLOP/s']:>7.1f} TFLOP/s "
+              f"max abs err {r['max_abs_err']:.1e}")
+    save_json(args.out, {"device": dev, "copy_GBps": copy / 1e9, "rows": rows, "hidden": hidden})
 
 
 def accuracy(args) -> None:
