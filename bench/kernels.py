@@ -10,6 +10,7 @@ ratio says how close it gets to what the memory system can do.
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import torch
 
@@ -37,7 +38,7 @@ def decode_case(shape: str, batch: int, ctx: int, dtype: torch.dtype, block_size
     from triton.testing import do_bench
 
     from tandem.engine.quantpool import QuantPool
-    from tandem.engine.triton_decode import paged_decode
+    from tandem.engine.triton_decode import choose_launch, cut, paged_decode
     from tandem.engine.triton_paging import Paging
     hkv, g, d = SHAPES[shape]
     nbt = -(-ctx // block_size)
@@ -63,7 +64,6 @@ def decode_case(shape: str, batch: int, ctx: int, dtype: torch.dtype, block_size
     if int8:                                     # lo and λ per block and channel, fp32
         kv_bytes += 2 * batch * nbt * hkv * d * 8
     total = kv_bytes + 2 * q.numel() * q.element_size()
-    from tandem.engine.triton_decode import choose_launch, cut
     used = cut(launch or choose_launch(batch, hkv, d, nbt * block_size, int8, q.device), nbt * block_size)
     return {"shape": shape, "batch": batch, "ctx": ctx, "dtype": str(dtype).split(".")[-1],
             "kv": "int8" if int8 else "full", "ms": ms, "GB/s": total / (ms / 1e3) / 1e9,
@@ -83,7 +83,7 @@ def hidden_case(shape: str, batch: int, ctx: int, dtype: torch.dtype, block_size
     from triton.testing import do_bench
 
     from tandem.engine.attention import read_hidden
-    from tandem.engine.models.llama import apply_rope
+    from tandem.engine.models.llama import apply_rope, rope_tables
     from tandem.engine.triton_hidden import hidden_decode
     hkv, g, d, m, rope, bias = HIDDEN_SHAPES[shape]
     dm = m * hkv * d
@@ -95,9 +95,8 @@ def hidden_case(shape: str, batch: int, ctx: int, dtype: torch.dtype, block_size
     pool = torch.randn(hkv, batch * nbt * m * block_size, d, device="cuda", generator=gen).to(dtype)
     w = (torch.randn(2 * hkv * d, dm, device="cuda", generator=gen) / dm ** 0.5).to(dtype)
     b = torch.randn(2 * hkv * d, device="cuda", generator=gen).to(dtype) if bias else None
-    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float64) / d))
-    ang = torch.arange(ctx, device="cuda", dtype=torch.float64)[:, None] * inv[None, :]
-    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    spec = SimpleNamespace(head_dim=d, rope_theta=10000.0, max_model_len=ctx)
+    cos, sin = (t.to("cuda") for t in rope_tables(spec, torch.float64))
     q = torch.randn(batch, hkv, g, d, device="cuda", generator=gen).to(dtype)
     lens = torch.full((batch,), ctx, dtype=torch.long, device="cuda")
     scale = d ** -0.5

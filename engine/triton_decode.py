@@ -15,11 +15,10 @@ When there are too few (request, KV head) pairs to fill the GPU, each context is
 parts (flash-decoding): each part's program keeps its (acc, m, l) and a second kernel merges
 the parts' softmaxes. K and V are read in place from the pool, through the block table with
 per-block direction (bidirectional blocks need no gather) or through a per-token row table.
-Over the int8 pool of
-engine.quantpool a row is ``lo + λ q`` of its block and channel, or the staged full-precision
-copy while its block is open, at the model's dtype. Products are fp32 ("ieee") for fp32 models
-and under the interpreter (its bf16 product is wrong). The torch reference is
-engine.attention.decode_attention.
+Over the int8 pool of engine.quantpool a row is ``lo + λ q`` of its block and channel, or the
+staged full-precision copy while its block is open, at the model's dtype. Products are fp32
+("ieee") for fp32 models and under the interpreter (its bf16 product is wrong). The torch
+reference is engine.attention.decode_attention.
 """
 from __future__ import annotations
 
@@ -208,6 +207,12 @@ def cut(launch: Launch, max_len: int) -> Launch:
     return dataclasses.replace(launch, parts=-(-max_len // launch.chunk(max_len)))
 
 
+@functools.lru_cache(maxsize=256)
+def _launch_for(nd: int, hkv: int, head_dim: int, max_len: int, quant: bool, device: torch.device) -> Launch:
+    """choose_launch, cut: worked out once per step's shape, not again for each layer."""
+    return cut(choose_launch(nd, hkv, head_dim, max_len, quant, device), max_len)
+
+
 @functools.cache
 def _multiprocessors(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; 0 elsewhere (the interpreter)."""
@@ -244,12 +249,14 @@ def paged_decode(qg: torch.Tensor, pool: torch.Tensor | QuantLayer, k_table: tor
     kd = k_table if rows else k_dirs
     vd = v_table if rows else v_dirs
     max_len = int(k_table.shape[1]) * (1 if rows else block_size)
-    launch = cut(launch or choose_launch(nd, hkv, d, max_len, quant, qg.device), max_len)
+    launch = cut(launch, max_len) if launch else _launch_for(nd, hkv, d, max_len, quant, qg.device)
     block_n, parts = launch.block_n, launch.parts
     g_pad = max(16, next_pow2(g))
     split = parts > 1
-    acc = torch.empty((nd * hkv * parts, g, d) if split else (1,), dtype=torch.float32, device=qg.device)
-    ml = torch.empty((nd * hkv * parts, 2, g) if split else (1,), dtype=torch.float32, device=qg.device)
+    acc = ml = out                                      # unread unless split
+    if split:
+        acc = torch.empty((nd * hkv * parts, g, d), dtype=torch.float32, device=qg.device)
+        ml = torch.empty((nd * hkv * parts, 2, g), dtype=torch.float32, device=qg.device)
     ieee = qg.dtype == torch.float32 or interpreted(_paged_decode)
     _paged_decode[(nd, hkv, parts)](
         qg, out, lens, *arrays, k_table, kd, v_table, vd, acc, ml,
