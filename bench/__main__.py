@@ -74,6 +74,11 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     sp.add_argument("--batch", type=int, default=64)
     sp.add_argument("--max-tokens", type=int, default=64)
     sp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    su = sub.add_parser("startup-profile", help="the start-up profile's time, and its cost model's error on "
+                        "measured serving steps (SmolLM2, cpu:1)")
+    su.add_argument("--repeats", type=int, default=2)
+    su.add_argument("--steps", type=int, default=240, help="measured serving steps to score the models on")
+    su.add_argument("--out", default="startup_profile.json", help="result file under bench/results")
     ind = sub.add_parser("independence", help="cpu:2: does a busy device slow the other's short chats? "
                          "(device actors vs lock-step)")
     ind.add_argument("--chats", type=int, default=8)
@@ -307,6 +312,9 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     elif args.cmd == "streams":
         from tandem.bench import streams
         streams.main(args)
+    elif args.cmd == "startup-profile":
+        from tandem.bench import startup_profile
+        startup_profile.main(args)
     elif args.cmd == "step-profile":
         from tandem.bench import step_profile
         step_profile.main(args)

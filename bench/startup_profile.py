@@ -1,0 +1,73 @@
+"""How long the start-up profile takes, and how well the cost model it fits predicts serving steps.
+
+SmolLM2 on one CPU worker, FCFS. Each profile plan (the one a server runs at start-up, and the
+rebalancer's shorter one) is run ``--repeats`` times, alternating, on one engine; between the
+first and the second round, a held-out stream of serving steps is measured: requests of 16-700
+prompt tokens and 8-80 output tokens arriving at random, so steps mix decodes with prefill
+chunks as under load. Each fitted model is scored on those steps: the mean |measured -
+predicted| / measured, and the 10th / 50th / 90th percentile of measured / predicted. The
+machine's own noise shows as the spread between repeats of one plan.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+from tandem.bench.output import save_json
+
+
+def serving_steps(scheduler, vocab_size: int, steps: int, seed: int = 1) -> list:
+    """(shape, seconds) of ``steps`` measured steps of random traffic (FCFS, chunked prompts)."""
+    from tandem.engine.params import SamplingParams
+    from tandem.sched.request import Request
+    rng = random.Random(seed)
+    log = scheduler.step_log = []
+    try:
+        for i in range(steps):
+            if rng.random() < 0.35 or not scheduler.has_unfinished():
+                ids = [rng.randrange(3, vocab_size) for _ in range(rng.choice([16, 48, 100, 200, 400, 700]))]
+                scheduler.add(Request(f"serve-{i}", ids, SamplingParams(max_tokens=rng.randrange(8, 80),
+                                                                      temperature=0, ignore_eos=True)))
+            scheduler.step()
+    finally:
+        scheduler.step_log = None
+    while scheduler.has_unfinished():
+        scheduler.step()
+    return log
+
+
+def score(model, steps: list) -> dict:
+    ratios = sorted(model.ratios(steps))
+    q = lambda f: ratios[min(len(ratios) - 1, int(f * len(ratios)))]  # noqa: E731
+    return {"mean_abs_error": model.mean_abs_error(steps), "p10": q(0.1), "p50": q(0.5), "p90": q(0.9)}
+
+
+def main(args) -> None:
+    from tandem import LLM
+    from tandem.sched.profiling import PLAN, SHORT_PLAN, profile_cost
+    plans = {"start-up (PLAN)": PLAN, "rebalancer (SHORT_PLAN)": SHORT_PLAN}
+    runs, held_out = [], None
+    with LLM("smollm2", "cpu:1", policy="fcfs") as llm:
+        vocab = llm.spec.vocab_size
+        for r in range(args.repeats):
+            for name, plan in plans.items():
+                t0 = time.monotonic()
+                model = profile_cost(llm.scheduler, vocab, plan=plan).model
+                runs.append({"plan": name, "repeat": r, "seconds": time.monotonic() - t0, "model": model})
+            if held_out is None:
+                held_out = serving_steps(llm.scheduler, vocab, args.steps)
+    print(f"\nStart-up profile plans, SmolLM2 on cpu:1 ({llm.dtype}), scored on {len(held_out)} "
+          f"measured serving steps\n")
+    print("| plan | run | seconds | mean abs error | measured / predicted p10 / p50 / p90 |")
+    print("|---|---|---|---|---|")
+    rows = []
+    for run in runs:
+        s = score(run["model"], held_out)
+        rows.append({"plan": run["plan"], "repeat": run["repeat"], "seconds": run["seconds"], **s})
+        print(f"| {run['plan']} | {run['repeat'] + 1} | {run['seconds']:.1f} | {s['mean_abs_error']:.1%} | "
+              f"{s['p10']:.2f} / {s['p50']:.2f} / {s['p90']:.2f} |")
+    for name in plans:
+        secs = [r["seconds"] for r in rows if r["plan"] == name]
+        print(f"{name}: {statistics.mean(secs):.1f} s on average")
+    save_json(args.out, {"steps": len(held_out), "rows": rows})
