@@ -23,9 +23,11 @@ from tandem.sched.request import Request
 # run) against 13.0% (9-19%) for the earlier one (`python -m bench startup-profile`). The
 # online model refits on measured steps after the first 128 anyway.
 PLAN = [(1, 32, 1), (1, 128, 1), (1, 512, 1), (1, 1024, 16), (2, 256, 16), (8, 64, 16), (32, 32, 16)]
-# a quicker plan (about a third of PLAN's prompt tokens) where a rough model is enough: the
-# rebalancer's re-prefill budget
-SHORT_PLAN = [(1, 32, 1), (1, 128, 1), (1, 256, 1), (1, 32, 8), (4, 64, 8), (8, 64, 8)]
+# a quicker plan (about 40% of PLAN's prompt tokens, 5-6 s there): alise's ranking and the
+# rebalancer's re-prefill budget. Its 512-token prompt decodes on, for the context terms: with
+# prompts of at most 256 tokens and decodes at short contexts only, its model predicted serving
+# steps a third too long or more (mean |error| 36-92%; now 8-16%, `bench startup-profile`)
+SHORT_PLAN = [(1, 32, 1), (1, 128, 1), (1, 512, 8), (4, 64, 8), (8, 64, 8)]
 
 
 def profile_cost(scheduler, vocab_size: int, seed: int = 0, plan=PLAN) -> OnlineCostModel:
