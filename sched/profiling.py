@@ -2,8 +2,8 @@
 
 Dummy requests (random prompt ids, EOS ignored) go through the scheduler with FCFS so
 the measured steps cover the cost model's features independently: pure prefills of
-lengths at powers of two (prefill tokens and prefill attention), and decode batches of
-1 to 32 requests at short and long contexts (decode count and decode context).
+lengths at powers of two (prefill tokens and prefill attention), then decode batches
+of several sizes at short and long contexts (decode count and decode context).
 """
 from __future__ import annotations
 
@@ -13,17 +13,17 @@ from tandem.engine.params import SamplingParams
 from tandem.sched.cost_model import CostModel, OnlineCostModel
 from tandem.sched.request import Request
 
-# (requests, prompt tokens, output tokens): prefills, each then decoding where it pays. The
-# prompts that are prefilled anyway decode too (one at 1,024 tokens of context, two at 256),
-# so long-context decodes cost no prompts of their own, and the batch of 32 decodes short
-# contexts. [open choice] On a 2-core AVX2 CPU (SmolLM2 in float32) the earlier plan, with
-# separate decode batches of 4 x 512 and 32 x 128 prompt tokens, took 25-31 s, against the 30 s
-# a start-up may take; this one takes 15-17 s, and its model is as good within the machine's
-# noise: off by 14.0% on average (mean |error| on measured serving steps; 10-19% from run to
-# run) against 13.0% (9-19%) for the earlier one (`python -m bench startup-profile`). The
-# online model refits on measured steps after the first 128 anyway.
-PLAN = [(1, 32, 1), (1, 128, 1), (1, 512, 1), (1, 1024, 16), (2, 256, 16), (8, 64, 16), (32, 32, 16)]
-# a quicker plan (about 40% of PLAN's prompt tokens, 5-6 s there): alise's ranking and the
+# (requests, prompt tokens, output tokens): prefills alone, then decode batches.
+# [open choice] On a 2-core AVX2 CPU (SmolLM2 in float32) this takes 25-31 s, close to the 30 s
+# a start-up may take. A plan of 15-17 s (the prompts it prefills anyway decoding on, instead of
+# the batches of 4 x 512 and 32 x 128 prompt tokens) fitted serving steps as well (mean |error|
+# 14.0% vs 13.0%, `python -m bench startup-profile`), but under the default policy its models
+# left a quarter fewer batch prompt tokens in each step (13.6-14.2 against 17.9-18.6 per step,
+# two runs each of `bench mixed` at 0.25 chats/s; the start-up samples stay in every refit, and
+# which of them moved the chunks was not found), so this plan stays.
+PLAN = [(1, 32, 1), (1, 128, 1), (1, 512, 1), (1, 1024, 1), (2, 256, 1),
+        (1, 64, 8), (8, 64, 8), (4, 512, 8), (32, 128, 8)]
+# a quicker plan (about a sixth of PLAN's prompt tokens, 5-6 s there): alise's ranking and the
 # rebalancer's re-prefill budget. Its 512-token prompt decodes on, for the context terms: with
 # prompts of at most 256 tokens and decodes at short contexts only, its model predicted serving
 # steps a third too long or more (mean |error| 36-92%; now 8-16%, `bench startup-profile`)
