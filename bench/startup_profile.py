@@ -19,16 +19,14 @@ from tandem.bench.output import save_json
 
 def serving_steps(scheduler, vocab_size: int, steps: int, seed: int = 1) -> list:
     """(shape, seconds) of ``steps`` measured steps of random traffic (FCFS, chunked prompts)."""
-    from tandem.engine.params import SamplingParams
-    from tandem.sched.request import Request
+    from tandem.sched.profiling import dummy_request, random_ids
     rng = random.Random(seed)
     log = scheduler.step_log = []
     try:
         for i in range(steps):
             if rng.random() < 0.35 or not scheduler.has_unfinished():
-                ids = [rng.randrange(3, vocab_size) for _ in range(rng.choice([16, 48, 100, 200, 400, 700]))]
-                scheduler.add(Request(f"serve-{i}", ids, SamplingParams(max_tokens=rng.randrange(8, 80),
-                                                                      temperature=0, ignore_eos=True)))
+                ids = random_ids(rng, rng.choice([16, 48, 100, 200, 400, 700]), vocab_size)
+                scheduler.add(dummy_request(f"serve-{i}", ids, rng.randrange(8, 80)))
             scheduler.step()
     finally:
         scheduler.step_log = None

@@ -30,6 +30,16 @@ PLAN = [(1, 32, 1), (1, 128, 1), (1, 512, 1), (1, 1024, 1), (2, 256, 1),
 SHORT_PLAN = [(1, 32, 1), (1, 128, 1), (1, 512, 8), (4, 64, 8), (8, 64, 8)]
 
 
+def random_ids(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    """``n`` random prompt ids (past the first few, where special tokens usually sit)."""
+    return [rng.randrange(3, vocab_size) for _ in range(n)]
+
+
+def dummy_request(req_id: str, ids: list[int], max_tokens: int) -> Request:
+    """A request that generates exactly ``max_tokens`` tokens greedily (EOS ignored)."""
+    return Request(req_id, ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+
+
 def profile_cost(scheduler, vocab_size: int, seed: int = 0, plan=PLAN) -> OnlineCostModel:
     """Run ``plan`` (shapes that do not fit the pool or context are scaled down) and fit the model."""
     rng = random.Random(seed)
@@ -47,9 +57,7 @@ def profile_cost(scheduler, vocab_size: int, seed: int = 0, plan=PLAN) -> Online
                 continue
             for _ in range(reqs):
                 n += 1
-                ids = [rng.randrange(3, vocab_size) for _ in range(prompt)]
-                scheduler.add(Request(f"profile-{n}", ids, SamplingParams(max_tokens=out, temperature=0,
-                                                                          ignore_eos=True)))
+                scheduler.add(dummy_request(f"profile-{n}", random_ids(rng, prompt, vocab_size), out))
             while scheduler.has_unfinished():
                 scheduler.step()
             if n == 1:
@@ -99,13 +107,12 @@ def profile_rho(scheduler, vocab_size: int, seed: int = 0, contexts: tuple[int, 
                 b //= 2
             if b * need > g.num_blocks:
                 continue
-            prompts = [[rng.randrange(3, vocab_size) for _ in range(ctx)] for _ in range(b)]
+            prompts = [random_ids(rng, ctx, vocab_size) for _ in range(b)]
             means = {}
             for ct in (CacheType.KV, CacheType.HIDDEN):
                 log.clear()
                 for i, ids in enumerate(prompts):
-                    st = scheduler.add(Request(f"profile-rho-{ct.value}-{ctx}-{i}", ids,
-                                               SamplingParams(max_tokens=out, temperature=0, ignore_eos=True)))
+                    st = scheduler.add(dummy_request(f"profile-rho-{ct.value}-{ctx}-{i}", ids, out))
                     st.cache_type = ct
                 while scheduler.has_unfinished():
                     scheduler.step()
