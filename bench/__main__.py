@@ -74,6 +74,12 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     sp.add_argument("--batch", type=int, default=64)
     sp.add_argument("--max-tokens", type=int, default=64)
     sp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    cl = sub.add_parser("cpu-linear", help="the CPU projections in panels (the compiled kernel) against oneDNN's "
+                        "layout: SmolLM2's products by row count, and its decode steps by batch (one thread)")
+    cl.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 512])
+    cl.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    cl.add_argument("--repeats", type=int, default=3)
+    cl.add_argument("--out", default="cpu_linear.json", help="result file under bench/results")
     su = sub.add_parser("startup-profile", help="the start-up profile's time, and its cost model's error on "
                         "measured serving steps (SmolLM2, cpu:1)")
     su.add_argument("--repeats", type=int, default=2)
@@ -315,6 +321,9 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     elif args.cmd == "startup-profile":
         from tandem.bench import startup_profile
         startup_profile.main(args)
+    elif args.cmd == "cpu-linear":
+        from tandem.bench import cpu_linear
+        cpu_linear.main(args)
     elif args.cmd == "step-profile":
         from tandem.bench import step_profile
         step_profile.main(args)

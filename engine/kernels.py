@@ -1,8 +1,9 @@
 """Compiled CPU kernels, built once per machine with torch.utils.cpp_extension.
 
-``cpu_ops()`` returns the module, or None when no compiler is available (the
-torch reference path in engine.attention is then used; it is slower, not
-different).
+``cpu_ops()`` returns the module (paged decode attention, engine/csrc/paged_decode.cpp; the
+projections over packed panels, engine/csrc/linear.cpp), or None when no compiler is
+available (torch's paths are then used: engine.attention's reference attention, and oneDNN
+for the projections; slower, not different).
 """
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ from pathlib import Path
 from tandem.paths import cache_dir, exclusive
 
 log = logging.getLogger(__name__)
-_SRC = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "ops.cpp", _CSRC / "paged_decode.cpp", _CSRC / "linear.cpp"]
 
 
 def _build_dir() -> Path:
     """One build directory per source location: two checkouts (or a checkout and an installed
     copy) would otherwise take turns rebuilding a shared one, since ninja sees a new source path."""
     import torch
-    key = hashlib.sha256(f"{_SRC.resolve()}|{torch.__version__}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{_CSRC.resolve()}|{torch.__version__}".encode()).hexdigest()[:12]
     path = cache_dir() / "kernels" / f"tandem_cpu_ops-{key}"
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -52,7 +54,7 @@ def cpu_ops():
         from torch.utils.cpp_extension import load
         build = _build_dir()
         with _sole_loader(build):
-            return load(name="tandem_cpu_ops", sources=[str(_SRC)],
+            return load(name="tandem_cpu_ops", sources=[str(p) for p in _SOURCES],
                         extra_cflags=["-O3", "-march=native", "-fopenmp"],
                         extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
     except Exception as e:        # no compiler / ninja: keep serving on the torch path

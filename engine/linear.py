@@ -1,23 +1,55 @@
-"""Projections with weights packed once, at load, for the CPU's GEMM.
+"""Projections with weights packed once, at load, for the CPU.
 
 ``F.linear`` on a CPU in float32 hands each product to MKL's sgemm, which re-lays-out
-(packs) the weight matrix on every call. At the row counts of decoding (1-64 tokens) that
-repacking costs more than the product itself: on a 2-core AVX2 EPYC the projections and LM
-head of SmolLM2 (30 layers, d=576) took 23 ms at 1 row but 50-65 ms at 2 rows and ~190 ms at
-64. oneDNN can pack a weight once into its blocked layout; products then stream the packed
-matrix: 19 ms at 1 row, 18 ms at 2, ~150 ms at 64, and no worse at prefill sizes (512 rows:
-1,128 against 1,154 ms). vLLM's CPU build packs its weights the same way.
+(packs) the weight matrix on every call; at the row counts of decoding (1-64 tokens) that
+repacking costs more than the product itself. So the worker packs every weight once, in one
+of two layouts:
 
-A packed weight is a tensor in oneDNN's layout (``is_mkldnn``) with the dense shape
-[out, in]; only :func:`linear` multiplies by it. Packing is for CPU float32 with oneDNN
-available; everything else (CUDA, bfloat16, a torch built without oneDNN) keeps dense
-weights and ``F.linear``.
+- **Panels** (:class:`Panels`), when the compiled CPU kernels are there (``engine.kernels``):
+  W [out, in] as column panels [ceil(out/16), in, 16], multiplied by ``engine/csrc/linear.cpp``,
+  which streams each panel once per six rows of x with the products in registers. A decode
+  step reads every weight once, and this kernel keeps close to the memory's speed there.
+- **oneDNN's blocked layout** otherwise (a tensor with ``is_mkldnn``), as vLLM's CPU build
+  packs its weights; products then stream the packed matrix.
+
+On a 2-core AVX2 EPYC, one thread, SmolLM2's projections and LM head (538 MB of float32, 48 ms
+to read once) took, in ms (``python -m bench cpu-linear``, three alternating rounds):
+
+| rows | 1 | 4 | 8 | 16 | 32 | 64 | 512 |
+|---|---|---|---|---|---|---|---|
+| panels | 44-58 | 47-58 | 71-83 | 96-117 | 143-187 | 254-331 | 1,750-3,129 |
+| oneDNN | 69-73 | 71-110 | 98-114 | 118-170 | 174-230 | 297-344 | 1,970-2,420 |
+
+Packing is for CPU float32 with oneDNN available; everything else (CUDA, bfloat16, a torch
+built without oneDNN) keeps dense weights and ``F.linear``. Only :func:`linear` multiplies by
+a packed weight.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+PANEL = 16          # output features per panel (engine/csrc/linear.cpp's NR)
+
+
+@dataclass(frozen=True, eq=False)
+class Panels:
+    """A weight [out_features, in] packed as ``data`` [ceil(out/16), in, 16]:
+    data[p, k, j] = W[16 p + j, k], zero past ``out_features``; ``ops``: the compiled kernels."""
+    data: torch.Tensor
+    out_features: int
+    ops: Any
+
+    @classmethod
+    def pack(cls, w: torch.Tensor, ops: Any) -> "Panels":
+        n, k = w.shape
+        padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=w.dtype)
+        padded[:n] = w.detach()
+        return cls(padded.view(-1, PANEL, k).transpose(1, 2).contiguous(), n, ops)
 
 
 def packs(device: str, dtype: torch.dtype) -> bool:
@@ -25,20 +57,38 @@ def packs(device: str, dtype: torch.dtype) -> bool:
     return device == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-def pack(w: torch.Tensor) -> torch.Tensor:
-    """``w`` [out, in] in oneDNN's blocked layout, for any number of rows."""
+def pack(w: torch.Tensor, ops: Any = None) -> torch.Tensor | Panels:
+    """``w`` [out, in] packed for any number of rows: panels when ``ops`` (engine.kernels'
+    module) has the panel kernel, else oneDNN's blocked layout."""
+    if ops is not None and hasattr(ops, "panel_linear"):
+        return Panels.pack(w, ops)
     return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def is_packed(w: torch.Tensor | Panels) -> bool:
+    return isinstance(w, Panels) or w.is_mkldnn
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | Panels, b: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T + b for a dense or a packed ``w``."""
+    if isinstance(w, Panels):
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        y = w.ops.panel_linear(rows, w.data, w.out_features)
+        if b is not None:
+            y.add_(b)
+        return y.view(*x.shape[:-1], w.out_features)
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     return F.linear(x, w, b)
 
 
-def pack_into(module: nn.Module, name: str, w: torch.Tensor) -> None:
-    """Make ``module.<name>`` the packed ``w`` (a non-persistent buffer, replacing a parameter)."""
-    if name in module._parameters:
-        del module._parameters[name]
-    module.register_buffer(name, pack(w), persistent=False)
+def pack_into(module: nn.Module, name: str, w: torch.Tensor, ops: Any = None) -> None:
+    """Make ``module.<name>`` the packed ``w`` (replacing a parameter or a buffer): oneDNN's
+    tensor as a non-persistent buffer, panels as a plain attribute."""
+    module._parameters.pop(name, None)
+    module._buffers.pop(name, None)
+    packed = pack(w, ops)
+    if isinstance(packed, Panels):
+        setattr(module, name, packed)
+    else:
+        module.register_buffer(name, packed, persistent=False)

@@ -74,7 +74,7 @@ class WorkerConfig:
     num_cpu_workers: int            # CPU workers sharing this machine's RAM
     threads: int                    # torch intra-op threads in this process
     compile: bool                   # torch.compile the model step
-    cpu_kernels: bool = True        # compiled CPU attention (else the torch reference path)
+    cpu_kernels: bool = True        # compiled CPU attention and projections (else torch's: reference attention, oneDNN)
     omp_wait_policy: str | None = None  # OpenMP threads between ops: ACTIVE spins, PASSIVE sleeps;
                                         # None: the environment's (unset: spin briefly, then sleep)
     kv_cache_dtype: str = "auto"    # "auto": the model's dtype; "int8": full blocks compressed
@@ -127,15 +127,15 @@ def _build_runner(cfg: WorkerConfig):
                            spec.head_dim, dtype=dtype, device=cfg.device)
         if cfg.device == "cpu":
             pool.share_memory_()
-    if cfg.compile:
-        from tandem.engine.compiled import compile_model
-        model = compile_model(model)
-    elif packs(cfg.device, dtype) and not cfg.triton_attention:   # its hidden kernel reads dense weights
-        model.pack_weights()
     kernel = None
     if cfg.device == "cpu" and cfg.cpu_kernels and not cfg.triton_attention:
         from tandem.engine.kernels import cpu_ops
         kernel = cpu_ops()
+    if cfg.compile:
+        from tandem.engine.compiled import compile_model
+        model = compile_model(model)
+    elif packs(cfg.device, dtype) and not cfg.triton_attention:   # its hidden kernel reads dense weights
+        model.pack_weights(kernel)      # panels for the compiled kernel, else oneDNN's layout
     return ModelRunner(model, spec, pool, cfg.block_size, kernel, cfg.triton_attention), num_blocks
 
 

@@ -30,7 +30,8 @@ import json, sys
 from importlib import resources
 import tandem
 from tandem import LLM, SamplingParams
-assert (resources.files("tandem.engine") / "csrc" / "paged_decode.cpp").is_file(), "kernel source not installed"
+for src in ("ops.cpp", "paged_decode.cpp", "linear.cpp"):
+    assert (resources.files("tandem.engine") / "csrc" / src).is_file(), f"kernel source {src} not installed"
 assert "Tandem" in (resources.files("tandem.server") / "static" / "dashboard.html").read_text()
 # the torch attention path: compiling the kernel again for this location would only cost time
 with LLM(sys.argv[1], "cpu:1", dtype="float32", threads_per_worker=1, cpu_kernels=False) as llm:

@@ -202,8 +202,3 @@ torch::Tensor paged_decode_q8(torch::Tensor q, torch::Tensor stage, torch::Tenso
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
-  m.def("paged_decode_q8", &paged_decode_q8, "paged decode attention over the int8 pool (CPU)");
-}

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.attention import AttnBatch, HiddenProjection, paged_attention
-from tandem.engine.linear import linear, pack_into
+from tandem.engine.linear import is_packed, linear, pack_into
 from tandem.engine.models.spec import ModelSpec
 
 
@@ -106,15 +106,15 @@ class LlamaModel(nn.Module):
                 layer.gate_up.copy_(torch.cat([g(p + "mlp.gate_proj.weight"), g(p + "mlp.up_proj.weight")]))
                 layer.down.copy_(g(p + "mlp.down_proj.weight"))
 
-    def pack_weights(self) -> None:
+    def pack_weights(self, ops=None) -> None:
         """Pack every projection and the LM head for the CPU's GEMM (engine.linear); the
         embedding table stays dense for lookups."""
         kv_rows = self.spec.num_heads * self.spec.head_dim
         for layer in self.layers:
-            pack_into(layer, "kv", layer.qkv[kv_rows:])
+            pack_into(layer, "kv", layer.qkv[kv_rows:], ops)
             for name in ("qkv", "o", "gate_up", "down"):
-                pack_into(layer, name, getattr(layer, name))
-        pack_into(self, "lm_head", self.lm_head)
+                pack_into(layer, name, getattr(layer, name), ops)
+        pack_into(self, "lm_head", self.lm_head, ops)
 
     def _kv_from_hidden(self, layer: LlamaLayer):
         """K (rotated at the given positions) and V of stored post-norm inputs x: [n, d]."""
@@ -126,7 +126,7 @@ class LlamaModel(nn.Module):
             k, v = linear(x, w).split([width, width], dim=-1)
             k = apply_rope(k.reshape(-1, s.num_kv_heads, s.head_dim), self.cos[pos], self.sin[pos])
             return k.reshape(-1, width), v.contiguous()
-        dense = None if w.is_mkldnn else w          # packed weights serve the CPU path only
+        dense = None if is_packed(w) else w          # packed weights serve the CPU path only
         return HiddenProjection(kv, dense, None, self.cos, self.sin)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,

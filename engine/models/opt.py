@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.attention import AttnBatch, HiddenProjection, paged_attention
-from tandem.engine.linear import linear, pack_into
+from tandem.engine.linear import is_packed, linear, pack_into
 from tandem.engine.models.spec import ModelSpec
 
 POS_OFFSET = 2   # OPT's learned position table is shifted by two rows
@@ -66,15 +66,15 @@ class OPTModel(nn.Module):
                 L.fc2_w.copy_(g(p + "fc2.weight"))
                 L.fc2_b.copy_(g(p + "fc2.bias"))
 
-    def pack_weights(self) -> None:
+    def pack_weights(self, ops=None) -> None:
         """Pack every projection and the LM head for the CPU's GEMM (engine.linear); the
         embedding tables stay dense for lookups."""
         d = self.spec.d_model
         for L in self.layers:
-            pack_into(L, "kv_w", L.qkv_w[d:])
+            pack_into(L, "kv_w", L.qkv_w[d:], ops)
             for name in ("qkv_w", "out_w", "fc1_w", "fc2_w"):
-                pack_into(L, name, getattr(L, name))
-        pack_into(self, "lm_head", self.lm_head)
+                pack_into(L, name, getattr(L, name), ops)
+        pack_into(self, "lm_head", self.lm_head, ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
                 batch: AttnBatch, logit_rows: torch.Tensor) -> torch.Tensor:
@@ -90,7 +90,7 @@ class OPTModel(nn.Module):
             if batch.hidden is not None:   # K and V of stored post-norm inputs (no positions in OPT attention)
                 kv_w = L.kv_w if L.kv_w is not None else L.qkv_w[d:]
                 fn = (lambda xs, pos, L=L, w=kv_w: linear(xs, w, L.qkv_b[d:]).split([d, d], dim=-1))  # noqa: E731
-                kv = HiddenProjection(fn, None if kv_w.is_mkldnn else kv_w, L.qkv_b[d:])
+                kv = HiddenProjection(fn, None if is_packed(kv_w) else kv_w, L.qkv_b[d:])
             a = paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), pool[li], batch,
                                 s.num_heads, s.num_kv_heads, s.head_dim, scale, x, kv)
             h = h + linear(a, L.out_w, L.out_b)

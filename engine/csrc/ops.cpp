@@ -1,0 +1,16 @@
+// The module engine.kernels builds: the CPU kernels of paged_decode.cpp and linear.cpp.
+#include <torch/extension.h>
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor pool, torch::Tensor k_rows,
+                           torch::Tensor v_rows, torch::Tensor lens, double scale);
+torch::Tensor paged_decode_q8(torch::Tensor q, torch::Tensor stage, torch::Tensor qpool,
+                              torch::Tensor qscale, torch::Tensor qlow, torch::Tensor stage_of,
+                              torch::Tensor k_rows, torch::Tensor v_rows, torch::Tensor lens,
+                              int64_t block_size, double scale);
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t n);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("paged_decode_q8", &paged_decode_q8, "paged decode attention over the int8 pool (CPU)");
+  m.def("panel_linear", &panel_linear, "x @ W^T over W packed in 16-feature panels (CPU, float32)");
+}
