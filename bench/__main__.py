@@ -77,7 +77,9 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     cl = sub.add_parser("cpu-linear", help="the CPU projections in panels (the compiled kernel) against oneDNN's "
                         "layout: SmolLM2's products by row count, and its decode steps by batch (one thread)")
     cl.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 512])
-    cl.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    cl.add_argument("--batches", type=int, nargs="*", default=[1, 4, 8, 16, 32],
+                    help="decode batches to time (none: the products only)")
+    cl.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the worker's)")
     cl.add_argument("--repeats", type=int, default=3)
     cl.add_argument("--out", default="cpu_linear.json", help="result file under bench/results")
     su = sub.add_parser("startup-profile", help="the start-up profile's time, and its cost model's error on "

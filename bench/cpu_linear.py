@@ -1,5 +1,5 @@
 """The CPU worker's projections in its two weight layouts: panels (engine/csrc/linear.cpp) and
-oneDNN's blocked layout (the layout without a compiler), on one thread.
+oneDNN's blocked layout (the layout without a compiler), on one thread (``--threads``).
 
 1. Products: every projection and the LM head of SmolLM2 (random weights at its shapes), at
    ``--rows`` rows, each layout in turn, ``--repeats`` rounds; the time to read the weights
@@ -45,7 +45,7 @@ def _order(names: list[str], round_: int) -> list[str]:
 
 
 def read_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
-    """Bytes per second one thread reads (summing a buffer larger than the caches)."""
+    """Bytes per second torch's threads read (summing a buffer larger than the caches)."""
     from tandem.bench.kernels import _median_s
     buf = torch.ones(nbytes // 4)
     return nbytes / _median_s(lambda: buf.sum(), repeats)
@@ -83,7 +83,7 @@ def product_times(spec, ops, rows: list[int], repeats: int) -> dict:
     return {"bytes": sum(w.numel() * 4 for w in dense), "ms": out}
 
 
-def step_times(hf, spec, ops, batches: list[int], repeats: int, steps: int = 20) -> dict:
+def step_times(hf, spec, ops, batches: list[int], repeats: int, threads: int, steps: int = 20) -> dict:
     """Median decode-step ms per layout and batch, and each run's first greedy tokens."""
     from tandem.engine.worker import InProcessDevice, WorkerConfig
     from tandem.sched.profiling import dummy_request, random_ids
@@ -94,7 +94,7 @@ def step_times(hf, spec, ops, batches: list[int], repeats: int, steps: int = 20)
         for name in _order(list(out), r):
             with _layout(name, ops):
                 dev = InProcessDevice("cpu", WorkerConfig(str(hf), spec, "float32", "cpu", 16, 512 << 20, None,
-                                                          1, 1, False, True))
+                                                          1, threads, False, True))
             sched = Scheduler(SchedConfig(max_num_batched_tokens=512), [dev], spec.eos_token_ids,
                               spec.max_model_len)
             for b in batches:
@@ -126,20 +126,23 @@ def main(args) -> None:
     ops = cpu_ops()
     if ops is None or not hasattr(ops, "panel_linear"):
         raise SystemExit("bench cpu-linear: the CPU kernels could not be built (no compiler)")
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     hf, spec = _smollm2()
     read = read_bandwidth()
     prod = product_times(spec, ops, args.rows, args.repeats)
     floor = prod["bytes"] / read * 1e3
-    print(f"\nSmolLM2's projections and LM head ({prod['bytes'] / 1e6:.0f} MB of float32), one thread, "
-          f"ms per sweep ({args.repeats} rounds, min-max); reading them once at this core's "
-          f"{read / 1e9:.1f} GB/s: {floor:.0f} ms\n")
+    print(f"\nSmolLM2's projections and LM head ({prod['bytes'] / 1e6:.0f} MB of float32), {args.threads} thread(s), "
+          f"ms per sweep ({args.repeats} rounds, min-max); reading them once at the {read / 1e9:.1f} GB/s "
+          f"that many threads read: {floor:.0f} ms\n")
     print("| rows | " + " | ".join(str(m) for m in args.rows) + " |")
     print("|---|" + "---|" * len(args.rows))
     for name, by_rows in prod["ms"].items():
         print(f"| {name} | " + " | ".join(_cell(by_rows[m]) for m in args.rows) + " |")
-    steps = step_times(hf, spec, ops, args.batches, args.repeats)
-    print(f"\nSmolLM2 decode steps (300-token prompts), in-process, one thread, median ms per step "
+    if not args.batches:
+        save_json(args.out, {"threads": args.threads, "read_GBps": read / 1e9, "products": prod})
+        return
+    steps = step_times(hf, spec, ops, args.batches, args.repeats, args.threads)
+    print(f"\nSmolLM2 decode steps (300-token prompts), in-process, {args.threads} thread(s), median ms per step "
           f"({args.repeats} rounds, min-max)\n")
     print("| requests | " + " | ".join(str(b) for b in args.batches) + " |")
     print("|---|" + "---|" * len(args.batches))
@@ -147,4 +150,4 @@ def main(args) -> None:
         print(f"| {name} | " + " | ".join(_cell(by_b[b]) for b in args.batches) + " |")
     print("\nsame first 8 greedy tokens in both layouts: "
           + ", ".join(f"{b} requests: {'yes' if s else 'no'}" for b, s in steps["same_tokens"].items()))
-    save_json(args.out, {"read_GBps": read / 1e9, "products": prod, "steps": steps})
+    save_json(args.out, {"threads": args.threads, "read_GBps": read / 1e9, "products": prod, "steps": steps})

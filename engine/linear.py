@@ -20,6 +20,9 @@ to read once) took, in ms (``python -m bench cpu-linear``, three alternating rou
 | panels | 44-58 | 47-58 | 71-83 | 96-117 | 143-187 | 254-331 | 1,750-3,129 |
 | oneDNN | 69-73 | 71-110 | 98-114 | 118-170 | 174-230 | 297-344 | 1,970-2,420 |
 
+With two threads panels are 25-45% faster at 1-64 rows and 2-16% slower at 512 (oneDNN's
+blocking scales better with threads on large products); one layout is kept, not both.
+
 Packing is for CPU float32 with oneDNN available; everything else (CUDA, bfloat16, a torch
 built without oneDNN) keeps dense weights and ``F.linear``. Only :func:`linear` multiplies by
 a packed weight.
