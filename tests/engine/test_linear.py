@@ -16,6 +16,14 @@ from tandem.engine.worker import WorkerConfig, _build_runner
 PACKS = packs("cpu", torch.float32)
 
 
+def built_ops():
+    """The compiled CPU kernels, which the CI machine (gcc + ninja) must build, as the attention
+    kernel's tests require too."""
+    ops = cpu_ops()
+    assert ops is not None, "the CPU kernels must build on the CI machine (gcc + ninja)"
+    return ops
+
+
 @pytest.mark.parametrize("layout", ["panels", "onednn"])
 @pytest.mark.parametrize("out_features", [96, 37])        # whole panels of 16, and a part-filled last one
 @pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 13, 64, 300])     # tiles of 6 rows and each remainder
@@ -27,10 +35,7 @@ def test_packed_linear_matches_float64(layout, out_features, rows, bias):
     x = torch.randn(80, rows, generator=g).t()          # a transposed (non-contiguous) input too
     want = F.linear(x.double(), w.double(), None if b is None else b.double())
     if layout == "panels":
-        ops = cpu_ops()
-        if ops is None:
-            pytest.skip("no compiler here: the CPU kernels are not built")
-        packed = pack(w, ops)
+        packed = pack(w, built_ops())
         assert isinstance(packed, Panels)
     else:
         packed = pack(w) if PACKS else w
@@ -41,12 +46,9 @@ def test_packed_linear_matches_float64(layout, out_features, rows, bias):
 
 def test_panels_keep_leading_dimensions():
     """A [batch, tokens, in] input comes back as [batch, tokens, out], as from F.linear."""
-    ops = cpu_ops()
-    if ops is None:
-        pytest.skip("no compiler here: the CPU kernels are not built")
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(40, 24, generator=g), torch.randn(3, 5, 24, generator=g)
-    torch.testing.assert_close(linear(x, pack(w, ops)).double(), F.linear(x.double(), w.double()),
+    torch.testing.assert_close(linear(x, pack(w, built_ops())).double(), F.linear(x.double(), w.double()),
                                rtol=1e-5, atol=1e-4)
 
 
@@ -57,8 +59,8 @@ def test_cpu_worker_packs_every_projection(family, cpu_kernels, request):
     oneDNN's layout without them); the embedding table stays dense."""
     if not PACKS:
         pytest.fail("this torch has no oneDNN: the CPU worker multiplies by dense weights, slowly")
-    if cpu_kernels and cpu_ops() is None:
-        pytest.skip("no compiler here: the CPU kernels are not built")
+    if cpu_kernels:
+        built_ops()
     path = request.getfixturevalue(family)
     spec = load_spec(path)
     cfg = WorkerConfig(str(path), spec, "float32", "cpu", 8, 1 << 20, None, 1, 1, False, cpu_kernels)
