@@ -74,8 +74,9 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     sp.add_argument("--batch", type=int, default=64)
     sp.add_argument("--max-tokens", type=int, default=64)
     sp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    cl = sub.add_parser("cpu-linear", help="the CPU projections in panels (the compiled kernel) against oneDNN's "
-                        "layout: SmolLM2's products by row count, and its decode steps by batch (one thread)")
+    cl = sub.add_parser("cpu-linear", help="the CPU projections over GGUF blocks and float32 panels (the compiled "
+                        "kernels) against oneDNN's layout: SmolLM2's products by row count, and its decode steps "
+                        "by batch (one thread)")
     cl.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 512])
     cl.add_argument("--batches", type=int, nargs="*", default=[1, 4, 8, 16, 32],
                     help="decode batches to time (none: the products only)")

@@ -1,10 +1,12 @@
-"""The CPU worker's projections in its two weight layouts: panels (engine/csrc/linear.cpp) and
-oneDNN's blocked layout (the layout without a compiler), on one thread (``--threads``).
+"""The CPU worker's projections in its three weight layouts, on one thread (``--threads``):
+GGUF's blocks in panels (engine/csrc/qlinear.cpp, the default for SmolLM2), float32 panels
+(engine/csrc/linear.cpp; ``--no-weight-blocks``) and oneDNN's blocked layout (the layout
+without a compiler).
 
-1. Products: every projection and the LM head of SmolLM2 (random weights at its shapes), at
-   ``--rows`` rows, each layout in turn, ``--repeats`` rounds; the time to read the weights
-   once at one core's read bandwidth is the floor of a small product.
-2. Decode steps: SmolLM2 on an in-process device (the compiled attention in both cases),
+1. Products: every projection and the LM head of SmolLM2 (its real weights), at ``--rows``
+   rows, each layout in turn, ``--repeats`` rounds; the time to read a layout's weights once
+   at the read bandwidth of that many threads is the floor of a small product.
+2. Decode steps: SmolLM2 on an in-process device (the compiled attention in every case),
    ``b`` prompts of 300 tokens decoding together for each of ``--batches``, the median step,
    each layout in turn, ``--repeats`` rounds; the first greedy tokens of each are compared.
 """
@@ -32,7 +34,7 @@ def _layout(name: str, ops):
     """engine.kernels.cpu_ops() as the worker sees it while building a device in ``name``'s layout."""
     import tandem.engine.kernels as kernels
     saved = kernels.cpu_ops
-    kernels.cpu_ops = (lambda: ops) if name == "panels" else (lambda: _WithoutPanels(ops))
+    kernels.cpu_ops = (lambda: _WithoutPanels(ops)) if name == "oneDNN" else (lambda: ops)
     try:
         yield
     finally:
@@ -58,15 +60,34 @@ def _smollm2():
     return hf, load_spec(hf)
 
 
-def product_times(spec, ops, rows: list[int], repeats: int) -> dict:
+LAYOUTS = ("blocks", "panels", "oneDNN")
+
+
+def _weights(hf, spec) -> list[torch.Tensor]:
+    """SmolLM2's projections as the worker fuses them (QKV, O, gate-up, down per layer), then
+    the LM head (the tied embedding table)."""
+    from tandem.engine.models.loader import load_state_dict
+    sd = load_state_dict(hf)
+    out = []
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        out += [torch.cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]), sd[p + "self_attn.o_proj.weight"],
+                torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]),
+                sd[p + "mlp.down_proj.weight"]]
+    return out + [sd.get("lm_head.weight", sd["model.embed_tokens.weight"])]
+
+
+def _nbytes(w) -> int:
+    from tandem.engine.linear import Panels
+    return w.data.numel() * w.data.element_size() if isinstance(w, Panels) else w.numel() * 4
+
+
+def product_times(hf, spec, ops, rows: list[int], repeats: int) -> dict:
     """ms per sweep over the model's projections and LM head, per layout and row count."""
     from tandem.engine.linear import linear, pack
-    d, hd = spec.d_model, spec.head_dim
-    layer = [((spec.num_heads + 2 * spec.num_kv_heads) * hd, d), (d, spec.num_heads * hd),
-             (2 * spec.intermediate_size, d), (d, spec.intermediate_size)]
-    shapes = layer * spec.num_layers + [(spec.vocab_size, d)]
-    dense = [torch.randn(o, i) for o, i in shapes]
-    weights = {"panels": [pack(w, ops) for w in dense], "oneDNN": [pack(w) for w in dense]}
+    dense = _weights(hf, spec)
+    weights = {"blocks": [pack(w, ops) for w in dense], "panels": [pack(w, ops, blocks=False) for w in dense],
+               "oneDNN": [pack(w) for w in dense]}
     ins = [w.shape[1] for w in dense]
     out: dict = {name: {m: [] for m in rows} for name in weights}
     for r in range(repeats):
@@ -80,7 +101,9 @@ def product_times(spec, ops, rows: list[int], repeats: int) -> dict:
                 for w, k in zip(ws, ins):
                     linear(xs[k], w)
                 out[name][m].append(1e3 * (time.perf_counter() - t))
-    return {"bytes": sum(w.numel() * 4 for w in dense), "ms": out}
+    nbytes = {name: sum(_nbytes(w) for w in ws) for name, ws in weights.items()}
+    nbytes["oneDNN"] = nbytes["panels"] = sum(w.numel() * 4 for w in dense)
+    return {"bytes": nbytes, "ms": out}
 
 
 def step_times(hf, spec, ops, batches: list[int], repeats: int, threads: int, steps: int = 20) -> dict:
@@ -88,13 +111,14 @@ def step_times(hf, spec, ops, batches: list[int], repeats: int, threads: int, st
     from tandem.engine.worker import InProcessDevice, WorkerConfig
     from tandem.sched.profiling import dummy_request, random_ids
     from tandem.sched.scheduler import SchedConfig, Scheduler
-    out: dict = {name: {b: [] for b in batches} for name in ("panels", "oneDNN")}
+    out: dict = {name: {b: [] for b in batches} for name in LAYOUTS}
     tokens: dict = {}
     for r in range(repeats):
         for name in _order(list(out), r):
             with _layout(name, ops):
                 dev = InProcessDevice("cpu", WorkerConfig(str(hf), spec, "float32", "cpu", 16, 512 << 20, None,
-                                                          1, threads, False, True))
+                                                          1, threads, False, True,
+                                                          weight_blocks=name == "blocks"))
             sched = Scheduler(SchedConfig(max_num_batched_tokens=512), [dev], spec.eos_token_ids,
                               spec.max_model_len)
             for b in batches:
@@ -113,7 +137,7 @@ def step_times(hf, spec, ops, batches: list[int], repeats: int, threads: int, st
                 out[name][b].append(statistics.median(times))
                 tokens.setdefault(b, {})[name] = [s.output_token_ids[:8] for s in states]
             del sched, dev
-    same = {b: t["panels"] == t["oneDNN"] for b, t in tokens.items()}
+    same = {b: all(t[name] == t["oneDNN"] for name in LAYOUTS) for b, t in tokens.items()}
     return {"ms": out, "same_tokens": same}
 
 
@@ -129,15 +153,16 @@ def main(args) -> None:
     torch.set_num_threads(args.threads)
     hf, spec = _smollm2()
     read = read_bandwidth()
-    prod = product_times(spec, ops, args.rows, args.repeats)
-    floor = prod["bytes"] / read * 1e3
-    print(f"\nSmolLM2's projections and LM head ({prod['bytes'] / 1e6:.0f} MB of float32), {args.threads} thread(s), "
-          f"ms per sweep ({args.repeats} rounds, min-max); reading them once at the {read / 1e9:.1f} GB/s "
-          f"that many threads read: {floor:.0f} ms\n")
-    print("| rows | " + " | ".join(str(m) for m in args.rows) + " |")
-    print("|---|" + "---|" * len(args.rows))
+    prod = product_times(hf, spec, ops, args.rows, args.repeats)
+    print(f"\nSmolLM2's projections and LM head, {args.threads} thread(s), ms per sweep ({args.repeats} rounds, "
+          f"min-max); the floor: reading the layout's weights once at the {read / 1e9:.1f} GB/s that many "
+          f"threads read\n")
+    print("| layout | MB | floor ms | " + " | ".join(f"{m} rows" for m in args.rows) + " |")
+    print("|---|---|---|" + "---|" * len(args.rows))
     for name, by_rows in prod["ms"].items():
-        print(f"| {name} | " + " | ".join(_cell(by_rows[m]) for m in args.rows) + " |")
+        nb = prod["bytes"][name]
+        print(f"| {name} | {nb / 1e6:.0f} | {nb / read * 1e3:.0f} | "
+              + " | ".join(_cell(by_rows[m]) for m in args.rows) + " |")
     if not args.batches:
         save_json(args.out, {"threads": args.threads, "read_GBps": read / 1e9, "products": prod})
         return
@@ -148,6 +173,6 @@ def main(args) -> None:
     print("|---|" + "---|" * len(args.batches))
     for name, by_b in steps["ms"].items():
         print(f"| {name} | " + " | ".join(_cell(by_b[b]) for b in args.batches) + " |")
-    print("\nsame first 8 greedy tokens in both layouts: "
+    print("\nsame first 8 greedy tokens in every layout: "
           + ", ".join(f"{b} requests: {'yes' if s else 'no'}" for b, s in steps["same_tokens"].items()))
     save_json(args.out, {"threads": args.threads, "read_GBps": read / 1e9, "products": prod, "steps": steps})

@@ -17,7 +17,7 @@ from tandem.paths import cache_dir, exclusive
 
 log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "ops.cpp", _CSRC / "paged_decode.cpp", _CSRC / "linear.cpp"]
+_SOURCES = [_CSRC / "ops.cpp", _CSRC / "paged_decode.cpp", _CSRC / "linear.cpp", _CSRC / "qlinear.cpp"]
 
 
 def _build_dir() -> Path:

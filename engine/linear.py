@@ -9,6 +9,9 @@ of two layouts:
   W [out, in] as column panels [ceil(out/16), in, 16], multiplied by ``engine/csrc/linear.cpp``,
   which streams each panel once per six rows of x with the products in registers. A decode
   step reads every weight once, and this kernel keeps close to the memory's speed there.
+- **GGUF's blocks in panels** (:class:`Panels` over ``engine/csrc/qlinear.cpp``), when a
+  weight is exactly the dequantized Q4_1 or Q8_0 blocks of a GGUF model (``engine.blocks``
+  finds them, bit for bit): the same products over 0.75 or 1.125 bytes a weight instead of 4.
 - **oneDNN's blocked layout** otherwise (a tensor with ``is_mkldnn``), as vLLM's CPU build
   packs its weights; products then stream the packed matrix.
 
@@ -30,29 +33,39 @@ a packed weight.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tandem.engine.blocks import Blocks, BlockKind, dequantize, find_blocks, pack_blocks, rows
 
 PANEL = 16          # output features per panel (engine/csrc/linear.cpp's NR)
 
 
 @dataclass(frozen=True, eq=False)
 class Panels:
-    """A weight [out_features, in] packed as ``data`` [ceil(out/16), in, 16]:
-    data[p, k, j] = W[16 p + j, k], zero past ``out_features``; ``ops``: the compiled kernels."""
+    """A weight [out_features, in] in column panels of 16 features, and the compiled kernel that
+    multiplies by them: ``kernel(x [M, in], data, out_features) -> [M, out_features]``.
+    float32: data [ceil(out/16), in, 16], data[p, k, j] = W[16 p + j, k], zero past
+    ``out_features``; GGUF blocks: engine.blocks.pack_blocks's bytes."""
     data: torch.Tensor
     out_features: int
-    ops: Any
+    kernel: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+    kind: BlockKind | None = None      # the GGUF blocks held, or None for float32
 
     @classmethod
     def pack(cls, w: torch.Tensor, ops: Any) -> "Panels":
         n, k = w.shape
         padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=w.dtype)
         padded[:n] = w.detach()
-        return cls(padded.view(-1, PANEL, k).transpose(1, 2).contiguous(), n, ops)
+        return cls(padded.view(-1, PANEL, k).transpose(1, 2).contiguous(), n, ops.panel_linear)
+
+    @classmethod
+    def pack_blocks(cls, blocks: Blocks, ops: Any) -> "Panels":
+        return cls(pack_blocks(blocks), blocks.q.shape[0], getattr(ops, f"{blocks.kind.value}_linear"),
+                   blocks.kind)
 
 
 def packs(device: str, dtype: torch.dtype) -> bool:
@@ -60,12 +73,20 @@ def packs(device: str, dtype: torch.dtype) -> bool:
     return device == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-def pack(w: torch.Tensor, ops: Any = None) -> torch.Tensor | Panels:
-    """``w`` [out, in] packed for any number of rows: panels when ``ops`` (engine.kernels'
-    module) has the panel kernel, else oneDNN's blocked layout."""
-    if ops is not None and hasattr(ops, "panel_linear"):
-        return Panels.pack(w, ops)
-    return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None)
+def pack(w: torch.Tensor | Blocks, ops: Any = None, blocks: bool = True) -> torch.Tensor | Panels:
+    """``w`` [out, in] (dense, or GGUF blocks found already) packed for any number of rows:
+    panels when ``ops`` (engine.kernels' module) has the panel kernel -- over GGUF's blocks when
+    ``blocks`` and ``w`` is exactly some, else float32 --, otherwise oneDNN's blocked layout."""
+    kernels = ops is not None and hasattr(ops, "panel_linear")
+    found = w if isinstance(w, Blocks) else None
+    if found is None and kernels and blocks and hasattr(ops, "q4_1_linear"):
+        found = find_blocks(w)
+    if kernels and blocks and found is not None and hasattr(ops, "q4_1_linear"):
+        return Panels.pack_blocks(found, ops)
+    dense = dequantize(w) if isinstance(w, Blocks) else w
+    if kernels:
+        return Panels.pack(dense, ops)
+    return torch.ops.mkldnn._reorder_linear_weight(dense.detach().contiguous(), None)
 
 
 def is_packed(w: torch.Tensor | Panels) -> bool:
@@ -76,7 +97,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | Panels, b: torch.Tensor | None = N
     """x @ w.T + b for a dense or a packed ``w``."""
     if isinstance(w, Panels):
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        y = w.ops.panel_linear(rows, w.data, w.out_features)
+        y = w.kernel(rows, w.data, w.out_features)
         if b is not None:
             y.add_(b)
         return y.view(*x.shape[:-1], w.out_features)
@@ -85,13 +106,32 @@ def linear(x: torch.Tensor, w: torch.Tensor | Panels, b: torch.Tensor | None = N
     return F.linear(x, w, b)
 
 
-def pack_into(module: nn.Module, name: str, w: torch.Tensor, ops: Any = None) -> None:
+def pack_into(module: nn.Module, name: str, w: torch.Tensor | Blocks, ops: Any = None,
+              blocks: bool = True) -> None:
     """Make ``module.<name>`` the packed ``w`` (replacing a parameter or a buffer): oneDNN's
     tensor as a non-persistent buffer, panels as a plain attribute."""
     module._parameters.pop(name, None)
     module._buffers.pop(name, None)
-    packed = pack(w, ops)
+    packed = pack(w, ops, blocks)
     if isinstance(packed, Panels):
         setattr(module, name, packed)
     else:
         module.register_buffer(name, packed, persistent=False)
+
+
+def embedding(ids: torch.Tensor, table: torch.Tensor | Blocks) -> torch.Tensor:
+    """Rows ``ids`` of an embedding table, dense or kept in GGUF's blocks (the same float32)."""
+    if isinstance(table, Blocks):
+        return dequantize(rows(table, ids))
+    return F.embedding(ids, table)
+
+
+def embedding_into(module: nn.Module, name: str, blocks: bool = True) -> torch.Tensor | Blocks:
+    """Keep ``module.<name>`` (an embedding table) in GGUF's blocks when it is exactly some:
+    a lookup dequantizes only the rows it reads. Returns the table as kept (a tied LM head
+    packs the blocks found here rather than finding them again)."""
+    found = find_blocks(getattr(module, name)) if blocks else None
+    if found is not None:
+        module._parameters.pop(name, None)
+        setattr(module, name, found)
+    return getattr(module, name)

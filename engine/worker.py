@@ -82,6 +82,8 @@ class WorkerConfig:
     max_num_seqs: int = 64          # requests at once: an int8 pool reserves their open blocks' staging
     triton_attention: bool = False  # attention by the Triton kernels (engine.triton_attention)
     num_blocks: int | None = None   # the pool's size, fixed (a restarted worker's: its books stay valid)
+    weight_blocks: bool = True      # with the CPU kernels: weights that are exactly a GGUF's 4- or
+                                    # 8-bit blocks stay in them (engine.blocks), else float32
 
 
 def pool_blocks(cfg: WorkerConfig, bytes_per_block: int, reserved: int = 0) -> int:
@@ -135,7 +137,7 @@ def _build_runner(cfg: WorkerConfig):
         from tandem.engine.compiled import compile_model
         model = compile_model(model)
     elif packs(cfg.device, dtype) and not cfg.triton_attention:   # its hidden kernel reads dense weights
-        model.pack_weights(kernel)      # panels for the compiled kernel, else oneDNN's layout
+        model.pack_weights(kernel, cfg.weight_blocks)   # panels for the compiled kernel, else oneDNN's layout
     return ModelRunner(model, spec, pool, cfg.block_size, kernel, cfg.triton_attention), num_blocks
 
 

@@ -116,6 +116,10 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                     help="seconds a request's body has to arrive after its head (then a 408)")
     ap.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"],
                     help="auto: bfloat16 where the CPU has AVX-512 BF16 or AMX (or the GPU supports it), else float32")
+    ap.add_argument("--no-weight-blocks", action="store_true",
+                    help="keep a GGUF model's weights in float32 instead of its own 4- and 8-bit blocks (by "
+                         "default, on the CPU in float32, the products read the blocks: the same tokens in a "
+                         "fifth of the memory, decode steps about 2-3x faster)")
     ap.add_argument("--kv-cache-bytes", type=int, default=None)
     ap.add_argument("--threads-per-worker", type=int, default=None,
                     help="torch threads in each worker process (default: the cores divided among the CPU workers)")
@@ -154,6 +158,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                         kv_cache_dtype=a.kv_cache_dtype, slo_ttft_ms=a.slo_ttft_ms, slo_tbt_ms=a.slo_tbt_ms,
                         max_waiting=a.max_waiting, max_upload_bytes=int(a.max_upload_mb * 2**20),
                         max_body_bytes=int(a.max_body_mb * 2**20), chat_control_tokens=a.chat_control_tokens, dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
+                        weight_blocks=not a.no_weight_blocks,
                         watch_parent=a.watch_parent, threads_per_worker=a.threads_per_worker,
                         limits=Limits(a.max_connections, a.header_timeout, a.body_timeout),
                         # the server shares the cores with its workers: their OpenMP threads sleep
@@ -226,7 +231,7 @@ def main(argv=None, prog: str = "python -m server") -> None:
                   length_predictor=_length_source(cfg), length_cap=cfg.length_cap, preemption_mode=cfg.preemption_mode,
                   swap_space=cfg.swap_space_gib, swap_dtype=cfg.swap_dtype,
                   kv_cache_dtype=cfg.kv_cache_dtype, tandem_off=cfg.tandem_off,
-                  slo_tbt_mean=cfg.slo_tbt_mean)
+                  slo_tbt_mean=cfg.slo_tbt_mean, weight_blocks=cfg.weight_blocks)
         return AsyncEngine(llm)
 
     app = create_app(cfg, build_engine)

@@ -44,6 +44,7 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20      # largest JSON request body (413 beyond, before reading it)
     limits: Limits = field(default_factory=Limits)   # open connections, head and body deadlines
     dtype: str = "auto"                # bfloat16 where the hardware has native bf16, else float32
+    weight_blocks: bool = True         # a GGUF model's weights stay in its 4/8-bit blocks (CPU, float32)
     kv_cache_bytes: int | None = None
     watch_parent: int | None = None    # stop when this pid is gone (tests)
     omp_wait_policy: str = "PASSIVE"   # the workers' OpenMP wait between ops (OMP_WAIT_POLICY)

@@ -5,10 +5,8 @@
 //   y       [M, N]
 //
 // Each panel is 16 output features over the whole of K, stored k-major, so one panel is read
-// as one contiguous stream and each of its 16-float rows is a vector. For a tile of up to
-// MR rows of x, the kernel keeps MR x 16 accumulators in registers and, per k, multiplies the
-// panel's row by each x[m][k] (broadcast): y[m][16 p + j] = sum_k x[m][k] panels[p][k][j].
-// The panel is read from memory once per MR rows of x, and from the cache for the next tiles.
+// as one contiguous stream and each of its 16-float rows is a vector; panel_tile.h multiplies
+// tiles of up to MR rows of x by it with the products in registers.
 //
 // Decoding multiplies a few rows by every weight of the model, so a step streams all the
 // weights once. On a 2-core AVX2 EPYC (one thread, SmolLM2) oneDNN's packed products took 1.5x
@@ -21,51 +19,12 @@
 #include <algorithm>
 #include <cstring>
 
-namespace {
+#include "panel_tile.h"
 
-constexpr int64_t NR = 16;   // output features per panel
-constexpr int MR = 6;        // rows of x per tile: 6 x 16 accumulators (12 AVX2 registers)
-// Two 8-float vectors per 16 features: one 16-float vector type measured 3-5x slower here (GCC
-// kept its accumulators in memory)
-typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
-
-// y[c][0:n_valid] = x[c] . panel for the C rows of x at ``x`` (row stride K).
-template <int C>
-inline void tile(const float* __restrict x, const float* __restrict panel, int64_t K,
-                 float* __restrict y, int64_t ldy, int64_t n_valid) {
-  vec8 lo[C], hi[C];
-  for (int c = 0; c < C; ++c) lo[c] = hi[c] = vec8{};
-  for (int64_t k = 0; k < K; ++k) {
-    __builtin_prefetch(panel + NR * (k + 64));   // 4 KB ahead in the panel's stream
-    vec8 w_lo, w_hi;
-    std::memcpy(&w_lo, panel + NR * k, sizeof(w_lo));
-    std::memcpy(&w_hi, panel + NR * k + 8, sizeof(w_hi));
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) {
-      const float xv = x[c * K + k];
-      lo[c] += w_lo * xv;
-      hi[c] += w_hi * xv;
-    }
-  }
-  for (int c = 0; c < C; ++c) {
-    float out[NR];
-    std::memcpy(out, &lo[c], sizeof(lo[c]));
-    std::memcpy(out + 8, &hi[c], sizeof(hi[c]));
-    std::memcpy(y + c * ldy, out, n_valid * sizeof(float));
-  }
-}
-
-// The last ``rows`` (< MR) rows of x: a tile of exactly that many.
-template <int C>
-inline void tail(int64_t rows, const float* x, const float* panel, int64_t K, float* y, int64_t ldy,
-                 int64_t n_valid) {
-  if constexpr (C > 0) {
-    if (rows == C) tile<C>(x, panel, K, y, ldy, n_valid);
-    else tail<C - 1>(rows, x, panel, K, y, ldy, n_valid);
-  }
-}
-
-}  // namespace
+using panel_tile::MR;
+using panel_tile::NR;
+using panel_tile::tail;
+using panel_tile::tile;
 
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x [M,K] float32, contiguous");

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.attention import AttnBatch, HiddenProjection, paged_attention
-from tandem.engine.linear import is_packed, linear, pack_into
+from tandem.engine.linear import embedding, embedding_into, is_packed, linear, pack_into
 from tandem.engine.models.spec import ModelSpec
 
 
@@ -106,15 +106,18 @@ class LlamaModel(nn.Module):
                 layer.gate_up.copy_(torch.cat([g(p + "mlp.gate_proj.weight"), g(p + "mlp.up_proj.weight")]))
                 layer.down.copy_(g(p + "mlp.down_proj.weight"))
 
-    def pack_weights(self, ops=None) -> None:
-        """Pack every projection and the LM head for the CPU's GEMM (engine.linear); the
-        embedding table stays dense for lookups."""
+    def pack_weights(self, ops=None, blocks: bool = True) -> None:
+        """Pack every projection and the LM head for the CPU's GEMM (engine.linear); with
+        ``blocks``, weights that are exactly a GGUF's blocks stay in them (the embedding table
+        too, for lookups; else it stays dense)."""
         kv_rows = self.spec.num_heads * self.spec.head_dim
         for layer in self.layers:
-            pack_into(layer, "kv", layer.qkv[kv_rows:], ops)
+            pack_into(layer, "kv", layer.qkv[kv_rows:], ops, blocks)
             for name in ("qkv", "o", "gate_up", "down"):
-                pack_into(layer, name, getattr(layer, name), ops)
-        pack_into(self, "lm_head", self.lm_head, ops)
+                pack_into(layer, name, getattr(layer, name), ops, blocks)
+        tied = self.lm_head is self.embed
+        table = embedding_into(self, "embed", blocks)
+        pack_into(self, "lm_head", table if tied else self.lm_head, ops, blocks)
 
     def _kv_from_hidden(self, layer: LlamaLayer):
         """K (rotated at the given positions) and V of stored post-norm inputs x: [n, d]."""
@@ -133,7 +136,7 @@ class LlamaModel(nn.Module):
                 batch: AttnBatch, logit_rows: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]; pool: [layers, kv_heads, slots, head_dim]; returns logits [len(logit_rows), V]."""
         s = self.spec
-        h = F.embedding(input_ids, self.embed)                       # [T, d]
+        h = embedding(input_ids, self.embed)                         # [T, d]
         cos, sin = self.cos[positions], self.sin[positions]         # [T, hd]
         scale = s.head_dim ** -0.5
         for li, layer in enumerate(self.layers):

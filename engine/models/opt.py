@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.attention import AttnBatch, HiddenProjection, paged_attention
-from tandem.engine.linear import is_packed, linear, pack_into
+from tandem.engine.linear import embedding, embedding_into, is_packed, linear, pack_into
 from tandem.engine.models.spec import ModelSpec
 
 POS_OFFSET = 2   # OPT's learned position table is shifted by two rows
@@ -66,22 +66,25 @@ class OPTModel(nn.Module):
                 L.fc2_w.copy_(g(p + "fc2.weight"))
                 L.fc2_b.copy_(g(p + "fc2.bias"))
 
-    def pack_weights(self, ops=None) -> None:
-        """Pack every projection and the LM head for the CPU's GEMM (engine.linear); the
-        embedding tables stay dense for lookups."""
+    def pack_weights(self, ops=None, blocks: bool = True) -> None:
+        """Pack every projection and the LM head for the CPU's GEMM (engine.linear); with
+        ``blocks``, weights that are exactly a GGUF's blocks stay in them (the token embedding
+        too, for lookups; else it stays dense, as the positions' table always does)."""
         d = self.spec.d_model
         for L in self.layers:
-            pack_into(L, "kv_w", L.qkv_w[d:], ops)
+            pack_into(L, "kv_w", L.qkv_w[d:], ops, blocks)
             for name in ("qkv_w", "out_w", "fc1_w", "fc2_w"):
-                pack_into(L, name, getattr(L, name), ops)
-        pack_into(self, "lm_head", self.lm_head, ops)
+                pack_into(L, name, getattr(L, name), ops, blocks)
+        tied = self.lm_head is self.embed
+        table = embedding_into(self, "embed", blocks)
+        pack_into(self, "lm_head", table if tied else self.lm_head, ops, blocks)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
                 batch: AttnBatch, logit_rows: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]; pool: [layers, heads, slots, head_dim]; returns logits [len(logit_rows), V]."""
         s = self.spec
         d = s.d_model
-        h = F.embedding(input_ids, self.embed) + self.pos[positions + POS_OFFSET]
+        h = embedding(input_ids, self.embed) + self.pos[positions + POS_OFFSET]
         scale = s.head_dim ** -0.5
         for li, L in enumerate(self.layers):
             x = F.layer_norm(h, (d,), L.ln1_w, L.ln1_b, s.norm_eps)

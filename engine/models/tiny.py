@@ -9,13 +9,16 @@ import torch
 def write_tiny_model(path: str | Path, family: str = "llama", *, seed: int = 0,
                      vocab_size: int = 512, d_model: int = 64, num_layers: int = 2,
                      num_heads: int = 4, num_kv_heads: int = 2, max_len: int = 512,
-                     init_std: float = 0.2, tokenizer_from: str | Path | None = None) -> Path:
+                     init_std: float = 0.2, tokenizer_from: str | Path | None = None,
+                     gguf_blocks: bool = False) -> Path:
     """Save a random LlamaForCausalLM (grouped-query) or OPTForCausalLM (multi-head).
 
     ``init_std`` is larger than HF's default so that logits are well separated and
     greedy decoding is not decided by round-off. ``tokenizer_from``: a checkpoint
     directory whose tokenizer is copied in (the vocabulary grows to fit it), so
-    text prompts and chat templates work.
+    text prompts and chat templates work. ``gguf_blocks``: every matrix goes through GGUF's
+    quantizer and back (gguf-py), as in a GGUF model dequantized to float32: the projections in
+    Q4_1, the embedding tables in Q8_0 (SmolLM2's GGUF's types).
     """
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
     path = Path(path)
@@ -44,7 +47,23 @@ def write_tiny_model(path: str | Path, family: str = "llama", *, seed: int = 0,
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+    if gguf_blocks:
+        _through_gguf(model)
     model.save_pretrained(path)
     if tok is not None:
         tok.save_pretrained(path)
     return path
+
+
+def _through_gguf(model) -> None:
+    """Round every matrix whose rows are whole 32-weight blocks through gguf-py's quantizer."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize, quantize
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() != 2 or p.shape[1] % 32:
+                continue
+            kind = Q.Q8_0 if "embed" in name else Q.Q4_1
+            w = p.detach().float().numpy()
+            p.copy_(torch.from_numpy(dequantize(quantize(w, kind), kind).astype(np.float32).reshape(w.shape)))

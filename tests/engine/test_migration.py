@@ -244,12 +244,12 @@ def test_placement_packs_to_the_smallest_pool(tiny_llama, monkeypatch):
     block_bytes = spec.num_layers * 8 * spec.unit * 4
     real, made = llm_module.WorkerConfig, []
 
-    def second_gets_half(*args):
+    def second_gets_half(*args, **kwargs):
         args = list(args)
         if made:
             args[5] //= 2                                   # kv_cache_bytes
         made.append(args[3])
-        return real(*args)
+        return real(*args, **kwargs)
     monkeypatch.setattr(llm_module, "WorkerConfig", second_gets_half)
     with LLM(str(tiny_llama), TWO, dtype="float32", policy="fcfs", block_size=8, kv_cache_bytes=256 * block_bytes,
              threads_per_worker=1, placement="mell") as llm:

@@ -1,0 +1,130 @@
+"""Weights kept in GGUF's blocks (engine.blocks, engine/csrc/qlinear.cpp), checked against gguf-py's
+own quantizer and dequantizer, float64 products, and HF transformers' greedy tokens."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from tandem.engine.blocks import BlockKind, Blocks, find_blocks
+from tandem.engine.linear import Panels, embedding, embedding_into, linear, pack
+from tandem.engine.models.loader import load_spec
+from tandem.engine.worker import WorkerConfig, _build_runner
+from tests.conftest import hf_greedy, mixed_prompts
+from tests.engine.test_linear import built_ops
+
+KINDS = {BlockKind.Q4_1: Q.Q4_1, BlockKind.Q8_0: Q.Q8_0}
+
+
+def through_gguf(w: np.ndarray, kind: BlockKind) -> tuple[torch.Tensor, np.ndarray]:
+    """gguf-py's blocks of ``w`` (raw bytes per block) and the float32 weights they hold."""
+    raw = gguf_quantize(w, KINDS[kind])
+    deq = gguf_dequantize(raw, KINDS[kind]).astype(np.float32).reshape(w.shape)
+    return torch.from_numpy(deq), raw.reshape(-1, raw.shape[-1] // (w.shape[1] // 32))
+
+
+def gguf_fields(raw: np.ndarray, kind: BlockKind) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """d, m and q of GGUF blocks, decoded from their bytes as ggml lays them out."""
+    d = raw[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]
+    if kind is BlockKind.Q8_0:
+        return d, np.zeros_like(d), raw[:, 2:].copy().view(np.int8).astype(np.int64)
+    m = raw[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
+    nib = raw[:, 4:].astype(np.int64)                  # weight t low nibble, t + 16 high nibble
+    return d, m, np.concatenate([nib & 15, nib >> 4], axis=1)
+
+
+@pytest.mark.parametrize("kind", list(BlockKind))
+def test_blocks_found_are_ggufs_own(kind):
+    """find_blocks reads back, from the dequantized weights alone, the very blocks gguf-py wrote."""
+    w = np.random.default_rng(0).standard_normal((40, 96)).astype(np.float32)
+    deq, raw = through_gguf(w, kind)
+    found = find_blocks(deq)
+    assert found is not None and found.kind is kind
+    d, m, q = gguf_fields(raw, kind)
+    np.testing.assert_array_equal(found.d.numpy().reshape(-1), d)
+    np.testing.assert_array_equal(found.m.numpy().reshape(-1), m)
+    np.testing.assert_array_equal(found.q.numpy().astype(np.int64).reshape(-1, 32), q)
+
+
+def test_weights_that_are_not_blocks_stay_float():
+    """Random float32 weights, and GGUF weights with one of them moved by one unit in the last
+    place, are not blocks (the check is bit for bit)."""
+    assert find_blocks(torch.randn(32, 64)) is None
+    deq, _ = through_gguf(np.random.default_rng(1).standard_normal((32, 64)).astype(np.float32), BlockKind.Q4_1)
+    assert find_blocks(deq) is not None
+    deq[5, 17] = torch.nextafter(deq[5, 17], torch.tensor(np.inf))
+    assert find_blocks(deq) is None
+    assert find_blocks(torch.randn(8, 48)) is None          # rows that are not whole blocks
+
+
+@pytest.mark.parametrize("kind", list(BlockKind))
+@pytest.mark.parametrize("out_features", [96, 37])        # whole panels of 16, and a part-filled last one
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13, 23, 24, 31, 100])   # tiles of 6; unpacked panels from 24
+@pytest.mark.parametrize("bias", [False, True])
+def test_block_products_match_float64(kind, out_features, rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    deq, _ = through_gguf(torch.randn(out_features, 128, generator=g).numpy(), kind)
+    b = torch.randn(out_features, generator=g) if bias else None
+    x = torch.randn(128, rows, generator=g).t()          # a transposed (non-contiguous) input too
+    packed = pack(deq, built_ops())
+    assert isinstance(packed, Panels) and packed.kind is kind
+    padded = -(-out_features // 16) * 16 * 128               # weights, rows padded to whole panels
+    assert packed.data.numel() / padded == {BlockKind.Q4_1: 0.75, BlockKind.Q8_0: 1.125}[kind]   # bytes a weight
+    got = linear(x, packed, b)
+    want = F.linear(x.double(), deq.double(), None if b is None else b.double())
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_embedding_rows_from_blocks_are_exact():
+    deq, _ = through_gguf(np.random.default_rng(2).standard_normal((50, 64)).astype(np.float32), BlockKind.Q8_0)
+    holder = torch.nn.Module()
+    holder.table = torch.nn.Parameter(deq.clone(), requires_grad=False)
+    embedding_into(holder, "table")
+    assert isinstance(holder.table, Blocks)
+    ids = torch.tensor([3, 0, 49, 3, 17])
+    assert torch.equal(embedding(ids, holder.table), F.embedding(ids, deq))
+
+
+@pytest.fixture(scope="module")
+def gguf_llama(tmp_path_factory):
+    from tandem.engine.models.tiny import write_tiny_model
+    return write_tiny_model(tmp_path_factory.mktemp("gguf-llama"), "llama", seed=3, gguf_blocks=True)
+
+
+@pytest.fixture(scope="module")
+def gguf_opt(tmp_path_factory):
+    from tandem.engine.models.tiny import write_tiny_model
+    return write_tiny_model(tmp_path_factory.mktemp("gguf-opt"), "opt", seed=4, gguf_blocks=True)
+
+
+@pytest.mark.parametrize("family", ["gguf_llama", "gguf_opt"])
+def test_worker_keeps_a_gguf_models_blocks(family, request):
+    """The CPU worker keeps every projection in Q4_1 panels, the LM head in Q8_0 and the token
+    embedding in Q8_0 blocks; with weight_blocks off, all in float32 panels."""
+    built_ops()
+    path = request.getfixturevalue(family)
+    spec = load_spec(path)
+    for blocks in (True, False):
+        cfg = WorkerConfig(str(path), spec, "float32", "cpu", 8, 1 << 20, None, 1, 1, False, True,
+                           weight_blocks=blocks)
+        model = _build_runner(cfg)[0].model
+        weights = [t for layer in model.layers for t in vars(layer).values() if isinstance(t, Panels)]
+        assert len(weights) == 5 * spec.num_layers          # 4 projections + the K/V rows
+        assert {t.kind for t in weights} == {BlockKind.Q4_1 if blocks else None}
+        assert model.lm_head.kind is (BlockKind.Q8_0 if blocks else None)
+        assert isinstance(model.embed, Blocks) is blocks
+
+
+@pytest.mark.parametrize("family", ["gguf_llama", "gguf_opt"])
+def test_greedy_tokens_over_blocks_match_hf(family, request):
+    from tandem import LLM, SamplingParams
+    path = request.getfixturevalue(family)
+    built_ops()
+    prompts = mixed_prompts(6, 512, seed=5)
+    want = hf_greedy(path, prompts, 16)
+    with LLM(str(path), "cpu:1", dtype="float32", threads_per_worker=1, kv_cache_bytes=1 << 22) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == want
