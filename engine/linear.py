@@ -15,16 +15,21 @@ of two layouts:
 - **oneDNN's blocked layout** otherwise (a tensor with ``is_mkldnn``), as vLLM's CPU build
   packs its weights; products then stream the packed matrix.
 
-On a 2-core AVX2 EPYC, one thread, SmolLM2's projections and LM head (538 MB of float32, 48 ms
-to read once) took, in ms (``python -m bench cpu-linear``, three alternating rounds):
+On a 2-core AVX2 EPYC, one thread, SmolLM2's projections and LM head took, in ms (``python -m
+bench cpu-linear``, three alternating rounds; the floor: reading the layout's weights once, at
+9.7 GB/s that afternoon):
 
 | rows | 1 | 4 | 8 | 16 | 32 | 64 | 512 |
 |---|---|---|---|---|---|---|---|
-| panels | 44-58 | 47-58 | 71-83 | 96-117 | 143-187 | 254-331 | 1,750-3,129 |
-| oneDNN | 69-73 | 71-110 | 98-114 | 118-170 | 174-230 | 297-344 | 1,970-2,420 |
+| GGUF blocks (111 MB, floor 12 ms) | 19-23 | 23-28 | 51-54 | 80-101 | 141-172 | 249-309 | 1,980-2,286 |
+| float32 panels (538 MB, floor 56 ms) | 54-67 | 51-62 | 70-76 | 112-116 | 153-180 | 249-308 | 1,961-2,243 |
+| oneDNN (538 MB) | 75-79 | 86-92 | 106-108 | 149-171 | 199-218 | 340-375 | 2,086-2,254 |
 
-With two threads panels are 25-45% faster at 1-64 rows and 2-16% slower at 512 (oneDNN's
-blocking scales better with threads on large products); one layout is kept, not both.
+Unpacking the blocks costs compute that rows of a tile share, so from about 32 rows on the
+blocks are as fast as float32 panels, not faster (from 24 rows each panel is unpacked once per
+product). With two threads float32 panels were 25-45% faster than oneDNN at 1-64 rows and 2-16%
+slower at 512 (oneDNN's blocking scales better with threads on large products); one layout is
+kept, not both.
 
 Packing is for CPU float32 with oneDNN available; everything else (CUDA, bfloat16, a torch
 built without oneDNN) keeps dense weights and ``F.linear``. Only :func:`linear` multiplies by
