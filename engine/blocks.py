@@ -29,6 +29,7 @@ import torch
 
 QB = 32        # weights per GGUF block
 PANEL = 16     # output features per panel (engine/csrc/qlinear.cpp's NR)
+SAMPLE_ROWS = 16   # rows tried first (find_blocks)
 
 
 class BlockKind(enum.Enum):
@@ -76,15 +77,24 @@ def dequantize(blocks: Blocks) -> torch.Tensor:
     return w.reshape(w.shape[0], -1)
 
 
+def _exact(find, b: torch.Tensor) -> Blocks | None:
+    """``find``'s blocks for the weights ``b`` [n, k/32, 32], if they give back every one."""
+    blocks = find(b)
+    if blocks is None or not _exact_half(blocks.d):
+        return None
+    return blocks if torch.equal(dequantize(blocks), b.reshape(b.shape[0], -1)) else None
+
+
 def find_blocks(w: torch.Tensor) -> Blocks | None:
-    """The Q4_1 or Q8_0 blocks that hold exactly the float32 weights ``w`` [n, k], or None."""
+    """The Q4_1 or Q8_0 blocks that hold exactly the float32 weights ``w`` [n, k], or None.
+    Each kind is tried on the first ``SAMPLE_ROWS`` rows first, so a weight that is no blocks
+    (a float32 checkpoint's) costs a few passes over those rows, not over the whole tensor."""
     if w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % QB or w.numel() == 0:
         return None
     b = w.detach().reshape(w.shape[0], -1, QB)
     for find in (_q4_1, _q8_0):       # (a weight that is not finite fails the final check)
-        blocks = find(b)
-        if blocks is not None and _exact_half(blocks.d) and torch.equal(dequantize(blocks), w):
-            return blocks
+        if _exact(find, b[:SAMPLE_ROWS]) is not None:
+            return _exact(find, b)
     return None
 
 

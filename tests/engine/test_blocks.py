@@ -52,10 +52,12 @@ def test_weights_that_are_not_blocks_stay_float():
     """Random float32 weights, and GGUF weights with one of them moved by one unit in the last
     place, are not blocks (the check is bit for bit)."""
     assert find_blocks(torch.randn(32, 64)) is None
-    deq, _ = through_gguf(np.random.default_rng(1).standard_normal((32, 64)).astype(np.float32), BlockKind.Q4_1)
+    deq, _ = through_gguf(np.random.default_rng(1).standard_normal((40, 64)).astype(np.float32), BlockKind.Q4_1)
     assert find_blocks(deq) is not None
-    deq[5, 17] = torch.nextafter(deq[5, 17], torch.tensor(np.inf))
-    assert find_blocks(deq) is None
+    for row in (5, 33):                  # in the rows tried first, and past them
+        moved = deq.clone()
+        moved[row, 17] = torch.nextafter(moved[row, 17], torch.tensor(np.inf))
+        assert find_blocks(moved) is None
     assert find_blocks(torch.randn(8, 48)) is None          # rows that are not whole blocks
 
 
