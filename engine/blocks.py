@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 QB = 32        # weights per GGUF block
-PANEL = 16     # output features per panel (engine/csrc/qlinear.cpp's NR)
+PANEL = 16     # output features per panel (engine/csrc/panel_tile.h's NR)
 SAMPLE_ROWS = 16   # rows tried first (find_blocks)
 
 
@@ -64,7 +64,7 @@ def _q4_1(b: torch.Tensor) -> Blocks | None:
     return Blocks(BlockKind.Q4_1, q.to(torch.uint8), d, lo)
 
 
-def _q8_0(b: torch.Tensor) -> Blocks | None:
+def _q8_0(b: torch.Tensor) -> Blocks:
     d = (b.abs().amax(-1) / 127).half().float()
     q = (b / _divisor(d)).round_().clamp_(-128, 127)
     return Blocks(BlockKind.Q8_0, q.to(torch.int8), d, torch.zeros_like(d))

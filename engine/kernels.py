@@ -1,7 +1,8 @@
 """Compiled CPU kernels, built once per machine with torch.utils.cpp_extension.
 
 ``cpu_ops()`` returns the module (paged decode attention, engine/csrc/paged_decode.cpp; the
-projections over packed panels, engine/csrc/linear.cpp), or None when no compiler is
+projections over packed panels, engine/csrc/linear.cpp, and over a GGUF's blocks,
+engine/csrc/qlinear.cpp), or None when no compiler is
 available (torch's paths are then used: engine.attention's reference attention, and oneDNN
 for the projections; slower, not different).
 """

@@ -3,7 +3,7 @@
 ``F.linear`` on a CPU in float32 hands each product to MKL's sgemm, which re-lays-out
 (packs) the weight matrix on every call; at the row counts of decoding (1-64 tokens) that
 repacking costs more than the product itself. So the worker packs every weight once, in one
-of two layouts:
+of three layouts:
 
 - **Panels** (:class:`Panels`), when the compiled CPU kernels are there (``engine.kernels``):
   W [out, in] as column panels [ceil(out/16), in, 16], multiplied by ``engine/csrc/linear.cpp``,
@@ -44,9 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.blocks import Blocks, BlockKind, dequantize, find_blocks, pack_blocks, rows
-
-PANEL = 16          # output features per panel (engine/csrc/linear.cpp's NR)
+from tandem.engine.blocks import PANEL, Blocks, BlockKind, dequantize, find_blocks, pack_blocks, rows
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,11 +81,10 @@ def pack(w: torch.Tensor | Blocks, ops: Any = None, blocks: bool = True) -> torc
     panels when ``ops`` (engine.kernels' module) has the panel kernel -- over GGUF's blocks when
     ``blocks`` and ``w`` is exactly some, else float32 --, otherwise oneDNN's blocked layout."""
     kernels = ops is not None and hasattr(ops, "panel_linear")
-    found = w if isinstance(w, Blocks) else None
-    if found is None and kernels and blocks and hasattr(ops, "q4_1_linear"):
-        found = find_blocks(w)
-    if kernels and blocks and found is not None and hasattr(ops, "q4_1_linear"):
-        return Panels.pack_blocks(found, ops)
+    if kernels and blocks and hasattr(ops, "q4_1_linear"):
+        found = w if isinstance(w, Blocks) else find_blocks(w)
+        if found is not None:
+            return Panels.pack_blocks(found, ops)
     dense = dequantize(w) if isinstance(w, Blocks) else w
     if kernels:
         return Panels.pack(dense, ops)
@@ -101,8 +98,7 @@ def is_packed(w: torch.Tensor | Panels) -> bool:
 def linear(x: torch.Tensor, w: torch.Tensor | Panels, b: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T + b for a dense or a packed ``w``."""
     if isinstance(w, Panels):
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        y = w.kernel(rows, w.data, w.out_features)
+        y = w.kernel(x.reshape(-1, x.shape[-1]).contiguous(), w.data, w.out_features)
         if b is not None:
             y.add_(b)
         return y.view(*x.shape[:-1], w.out_features)

@@ -21,10 +21,7 @@
 
 #include "panel_tile.h"
 
-using panel_tile::MR;
 using panel_tile::NR;
-using panel_tile::tail;
-using panel_tile::tile;
 
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x [M,K] float32, contiguous");
@@ -39,12 +36,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t n) {
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t p = lo; p < hi; ++p) {
-      const float* panel = pp + p * K * NR;
-      float* yt = yp + p * NR;
-      const int64_t n_valid = std::min(NR, n - p * NR);
-      int64_t m = 0;
-      for (; m + MR <= M; m += MR) tile<MR>(xp + m * K, panel, K, yt + m * n, n, n_valid);
-      if (m < M) tail<MR - 1>(M - m, xp + m * K, panel, K, yt + m * n, n, n_valid);
+      panel_tile::panel_rows(xp, M, K, pp + p * K * NR, yp + p * NR, n, std::min(NR, n - p * NR));
     }
   });
   return y;

@@ -12,6 +12,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace panel_tile {
 
@@ -61,14 +62,29 @@ inline void tile(const float* __restrict x, const float* __restrict panel, int64
   store<C>(lo, hi, y, ldy, n_valid);
 }
 
-// The last ``rows`` (< MR) rows of x: a tile of exactly that many.
-template <int C>
-inline void tail(int64_t rows, const float* x, const float* panel, int64_t K, float* y, int64_t ldy,
-                 int64_t n_valid) {
+// Every row of x [M, K] in tiles of R rows, the last M % R in one tile of exactly that many:
+// tile(std::integral_constant<int, C>{}, x + m K, y + m ldy) runs a tile of C rows.
+template <int R, int C = R - 1, typename Tile>
+inline void tail(int64_t rows, const float* x, int64_t K, float* y, int64_t ldy, Tile&& tile) {
   if constexpr (C > 0) {
-    if (rows == C) tile<C>(x, panel, K, y, ldy, n_valid);
-    else tail<C - 1>(rows, x, panel, K, y, ldy, n_valid);
+    if (rows == C) tile(std::integral_constant<int, C>{}, x, y);
+    else tail<R, C - 1>(rows, x, K, y, ldy, tile);
   }
+}
+
+template <int R, typename Tile>
+inline void for_tiles(int64_t M, const float* x, int64_t K, float* y, int64_t ldy, Tile&& tile) {
+  int64_t m = 0;
+  for (; m + R <= M; m += R) tile(std::integral_constant<int, R>{}, x + m * K, y + m * ldy);
+  if (m < M) tail<R>(M - m, x + m * K, K, y + m * ldy, ldy, tile);
+}
+
+// y[:, a panel's features] for all M rows of x over the float32 panel.
+inline void panel_rows(const float* x, int64_t M, int64_t K, const float* panel, float* y, int64_t ldy,
+                       int64_t n_valid) {
+  for_tiles<MR>(M, x, K, y, ldy, [&](auto C, const float* xr, float* yr) {
+    tile<decltype(C)::value>(xr, panel, K, yr, ldy, n_valid);
+  });
 }
 
 }  // namespace panel_tile

@@ -75,7 +75,6 @@ inline ivec8 widen(const uint8_t* p) {
 #endif
 }
 
-// The 16 weights of input k of a block, as two 8-float vectors.
 // The scales of a block: d and m of its 16 output features (m zero for Q8_0).
 struct Scales {
   vec8 d_lo, d_hi, m_lo, m_hi;
@@ -87,6 +86,7 @@ inline Scales scales(const uint8_t* blk) {
   return {load8(blk), load8(blk + 32), vec8{}, vec8{}};
 }
 
+// The 16 weights of input k of a block, as two 8-float vectors.
 template <Kind K>
 inline void unpack(const uint8_t* blk, int64_t k, const Scales& s, vec8& w_lo, vec8& w_hi) {
   if constexpr (K == Kind::Q4_1) {
@@ -136,33 +136,20 @@ inline void tile(const float* __restrict x, const uint8_t* __restrict panel, int
   panel_tile::store<C>(lo, hi, y, ldy, n_valid);
 }
 
-// The last ``rows`` (< MR) rows of x: a tile of exactly that many.
-template <Kind KIND, int C>
-inline void tail(int64_t rows, const float* x, const uint8_t* panel, int64_t K, float* y,
-                 int64_t ldy, int64_t n_valid) {
-  if constexpr (C > 0) {
-    if (rows == C) tile<KIND, C>(x, panel, K, y, ldy, n_valid);
-    else tail<KIND, C - 1>(rows, x, panel, K, y, ldy, n_valid);
-  }
-}
-
-// y[:, panel's features] for all M rows of x, over the panel's blocks. Not inlined: inside the
-// threads' loop GCC kept the tile's accumulators on the stack, 2x slower.
+// y[:, panel's features] for all M rows of x, over the panel's blocks. Not inlined (nor is
+// panel_tile.h's loop over the unpacked panel, below): inside the threads' loop GCC kept the
+// tile's accumulators on the stack, 2x slower.
 template <Kind KIND>
 __attribute__((noinline)) void block_panel(const float* x, int64_t M, int64_t K, const uint8_t* panel,
                                            float* y, int64_t ldy, int64_t n_valid) {
-  int64_t m = 0;
-  for (; m + MR <= M; m += MR) tile<KIND, MR>(x + m * K, panel, K, y + m * ldy, ldy, n_valid);
-  if (m < M) tail<KIND, MR - 1>(M - m, x + m * K, panel, K, y + m * ldy, ldy, n_valid);
+  panel_tile::for_tiles<MR>(M, x, K, y, ldy, [&](auto C, const float* xr, float* yr) {
+    tile<KIND, decltype(C)::value>(xr, panel, K, yr, ldy, n_valid);
+  });
 }
 
-// The same over the panel unpacked to float32, by panel_tile.h's tile.
 __attribute__((noinline)) void float_panel(const float* x, int64_t M, int64_t K, const float* panel,
                                            float* y, int64_t ldy, int64_t n_valid) {
-  using panel_tile::MR;
-  int64_t m = 0;
-  for (; m + MR <= M; m += MR) panel_tile::tile<MR>(x + m * K, panel, K, y + m * ldy, ldy, n_valid);
-  if (m < M) panel_tile::tail<MR - 1>(M - m, x + m * K, panel, K, y + m * ldy, ldy, n_valid);
+  panel_tile::panel_rows(x, M, K, panel, y, ldy, n_valid);
 }
 
 template <Kind KIND>
