@@ -57,6 +57,17 @@ class SamplingSpec:
     seed: int                   # per-request seed; randomness = f(seed, token index)
     min_tokens: int             # stop ids are masked until this many tokens exist
     stop_token_ids: tuple[int, ...]  # ids masked while below min_tokens (EOS included)
+    logprobs: int = -1          # -1: none; k >= 0: the sampled token's log probability and the k likeliest
+    prompt_logprobs: int = -1   # -1: none; k >= 0: the same for each prompt token after the first
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One sampled token's log probability under the model (log-softmax of its raw logits, before
+    temperature, top-k/p and stop masking) and the ``len(top_ids)`` likeliest tokens', best first."""
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(slots=True)
@@ -162,3 +173,6 @@ class StepOutput:
     sample_s: float             # seconds spent sampling
     error: str | None = None    # set when the step raised; the worker keeps serving
     exported: dict[str, object] = field(default_factory=dict)  # req_id -> its cache rows (CacheImport.rows)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # for sampled requests that ask
+    # req_id -> (position p, TokenLogprobs of prompt tokens p, p+1, ...) computed in this step
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20       # the most alternatives a token's log probabilities may list (vLLM's default cap)
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -16,6 +18,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0                     # EOS and stop ids are suppressed before this many
+    logprobs: int | None = None             # None: none; k: each token's log probability and the k likeliest
+    prompt_logprobs: int | None = None      # the same for each prompt token after the first
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +50,10 @@ class SamplingParams:
             bad("stop_token_ids", "must be a list of non-negative integers")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+                bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "must be a boolean")
 

@@ -17,7 +17,7 @@ from tandem.engine.messages import (CacheImport, CacheType, Command, DeviceRows,
                              Phase, SamplingSpec, StepInput, StepOutput)
 from tandem.engine.models.spec import ModelSpec
 from tandem.engine.quantpool import QuantPool
-from tandem.engine.sampling import sample
+from tandem.engine.sampling import log_probs, pick_logprobs, sample, token_logprobs
 from tandem.engine.triton_attention import TritonMeta, tables
 from tandem.engine.triton_paging import row_table
 
@@ -315,15 +315,19 @@ class ModelRunner:
             sts = [self.reqs[s.req_id] for s in inp.scheduled]
             self._prepare_writes([(st, st.num_computed, st.num_computed + s.num_new_tokens)
                                   for st, s in zip(sts, inp.scheduled)])
-        ids, pos, batch, rows, samplers = self._build(prefills, decodes)
+        ids, pos, batch, rows, samplers, scored = self._build(prefills, decodes)
         specs = [self.reqs[r].sampling for r in samplers]
         ngen = [len(self.reqs[r].token_ids) - self.reqs[r].num_prompt for r in samplers]
         with torch.inference_mode():
             logits = self.model(ids, pos, self.pool, batch, rows)      # sampled where it lies
+            prompt_lps = self._prompt_logprobs(logits[len(samplers):], scored)
+            logits = logits[:len(samplers)]
             if self.device.type == "cuda":      # the forward's time, not its launch's
                 torch.cuda.synchronize(self.device)
             t1 = time.perf_counter()
+            lp_rows, lp = log_probs(logits, specs)
             tokens = sample(logits, specs, ngen)
+            by_row = token_logprobs(lp_rows, lp, specs, tokens)
         full = []
         for s in inp.scheduled:
             st = self.reqs[s.req_id]
@@ -336,20 +340,50 @@ class ModelRunner:
         for rid, tok in zip(samplers, tokens):
             self.reqs[rid].token_ids.append(tok)
             sampled[rid] = tok
-        return StepOutput(inp.step_id, sampled, int(ids.shape[0]), t1 - t0,
-                          time.perf_counter() - t1, exported=exported)
+        return StepOutput(inp.step_id, sampled, int(ids.shape[0]), t1 - t0, time.perf_counter() - t1,
+                          exported=exported, logprobs={samplers[r]: v for r, v in by_row.items()},
+                          prompt_logprobs=prompt_lps)
+
+    def _prompt_logprobs(self, logits: torch.Tensor, scored) -> dict:
+        """req_id -> (p, the TokenLogprobs of its prompt tokens p, p+1, ...) from the logits of the
+        rows that score them (``_build``'s ``scored``, in order)."""
+        if not scored:
+            return {}
+        chosen, ks = [], []
+        for rid, first, n in scored:
+            st = self.reqs[rid]
+            chosen += st.token_ids[first:first + n]
+            ks += [st.sampling.prompt_logprobs] * n
+        picked = pick_logprobs(torch.log_softmax(logits.float(), dim=-1), chosen, ks)
+        out, at = {}, 0
+        for rid, first, n in scored:
+            out[rid] = (first, picked[at:at + n])
+            at += n
+        return out
+
+    def _scored_rows(self, s, st: ReqState, row: int, a: int, b: int, scored: list) -> list[int]:
+        """Rows of a prefill chunk [a, b) starting at ``row`` whose logits score prompt tokens
+        a+1, ... (for prompt log probabilities): the row of position p scores token p + 1, up to
+        the prompt's last token (its own row samples the first output token)."""
+        n = min(b, st.num_prompt - 1) - a
+        if st.sampling.prompt_logprobs < 0 or n <= 0:
+            return []
+        scored.append((s.req_id, a + 1, n))
+        return list(range(row, row + n))
 
     def _build(self, prefills, decodes):
-        """Token ids, positions, attention metadata and sampling rows for one step
-        (rows: KV prefills, KV decodes, then hidden-cache prefills and decodes)."""
+        """Token ids, positions, attention metadata and logit rows for one step (rows: the
+        sampled ones of KV prefills, KV decodes, hidden-cache prefills and decodes; then the
+        prompt-scoring ones, as ``scored`` lists them)."""
         hidden = [s for s in prefills + decodes if self.reqs[s.req_id].cache_type is CacheType.HIDDEN]
         if hidden:
             prefills = [s for s in prefills if self.reqs[s.req_id].cache_type is CacheType.KV]
             decodes = [s for s in decodes if self.reqs[s.req_id].cache_type is CacheType.KV]
-        ids, pos, k_w, v_w, segs, rows, samplers = [], [], [], [], [], [], []
+        ids, pos, k_w, v_w, segs, rows, samplers, scored, extra = [], [], [], [], [], [], [], [], []
         row = 0
         for s in prefills:
             st, a, b = self._take(s, ids, pos)
+            extra += self._scored_rows(s, st, row, a, b, scored)
             k_w.append(st.slots[0, a:b])
             v_w.append(st.slots[1, a:b])
             ctx = (st.slots[0, :a], st.slots[1, :a]) if a > 0 else (None, None)
@@ -366,7 +400,7 @@ class ModelRunner:
             row += 1
         dev = self.device
         to = (lambda t: t if t is None or dev.type == "cpu" else t.to(dev, non_blocking=True))  # noqa: E731
-        hb = self._hidden_meta(hidden, row, ids, pos, rows, samplers, to) if hidden else None
+        hb = self._hidden_meta(hidden, row, ids, pos, rows, samplers, to, scored, extra) if hidden else None
         # rows the Triton kernels read through their own tables stay on the host
         dec_to = (lambda t: t) if self.triton else to  # noqa: E731
         ctx_to = dec_to if not self.int8 else to        # an int8 pool's prefills keep the torch path
@@ -377,7 +411,7 @@ class ModelRunner:
         if self.triton:
             batch.triton = self._triton_meta(prefills, dec, hidden, hb, to)
         return (to(torch.tensor(ids, dtype=torch.long)), to(torch.cat(pos)), batch,
-                to(torch.tensor(rows, dtype=torch.long)), samplers)
+                to(torch.tensor(rows + extra, dtype=torch.long)), samplers, scored)
 
     def _triton_meta(self, prefills, dec, hidden, hb: HiddenBatch | None, to) -> TritonMeta:
         """Tables for the Triton kernels (engine.triton_attention), built after ``_build``'s
@@ -414,11 +448,13 @@ class ModelRunner:
         pos.append(torch.arange(a, b))
         return st, a, b
 
-    def _hidden_meta(self, hidden, row, ids, pos, rows, samplers, to) -> HiddenBatch:
+    def _hidden_meta(self, hidden, row, ids, pos, rows, samplers, to, scored, extra) -> HiddenBatch:
         """Rows to store the new tokens' layer inputs and each request's context rows."""
         start, write, segs = row, [], []
         for s in hidden:
             st, a, b = self._take(s, ids, pos)
+            if s.phase is Phase.PREFILL:
+                extra += self._scored_rows(s, st, row, a, b, scored)
             write.append(st.slots[:, a:b].T.reshape(-1))          # token-major: token i's m rows
             segs.append(HiddenSegment(row - start, row - start + b - a, to(st.slots[:, :b].T.reshape(-1))))
             row += b - a

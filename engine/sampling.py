@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.messages import SamplingSpec
+from tandem.engine.messages import SamplingSpec, TokenLogprobs
 
 MIN_TEMPERATURE = 1e-5     # below it sampling is greedy: logits / T would overflow float32 to inf
 _MIX = 0x9E3779B97F4A7C15
@@ -42,6 +42,35 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec], num_generated: list[
                             for r, sp in zip(rows, picked)])
         out[idx] = (probs / race).argmax(dim=-1)
     return out.tolist()
+
+
+def log_probs(logits: torch.Tensor, specs: list[SamplingSpec]) -> tuple[list[int], torch.Tensor | None]:
+    """The rows that ask for log probabilities and their log-softmax [m, V] in float32, taken from
+    the raw logits (call before ``sample``, which masks them in place)."""
+    rows = [r for r, sp in enumerate(specs) if sp.logprobs >= 0]
+    if not rows:
+        return rows, None
+    sel = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
+    return rows, torch.log_softmax(sel.float(), dim=-1)
+
+
+def token_logprobs(rows: list[int], lp: torch.Tensor | None, specs: list[SamplingSpec],
+                   tokens: list[int]) -> dict[int, TokenLogprobs]:
+    """row -> the sampled token's log probability and the row's ``logprobs`` likeliest tokens."""
+    if lp is None:
+        return {}
+    picked = pick_logprobs(lp, [tokens[r] for r in rows], [specs[r].logprobs for r in rows])
+    return dict(zip(rows, picked))
+
+
+def pick_logprobs(lp: torch.Tensor, chosen: list[int], ks: list[int]) -> list[TokenLogprobs]:
+    """For each row of a log-softmax [m, V]: token ``chosen[i]``'s log probability and the row's
+    ``ks[i]`` likeliest tokens (ties in the order torch.topk gives them)."""
+    values = lp.gather(1, torch.tensor(chosen, device=lp.device)[:, None])[:, 0].tolist()
+    k = max(ks)
+    top_v, top_i = torch.topk(lp, k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    return [TokenLogprobs(v, tuple(i[:n]), tuple(t[:n])) for v, i, t, n in zip(values, top_i, top_v, ks)]
 
 
 def _mask_stops(logits: torch.Tensor, specs: list[SamplingSpec], num_generated: list[int]) -> None:

@@ -43,6 +43,8 @@ class Update:
     error: str | None = None
     text: str = ""                    # new text safe to show (held back: a possible stop string start)
     queue_s: float | None = None      # at the end: seconds from arrival to first being scheduled
+    logprobs: list | None = None      # TokenLogprobs of new_token_ids, when the request asked for them
+    prompt_logprobs: list | None = None   # with the first token: each prompt token's (None first), if asked
 
 
 @dataclass(slots=True)
@@ -439,7 +441,8 @@ class DeviceActor:
         sp = st.request.sampling
         stop_ids = tuple(sp.stop_token_ids) + (() if sp.ignore_eos else self.eos_ids)
         spec = SamplingSpec(float(sp.temperature), float(sp.top_p), sp.top_k, st.seed,
-                            sp.min_tokens, stop_ids)
+                            sp.min_tokens, stop_ids, -1 if sp.logprobs is None else sp.logprobs,
+                            -1 if sp.prompt_logprobs is None else sp.prompt_logprobs)
         return NewRequest(st.req_id, st.all_token_ids(), len(st.request.prompt_token_ids),
                           st.cache_type, spec)
 
@@ -453,12 +456,16 @@ class DeviceActor:
             st = self.states.get(dec.req_id)
             if st is not None and st.status is Status.RUNNING:
                 st.num_computed += dec.num_new_tokens
+        self._score_prompts(out)
         updates = []
         for rid, tok in out.sampled.items():
             st = self.states.get(rid)
             if st is None or st.status is not Status.RUNNING:
                 continue
             st.output_token_ids.append(tok)
+            lp = out.logprobs.get(rid)
+            if lp is not None:
+                st.output_logprobs.append(lp)
             st.stalled_s += max(0.0, now - (st.last_token_time or st.request.arrival_time) - self.t_avg)
             st.last_token_time = now
             if st.first_token_time is None:
@@ -468,12 +475,26 @@ class DeviceActor:
                 st.moving = None
             try:
                 updates.append(self._token_update(st, tok))
+                updates[-1].logprobs = None if lp is None else [lp]
+                if len(st.output_token_ids) == 1 and st.request.sampling.prompt_logprobs is not None:
+                    updates[-1].prompt_logprobs = st.scored_prompt()
             except Exception:        # a bug in one request's stops or text: it alone fails
                 eid = error_id()
                 log.exception("%s: request %s failed on its new token (%s)", self.device.name, rid, eid)
                 self._texts.pop(rid, None)
                 updates.append(self.end_with_error(st, f"internal error while generating (error id {eid})"))
         return updates
+
+    def _score_prompts(self, out: StepOutput) -> None:
+        """Keep the prompt tokens' log probabilities a step computed, by position (a prompt
+        computed again after a preemption writes the same values again)."""
+        for rid, (first, lps) in out.prompt_logprobs.items():
+            st = self.states.get(rid)
+            if st is None or st.status is not Status.RUNNING:
+                continue
+            if not st.prompt_logprobs:
+                st.prompt_logprobs = [None] * len(st.request.prompt_token_ids)
+            st.prompt_logprobs[first:first + len(lps)] = lps
 
     def _arrived(self, move: Migration, now: float) -> None:
         """A migrated request produced its first token here: the pause it saw is measured."""

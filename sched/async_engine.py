@@ -23,6 +23,8 @@ class Event:
     finish_reason: FinishReason | None = None
     error: str | None = None          # set when the request failed (finish_reason ERROR)
     queue_s: float | None = None      # at the end: seconds waiting before first scheduled
+    logprobs: list | None = None      # TokenLogprobs of new_token_ids, when the request asked for them
+    prompt_logprobs: list | None = None   # with the first token, when asked: per prompt token (None first)
 
 
 class AsyncEngine:
@@ -83,7 +85,8 @@ class AsyncEngine:
         for u in updates:
             q = self._queues.get(u.req_id)
             if q is not None:
-                q.put_nowait(Event(u.new_token_ids, u.text, u.finish_reason, u.error, u.queue_s))
+                q.put_nowait(Event(u.new_token_ids, u.text, u.finish_reason, u.error, u.queue_s, u.logprobs,
+                                 u.prompt_logprobs))
 
 
 class Submission:

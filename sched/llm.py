@@ -36,6 +36,8 @@ class RequestOutput:
     token_ids: list[int]           # generated ids (EOS / stop id included when it ended the request)
     text: str                      # generated text, special tokens skipped, stop string cut
     finish_reason: str             # "stop" | "length" | "abort" | "error"
+    logprobs: list | None = None   # with SamplingParams.logprobs: a TokenLogprobs per id of token_ids
+    prompt_logprobs: list | None = None   # with SamplingParams.prompt_logprobs: per prompt id, None first
 
     @property
     def request_id(self) -> str:
@@ -507,8 +509,11 @@ class LLM:
 
     def _output(self, st: RequestState) -> RequestOutput:
         text = st.text_result or ""
+        asked = st.request.sampling.logprobs is not None
         return RequestOutput(st.req_id, st.request.prompt, st.request.prompt_token_ids,
-                             list(st.output_token_ids), text, st.finish_reason.value)
+                             list(st.output_token_ids), text, st.finish_reason.value,
+                             list(st.output_logprobs) if asked else None,
+                             st.scored_prompt() if st.request.sampling.prompt_logprobs is not None else None)
 
     # ---- lifecycle --------------------------------------------------------------
     def cache_config(self) -> tuple[int, str, int]:

@@ -71,6 +71,8 @@ class RequestState:
     status: Status = Status.WAITING
     cache_type: CacheType = CacheType.KV
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)   # TokenLogprobs per output token, when asked
+    prompt_logprobs: list = field(default_factory=list)   # per prompt token (None first), when asked
     num_computed: int = 0              # tokens whose cache is on the device
     sent_to_device: bool = False       # NewRequest already sent
     num_preemptions: int = 0
@@ -95,6 +97,11 @@ class RequestState:
 
     def all_token_ids(self) -> list[int]:
         return self.request.prompt_token_ids + self.output_token_ids
+
+    def scored_prompt(self) -> list:
+        """Each prompt token's log probabilities as far as computed (None for the first, which
+        nothing scores, and for any not computed yet)."""
+        return list(self.prompt_logprobs) or [None] * len(self.request.prompt_token_ids)
 
 
 def error_id() -> str:
