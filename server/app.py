@@ -22,6 +22,7 @@ from tandem.sched.request import Request, ServiceClass, error_id
 from tandem.server.config import ServerConfig
 from tandem.server.connections import GUARD, body_read, connections_middleware
 from tandem.server.errors import ApiError, bad_request
+from tandem.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from tandem.server.metrics import Metrics
 from tandem.server.protocol import (GenRequest, check_model, parse_chat, parse_completion, parse_detokenize,
                                     parse_tokenize)
@@ -37,6 +38,7 @@ class AppState:
     metrics: Metrics
     engine: AsyncEngine | None = None
     load_error: str | None = None
+    text_of: TokenText | None = None        # token texts for log probabilities, once the model is loaded
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -240,10 +242,24 @@ class Choice:
     parts: list[str] = field(default_factory=list)      # text deltas, joined once at the end
     prompt_ids: list[int] | None = None     # set where the request asked for token ids back
     ids_sent: int = 0                       # of token_ids, how many a stream has sent
+    logprobs: list | None = None            # TokenLogprobs per token, where the request asked for them
+    lps_sent: int = 0                       # of logprobs, how many a stream has sent
+    text_offset: int = 0                    # a completion's: characters its sent logprobs' tokens span
+    echo: str | None = None                 # a completion's prompt text, to go before its output (echo)
+    echo_ids: list[int] | None = None       # and the prompt's ids, for its log probabilities
+    prompt_logprobs: list | None = None     # the echoed prompt's, from the first event
+    echo_sent: bool = False
 
     @property
     def text(self) -> str:
         return "".join(self.parts)
+
+    def echo_text(self) -> str:
+        """The echoed prompt, the first time it is asked for (a stream sends it once)."""
+        if self.echo is None:
+            return ""
+        text, self.echo = self.echo, ""
+        return text
 
 
 async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice, sink=None) -> None:
@@ -265,6 +281,10 @@ async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice
             now = time.monotonic()
             ch.token_ids.extend(ev.new_token_ids)
             ch.token_times.extend([now] * len(ev.new_token_ids))
+            if ch.logprobs is not None and ev.logprobs:
+                ch.logprobs.extend(ev.logprobs)
+            if ev.prompt_logprobs is not None:
+                ch.prompt_logprobs = ev.prompt_logprobs
             delta = ev.text
             if ev.finish_reason is not None:
                 ch.finish_reason, queue_s = ev.finish_reason.value, ev.queue_s
@@ -288,13 +308,30 @@ def usage(p: Prepared, choices: list[Choice]) -> dict:
     return {"prompt_tokens": p.prompt_tokens, "completion_tokens": c, "total_tokens": p.prompt_tokens + c}
 
 
-def choice_json(chat: bool, ch: Choice) -> dict:
+def choice_json(chat: bool, ch: Choice, text_of: TokenText) -> dict:
     if chat:
         c = {"index": ch.index, "message": {"role": "assistant", "content": ch.text},
              "logprobs": None, "finish_reason": ch.finish_reason}
     else:
-        c = {"index": ch.index, "text": ch.text, "logprobs": None, "finish_reason": ch.finish_reason}
-    return c | token_ids_json(chat, ch, ch.token_ids)
+        c = {"index": ch.index, "text": ch.echo_text() + ch.text, "logprobs": None,
+             "finish_reason": ch.finish_reason}
+    return c | unsent_logprobs(chat, ch, text_of) | token_ids_json(chat, ch, ch.token_ids)
+
+
+def unsent_logprobs(chat: bool, ch: Choice, text_of: TokenText) -> dict:
+    """``logprobs`` of the tokens whose log probabilities are not sent yet (all of them, for a
+    whole response); nothing where the request did not ask or none is new."""
+    echo = ch.echo_ids is not None and not ch.echo_sent and ch.prompt_logprobs is not None
+    if ch.logprobs is None or (ch.lps_sent == len(ch.logprobs) and not echo):
+        return {}
+    lps, ids = ch.logprobs[ch.lps_sent:], ch.token_ids[ch.lps_sent:len(ch.logprobs)]
+    ch.lps_sent = len(ch.logprobs)
+    if echo:                                   # a completion's echoed prompt goes first, once
+        lps, ids, ch.echo_sent = ch.prompt_logprobs + lps, ch.echo_ids + ids, True
+    if chat:
+        return {"logprobs": chat_logprobs(text_of, ids, lps)}
+    body, ch.text_offset = completion_logprobs(text_of, ids, lps, ch.text_offset)
+    return {"logprobs": body}
 
 
 def token_ids_json(chat: bool, ch: Choice, ids: list[int]) -> dict:
@@ -305,9 +342,17 @@ def token_ids_json(chat: bool, ch: Choice, ids: list[int]) -> dict:
     return {"token_ids": ids} if chat else {"prompt_token_ids": ch.prompt_ids, "token_ids": ids}
 
 
-def new_choices(p: Prepared) -> list[Choice]:
-    return [Choice(i, prompt_ids=list(r.prompt_token_ids) if p.gen.return_token_ids else None)
+def new_choices(p: Prepared, text_of: TokenText) -> list[Choice]:
+    asked = p.gen.sampling.logprobs is not None
+    return [Choice(i, prompt_ids=list(r.prompt_token_ids) if p.gen.return_token_ids else None,
+                   logprobs=[] if asked else None, **(echo_of(r, text_of) if p.gen.echo else {}))
             for i, r in enumerate(p.requests)]
+
+
+def echo_of(r: Request, text_of: TokenText) -> dict:
+    """A completion's echo: its prompt text (a prompt of token ids: the tokens' texts) and ids."""
+    text = r.prompt if r.prompt is not None else "".join(text_of(t)[0] for t in r.prompt_token_ids)
+    return {"echo": text, "echo_ids": list(r.prompt_token_ids)}
 
 
 def chat_prompt_ids(p: Prepared) -> dict:
@@ -328,14 +373,15 @@ async def all_or_none(coros) -> None:
 
 async def complete(engine: AsyncEngine, st: AppState, p: Prepared, chat: bool) -> dict:
     """Run a prepared, non-streamed request to its end; the OpenAI response body."""
-    choices = new_choices(p)
+    choices = new_choices(p, st.text_of)
     created = int(time.time())
     try:
         await all_or_none(run_choice(sub, st.metrics, r, ch) for sub, r, ch in zip(p.subs, p.requests, choices))
     finally:
         p.close()
     return {"id": p.rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": p.model, "choices": [choice_json(chat, ch) for ch in choices], "usage": usage(p, choices)} | (
+            "model": p.model, "choices": [choice_json(chat, ch, st.text_of) for ch in choices],
+            "usage": usage(p, choices)} | (
         chat_prompt_ids(p) if chat else {})
 
 
@@ -345,7 +391,7 @@ async def generate_handler(request: web.Request, chat: bool) -> web.StreamRespon
     p = await prepare(engine, st.cfg, await read_json(request), chat)
     if p.gen.stream:
         try:
-            return await stream_handler(request, engine, st, p, new_choices(p), chat, int(time.time()))
+            return await stream_handler(request, engine, st, p, new_choices(p, st.text_of), chat, int(time.time()))
         finally:
             p.close()
     return json_response(await complete(engine, st, p, chat))
@@ -364,7 +410,9 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
             d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
             c = {"index": ch.index, "delta": d, "logprobs": None, "finish_reason": finish}
         else:
-            c = {"index": ch.index, "text": delta, "logprobs": None, "finish_reason": finish}
+            c = {"index": ch.index, "text": ch.echo_text() + delta, "logprobs": None, "finish_reason": finish}
+        if not first:
+            c |= unsent_logprobs(chat, ch, st.text_of)
         if ch.prompt_ids is not None and not first:     # the ids not sent yet; a completion's
             c |= token_ids_json(chat, ch, ch.token_ids[ch.ids_sent:])     # prompt ids go once,
             if ch.ids_sent:                                   # with its first ids
@@ -377,7 +425,8 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
             await send(chunk(ch, "", None, first=True) | (chat_prompt_ids(p) if i == 0 else {}))
 
     async def sink(ch: Choice, delta: str) -> None:
-        if delta or (ch.prompt_ids is not None and len(ch.token_ids) > ch.ids_sent):
+        if delta or ch.echo or (ch.prompt_ids is not None and len(ch.token_ids) > ch.ids_sent) or (
+                ch.logprobs is not None and len(ch.logprobs) > ch.lps_sent):
             await send(chunk(ch, delta, None))
         if ch.finish_reason is not None:
             await send(chunk(ch, "", ch.finish_reason))
@@ -525,6 +574,7 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
         engine.runtime.report()             # /status and /metrics show every device from the start
         state.metrics.cache_configured(*engine.llm.cache_config())
         state.metrics.lengths = engine.llm.lengths
+        state.text_of = TokenText(engine.llm.tokenizer)
         state.engine = engine
         routes_batch.engine_ready(app_)
         print(f"tandem: model {cfg.model!r} ready in {time.monotonic() - t0:.1f} s", flush=True)

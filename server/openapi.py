@@ -16,6 +16,25 @@ FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", "error
 IDS = {"type": "array", "items": {"type": "integer"}, "description": "with return_token_ids"}
 
 
+_BYTES = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 255}}
+_ALT = {"type": "object", "required": ["token", "logprob", "bytes"], "properties": {
+    "token": {"type": "string"}, "logprob": {"type": "number"}, "bytes": _BYTES}}
+CHAT_LOGPROBS = {"type": ["object", "null"], "required": ["content"], "properties": {"content": {
+    "type": "array", "items": {"type": "object", "required": ["token", "logprob", "bytes", "top_logprobs"],
+                               "properties": {**_ALT["properties"], "top_logprobs": {"type": "array",
+                                                                                    "items": _ALT}}}}},
+    "description": "with logprobs: true; each output token's log probability and top_logprobs alternatives"}
+COMPLETION_LOGPROBS = {
+    "type": ["object", "null"], "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+    "properties": {"tokens": {"type": "array", "items": {"type": "string"}},
+                   "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
+                   "top_logprobs": {"type": "array", "items": {"type": ["object", "null"],
+                                                                "additionalProperties": {"type": "number"}}},
+                   "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}}},
+    "description": "with logprobs: k; each output token's log probability, the k likeliest and the sampled "
+                   "one (with echo, the prompt's tokens first: the first one's null)"}
+
+
 def _completion(object_name: str, choice: dict, **extra) -> dict:
     return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
         "id": {"type": "string"}, "object": {"const": object_name}, "created": {"type": "integer"},
@@ -23,15 +42,15 @@ def _completion(object_name: str, choice: dict, **extra) -> dict:
         "choices": {"type": "array", "items": {"type": "object", "required": ["index", "finish_reason"],
                                                "properties": {"index": {"type": "integer"},
                                                               "finish_reason": FINISH, "token_ids": IDS,
-                                                              "logprobs": {"type": "null"},
                                                               **choice}}}}}
 
 
 CHAT_COMPLETION = _completion("chat.completion", {"message": {
     "type": "object", "required": ["role", "content"],
-    "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]}}}},
-    prompt_token_ids=IDS)
-COMPLETION = _completion("text_completion", {"text": {"type": "string"}, "prompt_token_ids": IDS})
+    "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]}}},
+    "logprobs": CHAT_LOGPROBS}, prompt_token_ids=IDS)
+COMPLETION = _completion("text_completion", {"text": {"type": "string"}, "prompt_token_ids": IDS,
+                                             "logprobs": COMPLETION_LOGPROBS})
 TOKENS = {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
     "count": {"type": "integer", "minimum": 0}, "max_model_len": {"type": "integer"},
     "tokens": {"type": "array", "items": {"type": "integer"}}}}

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from tandem.engine.params import SamplingParams
 from tandem.sched.request import ServiceClass
 from tandem.server.errors import ApiError, bad_request
-from tandem.server.schema import (CHAT_BODY, COMPLETION_BODY, DETOKENIZE_BODY, TOKENIZE_BODY, UNSUPPORTED,
-                                  validate)
+from tandem.server.schema import (CHAT_BODY, CHAT_UNSUPPORTED, COMPLETION_BODY, DETOKENIZE_BODY, TOKENIZE_BODY,
+                                  UNSUPPORTED, validate)
 
 MAX_CHOICES = 64            # prompts x n in one request
 
@@ -24,6 +24,7 @@ class GenRequest:
     slo_tbt_s: float | None
     max_tokens_given: bool
     return_token_ids: bool = False  # token ids beside the text (streamed: each chunk's new ones)
+    echo: bool = False              # a completion's prompt before its output (text, log probabilities)
 
 
 def _val(body: dict, key: str, default):
@@ -32,14 +33,12 @@ def _val(body: dict, key: str, default):
     return default if v is None else v
 
 
-# the counts that ask for nothing extra: no alternatives per token (top_logprobs: 0), one
-# candidate per choice (best_of: 1). A completion's ``logprobs: 0`` is not among them: it asks
-# for the sampled tokens' log probabilities.
-HARMLESS_COUNT = {"top_logprobs": 0, "best_of": 1}
+# the counts that ask for nothing extra: one candidate per choice (best_of: 1)
+HARMLESS_COUNT = {"best_of": 1}
 
 
-def _reject_unsupported(body: dict) -> None:
-    for key in UNSUPPORTED:
+def _reject_unsupported(body: dict, chat: bool) -> None:
+    for key in CHAT_UNSUPPORTED if chat else UNSUPPORTED:
         v = body.get(key)
         harmless = v is None or v is False or v == [] or v == {} or (key == "modalities" and v == ["text"]) or (
             isinstance(v, int) and not isinstance(v, bool) and key in HARMLESS_COUNT
@@ -53,7 +52,7 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
                  default_tbt_s: float | None) -> tuple[SamplingParams, dict]:
     """Sampling fields shared by both endpoints, from a body that passed its schema; raises
     ApiError(400) naming the parameter for what the schema cannot say."""
-    _reject_unsupported(body)
+    _reject_unsupported(body, chat)
     mt_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _val(body, mt_key, None)
     if max_tokens is None and not chat:
@@ -72,6 +71,8 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
     sp.stop, sp.stop_token_ids = list(stop), list(_val(body, "stop_token_ids", []))
     sp.ignore_eos = _val(body, "ignore_eos", False)
     sp.min_tokens = min_tokens
+    sp.logprobs = _logprobs(body, chat)
+    sp.prompt_logprobs = None
     stream = _val(body, "stream", False)
     so = body.get("stream_options")
     if so is not None and not stream:
@@ -85,6 +86,19 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
                  max_tokens_given=max_tokens is not None,
                  return_token_ids=_val(body, "return_token_ids", False))
     return sp, extra
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many likeliest tokens to list per output token (None: no log probabilities). A chat
+    asks with ``logprobs: true`` and ``top_logprobs``; a completion with ``logprobs: k``."""
+    if not chat:
+        return body.get("logprobs")
+    top = _val(body, "top_logprobs", 0)
+    if not body.get("logprobs"):
+        if top:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return None
+    return top
 
 
 def chat_messages(messages: list[dict]) -> list[dict]:
@@ -126,6 +140,9 @@ def parse_completion(body: dict, **defaults) -> GenRequest:
     several = isinstance(prompt, list) and isinstance(prompt[0], (str, list))
     prompts = prompt if several else [prompt]
     sp, extra = parse_common(body, chat=False, **defaults)
+    extra["echo"] = _val(body, "echo", False)
+    if extra["echo"]:
+        sp.prompt_logprobs = sp.logprobs
     if len(prompts) * extra["n"] > MAX_CHOICES:
         raise bad_request(f"{len(prompts)} prompts x n = {extra['n']} asks for more than {MAX_CHOICES} "
                           "choices", param="n")

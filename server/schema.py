@@ -8,6 +8,7 @@ each other, and limits that depend on the model (vocabulary, context).
 """
 from __future__ import annotations
 
+from tandem.engine.params import MAX_LOGPROBS
 from tandem.server.batches import ENDPOINTS, WINDOWS
 from tandem.server.errors import bad_request
 
@@ -19,7 +20,7 @@ INT64 = 2 ** 63 - 1
 MAX_TOKENS_CAP = 2 ** 31 - 1
 MAX_SLO_MS = 1e9
 
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "tools", "functions", "logit_bias",
+UNSUPPORTED = ("tools", "functions", "logit_bias",
                "best_of", "suffix", "prediction", "audio", "modalities")
 
 
@@ -76,15 +77,27 @@ PROMPT = {"anyOf": [{"type": "string", "minLength": 1}, TOKEN_IDS,
                          "set of choices each)"}
 
 
-def _body(extra: dict, required: list[str]) -> dict:
-    doc = "not supported: rejected unless null, false or empty (or top_logprobs 0, best_of 1, modalities [text])"
-    unsupported = {k: {"description": doc} for k in UNSUPPORTED}
+CHAT_UNSUPPORTED = ("echo", *UNSUPPORTED)
+
+
+def _body(extra: dict, required: list[str], refused: tuple[str, ...] = UNSUPPORTED) -> dict:
+    doc = "not supported: rejected unless null, false or empty (or best_of 1, modalities [text])"
+    unsupported = {k: {"description": doc} for k in refused}
     return {"type": "object", "required": required, "properties": {**SAMPLING, **extra, **unsupported}}
 
 
 CHAT_BODY = _body({"messages": {"type": "array", "items": MESSAGE, "minItems": 1},
-                   "max_completion_tokens": _int(1, MAX_TOKENS_CAP, "alias of max_tokens")}, ["messages"])
-COMPLETION_BODY = _body({"prompt": PROMPT}, ["prompt"])
+                   "max_completion_tokens": _int(1, MAX_TOKENS_CAP, "alias of max_tokens"),
+                   "logprobs": {"type": "boolean", "description": "each output token's log probability under "
+                                "the model (before temperature, top-k/p)"},
+                   "top_logprobs": _int(0, MAX_LOGPROBS, "with logprobs: the likeliest tokens at each position")},
+                  ["messages"], CHAT_UNSUPPORTED)
+COMPLETION_BODY = _body({"prompt": PROMPT,
+                         "echo": {"type": "boolean", "description": "the prompt before the output, in the text "
+                                  "and (with logprobs) the log probabilities: the first token's null"},
+                         "logprobs": _int(0, MAX_LOGPROBS, "each output token's log probability under the "
+                                          "model (before temperature, top-k/p) and the likeliest this many")},
+                        ["prompt"])
 TOKENIZE_BODY = {"type": "object", "properties": {   # vLLM's /tokenize: one of prompt and messages
     "model": SAMPLING["model"],
     "prompt": {"type": "string", "minLength": 1, "description": "text, tokenized as a completion's prompt is"},

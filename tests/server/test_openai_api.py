@@ -106,3 +106,147 @@ def test_bad_prompt_lists_are_refused(server, client, prompt, n):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=server.model, prompt=prompt, max_tokens=2, n=n)
     assert e.value.body["param"] in ("prompt", "n")
+
+
+def hf_logprobs(model_dir, prompt_ids: list[int], out_ids: list[int]):
+    """[len(out_ids), V]: HF transformers' log-softmax (float64) before each output token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt_ids + out_ids])).logits[0].double()
+    return torch.log_softmax(logits[len(prompt_ids) - 1:-1], dim=-1)
+
+
+def test_chat_logprobs_match_hf(server, client, tiny_chat_model):
+    """The official client parses them; each token's log probability and its three likeliest
+    alternatives are HF's, and the tokens' bytes put together are the reply's text."""
+    import torch
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    r = client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "Name a colour"}], max_tokens=10,
+        temperature=0.7, seed=3, logprobs=True, top_logprobs=3,
+        extra_body={"ignore_eos": True, "return_token_ids": True})
+    body = r.model_dump()
+    out_ids, prompt_ids = body["choices"][0]["token_ids"], body["prompt_token_ids"]
+    content = r.choices[0].logprobs.content
+    ref = hf_logprobs(tiny_chat_model, prompt_ids, out_ids)
+    assert len(content) == len(out_ids) == 10
+    for i, (e, tid) in enumerate(zip(content, out_ids)):
+        assert e.logprob == pytest.approx(ref[i, tid].item(), abs=2e-4), i
+        assert e.token == tok.decode([tid])
+        top_v, top_i = torch.topk(ref[i], 3)
+        assert [a.token for a in e.top_logprobs] == [tok.decode([t]) for t in top_i.tolist()]
+        assert [a.logprob for a in e.top_logprobs] == pytest.approx(top_v.tolist(), abs=2e-4)
+        assert bytes(e.top_logprobs[0].bytes) == tok.decode([top_i[0].item()]).encode() or \
+            "\ufffd" in e.top_logprobs[0].token
+    joined = b"".join(bytes(e.bytes) for e in content).decode("utf-8", errors="replace")
+    assert joined == tok.decode(out_ids, skip_special_tokens=False)
+
+
+def test_no_logprobs_unless_asked(server, client):
+    r = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=3, temperature=0, logprobs=False)
+    assert r.choices[0].logprobs is None
+    c = client.completions.create(model=server.model, prompt="Hi", max_tokens=3, temperature=0)
+    assert c.choices[0].logprobs is None
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("chat, echo", [(True, False), (False, False), (False, True)])
+async def test_streamed_logprobs_equal_the_whole_response(server, tiny_chat_model, chat, echo):
+    """Streamed, each token's entry comes once, in order, as in the whole response (greedy), and a
+    completion's text offsets run on across chunks."""
+    from tests.server.test_token_ids import post
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"max_tokens": 9, "temperature": 0, "ignore_eos": True, "return_token_ids": True, "n": 2} | (
+        {"messages": [{"role": "user", "content": "Count to five"}], "logprobs": True, "top_logprobs": 2}
+        if chat else {"prompt": "Once upon a time", "logprobs": 2, "echo": echo})
+    whole = await post(server.url, path, body)
+    chunks = await post(server.url, path, body | {"stream": True})
+    for i, c in enumerate(whole["choices"]):
+        parts = [ch["logprobs"] for chunk in chunks for ch in chunk["choices"]
+                 if ch["index"] == i and ch["logprobs"] is not None]
+        if chat:
+            assert [e for p in parts for e in p["content"]] == c["logprobs"]["content"]
+            assert len(c["logprobs"]["content"]) == 9
+            continue
+        lp = c["logprobs"]
+        assert {k: [x for p in parts for x in p[k]] for k in lp} == lp
+        n = len(lp["tokens"])
+        assert n == 9 + echo * len(c["prompt_token_ids"])
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:j]) for j in range(n)]
+        assert "".join(ch["text"] for chunk in chunks for ch in chunk["choices"] if ch["index"] == i) == c["text"]
+        assert c["text"].startswith("Once upon a time") == echo
+        for tok, top, v in zip(lp["tokens"][echo:], lp["top_logprobs"][echo:], lp["token_logprobs"][echo:]):
+            assert top[tok] == v and 2 <= len(top) <= 3 and max(top.values()) >= v
+
+
+def test_completion_logprobs_match_hf(server, client, tiny_chat_model):
+    import torch
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    r = client.completions.create(model=server.model, prompt="The sky is", max_tokens=6, temperature=0,
+                                  logprobs=4, extra_body={"ignore_eos": True, "return_token_ids": True})
+    c = r.model_dump()["choices"][0]
+    ref = hf_logprobs(tiny_chat_model, c["prompt_token_ids"], c["token_ids"])
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [tok.decode([t]) for t in c["token_ids"]]
+    assert lp.token_logprobs == pytest.approx([ref[i, t].item() for i, t in enumerate(c["token_ids"])], abs=2e-4)
+    for i, top in enumerate(lp.top_logprobs):
+        v, ids = torch.topk(ref[i], 4)
+        assert top == pytest.approx({tok.decode([t]): x for t, x in zip(ids.tolist(), v.tolist())}, abs=2e-4)
+
+
+def test_echo_scores_the_prompt_as_hf_does(server, client, tiny_chat_model):
+    """``echo`` with ``logprobs`` (how eval harnesses score a text): the prompt's text and tokens
+    come first, the first token unscored, every other one with HF's log probability."""
+    prompt = "The capital of France is Paris"
+    plain = client.completions.create(model=server.model, prompt=prompt, max_tokens=3, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True}).model_dump()
+    r = client.completions.create(model=server.model, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                  logprobs=1, extra_body={"ignore_eos": True, "return_token_ids": True})
+    c = r.model_dump()["choices"][0]
+    pids, oids = c["prompt_token_ids"], c["token_ids"]
+    assert c["text"] == prompt + plain["choices"][0]["text"]
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(pids) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ref = hf_logprobs(tiny_chat_model, pids[:1], pids[1:] + oids)
+    want = [ref[i, t].item() for i, t in enumerate(pids[1:] + oids)]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=2e-4)
+    assert lp.text_offset[len(pids)] == sum(len(t) for t in lp.tokens[:len(pids)])
+    ids_prompt = client.completions.create(model=server.model, prompt=pids, max_tokens=2, echo=True,
+                                           temperature=0, extra_body={"ignore_eos": True})
+    assert ids_prompt.choices[0].text.startswith(prompt) and ids_prompt.choices[0].logprobs is None
+    one = client.completions.create(model=server.model, prompt=pids[:1], max_tokens=2, echo=True, logprobs=0,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert one.choices[0].logprobs.token_logprobs[0] is None and len(one.choices[0].logprobs.tokens) == 3
+
+
+@pytest.mark.parametrize("text", ["naïve café 東京 🙂 — ok", "\u00e9\u0301 ẞ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢"])
+def test_token_bytes_put_characters_back_together(tiny_chat_model, text):
+    """Characters split over several tokens: each token alone decodes to U+FFFD, but the tokens'
+    bytes joined are the text's own UTF-8."""
+    from transformers import AutoTokenizer
+    from tandem.server.logprobs import TokenText
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    ids = tok(text)["input_ids"]
+    text_of = TokenText(tok)
+    assert any("\ufffd" in text_of(t)[0] for t in ids), "meant to split a character"
+    assert b"".join(bytes(text_of(t)[1]) for t in ids) == text.encode()
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 2}),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": 3})])
+def test_logprobs_responses_follow_the_published_schema(server, path, body):
+    """/openapi.json describes the responses that carry log probabilities (checked by the JSON
+    Schema validator schemathesis uses)."""
+    import jsonschema_rs
+    from tests.server.conftest import call
+    doc = call(server, "GET", "/openapi.json")[1]
+    schema = doc["paths"][path]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+    status, out = call(server, "POST", path, body | {"max_tokens": 4})
+    assert status == 200 and out["choices"][0]["logprobs"] is not None, out
+    jsonschema_rs.validator_for(schema).validate(out)
