@@ -59,6 +59,7 @@ class SamplingSpec:
     stop_token_ids: tuple[int, ...]  # ids masked while below min_tokens (EOS included)
     logprobs: int = -1          # -1: none; k >= 0: the sampled token's log probability and the k likeliest
     prompt_logprobs: int = -1   # -1: none; k >= 0: the same for each prompt token after the first
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit) before sampling
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20       # the most alternatives a token's log probabilities may list (vLLM's default cap)
+MAX_BIAS = 100.0        # |logit_bias| at most this (OpenAI's range; -100 bans a token, +100 all but forces it)
 
 
 @dataclass(slots=True)
@@ -20,6 +21,7 @@ class SamplingParams:
     min_tokens: int = 0                     # EOS and stop ids are suppressed before this many
     logprobs: int | None = None             # None: none; k: each token's log probability and the k likeliest
     prompt_logprobs: int | None = None      # the same for each prompt token after the first
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +56,10 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
                 bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        lb = self.logit_bias
+        if lb is not None and (not isinstance(lb, dict) or not all(
+                _is_int(t) and t >= 0 and _is_num(b) and abs(b) <= MAX_BIAS for t, b in lb.items())):
+            bad("logit_bias", f"must map token ids to numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "must be a boolean")
 

@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, on the logits' device.
+"""Token sampling: logit bias, greedy, temperature, top-k, top-p, per-request seeds, on the logits' device.
 
 Randomness for a request's n-th generated token comes from a generator seeded
 with f(seed, n), so a seeded request samples the same tokens whatever batch it
@@ -31,6 +31,7 @@ def token_seed(seed: int, index: int) -> int:
 
 def sample(logits: torch.Tensor, specs: list[SamplingSpec], num_generated: list[int]) -> list[int]:
     """logits: [n, V] float32 on any device (modified in place); returns one token id per row."""
+    _add_bias(logits, specs)
     _mask_stops(logits, specs, num_generated)
     out = logits.argmax(dim=-1)
     rows = [r for r, sp in enumerate(specs) if sp.temperature >= MIN_TEMPERATURE]
@@ -71,6 +72,20 @@ def pick_logprobs(lp: torch.Tensor, chosen: list[int], ks: list[int]) -> list[To
     top_v, top_i = torch.topk(lp, k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
     top_v, top_i = top_v.tolist(), top_i.tolist()
     return [TokenLogprobs(v, tuple(i[:n]), tuple(t[:n])) for v, i, t, n in zip(values, top_i, top_v, ks)]
+
+
+def _add_bias(logits: torch.Tensor, specs: list[SamplingSpec]) -> None:
+    """Each row's logit_bias added to its logits (ids outside the vocabulary are refused before)."""
+    rows, cols, vals = [], [], []
+    for row, sp in enumerate(specs):
+        for tid, b in sp.logit_bias:
+            rows.append(row)
+            cols.append(tid)
+            vals.append(b)
+    if rows:
+        dev = logits.device
+        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                          torch.tensor(vals, device=dev, dtype=logits.dtype), accumulate=True)
 
 
 def _mask_stops(logits: torch.Tensor, specs: list[SamplingSpec], num_generated: list[int]) -> None:

@@ -334,9 +334,11 @@ class LLM:
         return self.decode_prompt(ids)
 
     def check_stops(self, sp: SamplingParams) -> None:
-        """ValueError unless every stop token id is one the model can produce, and stop strings
-        have text to match (a model without a tokenizer has none: they would never stop it)."""
+        """ValueError unless every stop token id (and every biased one) is one the model can
+        produce, and stop strings have text to match (a model without a tokenizer has none: they
+        would never stop it)."""
         self.check_ids(sp.stop_token_ids, "stop_token_ids")
+        self.check_ids(list(sp.logit_bias or {}), "logit_bias")
         if sp.stop and self.tokenizer is None:
             raise ValueError("stop: this model has no tokenizer, so its output has no text to match; "
                              "use stop_token_ids")

@@ -1,6 +1,7 @@
 """Parse and validate OpenAI request bodies into engine inputs (no scheduling here)."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from tandem.engine.params import SamplingParams
@@ -73,6 +74,7 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
     sp.min_tokens = min_tokens
     sp.logprobs = _logprobs(body, chat)
     sp.prompt_logprobs = None
+    sp.logit_bias = _logit_bias(body)
     stream = _val(body, "stream", False)
     so = body.get("stream_options")
     if so is not None and not stream:
@@ -86,6 +88,16 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
                  max_tokens_given=max_tokens is not None,
                  return_token_ids=_val(body, "return_token_ids", False))
     return sp, extra
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as decimal strings) as token id -> bias."""
+    lb = body.get("logit_bias")
+    if not lb:
+        return None
+    if not all(re.fullmatch(r"[0-9]{1,20}", k) for k in lb):
+        raise bad_request("'logit_bias' keys must be token ids written as decimal strings", param="logit_bias")
+    return {int(k): float(v) for k, v in lb.items()}
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

@@ -8,7 +8,7 @@ each other, and limits that depend on the model (vocabulary, context).
 """
 from __future__ import annotations
 
-from tandem.engine.params import MAX_LOGPROBS
+from tandem.engine.params import MAX_BIAS, MAX_LOGPROBS
 from tandem.server.batches import ENDPOINTS, WINDOWS
 from tandem.server.errors import bad_request
 
@@ -19,8 +19,9 @@ MAX_STOP_CHARS = 512        # each: the stream holds back up to this many charac
 INT64 = 2 ** 63 - 1
 MAX_TOKENS_CAP = 2 ** 31 - 1
 MAX_SLO_MS = 1e9
+MAX_BIASED = 1024           # logit_bias entries per request
 
-UNSUPPORTED = ("tools", "functions", "logit_bias",
+UNSUPPORTED = ("tools", "functions",
                "best_of", "suffix", "prediction", "audio", "modalities")
 
 
@@ -52,6 +53,10 @@ SAMPLING = {
     "return_token_ids": {"type": "boolean", "description": "vLLM's extension: the token ids of the output "
                          "(and of the prompt) beside its text"},
     "min_tokens": _int(0, MAX_TOKENS_CAP, "vLLM's extension; at most max_tokens"),
+    "logit_bias": {"type": "object", "maxProperties": MAX_BIASED,
+                   "propertyNames": {"maxLength": 20, "pattern": "^[0-9]+$"},
+                   "additionalProperties": _num(-MAX_BIAS, MAX_BIAS, "added to the token's logit"),
+                   "description": "token id (a decimal string) -> bias; -100 bans the token"},
     "max_tokens": _int(1, MAX_TOKENS_CAP, "prompt + max_tokens must fit the context"),
     "presence_penalty": _num(0, 0, "only 0 is supported"),
     "frequency_penalty": _num(0, 0, "only 0 is supported"),

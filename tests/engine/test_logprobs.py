@@ -1,5 +1,6 @@
-"""Log probabilities of generated tokens, against HF transformers' log-softmax over the same
-sequence, and against a float64 reference for the sampling helper."""
+"""Log probabilities of generated and prompt tokens, against HF transformers' log-softmax over the
+same sequence and a float64 reference for the sampling helper; and logit bias, against a greedy
+loop over HF's logits with the bias added."""
 import math
 
 import pytest
@@ -114,6 +115,41 @@ def test_prompt_logprobs_with_hidden_caches(tiny_opt):
         outs = llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=2))
     for p, o in zip(prompts, outs, strict=True):
         check_against(hf_prompt_logprobs(tiny_opt, p), p[1:], o.prompt_logprobs[1:], 2)
+
+
+def hf_biased_greedy(model_dir, prompt: list[int], bias: dict[int, float], n: int) -> list[int]:
+    """HF's logits for the whole sequence at each step, the bias added, the argmax taken."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(torch.tensor([seq])).logits[0, -1].clone()
+            for t, b in bias.items():
+                logits[t] += b
+            seq.append(int(logits.argmax()))
+    return seq[len(prompt):]
+
+
+def test_logit_bias_steers_greedy_tokens_as_hf_with_the_bias(llm, tiny_llama):
+    """A ban (-100) on the token HF would pick first and a push (+4) on a few others: the same
+    greedy tokens as HF's with the bias, in a batch with an unbiased request; the log
+    probabilities stay the model's own (the banned token still listed likeliest)."""
+    prompts = mixed_prompts(2, 512, seed=44, lo=8, hi=20)
+    first = hf_biased_greedy(tiny_llama, prompts[0], {}, 1)[0]
+    bias = {first: -100.0, 17: 4.0, 301: 4.0, 99: 2.5}
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logit_bias=bias,
+                                                 logprobs=1),
+                                  SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)])
+    want = hf_biased_greedy(tiny_llama, prompts[0], bias, 8)
+    assert outs[0].token_ids == want and first not in want
+    assert outs[0].logprobs[0].top_ids[0] == first
+    assert outs[1].token_ids == hf_biased_greedy(tiny_llama, prompts[1], {}, 8)
+    with pytest.raises(ValueError, match="logit_bias: 512 is not a token id"):
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2, logit_bias={512: 1.0}))
+    for bad in ({-1: 1.0}, {3: 101.0}, {3: float("nan")}, [(3, 1.0)]):
+        with pytest.raises(ValueError, match="^logit_bias"):
+            SamplingParams(logit_bias=bad)
 
 
 @pytest.mark.parametrize("k", [0, 1, 4])

@@ -18,7 +18,9 @@ MAX_NEW = 40
 
 @pytest.fixture(scope="module")
 def smol():
-    with LLM("smollm2", "cpu:1", dtype="float32", kv_cache_bytes=256 << 20) as llm:
+    # FCFS: these tests are about the model's tokens, and it skips the default policy's start-up
+    # profile (about 25 s of the suite's time)
+    with LLM("smollm2", "cpu:1", dtype="float32", kv_cache_bytes=256 << 20, policy="fcfs") as llm:
         yield llm
 
 

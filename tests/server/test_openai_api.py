@@ -250,3 +250,21 @@ def test_logprobs_responses_follow_the_published_schema(server, path, body):
     status, out = call(server, "POST", path, body | {"max_tokens": 4})
     assert status == 200 and out["choices"][0]["logprobs"] is not None, out
     jsonschema_rs.validator_for(schema).validate(out)
+
+
+def test_logit_bias_through_the_api(server, client, tiny_chat_model):
+    """OpenAI's logit_bias (ids as strings): the reply is HF's greedy one with the bias added;
+    a key that is no token id of the model, or not an id at all, is refused naming the field."""
+    from tests.engine.test_logprobs import hf_biased_greedy
+    from tests.server.conftest import call
+    kw = dict(model=server.model, prompt="Roses are red", max_tokens=6, temperature=0,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    plain = client.completions.create(**kw).model_dump()["choices"][0]
+    bias = {plain["token_ids"][0]: -100.0, 500: 5.0}
+    got = client.completions.create(**kw, logit_bias={str(t): b for t, b in bias.items()}).model_dump()["choices"][0]
+    assert got["token_ids"] == hf_biased_greedy(tiny_chat_model, plain["prompt_token_ids"], bias, 6)
+    assert got["token_ids"][0] != plain["token_ids"][0]
+    for lb in ({"49152": 1}, {"x1": 1}, {"1": 101}):
+        status, out = call(server, "POST", "/v1/chat/completions",
+                           {"messages": [{"role": "user", "content": "Hi"}], "logit_bias": lb, "max_tokens": 2})
+        assert status == 400 and out["error"]["param"] == "logit_bias", out
