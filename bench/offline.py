@@ -2,6 +2,7 @@
 
 Systems, one after another on the same machine and prompts:
   tandem        our engine (LLM API, FCFS, one CPU worker)
+  tandem_logprobs  the same, every output and prompt token scored (log probability and the 5 likeliest)
   tandem_server our server (python -m server), the same prompts as concurrent streamed requests:
                 what the serving path (HTTP, SSE, detokenization, the event loop) costs
   hf_generate   HF transformers `generate`, one left-padded static batch, fp32
@@ -34,15 +35,19 @@ class Row:
         return self.output_tokens / self.seconds if self.seconds else 0.0
 
 
-def run_tandem(prompts, max_tokens, dtype, devices) -> Row:
+def run_tandem(prompts, max_tokens, dtype, devices, logprobs: int | None = None) -> Row:
+    """Our engine through the LLM API; with ``logprobs``, every output and prompt token's log
+    probability and that many likeliest tokens come back too (what scoring them costs)."""
     from tandem import LLM, SamplingParams
     with LLM("smollm2", devices, dtype=dtype) as llm:
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=logprobs,
+                            prompt_logprobs=logprobs)
         llm.generate(prompts[:4], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         t = time.perf_counter()
         outs = llm.generate(prompts, sp)
         dt = time.perf_counter() - t
-    return Row(f"tandem ({llm.dtype}, {devices})", sum(len(o.token_ids) for o in outs), dt)
+    scored = "" if logprobs is None else f", logprobs and prompt_logprobs {logprobs}"
+    return Row(f"tandem ({llm.dtype}, {devices}{scored})", sum(len(o.token_ids) for o in outs), dt)
 
 
 def run_tandem_server(prompts, max_tokens, dtype, devices) -> Row:
@@ -151,6 +156,7 @@ def main(args) -> None:
     pairs = list(zip(prompts, texts))
     rows: list[Row] = []
     plan = [("tandem", lambda: run_tandem(prompts, args.max_tokens, args.dtype, args.devices)),
+            ("tandem_logprobs", lambda: run_tandem(prompts, args.max_tokens, args.dtype, args.devices, 5)),
             ("tandem_server", lambda: run_tandem_server(pairs, args.max_tokens, args.dtype, args.devices)),
             ("hf_generate", lambda: run_hf_generate(hf_dir, prompts, args.max_tokens)),
             ("hf_cb", lambda: run_hf_cb(hf_dir, prompts, args.max_tokens))]
