@@ -60,6 +60,13 @@ class SamplingSpec:
     logprobs: int = -1          # -1: none; k >= 0: the sampled token's log probability and the k likeliest
     prompt_logprobs: int = -1   # -1: none; k >= 0: the same for each prompt token after the first
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit) before sampling
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0   # over prompt and output; the two above over the output only
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 @dataclass(frozen=True, slots=True)

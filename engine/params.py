@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20       # the most alternatives a token's log probabilities may list (vLLM's default cap)
+MAX_REPETITION = 10.0   # repetition_penalty at most this (1: off)
 MAX_BIAS = 100.0        # |logit_bias| at most this (OpenAI's range; -100 bans a token, +100 all but forces it)
 
 
@@ -22,6 +23,9 @@ class SamplingParams:
     logprobs: int | None = None             # None: none; k: each token's log probability and the k likeliest
     prompt_logprobs: int | None = None      # the same for each prompt token after the first
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling
+    presence_penalty: float = 0.0           # subtracted from the logit of every token already output
+    frequency_penalty: float = 0.0          # times how often the token was output, subtracted
+    repetition_penalty: float = 1.0         # tokens in the prompt or output: positive logits / p, negative * p
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +64,12 @@ class SamplingParams:
         if lb is not None and (not isinstance(lb, dict) or not all(
                 _is_int(t) and t >= 0 and _is_num(b) and abs(b) <= MAX_BIAS for t, b in lb.items())):
             bad("logit_bias", f"must map token ids to numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_num(v) or not -2 <= v <= 2:
+                bad(name, f"must be in [-2, 2], got {v!r}")
+        if not _is_num(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION:
+            bad("repetition_penalty", f"must be in (0, {MAX_REPETITION:g}], got {self.repetition_penalty!r}")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "must be a boolean")
 

@@ -326,7 +326,8 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
             t1 = time.perf_counter()
             lp_rows, lp = log_probs(logits, specs)
-            tokens = sample(logits, specs, ngen)
+            history = [(self.reqs[r].token_ids, self.reqs[r].num_prompt) for r in samplers]
+            tokens = sample(logits, specs, ngen, history)
             by_row = token_logprobs(lp_rows, lp, specs, tokens)
         full = []
         for s in inp.scheduled:

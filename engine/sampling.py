@@ -1,4 +1,4 @@
-"""Token sampling: logit bias, greedy, temperature, top-k, top-p, per-request seeds, on the logits' device.
+"""Token sampling: logit bias, penalties, greedy, temperature, top-k, top-p, per-request seeds, on the logits' device.
 
 Randomness for a request's n-th generated token comes from a generator seeded
 with f(seed, n), so a seeded request samples the same tokens whatever batch it
@@ -29,9 +29,13 @@ def token_seed(seed: int, index: int) -> int:
     return x
 
 
-def sample(logits: torch.Tensor, specs: list[SamplingSpec], num_generated: list[int]) -> list[int]:
-    """logits: [n, V] float32 on any device (modified in place); returns one token id per row."""
+def sample(logits: torch.Tensor, specs: list[SamplingSpec], num_generated: list[int],
+           histories: list[tuple[list[int], int]] | None = None) -> list[int]:
+    """logits: [n, V] float32 on any device (modified in place); returns one token id per row.
+    ``histories``: each row's token ids so far and how many of them are its prompt (needed only
+    where a row has penalties)."""
     _add_bias(logits, specs)
+    _penalize(logits, specs, histories)
     _mask_stops(logits, specs, num_generated)
     out = logits.argmax(dim=-1)
     rows = [r for r, sp in enumerate(specs) if sp.temperature >= MIN_TEMPERATURE]
@@ -86,6 +90,26 @@ def _add_bias(logits: torch.Tensor, specs: list[SamplingSpec]) -> None:
         dev = logits.device
         logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
                           torch.tensor(vals, device=dev, dtype=logits.dtype), accumulate=True)
+
+
+def _penalize(logits: torch.Tensor, specs: list[SamplingSpec], histories) -> None:
+    """vLLM's and OpenAI's penalties, in vLLM's order. Repetition (as in HF transformers): a token
+    seen in the prompt or the output has its logit divided by p where positive, multiplied by p
+    where not. Then OpenAI's: logit[j] -= frequency * c[j] + presence * (c[j] > 0), c[j] the
+    times token j was output so far."""
+    for row, sp in enumerate(specs):
+        if not sp.penalized:
+            continue
+        ids, num_prompt = histories[row]
+        x, dev = logits[row], logits.device
+        if sp.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(ids)), device=dev)
+            v = x[seen]
+            x[seen] = torch.where(v > 0, v / sp.repetition_penalty, v * sp.repetition_penalty)
+        out = ids[num_prompt:]
+        if out and (sp.presence_penalty or sp.frequency_penalty):
+            counts = torch.bincount(torch.tensor(out, device=dev), minlength=x.shape[0])[:x.shape[0]].to(x.dtype)
+            x -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(x.dtype)
 
 
 def _mask_stops(logits: torch.Tensor, specs: list[SamplingSpec], num_generated: list[int]) -> None:

@@ -443,7 +443,8 @@ class DeviceActor:
         spec = SamplingSpec(float(sp.temperature), float(sp.top_p), sp.top_k, st.seed,
                             sp.min_tokens, stop_ids, -1 if sp.logprobs is None else sp.logprobs,
                             -1 if sp.prompt_logprobs is None else sp.prompt_logprobs,
-                            tuple(sorted((sp.logit_bias or {}).items())))
+                            tuple(sorted((sp.logit_bias or {}).items())), float(sp.presence_penalty),
+                            float(sp.frequency_penalty), float(sp.repetition_penalty))
         return NewRequest(st.req_id, st.all_token_ids(), len(st.request.prompt_token_ids),
                           st.cache_type, spec)
 

@@ -75,6 +75,9 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
     sp.logprobs = _logprobs(body, chat)
     sp.prompt_logprobs = None
     sp.logit_bias = _logit_bias(body)
+    sp.presence_penalty = float(_val(body, "presence_penalty", 0.0))
+    sp.frequency_penalty = float(_val(body, "frequency_penalty", 0.0))
+    sp.repetition_penalty = float(_val(body, "repetition_penalty", 1.0))
     stream = _val(body, "stream", False)
     so = body.get("stream_options")
     if so is not None and not stream:

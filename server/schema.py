@@ -8,7 +8,7 @@ each other, and limits that depend on the model (vocabulary, context).
 """
 from __future__ import annotations
 
-from tandem.engine.params import MAX_BIAS, MAX_LOGPROBS
+from tandem.engine.params import MAX_BIAS, MAX_LOGPROBS, MAX_REPETITION
 from tandem.server.batches import ENDPOINTS, WINDOWS
 from tandem.server.errors import bad_request
 
@@ -58,8 +58,10 @@ SAMPLING = {
                    "additionalProperties": _num(-MAX_BIAS, MAX_BIAS, "added to the token's logit"),
                    "description": "token id (a decimal string) -> bias; -100 bans the token"},
     "max_tokens": _int(1, MAX_TOKENS_CAP, "prompt + max_tokens must fit the context"),
-    "presence_penalty": _num(0, 0, "only 0 is supported"),
-    "frequency_penalty": _num(0, 0, "only 0 is supported"),
+    "presence_penalty": _num(-2, 2, "subtracted from the logit of every token already output"),
+    "frequency_penalty": _num(-2, 2, "times how often a token was output, subtracted from its logit"),
+    "repetition_penalty": _num(0, MAX_REPETITION, "vLLM's extension: tokens of the prompt or output have "
+                               "positive logits divided by it, negative ones multiplied (1: off)", exclusive_lo=True),
     "response_format": {"type": "object", "properties": {"type": {"enum": ["text"]}}, "required": ["type"]},
     "service_tier": {"enum": ["auto", "default", "flex"], "description": "flex: best-effort (BE)"},
     "slo_ttft_ms": _num(0, MAX_SLO_MS, "time-to-first-token target (default: the server's, RT only)",

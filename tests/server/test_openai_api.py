@@ -255,7 +255,7 @@ def test_logprobs_responses_follow_the_published_schema(server, path, body):
 def test_logit_bias_through_the_api(server, client, tiny_chat_model):
     """OpenAI's logit_bias (ids as strings): the reply is HF's greedy one with the bias added;
     a key that is no token id of the model, or not an id at all, is refused naming the field."""
-    from tests.engine.test_logprobs import hf_biased_greedy
+    from tests.engine.test_sampling_vs_hf import hf_biased_greedy
     from tests.server.conftest import call
     kw = dict(model=server.model, prompt="Roses are red", max_tokens=6, temperature=0,
               extra_body={"ignore_eos": True, "return_token_ids": True})
@@ -268,3 +268,25 @@ def test_logit_bias_through_the_api(server, client, tiny_chat_model):
         status, out = call(server, "POST", "/v1/chat/completions",
                            {"messages": [{"role": "user", "content": "Hi"}], "logit_bias": lb, "max_tokens": 2})
         assert status == 400 and out["error"]["param"] == "logit_bias", out
+
+
+def test_penalties_through_the_api(server, client, tiny_chat_model):
+    """OpenAI's presence and frequency penalties (and vLLM's repetition penalty, HF's semantics):
+    the reply is HF's greedy one with them applied. Below zero (below one for repetition) they
+    favour tokens already seen, which changes this model's reply within a few tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from tests.engine.test_sampling_vs_hf import hf_biased_greedy
+    kw = dict(model=server.model, prompt="Roses are red", max_tokens=12, temperature=0)
+    ids = lambda r: r.model_dump()["choices"][0]["token_ids"]  # noqa: E731
+    plain = client.completions.create(**kw, extra_body={"ignore_eos": True, "return_token_ids": True})
+    prompt = plain.model_dump()["choices"][0]["prompt_token_ids"]
+    got = client.completions.create(**kw, presence_penalty=-1.5, frequency_penalty=-2,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert ids(got) == hf_biased_greedy(tiny_chat_model, prompt, {}, 12, presence=-1.5, frequency=-2) != ids(plain)
+    rep = client.completions.create(**kw, extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                      "repetition_penalty": 0.3})
+    hf = AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32).eval()
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, repetition_penalty=0.3,
+                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert ids(rep) == want != ids(plain)

@@ -1,6 +1,7 @@
-"""Log probabilities of generated and prompt tokens, against HF transformers' log-softmax over the
-same sequence and a float64 reference for the sampling helper; and logit bias, against a greedy
-loop over HF's logits with the bias added."""
+"""What a request may ask of sampling beyond temperature and top-k/p, against HF transformers:
+log probabilities of output and prompt tokens (HF's log-softmax over the same sequence; a
+float64 reference for the helper), logit bias and OpenAI's presence / frequency penalties (a
+greedy loop over HF's logits with them applied), and the repetition penalty (HF's own)."""
 import math
 
 import pytest
@@ -117,8 +118,11 @@ def test_prompt_logprobs_with_hidden_caches(tiny_opt):
         check_against(hf_prompt_logprobs(tiny_opt, p), p[1:], o.prompt_logprobs[1:], 2)
 
 
-def hf_biased_greedy(model_dir, prompt: list[int], bias: dict[int, float], n: int) -> list[int]:
-    """HF's logits for the whole sequence at each step, the bias added, the argmax taken."""
+def hf_biased_greedy(model_dir, prompt: list[int], bias: dict[int, float], n: int, presence: float = 0.0,
+                     frequency: float = 0.0) -> list[int]:
+    """HF's logits for the whole sequence at each step, the bias added and OpenAI's penalties
+    taken off (as its API reference writes them), the argmax taken."""
+    from collections import Counter
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     seq = list(prompt)
@@ -127,8 +131,39 @@ def hf_biased_greedy(model_dir, prompt: list[int], bias: dict[int, float], n: in
             logits = hf(torch.tensor([seq])).logits[0, -1].clone()
             for t, b in bias.items():
                 logits[t] += b
+            for t, c in Counter(seq[len(prompt):]).items():
+                logits[t] -= c * frequency + presence
             seq.append(int(logits.argmax()))
     return seq[len(prompt):]
+
+
+def test_penalties_match_hf(llm, tiny_llama):
+    """Repetition penalty against HF generate's own, presence and frequency against the loop above,
+    each beside an unpenalized request; every one changes what the model would say unpenalized."""
+    from tests.conftest import hf_greedy
+    prompts = mixed_prompts(4, 512, seed=52, lo=4, hi=12)
+    # the first prompt ends in the model's own greedy reply, which it would go on repeating: the
+    # repetition penalty must count prompt tokens to change even its first token
+    prompts[0] += hf_greedy(tiny_llama, prompts[:1], 12)[0]
+    greedy = dict(max_tokens=16, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompts, [SamplingParams(**greedy, repetition_penalty=1.8),
+                                  SamplingParams(**greedy, presence_penalty=1.5),
+                                  SamplingParams(**greedy, frequency_penalty=-0.8, presence_penalty=0.3),
+                                  SamplingParams(**greedy)])
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    rep = hf.generate(torch.tensor([prompts[0]]), max_new_tokens=16, do_sample=False, repetition_penalty=1.8,
+                      eos_token_id=None, pad_token_id=0)[0, len(prompts[0]):].tolist()
+    plain = hf_greedy(tiny_llama, prompts, 16)
+    want = [rep, hf_biased_greedy(tiny_llama, prompts[1], {}, 16, presence=1.5),
+            hf_biased_greedy(tiny_llama, prompts[2], {}, 16, presence=0.3, frequency=-0.8), plain[3]]
+    for i, (o, w) in enumerate(zip(outs, want, strict=True)):
+        assert o.token_ids == w, f"request {i}"
+    assert all(want[i] != plain[i] for i in range(3)), "each penalty was meant to change the reply"
+    assert rep[0] != plain[0][0], "the prompt's tokens were meant to be penalized from the first token"
+    for name, bad in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0)):
+        with pytest.raises(ValueError, match=f"^{name}"):
+            SamplingParams(**{name: bad})
 
 
 def test_logit_bias_steers_greedy_tokens_as_hf_with_the_bias(llm, tiny_llama):
