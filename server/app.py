@@ -350,8 +350,10 @@ def new_choices(p: Prepared, text_of: TokenText) -> list[Choice]:
 
 
 def echo_of(r: Request, text_of: TokenText) -> dict:
-    """A completion's echo: its prompt text (a prompt of token ids: the tokens' texts) and ids."""
-    text = r.prompt if r.prompt is not None else "".join(text_of(t)[0] for t in r.prompt_token_ids)
+    """A completion's echo: its prompt text (a prompt of token ids: the tokens' texts; none where
+    the model has no tokenizer, since it makes no text) and ids."""
+    text = r.prompt if r.prompt is not None else "" if text_of.tok is None else "".join(
+        text_of(t)[0] for t in r.prompt_token_ids)
     return {"echo": text, "echo_ids": list(r.prompt_token_ids)}
 
 

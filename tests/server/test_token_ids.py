@@ -96,6 +96,11 @@ async def test_a_model_without_a_tokenizer_streams_its_tokens_as_ids(server_with
     recs, _ = await run_trace(s.url, s.model, items, "tandem", api_key=API_KEY, drain_s=60, progress=False)
     assert all(r.ok and r.ttft is not None and r.output_tokens == 6 for r in recs), [r.error for r in recs]
     assert all(1 <= len(r.token_times) <= 6 for r in recs)
+    # log probabilities name such a model's tokens by id, and an echo adds no text
+    out = await post(s.url, "/v1/completions", {"prompt": prompts[0], "max_tokens": 2, "temperature": 0,
+                                                "ignore_eos": True, "echo": True, "logprobs": 1})
+    c = out["choices"][0]
+    assert c["text"] == "" and c["logprobs"]["tokens"] == [f"token_id:{t}" for t in prompts[0] + want[0][:2]]
 
 
 @pytest.mark.asyncio
@@ -147,14 +152,18 @@ async def test_tokenize_without_a_tokenizer_is_refused(server_without_tokenizer)
 
 @pytest.mark.asyncio
 async def test_the_api_document_describes_every_field_returned(server):
-    """With return_token_ids, each response is valid under /openapi.json's schema (checked by
-    jsonschema_rs) and names no field the document leaves out, at the top and in its choices."""
+    """With return_token_ids and log probabilities, each response is valid under /openapi.json's
+    schema (checked by jsonschema_rs) and names no field the document leaves out, at the top and
+    in its choices."""
     import jsonschema_rs
     async with aiohttp.ClientSession() as c:
         async with c.get(server.url + "/openapi.json") as r:
             doc = await r.json()
     calls = (("/v1/completions", {"prompt": "Hello", "n": 2}),
-             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]}))
+             ("/v1/completions", {"prompt": "Hello", "logprobs": 2, "echo": True}),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]}),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}], "logprobs": True,
+                                       "top_logprobs": 2}))
     for path, body in calls:
         schema = doc["paths"][path]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
         out = await post(server.url, path, body | {"max_tokens": 3, "return_token_ids": True})
