@@ -44,6 +44,7 @@ def client(server):
 
 def test_batch_round_trip(server, client):
     rows = fix_model([chat_line(i) for i in range(12)], server.model)
+    rows[5]["body"] |= {"logprobs": True, "top_logprobs": 2}       # a line may ask what a request may
     rows.append({"custom_id": "bad-temp", "method": "POST", "url": "/v1/chat/completions",
                  "body": {"model": server.model, "messages": [{"role": "user", "content": "x"}],
                           "temperature": 7}})
@@ -66,6 +67,16 @@ def test_batch_round_trip(server, client):
         assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] == 6
         if o["custom_id"] == "req-3":
             assert body["choices"][0]["message"]["content"] == direct.choices[0].message.content
+        if o["custom_id"] == "req-5":
+            alone = client.chat.completions.create(
+                model=server.model, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+                messages=[{"role": "user", "content": "Question 5?"}], extra_body={"ignore_eos": True}).model_dump()
+            got, want = body["choices"][0]["logprobs"]["content"], alone["choices"][0]["logprobs"]["content"]
+            assert [(e["token"], [a["token"] for a in e["top_logprobs"]]) for e in got] == \
+                [(e["token"], [a["token"] for a in e["top_logprobs"]]) for e in want] and len(got) == 6
+            assert [e["logprob"] for e in got] == pytest.approx([e["logprob"] for e in want], abs=1e-4)
+        else:
+            assert body["choices"][0]["logprobs"] is None
     errs = [json.loads(x) for x in client.files.content(b.error_file_id).text.splitlines()]
     assert [e["custom_id"] for e in errs] == ["bad-temp"]
     assert errs[0]["response"]["status_code"] == 400
