@@ -56,7 +56,8 @@ def tandem_args(system: str, slo: dict | None = None, kv_cache_gib: float | None
     tandem's and alise's predictions are not capped by max_tokens: the bench fixes each reply's
     length through it."""
     name, flags = system, []
-    for suffix, flag in (("-f32w", ["--no-weight-blocks"]), ("-tpot", ["--slo-tbt-mean"]), ("-no-slo", ["--tandem-off", "slo"]),
+    for suffix, flag in (("-f32w", ["--no-weight-blocks"]), ("-tpot", ["--slo-tbt-mean"]),
+                         ("-no-slo", ["--tandem-off", "slo"]),
                          ("-no-lengths", ["--tandem-off", "lengths"]), ("-no-hidden", ["--tandem-off", "hidden"]),
                          ("-kv", ["--kv-only"]), ("-mixed", ["--aptserve-mixed"]),
                          ("-bidir", ["--bidirectional-blocks"]), ("-oracle", ["--length-predictor", "max_tokens"]),

@@ -17,7 +17,7 @@ from tandem.engine.messages import (CacheImport, CacheType, Command, DeviceRows,
                              Phase, SamplingSpec, StepInput, StepOutput)
 from tandem.engine.models.spec import ModelSpec
 from tandem.engine.quantpool import QuantPool
-from tandem.engine.sampling import log_probs, pick_logprobs, sample, token_logprobs
+from tandem.engine.sampling import TokenCounts, log_probs, pick_logprobs, sample, token_logprobs
 from tandem.engine.triton_attention import TritonMeta, tables
 from tandem.engine.triton_paging import row_table
 
@@ -34,6 +34,7 @@ class ReqState:
     cache_type: CacheType = CacheType.KV
     cpu: dict | None = None     # token index -> its K/V [2, layers, kv_heads, head_dim], checkpointed
     host: torch.Tensor | Int8Rows | None = None   # swapped out whole: its rows in the host pool
+    counts: TokenCounts | None = None   # a penalized request's token counts, from its first sample
 
     def clear_cache(self, rows_per_token: int = 2) -> None:
         self.num_computed = self.capacity = 0
@@ -326,8 +327,8 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
             t1 = time.perf_counter()
             lp_rows, lp = log_probs(logits, specs)
-            history = [(self.reqs[r].token_ids, self.reqs[r].num_prompt) for r in samplers]
-            tokens = sample(logits, specs, ngen, history)
+            counts = [self._counts(self.reqs[r], logits) for r in samplers]
+            tokens = sample(logits, specs, ngen, counts)
             by_row = token_logprobs(lp_rows, lp, specs, tokens)
         full = []
         for s in inp.scheduled:
@@ -339,11 +340,22 @@ class ModelRunner:
             self.pool.close(torch.cat(full).to(self.device))
         sampled = {}
         for rid, tok in zip(samplers, tokens):
-            self.reqs[rid].token_ids.append(tok)
+            st = self.reqs[rid]
+            st.token_ids.append(tok)
+            if st.counts is not None:
+                st.counts.add(tok)
             sampled[rid] = tok
         return StepOutput(inp.step_id, sampled, int(ids.shape[0]), t1 - t0, time.perf_counter() - t1,
                           exported=exported, logprobs={samplers[r]: v for r, v in by_row.items()},
                           prompt_logprobs=prompt_lps)
+
+    @staticmethod
+    def _counts(st: ReqState, logits: torch.Tensor) -> TokenCounts | None:
+        """A penalized request's TokenCounts, counted from its tokens at its first sample and kept
+        up to date after; None for a request without penalties."""
+        if st.counts is None and st.sampling.penalized:
+            st.counts = TokenCounts.of(st.token_ids, st.num_prompt, logits.shape[-1], logits.device)
+        return st.counts
 
     def _prompt_logprobs(self, logits: torch.Tensor, scored) -> dict:
         """req_id -> (p, the TokenLogprobs of its prompt tokens p, p+1, ...) from the logits of the

@@ -13,6 +13,8 @@ from its own generator. One list of n ids comes back.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tandem.engine.messages import SamplingSpec, TokenLogprobs
@@ -29,13 +31,36 @@ def token_seed(seed: int, index: int) -> int:
     return x
 
 
+@dataclass(slots=True)
+class TokenCounts:
+    """A penalized request's history as its penalties read it, kept up to date token by token
+    (``add``) rather than counted again each step: which tokens its prompt or output holds, and
+    how often each was output."""
+    seen: torch.Tensor          # [V] bool
+    out: torch.Tensor           # [V] float32
+
+    @classmethod
+    def of(cls, ids: list[int], num_prompt: int, vocab: int, device: torch.device) -> "TokenCounts":
+        """From a request's token ids so far, of which the first ``num_prompt`` are its prompt
+        (ordinary tensors even when counted inside the forward's inference mode: ``add`` updates
+        them outside it)."""
+        with torch.inference_mode(False):
+            seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            seen[torch.tensor(ids, dtype=torch.long, device=device)] = True
+            out = torch.bincount(torch.tensor(ids[num_prompt:], dtype=torch.long, device=device), minlength=vocab)
+            return cls(seen, out[:vocab].float())
+
+    def add(self, tok: int) -> None:
+        self.seen[tok] = True
+        self.out[tok] += 1
+
+
 def sample(logits: torch.Tensor, specs: list[SamplingSpec], num_generated: list[int],
-           histories: list[tuple[list[int], int]] | None = None) -> list[int]:
+           counts: list[TokenCounts | None] | None = None) -> list[int]:
     """logits: [n, V] float32 on any device (modified in place); returns one token id per row.
-    ``histories``: each row's token ids so far and how many of them are its prompt (needed only
-    where a row has penalties)."""
+    ``counts``: each row's TokenCounts (needed only where a row has penalties)."""
     _add_bias(logits, specs)
-    _penalize(logits, specs, histories)
+    _penalize(logits, specs, counts)
     _mask_stops(logits, specs, num_generated)
     out = logits.argmax(dim=-1)
     rows = [r for r, sp in enumerate(specs) if sp.temperature >= MIN_TEMPERATURE]
@@ -92,24 +117,19 @@ def _add_bias(logits: torch.Tensor, specs: list[SamplingSpec]) -> None:
                           torch.tensor(vals, device=dev, dtype=logits.dtype), accumulate=True)
 
 
-def _penalize(logits: torch.Tensor, specs: list[SamplingSpec], histories) -> None:
+def _penalize(logits: torch.Tensor, specs: list[SamplingSpec], counts) -> None:
     """vLLM's and OpenAI's penalties, in vLLM's order. Repetition (as in HF transformers): a token
     seen in the prompt or the output has its logit divided by p where positive, multiplied by p
     where not. Then OpenAI's: logit[j] -= frequency * c[j] + presence * (c[j] > 0), c[j] the
-    times token j was output so far."""
+    times token j was output so far. Each row costs O(V), whatever its length."""
     for row, sp in enumerate(specs):
         if not sp.penalized:
             continue
-        ids, num_prompt = histories[row]
-        x, dev = logits[row], logits.device
-        if sp.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(ids)), device=dev)
-            v = x[seen]
-            x[seen] = torch.where(v > 0, v / sp.repetition_penalty, v * sp.repetition_penalty)
-        out = ids[num_prompt:]
-        if out and (sp.presence_penalty or sp.frequency_penalty):
-            counts = torch.bincount(torch.tensor(out, device=dev), minlength=x.shape[0])[:x.shape[0]].to(x.dtype)
-            x -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(x.dtype)
+        c, x, p = counts[row], logits[row], sp.repetition_penalty
+        if p != 1.0:
+            x.copy_(torch.where(c.seen, torch.where(x > 0, x / p, x * p), x))
+        if sp.presence_penalty or sp.frequency_penalty:
+            x -= sp.frequency_penalty * c.out + sp.presence_penalty * (c.out > 0).to(x.dtype)
 
 
 def _mask_stops(logits: torch.Tensor, specs: list[SamplingSpec], num_generated: list[int]) -> None:

@@ -248,18 +248,25 @@ class Choice:
     echo: str | None = None                 # a completion's prompt text, to go before its output (echo)
     echo_ids: list[int] | None = None       # and the prompt's ids, for its log probabilities
     prompt_logprobs: list | None = None     # the echoed prompt's, from the first event
-    echo_sent: bool = False
+    echo_sent: bool = False                 # a stream sends the echo in its first chunk
 
     @property
     def text(self) -> str:
         return "".join(self.parts)
 
-    def echo_text(self) -> str:
-        """The echoed prompt, the first time it is asked for (a stream sends it once)."""
-        if self.echo is None:
-            return ""
-        text, self.echo = self.echo, ""
-        return text
+    @property
+    def echo_pending(self) -> bool:
+        return self.echo is not None and not self.echo_sent
+
+    def take_echo(self) -> tuple[str, list[int], list]:
+        """The echoed prompt's text, and its ids and log probabilities where the request asked
+        for them, the first time (empty after, and without echo)."""
+        if not self.echo_pending:
+            return "", [], []
+        self.echo_sent = True
+        if self.logprobs is None or self.prompt_logprobs is None:
+            return self.echo, [], []
+        return self.echo, self.echo_ids, self.prompt_logprobs
 
 
 async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice, sink=None) -> None:
@@ -311,23 +318,28 @@ def usage(p: Prepared, choices: list[Choice]) -> dict:
 def choice_json(chat: bool, ch: Choice, text_of: TokenText) -> dict:
     if chat:
         c = {"index": ch.index, "message": {"role": "assistant", "content": ch.text},
-             "logprobs": None, "finish_reason": ch.finish_reason}
+             "logprobs": None, "finish_reason": ch.finish_reason} | unsent_logprobs(chat, ch, text_of)
     else:
-        c = {"index": ch.index, "text": ch.echo_text() + ch.text, "logprobs": None,
-             "finish_reason": ch.finish_reason}
-    return c | unsent_logprobs(chat, ch, text_of) | token_ids_json(chat, ch, ch.token_ids)
+        c = completion_choice(ch, ch.text, ch.finish_reason, text_of)
+    return c | token_ids_json(chat, ch, ch.token_ids)
 
 
-def unsent_logprobs(chat: bool, ch: Choice, text_of: TokenText) -> dict:
+def completion_choice(ch: Choice, text: str, finish: str | None, text_of: TokenText) -> dict:
+    """A completion's choice (or chunk) with new ``text``: the echoed prompt goes first, once."""
+    echo, ids, lps = ch.take_echo()
+    return {"index": ch.index, "text": echo + text, "logprobs": None, "finish_reason": finish} | \
+        unsent_logprobs(False, ch, text_of, ids, lps)
+
+
+def unsent_logprobs(chat: bool, ch: Choice, text_of: TokenText, first_ids=(), first_lps=()) -> dict:
     """``logprobs`` of the tokens whose log probabilities are not sent yet (all of them, for a
-    whole response); nothing where the request did not ask or none is new."""
-    echo = ch.echo_ids is not None and not ch.echo_sent and ch.prompt_logprobs is not None
-    if ch.logprobs is None or (ch.lps_sent == len(ch.logprobs) and not echo):
+    whole response), after ``first_ids``' (an echoed prompt's); nothing where the request did not
+    ask or none is new."""
+    if ch.logprobs is None or (ch.lps_sent == len(ch.logprobs) and not first_ids):
         return {}
-    lps, ids = ch.logprobs[ch.lps_sent:], ch.token_ids[ch.lps_sent:len(ch.logprobs)]
+    lps = [*first_lps, *ch.logprobs[ch.lps_sent:]]
+    ids = [*first_ids, *ch.token_ids[ch.lps_sent:len(ch.logprobs)]]
     ch.lps_sent = len(ch.logprobs)
-    if echo:                                   # a completion's echoed prompt goes first, once
-        lps, ids, ch.echo_sent = ch.prompt_logprobs + lps, ch.echo_ids + ids, True
     if chat:
         return {"logprobs": chat_logprobs(text_of, ids, lps)}
     body, ch.text_offset = completion_logprobs(text_of, ids, lps, ch.text_offset)
@@ -411,10 +423,10 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
         if chat:
             d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
             c = {"index": ch.index, "delta": d, "logprobs": None, "finish_reason": finish}
+            if not first:
+                c |= unsent_logprobs(chat, ch, st.text_of)
         else:
-            c = {"index": ch.index, "text": ch.echo_text() + delta, "logprobs": None, "finish_reason": finish}
-        if not first:
-            c |= unsent_logprobs(chat, ch, st.text_of)
+            c = completion_choice(ch, delta, finish, st.text_of)
         if ch.prompt_ids is not None and not first:     # the ids not sent yet; a completion's
             c |= token_ids_json(chat, ch, ch.token_ids[ch.ids_sent:])     # prompt ids go once,
             if ch.ids_sent:                                   # with its first ids
@@ -427,7 +439,7 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
             await send(chunk(ch, "", None, first=True) | (chat_prompt_ids(p) if i == 0 else {}))
 
     async def sink(ch: Choice, delta: str) -> None:
-        if delta or ch.echo or (ch.prompt_ids is not None and len(ch.token_ids) > ch.ids_sent) or (
+        if delta or ch.echo_pending or (ch.prompt_ids is not None and len(ch.token_ids) > ch.ids_sent) or (
                 ch.logprobs is not None and len(ch.logprobs) > ch.lps_sent):
             await send(chunk(ch, delta, None))
         if ch.finish_reason is not None:
