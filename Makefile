@@ -53,8 +53,8 @@ clean:
 	rm -rf $(VENV) build *.egg-info
 
 # wheels that bench/gpu_run.sh needs and a GPU machine without network lacks (its Python is 3.12)
-GPU_WHEELS := gguf orjson pytest-asyncio
+GPU_WHEELS := gguf orjson pytest-asyncio llguidance
 gpu-wheels:
 	mkdir -p .whl && $(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-	  --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
+	  --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)

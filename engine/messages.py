@@ -63,6 +63,7 @@ class SamplingSpec:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0   # over prompt and output; the two above over the output only
+    grammar: str = ""           # llguidance grammar the output must follow (engine.grammar); "": none
 
     @property
     def penalized(self) -> bool:

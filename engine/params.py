@@ -26,6 +26,7 @@ class SamplingParams:
     presence_penalty: float = 0.0           # subtracted from the logit of every token already output
     frequency_penalty: float = 0.0          # times how often the token was output, subtracted
     repetition_penalty: float = 1.0         # tokens in the prompt or output: positive logits / p, negative * p
+    structured_outputs: StructuredOutputs | None = None    # what the output must match (a JSON schema, ...)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,6 +73,44 @@ class SamplingParams:
             bad("repetition_penalty", f"must be in (0, {MAX_REPETITION:g}], got {self.repetition_penalty!r}")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "must be a boolean")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                bad("structured_outputs", "must be a StructuredOutputs")
+            self.structured_outputs.validate()
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """What the output must match, as vLLM's structured outputs say it: exactly one of a JSON
+    schema (a dict or its JSON text), any JSON object, a regular expression (Rust's regex
+    syntax, matched whole), one of a list of strings, or a Lark grammar (llguidance's dialect;
+    llama.cpp's GBNF is accepted too). The output ends when the constraint is complete."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def kind(self) -> str:
+        """The one field that is set; ValueError unless exactly one is."""
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) != 1:
+            raise ValueError("structured_outputs: give exactly one of json, regex, choice, grammar and "
+                             f"json_object, got {given or 'none'}")
+        return given[0]
+
+    def validate(self) -> None:
+        kind = self.kind()
+        ok = {"json": isinstance(self.json, (dict, str)),
+              "regex": isinstance(self.regex, str) and bool(self.regex),
+              "choice": isinstance(self.choice, (list, tuple)) and bool(self.choice)
+              and all(isinstance(c, str) and c for c in self.choice),
+              "grammar": isinstance(self.grammar, str) and bool(self.grammar.strip()),
+              "json_object": True}[kind]
+        if not ok:
+            why = {"json": "a JSON schema (an object or its JSON text)", "choice": "a list of non-empty strings"}
+            raise ValueError(f"structured_outputs.{kind}: must be {why.get(kind, 'a non-empty string')}")
 
 
 def _is_int(x) -> bool:

@@ -5,6 +5,7 @@ StepInput. It runs in the worker process; tests may also drive it directly.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine.attention import AttnBatch, HiddenBatch, HiddenSegment, PrefillSegment
+from tandem.engine.grammar import Vocabulary
 from tandem.engine.kvquant import Int8Rows, dequantize, int8_block_bytes, quantize
 from tandem.engine.messages import (CacheImport, CacheType, Command, DeviceRows, Direction, NewRequest, Offload,
                              Phase, SamplingSpec, StepInput, StepOutput)
@@ -35,6 +37,7 @@ class ReqState:
     cpu: dict | None = None     # token index -> its K/V [2, layers, kv_heads, head_dim], checkpointed
     host: torch.Tensor | Int8Rows | None = None   # swapped out whole: its rows in the host pool
     counts: TokenCounts | None = None   # a penalized request's token counts, from its first sample
+    matcher: object | None = None       # a constrained request's grammar matcher, from its first sample
 
     def clear_cache(self, rows_per_token: int = 2) -> None:
         self.num_computed = self.capacity = 0
@@ -60,7 +63,8 @@ def _cuda_pickler():
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, pool: torch.Tensor | QuantPool,
-                 block_size: int, kernel: object | None = None, triton: bool = False):
+                 block_size: int, kernel: object | None = None, triton: bool = False,
+                 tokenizer_json: str | None = None):
         self.kernel = kernel             # compiled CPU decode attention, None = torch path
         self.triton = triton             # attention by the Triton kernels (engine.triton_attention)
         self.cuda_ipc = False            # export GPU caches as CUDA IPC handles (worker processes)
@@ -74,6 +78,7 @@ class ModelRunner:
         # a hidden-cache token takes m = d_model / unit pool rows; 0: not possible for this model
         self.hidden_rows = spec.d_model // spec.unit if spec.d_model % spec.unit == 0 else 0
         self.reqs: dict[str, ReqState] = {}
+        self.tokenizer_json = tokenizer_json   # what structured outputs read tokens by (engine.grammar)
         L, H, _, D = pool.shape
         self.int8_block_bytes = int8_block_bytes(L, H, D, block_size)
         # bytes of one resident block over all layers
@@ -321,6 +326,7 @@ class ModelRunner:
         ngen = [len(self.reqs[r].token_ids) - self.reqs[r].num_prompt for r in samplers]
         with torch.inference_mode():
             logits = self.model(ids, pos, self.pool, batch, rows)      # sampled where it lies
+            allowed = self._allowed(samplers)      # grammar masks on the CPU while a GPU runs the forward
             prompt_lps = self._prompt_logprobs(logits[len(samplers):], scored)
             logits = logits[:len(samplers)]
             if self.device.type == "cuda":      # the forward's time, not its launch's
@@ -328,7 +334,7 @@ class ModelRunner:
             t1 = time.perf_counter()
             lp_rows, lp = log_probs(logits, specs)
             counts = [self._counts(self.reqs[r], logits) for r in samplers]
-            tokens = sample(logits, specs, ngen, counts)
+            tokens = sample(logits, specs, ngen, counts, allowed)
             by_row = token_logprobs(lp_rows, lp, specs, tokens)
         full = []
         for s in inp.scheduled:
@@ -344,6 +350,8 @@ class ModelRunner:
             st.token_ids.append(tok)
             if st.counts is not None:
                 st.counts.add(tok)
+            if st.matcher is not None:
+                st.matcher.consume_token(tok)
             sampled[rid] = tok
         return StepOutput(inp.step_id, sampled, int(ids.shape[0]), t1 - t0, time.perf_counter() - t1,
                           exported=exported, logprobs={samplers[r]: v for r, v in by_row.items()},
@@ -356,6 +364,25 @@ class ModelRunner:
         if st.counts is None and st.sampling.penalized:
             st.counts = TokenCounts.of(st.token_ids, st.num_prompt, logits.shape[-1], logits.device)
         return st.counts
+
+    def _allowed(self, samplers: list[str]) -> tuple[list[int], torch.Tensor] | None:
+        """The rows sampled under a grammar and the tokens each may take next; a request's matcher
+        is built at its first sample from its output so far."""
+        rows = [i for i, rid in enumerate(samplers) if self.reqs[rid].sampling.grammar]
+        if not rows:
+            return None
+        for i in rows:
+            st = self.reqs[samplers[i]]
+            if st.matcher is None:
+                st.matcher = self.vocabulary.matcher(st.sampling.grammar, st.token_ids[st.num_prompt:])
+        return rows, self.vocabulary.allowed([self.reqs[samplers[i]].matcher for i in rows])
+
+    @functools.cached_property
+    def vocabulary(self) -> Vocabulary:
+        """The tokenizer as structured outputs read it, built at the first constrained request."""
+        if self.tokenizer_json is None:
+            raise ValueError("structured outputs: this worker was given no tokenizer")
+        return Vocabulary(self.tokenizer_json, self.spec.vocab_size, self.spec.eos_token_ids)
 
     def _prompt_logprobs(self, logits: torch.Tensor, scored) -> dict:
         """req_id -> (p, the TokenLogprobs of its prompt tokens p, p+1, ...) from the logits of the

@@ -1,4 +1,5 @@
-"""Token sampling: logit bias, penalties, greedy, temperature, top-k, top-p, per-request seeds, on the logits' device.
+"""Token sampling: logit bias, penalties, grammars, greedy, temperature, top-k, top-p,
+per-request seeds, on the logits' device.
 
 Randomness for a request's n-th generated token comes from a generator seeded
 with f(seed, n), so a seeded request samples the same tokens whatever batch it
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tandem.engine.messages import SamplingSpec, TokenLogprobs
@@ -56,12 +58,15 @@ class TokenCounts:
 
 
 def sample(logits: torch.Tensor, specs: list[SamplingSpec], num_generated: list[int],
-           counts: list[TokenCounts | None] | None = None) -> list[int]:
+           counts: list[TokenCounts | None] | None = None,
+           allowed: tuple[list[int], torch.Tensor] | None = None) -> list[int]:
     """logits: [n, V] float32 on any device (modified in place); returns one token id per row.
-    ``counts``: each row's TokenCounts (needed only where a row has penalties)."""
+    ``counts``: each row's TokenCounts (needed only where a row has penalties). ``allowed``: the
+    rows under a grammar and the tokens it allows them, [m, V] bool (engine.grammar)."""
     _add_bias(logits, specs)
     _penalize(logits, specs, counts)
-    _mask_stops(logits, specs, num_generated)
+    ending = _mask_grammar(logits, specs, allowed)
+    _mask_stops(logits, specs, num_generated, ending)
     out = logits.argmax(dim=-1)
     rows = [r for r, sp in enumerate(specs) if sp.temperature >= MIN_TEMPERATURE]
     if rows:
@@ -132,12 +137,36 @@ def _penalize(logits: torch.Tensor, specs: list[SamplingSpec], counts) -> None:
             x -= sp.frequency_penalty * c.out + sp.presence_penalty * (c.out > 0).to(x.dtype)
 
 
-def _mask_stops(logits: torch.Tensor, specs: list[SamplingSpec], num_generated: list[int]) -> None:
-    """Stop ids cannot be produced below min_tokens (ids outside the vocabulary need no mask)."""
+def _mask_grammar(logits: torch.Tensor, specs: list[SamplingSpec],
+                  allowed: tuple[list[int], torch.Tensor] | None) -> set[int]:
+    """Tokens a row's grammar does not allow get -inf. Returns the rows whose grammar allows only
+    stop ids (it is complete): min_tokens cannot hold those back, the grammar has the last word."""
+    if allowed is None or not allowed[0]:
+        return set()
+    rows, mask = allowed                 # on the CPU, where the grammar computed it
+    banned = ~mask.to(logits.device)
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(banned, float("-inf"))
+    else:
+        idx = torch.tensor(rows, device=logits.device)
+        logits[idx] = logits[idx].masked_fill(banned, float("-inf"))
+    flags = mask.numpy()
+    ending, counts = set(), np.count_nonzero(flags, axis=1)
+    for i, row in enumerate(rows):
+        stops = [t for t in set(specs[row].stop_token_ids) if 0 <= t < flags.shape[1]]
+        if stops and counts[i] == np.count_nonzero(flags[i, stops]):
+            ending.add(row)
+    return ending
+
+
+def _mask_stops(logits: torch.Tensor, specs: list[SamplingSpec], num_generated: list[int],
+                ending: set[int] = frozenset()) -> None:
+    """Stop ids cannot be produced below min_tokens (ids outside the vocabulary need no mask),
+    except in the rows of ``ending``."""
     vocab = logits.shape[-1]
     rows, cols = [], []
     for row, (sp, n) in enumerate(zip(specs, num_generated)):
-        if n < sp.min_tokens and sp.stop_token_ids:
+        if n < sp.min_tokens and sp.stop_token_ids and row not in ending:
             ids = [t for t in sp.stop_token_ids if 0 <= t < vocab]
             rows += [row] * len(ids)
             cols += ids

@@ -84,6 +84,7 @@ class WorkerConfig:
     num_blocks: int | None = None   # the pool's size, fixed (a restarted worker's: its books stay valid)
     weight_blocks: bool = True      # with the CPU kernels: weights that are exactly a GGUF's 4- or
                                     # 8-bit blocks stay in them (engine.blocks), else float32
+    tokenizer_json: str | None = None   # the HF tokenizer's JSON, for structured outputs (engine.grammar)
 
 
 def pool_blocks(cfg: WorkerConfig, bytes_per_block: int, reserved: int = 0) -> int:
@@ -138,7 +139,8 @@ def _build_runner(cfg: WorkerConfig):
         model = compile_model(model)
     elif packs(cfg.device, dtype) and not cfg.triton_attention:   # its hidden kernel reads dense weights
         model.pack_weights(kernel, cfg.weight_blocks)   # panels for the compiled kernel, else oneDNN's layout
-    return ModelRunner(model, spec, pool, cfg.block_size, kernel, cfg.triton_attention), num_blocks
+    return ModelRunner(model, spec, pool, cfg.block_size, kernel, cfg.triton_attention,
+                       cfg.tokenizer_json), num_blocks
 
 
 def pool_info(runner, num_blocks: int) -> PoolInfo:

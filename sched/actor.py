@@ -24,6 +24,7 @@ from typing import Callable
 from tandem.cache import BlockPool, PoolGeometry
 from tandem.cache.bidir import BidirBlockPool
 from tandem.cache.host_pool import HostPool
+from tandem.engine.grammar import compile_grammar
 from tandem.engine.messages import (CacheImport, CacheType, Command, NewRequest, Offload, Phase, SamplingSpec,
                              ScheduledRequest, StepInput, StepOutput)
 from tandem.sched.cost_model import OnlineCostModel, StepShape
@@ -444,7 +445,8 @@ class DeviceActor:
                             sp.min_tokens, stop_ids, -1 if sp.logprobs is None else sp.logprobs,
                             -1 if sp.prompt_logprobs is None else sp.prompt_logprobs,
                             tuple(sorted((sp.logit_bias or {}).items())), float(sp.presence_penalty),
-                            float(sp.frequency_penalty), float(sp.repetition_penalty))
+                            float(sp.frequency_penalty), float(sp.repetition_penalty),
+                            compile_grammar(sp.structured_outputs) if sp.structured_outputs else "")
         return NewRequest(st.req_id, st.all_token_ids(), len(st.request.prompt_token_ids),
                           st.cache_type, spec)
 
@@ -515,16 +517,18 @@ class DeviceActor:
 
     def _token_update(self, st: RequestState, tok: int) -> Update:
         """The new token's text and whether it ends the request. EOS and stop token ids count once
-        min_tokens tokens exist; so do stop strings, searched only in text that is new."""
+        min_tokens tokens exist; so do stop strings, searched only in text that is new. A request
+        under a grammar samples EOS below min_tokens only when its grammar is complete: it ends."""
         sp = st.request.sampling
         n = len(st.output_token_ids)
         armed = n >= sp.min_tokens
+        eos = not sp.ignore_eos and tok in self.eos_ids
         text = ""
         tracker = self._texts.get(st.req_id)
         if tracker is not None:
             text = tracker.push([tok], check_stop=armed)
-        if armed and ((not sp.ignore_eos and tok in self.eos_ids) or tok in sp.stop_token_ids
-                      or (tracker is not None and tracker.stopped)):
+        if (eos and sp.structured_outputs is not None) or armed and (
+                eos or tok in sp.stop_token_ids or (tracker is not None and tracker.stopped)):
             return self._finish(st, FinishReason.STOP, [tok], text=text)
         if n >= sp.max_tokens or st.num_tokens >= self.max_model_len:
             return self._finish(st, FinishReason.LENGTH, [tok], text=text)

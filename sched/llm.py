@@ -1,6 +1,7 @@
 """Offline API, as vLLM users know it: ``LLM(model=...).generate(prompts, params)``."""
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import logging
@@ -11,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from tandem.engine.dtype import resolve_dtype
+from tandem.engine.grammar import Vocabulary, compile_grammar
 from tandem.engine.messages import DeviceError
 from tandem.engine.models.loader import load_spec, load_tokenizer, resolve_model
 from tandem.engine.params import SamplingParams
@@ -201,7 +203,7 @@ class LLM:
         for i, dev in enumerate(names):
             wc = WorkerConfig(str(hf_dir), self.spec, dtype, dev, block_size, kv_cache_bytes, kv_cache_fraction,
                               ncpu, threads, compile, cpu_kernels, omp_wait_policy, kv_cache_dtype, max_num_seqs,
-                              use_triton, weight_blocks=weight_blocks)
+                              use_triton, weight_blocks=weight_blocks, tokenizer_json=self._tokenizer_json)
             shared = dev == "cpu" or names.count(dev) > 1
             self._workers.append(WorkerHandle(f"{dev}#{i}" if shared else dev, wc))
         try:
@@ -333,15 +335,36 @@ class LLM:
             raise ValueError("tokens: this model has no tokenizer")
         return self.decode_prompt(ids)
 
-    def check_stops(self, sp: SamplingParams) -> None:
+    def check_sampling(self, sp: SamplingParams) -> None:
         """ValueError unless every stop token id (and every biased one) is one the model can
-        produce, and stop strings have text to match (a model without a tokenizer has none: they
-        would never stop it)."""
+        produce, stop strings have text to match (a model without a tokenizer has none: they
+        would never stop it), and a structured output's constraint compiles for this vocabulary."""
         self.check_ids(sp.stop_token_ids, "stop_token_ids")
         self.check_ids(list(sp.logit_bias or {}), "logit_bias")
         if sp.stop and self.tokenizer is None:
             raise ValueError("stop: this model has no tokenizer, so its output has no text to match; "
                              "use stop_token_ids")
+        if sp.structured_outputs is not None:
+            if self._tokenizer_json is None:
+                raise ValueError("structured_outputs: this model has no (fast) tokenizer to read its "
+                                 "tokens' text by")
+            self._vocabulary.check(compile_grammar(sp.structured_outputs))
+
+    @functools.cached_property
+    def _tokenizer_json(self) -> str | None:
+        """The HF tokenizer as JSON (padding and truncation off), which structured outputs read
+        token texts from in every worker; None without a fast tokenizer."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return None
+        backend = copy.copy(backend)
+        backend.no_padding()
+        backend.no_truncation()
+        return backend.to_str()
+
+    @functools.cached_property
+    def _vocabulary(self) -> Vocabulary:
+        return Vocabulary(self._tokenizer_json, self.spec.vocab_size, self.spec.eos_token_ids)
 
     def encode_prompt(self, prompt: Any) -> tuple[list[int], str | None]:
         """A string, a token id list, or chat messages -> (token ids, text or None)."""
@@ -467,7 +490,7 @@ class LLM:
         for ids, _ in encoded:
             self._check_length(ids)
         for p in params:
-            self.check_stops(p)
+            self.check_sampling(p)
         now = time.monotonic()
         reqs = [Request(f"gen-{next(self._ids)}", ids, sp, arrival_time=now, prompt=text)
                 for (ids, text), sp in zip(encoded, params)]

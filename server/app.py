@@ -148,7 +148,7 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
         raise bad_request(str(e), param=param) from None
     sp = gen.sampling
     try:
-        engine.llm.check_stops(sp)
+        engine.llm.check_sampling(sp)
     except ValueError as e:
         raise bad_request(str(e), param=str(e).split(":")[0]) from None    # "stop: ...", "stop_token_ids: ..."
     budgets = [max_tokens_for(engine, sp, len(ids), param) for ids, _ in encoded]

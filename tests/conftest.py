@@ -37,6 +37,16 @@ def tiny_opt(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny-opt"), "opt", seed=2)
 
 
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory):
+    """Tiny random Llama with SmolLM2's real tokenizer and chat template."""
+    from tandem.sched.llm import DEFAULT_CACHE_DIR
+    from tandem.engine.models.loader import resolve_model
+    from tandem.engine.models.tiny import write_tiny_model
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-chat"), "llama", seed=3,
+                            tokenizer_from=resolve_model("smollm2", DEFAULT_CACHE_DIR))
+
+
 @pytest.fixture(autouse=True)
 def scheduler_invariants(monkeypatch):
     """Check block pool and queue invariants after every device step, in every test (lock-step

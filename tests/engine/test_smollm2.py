@@ -58,3 +58,20 @@ def test_stop_string_cuts_text(smol):
 def test_string_prompt(smol):
     out = smol.generate("The quick brown fox", SamplingParams(max_tokens=5, temperature=0))
     assert len(out) == 1 and len(out[0].token_ids) == 5 and out[0].finish_reason == "length"
+
+
+def test_structured_output_keeps_the_models_answer(smol):
+    """Under a JSON schema the real model still answers: the capital it names unconstrained (HF's
+    greedy reply says Paris, above) is the value it writes, in JSON that follows the schema."""
+    import json
+
+    import jsonschema_rs
+
+    from tandem.engine.params import StructuredOutputs
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 24}},
+              "required": ["capital"], "additionalProperties": False}
+    out = smol.generate(CHATS[:1], SamplingParams(max_tokens=30, temperature=0,
+                                                  structured_outputs=StructuredOutputs(json=schema)))[0]
+    assert out.finish_reason == "stop"
+    reply = json.loads(out.text)
+    assert jsonschema_rs.validator_for(schema).is_valid(reply) and "Paris" in reply["capital"], out.text

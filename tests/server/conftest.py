@@ -36,16 +36,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def tiny_chat_model(tmp_path_factory):
-    """Tiny random Llama with SmolLM2's real tokenizer and chat template."""
-    from tandem.sched.llm import DEFAULT_CACHE_DIR
-    from tandem.engine.models.loader import resolve_model
-    from tandem.engine.models.tiny import write_tiny_model
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-chat"), "llama", seed=3,
-                            tokenizer_from=resolve_model("smollm2", DEFAULT_CACHE_DIR))
-
-
 def start_server(model_dir: Path, tmp: Path, *extra: str, inject: str = "") -> Server:
     """``inject``: Python run in the server process before it starts (fault injection); the
     workers it spawns do not run it."""
