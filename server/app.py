@@ -147,10 +147,14 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
     except ValueError as e:
         raise bad_request(str(e), param=param) from None
     sp = gen.sampling
-    try:
-        engine.llm.check_sampling(sp)
+    try:      # off the event loop: a structured output's grammar is compiled to check it
+        await asyncio.get_running_loop().run_in_executor(None, engine.llm.check_sampling, sp)
     except ValueError as e:
-        raise bad_request(str(e), param=str(e).split(":")[0]) from None    # "stop: ...", "stop_token_ids: ..."
+        msg = str(e)
+        param = msg.split(":")[0]             # "stop: ...", "stop_token_ids: ..."
+        if param.startswith("structured_outputs"):     # named as the body asked for it
+            msg, param = gen.structured_param + msg[len("structured_outputs"):], gen.structured_param
+        raise bad_request(msg, param=param) from None
     budgets = [max_tokens_for(engine, sp, len(ids), param) for ids, _ in encoded]
     if not force_be and engine.num_waiting() >= cfg.max_waiting:
         raise ApiError(429, "too many requests are waiting; retry later", type="rate_limit_error",

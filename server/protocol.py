@@ -4,11 +4,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from tandem.engine.params import SamplingParams
+from tandem.engine.params import SamplingParams, StructuredOutputs
 from tandem.sched.request import ServiceClass
 from tandem.server.errors import ApiError, bad_request
-from tandem.server.schema import (CHAT_BODY, CHAT_UNSUPPORTED, COMPLETION_BODY, DETOKENIZE_BODY, TOKENIZE_BODY,
-                                  UNSUPPORTED, validate)
+from tandem.server.schema import (CHAT_BODY, CHAT_UNSUPPORTED, COMPLETION_BODY, DETOKENIZE_BODY, STRUCTURED,
+                                  TOKENIZE_BODY, UNSUPPORTED, validate)
 
 MAX_CHOICES = 64            # prompts x n in one request
 
@@ -26,6 +26,7 @@ class GenRequest:
     max_tokens_given: bool
     return_token_ids: bool = False  # token ids beside the text (streamed: each chunk's new ones)
     echo: bool = False              # a completion's prompt before its output (text, log probabilities)
+    structured_param: str | None = None   # the field that asked for structured output (errors name it)
 
 
 def _val(body: dict, key: str, default):
@@ -78,6 +79,7 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
     sp.presence_penalty = float(_val(body, "presence_penalty", 0.0))
     sp.frequency_penalty = float(_val(body, "frequency_penalty", 0.0))
     sp.repetition_penalty = float(_val(body, "repetition_penalty", 1.0))
+    sp.structured_outputs, structured_param = _structured(body)
     stream = _val(body, "stream", False)
     so = body.get("stream_options")
     if so is not None and not stream:
@@ -89,8 +91,45 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
                  slo_ttft_s=ttft / 1000 if ttft else None if be else default_ttft_s,
                  slo_tbt_s=tbt / 1000 if tbt else None if be else default_tbt_s,
                  max_tokens_given=max_tokens is not None,
-                 return_token_ids=_val(body, "return_token_ids", False))
+                 return_token_ids=_val(body, "return_token_ids", False), structured_param=structured_param)
     return sp, extra
+
+
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _structured(body: dict) -> tuple[StructuredOutputs | None, str | None]:
+    """What the output must match, and the field that said so: OpenAI's ``response_format``
+    (json_object, json_schema), vLLM's ``structured_outputs`` or its older ``guided_*`` fields;
+    at most one of them."""
+    rf = body.get("response_format")
+    asked = {}
+    if rf is not None and rf["type"] != "text":
+        schema = (rf.get("json_schema") or {}).get("schema")
+        if rf["type"] == "json_schema" and rf.get("json_schema") is None:
+            raise bad_request("'response_format' of type json_schema needs 'json_schema'", param="response_format")
+        asked["response_format"] = StructuredOutputs(json=schema) if schema is not None else \
+            StructuredOutputs(json_object=True)
+    so = body.get("structured_outputs")
+    if so:
+        unknown = sorted(set(so) - set(STRUCTURED))
+        if unknown:
+            raise bad_request(f"'structured_outputs.{unknown[0]}' is not supported by this server; give one "
+                              f"of {', '.join(STRUCTURED)}", param="structured_outputs")
+        asked["structured_outputs"] = StructuredOutputs(**{k: v for k, v in so.items() if v is not None})
+    for key in GUIDED:
+        if body.get(key) is not None:
+            asked[key] = StructuredOutputs(**{key.removeprefix("guided_"): body[key]})
+    if len(asked) > 1:
+        raise bad_request(f"give only one of {', '.join(asked)}", param=list(asked)[1])
+    if not asked:
+        return None, None
+    (param, value), = asked.items()
+    try:
+        value.validate()
+    except ValueError as e:
+        raise bad_request(str(e), param=param) from None
+    return value, param
 
 
 def _logit_bias(body: dict) -> dict[int, float] | None:

@@ -34,6 +34,14 @@ def _num(lo: float, hi: float, doc: str, exclusive_lo: bool = False) -> dict:
     return {"type": "number", **low, "maximum": hi, "description": doc}
 
 
+STRUCTURED = {
+    "json": {"anyOf": [{"type": "object"}, {"type": "string", "minLength": 1}],
+             "description": "a JSON schema, or its JSON text"},
+    "regex": {"type": "string", "minLength": 1, "description": "a regular expression (Rust regex syntax)"},
+    "choice": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1},
+               "description": "the output is one of these strings"},
+    "grammar": {"type": "string", "minLength": 1, "description": "a Lark (or GBNF) grammar"},
+    "json_object": {"type": "boolean", "description": "the output is a JSON object"}}
 STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
 SAMPLING = {
     "model": {"type": "string", "description": "the served model's name (optional)"},
@@ -62,7 +70,18 @@ SAMPLING = {
     "frequency_penalty": _num(-2, 2, "times how often a token was output, subtracted from its logit"),
     "repetition_penalty": _num(0, MAX_REPETITION, "vLLM's extension: tokens of the prompt or output have "
                                "positive logits divided by it, negative ones multiplied (1: off)", exclusive_lo=True),
-    "response_format": {"type": "object", "properties": {"type": {"enum": ["text"]}}, "required": ["type"]},
+    "response_format": {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 64}, "description": {"type": "string"},
+            "schema": {"type": "object", "description": "the JSON schema the output follows (absent: any object)"},
+            "strict": {"type": "boolean", "description": "the output always follows the schema"}}}},
+        "description": "json_object: the output is a JSON object; json_schema: it follows json_schema.schema"},
+    "structured_outputs": {"type": "object", "properties": STRUCTURED,
+                           "description": "vLLM's extension: exactly one of json, regex, choice, grammar, "
+                                          "json_object; the output matches it whole"},
+    **{f"guided_{k}": {**STRUCTURED[k], "description": f"vLLM's older spelling of structured_outputs.{k}"}
+       for k in ("json", "regex", "choice", "grammar")},
     "service_tier": {"enum": ["auto", "default", "flex"], "description": "flex: best-effort (BE)"},
     "slo_ttft_ms": _num(0, MAX_SLO_MS, "time-to-first-token target (default: the server's, RT only)",
                         exclusive_lo=True),

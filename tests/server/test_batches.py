@@ -5,6 +5,7 @@ import signal
 import sqlite3
 import time
 
+import jsonschema_rs
 import openai
 import pytest
 
@@ -13,6 +14,10 @@ from tests.server.conftest import API_KEY, start_server, stop_server
 
 def jsonl(rows) -> bytes:
     return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+PICK = {"type": "object", "properties": {"pick": {"enum": ["alpha", "beta"]}}, "required": ["pick"],
+        "additionalProperties": False}
 
 
 def chat_line(i, max_tokens=6):
@@ -45,6 +50,8 @@ def client(server):
 def test_batch_round_trip(server, client):
     rows = fix_model([chat_line(i) for i in range(12)], server.model)
     rows[5]["body"] |= {"logprobs": True, "top_logprobs": 2}       # a line may ask what a request may
+    rows[7]["body"] |= {"ignore_eos": False, "max_tokens": 12,
+                        "response_format": {"type": "json_schema", "json_schema": {"name": "pick", "schema": PICK}}}
     rows.append({"custom_id": "bad-temp", "method": "POST", "url": "/v1/chat/completions",
                  "body": {"model": server.model, "messages": [{"role": "user", "content": "x"}],
                           "temperature": 7}})
@@ -64,6 +71,10 @@ def test_batch_round_trip(server, client):
     for o in out:
         assert o["error"] is None and o["response"]["status_code"] == 200
         body = o["response"]["body"]
+        if o["custom_id"] == "req-7":
+            assert jsonschema_rs.validator_for(PICK).is_valid(json.loads(body["choices"][0]["message"]["content"]))
+            assert body["choices"][0]["finish_reason"] == "stop"
+            continue
         assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] == 6
         if o["custom_id"] == "req-3":
             assert body["choices"][0]["message"]["content"] == direct.choices[0].message.content

@@ -2,8 +2,12 @@
 import json
 import re
 
+from typing import Annotated, Literal
+
 import aiohttp
+import jsonschema_rs
 import openai
+import pydantic
 import pytest
 
 from tests.server.conftest import API_KEY, hf_texts
@@ -275,3 +279,39 @@ def test_penalties_through_the_api(server, client, tiny_chat_model):
     want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, repetition_penalty=0.3,
                        eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert ids(rep) == want != ids(plain)
+
+
+class Pet(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    kind: Literal["cat", "dog", "fish"]
+    legs: Annotated[int, pydantic.Field(ge=0, le=8)]
+    name: Annotated[str, pydantic.Field(max_length=5)]
+    indoor: bool
+
+
+def test_structured_chat_parses_into_the_clients_model(server, client):
+    """The openai client's parse(): a pydantic model sent as a strict json_schema response format;
+    the reply parses into the model and follows its schema (jsonschema_rs). Streamed, the same
+    request sends the same text."""
+    msgs = [{"role": "user", "content": "Describe a pet."}]
+    r = client.chat.completions.parse(model=server.model, messages=msgs, response_format=Pet, max_tokens=60,
+                                      temperature=0)
+    choice = r.choices[0]
+    assert isinstance(choice.message.parsed, Pet) and choice.finish_reason == "stop"
+    assert jsonschema_rs.validator_for(Pet.model_json_schema()).is_valid(json.loads(choice.message.content))
+    stream = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=60, temperature=0,
+                                            stream=True, response_format={"type": "json_schema", "json_schema": {
+                                                "name": "Pet", "schema": Pet.model_json_schema(), "strict": True}})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == choice.message.content
+
+
+def test_structured_completions_choice_and_regex(server, client):
+    """vLLM's structured_outputs and its older guided_* fields on /v1/completions, sampled with n=3."""
+    colors = ["red", "green", "blue"]
+    r = client.completions.create(model=server.model, prompt="Pick a color:", max_tokens=10, n=3, temperature=1.0,
+                                  seed=3, extra_body={"structured_outputs": {"choice": colors}})
+    assert [c.text in colors and c.finish_reason == "stop" for c in r.choices] == [True] * 3
+    date = r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"
+    r = client.completions.create(model=server.model, prompt="Date:", max_tokens=20, n=3, temperature=1.0, seed=5,
+                                  extra_body={"guided_regex": date})
+    assert all(re.fullmatch(date, c.text) and c.finish_reason == "stop" for c in r.choices), [c.text for c in r.choices]

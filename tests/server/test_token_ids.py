@@ -106,7 +106,8 @@ async def test_a_model_without_a_tokenizer_streams_its_tokens_as_ids(server_with
 @pytest.mark.asyncio
 async def test_stop_strings_without_a_tokenizer_are_refused_not_ignored(server_without_tokenizer):
     """No text is ever made, so a stop string could never match: 400 naming ``stop`` (stop token
-    ids still work), and the server keeps serving."""
+    ids still work), and the server keeps serving. Structured outputs, which read the tokens'
+    text, are refused the same way."""
     s = server_without_tokenizer
     body = {"prompt": [5, 9, 200, 31], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     async with aiohttp.ClientSession(headers=HEADERS) as c:
@@ -114,6 +115,8 @@ async def test_stop_strings_without_a_tokenizer_are_refused_not_ignored(server_w
             assert r.status == 400
             err = (await r.json())["error"]
     assert err["param"] == "stop" and "stop_token_ids" in err["message"]
+    err = (await post(s.url, "/v1/completions", body | {"guided_regex": "[0-9]+"}, status=400))["error"]
+    assert err["param"] == "guided_regex" and "tokenizer" in err["message"]
     out = await post(s.url, "/v1/completions", body | {"return_token_ids": True})
     first = out["choices"][0]["token_ids"][0]
     out = await post(s.url, "/v1/completions", body | {"stop_token_ids": [first], "return_token_ids": True})
