@@ -3,6 +3,7 @@
 Systems, one after another on the same machine and prompts:
   tandem        our engine (LLM API, FCFS, one CPU worker)
   tandem_logprobs  the same, every output and prompt token scored (log probability and the 5 likeliest)
+  tandem_json   the same, every output under a JSON schema (a list of records: structured outputs)
   tandem_server our server (python -m server), the same prompts as concurrent streamed requests:
                 what the serving path (HTTP, SSE, detokenization, the event loop) costs
   hf_generate   HF transformers `generate`, one left-padded static batch, fp32
@@ -13,6 +14,7 @@ Systems, one after another on the same machine and prompts:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -35,18 +37,27 @@ class Row:
         return self.output_tokens / self.seconds if self.seconds else 0.0
 
 
-def run_tandem(prompts, max_tokens, dtype, devices, logprobs: int | None = None) -> Row:
+# a schema no output completes within the bench's tokens: every token is sampled under a mask
+RECORDS = {"type": "object", "required": ["records"], "properties": {"records": {"type": "array", "items": {
+    "type": "object", "required": ["name", "note", "score"], "additionalProperties": False,
+    "properties": {"name": {"type": "string"}, "note": {"type": "string"}, "score": {"type": "integer"}}}}}}
+
+
+def run_tandem(prompts, max_tokens, dtype, devices, logprobs: int | None = None, json_schema: bool = False) -> Row:
     """Our engine through the LLM API; with ``logprobs``, every output and prompt token's log
-    probability and that many likeliest tokens come back too (what scoring them costs)."""
-    from tandem import LLM, SamplingParams
+    probability and that many likeliest tokens come back too (what scoring them costs); with
+    ``json_schema``, every output follows RECORDS (what the grammar's masks cost)."""
+    from tandem import LLM, SamplingParams, StructuredOutputs
     with LLM("smollm2", devices, dtype=dtype) as llm:
         sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=logprobs,
-                            prompt_logprobs=logprobs)
-        llm.generate(prompts[:4], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+                            prompt_logprobs=logprobs,
+                            structured_outputs=StructuredOutputs(json=RECORDS) if json_schema else None)
+        llm.generate(prompts[:4], dataclasses.replace(sp, max_tokens=8))   # warm, the grammar's vocabulary too
         t = time.perf_counter()
         outs = llm.generate(prompts, sp)
         dt = time.perf_counter() - t
     scored = "" if logprobs is None else f", logprobs and prompt_logprobs {logprobs}"
+    scored += ", JSON schema" if json_schema else ""
     return Row(f"tandem ({llm.dtype}, {devices}{scored})", sum(len(o.token_ids) for o in outs), dt)
 
 
@@ -157,6 +168,7 @@ def main(args) -> None:
     rows: list[Row] = []
     plan = [("tandem", lambda: run_tandem(prompts, args.max_tokens, args.dtype, args.devices)),
             ("tandem_logprobs", lambda: run_tandem(prompts, args.max_tokens, args.dtype, args.devices, 5)),
+            ("tandem_json", lambda: run_tandem(prompts, args.max_tokens, args.dtype, args.devices, json_schema=True)),
             ("tandem_server", lambda: run_tandem_server(pairs, args.max_tokens, args.dtype, args.devices)),
             ("hf_generate", lambda: run_hf_generate(hf_dir, prompts, args.max_tokens)),
             ("hf_cb", lambda: run_hf_cb(hf_dir, prompts, args.max_tokens))]
