@@ -26,6 +26,7 @@ from tandem.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from tandem.server.metrics import Metrics
 from tandem.server.protocol import (GenRequest, check_model, parse_chat, parse_completion, parse_detokenize,
                                     parse_tokenize)
+from tandem.server.tools import ToolPlan
 
 OPEN_PATHS = ("/health", "/metrics", "/status", "/dashboard", "/openapi.json")   # what /metrics shows, no request text
 DASHBOARD = Path(__file__).parent / "static" / "dashboard.html"
@@ -253,6 +254,7 @@ class Choice:
     echo_ids: list[int] | None = None       # and the prompt's ids, for its log probabilities
     prompt_logprobs: list | None = None     # the echoed prompt's, from the first event
     echo_sent: bool = False                 # a stream sends the echo in its first chunk
+    text_sent: int = 0                      # a chat with tools: characters streamed as content
 
     @property
     def text(self) -> str:
@@ -319,10 +321,12 @@ def usage(p: Prepared, choices: list[Choice]) -> dict:
     return {"prompt_tokens": p.prompt_tokens, "completion_tokens": c, "total_tokens": p.prompt_tokens + c}
 
 
-def choice_json(chat: bool, ch: Choice, text_of: TokenText) -> dict:
+def choice_json(chat: bool, ch: Choice, text_of: TokenText, tools: ToolPlan | None = None) -> dict:
     if chat:
-        c = {"index": ch.index, "message": {"role": "assistant", "content": ch.text},
-             "logprobs": None, "finish_reason": ch.finish_reason} | unsent_logprobs(chat, ch, text_of)
+        content, calls = tools.parse(ch.text, ch.finish_reason == "stop") if tools else (ch.text, [])
+        message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+        c = {"index": ch.index, "message": message, "logprobs": None,
+             "finish_reason": "tool_calls" if calls else ch.finish_reason} | unsent_logprobs(chat, ch, text_of)
     else:
         c = completion_choice(ch, ch.text, ch.finish_reason, text_of)
     return c | token_ids_json(chat, ch, ch.token_ids)
@@ -398,7 +402,7 @@ async def complete(engine: AsyncEngine, st: AppState, p: Prepared, chat: bool) -
     finally:
         p.close()
     return {"id": p.rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": p.model, "choices": [choice_json(chat, ch, st.text_of) for ch in choices],
+            "model": p.model, "choices": [choice_json(chat, ch, st.text_of, p.gen.tools) for ch in choices],
             "usage": usage(p, choices)} | (
         chat_prompt_ids(p) if chat else {})
 
@@ -442,12 +446,27 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
         for i, ch in enumerate(choices):
             await send(chunk(ch, "", None, first=True) | (chat_prompt_ids(p) if i == 0 else {}))
 
+    tools = p.gen.tools
+
     async def sink(ch: Choice, delta: str) -> None:
+        if tools is not None:                 # content up to where a call may begin; calls at the end
+            delta = ch.text[ch.text_sent:max(ch.text_sent, tools.streamable(ch.text))]
+            ch.text_sent += len(delta)
         if delta or ch.echo_pending or (ch.prompt_ids is not None and len(ch.token_ids) > ch.ids_sent) or (
                 ch.logprobs is not None and len(ch.logprobs) > ch.lps_sent):
             await send(chunk(ch, delta, None))
         if ch.finish_reason is not None:
-            await send(chunk(ch, "", ch.finish_reason))
+            finish = ch.finish_reason
+            if tools is not None:
+                content, calls = tools.parse(ch.text, finish == "stop")
+                if content and len(content) > ch.text_sent:
+                    await send(chunk(ch, content[ch.text_sent:], None))
+                if calls:
+                    finish = "tool_calls"
+                    await send(chunk(ch, "", None) | {"choices": [{
+                        "index": ch.index, "delta": {"tool_calls": [c | {"index": i} for i, c in enumerate(calls)]},
+                        "logprobs": None, "finish_reason": None}]})
+            await send(chunk(ch, "", finish))
 
     try:
         await all_or_none(run_choice(sub, st.metrics, r, ch, sink)

@@ -10,7 +10,7 @@ ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
     k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
-FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", "error", None]}
+FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "tool_calls", "abort", "error", None]}
 
 
 IDS = {"type": "array", "items": {"type": "integer"}, "description": "with return_token_ids"}
@@ -45,9 +45,15 @@ def _completion(object_name: str, choice: dict, **extra) -> dict:
                                                               **choice}}}}}
 
 
+TOOL_CALLS = {"type": "array", "description": "the calls a chat with tools made (finish_reason tool_calls)",
+              "items": {"type": "object", "required": ["id", "type", "function"], "properties": {
+                  "id": {"type": "string"}, "type": {"const": "function"}, "index": {"type": "integer"},
+                  "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+                      "name": {"type": "string"}, "arguments": {"type": "string", "description": "JSON"}}}}}}
 CHAT_COMPLETION = _completion("chat.completion", {"message": {
     "type": "object", "required": ["role", "content"],
-    "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]}}},
+    "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+                   "tool_calls": TOOL_CALLS}},
     "logprobs": CHAT_LOGPROBS}, prompt_token_ids=IDS)
 COMPLETION = _completion("text_completion", {"text": {"type": "string"}, "prompt_token_ids": IDS,
                                              "logprobs": COMPLETION_LOGPROBS})

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from tandem.engine.params import SamplingParams, StructuredOutputs
 from tandem.sched.request import ServiceClass
 from tandem.server.errors import ApiError, bad_request
-from tandem.server.schema import (CHAT_BODY, CHAT_UNSUPPORTED, COMPLETION_BODY, DETOKENIZE_BODY, STRUCTURED,
-                                  TOKENIZE_BODY, UNSUPPORTED, validate)
+from tandem.server.schema import (CHAT_BODY, CHAT_UNSUPPORTED, COMPLETION_BODY, COMPLETION_UNSUPPORTED,
+                                  DETOKENIZE_BODY, STRUCTURED, TOKENIZE_BODY, validate)
+from tandem.server.tools import ToolPlan, render_messages, tool_plan
 
 MAX_CHOICES = 64            # prompts x n in one request
 
@@ -27,6 +28,7 @@ class GenRequest:
     return_token_ids: bool = False  # token ids beside the text (streamed: each chunk's new ones)
     echo: bool = False              # a completion's prompt before its output (text, log probabilities)
     structured_param: str | None = None   # the field that asked for structured output (errors name it)
+    tools: ToolPlan | None = None   # a chat's tools: its output is parsed for calls (server.tools)
 
 
 def _val(body: dict, key: str, default):
@@ -40,7 +42,7 @@ HARMLESS_COUNT = {"best_of": 1}
 
 
 def _reject_unsupported(body: dict, chat: bool) -> None:
-    for key in CHAT_UNSUPPORTED if chat else UNSUPPORTED:
+    for key in CHAT_UNSUPPORTED if chat else COMPLETION_UNSUPPORTED:
         v = body.get(key)
         harmless = v is None or v is False or v == [] or v == {} or (key == "modalities" and v == ["text"]) or (
             isinstance(v, int) and not isinstance(v, bool) and key in HARMLESS_COUNT
@@ -155,23 +157,36 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return top
 
 
-def chat_messages(messages: list[dict]) -> list[dict]:
+def chat_messages(messages: list[dict], tools: ToolPlan | None = None) -> list[dict]:
     """Validated chat messages as the chat template takes them: text content, OpenAI's
-    ``developer`` role as ``system``."""
-    out = []
-    for m in messages:
-        content = m["content"]
+    ``developer`` role as ``system``, tool calls and results as text (server.tools)."""
+    flat = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
         if isinstance(content, list):        # content parts: text only
             content = "".join(p["text"] for p in content)
+        if content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
+            raise bad_request(f"'messages[{i}].content' is required", param=f"messages[{i}].content")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": content})
-    return out
+        flat.append({"role": role, "content": content, "tool_calls": m.get("tool_calls")})
+    return render_messages(flat, tools)
 
 
 def parse_chat(body: dict, **defaults) -> GenRequest:
     validate(body, CHAT_BODY)
     sp, extra = parse_common(body, chat=True, **defaults)
-    return GenRequest([chat_messages(body["messages"])], sp, **extra)
+    try:
+        plan = tool_plan(body)
+    except ValueError as e:
+        raise bad_request(str(e), param=str(e).split(":")[0]) from None
+    constraint = plan.constraint() if plan is not None else None
+    if constraint is not None:
+        if sp.structured_outputs is not None:
+            raise bad_request("tool_choice: a required or named tool call cannot also follow "
+                              f"'{extra['structured_param']}'", param="tool_choice")
+        sp.structured_outputs, extra["structured_param"] = constraint, "tools"
+    return GenRequest([chat_messages(body["messages"], plan)], sp, **extra,
+                      tools=plan if plan is not None and plan.calls else None)
 
 
 def parse_tokenize(body: dict):

@@ -8,6 +8,8 @@ each other, and limits that depend on the model (vocabulary, context).
 """
 from __future__ import annotations
 
+import re
+
 from tandem.engine.params import MAX_BIAS, MAX_LOGPROBS, MAX_REPETITION
 from tandem.server.batches import ENDPOINTS, WINDOWS
 from tandem.server.errors import bad_request
@@ -21,7 +23,7 @@ MAX_TOKENS_CAP = 2 ** 31 - 1
 MAX_SLO_MS = 1e9
 MAX_BIASED = 1024           # logit_bias entries per request
 
-UNSUPPORTED = ("tools", "functions",
+UNSUPPORTED = ("functions", "function_call",
                "best_of", "suffix", "prediction", "audio", "modalities")
 
 
@@ -91,10 +93,34 @@ SAMPLING = {
 }
 TEXT_PART = {"type": "object", "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
              "required": ["type", "text"]}
-MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
-    "role": {"enum": ["system", "developer", "user", "assistant"]},
-    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}]},
-    "name": {"type": "string"}}}
+TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
+    "id": {"type": "string"}, "type": {"enum": ["function"]},
+    "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+        "name": {"type": "string"}, "arguments": {"type": "string", "description": "JSON text"}}}}}
+MESSAGE = {"type": "object", "required": ["role"], "properties": {
+    "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}],
+                "description": "required, except in an assistant message with tool_calls"},
+    "name": {"type": "string"},
+    "tool_calls": {"type": "array", "items": TOOL_CALL, "description": "an assistant's earlier calls"},
+    "tool_call_id": {"type": "string", "description": "a tool message: the call it answers"}}}
+MAX_TOOLS = 128
+TOOLS = {
+    "tools": {"type": "array", "maxItems": MAX_TOOLS, "description": "functions the model may call", "items": {
+        "type": "object", "required": ["type", "function"], "properties": {
+            "type": {"enum": ["function"]},
+            "function": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string", "minLength": 1, "maxLength": 64, "pattern": "^[a-zA-Z0-9_-]+$"},
+                "description": {"type": "string"},
+                "parameters": {"type": "object", "description": "JSON schema of the arguments"},
+                "strict": {"type": "boolean"}}}}}},
+    "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]}, {
+        "type": "object", "required": ["type", "function"], "properties": {
+            "type": {"enum": ["function"]},
+            "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}],
+        "description": "auto (the default with tools): the model decides; required: at least one call; "
+                       "a function: that one"},
+    "parallel_tool_calls": {"type": "boolean", "description": "false: one call at most (default true)"}}
 TOKEN_IDS = {"type": "array", "items": _int(0, INT64, "token id"), "minItems": 1}
 PROMPT = {"anyOf": [{"type": "string", "minLength": 1}, TOKEN_IDS,
                     {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS,
@@ -104,6 +130,7 @@ PROMPT = {"anyOf": [{"type": "string", "minLength": 1}, TOKEN_IDS,
 
 
 CHAT_UNSUPPORTED = ("echo", *UNSUPPORTED)
+COMPLETION_UNSUPPORTED = (*TOOLS, *UNSUPPORTED)
 
 
 def _body(extra: dict, required: list[str], refused: tuple[str, ...] = UNSUPPORTED) -> dict:
@@ -116,14 +143,15 @@ CHAT_BODY = _body({"messages": {"type": "array", "items": MESSAGE, "minItems": 1
                    "max_completion_tokens": _int(1, MAX_TOKENS_CAP, "alias of max_tokens"),
                    "logprobs": {"type": "boolean", "description": "each output token's log probability under "
                                 "the model (before temperature, top-k/p)"},
-                   "top_logprobs": _int(0, MAX_LOGPROBS, "with logprobs: the likeliest tokens at each position")},
+                   "top_logprobs": _int(0, MAX_LOGPROBS, "with logprobs: the likeliest tokens at each position"),
+                   **TOOLS},
                   ["messages"], CHAT_UNSUPPORTED)
 COMPLETION_BODY = _body({"prompt": PROMPT,
                          "echo": {"type": "boolean", "description": "the prompt before the output, in the text "
                                   "and (with logprobs) the log probabilities: the first token's null"},
                          "logprobs": _int(0, MAX_LOGPROBS, "each output token's log probability under the "
                                           "model (before temperature, top-k/p) and the likeliest this many")},
-                        ["prompt"])
+                        ["prompt"], COMPLETION_UNSUPPORTED)
 TOKENIZE_BODY = {"type": "object", "properties": {   # vLLM's /tokenize: one of prompt and messages
     "model": SAMPLING["model"],
     "prompt": {"type": "string", "minLength": 1, "description": "text, tokenized as a completion's prompt is"},
@@ -160,6 +188,8 @@ def problem(schema: dict, v) -> tuple[list, str] | None:
     t = schema.get("type")
     if t is not None and not _TYPES[t](v):
         return [], f"must be {_NAMES[t]}, got {type(v).__name__}"
+    if "pattern" in schema and not re.search(schema["pattern"], v):
+        return [], f"must match {schema['pattern']}"
     for key, ok, what in (("minimum", lambda b: v >= b, ">="), ("maximum", lambda b: v <= b, "<="),
                           ("exclusiveMinimum", lambda b: v > b, ">")):
         if key in schema and not ok(schema[key]):

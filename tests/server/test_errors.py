@@ -23,6 +23,7 @@ def multipart(content_type: str):
     """Headers for an upload with this Content-Type (and the server's key)."""
     return lambda server: {**server.headers(), "Content-Type": content_type}
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 CASES = [
     # (name, method, path, raw body or dict, headers override, status, error type, param)
     ("malformed json", "POST", CHAT, b"{not json", None, 400, "invalid_request_error", None),
@@ -74,8 +75,29 @@ CASES = [
      "invalid_request_error", "logprobs"),
     ("echo in a chat (a completion's field)", "POST", CHAT, {"messages": MSG, "echo": True}, None, 400,
      "invalid_request_error", "echo"),
-    ("tools unsupported", "POST", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, None, 400,
+    ("tools in a completion", "POST", COMP, {"prompt": "a", "tools": [TOOL]}, None, 400,
      "invalid_request_error", "tools"),
+    ("tool without a function", "POST", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, None, 400,
+     "invalid_request_error", "tools[0].function"),
+    ("tool name with a space", "POST", CHAT, {"messages": MSG, "tools": [
+        {"type": "function", "function": {"name": "get weather"}}]}, None, 400, "invalid_request_error",
+     "tools[0].function"),
+    ("two tools of one name", "POST", CHAT, {"messages": MSG, "tools": [TOOL, TOOL]}, None, 400,
+     "invalid_request_error", "tools"),
+    ("tool_choice naming no tool", "POST", CHAT, {"messages": MSG, "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "other"}}}, None, 400, "invalid_request_error", "tool_choice"),
+    ("tool_choice without tools", "POST", CHAT, {"messages": MSG, "tool_choice": "required"}, None, 400,
+     "invalid_request_error", "tool_choice"),
+    ("required tool call and a response format", "POST", CHAT, {
+        "messages": MSG, "tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     None, 400, "invalid_request_error", "tool_choice"),
+    ("tool parameters that are no schema", "POST", CHAT, {"messages": MSG, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]}, None, 400,
+     "invalid_request_error", "tools"),
+    ("message without content", "POST", CHAT, {"messages": [{"role": "user"}]}, None, 400,
+     "invalid_request_error", "messages[0].content"),
+    ("deprecated functions", "POST", CHAT, {"messages": MSG, "functions": [{"name": "f"}]}, None, 400,
+     "invalid_request_error", "functions"),
     ("presence penalty past 2", "POST", CHAT, {"messages": MSG, "presence_penalty": 2.5}, None, 400,
      "invalid_request_error", "presence_penalty"),
     ("repetition penalty 0", "POST", COMP, {"prompt": "a", "repetition_penalty": 0}, None, 400,

@@ -315,3 +315,78 @@ def test_structured_completions_choice_and_regex(server, client):
     r = client.completions.create(model=server.model, prompt="Date:", max_tokens=20, n=3, temperature=1.0, seed=5,
                                   extra_body={"guided_regex": date})
     assert all(re.fullmatch(date, c.text) and c.finish_reason == "stop" for c in r.choices), [c.text for c in r.choices]
+
+
+TOOLS = [{"type": "function", "function": {
+             "name": "get_weather", "description": "The weather in a city",
+             "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                            "properties": {"city": {"type": "string", "maxLength": 10},
+                                           "unit": {"enum": ["c", "f"]}}}}},
+         {"type": "function", "function": {
+             "name": "add", "parameters": {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+                                           "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                          "b": {"type": "integer", "minimum": 0, "maximum": 99}}}}}]
+PARAMS = {t["function"]["name"]: jsonschema_rs.validator_for(t["function"]["parameters"]) for t in TOOLS}
+
+
+def test_required_and_named_tool_calls(server, client):
+    """tool_choice required (one call: parallel_tool_calls false) and a named function: the reply
+    is a call to a given tool whose arguments follow its parameters (jsonschema_rs); streamed, the
+    same call arrives as a tool_calls delta."""
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "add"}}):
+        kw = dict(model=server.model, messages=msgs, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
+                  max_tokens=60, temperature=0)
+        r = client.chat.completions.create(**kw).choices[0]
+        assert r.finish_reason == "tool_calls" and r.message.content is None and len(r.message.tool_calls) == 1
+        call = r.message.tool_calls[0]
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in PARAMS and PARAMS[call.function.name].is_valid(json.loads(call.function.arguments))
+        if isinstance(choice, dict):
+            assert call.function.name == "add"
+        chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+        assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+        streamed = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+        assert [(t.function.name, t.function.arguments) for t in streamed] == \
+            [(call.function.name, call.function.arguments)]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_tool_calls_are_parsed_from_the_reply(server, client):
+    """With tool_choice auto the reply's <tool_call> blocks become calls and the rest stays
+    content, whole and streamed (the reply forced here by a regular expression)."""
+    reply = r'Sure\. <tool_call>\{"name": "add", "arguments": \{"a": [1-9], "b": [1-9]\}\}</tool_call>'
+    kw = dict(model=server.model, messages=[{"role": "user", "content": "Add two numbers."}], tools=TOOLS,
+              max_tokens=40, temperature=0, extra_body={"structured_outputs": {"regex": reply}})
+    r = client.chat.completions.create(**kw).choices[0]
+    assert r.finish_reason == "tool_calls" and r.message.content == "Sure. "
+    (call,) = r.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "add" and set(args) == {"a", "b"} and PARAMS["add"].is_valid(args)
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Sure. "
+    streamed = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert [(t.function.name, t.function.arguments) for t in streamed] == [("add", call.function.arguments)]
+
+
+def test_tools_and_earlier_calls_reach_the_prompt(server, client, tiny_chat_model):
+    """The tools are listed in the system turn, an earlier call is written back in the assistant's
+    turn and its result in a <tool_response> (read back from the prompt's ids with the model's
+    tokenizer); with tool_choice none the tools are not shown."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    msgs = [{"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "minus 3 and snow"}]
+
+    def prompt(**kw):
+        r = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=1, temperature=0,
+                                           extra_body={"return_token_ids": True}, **kw)
+        return tok.decode(r.model_extra["prompt_token_ids"])
+    shown = prompt(tools=TOOLS)
+    assert json.dumps(TOOLS[1]) in shown and "The weather in a city" in shown
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>' in shown
+    assert "<tool_response>\nminus 3 and snow\n</tool_response>" in shown
+    hidden = prompt(tools=TOOLS, tool_choice="none")
+    assert "The weather in a city" not in hidden and "<tool_response>\nminus 3 and snow" in hidden

@@ -1,0 +1,181 @@
+"""Tool calling: OpenAI's ``tools`` and ``tool_choice`` for any chat model.
+
+The tools reach the model as text, so no chat template needs to know of them: a system message
+lists each tool's JSON and asks for calls written as ``<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>`` (the Hermes format that most open instruct models were tuned on). Earlier
+calls in the conversation are written back the same way in the assistant's turn, and each
+tool's result goes in a user turn inside ``<tool_response>`` tags, which every template takes.
+
+How the output becomes calls depends on ``tool_choice``:
+- ``required``: the output is constrained (structured outputs) to a JSON array of calls, each
+  ``{"name": <a tool's name>, "arguments": <that tool's parameters schema>}``, one call unless
+  ``parallel_tool_calls``;
+- a named function: the output is constrained to its parameters schema, and is its arguments;
+- ``auto`` (the default with tools): nothing is constrained; the ``<tool_call>`` blocks of the
+  output that hold a known tool's name and JSON arguments become calls, the rest stays text;
+- ``none``: the tools are not shown and nothing is parsed.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from tandem.engine.params import StructuredOutputs
+
+CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+OPEN_TAG = "<tool_call>"
+ANY_OBJECT = {"type": "object"}
+
+
+class ToolChoice:
+    NONE, AUTO, REQUIRED, NAMED = "none", "auto", "required", "named"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """One chat request's tools and what it lets the model do with them."""
+    functions: tuple[dict, ...]     # each tool's ``function`` object: name, description, parameters
+    choice: str                     # a ToolChoice
+    name: str | None = None         # the function a NAMED choice calls
+    parallel: bool = True           # REQUIRED: more than one call allowed
+
+    @property
+    def calls(self) -> bool:
+        """Whether the output may hold tool calls (and is parsed for them)."""
+        return self.choice != ToolChoice.NONE
+
+    def constraint(self) -> StructuredOutputs | None:
+        """What the output must match: calls (REQUIRED), one function's arguments (NAMED)."""
+        if self.choice == ToolChoice.NAMED:
+            return StructuredOutputs(json=self._params(self.name))
+        if self.choice != ToolChoice.REQUIRED:
+            return None
+        one = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                "properties": {"name": {"const": f["name"]}, "arguments": self._params(f["name"])}}
+               for f in self.functions]
+        calls = {"type": "array", "minItems": 1, "items": one[0] if len(one) == 1 else {"anyOf": one}}
+        return StructuredOutputs(json=calls | ({} if self.parallel else {"maxItems": 1}))
+
+    def _params(self, name: str) -> dict:
+        f = next(f for f in self.functions if f["name"] == name)
+        return f.get("parameters") or ANY_OBJECT
+
+    def system_text(self) -> str:
+        """The tools as the model is shown them."""
+        listed = "\n".join(json.dumps({"type": "function", "function": f}, ensure_ascii=False)
+                           for f in self.functions)
+        return ("You can call the functions listed below, one JSON description per line:\n"
+                f"<tools>\n{listed}\n</tools>\n"
+                "To call one, answer with its name and arguments as JSON inside tags, one call per "
+                'pair of tags:\n<tool_call>\n{"name": "<function name>", "arguments": {<arguments>}}\n'
+                "</tool_call>\nA function's result comes back in <tool_response> tags.")
+
+    def parse(self, text: str, finished: bool) -> tuple[str | None, list[dict]]:
+        """An output's text -> (content, tool calls). A constrained output that did not finish
+        (it hit max_tokens) is no call: it stays text."""
+        if self.choice == ToolChoice.NAMED:
+            return (None, [tool_call(self.name, text)]) if finished else (text, [])
+        if self.choice == ToolChoice.REQUIRED:
+            if not finished:
+                return text, []
+            return None, [tool_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False))
+                          for c in json.loads(text)]
+        if self.choice == ToolChoice.AUTO:
+            return self._parse_tagged(text)
+        return text, []
+
+    def _parse_tagged(self, text: str) -> tuple[str | None, list[dict]]:
+        """``<tool_call>`` blocks naming a known function with JSON arguments become calls; blocks
+        that do not stay in the text, and the text around the calls is the content (None where it
+        is only whitespace)."""
+        names = {f["name"] for f in self.functions}
+        calls, rest, pos = [], [], 0
+        for m in CALL.finditer(text):
+            try:
+                call = json.loads(m.group(1))
+            except ValueError:
+                continue
+            args = call.get("arguments", call.get("parameters")) if isinstance(call, dict) else None
+            if not isinstance(call, dict) or call.get("name") not in names or not isinstance(args, (dict, str)):
+                continue
+            rest.append(text[pos:m.start()])
+            pos = m.end()
+            calls.append(tool_call(call["name"], args if isinstance(args, str) else
+                                   json.dumps(args, ensure_ascii=False)))
+        rest.append(text[pos:])
+        content = "".join(rest)
+        return (content if content.strip() else None) if calls else text, calls
+
+    def streamable(self, text: str) -> int:
+        """How much of an output so far a stream may send as content: none of a constrained
+        output (it is a call); with ``auto``, the text before a ``<tool_call>`` tag or what could
+        begin one, once it is more than whitespace (a reply that is only calls has no content)."""
+        if self.choice in (ToolChoice.NAMED, ToolChoice.REQUIRED):
+            return 0
+        if self.choice == ToolChoice.NONE:
+            return len(text)
+        cut = text.find(OPEN_TAG)
+        if cut < 0:
+            cut = len(text) - next((k for k in range(min(len(OPEN_TAG) - 1, len(text)), 0, -1)
+                                    if text.endswith(OPEN_TAG[:k])), 0)
+        return cut if text[:cut].strip() else 0
+
+
+def tool_call(name: str, arguments: str) -> dict:
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def tool_plan(body: dict) -> ToolPlan | None:
+    """A validated chat body's tools and tool_choice; None when it gives no tools. ValueError
+    (naming the field) for a choice that names no given tool."""
+    tools = body.get("tools") or []
+    choice = body.get("tool_choice")
+    if not tools:
+        if choice not in (None, ToolChoice.NONE):
+            raise ValueError("tool_choice: needs 'tools'")
+        return None
+    functions = tuple(t["function"] for t in tools)
+    names = [f["name"] for f in functions]
+    if len(set(names)) != len(names):
+        raise ValueError("tools: two tools have the same name")
+    parallel = body.get("parallel_tool_calls") is not False
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        if name not in names:
+            raise ValueError(f"tool_choice: names '{name}', which is not one of the tools")
+        return ToolPlan(functions, ToolChoice.NAMED, name, parallel)
+    return ToolPlan(functions, choice or ToolChoice.AUTO, None, parallel)
+
+
+def render_messages(messages: list[dict], plan: ToolPlan | None) -> list[dict]:
+    """Chat messages with tool calls and results written as text the template takes, and the
+    tools listed in the system message (added when the chat has none)."""
+    out = []
+    for m in messages:
+        role, content = m["role"], m.get("content") or ""
+        if role == "assistant" and m.get("tool_calls"):
+            calls = "\n".join(f"{OPEN_TAG}\n" + json.dumps({"name": c["function"]["name"],
+                                                          "arguments": _arguments(c["function"]["arguments"])},
+                                                         ensure_ascii=False) + "\n</tool_call>"
+                              for c in m["tool_calls"])
+            content = f"{content}\n{calls}" if content else calls
+        elif role == "tool":
+            role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
+        out.append({"role": role, "content": content})
+    if plan is not None and plan.calls:
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + plan.system_text()}
+        else:
+            out.insert(0, {"role": "system", "content": plan.system_text()})
+    return out
+
+
+def _arguments(text: str):
+    """A call's arguments as sent back (a JSON string) -> the JSON value, or the text as it is."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text

@@ -1,0 +1,59 @@
+"""Tool calls read from a reply (tool_choice auto): which <tool_call> blocks become calls, what
+stays content, and what a stream may send before the reply ends, against hand-worked replies."""
+import json
+
+import pytest
+
+from tandem.server.tools import ToolChoice, ToolPlan
+
+PLAN = ToolPlan(({"name": "add"}, {"name": "get_weather"}), ToolChoice.AUTO)
+CALL_ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+CASES = [
+    # reply, content, calls as (name, arguments)
+    ("Hello there.", "Hello there.", []),
+    (CALL_ADD, None, [("add", {"a": 1, "b": 2})]),
+    ("Let me check. " + CALL_ADD + "\n" + CALL_ADD.replace("1", "5"), "Let me check. \n",
+     [("add", {"a": 1, "b": 2}), ("add", {"a": 5, "b": 2})]),
+    # an unknown tool, JSON that does not parse, and a call without arguments stay text
+    ('<tool_call>{"name": "delete_all", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "delete_all", "arguments": {}}</tool_call>', []),
+    ('<tool_call>{"name": "add", "arguments": {"a": 1</tool_call> then ' + CALL_ADD,
+     '<tool_call>{"name": "add", "arguments": {"a": 1</tool_call> then ', [("add", {"a": 1, "b": 2})]),
+    ('<tool_call>{"name": "add"}</tool_call>', '<tool_call>{"name": "add"}</tool_call>', []),
+    # "parameters" for "arguments" (some models write it), and arguments already a JSON string
+    ('<tool_call>{"name": "get_weather", "parameters": {"city": "Oslo"}}</tool_call>', None,
+     [("get_weather", {"city": "Oslo"})]),
+    ('<tool_call>{"name": "add", "arguments": "{\\"a\\": 3}"}</tool_call>', None, [("add", {"a": 3})]),
+    ("Not a call: <tool_call", "Not a call: <tool_call", []),
+]
+
+
+@pytest.mark.parametrize("reply, content, calls", CASES)
+def test_auto_replies_split_into_content_and_calls(reply, content, calls):
+    got_content, got_calls = PLAN.parse(reply, finished=True)
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got_calls] == calls
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in got_calls)
+    assert len({c["id"] for c in got_calls}) == len(got_calls)
+
+
+@pytest.mark.parametrize("reply, content, calls", CASES)
+def test_a_stream_sends_only_what_stays_content(reply, content, calls):
+    """Fed a character at a time, what a stream may send is always a prefix of the final content,
+    and never a byte of a call; at the end the rest of the content completes it."""
+    sent = 0
+    for n in range(len(reply) + 1):
+        sent = max(sent, PLAN.streamable(reply[:n]))
+        assert (content or "")[:sent] == reply[:sent], (n, reply[:sent])
+    assert sent <= len(content or "")
+
+
+def test_constrained_choices_stream_nothing_and_parse_their_json():
+    named = ToolPlan(({"name": "add"},), ToolChoice.NAMED, "add")
+    required = ToolPlan(({"name": "add"},), ToolChoice.REQUIRED)
+    text = '[{"name":"add","arguments":{"a":1}}]'
+    assert named.streamable('{"a":1}') == required.streamable(text) == 0
+    assert [c["function"]["arguments"] for c in named.parse('{"a":1}', True)[1]] == ['{"a":1}']
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in required.parse(text, True)[1]] \
+        == [("add", {"a": 1})]
+    assert required.parse(text[:-3], finished=False) == (text[:-3], []), "cut off by max_tokens: no call"
