@@ -66,12 +66,12 @@ class Vocabulary:
         self.vocab_size = vocab_size
         self.eos_ids = tuple(eos_ids)
 
-    def check(self, grammar: str, what: str = "structured_outputs") -> None:
+    def check(self, grammar: str) -> None:
         """ValueError with llguidance's message unless the grammar compiles for this vocabulary."""
         from llguidance import LLMatcher
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
-            raise ValueError(f"{what}: {messages[0].strip() if messages else 'invalid'}")
+            raise ValueError(f"structured_outputs: {messages[0].strip() if messages else 'invalid'}")
 
     def matcher(self, grammar: str, output: list[int]):
         """A matcher at the end of ``output`` (the tokens already generated under it)."""

@@ -366,16 +366,18 @@ class ModelRunner:
         return st.counts
 
     def _allowed(self, samplers: list[str]) -> tuple[list[int], torch.Tensor] | None:
-        """The rows sampled under a grammar and the tokens each may take next; a request's matcher
-        is built at its first sample from its output so far."""
+        """The rows sampled under a grammar and the tokens each may take next."""
         rows = [i for i, rid in enumerate(samplers) if self.reqs[rid].sampling.grammar]
         if not rows:
             return None
-        for i in rows:
-            st = self.reqs[samplers[i]]
-            if st.matcher is None:
-                st.matcher = self.vocabulary.matcher(st.sampling.grammar, st.token_ids[st.num_prompt:])
-        return rows, self.vocabulary.allowed([self.reqs[samplers[i]].matcher for i in rows])
+        return rows, self.vocabulary.allowed([self._matcher(self.reqs[samplers[i]]) for i in rows])
+
+    def _matcher(self, st: ReqState):
+        """A constrained request's grammar matcher, built at its first sample here from its output
+        so far (a request moved from another device goes on where it was) and kept after."""
+        if st.matcher is None:
+            st.matcher = self.vocabulary.matcher(st.sampling.grammar, st.token_ids[st.num_prompt:])
+        return st.matcher
 
     @functools.cached_property
     def vocabulary(self) -> Vocabulary:

@@ -26,7 +26,7 @@ from tandem.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from tandem.server.metrics import Metrics
 from tandem.server.protocol import (GenRequest, check_model, parse_chat, parse_completion, parse_detokenize,
                                     parse_tokenize)
-from tandem.server.tools import ToolPlan
+from tandem.server.tools import ContentStream, ToolPlan
 
 OPEN_PATHS = ("/health", "/metrics", "/status", "/dashboard", "/openapi.json")   # what /metrics shows, no request text
 DASHBOARD = Path(__file__).parent / "static" / "dashboard.html"
@@ -254,7 +254,7 @@ class Choice:
     echo_ids: list[int] | None = None       # and the prompt's ids, for its log probabilities
     prompt_logprobs: list | None = None     # the echoed prompt's, from the first event
     echo_sent: bool = False                 # a stream sends the echo in its first chunk
-    text_sent: int = 0                      # a chat with tools: characters streamed as content
+    content: ContentStream | None = None    # a streamed chat with tools: what goes out before the end
 
     @property
     def text(self) -> str:
@@ -427,6 +427,9 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
     async def send(payload) -> None:
         await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
 
+    def event(c: dict) -> dict:
+        return {"id": p.rid, "object": obj, "created": created, "model": p.model, "choices": [c]}
+
     def chunk(ch: Choice, delta: str, finish: str | None, first: bool = False) -> dict:
         if chat:
             d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
@@ -440,33 +443,34 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
             if ch.ids_sent:                                   # with its first ids
                 c.pop("prompt_token_ids", None)
             ch.ids_sent = len(ch.token_ids)
-        return {"id": p.rid, "object": obj, "created": created, "model": p.model, "choices": [c]}
+        return event(c)
 
     if chat:
         for i, ch in enumerate(choices):
             await send(chunk(ch, "", None, first=True) | (chat_prompt_ids(p) if i == 0 else {}))
 
     tools = p.gen.tools
+    for ch in choices if tools is not None else ():
+        ch.content = ContentStream(tools)
 
     async def sink(ch: Choice, delta: str) -> None:
-        if tools is not None:                 # content up to where a call may begin; calls at the end
-            delta = ch.text[ch.text_sent:max(ch.text_sent, tools.streamable(ch.text))]
-            ch.text_sent += len(delta)
+        if ch.content is not None:            # content up to where a call may begin; calls at the end
+            delta = ch.content.push(delta)
         if delta or ch.echo_pending or (ch.prompt_ids is not None and len(ch.token_ids) > ch.ids_sent) or (
                 ch.logprobs is not None and len(ch.logprobs) > ch.lps_sent):
             await send(chunk(ch, delta, None))
-        if ch.finish_reason is not None:
-            finish = ch.finish_reason
-            if tools is not None:
-                content, calls = tools.parse(ch.text, finish == "stop")
-                if content and len(content) > ch.text_sent:
-                    await send(chunk(ch, content[ch.text_sent:], None))
-                if calls:
-                    finish = "tool_calls"
-                    await send(chunk(ch, "", None) | {"choices": [{
-                        "index": ch.index, "delta": {"tool_calls": [c | {"index": i} for i, c in enumerate(calls)]},
-                        "logprobs": None, "finish_reason": None}]})
-            await send(chunk(ch, "", finish))
+        if ch.finish_reason is None:
+            return
+        finish = ch.finish_reason
+        if ch.content is not None:
+            content, calls = tools.parse(ch.text, finish == "stop")
+            if content and len(content) > ch.content.sent:
+                await send(chunk(ch, content[ch.content.sent:], None))
+            if calls:
+                finish = "tool_calls"
+                await send(event({"index": ch.index, "logprobs": None, "finish_reason": None, "delta": {
+                    "tool_calls": [c | {"index": i} for i, c in enumerate(calls)]}}))
+        await send(chunk(ch, "", finish))
 
     try:
         await all_or_none(run_choice(sub, st.metrics, r, ch, sink)

@@ -17,6 +17,7 @@ How the output becomes calls depends on ``tool_choice``:
 """
 from __future__ import annotations
 
+import enum
 import json
 import re
 import uuid
@@ -29,28 +30,31 @@ OPEN_TAG = "<tool_call>"
 ANY_OBJECT = {"type": "object"}
 
 
-class ToolChoice:
-    NONE, AUTO, REQUIRED, NAMED = "none", "auto", "required", "named"
+class ToolChoice(enum.Enum):
+    NONE = "none"
+    AUTO = "auto"
+    REQUIRED = "required"
+    NAMED = "named"             # tool_choice names one function
 
 
 @dataclass(frozen=True, slots=True)
 class ToolPlan:
     """One chat request's tools and what it lets the model do with them."""
     functions: tuple[dict, ...]     # each tool's ``function`` object: name, description, parameters
-    choice: str                     # a ToolChoice
+    choice: ToolChoice
     name: str | None = None         # the function a NAMED choice calls
     parallel: bool = True           # REQUIRED: more than one call allowed
 
     @property
     def calls(self) -> bool:
         """Whether the output may hold tool calls (and is parsed for them)."""
-        return self.choice != ToolChoice.NONE
+        return self.choice is not ToolChoice.NONE
 
     def constraint(self) -> StructuredOutputs | None:
         """What the output must match: calls (REQUIRED), one function's arguments (NAMED)."""
-        if self.choice == ToolChoice.NAMED:
+        if self.choice is ToolChoice.NAMED:
             return StructuredOutputs(json=self._params(self.name))
-        if self.choice != ToolChoice.REQUIRED:
+        if self.choice is not ToolChoice.REQUIRED:
             return None
         one = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                 "properties": {"name": {"const": f["name"]}, "arguments": self._params(f["name"])}}
@@ -75,16 +79,14 @@ class ToolPlan:
     def parse(self, text: str, finished: bool) -> tuple[str | None, list[dict]]:
         """An output's text -> (content, tool calls). A constrained output that did not finish
         (it hit max_tokens) is no call: it stays text."""
-        if self.choice == ToolChoice.NAMED:
-            return (None, [tool_call(self.name, text)]) if finished else (text, [])
-        if self.choice == ToolChoice.REQUIRED:
-            if not finished:
-                return text, []
-            return None, [tool_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False))
-                          for c in json.loads(text)]
-        if self.choice == ToolChoice.AUTO:
+        if self.choice is ToolChoice.AUTO:
             return self._parse_tagged(text)
-        return text, []
+        if not finished:
+            return text, []
+        if self.choice is ToolChoice.NAMED:
+            return None, [tool_call(self.name, text)]
+        return None, [tool_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False))
+                      for c in json.loads(text)]
 
     def _parse_tagged(self, text: str) -> tuple[str | None, list[dict]]:
         """``<tool_call>`` blocks naming a known function with JSON arguments become calls; blocks
@@ -108,19 +110,35 @@ class ToolPlan:
         content = "".join(rest)
         return (content if content.strip() else None) if calls else text, calls
 
-    def streamable(self, text: str) -> int:
-        """How much of an output so far a stream may send as content: none of a constrained
-        output (it is a call); with ``auto``, the text before a ``<tool_call>`` tag or what could
-        begin one, once it is more than whitespace (a reply that is only calls has no content)."""
-        if self.choice in (ToolChoice.NAMED, ToolChoice.REQUIRED):
-            return 0
-        if self.choice == ToolChoice.NONE:
-            return len(text)
+
+@dataclass(slots=True)
+class ContentStream:
+    """What of a chat-with-tools reply a stream may send as content while it is generated: with
+    ``auto``, the text before a ``<tool_call>`` tag, holding back what could begin one, and once
+    it is more than whitespace (a reply that is only calls has no content); nothing of a
+    constrained reply (it is a call). Each push looks at the text not sent yet only."""
+    plan: ToolPlan
+    unsent: str | None = ""         # None: nothing more is sent before the reply ends
+    sent: int = 0                   # characters sent (a prefix of the final content)
+
+    def push(self, new: str) -> str:
+        """The content to send now, given the reply's ``new`` text."""
+        if self.unsent is None:
+            return ""
+        if self.plan.choice is not ToolChoice.AUTO:
+            self.unsent = None
+            return ""
+        text = self.unsent + new
         cut = text.find(OPEN_TAG)
-        if cut < 0:
+        calling = cut >= 0
+        if not calling:
             cut = len(text) - next((k for k in range(min(len(OPEN_TAG) - 1, len(text)), 0, -1)
                                     if text.endswith(OPEN_TAG[:k])), 0)
-        return cut if text[:cut].strip() else 0
+        if not self.sent and not text[:cut].strip():
+            cut = 0
+        out, self.unsent = text[:cut], None if calling else text[cut:]
+        self.sent += len(out)
+        return out
 
 
 def tool_call(name: str, arguments: str) -> dict:
@@ -134,7 +152,7 @@ def tool_plan(body: dict) -> ToolPlan | None:
     tools = body.get("tools") or []
     choice = body.get("tool_choice")
     if not tools:
-        if choice not in (None, ToolChoice.NONE):
+        if choice not in (None, ToolChoice.NONE.value):
             raise ValueError("tool_choice: needs 'tools'")
         return None
     functions = tuple(t["function"] for t in tools)
@@ -147,7 +165,7 @@ def tool_plan(body: dict) -> ToolPlan | None:
         if name not in names:
             raise ValueError(f"tool_choice: names '{name}', which is not one of the tools")
         return ToolPlan(functions, ToolChoice.NAMED, name, parallel)
-    return ToolPlan(functions, choice or ToolChoice.AUTO, None, parallel)
+    return ToolPlan(functions, ToolChoice(choice or "auto"), None, parallel)
 
 
 def render_messages(messages: list[dict], plan: ToolPlan | None) -> list[dict]:

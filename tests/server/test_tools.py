@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tandem.server.tools import ToolChoice, ToolPlan
+from tandem.server.tools import ContentStream, ToolChoice, ToolPlan
 
 PLAN = ToolPlan(({"name": "add"}, {"name": "get_weather"}), ToolChoice.AUTO)
 CALL_ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
@@ -41,18 +41,18 @@ def test_auto_replies_split_into_content_and_calls(reply, content, calls):
 def test_a_stream_sends_only_what_stays_content(reply, content, calls):
     """Fed a character at a time, what a stream may send is always a prefix of the final content,
     and never a byte of a call; at the end the rest of the content completes it."""
-    sent = 0
-    for n in range(len(reply) + 1):
-        sent = max(sent, PLAN.streamable(reply[:n]))
-        assert (content or "")[:sent] == reply[:sent], (n, reply[:sent])
-    assert sent <= len(content or "")
+    stream, sent = ContentStream(PLAN), ""
+    for n, c in enumerate(reply):
+        sent += stream.push(c)
+        assert (content or "")[:len(sent)] == reply[:len(sent)] == sent, (n, sent)
+    assert len(sent) <= len(content or "") and stream.sent == len(sent)
 
 
 def test_constrained_choices_stream_nothing_and_parse_their_json():
     named = ToolPlan(({"name": "add"},), ToolChoice.NAMED, "add")
     required = ToolPlan(({"name": "add"},), ToolChoice.REQUIRED)
     text = '[{"name":"add","arguments":{"a":1}}]'
-    assert named.streamable('{"a":1}') == required.streamable(text) == 0
+    assert ContentStream(named).push('{"a":1}') == ContentStream(required).push(text) == ""
     assert [c["function"]["arguments"] for c in named.parse('{"a":1}', True)[1]] == ['{"a":1}']
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in required.parse(text, True)[1]] \
         == [("add", {"a": 1})]
