@@ -334,9 +334,11 @@ class BidirectionalPool:
 
 class BidirBlockPool(BidirectionalPool):
     """A BidirectionalPool over a device's pool geometry, answering the scheduler's block-pool
-    questions in physical blocks (a token-block is a (K, V) pair of blocks)."""
+    questions in physical blocks (a token-block is a (K, V) pair of blocks). Its blocks are
+    never shared between requests' prefixes: no prefix caching."""
 
     preempts_blocks = True
+    prefix = None
 
     def __init__(self, geometry):
         super().__init__(geometry.num_blocks // 2, geometry.block_size)

@@ -7,11 +7,16 @@ KV-cache request takes a (K, V) pair of blocks per ``block_size`` tokens:
 
 The pool answers with an ``Allocation`` or ``None``; it never touches tensors
 and never sees a request object, only its id.
+
+With prefix caching (cache.prefix) a full KV token-block may be in several tables at once:
+each block counts the tables that hold it, and a named block nobody holds stays idle, free to
+take, until the pool needs it for something else.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.cache.prefix import Key, PrefixCache
 from tandem.engine.messages import CacheType, Direction, PoolInfo, SlotCopy
 
 
@@ -69,28 +74,32 @@ class _Table:
     cache_type: CacheType
     block_ids: list[int] = field(default_factory=list)
     directions: list[Direction] = field(default_factory=list)
+    named: int = 0                       # leading token-blocks whose keys were offered (prefix caching)
 
 
 class BlockPool:
     """Whole blocks per request. The scheduler uses ``place``, ``free``, ``num_blocks_of``,
     ``num_free``, ``num_cpu``, ``num_be_only``, ``num_rt_with_room``, ``foreign_slots``, ``drop``
     and ``check_cache_type``; a pool that can take a BE owner's slots for an RT request
-    (bidirectional blocks) says so with ``preempts_blocks``."""
+    (bidirectional blocks) says so with ``preempts_blocks``. With ``prefix_caching`` it also
+    answers ``cached_prefix``, ``attach`` and ``name_full``."""
 
     preempts_blocks = False
     num_be_only = 0                      # blocks an RT request could take from BE owners
     num_rt_with_room = 0                 # blocks a BE request could fill beside an RT owner
 
-    def __init__(self, geometry: PoolGeometry):
+    def __init__(self, geometry: PoolGeometry, prefix_caching: bool = False):
         self.geometry = geometry
         # pop() from the end hands out low ids first; purely cosmetic
         self._free: list[int] = list(range(geometry.num_blocks - 1, -1, -1))
-        self._owner: list[str | None] = [None] * geometry.num_blocks
+        self._refs: list[int] = [0] * geometry.num_blocks     # tables holding each block
         self._tables: dict[str, _Table] = {}
+        self.prefix = PrefixCache() if prefix_caching else None
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks a request may take: never handed out, or named but idle (prefix caching)."""
+        return len(self._free) + (self.prefix.num_idle_blocks if self.prefix else 0)
 
     @property
     def num_used(self) -> int:
@@ -118,17 +127,60 @@ class BlockPool:
         need = self.geometry.blocks_for(num_tokens, cache_type) - have
         if need <= 0:
             return Allocation([], [])
-        if need > len(self._free):
+        if need > self.num_free:
             return None
         if t is None:
             t = self._tables[req_id] = _Table(cache_type)
-        new = [self._free.pop() for _ in range(need)]
-        for b in new:
-            self._owner[b] = req_id
+        new = self._take(need)
         dirs = [Direction.LEFT] * need
         t.block_ids.extend(new)
         t.directions.extend(dirs)
         return Allocation(new, dirs)
+
+    def _take(self, n: int) -> list[int]:
+        """n blocks off the free list, forgetting the least recently used idle named ones when it
+        runs dry (the caller checked n <= num_free)."""
+        while len(self._free) < n:
+            self._free.extend(reversed(self.prefix.evict()))
+        new = [self._free.pop() for _ in range(n)]
+        for b in new:
+            self._refs[b] = 1
+        return new
+
+    # ---- prefix caching --------------------------------------------------------------------
+    def cached_prefix(self, keys: list[Key]) -> int:
+        """How many leading token-blocks of a token sequence with these keys are cached here."""
+        return self.prefix.longest(keys) if self.prefix else 0
+
+    def attach(self, req_id: str, keys: list[Key]) -> list[int]:
+        """Start req_id's (KV) table with the cached token-blocks of these keys (all cached: see
+        ``cached_prefix``); the blocks, in table order."""
+        if req_id in self._tables:
+            raise ValueError(f"request {req_id} already holds blocks")
+        t = self._tables[req_id] = _Table(CacheType.KV, named=len(keys))
+        for k in keys:
+            group = self.prefix.blocks[k]
+            self.prefix.held(k)
+            for b in group:
+                self._refs[b] += 1
+            t.block_ids.extend(group)
+        t.directions = [Direction.LEFT] * len(t.block_ids)
+        return list(t.block_ids)
+
+    def num_named(self, req_id: str) -> int:
+        """Leading token-blocks of req_id's table already offered to the prefix cache."""
+        t = self._tables.get(req_id)
+        return t.named if t else 0
+
+    def name_full(self, req_id: str, keys: list[Key]) -> None:
+        """req_id's first len(keys) token-blocks are computed and full: name those not named yet,
+        so later requests with the same tokens find them."""
+        t = self._tables.get(req_id)
+        if self.prefix is None or t is None or t.cache_type is not CacheType.KV:
+            return
+        for i in range(t.named, min(len(keys), len(t.block_ids) // 2)):
+            self.prefix.name(keys[i], tuple(t.block_ids[2 * i:2 * i + 2]))
+        t.named = max(t.named, min(len(keys), len(t.block_ids) // 2))
 
     def place(self, req_id: str, num_tokens: int, cache_type: CacheType, rt: bool) -> Placement | None:
         """Grow req_id to num_tokens tokens for a step; None (and no change) if blocks run out."""
@@ -151,30 +203,56 @@ class BlockPool:
         self.geometry.blocks_per_token_block(cache_type)
 
     def free(self, req_id: str) -> int:
-        """Return all of req_id's blocks to the free list; how many were freed."""
+        """Let go of all of req_id's blocks; how many it held. A block no table holds any more
+        goes back to the free list, or, named, waits idle (its last token-blocks first in line
+        to go, so the start of a prefix stays longest)."""
         t = self._tables.pop(req_id, None)
         if t is None:
             return 0
-        for b in t.block_ids:
-            self._owner[b] = None
-        self._free.extend(reversed(t.block_ids))
-        return len(t.block_ids)
+        g = 2 if t.cache_type is CacheType.KV else 1
+        ids = t.block_ids
+        for i in range(len(ids) - g, -1, -g):
+            group = ids[i:i + g]
+            for b in group:
+                self._refs[b] -= 1
+            if self._refs[group[0]]:
+                continue
+            key = self.prefix.key_of(group) if self.prefix and t.cache_type is CacheType.KV else None
+            if key is None:
+                self._free.extend(reversed(group))
+            else:
+                self.prefix.released(key)
+        return len(ids)
 
     def check_invariants(self) -> None:
-        """free + used = total; every used block has exactly one owner whose table lists it."""
+        """Every block is exactly one of: free, held (its count = the tables listing it), or named
+        and idle; a named block is idle exactly when no table holds it."""
         n = self.geometry.num_blocks
         free = set(self._free)
         if len(free) != len(self._free):
             raise AssertionError("a block is on the free list twice")
-        listed: dict[int, str] = {}
+        listed: dict[int, int] = {}
         for rid, t in self._tables.items():
+            if len(set(t.block_ids)) != len(t.block_ids):
+                raise AssertionError(f"{rid} lists a block twice")
             for b in t.block_ids:
-                if b in listed:
-                    raise AssertionError(f"block {b} owned by {listed[b]} and {rid}")
-                listed[b] = rid
-                if self._owner[b] != rid:
-                    raise AssertionError(f"block {b}: owner {self._owner[b]} but listed by {rid}")
+                listed[b] = listed.get(b, 0) + 1
+        for b in range(n):
+            if self._refs[b] != listed.get(b, 0):
+                raise AssertionError(f"block {b}: count {self._refs[b]}, listed by {listed.get(b, 0)} tables")
         if free & listed.keys():
-            raise AssertionError("a block is both free and owned")
-        if len(free) + len(listed) != n:
-            raise AssertionError(f"free {len(free)} + used {len(listed)} != total {n}")
+            raise AssertionError("a block is both free and held")
+        idle: set[int] = set()
+        if self.prefix:
+            for key, group in self.prefix.blocks.items():
+                if (key in self.prefix.idle) == bool(self._refs[group[0]]):
+                    raise AssertionError(f"named group {group}: idle {key in self.prefix.idle}, "
+                                         f"held by {self._refs[group[0]]}")
+                if free & set(group):
+                    raise AssertionError(f"named group {group} is on the free list")
+                if key in self.prefix.idle:
+                    idle.update(group)
+            if len(idle) != self.prefix.num_idle_blocks:
+                raise AssertionError("idle block count is off")
+        if len(free) + len(listed) + len(idle) != n:
+            raise AssertionError(f"free {len(free)} + held {len(listed)} + idle {len(idle)} != total {n}")

@@ -121,6 +121,8 @@ class ScheduledRequest:
     new_directions: list[Direction]  # one per new block
     sample: bool                # whether this step ends at the last known token
     new_slots: list[tuple[int, int]] | None = None   # bidirectional pools: (token-block, slot) per new token
+    num_cached: int = 0         # first step from a cached prefix: its first new blocks already hold
+                                # this many tokens' K/V (prefix caching), computed by other requests
 
 
 @dataclass(frozen=True, slots=True)

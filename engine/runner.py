@@ -231,6 +231,15 @@ class ModelRunner:
         for nr in inp.new_requests:
             self._add(nr)
 
+    def _from_cached(self, rid: str, st: ReqState, n: int) -> None:
+        """The request's first n tokens are a cached prefix: the blocks it was just given hold
+        their K/V (full blocks another request computed, closed in an int8 pool); it goes on
+        from token n."""
+        if st.num_computed or st.cache_type is not CacheType.KV or n % self.block_size:
+            raise RuntimeError(f"request {rid}: a cached prefix of {n} tokens cannot start it")
+        self._check(rid, st, n)
+        st.num_computed = n
+
     # ---- the int8 pool's open blocks ---------------------------------------------------------
     def _drop_cache(self, st: ReqState) -> None:
         """Forget a request's cache; an int8 pool frees the staging of its blocks not yet full."""
@@ -315,6 +324,8 @@ class ModelRunner:
         for s in inp.scheduled:
             self._append_blocks(self.reqs[s.req_id], s.new_block_ids, s.new_directions)
             self._append_slots(self.reqs[s.req_id], s.new_slots)
+            if s.num_cached:
+                self._from_cached(s.req_id, self.reqs[s.req_id], s.num_cached)
         for rid in inp.uploads:
             self._upload(rid)
         if self.int8:

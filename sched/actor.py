@@ -24,9 +24,10 @@ from typing import Callable
 from tandem.cache import BlockPool, PoolGeometry
 from tandem.cache.bidir import BidirBlockPool
 from tandem.cache.host_pool import HostPool
+from tandem.cache.prefix import Key, block_keys
 from tandem.engine.grammar import compile_grammar
-from tandem.engine.messages import (CacheImport, CacheType, Command, NewRequest, Offload, Phase, SamplingSpec,
-                             ScheduledRequest, StepInput, StepOutput)
+from tandem.engine.messages import (CacheImport, CacheType, Command, Direction, NewRequest, Offload, Phase,
+                                    SamplingSpec, ScheduledRequest, StepInput, StepOutput)
 from tandem.sched.cost_model import OnlineCostModel, StepShape
 from tandem.sched.detok import TextTracker
 from tandem.sched.policy import Candidate, Limits, Plan, Snapshot
@@ -46,6 +47,7 @@ class Update:
     queue_s: float | None = None      # at the end: seconds from arrival to first being scheduled
     logprobs: list | None = None      # TokenLogprobs of new_token_ids, when the request asked for them
     prompt_logprobs: list | None = None   # with the first token: each prompt token's (None first), if asked
+    cached_tokens: int = 0            # at the end: prompt tokens it found in the prefix cache when it started
 
 
 @dataclass(slots=True)
@@ -71,6 +73,7 @@ class ActorConfig:
     bidirectional: bool
     cache_type: CacheType
     swap: SwapConfig | None = None    # None: preempted requests recompute
+    prefix_caching: bool = False      # reuse full KV blocks of equal token prefixes (cache.prefix)
 
 
 class DeviceActor:
@@ -116,9 +119,12 @@ class DeviceActor:
         self.steps_total = 0
         self.cache_switches: Counter = Counter()   # type changes that discarded a cache, by new type
         self.step_log: list[tuple[StepShape, float]] | None = None   # set to a list to record steps
+        self._keys: dict[str, list[Key]] = {}     # prefix caching: each request's token-block keys
+        self._hits: dict[str, int] = {}           # waiting requests' cached token-blocks, this plan
+        self.prefix_tokens: Counter = Counter()   # prompt tokens "queried" at admission, and cache "hits"
 
     def new_pool(self, g: PoolGeometry) -> BlockPool:
-        return BidirBlockPool(g) if self.cfg.bidirectional else BlockPool(g)
+        return BidirBlockPool(g) if self.cfg.bidirectional else BlockPool(g, self.cfg.prefix_caching)
 
     # ---- intake ------------------------------------------------------------------
     def add(self, st: RequestState) -> None:
@@ -142,6 +148,7 @@ class DeviceActor:
         st = self.states.pop(req_id, None)
         if st is None:
             return None
+        self._keys.pop(req_id, None)
         if keep_cache:
             self.running.remove(req_id)
             self.leaving[req_id] = st
@@ -220,6 +227,7 @@ class DeviceActor:
         """Plan one step; None when there is nothing to tell the device."""
         self.step_id += 1
         t0 = self.clock()
+        self._hits = self._cached_prefixes()
         plan = self.policy(self.snapshot()) if self.has_work() else Plan()
         self.last_plan = plan                   # why each request waits or runs (status endpoint)
         inp, shape = self._apply(plan)
@@ -236,7 +244,8 @@ class DeviceActor:
             st = self.states[rid]
             r = st.request
             slo = r.slo_tbt_s if st.output_token_ids else r.slo_ttft_s
-            return Candidate(rid, st.num_tokens, st.num_computed, pool.num_blocks_of(rid), r.arrival_time,
+            computed = st.num_computed or self._hits.get(rid, 0) * pool.geometry.block_size
+            return Candidate(rid, st.num_tokens, computed, pool.num_blocks_of(rid), r.arrival_time,
                              r.service_class is ServiceClass.RT, slo, now - (st.last_token_time or r.arrival_time),
                              pool.num_cpu(rid), missed_ttft(st, now), st.cache_type, len(st.output_token_ids),
                              r.predicted_len, st.stalled_s,
@@ -264,9 +273,10 @@ class DeviceActor:
         decisions = sorted(plan.scheduled, key=lambda d: self.states[d.req_id].request.service_class
                            is not ServiceClass.RT)
         planned = {d.req_id for d in decisions}
+        cached = self._attach_prefixes(decisions)
         for dec in decisions:
             st = self.states[dec.req_id]
-            sr = self._place(st, dec, inp, planned)
+            sr = self._place(st, dec, inp, planned, cached.get(dec.req_id))
             if sr is None:
                 continue
             placed.append(dec)
@@ -281,13 +291,70 @@ class DeviceActor:
             self.tokens_by_cache_type[st.cache_type] += dec.num_new_tokens
             self.tokens_by_phase[st.request.service_class, dec.phase] += dec.num_new_tokens
         plan.scheduled = placed
+        self._hits = {}
         return inp, shape
+
+    # ---- prefix caching ---------------------------------------------------------------------
+    def _keys_of(self, st: RequestState, num_tokens: int) -> list[Key]:
+        """The keys of the request's full token-blocks among its first num_tokens tokens."""
+        keys = self._keys.setdefault(st.req_id, [])
+        n = num_tokens // self.pool.geometry.block_size
+        if len(keys) < n:
+            block_keys(st.all_token_ids(), self.pool.geometry.block_size, keys, num_tokens)
+        return keys[:n]
+
+    def _cached_prefixes(self) -> dict[str, int]:
+        """Token-blocks of each waiting request that starts from nothing (a new KV request, or
+        one preempted to recompute) that this pool has cached. At least its last token is left
+        to compute: the step that computes it also samples. A request that asks for its prompt's
+        log probabilities computes every token."""
+        if self.pool.prefix is None:
+            return {}
+        hits = {}
+        for rid in self.waiting:
+            st = self.states[rid]
+            if (st.num_computed or st.cache_type is not CacheType.KV
+                    or st.request.sampling.prompt_logprobs is not None):
+                continue
+            n = self.pool.cached_prefix(self._keys_of(st, st.num_tokens - 1))
+            if n:
+                hits[rid] = n
+        return hits
+
+    def _attach_prefixes(self, decisions) -> dict[str, list[int]]:
+        """Before anything grows in this step (growing may take idle cached blocks), the requests
+        scheduled from a cached prefix take its blocks and start with those tokens computed;
+        their blocks by request. Every request that starts from nothing counts its tokens as
+        queried, and the cached ones as hits."""
+        if self.pool.prefix is None:
+            return {}
+        out = {}
+        for dec in decisions:
+            st = self.states[dec.req_id]
+            if st.num_computed or st.status is not Status.WAITING or st.cache_type is not CacheType.KV:
+                continue
+            n = self._hits.get(st.req_id, 0)
+            self.prefix_tokens["queried"] += st.num_tokens
+            if st.cached_tokens is None:
+                st.cached_tokens = n * self.pool.geometry.block_size
+            if not n:
+                continue
+            out[st.req_id] = self.pool.attach(st.req_id, self._keys[st.req_id][:n])
+            st.num_computed = n * self.pool.geometry.block_size
+            self.prefix_tokens["hits"] += st.num_computed
+        return out
+
+    def _name_computed(self, st: RequestState) -> None:
+        """After a step: the request's full computed token-blocks become findable by their keys."""
+        if st.num_computed // self.pool.geometry.block_size > self.pool.num_named(st.req_id):
+            self.pool.name_full(st.req_id, self._keys_of(st, st.num_computed))
 
     def _switch_types(self, plan: Plan) -> None:
         switched = set()
         for rid, ct in plan.cache_types.items():
             st = self.states[rid]
-            if st.cache_type is not ct and self._switch_cache_type(st, ct):
+            # one planned from a cached prefix it no longer takes starts in a later iteration
+            if st.cache_type is not ct and (self._switch_cache_type(st, ct) or self._hits.pop(rid, 0)):
                 switched.add(rid)     # planned again next iteration, from its first token
                 self.cache_switches[ct] += 1
         if switched:
@@ -399,10 +466,12 @@ class DeviceActor:
             self._finished_ids.append(st.req_id)
             st.sent_to_device = False
 
-    def _place(self, st: RequestState, dec, inp: StepInput, planned: set[str]) -> ScheduledRequest | None:
+    def _place(self, st: RequestState, dec, inp: StepInput, planned: set[str],
+               cached: list[int] | None = None) -> ScheduledRequest | None:
         """Grow the request's cache for this step (None = skip it this step). Where the pool
         preempts blocks, an RT request that finds no room sends other requests to the CPU whole
-        until it fits; elsewhere the policy has already made room."""
+        until it fits; elsewhere the policy has already made room. ``cached``: the blocks of a
+        cached prefix it took in this step, sent to the worker first."""
         tokens = st.num_computed + dec.num_new_tokens
         rt = st.request.service_class is ServiceClass.RT
         p = self.pool.place(st.req_id, tokens, st.cache_type, rt)
@@ -419,6 +488,10 @@ class DeviceActor:
         inp.checkpoints.extend(p.checkpoints)
         inp.swap_ins.extend(p.swap_ins)
         self._swap_in(st, inp)
+        if cached:
+            return ScheduledRequest(st.req_id, dec.phase, dec.num_new_tokens, cached + p.block_ids,
+                                    p.directions + [Direction.LEFT] * len(cached), dec.sample,
+                                    num_cached=st.num_computed)
         return ScheduledRequest(st.req_id, dec.phase, dec.num_new_tokens, p.block_ids, p.directions,
                                 dec.sample, new_slots=p.slots)
 
@@ -460,6 +533,8 @@ class DeviceActor:
             st = self.states.get(dec.req_id)
             if st is not None and st.status is Status.RUNNING:
                 st.num_computed += dec.num_new_tokens
+                if st.cache_type is CacheType.KV and self.pool.prefix is not None:
+                    self._name_computed(st)
         self._score_prompts(out)
         updates = []
         for rid, tok in out.sampled.items():
@@ -547,11 +622,12 @@ class DeviceActor:
             text = st.text_result = self.decode(st.output_token_ids)
         queue_s = (st.first_scheduled_time - st.request.arrival_time
                    if st.first_scheduled_time is not None else None)
-        return Update(st.req_id, new or [], reason, error, text, queue_s)
+        return Update(st.req_id, new or [], reason, error, text, queue_s, cached_tokens=st.cached_tokens or 0)
 
     def _drop(self, st: RequestState) -> None:
         """Free the request's blocks and take it off the queues (and off the worker)."""
         self.pool.free(st.req_id)
+        self._keys.pop(st.req_id, None)
         self._release_host(st)
         if st.status is Status.RUNNING:
             self.running.remove(st.req_id)

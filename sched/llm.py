@@ -40,6 +40,7 @@ class RequestOutput:
     finish_reason: str             # "stop" | "length" | "abort" | "error"
     logprobs: list | None = None   # with SamplingParams.logprobs: a TokenLogprobs per id of token_ids
     prompt_logprobs: list | None = None   # with SamplingParams.prompt_logprobs: per prompt id, None first
+    num_cached_tokens: int = 0     # prompt tokens whose cache an earlier request had computed (prefix caching)
 
     @property
     def request_id(self) -> str:
@@ -116,6 +117,11 @@ class LLM:
     GGUF's 4- or 8-bit blocks (SmolLM2's: Q4_1, its embedding Q8_0) stay in them, a fifth of the
     memory, and the products read them directly: the same tokens, decode steps of 1-4 requests
     1.5-2x faster on a 2-core AVX2 EPYC (engine.blocks). False: float32 weights throughout.
+    enable_prefix_caching: a request whose tokens begin with a whole block (block_size tokens) or
+    more that an earlier request computed reuses that earlier request's K/V blocks instead of
+    computing them again (a shared system prompt, the earlier turns of a chat); blocks nobody
+    holds stay cached until the pool needs them. Outputs are the same either way. Whole-block
+    KV pools only (not with bidirectional blocks or hidden caches).
     triton_attention: attention by the Triton kernels (engine.triton_attention); None: on CUDA
     devices whenever Triton is installed. On the CPU it needs TRITON_INTERPRET=1 (tests only:
     the interpreter is hundreds of times slower than the compiled CPU kernel).
@@ -137,7 +143,8 @@ class LLM:
                  length_predictor: Any = None, preemption_mode: str | None = None,
                  swap_space: float = 4.0, swap_dtype: str = "int8", kv_cache_dtype: str = "auto",
                  triton_attention: bool | None = None, tandem_off: Sequence[str] = (),
-                 slo_tbt_mean: bool = False, length_cap: bool = True, weight_blocks: bool = True):
+                 slo_tbt_mean: bool = False, length_cap: bool = True, weight_blocks: bool = True,
+                 enable_prefix_caching: bool = True):
         self._workers: list[WorkerHandle] = []
         self.runtime: Runtime | None = None
         self.rebalancer: Rebalancer | None = None
@@ -157,7 +164,8 @@ class LLM:
                             adaptive=adaptive, slo_decay=slo_decay, mixed_batches=mixed_batches,
                             preemption_mode=preemption_mode, swap_space_bytes=int(swap_space * 2**30),
                             swap_dtype=swap_dtype, kv_cache_dtype=kv_cache_dtype,
-                            tandem_off=tuple(tandem_off), mean_tbt=slo_tbt_mean).check()
+                            tandem_off=tuple(tandem_off), mean_tbt=slo_tbt_mean,
+                            prefix_caching=bool(enable_prefix_caching)).check()
         if placement not in PLACEMENTS:
             raise ValueError(f"placement: {placement!r} is not one of {list(PLACEMENTS)}")
         for name, v in (("rebalance_interval_s", rebalance_interval_s), ("slo_tbt_s", slo_tbt_s)):
@@ -538,7 +546,8 @@ class LLM:
         return RequestOutput(st.req_id, st.request.prompt, st.request.prompt_token_ids,
                              list(st.output_token_ids), text, st.finish_reason.value,
                              list(st.output_logprobs) if asked else None,
-                             st.scored_prompt() if st.request.sampling.prompt_logprobs is not None else None)
+                             st.scored_prompt() if st.request.sampling.prompt_logprobs is not None else None,
+                             st.cached_tokens or 0)
 
     # ---- lifecycle --------------------------------------------------------------
     def cache_config(self) -> tuple[int, str, int]:

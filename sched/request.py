@@ -76,6 +76,7 @@ class RequestState:
     num_computed: int = 0              # tokens whose cache is on the device
     sent_to_device: bool = False       # NewRequest already sent
     num_preemptions: int = 0
+    cached_tokens: int | None = None   # prompt tokens found in the prefix cache when it first started
     num_crashes: int = 0               # worker deaths it lived through (requeued each time)
     finish_reason: FinishReason | None = None
     text: object | None = None         # its TextTracker while moving between devices

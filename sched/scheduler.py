@@ -21,7 +21,7 @@ from tandem.sched.aptserve import AptServe
 from tandem.sched.bros import Bros, RoundRobin
 from tandem.sched.cost_model import OnlineCostModel
 from tandem.sched.policy import Limits, fcfs, fcfs_prefill_first
-from tandem.sched.request import Request, RequestState
+from tandem.sched.request import Request, RequestState, ServiceClass
 from tandem.sched.tandem import MECHANISMS, Tandem
 
 __all__ = ["POLICIES", "PRICED", "Device", "SchedConfig", "Scheduler", "Update", "make_policy"]
@@ -62,6 +62,8 @@ class SchedConfig:
                                          # blocks compressed as swapped ones, engine.quantpool)
     tandem_off: tuple[str, ...] = ()     # tandem: mechanisms switched off (sched.tandem.MECHANISMS)
     mean_tbt: bool = False               # tandem: the TBT target bounds the mean gap (TPOT), not each gap
+    prefix_caching: bool = False         # reuse the full KV blocks of equal token prefixes (cache.prefix);
+                                         # whole-block pools only: bidirectional blocks are never shared
 
     @property
     def swapping(self) -> bool:
@@ -183,7 +185,8 @@ class Scheduler:
         c = self.cfg
         swap = SwapConfig(c.swap_space_bytes, c.swap_dtype == "int8") if c.swapping and not c.bidirectional else None
         return DeviceActor(i, device, ActorConfig(Limits(c.max_num_seqs, c.max_num_batched_tokens,
-                                                         c.chunked_prefill), c.bidirectional, c.cache_type, swap),
+                                                         c.chunked_prefill), c.bidirectional, c.cache_type, swap,
+                                                     c.prefix_caching),
                            make_policy(c, own), self.eos_ids, self.max_model_len, self.detokenize,
                            self.clock, own)
 
@@ -360,14 +363,27 @@ def load_by_class(actors: list[DeviceActor]) -> dict:
 
 def pool_view(actors: list[DeviceActor]) -> dict[str, int]:
     """Blocks by owner over the given devices: rt, be, shared (RT and BE in one block), checkpointed
-    (BE slots parked on the CPU), free. Whole-block pools share nothing and checkpoint nothing."""
+    (BE slots parked on the CPU), free (cached prefixes nobody holds included). Whole-block pools
+    checkpoint nothing, and share blocks only through prefix caching: a block that RT and BE
+    requests both hold counts as shared, each block once."""
     view = {"rt": 0, "be": 0, "shared": 0, "checkpointed": 0, "free": 0}
     for a in actors:
         if a.pool.preempts_blocks:
             for k, n in a.pool.view().items():       # token-blocks (and checkpointed slots)
                 view[k] += n if k == "checkpointed" else 2 * n
             continue
-        for c, (_run, _wait, blocks) in load_by_class([a]).items():
-            view[c.value] += blocks
         view["free"] += a.pool.num_free
+        if a.pool.prefix is None:
+            for c, (_run, _wait, blocks) in load_by_class([a]).items():
+                view[c.value] += blocks
+            continue
+        held = {c: set() for c in ServiceClass}
+        for r in a.running:
+            st = a.states.get(r)
+            if st is not None:
+                held[st.request.service_class].update(a.pool.table(r))
+        rt, be = held[ServiceClass.RT], held[ServiceClass.BE]
+        view["rt"] += len(rt - be)
+        view["be"] += len(be - rt)
+        view["shared"] += len(rt & be)
     return view

@@ -1,0 +1,103 @@
+"""Prefix caching end to end: requests that start with tokens computed before reuse those blocks
+and still generate exactly HF's greedy tokens; the tokens they skip are counted exactly."""
+import random
+
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.engine.models.loader import load_spec
+from tests.conftest import assert_pool_free, hf_greedy
+
+B = 8
+NEW = 8
+
+
+def shared_prompts(seed: int) -> tuple[list[int], list[list[int]]]:
+    """A 'system prompt' of 37 tokens and prompts that begin with it (or with a part of it: 32
+    tokens is exactly four blocks, of which three can be reused; 33 tokens can reuse four)."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 500) for _ in range(37)]
+    prompts = [system + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 20))] for _ in range(8)]
+    return system, prompts + [system[:32], system[:33], system[:5]]
+
+
+def common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def block_bytes(model_dir) -> int:
+    spec = load_spec(model_dir)
+    return spec.num_layers * B * spec.unit * 4
+
+
+def counted(llm) -> dict:
+    return dict(llm.scheduler.counts("prefix_tokens"))
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_prompts_that_share_a_start_reuse_its_blocks_and_match_hf(family, tiny_llama, tiny_opt):
+    model_dir = tiny_llama if family == "llama" else tiny_opt
+    system, prompts = shared_prompts(3)
+    greedy = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    with LLM(str(model_dir), "cpu:1", dtype="float32", policy="fcfs", block_size=B,
+             kv_cache_bytes=200 * block_bytes(model_dir), threads_per_worker=1) as llm:
+        first = llm.generate(prompts[:1], greedy)[0]
+        outs = llm.generate(prompts, greedy)
+        seen = counted(llm)
+        assert_pool_free(llm)
+    ref = hf_greedy(model_dir, prompts, NEW)
+    assert first.token_ids == ref[0]
+    for i, (o, r) in enumerate(zip(outs, ref, strict=True)):
+        assert o.token_ids == r, f"prompt {i} differs"
+    # the first request's blocks (prompt and output) are what the others can find; each may
+    # reuse whole blocks of what it shares with them, short of its own last token
+    warm = prompts[0] + first.token_ids
+    expect = sum(min(common(p, warm), len(p) - 1) // B * B for p in prompts)
+    assert seen == {"queried": sum(map(len, prompts[:1] + prompts)), "hits": expect}
+    assert [o.num_cached_tokens for o in outs] == [min(common(p, warm), len(p) - 1) // B * B for p in prompts]
+    assert expect == 8 * 32 + 24 + 32 + 0
+
+
+def test_preempted_requests_find_their_blocks_again_and_match_hf(tiny_llama):
+    """In a pool too small for everyone, requests preempted to recompute find their own blocks
+    (still cached, nobody having needed them) and skip those tokens."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(20, 60))] for _ in range(12)]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with LLM(str(tiny_llama), "cpu:1", dtype="float32", policy="fcfs", block_size=B,
+             kv_cache_bytes=40 * block_bytes(tiny_llama), max_num_batched_tokens=64,
+             threads_per_worker=1) as llm:
+        outs = llm.generate(prompts, greedy)
+        preempted = sum(q.num_preemptions for q in llm.scheduler.queues)
+        seen = counted(llm)
+        assert_pool_free(llm)
+    assert preempted > 0 and seen["hits"] > 0, (preempted, seen)
+    for i, (o, r) in enumerate(zip(outs, hf_greedy(tiny_llama, prompts, 24), strict=True)):
+        assert o.token_ids == r, f"prompt {i} differs"
+
+
+def test_the_same_tokens_with_and_without_the_cache(tiny_llama):
+    """Seeded sampling over an int8 resident cache (whose full blocks are compressed: a cached
+    block is read as its first owner wrote it) gives the same tokens whether blocks are reused
+    or computed again. A request asking for its prompt's log probabilities computes every
+    prompt token, so it has all of them, the same either way."""
+    system, prompts = shared_prompts(9)
+    sampled = SamplingParams(max_tokens=NEW, temperature=1.0, seed=7, ignore_eos=True)
+    scored = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    results = {}
+    for caching in (False, True):
+        with LLM(str(tiny_llama), "cpu:1", dtype="float32", policy="fcfs", block_size=B,
+                 kv_cache_bytes=200 * block_bytes(tiny_llama), threads_per_worker=1,
+                 kv_cache_dtype="int8", enable_prefix_caching=caching) as llm:
+            llm.generate(prompts[:1], sampled)
+            outs = llm.generate(prompts, sampled)
+            lp = llm.generate(prompts[1:2], scored)[0]
+            seen = counted(llm)
+        assert (seen.get("hits", 0) > 0) == caching
+        assert len(lp.prompt_logprobs) == len(prompts[1]) and lp.prompt_logprobs[0] is None
+        assert all(x is not None for x in lp.prompt_logprobs[1:])
+        results[caching] = ([o.token_ids for o in outs], [round(x.logprob, 4) for x in lp.prompt_logprobs[1:]])
+    assert results[True] == results[False]
