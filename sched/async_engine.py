@@ -25,6 +25,7 @@ class Event:
     queue_s: float | None = None      # at the end: seconds waiting before first scheduled
     logprobs: list | None = None      # TokenLogprobs of new_token_ids, when the request asked for them
     prompt_logprobs: list | None = None   # with the first token, when asked: per prompt token (None first)
+    cached_tokens: int = 0            # at the end: prompt tokens found in the prefix cache
 
 
 class AsyncEngine:
@@ -86,7 +87,7 @@ class AsyncEngine:
             q = self._queues.get(u.req_id)
             if q is not None:
                 q.put_nowait(Event(u.new_token_ids, u.text, u.finish_reason, u.error, u.queue_s, u.logprobs,
-                                 u.prompt_logprobs))
+                                 u.prompt_logprobs, u.cached_tokens))
 
 
 class Submission:

@@ -255,6 +255,7 @@ class Choice:
     prompt_logprobs: list | None = None     # the echoed prompt's, from the first event
     echo_sent: bool = False                 # a stream sends the echo in its first chunk
     content: ContentStream | None = None    # a streamed chat with tools: what goes out before the end
+    cached_tokens: int = 0                  # prompt tokens found in the prefix cache
 
     @property
     def text(self) -> str:
@@ -301,6 +302,7 @@ async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice
             delta = ev.text
             if ev.finish_reason is not None:
                 ch.finish_reason, queue_s = ev.finish_reason.value, ev.queue_s
+                ch.cached_tokens = ev.cached_tokens
                 record(ch.finish_reason, now)
             if delta:
                 ch.parts.append(delta)
@@ -317,8 +319,13 @@ async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice
 
 
 def usage(p: Prepared, choices: list[Choice]) -> dict:
+    """Token counts, as OpenAI gives them; a prompt's cached tokens are those every one of its n
+    choices found in the prefix cache (each prompt counts once, as in prompt_tokens)."""
     c = sum(len(ch.token_ids) for ch in choices)
-    return {"prompt_tokens": p.prompt_tokens, "completion_tokens": c, "total_tokens": p.prompt_tokens + c}
+    n = p.gen.n
+    cached = sum(min(ch.cached_tokens for ch in choices[j:j + n]) for j in range(0, len(choices), n))
+    return {"prompt_tokens": p.prompt_tokens, "completion_tokens": c, "total_tokens": p.prompt_tokens + c,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def choice_json(chat: bool, ch: Choice, text_of: TokenText, tools: ToolPlan | None = None) -> dict:

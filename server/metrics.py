@@ -96,6 +96,10 @@ class Metrics:
         self.waiting_reasons = Gauge("tandem:requests_waiting_by_reason", "Waiting requests by class and by "
                                      "the policy's reason for not running them", ["model_name", "service_class",
                                      "reason"], registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                      "when their requests started", ["model_name"], registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (not "
+                                   "computed again)", ["model_name"], registry=r)
         self.cache_config = Gauge("vllm:cache_config_info", "The resident cache: block size, dtype (int8: "
                                   "full blocks compressed) and blocks over all devices", ["model_name", "block_size",
                                   "cache_dtype", "num_gpu_blocks"], registry=r)
@@ -162,6 +166,8 @@ class Metrics:
             self._count(self.swap_bytes, actor.index, actor.swap_bytes)
             self._count(self.swaps, actor.index, actor.swaps)
             self._count(self.preemption_reasons, actor.index, actor.preemption_reasons)
+            self._count(self.prefix_queries, actor.index, {(): actor.prefix_tokens["queried"]})
+            self._count(self.prefix_hits, actor.index, {(): actor.prefix_tokens["hits"]})
             if status is not None:
                 self._set_waiting_reasons()
 

@@ -9,7 +9,10 @@ ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
         "message": {"type": "string"}, "type": {"type": "string"},
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
-    k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+    **{k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+    "prompt_tokens_details": {"type": "object", "required": ["cached_tokens"], "properties": {
+        "cached_tokens": {"type": "integer", "minimum": 0,
+                          "description": "prompt tokens whose cache an earlier request had computed"}}}}}
 FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "tool_calls", "abort", "error", None]}
 
 

@@ -27,3 +27,9 @@ def test_the_omp_wait_policy_is_read_in_any_case(monkeypatch):
     from tandem.server.__main__ import parse_args
     monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
     assert parse_args([]).omp_wait_policy == "PASSIVE"
+
+
+def test_prefix_caching_is_on_unless_switched_off():
+    from tandem.server.__main__ import parse_args
+    assert parse_args([]).prefix_caching is True
+    assert parse_args(["--no-enable-prefix-caching"]).prefix_caching is False

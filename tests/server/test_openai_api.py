@@ -157,6 +157,17 @@ def test_no_logprobs_unless_asked(server, client):
     assert c.choices[0].logprobs is None
 
 
+def rounded(x, places: int = 4):
+    """x with every float rounded (nested lists and dicts)."""
+    if isinstance(x, float):
+        return round(x, places)
+    if isinstance(x, list):
+        return [rounded(v, places) for v in x]
+    if isinstance(x, dict):
+        return {k: rounded(v, places) for k, v in x.items()}
+    return x
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("chat, echo", [(True, False), (False, False), (False, True)])
 async def test_streamed_logprobs_equal_the_whole_response(server, tiny_chat_model, chat, echo):
@@ -172,8 +183,8 @@ async def test_streamed_logprobs_equal_the_whole_response(server, tiny_chat_mode
     for i, c in enumerate(whole["choices"]):
         parts = [ch["logprobs"] for chunk in chunks for ch in chunk["choices"]
                  if ch["index"] == i and ch["logprobs"] is not None]
-        if chat:
-            assert [e for p in parts for e in p["content"]] == c["logprobs"]["content"]
+        if chat:     # the second request reuses the first's prompt blocks: the same values to float rounding
+            assert rounded([e for p in parts for e in p["content"]]) == rounded(c["logprobs"]["content"])
             assert len(c["logprobs"]["content"]) == 9
             continue
         lp = c["logprobs"]
@@ -390,3 +401,35 @@ def test_tools_and_earlier_calls_reach_the_prompt(server, client, tiny_chat_mode
     assert "<tool_response>\nminus 3 and snow\n</tool_response>" in shown
     hidden = prompt(tools=TOOLS, tool_choice="none")
     assert "The weather in a city" not in hidden and "<tool_response>\nminus 3 and snow" in hidden
+
+
+def test_a_shared_system_prompt_is_reported_cached(server, client, tiny_chat_model):
+    """The second chat with the same long system message reuses its blocks: usage says how many
+    prompt tokens were cached (whole 16-token blocks of what the two templated prompts share,
+    short of the last token), streamed or not, and /metrics counts them."""
+    from transformers import AutoTokenizer
+    from tests.server.test_load import metric
+    from tests.server.test_tandem_server import scrape
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    system = {"role": "system", "content": "You answer questions about the weather on the islands of the "
+                                           "Hebrides, politely, in one short sentence, citing no sources. " * 3}
+    asks = [[system, {"role": "user", "content": q}] for q in ("Is it windy on Lewis?", "Is it raining on Skye?")]
+    ids = [tok(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False)["input_ids"] for m in asks]
+    shared = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
+    assert shared >= 48
+
+    def hits() -> float:
+        return metric(scrape(server), "vllm:prefix_cache_hits_total")
+
+    def ask(messages, **kw):
+        return client.chat.completions.create(model=server.model, messages=messages, max_tokens=4,
+                                              temperature=0, **kw)
+    assert ask(asks[0]).usage.prompt_tokens_details.cached_tokens == 0
+    before = hits()
+    second = ask(asks[1])
+    assert second.usage.prompt_tokens == len(ids[1])
+    assert second.usage.prompt_tokens_details.cached_tokens == shared // 16 * 16
+    assert hits() - before == shared // 16 * 16
+    chunks = list(ask(asks[1], stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (len(ids[1]) - 1) // 16 * 16
