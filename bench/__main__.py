@@ -189,6 +189,15 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     ik.add_argument("--max-num-seqs", type=int, default=32)
     ik.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     ik.add_argument("--out", default="int8_kv.json", help="result file under bench/results")
+    pc = sub.add_parser("prefix-cache", help="prefix caching off vs on, SmolLM2: chats about one document "
+                        "(held-out ShareGPT), time to first token one by one and a batch's throughput")
+    pc.add_argument("--num-questions", type=int, default=8, help="chats one by one, and as many in the batch")
+    pc.add_argument("--doc-min", type=int, default=600, help="the document's tokens, at least")
+    pc.add_argument("--doc-max", type=int, default=900, help="the document's tokens, at most")
+    pc.add_argument("--max-question", type=int, default=64, help="a question's tokens, at most")
+    pc.add_argument("--max-tokens", type=int, default=32, help="output tokens per chat in the batch")
+    pc.add_argument("--threads", type=int, default=None, help="torch threads in the worker (default: all cores)")
+    pc.add_argument("--out", default="prefix_cache.json", help="result file under bench/results")
     ov = sub.add_parser("overhead", help="time per scheduling decision on random snapshots (no model)")
     ov.add_argument("--candidates", nargs="+", type=int, default=[50, 400, 1600])
     ov.add_argument("--repeats", type=int, default=50)
@@ -314,6 +323,9 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     elif args.cmd == "int8-accuracy":
         from tandem.bench.int8_accuracy import run as int8_accuracy
         int8_accuracy(args)
+    elif args.cmd == "prefix-cache":
+        from tandem.bench.prefix_cache import run as prefix_cache
+        prefix_cache(args)
     elif args.cmd == "int8-kv":
         from tandem.bench.int8_kv import run as int8_kv
         int8_kv(args)
