@@ -154,7 +154,7 @@ class DeviceActor:
             self.leaving[req_id] = st
         else:
             self._drop(st)
-            st.status, st.num_computed, st.sent_to_device = Status.WAITING, 0, False
+            st.status, st.num_computed, st.sent_to_device, st.cache_exact = Status.WAITING, 0, False, True
         st.text = self._texts.pop(req_id, None)
         return st
 
@@ -203,7 +203,7 @@ class DeviceActor:
             p = self.pool.place(st.req_id, st.num_computed, st.cache_type,
                                 st.request.service_class is ServiceClass.RT)
         if p is None:
-            st.status, st.num_computed, st.sent_to_device = Status.WAITING, 0, False
+            st.status, st.num_computed, st.sent_to_device, st.cache_exact = Status.WAITING, 0, False, True
             self.waiting.appendleft(st.req_id)
             return False
         st.status, st.sent_to_device = Status.RUNNING, True
@@ -346,7 +346,8 @@ class DeviceActor:
 
     def _name_computed(self, st: RequestState) -> None:
         """After a step: the request's full computed token-blocks become findable by their keys."""
-        if st.num_computed // self.pool.geometry.block_size > self.pool.num_named(st.req_id):
+        full = st.num_computed // self.pool.geometry.block_size
+        if st.cache_exact and full > self.pool.num_named(st.req_id):
             self.pool.name_full(st.req_id, self._keys_of(st, st.num_computed))
 
     def _switch_types(self, plan: Plan) -> None:
@@ -381,7 +382,7 @@ class DeviceActor:
 
     def _lose_cache(self, st: RequestState) -> None:
         """A waiting request will recompute every token (the worker forgets its cache)."""
-        st.num_computed = 0
+        st.num_computed, st.cache_exact = 0, True
         self._cancel_import(st)
         if st.sent_to_device:
             self._reset_ids.append(st.req_id)
@@ -418,11 +419,15 @@ class DeviceActor:
         return self.pool.geometry.blocks_for(st.num_computed, st.cache_type) * per_block
 
     def _swap_in(self, st: RequestState, inp: StepInput) -> None:
-        """A swapped request got its blocks back: its cache is uploaded before the forward."""
+        """A swapped request got its blocks back: its cache is uploaded before the forward. Back
+        from int8, it holds values near its own, not equal: nothing it computes from them is
+        offered to other requests' prefixes until it recomputes."""
         if self.host is not None and st.req_id in self.host:
             self.swap_bytes["in"] += self.host.release(st.req_id)
             self.swaps["in"] += 1
             inp.uploads.append(st.req_id)
+            if self.cfg.swap.int8:
+                st.cache_exact = False
 
     def _release_host(self, st: RequestState) -> None:
         if self.host is not None:
@@ -460,7 +465,7 @@ class DeviceActor:
         if st.req_id in self.running:
             self.running.remove(st.req_id)
             self.waiting.appendleft(st.req_id)
-        st.status, st.num_computed = Status.WAITING, 0
+        st.status, st.num_computed, st.cache_exact = Status.WAITING, 0, True
         self._cancel_import(st)
         if st.sent_to_device:
             self._finished_ids.append(st.req_id)
@@ -690,6 +695,7 @@ class DeviceActor:
         text tracking."""
         self.states.pop(st.req_id, None)
         self._texts.pop(st.req_id, None)
+        self._keys.pop(st.req_id, None)
         for queue in (self.running, self.waiting):
             if st.req_id in queue:
                 queue.remove(st.req_id)
@@ -707,7 +713,7 @@ class DeviceActor:
         self.leaving.clear()
         order = sorted(self.states.values(), key=lambda s: s.request.arrival_time)
         for st in order:
-            st.status, st.num_computed, st.sent_to_device = Status.WAITING, 0, False
+            st.status, st.num_computed, st.sent_to_device, st.cache_exact = Status.WAITING, 0, False, True
         self.running = []
         self.waiting = deque(st.req_id for st in order)
 

@@ -77,6 +77,8 @@ class RequestState:
     sent_to_device: bool = False       # NewRequest already sent
     num_preemptions: int = 0
     cached_tokens: int | None = None   # prompt tokens found in the prefix cache when it first started
+    cache_exact: bool = True           # False once back from an int8 swap: its blocks are near, not equal,
+                                       # to computed ones, so none is named for other requests' prefixes
     num_crashes: int = 0               # worker deaths it lived through (requeued each time)
     finish_reason: FinishReason | None = None
     text: object | None = None         # its TextTracker while moving between devices

@@ -101,3 +101,46 @@ def test_the_same_tokens_with_and_without_the_cache(tiny_llama):
         assert all(x is not None for x in lp.prompt_logprobs[1:])
         results[caching] = ([o.token_ids for o in outs], [round(x.logprob, 4) for x in lp.prompt_logprobs[1:]])
     assert results[True] == results[False]
+
+
+def test_caches_back_from_an_int8_swap_are_never_offered_to_others(tiny_llama, monkeypatch):
+    """A request swapped out as int8 comes back with values near its own, not equal: from then
+    until it recomputes, none of its blocks is named for other requests' prefixes."""
+    from tandem.cache import BlockPool
+    from tandem.sched.actor import DeviceActor
+    events: list[tuple[str, str]] = []
+    swap_in, lose, name = DeviceActor._swap_in, DeviceActor._lose_cache, BlockPool.name_full
+
+    def swapped_in(self, st, inp):
+        back = self.host is not None and st.req_id in self.host
+        swap_in(self, st, inp)
+        if back:
+            events.append(("in", st.req_id))
+
+    def lost(self, st):
+        events.append(("reset", st.req_id))
+        lose(self, st)
+
+    def named(self, rid, keys):
+        before = self.num_named(rid)
+        name(self, rid, keys)
+        if self.num_named(rid) > before:
+            events.append(("name", rid))
+    monkeypatch.setattr(DeviceActor, "_swap_in", swapped_in)
+    monkeypatch.setattr(DeviceActor, "_lose_cache", lost)
+    monkeypatch.setattr(BlockPool, "name_full", named)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(20, 60))] for _ in range(12)]
+    with LLM(str(tiny_llama), "cpu:1", dtype="float32", block_size=B, kv_cache_bytes=24 * block_bytes(tiny_llama),
+             max_num_batched_tokens=64, threads_per_worker=1, preemption_mode="swap", swap_dtype="int8",
+             tandem_off=("lengths",)) as llm:
+        llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    assert any(e == "in" for e, _ in events), "the pool was meant to force swaps"
+    inexact = set()
+    for e, rid in events:
+        if e == "in":
+            inexact.add(rid)
+        elif e == "reset":
+            inexact.discard(rid)
+        else:
+            assert rid not in inexact, f"{rid} named blocks it got back from an int8 swap"
