@@ -148,13 +148,14 @@ class BlockPool:
         return new
 
     # ---- prefix caching --------------------------------------------------------------------
-    def cached_prefix(self, keys: list[Key]) -> int:
-        """How many leading token-blocks of a token sequence with these keys are cached here."""
-        return self.prefix.longest(keys) if self.prefix else 0
+    def cached_prefix(self, keys: list[Key], limit: int) -> int:
+        """How many leading token-blocks (at most ``limit``) of a token sequence with these keys
+        are cached here."""
+        return self.prefix.longest(keys, limit) if self.prefix else 0
 
-    def attach(self, req_id: str, keys: list[Key]) -> list[int]:
+    def attach(self, req_id: str, keys: list[Key]) -> Allocation:
         """Start req_id's (KV) table with the cached token-blocks of these keys (all cached: see
-        ``cached_prefix``); the blocks, in table order."""
+        ``cached_prefix``), as ``grow`` would have appended them."""
         if req_id in self._tables:
             raise ValueError(f"request {req_id} already holds blocks")
         t = self._tables[req_id] = _Table(CacheType.KV, named=len(keys))
@@ -165,7 +166,7 @@ class BlockPool:
                 self._refs[b] += 1
             t.block_ids.extend(group)
         t.directions = [Direction.LEFT] * len(t.block_ids)
-        return list(t.block_ids)
+        return Allocation(list(t.block_ids), list(t.directions))
 
     def num_named(self, req_id: str) -> int:
         """Leading token-blocks of req_id's table already offered to the prefix cache."""
@@ -178,9 +179,10 @@ class BlockPool:
         t = self._tables.get(req_id)
         if self.prefix is None or t is None or t.cache_type is not CacheType.KV:
             return
-        for i in range(t.named, min(len(keys), len(t.block_ids) // 2)):
+        end = min(len(keys), len(t.block_ids) // 2)
+        for i in range(t.named, end):
             self.prefix.name(keys[i], tuple(t.block_ids[2 * i:2 * i + 2]))
-        t.named = max(t.named, min(len(keys), len(t.block_ids) // 2))
+        t.named = max(t.named, end)
 
     def place(self, req_id: str, num_tokens: int, cache_type: CacheType, rt: bool) -> Placement | None:
         """Grow req_id to num_tokens tokens for a step; None (and no change) if blocks run out."""

@@ -51,12 +51,10 @@ class PrefixCache:
     def key_of(self, group: Sequence[int]) -> Key | None:
         return self._key_of.get(group[0])
 
-    def longest(self, keys: Sequence[Key]) -> int:
-        """How many of the leading keys are named here."""
+    def longest(self, keys: Sequence[Key], limit: int) -> int:
+        """How many of the leading keys, at most ``limit``, are named here."""
         n = 0
-        for k in keys:
-            if k not in self.blocks:
-                break
+        while n < min(limit, len(keys)) and keys[n] in self.blocks:
             n += 1
         return n
 

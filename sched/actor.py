@@ -21,13 +21,13 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable
 
-from tandem.cache import BlockPool, PoolGeometry
+from tandem.cache import Allocation, BlockPool, PoolGeometry
 from tandem.cache.bidir import BidirBlockPool
 from tandem.cache.host_pool import HostPool
 from tandem.cache.prefix import Key, block_keys
 from tandem.engine.grammar import compile_grammar
-from tandem.engine.messages import (CacheImport, CacheType, Command, Direction, NewRequest, Offload, Phase,
-                                    SamplingSpec, ScheduledRequest, StepInput, StepOutput)
+from tandem.engine.messages import (CacheImport, CacheType, Command, NewRequest, Offload, Phase, SamplingSpec,
+                                    ScheduledRequest, StepInput, StepOutput)
 from tandem.sched.cost_model import OnlineCostModel, StepShape
 from tandem.sched.detok import TextTracker
 from tandem.sched.policy import Candidate, Limits, Plan, Snapshot
@@ -296,12 +296,12 @@ class DeviceActor:
 
     # ---- prefix caching ---------------------------------------------------------------------
     def _keys_of(self, st: RequestState, num_tokens: int) -> list[Key]:
-        """The keys of the request's full token-blocks among its first num_tokens tokens."""
+        """The request's token-block keys, covering at least the full blocks among its first
+        num_tokens tokens (computed once, extended as its tokens grow)."""
         keys = self._keys.setdefault(st.req_id, [])
-        n = num_tokens // self.pool.geometry.block_size
-        if len(keys) < n:
+        if len(keys) < num_tokens // self.pool.geometry.block_size:
             block_keys(st.all_token_ids(), self.pool.geometry.block_size, keys, num_tokens)
-        return keys[:n]
+        return keys
 
     def _cached_prefixes(self) -> dict[str, int]:
         """Token-blocks of each waiting request that starts from nothing (a new KV request, or
@@ -316,12 +316,13 @@ class DeviceActor:
             if (st.num_computed or st.cache_type is not CacheType.KV
                     or st.request.sampling.prompt_logprobs is not None):
                 continue
-            n = self.pool.cached_prefix(self._keys_of(st, st.num_tokens - 1))
+            last = st.num_tokens - 1
+            n = self.pool.cached_prefix(self._keys_of(st, last), last // self.pool.geometry.block_size)
             if n:
                 hits[rid] = n
         return hits
 
-    def _attach_prefixes(self, decisions) -> dict[str, list[int]]:
+    def _attach_prefixes(self, decisions) -> dict[str, Allocation]:
         """Before anything grows in this step (growing may take idle cached blocks), the requests
         scheduled from a cached prefix take its blocks and start with those tokens computed;
         their blocks by request. Every request that starts from nothing counts its tokens as
@@ -348,7 +349,7 @@ class DeviceActor:
         """After a step: the request's full computed token-blocks become findable by their keys."""
         full = st.num_computed // self.pool.geometry.block_size
         if st.cache_exact and full > self.pool.num_named(st.req_id):
-            self.pool.name_full(st.req_id, self._keys_of(st, st.num_computed))
+            self.pool.name_full(st.req_id, self._keys_of(st, st.num_computed)[:full])
 
     def _switch_types(self, plan: Plan) -> None:
         switched = set()
@@ -472,7 +473,7 @@ class DeviceActor:
             st.sent_to_device = False
 
     def _place(self, st: RequestState, dec, inp: StepInput, planned: set[str],
-               cached: list[int] | None = None) -> ScheduledRequest | None:
+               cached: Allocation | None = None) -> ScheduledRequest | None:
         """Grow the request's cache for this step (None = skip it this step). Where the pool
         preempts blocks, an RT request that finds no room sends other requests to the CPU whole
         until it fits; elsewhere the policy has already made room. ``cached``: the blocks of a
@@ -493,10 +494,9 @@ class DeviceActor:
         inp.checkpoints.extend(p.checkpoints)
         inp.swap_ins.extend(p.swap_ins)
         self._swap_in(st, inp)
-        if cached:
-            return ScheduledRequest(st.req_id, dec.phase, dec.num_new_tokens, cached + p.block_ids,
-                                    p.directions + [Direction.LEFT] * len(cached), dec.sample,
-                                    num_cached=st.num_computed)
+        if cached is not None:
+            return ScheduledRequest(st.req_id, dec.phase, dec.num_new_tokens, cached.block_ids + p.block_ids,
+                                    cached.directions + p.directions, dec.sample, num_cached=st.num_computed)
         return ScheduledRequest(st.req_id, dec.phase, dec.num_new_tokens, p.block_ids, p.directions,
                                 dec.sample, new_slots=p.slots)
 

@@ -35,7 +35,7 @@ class Model:
 
     def start(self, rid: str, tokens: list[int]) -> int | None:
         """Admit a request: its cached token-blocks, or None when the pool cannot hold it."""
-        hit = self.pool.cached_prefix(self.keys(tokens, len(tokens) - 1))
+        hit = self.pool.cached_prefix(self.keys(tokens, len(tokens)), (len(tokens) - 1) // B)
         assert hit <= (len(tokens) - 1) // B, "the last token is always left to compute"
         if not self.evictions:      # nothing forgotten yet: the longest named prefix is found
             best = max((k for k in range((len(tokens) - 1) // B + 1) if tuple(tokens[:k * B]) in self.named),
@@ -43,7 +43,7 @@ class Model:
             assert hit == best, (hit, best)
         if hit:
             got = self.pool.attach(rid, self.keys(tokens, len(tokens) - 1)[:hit])
-            assert len(got) == 2 * hit
+            assert len(got.block_ids) == 2 * hit
         free, need = self.pool.num_free, self.pool.geometry.blocks_for(len(tokens)) - 2 * hit
         if self.pool.grow(rid, len(tokens)) is None:
             assert need > free, "refused although the blocks it needs were free"
