@@ -122,6 +122,7 @@ class DeviceActor:
         self._keys: dict[str, list[Key]] = {}     # prefix caching: each request's token-block keys
         self._hits: dict[str, int] = {}           # waiting requests' cached token-blocks, this plan
         self.prefix_tokens: Counter = Counter()   # prompt tokens "queried" at admission, and cache "hits"
+        self.prefix_routed = 0                    # arrivals sent here because this cache held their prompt's start
 
     def new_pool(self, g: PoolGeometry) -> BlockPool:
         return BidirBlockPool(g) if self.cfg.bidirectional else BlockPool(g, self.cfg.prefix_caching)

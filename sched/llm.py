@@ -122,6 +122,12 @@ class LLM:
     computing them again (a shared system prompt, the earlier turns of a chat); blocks nobody
     holds stay cached until the pool needs them. Outputs are the same either way. Whole-block
     KV pools only (not with bidirectional blocks or hidden caches).
+    prefix_aware_routing: on several devices with prefix caching, a new request goes to the
+    device whose cache holds the most of its prompt's start (a chat's earlier turns, a system
+    prompt computed there), while that device holds at most two requests (or half the
+    least-loaded device's count) more than the least-loaded one and, under lb and wf, stays
+    within the balancer's memory gap; False: placement by load alone. mell and bf place by size
+    alone either way.
     triton_attention: attention by the Triton kernels (engine.triton_attention); None: on CUDA
     devices whenever Triton is installed. On the CPU it needs TRITON_INTERPRET=1 (tests only:
     the interpreter is hundreds of times slower than the compiled CPU kernel).
@@ -144,8 +150,9 @@ class LLM:
                  swap_space: float = 4.0, swap_dtype: str = "int8", kv_cache_dtype: str = "auto",
                  triton_attention: bool | None = None, tandem_off: Sequence[str] = (),
                  slo_tbt_mean: bool = False, length_cap: bool = True, weight_blocks: bool = True,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, prefix_aware_routing: bool = True):
         self._workers: list[WorkerHandle] = []
+        self._prefix_routing = bool(prefix_aware_routing)
         self.runtime: Runtime | None = None
         self.rebalancer: Rebalancer | None = None
         self._sinks: dict[str, Callable[[list[Update]], None]] = {}
@@ -458,7 +465,8 @@ class LLM:
         if getattr(self, "_closed", False):
             raise RuntimeError("LLM: it was shut down; make a new one")
         if self.runtime is None:
-            self.runtime = Runtime(self.scheduler, self._route, self.rebalancer)
+            self.runtime = Runtime(self.scheduler, self._route, self.rebalancer,
+                                   self._prefix_routing and self.scheduler.cfg.prefix_caching)
         return self.runtime
 
     def subscribe(self, req_ids: list[str], sink: Callable[[list[Update]], None]) -> None:

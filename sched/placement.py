@@ -34,6 +34,14 @@ requests grow preempts its newest requests, which are placed again as arrivals (
 moves: they recompute). LB places like WF and migrates one request per device pair per epoch from
 the fuller to the emptier device while they differ by more than C/10 (Llumnix-style balancing),
 and resolves overflow by migration too.
+
+Cache-aware routing (WF and LB, the spreading routers): an arrival may name, per device, how many
+of its prompt's token-blocks that device's prefix cache holds (``Epoch.cached``). It then goes
+to the device holding the most, instead of the emptiest, while that device fits it, holds at
+most ``affinity_slack`` requests more than the least-loaded device, and the placement leaves
+the fullest and emptiest devices within LB's C/10: affinity never makes a placement the balancer
+would undo. A chat's next turn then finds its earlier turns where they were computed. BF and
+Mell place by size alone: their device choice is the packing.
 """
 from __future__ import annotations
 
@@ -97,6 +105,8 @@ class Epoch:
     arrivals: dict[str, int] = field(default_factory=dict)   # new request -> KV blocks it needs
     departures: set[str] = field(default_factory=set)        # requests that finished or left
     sizes: dict[str, int] = field(default_factory=dict)      # live request -> KV blocks now
+    # arrival -> {device: leading token-blocks of its prompt that device's prefix cache holds}
+    cached: dict[str, dict[int, int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -125,6 +135,25 @@ def place(policy: Placement, cluster: Cluster, epoch: Epoch, *, batched: bool = 
     books.run(epoch)
     books.keep_moves_that_fit()
     return books.cl, books.decision()
+
+
+def affinity_slack(least: int) -> int:
+    """Requests a device holding an arrival's prompt prefix may hold beyond the least-loaded
+    device's ``least`` and still take it: 2, or half of ``least`` when that is more."""
+    return max(2, least // 2)
+
+
+def prefix_affinity(cached: dict[int, int], counts: dict[int, int]) -> int | None:
+    """Cache-aware routing's choice for one arrival: of the devices in ``counts`` (device ->
+    requests it holds), the one whose prefix cache holds the most of the arrival's leading
+    token-blocks (``cached``: device -> blocks; fewest requests, then lowest index, on ties),
+    among those no more than ``affinity_slack`` ahead of the least-loaded; None when no such
+    device holds any (the caller then places by load)."""
+    if not counts:
+        return None
+    least = min(counts.values())
+    near = [d for d, n in cached.items() if n > 0 and d in counts and counts[d] <= least + affinity_slack(least)]
+    return max(near, key=lambda d: (cached[d], -counts[d], -d)) if near else None
 
 
 # ---- shared books --------------------------------------------------------------------------
@@ -317,7 +346,7 @@ class _Baseline(_Books):
         for r, s in ep.arrivals.items():
             self._arrive(r, s)
             self._unplace(r)
-            d = self.target(s)
+            d = self.target(s, cached=ep.cached.get(r))
             self._relocate(r, d, "arrival")
             self.placed[r] = d
             self.item_moves.append(0)
@@ -326,14 +355,32 @@ class _Baseline(_Books):
         if not self.spreads():
             self.terminate_empty()
 
-    def target(self, size: int, avoid: set[int] = frozenset()) -> int:
+    def target(self, size: int, avoid: set[int] = frozenset(), cached: dict[int, int] | None = None) -> int:
         fits = [d for d in self.cl.active if d not in avoid and self.free(d) >= size]
         if fits:
             if self.policy is Placement.BF:
                 return min(fits, key=lambda d: (self.free(d), d))
+            if cached:
+                d = self._affine(size, cached, fits)
+                if d is not None:
+                    return d
             return max(fits, key=lambda d: (self.free(d), -d))
         d = self.open_device()
         return d if d is not None else self.emptiest(avoid)
+
+    def _affine(self, size: int, cached: dict[int, int], fits: list[int]) -> int | None:
+        """The device of ``fits`` that cache-aware routing picks for an arrival of ``size``
+        blocks, if any: after placing it there, the fullest and the emptiest active devices
+        differ by at most C/10 blocks (or the arrival lands on the emptiest)."""
+        counts = {d: len(self.requests_on(d)) for d in self.cl.active}
+        d = prefix_affinity({d: n for d, n in cached.items() if d in fits}, counts)
+        if d is None:
+            return None
+        loads = {e: self.load(e) + (size if e == d else 0) for e in self.cl.active}
+        if self.load(d) <= min(self.load(e) for e in self.cl.active) or 10 * (max(loads.values()) - min(
+                loads.values())) <= self.C:
+            return d
+        return None
 
     def _fix_overflow(self) -> None:
         """A device over capacity sheds its newest requests: BF/WF preempt them (they start

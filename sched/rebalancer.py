@@ -3,7 +3,7 @@
 It keeps the placement's books (``sched.placement.Cluster``) for the device actors of one box:
 
     arrival  ──► ``arrive``   one ``place`` call; the device to hand the request to
-    finish   ──► ``depart``   noted; applied at the next epoch (Mell batches departures)
+    finish   ──► ``depart``   noted; applied at the next arrival or epoch (Mell batches departures)
     actor step ► ``observe``  that device's view: each request's context length and blocks
     epoch    ──► ``epoch``    new sizes and departures -> ``place`` -> moves -> KV or token
 
@@ -182,11 +182,16 @@ class Rebalancer:
         self.lock = threading.Lock()
 
     # ---- from the runtime's threads ---------------------------------------------------
-    def arrive(self, req_id: str, blocks: int) -> int:
-        """The device for a new request (its prompt needs ``blocks``); moves the placement makes
-        to fit it are carried out from the next epoch."""
+    def arrive(self, req_id: str, blocks: int, cached: dict[int, int] | None = None) -> int:
+        """The device for a new request (its prompt needs ``blocks``; ``cached``: device -> its
+        prompt's leading token-blocks in that device's prefix cache), after the departures seen
+        since the last call (a chat's next turn, sent as soon as the last one ended, finds the
+        books without it); moves the placement makes to fit it are carried out from the next
+        epoch."""
         with self.lock:
-            self.cluster, dec = place(self.policy, self.cluster, Epoch(arrivals={req_id: blocks}))
+            ep = Epoch(arrivals={req_id: blocks}, departures=self._take_departed(),
+                       cached={req_id: cached} if cached else {})
+            self.cluster, dec = place(self.policy, self.cluster, ep)
             self._want(dec.moves)
             return dec.placed[req_id]
 
@@ -217,13 +222,16 @@ class Rebalancer:
                     b = self.views[d].blocks[rid]
                     if b != old:
                         sizes[rid] = b
-            self.cluster, dec = place(self.policy, self.cluster, Epoch(departures=set(self.departed), sizes=sizes))
-            for rid in self.departed:
-                self.pending.pop(rid, None)
-            self.departed.clear()
+            self.cluster, dec = place(self.policy, self.cluster, Epoch(departures=self._take_departed(), sizes=sizes))
             self._want(dec.moves)
             self._note_idle()
             return self._orders(where_now)
+
+    def _take_departed(self) -> set[str]:
+        gone, self.departed = self.departed, set()
+        for rid in gone:
+            self.pending.pop(rid, None)
+        return gone
 
     def _want(self, moves) -> None:
         for m in moves:

@@ -1,6 +1,8 @@
 """The serving runtime: every device actor steps on its own thread, never waiting for another.
 
-    arrivals ──► Runtime.add ──► dispatcher (Scheduler.dispatch) ──► that actor's inbox
+    arrivals ──► Runtime.add ──► placement (rebalancer) or dispatcher ──► that actor's inbox
+                   (cache-aware: where a device's prefix cache holds the start of the prompt, it
+                   goes there while loads allow; ``cached_on``, ``placement.prefix_affinity``)
     actor thread:  drain inbox → plan → submit → collect (the worker runs the step; the GIL is
                    free meanwhile) → account → one ``on_updates(list)`` call per step
     migration:     ``Runtime.migrate(req_id, src, dst, kind)`` moves a request between devices,
@@ -30,8 +32,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from tandem.cache import PoolGeometry
+from tandem.cache.prefix import block_keys
 from tandem.engine.messages import Command, DeviceError, StepInput
 from tandem.sched.actor import DeviceActor, Update
+from tandem.sched.placement import prefix_affinity
 from tandem.sched.rebalancer import Rebalancer, view_of
 from tandem.sched.request import FinishReason, Migration, RequestState, Transfer, error_id
 
@@ -47,6 +51,7 @@ MAX_LOOP_FAILURES = 3        # loop exceptions in a row (no good step between) b
 @dataclass(slots=True)
 class Add:
     st: RequestState
+    for_prefix: bool = False     # this device's prefix cache held the start of its prompt when it was placed
 
 
 @dataclass(slots=True)
@@ -189,6 +194,7 @@ class ActorThread:
             if a.dead is not None:
                 return [Update(msg.st.req_id, [], FinishReason.ERROR, f"device {a.device.name} is down")]
             a.add(msg.st)
+            a.prefix_routed += msg.for_prefix
         elif isinstance(msg, Abort):
             u = a.abort(msg.req_id)
             return [u] if u is not None else []
@@ -348,9 +354,10 @@ class Runtime:
     places arrivals and its own thread sends its migrations once an epoch."""
 
     def __init__(self, scheduler, on_updates: Callable[[list[Update]], None],
-                 rebalancer: Rebalancer | None = None):
+                 rebalancer: Rebalancer | None = None, prefix_routing: bool = True):
         self.scheduler = scheduler
         self.rebalancer = rebalancer
+        self.prefix_routing = prefix_routing and len(scheduler.actors) > 1
         self.listeners: list[Callable[[DeviceActor], None]] = []
         self.aborted: dict[str, None] = {}       # cancelled ids (bounded, oldest dropped first)
         if rebalancer is not None:
@@ -391,27 +398,55 @@ class Runtime:
 
     def add(self, st: RequestState, device: int | None = None) -> None:
         """Hand a checked request (Scheduler.new_state) to ``device``, or to the one the
-        rebalancer's placement (else the dispatcher) picks."""
+        rebalancer's placement (else the dispatcher) picks, cache-aware (``cached_on``)."""
+        cached = self.cached_on(st) if device is None and self.prefix_routing else {}
         if device is None and self.rebalancer is not None:
-            device = self._placed(st)
-        t = self.threads[device] if device is not None else self._where[id(self.dispatch())]
+            device = self._placed(st, cached)
+        t = self.threads[device] if device is not None else self._where[id(self.dispatch(cached))]
         st.device = t.actor.index
-        t.post(Add(st))
+        t.post(Add(st, cached.get(st.device, 0) > 0))
 
-    def _placed(self, st: RequestState) -> int:
+    def cached_on(self, st: RequestState) -> dict[int, int]:
+        """Device -> leading token-blocks of the request's prompt its prefix cache holds now (as
+        the device would look them up: at least the last prompt token left to compute; none for
+        a request that scores its prompt). Read from the router's thread: a dictionary probe per
+        block, and a device's answer may be one step old, which only affects where it goes."""
+        if st.request.sampling.prompt_logprobs is not None:
+            return {}
+        prompt = st.request.prompt_token_ids
+        out, keys = {}, []
+        for t in self.threads:
+            pool = t.actor.pool
+            if pool.prefix is None or t.actor.dead is not None:
+                continue
+            limit = (len(prompt) - 1) // pool.geometry.block_size
+            if not keys:
+                block_keys(prompt, pool.geometry.block_size, keys, limit * pool.geometry.block_size)
+            n = pool.cached_prefix(keys, limit)
+            if n:
+                out[t.actor.index] = n
+        return out
+
+    def _placed(self, st: RequestState, cached: dict[int, int]) -> int:
         g = self.threads[0].actor.pool.geometry
-        d = self.rebalancer.arrive(st.req_id, g.blocks_for(st.num_tokens, st.cache_type))
+        d = self.rebalancer.arrive(st.req_id, g.blocks_for(st.num_tokens, st.cache_type), cached)
         if self.threads[d].actor.dead is None:
             return d
         self.rebalancer.forget(st.req_id)
         return self.dispatch().index
 
-    def dispatch(self) -> DeviceActor:
+    def dispatch(self, cached: dict[int, int] | None = None) -> DeviceActor:
         """The least-loaded device that is not dead, serving ones first: a device restarting its
-        worker still takes arrivals (they wait in its inbox), so nothing is refused meanwhile."""
+        worker still takes arrivals (they wait in its inbox), so nothing is refused meanwhile.
+        With ``cached`` (device -> cached token-blocks of the request's prompt), a serving device
+        holding them goes first, within ``placement.affinity_slack`` requests of the least-loaded."""
         live = [t for t in self.threads if t.actor.dead is None]
         if not live:
             raise DeviceError(self.why_down())
+        if cached:
+            d = prefix_affinity(cached, {t.actor.index: t.actor.load() + len(t._inbox) for t in live if t.serving})
+            if d is not None:
+                return self.threads[d].actor
         return min(live, key=lambda t: (not t.serving, t.actor.load() + len(t._inbox))).actor
 
     def abort(self, req_id: str) -> None:

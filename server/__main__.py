@@ -68,6 +68,11 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                     help="reuse the K/V blocks of a prompt's start that an earlier request computed (a shared "
                          "system prompt, a chat's earlier turns) instead of computing them again; the same "
                          "outputs either way (default: on; not with --bidirectional-blocks)")
+    ap.add_argument("--prefix-aware-routing", action=argparse.BooleanOptionalAction, default=d.prefix_routing,
+                    help="several devices with prefix caching: send a request to the device whose cache holds "
+                         "the most of its prompt's start (a chat's earlier turns), while that device holds at "
+                         "most two requests (or half the least-loaded device's count) more than the least-loaded "
+                         "one (default: on; --placement mell and bf place by size alone)")
     ap.add_argument("--kv-only", action="store_true",
                     help="with --policy tandem or aptserve: never a hidden cache (ablation)")
     ap.add_argument("--tandem-off", nargs="+", default=[], choices=list(MECHANISMS), metavar="MECHANISM",
@@ -160,6 +165,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                         length_cap=not a.no_length_cap,
                         preemption_mode=a.preemption_mode, swap_space_gib=a.swap_space, swap_dtype=a.swap_dtype,
                         kv_cache_dtype=a.kv_cache_dtype, prefix_caching=a.enable_prefix_caching,
+                        prefix_routing=a.prefix_aware_routing,
                         slo_ttft_ms=a.slo_ttft_ms, slo_tbt_ms=a.slo_tbt_ms,
                         max_waiting=a.max_waiting, max_upload_bytes=int(a.max_upload_mb * 2**20),
                         max_body_bytes=int(a.max_body_mb * 2**20), chat_control_tokens=a.chat_control_tokens, dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
@@ -237,7 +243,7 @@ def main(argv=None, prog: str = "python -m server") -> None:
                   swap_space=cfg.swap_space_gib, swap_dtype=cfg.swap_dtype,
                   kv_cache_dtype=cfg.kv_cache_dtype, tandem_off=cfg.tandem_off,
                   slo_tbt_mean=cfg.slo_tbt_mean, weight_blocks=cfg.weight_blocks,
-                  enable_prefix_caching=cfg.prefix_caching)
+                  enable_prefix_caching=cfg.prefix_caching, prefix_aware_routing=cfg.prefix_routing)
         return AsyncEngine(llm)
 
     app = create_app(cfg, build_engine)

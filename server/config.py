@@ -37,6 +37,7 @@ class ServerConfig:
     swap_dtype: str = "int8"           # swapped caches: int8 (compressed) or auto (as resident)
     kv_cache_dtype: str = "auto"       # resident cache: auto (the model's dtype) or int8 (full blocks compressed)
     prefix_caching: bool = True        # reuse the K/V blocks of equal prompt starts (whole-block pools)
+    prefix_routing: bool = True        # several devices: an arrival goes where its prompt's start is cached
     slo_ttft_ms: float = 1000.0        # default RT time-to-first-token target
     slo_tbt_ms: float = 200.0          # default RT time-between-tokens target
     max_waiting: int = 1024            # waiting requests before 429

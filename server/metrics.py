@@ -100,6 +100,9 @@ class Metrics:
                                       "when their requests started", ["model_name"], registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (not "
                                    "computed again)", ["model_name"], registry=r)
+        self.prefix_routed = Counter("tandem:prefix_routed_requests", "Requests sent to a device because its "
+                                     "prefix cache held the start of their prompt (several devices)", ["model_name"],
+                                     registry=r)
         self.cache_config = Gauge("vllm:cache_config_info", "The resident cache: block size, dtype (int8: "
                                   "full blocks compressed) and blocks over all devices", ["model_name", "block_size",
                                   "cache_dtype", "num_gpu_blocks"], registry=r)
@@ -168,6 +171,7 @@ class Metrics:
             self._count(self.preemption_reasons, actor.index, actor.preemption_reasons)
             self._count(self.prefix_queries, actor.index, {(): actor.prefix_tokens["queried"]})
             self._count(self.prefix_hits, actor.index, {(): actor.prefix_tokens["hits"]})
+            self._count(self.prefix_routed, actor.index, {(): actor.prefix_routed})
             if status is not None:
                 self._set_waiting_reasons()
 

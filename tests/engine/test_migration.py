@@ -78,6 +78,25 @@ def test_migrated_request_matches_hf(llama2, tiny_llama):
     migrated_like_hf(llama2, tiny_llama, [Transfer.KV, Transfer.TOKEN])
 
 
+def test_a_chats_next_turn_goes_to_the_device_holding_its_first(llama2, tiny_llama):
+    """Two chats' first turns (40-token prompts, 8 tokens each) go to different devices; their
+    second turns (the first turn, its reply, 10 more tokens), sent in the other order, each go
+    back to the device whose prefix cache holds their first turn, where worst fit alone would
+    send each to the other one. Each reuses the 5 whole blocks of 8 its first turn computed
+    (prompt and reply but the reply's last token: 47 tokens) and still matches HF."""
+    firsts = mixed_prompts(2, 512, seed=31, lo=40, hi=41)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    routed = sum(a.prefix_routed for a in llama2.scheduler.actors)
+    outs = llama2.generate(firsts, greedy)
+    extra = mixed_prompts(2, 512, seed=32, lo=10, hi=11)
+    seconds = [f + o.token_ids + e for f, o, e in zip(firsts, outs, extra)]
+    again = llama2.generate(seconds[::-1], greedy)[::-1]
+    wait_pool_free(llama2)
+    assert [o.num_cached_tokens for o in again] == [(40 + 8 - 1) // 8 * 8] * 2
+    assert sum(a.prefix_routed for a in llama2.scheduler.actors) == routed + 2
+    assert [o.token_ids for o in outs + again] == hf_greedy(tiny_llama, firsts + seconds, 8)
+
+
 def test_hidden_cache_migrates_as_kv(tiny_opt):
     """A hidden cache (m rows per token, multi-head model) moves by the same export and import."""
     with LLM(str(tiny_opt), TWO, dtype="float32", policy="fcfs", block_size=8, threads_per_worker=1, cache_type="hidden") as llm:

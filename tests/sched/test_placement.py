@@ -310,3 +310,55 @@ def test_mell_t_item_fills_an_older_t_device_left_under_three_quarters():
     assert dec.placed == {"new": 0} and not dec.moves
     assert layout(cl2) == {0: {"t1", "t2", "t3", "new"}, 1: {"t4", "t5"}}
     assert not violations(cl2)
+
+
+# ---- cache-aware routing ---------------------------------------------------------------------
+
+def test_an_arrival_goes_where_its_prompt_is_cached_while_loads_allow():
+    """Worst fit alone picks the emptier device 0; the arrival whose prompt device 1 has cached
+    goes there, unless device 1 holds more than two requests beyond device 0 or the placement
+    would leave the devices more than C/10 = 4 blocks apart."""
+    cl = cluster({0: {"a": 5}, 1: {"b": 6}}, max_devices=2)
+    for policy in (Placement.WF, Placement.LB):
+        assert place(policy, cl, Epoch({"x": 2}))[1].placed == {"x": 0}
+        assert place(policy, cl, Epoch({"x": 2}, cached={"x": {1: 3}}))[1].placed == {"x": 1}
+        # the device holding more of it wins, whichever that is
+        assert place(policy, cl, Epoch({"x": 2}, cached={"x": {0: 2, 1: 3}}))[1].placed == {"x": 1}
+        assert place(policy, cl, Epoch({"x": 2}, cached={"x": {0: 4, 1: 3}}))[1].placed == {"x": 0}
+        # 6 + 2 vs 5 is within 4 blocks; 6 + 4 vs 5 is not
+        assert place(policy, cl, Epoch({"x": 4}, cached={"x": {1: 3}}))[1].placed == {"x": 0}
+    crowded = cluster({0: {"a": 5}, 1: {"b": 2, "c": 2, "d": 2, "e": 2}}, max_devices=2)
+    assert place(Placement.LB, crowded, Epoch({"x": 1}, cached={"x": {1: 3}}))[1].placed == {"x": 0}
+    three = cluster({0: {"a": 5}, 1: {"b": 2, "c": 2, "d": 2}}, max_devices=2)   # two ahead: allowed
+    assert place(Placement.LB, three, Epoch({"x": 1}, cached={"x": {1: 3}}))[1].placed == {"x": 1}
+    # the packers place by size alone
+    for policy in (Placement.BF, Placement.MELL):
+        alone = place(policy, cl, Epoch({"x": 2}))[1].placed
+        assert place(policy, cl, Epoch({"x": 2}, cached={"x": {0: 1, 1: 3}}))[1].placed == alone
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(2, 4), st.lists(st.integers(1, C // 4), max_size=14), st.integers(1, C // 4),
+       st.dictionaries(st.integers(0, 3), st.integers(0, 6), max_size=4))
+def test_cache_aware_arrivals_never_unbalance_the_box(devices, sizes, size, cached):
+    """From a box LB has balanced, an arrival placed where its prompt is cached leaves the balancer
+    no more to move than worst fit would, now or (where worst fit moved nothing) next epoch; it lands on a device holding as much of its prompt as the
+    device worst fit picks, and holding at most max(2, m // 2) requests more than the
+    least-loaded device's m."""
+    cl = Cluster(C, max_devices=devices)
+    for i, s in enumerate(sizes):
+        cl, _ = place(Placement.LB, cl, Epoch({f"r{i}": s}))
+    for _ in range(4):
+        cl, _ = place(Placement.LB, cl, Epoch())
+    if place(Placement.LB, cl, Epoch())[1].moves or max(sum(cl.sizes.values()) + size, 1) > C * devices // 2:
+        return                                 # not settled, or too full for a free choice
+    _, plain = place(Placement.LB, cl, Epoch({"x": size}))
+    after, dec = place(Placement.LB, cl, Epoch({"x": size}, cached={"x": cached}))
+    assert len(dec.moves) <= len(plain.moves)
+    if not plain.moves:
+        assert not place(Placement.LB, after, Epoch())[1].moves, "the balancer would undo the placement"
+    d, wf = dec.placed["x"], plain.placed["x"]
+    if d != wf:
+        assert cached.get(d, 0) > 0 and cached.get(d, 0) >= cached.get(wf, 0)
+        counts = [sum(1 for w in cl.where.values() if w == e) for e in cl.active]
+        assert sum(1 for w in cl.where.values() if w == d) <= min(counts) + max(2, min(counts) // 2)

@@ -33,3 +33,5 @@ def test_prefix_caching_is_on_unless_switched_off():
     from tandem.server.__main__ import parse_args
     assert parse_args([]).prefix_caching is True
     assert parse_args(["--no-enable-prefix-caching"]).prefix_caching is False
+    assert parse_args([]).prefix_routing is True
+    assert parse_args(["--no-prefix-aware-routing"]).prefix_routing is False

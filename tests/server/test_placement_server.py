@@ -77,3 +77,25 @@ async def test_streams_survive_migrations_and_metrics_show_them(two_devices, tin
     assert alone == hf_texts(tiny_chat_model, [prompt(i) for i in range(N)], MAX_TOKENS)
     assert streamed == alone * 2, "a stream that crossed devices differs from the same request run alone"
     assert "migrating" in two_devices.log.read_text()
+
+
+@pytest.mark.asyncio
+async def test_a_repeated_prompt_goes_to_its_cache_and_metrics_count_it(two_devices):
+    """A prompt no device has seen is placed by load; sent again, it goes to the device holding
+    its blocks (counted once in /metrics) and reuses their whole 16-token blocks, short of its
+    last token."""
+    url = two_devices.url
+    body = {"prompt": "Describe a quiet morning in a mountain village" + " slowly" * 30, "max_tokens": 4,
+            "temperature": 0}
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as s:
+        before = metric(await (await s.get(url + "/metrics")).text(), "tandem:prefix_routed_requests_total")
+        usages = []
+        for _ in range(2):
+            async with s.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                usages.append((await r.json())["usage"])
+        after = metric(await (await s.get(url + "/metrics")).text(), "tandem:prefix_routed_requests_total")
+    n = usages[1]["prompt_tokens"]
+    assert n > 32
+    assert [u["prompt_tokens_details"]["cached_tokens"] for u in usages] == [0, (n - 1) // 16 * 16]
+    assert after - before == 1
