@@ -7,7 +7,9 @@ A token-block is named by its key, a digest of its parent's key and its own bloc
 
 so equal keys mean equal tokens from position 0 on, and a block's K and V (which depend on every
 token before it) are the same in any request that shares the key. Only full blocks are named:
-the open block is still being written.
+the open block is still being written. A request with a cache salt keys its first block with
+the salt (BLAKE2's keyed mode), so its whole chain differs from any other salt's or none: only
+requests with the same salt share blocks.
 
 Blocks stay named after their last owner leaves. Named blocks nobody holds wait in LRU order and
 count as free: the pool takes the least recently used one when its free list is empty, and
@@ -23,11 +25,16 @@ from typing import Sequence
 Key = bytes
 
 
-def block_keys(token_ids: Sequence[int], block_size: int, keys: list[Key], num_tokens: int) -> list[Key]:
+def block_keys(token_ids: Sequence[int], block_size: int, keys: list[Key], num_tokens: int,
+               salt: str | None = None) -> list[Key]:
     """Extend ``keys`` (the chain of the first len(keys) token-blocks, in place) to cover the full
-    token-blocks among the first ``num_tokens`` tokens; returns it."""
+    token-blocks among the first ``num_tokens`` tokens; returns it. ``salt``: the requester's
+    cache salt (None: shared with every request without one)."""
     for i in range(len(keys), num_tokens // block_size):
-        h = hashlib.blake2b(keys[-1] if keys else b"", digest_size=16)
+        if keys or salt is None:
+            h = hashlib.blake2b(keys[-1] if keys else b"", digest_size=16)
+        else:
+            h = hashlib.blake2b(digest_size=16, key=hashlib.blake2b(salt.encode()).digest()[:32])
         h.update(array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes())
         keys.append(h.digest())
     return keys

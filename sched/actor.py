@@ -301,7 +301,7 @@ class DeviceActor:
         num_tokens tokens (computed once, extended as its tokens grow)."""
         keys = self._keys.setdefault(st.req_id, [])
         if len(keys) < num_tokens // self.pool.geometry.block_size:
-            block_keys(st.all_token_ids(), self.pool.geometry.block_size, keys, num_tokens)
+            block_keys(st.all_token_ids(), self.pool.geometry.block_size, keys, num_tokens, st.request.cache_salt)
         return keys
 
     def _cached_prefixes(self) -> dict[str, int]:

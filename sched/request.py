@@ -60,6 +60,7 @@ class Request:
     stream_text: bool = False          # text wanted as tokens arrive (streams); else once at the end
     predicted_len: int | None = None   # predicted output tokens (length predictor or an oracle)
     predicted_spread: tuple[int, ...] = ()   # equally likely output lengths, ascending (empty: a point)
+    cache_salt: str | None = None      # prefix caching: only requests with the same salt share blocks
 
 
 @dataclass(slots=True)

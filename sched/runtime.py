@@ -421,7 +421,8 @@ class Runtime:
                 continue
             limit = (len(prompt) - 1) // pool.geometry.block_size
             if not keys:
-                block_keys(prompt, pool.geometry.block_size, keys, limit * pool.geometry.block_size)
+                block_keys(prompt, pool.geometry.block_size, keys, limit * pool.geometry.block_size,
+                           st.request.cache_salt)
             n = pool.cached_prefix(keys, limit)
             if n:
                 out[t.actor.index] = n

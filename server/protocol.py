@@ -29,6 +29,7 @@ class GenRequest:
     echo: bool = False              # a completion's prompt before its output (text, log probabilities)
     structured_param: str | None = None   # the field that asked for structured output (errors name it)
     tools: ToolPlan | None = None   # a chat's tools: its output is parsed for calls (server.tools)
+    cache_salt: str | None = None   # prefix caching: blocks are shared only with the same salt
 
 
 def _val(body: dict, key: str, default):
@@ -93,7 +94,8 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
                  slo_ttft_s=ttft / 1000 if ttft else None if be else default_ttft_s,
                  slo_tbt_s=tbt / 1000 if tbt else None if be else default_tbt_s,
                  max_tokens_given=max_tokens is not None,
-                 return_token_ids=_val(body, "return_token_ids", False), structured_param=structured_param)
+                 return_token_ids=_val(body, "return_token_ids", False), structured_param=structured_param,
+                 cache_salt=body.get("cache_salt"))
     return sp, extra
 
 

@@ -60,6 +60,9 @@ SAMPLING = {
     "stop_token_ids": {"type": "array", "items": _int(0, INT64, "a token id of the vocabulary"),
                        "description": "vLLM's extension; ids must be inside the vocabulary"},
     "ignore_eos": {"type": "boolean", "description": "vLLM's extension"},
+    "cache_salt": {"type": "string", "minLength": 1, "maxLength": 1024,
+                   "description": "vLLM's extension: only requests with the same salt reuse each other's "
+                   "cached prompt blocks (prefix caching), so one tenant cannot time another's prompts"},
     "return_token_ids": {"type": "boolean", "description": "vLLM's extension: the token ids of the output "
                          "(and of the prompt) beside its text"},
     "min_tokens": _int(0, MAX_TOKENS_CAP, "vLLM's extension; at most max_tokens"),

@@ -153,3 +153,15 @@ def test_keys_name_the_whole_prefix_not_just_the_block():
     assert k1[1] != k2[1]
     assert block_keys([1, 2, 3, 4] + tail, B, [], 2 * B) == k1
     assert block_keys([1, 2, 3, 4] + tail + [9], B, k1[:1], 2 * B + 1) == k1, "a chain extends in place"
+
+
+def test_a_cache_salt_gives_its_own_chain():
+    """The same tokens under another salt, or none, share no key at any block; under the same salt
+    they share every one, however the chain was extended."""
+    rng = random.Random(1)
+    toks = [rng.randrange(100) for _ in range(4 * B)]
+    plain = block_keys(toks, B, [], 4 * B)
+    a = block_keys(toks, B, [], 4 * B, "a")
+    b = block_keys(toks, B, [], 4 * B, "b")
+    assert len(a) == 4 and not (set(a) & set(b)) and not (set(a) & set(plain)) and not (set(b) & set(plain))
+    assert block_keys(toks, B, block_keys(toks, B, [], B, "a"), 4 * B, "a") == a

@@ -433,3 +433,24 @@ def test_a_shared_system_prompt_is_reported_cached(server, client, tiny_chat_mod
     assert hits() - before == shared // 16 * 16
     chunks = list(ask(asks[1], stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (len(ids[1]) - 1) // 16 * 16
+
+
+def test_a_cache_salt_keeps_prompt_blocks_to_requests_with_the_same_salt(server, client):
+    """vLLM's cache_salt: the same prompt under another salt, or under none, computes every token;
+    under the same salt it reuses the whole 16-token blocks, short of its last token. An empty
+    salt is refused, naming the field."""
+    prompt = "Salted prompt blocks are shared only by requests that carry the same salt, " * 4
+
+    def cached(**salt) -> int:
+        r = client.completions.create(model=server.model, prompt=prompt, max_tokens=2, temperature=0,
+                                      extra_body=salt)
+        return r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens
+    n, first = cached(cache_salt="tenant-a")
+    assert n > 48 and first == 0
+    assert cached(cache_salt="tenant-b") == (n, 0)
+    assert cached(cache_salt="tenant-a") == (n, (n - 1) // 16 * 16)
+    assert cached() == (n, 0)                   # no salt: its own chain
+    assert cached() == (n, (n - 1) // 16 * 16)
+    with pytest.raises(openai.BadRequestError) as e:
+        cached(cache_salt="")
+    assert e.value.body["param"] == "cache_salt"
