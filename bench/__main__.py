@@ -198,6 +198,14 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     pc.add_argument("--max-tokens", type=int, default=32, help="output tokens per chat in the batch")
     pc.add_argument("--threads", type=int, default=None, help="torch threads in the worker (default: all cores)")
     pc.add_argument("--out", default="prefix_cache.json", help="result file under bench/results")
+    pr = sub.add_parser("prefix-routing", help="multi-turn chats on cpu:2, SmolLM2: prefix caching off, on with "
+                        "placement by load, on with cache-aware routing")
+    pr.add_argument("--num-chats", type=int, default=12, help="held-out ShareGPT conversations")
+    pr.add_argument("--turns", type=int, default=4, help="user turns replayed per conversation")
+    pr.add_argument("--max-prompt", type=int, default=1200, help="the last turn's prompt tokens, at most")
+    pr.add_argument("--max-tokens", type=int, default=1, help="output tokens per turn")
+    pr.add_argument("--repeats", type=int, default=2, help="runs of each setting, in turn")
+    pr.add_argument("--out", default="prefix_routing.json", help="result file under bench/results")
     ov = sub.add_parser("overhead", help="time per scheduling decision on random snapshots (no model)")
     ov.add_argument("--candidates", nargs="+", type=int, default=[50, 400, 1600])
     ov.add_argument("--repeats", type=int, default=50)
@@ -323,6 +331,9 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     elif args.cmd == "int8-accuracy":
         from tandem.bench.int8_accuracy import run as int8_accuracy
         int8_accuracy(args)
+    elif args.cmd == "prefix-routing":
+        from tandem.bench.prefix_routing import run as prefix_routing
+        prefix_routing(args)
     elif args.cmd == "prefix-cache":
         from tandem.bench.prefix_cache import run as prefix_cache
         prefix_cache(args)

