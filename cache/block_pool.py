@@ -153,6 +153,11 @@ class BlockPool:
         are cached here."""
         return self.prefix.longest(keys, limit) if self.prefix else 0
 
+    def shared_blocks(self, keys: list[Key]) -> int:
+        """Blocks of these cached token-blocks (all cached: see ``cached_prefix``) that other
+        requests hold: a request attaching them takes them from nobody's free count."""
+        return self.prefix.held_blocks(keys) if self.prefix else 0
+
     def attach(self, req_id: str, keys: list[Key]) -> Allocation:
         """Start req_id's (KV) table with the cached token-blocks of these keys (all cached: see
         ``cached_prefix``), as ``grow`` would have appended them."""

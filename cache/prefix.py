@@ -65,6 +65,10 @@ class PrefixCache:
             n += 1
         return n
 
+    def held_blocks(self, keys: Sequence[Key]) -> int:
+        """Blocks of these named groups that some request holds (not idle)."""
+        return sum(len(self.blocks[k]) for k in keys if k not in self.idle)
+
     def name(self, key: Key, group: tuple[int, ...]) -> bool:
         """Name a group just filled; False when the key already names another (equal) group,
         which stays the one found."""

@@ -245,8 +245,11 @@ class DeviceActor:
             st = self.states[rid]
             r = st.request
             slo = r.slo_tbt_s if st.output_token_ids else r.slo_ttft_s
-            computed = st.num_computed or self._hits.get(rid, 0) * pool.geometry.block_size
-            return Candidate(rid, st.num_tokens, computed, pool.num_blocks_of(rid), r.arrival_time,
+            hit = self._hits.get(rid, 0)
+            computed = st.num_computed or hit * pool.geometry.block_size
+            # a cached prefix's blocks that running requests hold cost it nothing: as if its own
+            blocks = pool.num_blocks_of(rid) or (pool.shared_blocks(self._keys[rid][:hit]) if hit else 0)
+            return Candidate(rid, st.num_tokens, computed, blocks, r.arrival_time,
                              r.service_class is ServiceClass.RT, slo, now - (st.last_token_time or r.arrival_time),
                              pool.num_cpu(rid), missed_ttft(st, now), st.cache_type, len(st.output_token_ids),
                              r.predicted_len, st.stalled_s,

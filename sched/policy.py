@@ -15,7 +15,8 @@ class Candidate:
     req_id: str
     num_tokens: int            # tokens known (prompt + generated)
     num_computed: int          # tokens already in the cache
-    num_blocks: int            # blocks held now
+    num_blocks: int            # blocks held now (waiting: those of its cached prefix that others hold,
+                               # which it shares at no cost)
     arrival: float             # seconds; FCFS order key
     rt: bool = True            # service class: real-time (else best-effort)
     slo_s: float | None = None  # its current latency target: TTFT before the first token, TBT after

@@ -144,3 +144,38 @@ def test_caches_back_from_an_int8_swap_are_never_offered_to_others(tiny_llama, m
             inexact.discard(rid)
         else:
             assert rid not in inexact, f"{rid} named blocks it got back from an int8 swap"
+
+
+def test_a_prefix_that_running_requests_hold_costs_a_newcomer_nothing(tiny_llama):
+    """A request whose prompt starts with 40 tokens a running request computed shares those
+    blocks: it starts beside that request although the pool could not hold its whole prompt
+    again, and finishes first. Both match HF."""
+    import torch
+    from tandem.engine.messages import CacheType
+    from tandem.engine.worker import InProcessDevice, WorkerConfig
+    from tandem.sched.request import Request
+    from tandem.sched.scheduler import SchedConfig, Scheduler
+    torch.set_num_threads(1)
+    spec = load_spec(tiny_llama)
+    dev = InProcessDevice("cpu", WorkerConfig(str(tiny_llama), spec, "float32", "cpu", B, 21 * block_bytes(tiny_llama),
+                                              None, 1, 1, False, False))
+    sched = Scheduler(SchedConfig(policy="fcfs", prefix_caching=True), [dev], spec.eos_token_ids, spec.max_model_len)
+    pool = sched.actors[0].pool
+    rng = random.Random(4)
+    a_prompt = [rng.randrange(3, 500) for _ in range(40)]
+    b_prompt = a_prompt + [rng.randrange(3, 500) for _ in range(4)]
+    a = sched.add(Request("a", a_prompt, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)))
+    sched.step()                                   # a's prompt: 5 full blocks, named
+    b = sched.add(Request("b", b_prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)))
+    per = pool.geometry.blocks_per_token_block(CacheType.KV)
+    # the premise: b's whole prompt does not fit the free blocks; what it adds to the shared five does
+    assert (len(b_prompt) + B - 1) // B * per > pool.num_free >= per
+    while b.finish_reason is None:
+        sched.step()
+    assert a.finish_reason is None, "b waited for a to end"
+    assert b.cached_tokens == 40
+    while sched.has_unfinished():
+        sched.step()
+    assert pool.num_free == pool.geometry.num_blocks
+    assert [a.output_token_ids, b.output_token_ids] == [hf_greedy(tiny_llama, [a_prompt], 30)[0],
+                                                        hf_greedy(tiny_llama, [b_prompt], 2)[0]]

@@ -144,6 +144,25 @@ def test_look_ahead_admission_keeps_out_what_the_running_growth_will_need():
     assert "new" in {d.req_id for d in off.scheduled}
 
 
+def test_look_ahead_admission_counts_a_shared_cached_prefix_once():
+    """The two running requests above (24 blocks) and a 96-token request whose first 80 tokens
+    are cached (10 blocks), predicted to run 200 tokens (so it may not displace them): with it
+    the peak is 53.5 (Footprint's formula by hand: 2 x 96/16 + 2 x 97/16 x 2 + 38 x 6/16 + 3).
+    24 blocks free: 48 in all; its 12 blocks fit the free ones now, but its growth does not fit
+    beside theirs, so it waits. When running requests hold its cached blocks, those are in the
+    pool once though counted in its size and the holder's: 58 in all, and it runs."""
+    running = [cand(f"r{i}", 96, 40, out=1) for i in range(2)]
+    idle = cand("hit", 96, 200, computed=80, blocks=0, arrival=5.0)
+    shared = replace(idle, num_blocks=10)
+    assert "hit" not in {d.req_id for d in policy()(snap(running, [idle], free=24)).scheduled}
+    assert "hit" in {d.req_id for d in policy()(snap(running, [shared], free=24)).scheduled}
+    # a second such request: peak 75.75 (2 x 96/16 x 2 + 199 x 4/16 + 2); 36 free, 80 in all
+    # with both requests' shared blocks (counting only the second's would leave 70)
+    second = replace(shared, req_id="hit2", arrival=6.0)
+    both = policy()(snap(running, [shared, second], free=36))
+    assert {"hit", "hit2"} <= {d.req_id for d in both.scheduled}
+
+
 def test_rt_takes_blocks_from_the_be_request_with_the_most_remaining_time_and_gets_its_wait():
     """No free block; an RT prompt needs 4. Of two running BE requests, the one predicted to run
     longest gives its blocks up, and the plan carries an estimated wait for it (for swapping)."""
