@@ -197,6 +197,8 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     pc.add_argument("--max-question", type=int, default=64, help="a question's tokens, at most")
     pc.add_argument("--max-tokens", type=int, default=32, help="output tokens per chat in the batch")
     pc.add_argument("--threads", type=int, default=None, help="torch threads in the worker (default: all cores)")
+    pc.add_argument("--kv-cache-tokens", type=int, default=None,
+                    help="a KV pool of this many tokens (default: the engine's default pool)")
     pc.add_argument("--out", default="prefix_cache.json", help="result file under bench/results")
     pr = sub.add_parser("prefix-routing", help="multi-turn chats on cpu:2, SmolLM2: prefix caching off, on with "
                         "placement by load, on with cache-aware routing")
