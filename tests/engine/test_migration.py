@@ -78,23 +78,33 @@ def test_migrated_request_matches_hf(llama2, tiny_llama):
     migrated_like_hf(llama2, tiny_llama, [Transfer.KV, Transfer.TOKEN])
 
 
-def test_a_chats_next_turn_goes_to_the_device_holding_its_first(llama2, tiny_llama):
+def next_turns_find_their_first(llm, model_dir) -> None:
     """Two chats' first turns (40-token prompts, 8 tokens each) go to different devices; their
     second turns (the first turn, its reply, 10 more tokens), sent in the other order, each go
-    back to the device whose prefix cache holds their first turn, where worst fit alone would
-    send each to the other one. Each reuses the 5 whole blocks of 8 its first turn computed
-    (prompt and reply but the reply's last token: 47 tokens) and still matches HF."""
+    back to the device whose prefix cache holds their first turn, where placement by load alone
+    would send each to the other one. Each reuses the 5 whole blocks of 8 its first turn
+    computed (prompt and reply but the reply's last token: 47 tokens) and still matches HF."""
     firsts = mixed_prompts(2, 512, seed=31, lo=40, hi=41)
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    routed = sum(a.prefix_routed for a in llama2.scheduler.actors)
-    outs = llama2.generate(firsts, greedy)
+    routed = sum(a.prefix_routed for a in llm.scheduler.actors)
+    outs = llm.generate(firsts, greedy)
     extra = mixed_prompts(2, 512, seed=32, lo=10, hi=11)
     seconds = [f + o.token_ids + e for f, o, e in zip(firsts, outs, extra)]
-    again = llama2.generate(seconds[::-1], greedy)[::-1]
-    wait_pool_free(llama2)
+    again = llm.generate(seconds[::-1], greedy)[::-1]
+    wait_pool_free(llm)
     assert [o.num_cached_tokens for o in again] == [(40 + 8 - 1) // 8 * 8] * 2
-    assert sum(a.prefix_routed for a in llama2.scheduler.actors) == routed + 2
-    assert [o.token_ids for o in outs + again] == hf_greedy(tiny_llama, firsts + seconds, 8)
+    assert sum(a.prefix_routed for a in llm.scheduler.actors) == routed + 2
+    assert [o.token_ids for o in outs + again] == hf_greedy(model_dir, firsts + seconds, 8)
+
+
+def test_a_chats_next_turn_goes_to_the_device_holding_its_first(llama2, tiny_llama):
+    next_turns_find_their_first(llama2, tiny_llama)       # lb: the placement's books
+
+
+def test_static_placement_routes_next_turns_by_cache_too(tiny_llama):
+    with LLM(str(tiny_llama), TWO, dtype="float32", policy="fcfs", block_size=8, threads_per_worker=1,
+             placement="static") as llm:
+        next_turns_find_their_first(llm, tiny_llama)      # the dispatcher: queue lengths
 
 
 def test_hidden_cache_migrates_as_kv(tiny_opt):
