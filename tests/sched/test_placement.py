@@ -342,9 +342,9 @@ def test_an_arrival_goes_where_its_prompt_is_cached_while_loads_allow():
        st.dictionaries(st.integers(0, 3), st.integers(0, 6), max_size=4))
 def test_cache_aware_arrivals_never_unbalance_the_box(devices, sizes, size, cached):
     """From a box LB has balanced, an arrival placed where its prompt is cached leaves the balancer
-    no more to move than worst fit would, now or (where worst fit moved nothing) next epoch; it lands on a device holding as much of its prompt as the
-    device worst fit picks, and holding at most max(2, m // 2) requests more than the
-    least-loaded device's m."""
+    no more to move than worst fit would, now or (where worst fit moved nothing) next epoch; it
+    lands on a device holding as much of its prompt as the device worst fit picks, and holding
+    at most max(2, m // 2) requests more than the least-loaded device's m."""
     cl = Cluster(C, max_devices=devices)
     for i, s in enumerate(sizes):
         cl, _ = place(Placement.LB, cl, Epoch({f"r{i}": s}))
