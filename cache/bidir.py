@@ -350,6 +350,11 @@ class BidirBlockPool(BidirectionalPool):
     def num_free(self) -> int:
         return 2 * len(self.free_blocks)
 
+    def num_shared(self, rid: str) -> int:
+        """No block is shared between two requests' prefixes here (a request's blocks may hold
+        another's tokens, which ``foreign_slots`` counts)."""
+        return 0
+
     @property
     def num_be_only(self) -> int:
         """Blocks an RT request could take from BE owners (BE-only token-blocks)."""

@@ -93,6 +93,7 @@ class BlockPool:
         # pop() from the end hands out low ids first; purely cosmetic
         self._free: list[int] = list(range(geometry.num_blocks - 1, -1, -1))
         self._refs: list[int] = [0] * geometry.num_blocks     # tables holding each block
+        self._num_shared = 0                 # blocks more than one table holds (prefix caching)
         self._tables: dict[str, _Table] = {}
         self.prefix = PrefixCache() if prefix_caching else None
 
@@ -169,9 +170,19 @@ class BlockPool:
             self.prefix.held(k)
             for b in group:
                 self._refs[b] += 1
+                self._num_shared += self._refs[b] == 2
             t.block_ids.extend(group)
         t.directions = [Direction.LEFT] * len(t.block_ids)
         return Allocation(list(t.block_ids), list(t.directions))
+
+    def num_shared(self, req_id: str) -> int:
+        """Blocks of req_id's table that other requests hold too (prefix caching): freeing its
+        table does not free them. Only its named leading blocks can be shared."""
+        t = self._tables.get(req_id)
+        if not self._num_shared or t is None or not t.named:
+            return 0
+        refs = self._refs
+        return sum(refs[b] > 1 for b in t.block_ids[:t.named * self.geometry.blocks_per_token_block(t.cache_type)])
 
     def num_named(self, req_id: str) -> int:
         """Leading token-blocks of req_id's table already offered to the prefix cache."""
@@ -221,6 +232,7 @@ class BlockPool:
         for i in range(len(ids) - g, -1, -g):
             group = ids[i:i + g]
             for b in group:
+                self._num_shared -= self._refs[b] == 2
                 self._refs[b] -= 1
             if self._refs[group[0]]:
                 continue
@@ -247,6 +259,8 @@ class BlockPool:
         for b in range(n):
             if self._refs[b] != listed.get(b, 0):
                 raise AssertionError(f"block {b}: count {self._refs[b]}, listed by {listed.get(b, 0)} tables")
+        if self._num_shared != sum(r > 1 for r in self._refs):
+            raise AssertionError(f"{self._num_shared} blocks counted as shared, {sum(r > 1 for r in self._refs)} are")
         if free & listed.keys():
             raise AssertionError("a block is both free and held")
         idle: set[int] = set()

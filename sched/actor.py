@@ -248,7 +248,8 @@ class DeviceActor:
             hit = self._hits.get(rid, 0)
             computed = st.num_computed or hit * pool.geometry.block_size
             # a cached prefix's blocks that running requests hold cost it nothing: as if its own
-            blocks = pool.num_blocks_of(rid) or (pool.shared_blocks(self._keys[rid][:hit]) if hit else 0)
+            own = pool.num_blocks_of(rid)
+            blocks = own or (pool.shared_blocks(self._keys[rid][:hit]) if hit else 0)
             return Candidate(rid, st.num_tokens, computed, blocks, r.arrival_time,
                              r.service_class is ServiceClass.RT, slo, now - (st.last_token_time or r.arrival_time),
                              pool.num_cpu(rid), missed_ttft(st, now), st.cache_type, len(st.output_token_ids),
@@ -256,7 +257,7 @@ class DeviceActor:
                              None if st.first_token_time is None else now - st.first_token_time,
                              r.predicted_spread,
                              min(r.sampling.max_tokens, self.max_model_len - len(r.prompt_token_ids)),
-                             pool.foreign_slots(rid))
+                             pool.foreign_slots(rid), pool.num_shared(rid) if own else blocks)
         g = pool.geometry
         return Snapshot([cand(r) for r in self.running], [cand(r) for r in self.waiting],
                         pool.num_free, g.block_size, g.blocks_per_token_block(CacheType.KV),

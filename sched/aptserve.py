@@ -255,7 +255,7 @@ def _free_after(snap: Snapshot, plan: Plan) -> int:
     """Free blocks once ``plan`` has run: preempted and switching requests hand theirs back,
     scheduled ones take what their new tokens need (in their own cache type)."""
     by_id = {c.req_id: c for c in snap.running + snap.waiting}
-    free = snap.num_free_blocks + sum(by_id[x].num_blocks for x in (*plan.preempted, *plan.cache_types))
+    free = snap.num_free_blocks + sum(by_id[x].freed() for x in (*plan.preempted, *plan.cache_types))
     for d in plan.scheduled:
         c = by_id[d.req_id]
         free -= _blocks(snap, c.num_computed + d.num_new_tokens, c) - c.num_blocks

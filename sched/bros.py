@@ -91,14 +91,14 @@ class BlockBudget:
         they fit; False, preempting none, when even all of them are not enough (they would lose
         their caches for nothing)."""
         victims = list(victims)
-        if self.need(c, n) > self.room(c) + sum(v.num_blocks for v in victims):
+        if self.need(c, n) > self.room(c) + sum(v.freed() for v in victims):
             return False
         for v in victims:
             if self.need(c, n) <= self.free:
                 break
             plan.preempted.append(v.req_id)
             plan.reasons[v.req_id] = reason
-            self.free += v.num_blocks
+            self.free += v.freed()
         return self.reserve(c, n)
 
 
@@ -443,4 +443,4 @@ class RoundRobin:
                 return plan
             v = others.pop(0)
             taken.append(v.req_id)
-            free += v.num_blocks
+            free += v.freed()

@@ -31,6 +31,11 @@ class Candidate:
     spread: tuple[int, ...] = ()   # equally likely output lengths, ascending (ALISE); empty: ``predicted`` alone
     max_output: int | None = None  # output tokens it may reach at most (max_tokens, the context)
     foreign_slots: int = 0     # bidirectional pools: slots of a BE request's blocks that RT owners hold
+    num_shared: int = 0        # of num_blocks, those other requests hold too (prefix caching)
+
+    def freed(self) -> int:
+        """Blocks that preempting it gives back: its own, not those it shares."""
+        return self.num_blocks - self.num_shared
 
     def residual(self, t_avg: float = 0.0, k: int = 1) -> float:
         """BROS residual time res_i = T_SLO,i - t_i - (k_i - 1) T_avg (inf without an SLO)."""
@@ -130,7 +135,7 @@ def fcfs(snap: Snapshot) -> Plan:
         need = _blocks(snap, c.num_computed + n, c) - c.num_blocks
         while need > free and running[-1] is not c:
             victim = running.pop()
-            free += victim.num_blocks
+            free += victim.freed()
             plan.preempted.append(victim.req_id)
             plan.reasons[victim.req_id] = "preempted: blocks ran out for an earlier request"
         if need > free:

@@ -76,8 +76,13 @@ class Model:
 
     def check(self) -> None:
         self.pool.check_invariants()
+        holders: dict[int, int] = {}
+        for rid in self.live:
+            for b in self.pool.table(rid):
+                holders[b] = holders.get(b, 0) + 1
         for rid, tokens in self.live.items():
             table = self.pool.table(rid)
+            assert self.pool.num_shared(rid) == sum(holders[b] > 1 for b in table), f"{rid}'s shared blocks"
             for p in range(len(tokens)):
                 assert self.slots.get((table[2 * (p // B)], p % B)) == tuple(tokens[:p + 1]), \
                     f"{rid} reads position {p} from a block that holds other tokens"

@@ -233,3 +233,17 @@ def test_victims_that_would_not_make_room_are_not_preempted():
     be = dec("be", None, 0.0, rt=False, ctx=7)
     plan = Bros(cost, max_num_seqs=8)(snap(running=[be], waiting=[new("rt", 40, slo=1.0)], free=0))
     assert plan.preempted == [] and planned(plan) == [("be", 1)]
+
+
+def test_a_victim_frees_only_the_blocks_it_does_not_share():
+    """A 12-token prompt needs 6 blocks; 2 are free. A running request of 10 blocks, 8 of them a
+    cached prefix another running request holds too, gives back 2 if preempted: not enough, so
+    none is preempted (it would lose its cache for nothing). One that shares nothing gives 10."""
+    from tandem.sched.bros import BlockBudget
+    from tandem.sched.policy import Plan
+    c = new("c", 12)
+    shared = Candidate("v", 40, 40, 10, 0.0, False, num_shared=8)
+    alone = Candidate("w", 40, 40, 10, 0.0, False)
+    plan = Plan()
+    assert not BlockBudget(snap(free=2)).take_from(c, 12, [shared], plan, "test") and plan.preempted == []
+    assert BlockBudget(snap(free=2)).take_from(c, 12, [alone], plan, "test") and plan.preempted == ["w"]
