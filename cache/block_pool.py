@@ -181,8 +181,9 @@ class BlockPool:
         t = self._tables.get(req_id)
         if not self._num_shared or t is None or not t.named:
             return 0
-        refs = self._refs
-        return sum(refs[b] > 1 for b in t.block_ids[:t.named * self.geometry.blocks_per_token_block(t.cache_type)])
+        refs, per = self._refs, self.geometry.blocks_per_token_block(t.cache_type)
+        # a group's blocks are held together: one count per group says it for all of them
+        return per * sum(refs[b] > 1 for b in t.block_ids[:t.named * per:per])
 
     def num_named(self, req_id: str) -> int:
         """Leading token-blocks of req_id's table already offered to the prefix cache."""
