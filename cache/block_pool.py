@@ -175,15 +175,18 @@ class BlockPool:
         t.directions = [Direction.LEFT] * len(t.block_ids)
         return Allocation(list(t.block_ids), list(t.directions))
 
-    def num_shared(self, req_id: str) -> int:
+    def shared_ids(self, req_id: str) -> list[int]:
         """Blocks of req_id's table that other requests hold too (prefix caching): freeing its
-        table does not free them. Only its named leading blocks can be shared."""
+        table does not free them. Only its named leading blocks can be shared; a group's blocks
+        are held together, so one count per group says it for all of them."""
         t = self._tables.get(req_id)
         if not self._num_shared or t is None or not t.named:
-            return 0
-        refs, per = self._refs, self.geometry.blocks_per_token_block(t.cache_type)
-        # a group's blocks are held together: one count per group says it for all of them
-        return per * sum(refs[b] > 1 for b in t.block_ids[:t.named * per:per])
+            return []
+        refs, per, ids = self._refs, self.geometry.blocks_per_token_block(t.cache_type), t.block_ids
+        return [b for i in range(0, t.named * per, per) if refs[ids[i]] > 1 for b in ids[i:i + per]]
+
+    def num_shared(self, req_id: str) -> int:
+        return len(self.shared_ids(req_id))
 
     def num_named(self, req_id: str) -> int:
         """Leading token-blocks of req_id's table already offered to the prefix cache."""

@@ -377,11 +377,13 @@ def pool_view(actors: list[DeviceActor]) -> dict[str, int]:
             for c, (_run, _wait, blocks) in load_by_class([a]).items():
                 view[c.value] += blocks
             continue
-        held = {c: set() for c in ServiceClass}
+        held = {c: set() for c in ServiceClass}        # blocks more than one request holds
         for r in a.running:
             st = a.states.get(r)
             if st is not None:
-                held[st.request.service_class].update(a.pool.table(r))
+                shared = a.pool.shared_ids(r)
+                view[st.request.service_class.value] += a.pool.num_blocks_of(r) - len(shared)
+                held[st.request.service_class].update(shared)
         rt, be = held[ServiceClass.RT], held[ServiceClass.BE]
         view["rt"] += len(rt - be)
         view["be"] += len(be - rt)
