@@ -18,6 +18,7 @@ from tandem.engine.kvquant import Int8Rows, dequantize, int8_block_bytes, quanti
 from tandem.engine.messages import (CacheImport, CacheType, Command, DeviceRows, Direction, NewRequest, Offload,
                              Phase, SamplingSpec, StepInput, StepOutput)
 from tandem.engine.models.spec import ModelSpec
+from tandem.engine.hostcopy import HostCopier
 from tandem.engine.quantpool import QuantPool
 from tandem.engine.sampling import TokenCounts, log_probs, pick_logprobs, sample, token_logprobs
 from tandem.engine.triton_attention import TritonMeta, tables
@@ -70,6 +71,7 @@ class ModelRunner:
         self.cuda_ipc = False            # export GPU caches as CUDA IPC handles (worker processes)
         self._exported: dict[str, torch.Tensor] = {}   # GPU copies whose handles are out
         self.device = pool.device        # step metadata is built on the CPU and moved here once
+        self.copier = HostCopier(self.device)   # copies into host memory (swap-outs on a side stream)
         self.model = model
         self.spec = spec
         self.pool = pool                 # [layers, kv_heads, num_blocks * block_size, head_dim]
@@ -140,8 +142,8 @@ class ModelRunner:
             raise RuntimeError("bidirectional blocks' slot copies need a full-precision pool")
         if inp.checkpoints:
             rows = self._rows([(c.block, c.slot) for c in inp.checkpoints]).to(self.device)
-            k = self._to_host(self.pool[:, :, rows[0], :])           # [layers, kv_heads, n, head_dim]
-            v = self._to_host(self.pool[:, :, rows[1], :])
+            k = self.copier.to_host(self.pool[:, :, rows[0], :])     # [layers, kv_heads, n, head_dim]
+            v = self.copier.to_host(self.pool[:, :, rows[1], :])
             for j, c in enumerate(inp.checkpoints):
                 self.reqs[c.req_id].cpu[c.token] = torch.stack([k[:, :, j], v[:, :, j]])
         if inp.swap_ins:
@@ -162,13 +164,14 @@ class ModelRunner:
         rows = self._device_rows(off.req_id, st, off.num_tokens)
         self._drop_cache(st)
         # an int8 pool's closed blocks come out exactly as they went in, so they stay compressed;
-        # compressed where the rows are, so a GPU sends a quarter of the bytes over the link
+        # compressed where the rows are, so a GPU sends a quarter of the bytes over the link.
+        # A GPU's copy runs on a side stream while the next steps go on (engine.hostcopy).
+        out = lambda t: self.copier.to_host(t, wait=False)  # noqa: E731
         if off.int8 or self.int8:
             q = quantize(rows, g, self.block_size)
-            st.host = Int8Rows(self._to_host(q.q), self._to_host(q.scale), self._to_host(q.low),
-                               q.num_tokens, q.dtype)
+            st.host = Int8Rows(out(q.q), out(q.scale), out(q.low), q.num_tokens, q.dtype)
         else:
-            st.host = self._to_host(rows)
+            st.host = out(rows)
 
     def _upload(self, rid: str) -> None:
         """Write a swapped request's rows back into the blocks appended to it in this step."""
@@ -176,6 +179,7 @@ class ModelRunner:
         if st.host is None:
             raise RuntimeError(f"request {rid}: nothing of it is in the host pool")
         rows, st.host = st.host, None
+        self.copier.fence()
         if isinstance(rows, Int8Rows):
             dev = self.device
             rows = dequantize(Int8Rows(rows.q.to(dev, non_blocking=True), rows.scale.to(dev, non_blocking=True),
@@ -185,7 +189,7 @@ class ModelRunner:
     def _gather(self, rid: str, st: ReqState, n: int) -> torch.Tensor:
         """The rows of the request's first n tokens, [layers, kv_heads, g * n, head_dim] on the
         host (row-major by kind: all K rows, then all V rows)."""
-        return self._to_host(self._device_rows(rid, st, n))
+        return self.copier.to_host(self._device_rows(rid, st, n))
 
     def _device_rows(self, rid: str, st: ReqState, n: int) -> torch.Tensor:
         """``_gather``'s rows where the pool is."""
@@ -195,15 +199,6 @@ class ModelRunner:
             raise RuntimeError(f"request {rid}: {n} tokens asked for, {st.num_computed} computed")
         rows = st.slots[:, :n].reshape(-1).to(self.device)
         return self.pool.read(rows) if self.int8 else self.pool[:, :, rows, :]
-
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        """A host copy of pool rows; from a GPU into page-locked memory, so the copy runs at the
-        link's speed and the way back (``.to(device, non_blocking=True)``) is asynchronous."""
-        if self.device.type != "cuda":
-            return t
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t)
-        return host
 
     def _write_rows(self, rid: str, st: ReqState, n: int, src: torch.Tensor) -> None:
         """Write rows in ``_gather``'s layout into the request's first n tokens' slots; it then
@@ -340,8 +335,8 @@ class ModelRunner:
             allowed = self._allowed(samplers)      # grammar masks on the CPU while a GPU runs the forward
             prompt_lps = self._prompt_logprobs(logits[len(samplers):], scored)
             logits = logits[:len(samplers)]
-            if self.device.type == "cuda":      # the forward's time, not its launch's
-                torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":      # the forward's time, not its launch's (nor a swap-out's copy)
+                torch.cuda.current_stream(self.device).synchronize()
             t1 = time.perf_counter()
             lp_rows, lp = log_probs(logits, specs)
             counts = [self._counts(self.reqs[r], logits) for r in samplers]

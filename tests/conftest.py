@@ -20,8 +20,10 @@ def _no_cuda() -> bool:
 if _no_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The device of the single-device tests that check the Triton kernels against HF: the CPU (under
-# the interpreter) by default; a GPU machine sets TANDEM_TEST_DEVICE=cuda:0 (bench/gpu_run.sh).
+# The device of the single-device tests that check the engine against HF (the Triton kernels
+# under the interpreter; swapping, int8 and hidden caches, prefix caching, the default policy):
+# the CPU by default; a GPU machine sets TANDEM_TEST_DEVICE=cuda:0 (bench/gpu_run.sh), where
+# they run on CUDA, with the Triton kernels wherever the model's head_dim allows them.
 ONE_DEVICE = os.environ.get("TANDEM_TEST_DEVICE", "cpu")
 
 

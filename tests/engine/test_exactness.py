@@ -2,7 +2,7 @@
 import pytest
 
 from tandem import LLM, SamplingParams
-from tests.conftest import assert_pool_free, hf_greedy, mixed_prompts
+from tests.conftest import ONE_DEVICE, assert_pool_free, hf_greedy, mixed_prompts
 
 MAX_NEW = 24
 
@@ -39,7 +39,7 @@ def test_swapped_requests_match_hf(family, tiny_llama, tiny_opt):
     from tandem.engine.models.loader import load_spec
     spec = load_spec(model_dir)
     block_bytes = spec.num_layers * 8 * spec.unit * 4
-    with LLM(str(model_dir), "cpu:1", dtype="float32", block_size=8, kv_cache_bytes=24 * block_bytes,
+    with LLM(str(model_dir), ONE_DEVICE, dtype="float32", block_size=8, kv_cache_bytes=24 * block_bytes,
              max_num_batched_tokens=64, threads_per_worker=1, preemption_mode="swap",
              swap_dtype="auto", tandem_off=("lengths",)) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))

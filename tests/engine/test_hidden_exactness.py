@@ -6,7 +6,7 @@ import pytest
 from tandem import LLM, SamplingParams
 from tandem.engine.messages import CacheType
 from tandem.engine.models.loader import load_spec
-from tests.conftest import assert_pool_free, hf_greedy, mixed_prompts
+from tests.conftest import ONE_DEVICE, assert_pool_free, hf_greedy, mixed_prompts
 
 MAX_NEW = 20
 
@@ -24,8 +24,9 @@ def test_hidden_cache_matches_hf_with_chunks_and_preemption(family, tiny_llama, 
     # of about one longest request (15 token-blocks of 8: 2 blocks each for Llama, 1 for OPT)
     # forces preemption (recompute)
     blocks = 15 * (2 if family == "llama" else 1)
-    with LLM(str(model_dir), "cpu:1", dtype="float32", policy="fcfs", block_size=8,
-             kv_cache_bytes=_pool_bytes(model_dir, blocks), max_num_batched_tokens=16, threads_per_worker=1, cache_type="hidden") as llm:
+    with LLM(str(model_dir), ONE_DEVICE, dtype="float32", policy="fcfs", block_size=8,
+             kv_cache_bytes=_pool_bytes(model_dir, blocks), max_num_batched_tokens=16, threads_per_worker=1,
+             cache_type="hidden") as llm:
         g = llm.scheduler.queues[0].pool.geometry
         assert g.blocks_per_token_block(CacheType.HIDDEN) == (1 if family == "opt" else 2)
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
@@ -73,7 +74,7 @@ class Switcher:
 def test_mixed_cache_types_and_switches_match_hf(family, tiny_llama, tiny_opt):
     model_dir = tiny_llama if family == "llama" else tiny_opt
     prompts = mixed_prompts(8, 512, seed=5, lo=4, hi=40)
-    with LLM(str(model_dir), "cpu:1", dtype="float32", policy="fcfs", block_size=8, max_num_batched_tokens=64,
+    with LLM(str(model_dir), ONE_DEVICE, dtype="float32", policy="fcfs", block_size=8, max_num_batched_tokens=64,
              threads_per_worker=1) as llm:
         sw = Switcher(llm.scheduler.policy, {6: [0, 1, 2], 12: [3, 4], 15: [0]})
         llm.scheduler.policy = sw
@@ -99,9 +100,9 @@ def test_hidden_cache_bookkeeping_uses_the_real_ratio(tiny_llama):
     with pytest.raises(ValueError):
         PoolGeometry(100, 8).blocks_for(1, CacheType.HIDDEN)
     with pytest.raises(ValueError, match="cache_type"):
-        LLM(str(tiny_llama), "cpu:1", policy="bros", bidirectional_blocks=True, cache_type="hidden")
+        LLM(str(tiny_llama), ONE_DEVICE, policy="bros", bidirectional_blocks=True, cache_type="hidden")
     with pytest.raises(ValueError, match="cache_type"):
-        LLM(str(tiny_llama), "cpu:1", cache_type="int8")
+        LLM(str(tiny_llama), ONE_DEVICE, cache_type="int8")
 
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["iteration-types", "mixed-batches"])
@@ -109,7 +110,7 @@ def test_aptserve_policy_end_to_end_matches_hf(tiny_opt, mixed):
     """--policy aptserve on a multi-head model with a small pool: the knapsack hands out hidden
     caches, switches and preempts; every output is still HF's greedy output."""
     prompts = mixed_prompts(16, 512, seed=33, lo=8, hi=60)
-    with LLM(str(tiny_opt), "cpu:1", dtype="float32", block_size=8, kv_cache_bytes=_pool_bytes(tiny_opt, 24),
+    with LLM(str(tiny_opt), ONE_DEVICE, dtype="float32", block_size=8, kv_cache_bytes=_pool_bytes(tiny_opt, 24),
              max_num_batched_tokens=128, threads_per_worker=1, policy="aptserve", mixed_batches=mixed) as llm:
         seen = set()
         actor = llm.scheduler.actors[0]

@@ -12,7 +12,7 @@ from tandem.engine.worker import InProcessDevice, WorkerConfig
 from tandem.sched.request import Request
 from tandem.sched.scheduler import SchedConfig, Scheduler
 from tandem import LLM
-from tests.conftest import assert_pool_free, hf_greedy, mixed_prompts
+from tests.conftest import ONE_DEVICE, assert_pool_free, hf_greedy, mixed_prompts
 
 B = 8
 MAX_NEW = 32
@@ -77,8 +77,8 @@ def _close(cache, block: int, attns, inputs) -> None:
 def test_int8_pool_matches_hf_with_quantized_cache(family, tiny_llama, tiny_opt):
     model_dir = tiny_llama if family == "llama" else tiny_opt
     prompts = mixed_prompts(10, 512, seed=23)
-    with LLM(str(model_dir), "cpu:1", dtype="float32", block_size=B, kv_cache_bytes=1 << 20, max_num_batched_tokens=512,
-             threads_per_worker=1, kv_cache_dtype="int8") as llm:
+    with LLM(str(model_dir), ONE_DEVICE, dtype="float32", block_size=B, kv_cache_bytes=1 << 20,
+             max_num_batched_tokens=512, threads_per_worker=1, kv_cache_dtype="int8") as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
         spec = load_spec(model_dir)
         channels = spec.num_layers * spec.num_kv_heads * spec.head_dim
@@ -95,8 +95,8 @@ def test_int8_chunked_prefill_matches_hf(tiny_llama):
     """A prompt fed in 12-token chunks: each chunk attends to the compressed blocks before it
     and to itself as computed; blocks a chunk fills whole are compressed as they are written."""
     prompts = mixed_prompts(6, 512, seed=30, lo=30, hi=60)
-    with LLM(str(tiny_llama), "cpu:1", dtype="float32", block_size=B, kv_cache_bytes=1 << 20, max_num_batched_tokens=12,
-             max_model_len=128, threads_per_worker=1, kv_cache_dtype="int8") as llm:
+    with LLM(str(tiny_llama), ONE_DEVICE, dtype="float32", block_size=B, kv_cache_bytes=1 << 20,
+             max_num_batched_tokens=12, max_model_len=128, threads_per_worker=1, kv_cache_dtype="int8") as llm:
         outs = [llm.generate([p], SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))[0]
                 for p in prompts]
         assert_pool_free(llm)
@@ -110,8 +110,8 @@ def test_int8_hidden_cache_matches_hf(tiny_opt):
     """Hidden caches (OPT) keep each layer's input: their full blocks are compressed the same
     way, and K and V are recomputed from the compressed inputs."""
     prompts = mixed_prompts(10, 512, seed=23)
-    with LLM(str(tiny_opt), "cpu:1", dtype="float32", policy="fcfs", block_size=B, kv_cache_bytes=1 << 20, max_num_batched_tokens=512,
-             threads_per_worker=1, kv_cache_dtype="int8", cache_type="hidden") as llm:
+    with LLM(str(tiny_opt), ONE_DEVICE, dtype="float32", policy="fcfs", block_size=B, kv_cache_bytes=1 << 20,
+             max_num_batched_tokens=512, threads_per_worker=1, kv_cache_dtype="int8", cache_type="hidden") as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
         assert_pool_free(llm)
     ref = hf_greedy_int8(tiny_opt, prompts, MAX_NEW, hidden=True)

@@ -6,7 +6,7 @@ import pytest
 
 from tandem import LLM, SamplingParams
 from tandem.engine.models.loader import load_spec
-from tests.conftest import assert_pool_free, hf_greedy
+from tests.conftest import ONE_DEVICE, assert_pool_free, hf_greedy
 
 B = 8
 NEW = 8
@@ -42,7 +42,7 @@ def test_prompts_that_share_a_start_reuse_its_blocks_and_match_hf(family, tiny_l
     model_dir = tiny_llama if family == "llama" else tiny_opt
     system, prompts = shared_prompts(3)
     greedy = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
-    with LLM(str(model_dir), "cpu:1", dtype="float32", policy="fcfs", block_size=B,
+    with LLM(str(model_dir), ONE_DEVICE, dtype="float32", policy="fcfs", block_size=B,
              kv_cache_bytes=200 * block_bytes(model_dir), threads_per_worker=1) as llm:
         first = llm.generate(prompts[:1], greedy)[0]
         outs = llm.generate(prompts, greedy)
@@ -67,7 +67,7 @@ def test_preempted_requests_find_their_blocks_again_and_match_hf(tiny_llama):
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(20, 60))] for _ in range(12)]
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    with LLM(str(tiny_llama), "cpu:1", dtype="float32", policy="fcfs", block_size=B,
+    with LLM(str(tiny_llama), ONE_DEVICE, dtype="float32", policy="fcfs", block_size=B,
              kv_cache_bytes=40 * block_bytes(tiny_llama), max_num_batched_tokens=64,
              threads_per_worker=1) as llm:
         outs = llm.generate(prompts, greedy)
@@ -89,7 +89,7 @@ def test_the_same_tokens_with_and_without_the_cache(tiny_llama):
     scored = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=0)
     results = {}
     for caching in (False, True):
-        with LLM(str(tiny_llama), "cpu:1", dtype="float32", policy="fcfs", block_size=B,
+        with LLM(str(tiny_llama), ONE_DEVICE, dtype="float32", policy="fcfs", block_size=B,
                  kv_cache_bytes=200 * block_bytes(tiny_llama), threads_per_worker=1,
                  kv_cache_dtype="int8", enable_prefix_caching=caching) as llm:
             llm.generate(prompts[:1], sampled)
@@ -131,7 +131,7 @@ def test_caches_back_from_an_int8_swap_are_never_offered_to_others(tiny_llama, m
     monkeypatch.setattr(BlockPool, "name_full", named)
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(20, 60))] for _ in range(12)]
-    with LLM(str(tiny_llama), "cpu:1", dtype="float32", block_size=B, kv_cache_bytes=24 * block_bytes(tiny_llama),
+    with LLM(str(tiny_llama), ONE_DEVICE, dtype="float32", block_size=B, kv_cache_bytes=24 * block_bytes(tiny_llama),
              max_num_batched_tokens=64, threads_per_worker=1, preemption_mode="swap", swap_dtype="int8",
              tandem_off=("lengths",)) as llm:
         llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))

@@ -2,7 +2,7 @@
 from tandem import LLM, SamplingParams
 from tandem.engine.messages import CacheType
 from tandem.sched.lengths import LengthSource
-from tests.conftest import assert_pool_free, hf_greedy, mixed_prompts
+from tests.conftest import ONE_DEVICE, assert_pool_free, hf_greedy, mixed_prompts
 
 MAX_NEW = 24
 
@@ -27,7 +27,7 @@ def test_tandem_with_hidden_caches_and_swaps_matches_hf(tiny_opt):
     spec = load_spec(tiny_opt)
     block_bytes = spec.num_layers * 8 * spec.unit * 4
     prompts = mixed_prompts(40, 512, seed=13)     # enough that some wait long enough for a hidden cache to pay
-    with LLM(str(tiny_opt), "cpu:1", dtype="float32", block_size=8, kv_cache_bytes=24 * block_bytes,
+    with LLM(str(tiny_opt), ONE_DEVICE, dtype="float32", block_size=8, kv_cache_bytes=24 * block_bytes,
              max_num_batched_tokens=64, threads_per_worker=1, swap_dtype="auto",
              length_predictor="max_tokens") as llm:
         assert llm.scheduler.cfg.policy == "tandem"
@@ -49,7 +49,7 @@ def test_tandem_options_reach_the_policy_and_it_serves(tiny_llama):
     profile runs under FCFS meanwhile), and outputs stay HF's."""
     from tandem.sched.tandem import Mechanism
     prompts = mixed_prompts(4, 512, seed=3)
-    with LLM(str(tiny_llama), "cpu:1", dtype="float32", threads_per_worker=1, length_predictor="max_tokens",
+    with LLM(str(tiny_llama), ONE_DEVICE, dtype="float32", threads_per_worker=1, length_predictor="max_tokens",
              tandem_off=("slo", "hidden"), slo_tbt_mean=True) as llm:
         p = llm.scheduler.policy
         assert p.off == {Mechanism.SLO, Mechanism.HIDDEN} and p.mean_tbt

@@ -1,6 +1,7 @@
 """The engine with its attention on the Triton kernels (under the interpreter on a machine
 without a GPU, tests/conftest.py) generates exactly HF transformers' greedy tokens: KV caches with chunked
-prefill and preemption, and hidden caches. (Bidirectional blocks: tests/engine/test_bidir_exactness.py.)"""
+prefill and preemption by swapping (on a GPU: to page-locked host memory on a side stream, and back),
+and hidden caches, preempted by recomputation. (Bidirectional blocks: tests/engine/test_bidir_exactness.py.)"""
 import pytest
 
 from tandem import LLM, SamplingParams
@@ -26,8 +27,9 @@ def _run(model_dir, prompts, blocks, **kw):
              threads_per_worker=1, triton_attention=True, **kw) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
         preempted = sum(q.num_preemptions for q in llm.scheduler.queues)
+        swaps = llm.scheduler.counts("swaps")
         assert_pool_free(llm)
-    return outs, preempted
+    return outs, preempted, swaps
 
 
 @pytest.mark.parametrize("family", ["llama", "opt"])
@@ -38,8 +40,12 @@ def test_triton_attention_matches_hf(family, cache_type, wide_models):
     # 24-token chunks split the longer prompts; a pool of 7 token-blocks of 8 (the longest request
     # takes 6) forces preemption. A token-block is K + V blocks, or a hidden cache's m.
     per_token_block = 2 if cache_type == "kv" or family == "llama" else 1
-    outs, preempted = _run(model_dir, prompts, 7 * per_token_block, cache_type=cache_type)
+    mode = "swap" if cache_type == "kv" else "recompute"
+    outs, preempted, swaps = _run(model_dir, prompts, 7 * per_token_block, cache_type=cache_type,
+                                  preemption_mode=mode, swap_dtype="auto")
     assert preempted > 0, "the pool was meant to force preemption"
+    if mode == "swap":
+        assert swaps["out"] > 0 and swaps["in"] == swaps["out"], swaps
     ref = hf_greedy(model_dir, prompts, MAX_NEW)
     for i, (o, r) in enumerate(zip(outs, ref, strict=True)):
         assert o.token_ids == r, f"prompt {i} differs"
