@@ -5,8 +5,9 @@
 #      migration between two workers sharing the GPU (cuda:0,0: KV through CUDA IPC handles),
 #      with the pause of each kind against the request's size (bench skew's sweep), and static
 #      placement against LB and Mell on a skewed trace (bench skew);
-#   3. python -m bench kernels: paged decode GB/s against the device's copy bandwidth, and the
-#      hidden-cache decode kernel at Llama-3-8B's and OPT-13B's shapes (time, max abs error);
+#   3. python -m bench kernels: paged decode GB/s against the device's copy bandwidth, the
+#      hidden-cache decode kernel at Llama-3-8B's and OPT-13B's shapes (time, max abs error), and
+#      one request's swap-out into page-locked memory (the host's wait, and a decode beside it);
 #      with STEPS=sweep, the decode kernel under every launch setting (tile, warps, parts);
 #   4. python -m bench gpu-offline: our engine against HF generate at batch 64 (SmolLM2's and
 #      Llama-3-8B's shapes, random weights);
@@ -17,7 +18,7 @@
 #      was not filled at 4 req/s on an H100: a smaller pool or higher rates make memory bind).
 # Python packages the machine lacks travel as wheels in ./.whl (make gpu-wheels, on a machine
 # with network access); they are installed into /tmp/site, nothing else is touched.
-#   STEPS="tests migration" runs some of them (tests migration placement sweep kernels offline apt bros).
+#   STEPS="tests migration" runs some of them (tests migration placement sweep kernels offline apt bros bound).
 #   All of them take longer than a 10-minute call: on an H200, "tests migration kernels offline"
 #   took 3.5 minutes; run "placement", "apt" and "bros" in calls of their own (or shorten them:
 #   SKEW_DURATION and SKEW_DRAIN for placement, DURATION and DRAIN for apt and bros).
@@ -49,6 +50,11 @@ if want tests; then
   step 150 $PY -m pytest -q -p no:cacheprovider tests/engine/test_triton_kernels.py
   step 150 env TANDEM_TEST_DEVICE=cuda:0 $PY -m pytest -q -p no:cacheprovider tests/engine/test_triton_exactness.py \
     "tests/engine/test_bidir_exactness.py::test_scheduler_with_bidirectional_blocks_matches_hf"
+  # swapping (page-locked memory, a side stream), int8 and hidden caches, prefix caching and the
+  # default policy on CUDA, against HF
+  step 240 env TANDEM_TEST_DEVICE=cuda:0 $PY -m pytest -q -p no:cacheprovider tests/engine/test_tandem_exactness.py \
+    tests/engine/test_prefix_caching.py tests/engine/test_int8_pool.py tests/engine/test_hidden_exactness.py \
+    "tests/engine/test_exactness.py::test_swapped_requests_match_hf"
 fi
 if want migration; then
   step 150 env TANDEM_TEST_TWO_DEVICES=cuda:0,0 $PY -m pytest -q -p no:cacheprovider tests/engine/test_migration.py
@@ -70,5 +76,8 @@ PAPER=(--model opt13b-random --devices cuda:0 --kv-cache-gib ${KV_GIB:-8} --slo-
        --duration "$DURATION" --drain ${DRAIN:-30} --max-output 512)
 want apt && step 400 $PY -m bench online "${PAPER[@]}" --systems tandem-fcfs tandem-fcfs-prefill-first tandem-aptserve tandem \
   --rates ${APT_RATES:-2} --out gpu_apt.json
+# memory-bound: 2 GiB of KV (~2,600 tokens of OPT-13B), where BROS and the default part ways
+want bound && step 300 $PY -m bench mixed "${PAPER[@]}" --kv-cache-gib 2 --systems ${BOUND_SYSTEMS:-tandem-bros tandem} \
+  --rates 2 --out gpu_bound.json
 want bros && step 300 $PY -m bench mixed "${PAPER[@]}" --systems tandem-fcfs tandem-bros tandem --rates ${BROS_RATES:-1} --out gpu_bros.json
 exit $status

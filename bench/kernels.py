@@ -10,6 +10,7 @@ ratio says how close it gets to what the memory system can do.
 from __future__ import annotations
 
 import dataclasses
+import time
 from types import SimpleNamespace
 
 import torch
@@ -118,6 +119,62 @@ def hidden_case(shape: str, batch: int, ctx: int, dtype: torch.dtype, block_size
     flops = batch * hkv * ctx * dm * 2 * d * 2
     return {"shape": shape, "batch": batch, "ctx": ctx, "dtype": str(dtype).split(".")[-1], "ms": ms,
             "TFLOP/s": flops / (ms / 1e3) / 1e12, "max_abs_err": err}
+
+
+SWAP_LAYERS = {"llama8b": 32, "opt13b": 40, "smollm2": 30}
+
+
+def swap_case(shape: str, ctx: int, dtype: torch.dtype, batch: int, block_size: int, repeats: int = 5) -> dict:
+    """One request's swap-out (its K and V rows over every layer, gathered from scattered pool
+    rows, copied into page-locked host memory; engine.hostcopy) at a served model's shape: how
+    long the host is blocked when it waits for the copy and when the copy goes on a side stream,
+    the link's GB/s, and a batch's paged decode kernel alone and while the copy runs beside it."""
+    from tandem.engine.hostcopy import HostCopier
+    from tandem.engine.triton_decode import paged_decode
+    from tandem.engine.triton_paging import Paging
+    hkv, g, d = SHAPES[shape]
+    layers = SWAP_LAYERS[shape]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pool = torch.randn(layers, hkv, 4 * ctx, d, device="cuda", generator=gen).to(dtype)
+    rows = torch.randperm(4 * ctx, device="cuda", generator=gen)[:2 * ctx]
+    copier = HostCopier(torch.device("cuda"))
+    nbt = -(-ctx // block_size)
+    flat = torch.randn(hkv, 2 * batch * nbt * block_size, d, device="cuda", generator=gen).to(dtype)
+    tab = torch.randperm(2 * batch * nbt, device="cuda", generator=gen).to(torch.int32).view(2, batch, nbt)
+    dirs = torch.zeros(batch, nbt, dtype=torch.int8, device="cuda")
+    lens = torch.full((batch,), ctx, dtype=torch.long, device="cuda")
+    q = torch.randn(batch, hkv, g, d, device="cuda", generator=gen).to(dtype)
+    decode = lambda: paged_decode(q, flat, tab[0], tab[1], lens, d ** -0.5, block_size,  # noqa: E731
+                                  Paging.BLOCKS, dirs, dirs)
+
+    def swap_out(wait: bool) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        copier.to_host(pool[:, :, rows, :], wait=wait)
+        return (time.perf_counter() - t0) * 1e3
+
+    def decodes_ms(n: int = 20) -> float:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            decode()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / n
+
+    decode()
+    swap_out(True)
+    waited = sorted(swap_out(True) for _ in range(repeats))[repeats // 2]
+    alone = decodes_ms()
+    queued, beside = [], []
+    for _ in range(repeats):
+        queued.append(swap_out(False))
+        beside.append(decodes_ms())
+        copier.sync()
+    nbytes = 2 * ctx * layers * hkv * d * pool.element_size()
+    return {"shape": shape, "ctx": ctx, "MB": nbytes / 1e6, "host_ms_waiting": waited,
+            "host_ms_side_stream": sorted(queued)[repeats // 2], "link_GBps": nbytes / (waited / 1e3) / 1e9,
+            "decode_ms_alone": alone, "decode_ms_beside_copy": sorted(beside)[repeats // 2], "batch": batch}
 
 
 def cpu_copy_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
@@ -255,7 +312,14 @@ def run(args) -> None:
     for r in hidden:
         print(f"{r['shape']:<9} {r['batch']:>5} x {r['ctx']:<5} {r['ms']:>8.3f} ms {r['TFLOP/s']:>7.1f} TFLOP/s "
               f"max abs err {r['max_abs_err']:.1e}")
-    save_json(args.out, {"device": dev, "copy_GBps": copy / 1e9, "rows": rows, "hidden": hidden})
+    swaps = [swap_case(shape, args.ctx, dtype, args.batch, args.block_size) for shape in args.shapes]
+    print(f"swap-out of one {args.ctx}-token request into page-locked host memory (host blocked: waiting for "
+          f"the copy / the copy on a side stream), and a batch of {args.batch}'s decode kernel alone / beside it:")
+    for r in swaps:
+        print(f"{r['shape']:<9} {r['MB']:>7.0f} MB  host {r['host_ms_waiting']:>7.2f} / "
+              f"{r['host_ms_side_stream']:>5.2f} ms  link {r['link_GBps']:>5.1f} GB/s  "
+              f"decode {r['decode_ms_alone']:.3f} / {r['decode_ms_beside_copy']:.3f} ms")
+    save_json(args.out, {"device": dev, "copy_GBps": copy / 1e9, "rows": rows, "hidden": hidden, "swap": swaps})
 
 
 def accuracy(args) -> None:
