@@ -491,8 +491,12 @@ class LLM:
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for each prompt; outputs in prompt order. Validates everything before queueing."""
-        plist = _as_prompt_list(prompts)
+        """Generate for each prompt; outputs in prompt order. Validates everything before queueing.
+
+        A prompt is a string, a list of token ids, a chat's messages, or a dict: ``{"prompt":
+        text}`` or ``{"prompt_token_ids": ids}``, with ``"cache_salt"`` to share cached blocks only
+        among the prompts that give the same salt."""
+        plist, salts = zip(*map(_unwrap, _as_prompt_list(prompts)))
         params = sampling_params if sampling_params is not None else SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(plist)
@@ -508,8 +512,8 @@ class LLM:
         for p in params:
             self.check_sampling(p)
         now = time.monotonic()
-        reqs = [Request(f"gen-{next(self._ids)}", ids, sp, arrival_time=now, prompt=text)
-                for (ids, text), sp in zip(encoded, params)]
+        reqs = [Request(f"gen-{next(self._ids)}", ids, sp, arrival_time=now, prompt=text, cache_salt=salt)
+                for (ids, text), sp, salt in zip(encoded, params, salts)]
         states = [self.scheduler.new_state(r) for r in reqs]    # each checks it fits a pool
         if self.lengths is not None:            # recorded only for requests that will run
             self.lengths.assign(reqs, [self.prediction_text(p) for p in plist])
@@ -518,6 +522,18 @@ class LLM:
         if failed:
             raise DeviceError(f"{len(failed)} request(s) failed: {failed[0].error}")
         return [self._output(st) for st in states]
+
+    def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             *, use_tqdm: bool = False) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages) or a
+        list of them, each rendered by the model's chat template with the assistant's turn opened;
+        one output per conversation, in order."""
+        if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
+            messages = [messages]
+        if not (isinstance(messages, (list, tuple)) and messages
+                and all(isinstance(c, list) and c and all(isinstance(m, dict) for m in c) for c in messages)):
+            raise ValueError("messages: give a conversation (a list of message dicts) or a list of them")
+        return self.generate(list(messages), sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, states: list[RequestState], bar) -> None:
         """Hand the requests to the actors and wait until every one has ended."""
@@ -596,16 +612,44 @@ def _positive(name: str, v) -> None:
         raise ValueError(f"{name}: must be a positive integer, got {v!r}")
 
 
+PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
+
+
 def _as_prompt_list(prompts: Any) -> list:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, list) and prompts and all(isinstance(x, int) for x in prompts):
         return [prompts]
-    if isinstance(prompts, list) and prompts and all(isinstance(x, dict) for x in prompts):
-        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(x, dict) and "role" in x for x in prompts):
+        return [prompts]                    # one chat's messages
     if isinstance(prompts, (list, tuple)) and prompts:
         return list(prompts)
     raise ValueError("prompts: give a prompt or a non-empty list of prompts")
+
+
+def _unwrap(prompt: Any) -> tuple[Any, str | None]:
+    """A prompt given as a dict, ``{"prompt": text}`` or ``{"prompt_token_ids": ids}`` with an
+    optional ``"cache_salt"`` (prefix caching shares blocks only between requests of the same
+    salt), -> (the prompt, its salt); any other prompt has no salt."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    extra = set(prompt) - PROMPT_KEYS
+    if extra:
+        raise ValueError(f"prompt: unknown key {sorted(extra)[0]!r} (a prompt dict takes "
+                         f"'prompt' or 'prompt_token_ids', and 'cache_salt')")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("prompt: a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
+    salt = prompt.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise ValueError("cache_salt: must be a non-empty string")
+    if "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise ValueError("prompt: 'prompt' must be a string ('prompt_token_ids' takes token ids)")
+        return prompt["prompt"], salt
+    ids = prompt["prompt_token_ids"]
+    if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        raise ValueError("prompt_token_ids: must be a non-empty list of token ids")
+    return ids, salt
 
 
 def _progress(n: int):

@@ -110,6 +110,15 @@ def test_bad_prompts_fail_before_any_work(llm):
         llm.generate(["text needs a tokenizer"], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([[5, 6], [7, 8]], [SamplingParams()])
+    for bad, field in [({"prompt_token_ids": [5, 6], "cache_salt": ""}, "cache_salt"),
+                       ({"prompt_token_ids": [5, 6], "cache_salt": 3}, "cache_salt"),
+                       ({"prompt_token_ids": [5, 6], "prompt": "x"}, "exactly one"),
+                       ({"cache_salt": "a"}, "exactly one"),
+                       ({"prompt_token_ids": "5 6"}, "prompt_token_ids"),
+                       ({"prompt": [5, 6]}, "'prompt' must be a string"),
+                       ({"prompt_token_ids": [5, 6], "multi_modal_data": {}}, "multi_modal_data")]:
+        with pytest.raises(ValueError, match=field):
+            llm.generate([[5, 6, 7], bad], SamplingParams(max_tokens=4))
     assert len(llm.scheduler.states) == before, "nothing may be queued by a rejected call"
 
 

@@ -103,6 +103,27 @@ def test_the_same_tokens_with_and_without_the_cache(tiny_llama):
     assert results[True] == results[False]
 
 
+def test_a_salted_prompt_shares_blocks_only_with_prompts_of_its_salt(tiny_llama):
+    """Offline prompt dicts with ``cache_salt``: a prompt finds the blocks an earlier prompt with the
+    same start computed only when both give the same salt; with another salt or none it computes
+    everything. Its tokens are HF's either way."""
+    _, prompts = shared_prompts(5)
+    a, b = prompts[0], prompts[1]
+    greedy = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    with LLM(str(tiny_llama), ONE_DEVICE, dtype="float32", policy="fcfs", block_size=B,
+             kv_cache_bytes=200 * block_bytes(tiny_llama), threads_per_worker=1) as llm:
+        first = llm.generate({"prompt_token_ids": a, "cache_salt": "tenant-a"}, greedy)[0]
+        others = llm.generate([{"prompt_token_ids": b, "cache_salt": "tenant-b"}, b], greedy)
+        same = llm.generate([{"prompt_token_ids": b, "cache_salt": "tenant-a"}], greedy)[0]
+        assert_pool_free(llm)
+    ref = hf_greedy(tiny_llama, [a, b], NEW)
+    assert first.token_ids == ref[0]
+    assert [o.token_ids for o in others + [same]] == [ref[1]] * 3
+    assert [o.num_cached_tokens for o in others] == [0, 0]
+    shared = min(common(b, a + first.token_ids), len(b) - 1) // B * B
+    assert shared >= 32 and same.num_cached_tokens == shared
+
+
 def test_caches_back_from_an_int8_swap_are_never_offered_to_others(tiny_llama, monkeypatch):
     """A request swapped out as int8 comes back with values near its own, not equal: from then
     until it recomputes, none of its blocks is named for other requests' prefixes."""

@@ -45,6 +45,25 @@ def test_chat_greedy_matches_hf(smol, hf_smol):
     assert_pool_free(smol)
 
 
+def test_chat_takes_one_conversation_or_several_as_vllms_does(smol, hf_smol):
+    """LLM.chat: each conversation's prompt is what HF's chat template renders with the
+    assistant's turn opened, and its reply HF's greedy one; one output per conversation."""
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    one = smol.chat(CHATS[2], greedy)
+    two = smol.chat(CHATS[:2], greedy)
+    assert len(one) == 1 and len(two) == 2
+    for conv, o in zip([CHATS[2]] + CHATS[:2], one + two, strict=True):
+        text = smol.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        assert text.endswith("<|im_start|>assistant\n")
+        ids = smol.tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert o.prompt_token_ids == ids
+        ref = hf_smol.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=2)
+        assert o.token_ids == ref[0, len(ids):].tolist()
+    for bad in ("hello", [], [[]], [CHATS[0], "hello"]):
+        with pytest.raises(ValueError, match="messages"):
+            smol.chat(bad, greedy)
+
+
 def test_stop_string_cuts_text(smol):
     full = smol.generate(CHATS[3], SamplingParams(max_tokens=MAX_NEW, temperature=0))[0]
     assert " " in full.text
