@@ -461,12 +461,19 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
     for ch in choices if tools is not None else ():
         ch.content = ContentStream(tools)
 
+    def call_event(ch: Choice, calls: list[dict]) -> dict:
+        return event({"index": ch.index, "logprobs": None, "finish_reason": None, "delta": {"tool_calls": calls}})
+
     async def sink(ch: Choice, delta: str) -> None:
-        if ch.content is not None:            # content up to where a call may begin; calls at the end
+        closed = []
+        if ch.content is not None:            # content up to where a call may begin; each call as it closes
             delta = ch.content.push(delta)
+            closed = ch.content.closed_calls()
         if delta or ch.echo_pending or (ch.prompt_ids is not None and len(ch.token_ids) > ch.ids_sent) or (
                 ch.logprobs is not None and len(ch.logprobs) > ch.lps_sent):
             await send(chunk(ch, delta, None))
+        if closed:
+            await send(call_event(ch, closed))
         if ch.finish_reason is None:
             return
         finish = ch.finish_reason
@@ -476,8 +483,9 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
                 await send(chunk(ch, content[ch.content.sent:], None))
             if calls:
                 finish = "tool_calls"
-                await send(event({"index": ch.index, "logprobs": None, "finish_reason": None, "delta": {
-                    "tool_calls": [c | {"index": i} for i, c in enumerate(calls)]}}))
+                rest = [c | {"index": i} for i, c in enumerate(calls) if i >= ch.content.calls_sent]
+                if rest:
+                    await send(call_event(ch, rest))
         await send(chunk(ch, "", finish))
 
     try:

@@ -12,7 +12,8 @@ How the output becomes calls depends on ``tool_choice``:
   ``parallel_tool_calls``;
 - a named function: the output is constrained to its parameters schema, and is its arguments;
 - ``auto`` (the default with tools): nothing is constrained; the ``<tool_call>`` blocks of the
-  output that hold a known tool's name and JSON arguments become calls, the rest stays text;
+  output that hold a known tool's name and JSON arguments become calls, the rest stays text (a
+  stream sends each call as its block closes);
 - ``none``: the tools are not shown and nothing is parsed.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tandem.engine.params import StructuredOutputs
 
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 OPEN_TAG = "<tool_call>"
+CLOSE_TAG = "</tool_call>"
 ANY_OBJECT = {"type": "object"}
 
 
@@ -113,16 +115,23 @@ class ToolPlan:
 
 @dataclass(slots=True)
 class ContentStream:
-    """What of a chat-with-tools reply a stream may send as content while it is generated: with
+    """What of a chat-with-tools reply a stream may send while it is generated. Content: with
     ``auto``, the text before a ``<tool_call>`` tag, holding back what could begin one, and once
     it is more than whitespace (a reply that is only calls has no content); nothing of a
-    constrained reply (it is a call). Each push looks at the text not sent yet only."""
+    constrained reply (it is a call). Each push looks at the text not sent yet only. Calls:
+    with ``auto``, each call as soon as its block closes (``closed_calls``), so a client can run
+    the first while the model writes the next."""
     plan: ToolPlan
-    unsent: str | None = ""         # None: nothing more is sent before the reply ends
+    unsent: str | None = ""         # None: no more content is sent before the reply ends
     sent: int = 0                   # characters sent (a prefix of the final content)
+    reply: str = ""                 # auto: the reply so far
+    checked: int = 0                # auto: characters of it looked at for a closing tag
+    calls_sent: int = 0             # calls sent before the reply ends: the first of its final calls
 
     def push(self, new: str) -> str:
         """The content to send now, given the reply's ``new`` text."""
+        if self.plan.choice is ToolChoice.AUTO:
+            self.reply += new
         if self.unsent is None:
             return ""
         if self.plan.choice is not ToolChoice.AUTO:
@@ -139,6 +148,18 @@ class ContentStream:
         out, self.unsent = text[:cut], None if calling else text[cut:]
         self.sent += len(out)
         return out
+
+    def closed_calls(self) -> list[dict]:
+        """The calls (each with its ``index`` among the reply's calls) of ``<tool_call>`` blocks
+        that the text pushed since the last look closed. A closed block never changes, so these
+        are the first of the calls ``parse`` finds in the whole reply."""
+        start, self.checked = max(0, self.checked - len(CLOSE_TAG) + 1), len(self.reply)
+        if CLOSE_TAG not in self.reply[start:]:
+            return []
+        _, calls = self.plan.parse(self.reply, finished=False)
+        new = [c | {"index": i} for i, c in enumerate(calls) if i >= self.calls_sent]
+        self.calls_sent = len(calls)
+        return new
 
 
 def tool_call(name: str, arguments: str) -> dict:

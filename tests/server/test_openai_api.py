@@ -380,6 +380,26 @@ def test_auto_tool_calls_are_parsed_from_the_reply(server, client):
     assert [(t.function.name, t.function.arguments) for t in streamed] == [("add", call.function.arguments)]
 
 
+def test_a_streamed_reply_sends_each_call_as_its_block_closes(server, client):
+    """Two calls in one reply (forced by a regular expression): streamed with logprobs, so every
+    token's text arrives, the first call comes right after the token that closes its block and
+    before the second block is written, the second after that; both equal the unstreamed reply's."""
+    call = r'<tool_call>\{"name": "add", "arguments": \{"a": [1-9], "b": [1-9]\}\}</tool_call>'
+    kw = dict(model=server.model, messages=[{"role": "user", "content": "Add twice."}], tools=TOOLS,
+              max_tokens=120, temperature=0, extra_body={"structured_outputs": {"regex": "Sure\\. " + call + call}})
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) == 2
+    seen, arrived = "", []
+    for c in client.chat.completions.create(**kw, stream=True, logprobs=True):
+        if not c.choices:
+            continue
+        seen += "".join(t.token for t in (c.choices[0].logprobs.content if c.choices[0].logprobs else None) or [])
+        for t in c.choices[0].delta.tool_calls or []:
+            arrived.append((t.index, seen.count("</tool_call>"), t.function.name, t.function.arguments))
+    assert seen.count("</tool_call>") == 2, seen
+    assert arrived == [(i, i + 1, "add", w.function.arguments) for i, w in enumerate(whole.message.tool_calls)]
+
+
 def test_tools_and_earlier_calls_reach_the_prompt(server, client, tiny_chat_model):
     """The tools are listed in the system turn, an earlier call is written back in the assistant's
     turn and its result in a <tool_response> (read back from the prompt's ids with the model's

@@ -48,11 +48,29 @@ def test_a_stream_sends_only_what_stays_content(reply, content, calls):
     assert len(sent) <= len(content or "") and stream.sent == len(sent)
 
 
+@pytest.mark.parametrize("reply, content, calls", CASES)
+def test_a_stream_sends_each_call_as_its_block_closes(reply, content, calls):
+    """Fed a character at a time, the calls a stream sends early are the reply's calls, in order
+    and indexed, each at the character that closes its block (the hand-worked cases above)."""
+    stream, early = ContentStream(PLAN), []
+    for n, c in enumerate(reply):
+        stream.push(c)
+        for call in stream.closed_calls():
+            assert reply[:n + 1].endswith("</tool_call>"), (n, call)
+            early.append(call)
+    assert [c["index"] for c in early] == list(range(len(calls)))
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in early] == calls
+    assert stream.calls_sent == len(calls)
+
+
 def test_constrained_choices_stream_nothing_and_parse_their_json():
     named = ToolPlan(({"name": "add"},), ToolChoice.NAMED, "add")
     required = ToolPlan(({"name": "add"},), ToolChoice.REQUIRED)
     text = '[{"name":"add","arguments":{"a":1}}]'
     assert ContentStream(named).push('{"a":1}') == ContentStream(required).push(text) == ""
+    stream = ContentStream(required)
+    stream.push(f"<tool_call>{text}</tool_call>")
+    assert stream.closed_calls() == [], "a constrained reply's call is known only at its end"
     assert [c["function"]["arguments"] for c in named.parse('{"a":1}', True)[1]] == ['{"a":1}']
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in required.parse(text, True)[1]] \
         == [("add", {"a": 1})]
