@@ -288,6 +288,11 @@ class Bros:
         """May ``c`` join this iteration at all? (Every request may, here.)"""
         return True
 
+    def _overtakes(self, r: Candidate, n: int, budget: BlockBudget) -> bool:
+        """May waiting ``r`` start while a more urgent RT request waits for blocks? Not here: the
+        blocks that running requests free as they end go to the waiting one first."""
+        return False
+
     def _be_queue(self, snap: Snapshot, plan: Plan) -> list[Candidate]:
         """BE candidates in packing order: fewest checkpointed slots, then running, then arrival."""
         running_ids = {c.req_id for c in snap.running}
@@ -316,11 +321,11 @@ class Bros:
             if r.req_id in plan.preempted:      # gave its blocks to a more urgent request this iteration
                 q_rt.popleft()
                 continue
-            if blocked and r.req_id not in running_ids:
+            n = min(r.num_tokens - r.num_computed, tokens_left)
+            if blocked and r.req_id not in running_ids and not self._overtakes(r, n, budget):
                 q_rt.popleft()
                 plan.reasons[r.req_id] = "waiting: behind a more urgent RT request that waits for blocks"
                 continue
-            n = min(r.num_tokens - r.num_computed, tokens_left)
             if n < r.num_tokens - r.num_computed and not lim.chunked_prefill:
                 plan.reasons[r.req_id] = "waiting: prompt exceeds this iteration's token budget"
                 break

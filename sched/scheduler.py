@@ -157,7 +157,8 @@ def make_policy(cfg: SchedConfig, cost: OnlineCostModel | None):
         if cost is None:
             raise ValueError("policy: tandem needs a cost model (profile the engine first)")
         return Tandem(cost, cfg.max_num_seqs, cfg.rho, cfg.hybrid_cache and not cfg.bidirectional,
-                      idle_budget_s=cfg.rt_budget_s, off=frozenset(cfg.tandem_off), mean_tbt=cfg.mean_tbt)
+                      idle_budget_s=cfg.rt_budget_s, off=frozenset(cfg.tandem_off), mean_tbt=cfg.mean_tbt,
+                      swapping=cfg.swapping)
     if cfg.policy == "aptserve":
         return AptServe(cfg.rho, cfg.hybrid_cache, cfg.adaptive, cfg.slo_decay, cfg.mixed_batches, cost)
     raise ValueError(f"policy: {cfg.policy!r} is not one of {list(POLICIES)}")

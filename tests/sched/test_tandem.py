@@ -232,3 +232,44 @@ def test_an_rt_prompt_is_not_held_behind_be_work_up_to_its_ttft():
     target = COST.predict(StepShape().add(100, 100, False).add(300, 300, False))   # cost-model units
     assert chunks(policy(idle_budget_s=target)(s)) == [("w", 100), ("be", 300)]
     assert chunks(Bros(cost, max_num_seqs=64, idle_budget_s=target)(s)) == [("w", 100), ("be", 1948)]
+
+
+def test_with_swapping_a_new_chat_starts_in_free_blocks_while_a_swapped_one_waits_for_more():
+    """A full pool: 10 blocks free, a chat swapped out (630 tokens: 80 blocks to come back) is the
+    most urgent and cannot preempt the earlier chat that runs. With swapping, a
+    chat before its first token that fits in the free blocks (40 tokens: 6) starts; one that
+    does not fit (200 tokens: 26) and one that already has tokens wait, and nobody is
+    preempted. Without swapping every waiting chat stays behind the swapped one."""
+    old = cand("old", 100, None, out=50, rt=True, arrival=0.0, slo=1.0)
+    swapped = cand("swapped", 600, None, out=30, rt=True, computed=0, blocks=0, arrival=1.0, slo=1.0, pending=0.9)
+    again = cand("again", 40, None, out=3, rt=True, computed=0, blocks=0, arrival=1.5, slo=1.0, pending=0.5)
+    new = cand("new", 40, None, rt=True, computed=0, arrival=2.0, slo=1.0, pending=0.1)
+    big = cand("big", 200, None, rt=True, computed=0, arrival=3.0, slo=1.0, pending=0.0)
+    s = snap([old], [swapped, again, new, big], free=10)
+    off = frozenset({Mechanism.LENGTHS})           # BROS's order: by residual time, swapped first
+    on = policy(off=off, swapping=True)(s)
+    assert sorted(d.req_id for d in on.scheduled) == ["new", "old"] and on.preempted == []
+    assert on.reasons["swapped"].startswith("waiting: no block")
+    assert on.reasons["again"] == on.reasons["big"] == "waiting: behind a more urgent RT request that waits for blocks"
+    without = policy(off=off)(s)
+    assert [d.req_id for d in without.scheduled] == ["old"] and without.preempted == []
+
+
+def test_the_default_knows_whether_preempted_chats_are_swapped():
+    from tandem.sched.scheduler import SchedConfig, make_policy
+    assert make_policy(SchedConfig(policy="tandem"), cost).swapping
+    assert not make_policy(SchedConfig(policy="tandem", preemption_mode="recompute"), cost).swapping
+
+
+def test_with_swapping_a_chat_past_half_its_ttft_target_starts_though_its_growth_may_not_fit():
+    """The look-ahead case above with RT requests (TTFT and TBT targets of 1 s): a new chat
+    predicted to run 200 tokens raises the running chats' peak to 45.5 blocks of 40, so it waits
+    while it has waited 0.4 s; at 0.6 s, past half its TTFT target, it starts when caches are
+    swapped, and still waits when they are recomputed."""
+    running = [cand(f"r{i}", 96, 40, out=1, rt=True, slo=1.0) for i in range(2)]
+
+    def started(pending, swapping):
+        new = cand("new", 32, 200, rt=True, computed=0, blocks=0, arrival=5.0, slo=1.0, pending=pending)
+        return "new" in {d.req_id for d in policy(swapping=swapping)(snap(running, [new], free=12)).scheduled}
+    assert not started(0.4, True) and started(0.6, True)
+    assert not started(0.6, False)
