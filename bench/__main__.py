@@ -169,6 +169,12 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     stn.add_argument("--host-gbps", type=float, default=25.0, help="device-host link for swaps, GB/s")
     stn.add_argument("--swap-gib", type=float, default=64.0, help="host memory for swapped caches")
     stn.add_argument("--seed", type=int, default=0)
+    stn.add_argument("--seeds", nargs="+", type=int, default=None, help="run each seed in turn (a table each)")
+    stn.add_argument("--kv-tokens", type=int, default=None,
+                     help="the device's KV pool in tokens (default: an A100-40GB's for OPT-13B, 12k)")
+    stn.add_argument("--slo-ttft-s", type=float, default=None, help="TTFT target in seconds (default: --ttft-factor)")
+    stn.add_argument("--slo-tbt-s", type=float, default=None, help="TBT target in seconds (default: --tbt-factor)")
+    stn.add_argument("--max-output", type=int, default=1024, help="RT replies are cut to this many tokens")
     stn.add_argument("--out", default="sim_tandem.json", help="result file under bench/results")
     ia = sub.add_parser("int8-accuracy", help="perplexity and greedy agreement of SmolLM2 with int8 KV vs full "
                         "precision on held-out ShareGPT replies (HF transformers)")

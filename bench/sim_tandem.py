@@ -38,6 +38,7 @@ SYSTEMS = {
     "tandem": (dict(policy="tandem"), "predictor"),
     "tandem-no-slo": (dict(policy="tandem", tandem_off=("slo",)), "predictor"),
     "tandem-no-lengths": (dict(policy="tandem", tandem_off=("lengths",)), None),
+    "tandem-no-predictor": (dict(policy="tandem"), None),     # what a server without a trained predictor runs
     "tandem-no-hidden": (dict(policy="tandem", hybrid_cache=False), "predictor"),
     "tandem-recompute": (dict(policy="tandem", preemption_mode="recompute"), "predictor"),
     "tandem-bidir": (dict(policy="tandem", bidirectional=True), "predictor"),
@@ -55,7 +56,8 @@ def _setup(system: str, args, ttft: float, tbt: float) -> SimSetup:
     fields, _ = SYSTEMS[system]
     cfg = SchedConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048, rho=OPT_13B_A100_RHO,
                       swap_space_bytes=int(args.swap_gib * 2**30), **fields)
-    return SimSetup(OPT_13B_A100, PoolGeometry(2 * OPT_13B_A100_KV_TOKENS // 16, 16, hidden_blocks=1), cfg,
+    kv_tokens = args.kv_tokens or OPT_13B_A100_KV_TOKENS
+    return SimSetup(OPT_13B_A100, PoolGeometry(2 * kv_tokens // 16, 16, hidden_blocks=1), cfg,
                     2048, slo_ttft_s=ttft, slo_tbt_s=tbt, rho=OPT_13B_A100_RHO, block_bytes=OPT_13B_BLOCK_BYTES,
                     host_bw=args.host_gbps * 1e9, seed=args.seed)
 
@@ -74,31 +76,49 @@ def run_one(system: str, rate: float, trace, be_items, args, ttft: float, tbt: f
 
 
 def run(args) -> dict:
+    """Every system at every rate, for each seed (``--seeds``; else ``--seed``): the trace's
+    arrivals and the BE jobs are drawn from it. One table per seed."""
     RESULTS.mkdir(exist_ok=True)
     tok = _tokenizer()
     ttft, tbt, *_ = slos(OPT_13B_A100, args.ttft_factor, args.tbt_factor)
+    ttft = args.slo_ttft_s if args.slo_ttft_s is not None else ttft
+    tbt = args.slo_tbt_s if args.slo_tbt_s is not None else tbt
+    args.kv_tokens = args.kv_tokens or OPT_13B_A100_KV_TOKENS
+    print(f"{args.num_requests} held-out ShareGPT RT requests per rate (replies up to {args.max_output} tokens) "
+          f"with BE jobs of {args.be_job_size} always pending; OPT-13B on an A100 (simulated), a pool of "
+          f"{args.kv_tokens} tokens; SLOs TTFT {ttft:.3f} s, TBT {tbt:.3f} s", flush=True)
+    rows, eff = [], {}
+    for seed in args.seeds or [args.seed]:
+        args.seed = seed
+        mine = _rows_of_seed(args, tok, ttft, tbt)
+        eff[seed] = effective(mine, args)
+        if len(args.seeds or []) > 1:
+            print(f"\nseed {seed}:")
+        print_tables(mine, args, eff[seed])
+        rows += mine
+    out = {"slo": {"ttft_s": ttft, "tbt_s": tbt}, "args": vars(args), "rows": rows,
+           "effective_throughput": eff[args.seed] if len(eff) == 1 else eff}
+    (RESULTS / args.out).write_text(json.dumps(out, indent=2, default=str))
+    print(f"wrote {RESULTS / args.out}")
+    return out
+
+
+def _rows_of_seed(args, tok, ttft: float, tbt: float) -> list[dict]:
     traces = {rate: sharegpt_trace(tok, rate, args.num_requests / rate, args.seed, max_context=2048,
-                                   max_output_tokens=1024, held_out=True) for rate in args.rates}
+                                   max_output_tokens=args.max_output, held_out=True) for rate in args.rates}
     need = any(SYSTEMS[s][1] == "predictor" for s in args.systems)
     predicted = predict_all(list(traces.values())) if need else {}
     be_items = synthetic_be(256, args.seed + 1, len(tok))
-    print(f"{args.num_requests} held-out ShareGPT RT requests per rate with BE jobs of {args.be_job_size} always "
-          f"pending; OPT-13B on an A100 (simulated); SLOs TTFT {ttft:.3f} s, TBT {tbt:.3f} s", flush=True)
     rows = []
     for system in args.systems:
         for rate in args.rates:
             row = run_one(system, rate, with_lengths(traces[rate], SYSTEMS[system][1], predicted), be_items,
-                          args, ttft, tbt)
+                          args, ttft, tbt) | {"seed": args.seed}
             rows.append(row)
-            print(f"  {system:>18} @ {rate:g}: TTFT&TPOT {row['attain_bros']:.0%}, TTFT&P99TBT "
+            print(f"  {system:>19} @ {rate:g}: TTFT&TPOT {row['attain_bros']:.0%}, TTFT&P99TBT "
                   f"{row['attain_apt']:.0%}, norm. latency {row['norm_latency_ms']:.1f} ms/tok, BE "
                   f"{row['be_rps']:.2f} req/s, {row['preemptions']} preemptions", flush=True)
-    out = {"slo": {"ttft_s": ttft, "tbt_s": tbt}, "args": vars(args), "rows": rows,
-           "effective_throughput": effective(rows, args)}
-    (RESULTS / args.out).write_text(json.dumps(out, indent=2, default=str))
-    print_tables(rows, args, out["effective_throughput"])
-    print(f"wrote {RESULTS / args.out}")
-    return out
+    return rows
 
 
 def effective(rows: list[dict], args) -> dict[str, tuple[float, bool]]:
