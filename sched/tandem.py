@@ -122,7 +122,7 @@ class Tandem(Bros):
         admission guards against ends at worst in a swap, a copy, while the first token's
         target is lost for good. [open choice] Half the target: one value, not tuned. Without
         it, in a 2,600-token pool (OPT-13B's cost model, 2 req/s, SLOs 1 s / 1 s) only 48-78% of
-        the chats met their TTFT and TPOT, 75-78% with the predictor and 48-72% without one,
+        the chats met their TTFT and TPOT, 75-78% with the predictor and 48-68% without one,
         where BROS met 82-88% (three seeds); the admission's guesses of 256 tokens for
         unpredicted requests kept newcomers out for seconds."""
         return self.swapping and c.rt and c.num_output == 0 and c.slo_s is not None and c.pending_s > c.slo_s / 2

@@ -175,7 +175,7 @@ def kill_after_progress(srv, bid: str, at_least: int) -> None:
 def test_sigkill_twice_mid_batch_then_resume(tiny_chat_model, tmp_path):
     """Killed twice while the batch is provably unfinished (the store still holds pending lines
     after each kill, fewer the second time), the batch completes with every custom_id exactly once."""
-    n, data = 300, tmp_path / "data"
+    n, data = 150, tmp_path / "data"
     srv = start_server(tiny_chat_model, tmp_path)
     c = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0)
     rows = fix_model([chat_line(i, max_tokens=48) for i in range(n)], srv.model)
