@@ -56,8 +56,7 @@ def _setup(system: str, args, ttft: float, tbt: float) -> SimSetup:
     fields, _ = SYSTEMS[system]
     cfg = SchedConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048, rho=OPT_13B_A100_RHO,
                       swap_space_bytes=int(args.swap_gib * 2**30), **fields)
-    kv_tokens = args.kv_tokens or OPT_13B_A100_KV_TOKENS
-    return SimSetup(OPT_13B_A100, PoolGeometry(2 * kv_tokens // 16, 16, hidden_blocks=1), cfg,
+    return SimSetup(OPT_13B_A100, PoolGeometry(2 * args.kv_tokens // 16, 16, hidden_blocks=1), cfg,
                     2048, slo_ttft_s=ttft, slo_tbt_s=tbt, rho=OPT_13B_A100_RHO, block_bytes=OPT_13B_BLOCK_BYTES,
                     host_bw=args.host_gbps * 1e9, seed=args.seed)
 

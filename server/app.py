@@ -467,8 +467,8 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
     async def sink(ch: Choice, delta: str) -> None:
         closed = []
         if ch.content is not None:            # content up to where a call may begin; each call as it closes
+            closed = ch.content.closed_calls(delta, lambda: ch.text)
             delta = ch.content.push(delta)
-            closed = ch.content.closed_calls()
         if delta or ch.echo_pending or (ch.prompt_ids is not None and len(ch.token_ids) > ch.ids_sent) or (
                 ch.logprobs is not None and len(ch.logprobs) > ch.lps_sent):
             await send(chunk(ch, delta, None))

@@ -22,6 +22,7 @@ import enum
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tandem.engine.params import StructuredOutputs
@@ -124,14 +125,11 @@ class ContentStream:
     plan: ToolPlan
     unsent: str | None = ""         # None: no more content is sent before the reply ends
     sent: int = 0                   # characters sent (a prefix of the final content)
-    reply: str = ""                 # auto: the reply so far
-    checked: int = 0                # auto: characters of it looked at for a closing tag
+    tail: str = ""                  # auto: the reply's last characters, where a closing tag may begin
     calls_sent: int = 0             # calls sent before the reply ends: the first of its final calls
 
     def push(self, new: str) -> str:
         """The content to send now, given the reply's ``new`` text."""
-        if self.plan.choice is ToolChoice.AUTO:
-            self.reply += new
         if self.unsent is None:
             return ""
         if self.plan.choice is not ToolChoice.AUTO:
@@ -149,14 +147,18 @@ class ContentStream:
         self.sent += len(out)
         return out
 
-    def closed_calls(self) -> list[dict]:
-        """The calls (each with its ``index`` among the reply's calls) of ``<tool_call>`` blocks
-        that the text pushed since the last look closed. A closed block never changes, so these
-        are the first of the calls ``parse`` finds in the whole reply."""
-        start, self.checked = max(0, self.checked - len(CLOSE_TAG) + 1), len(self.reply)
-        if CLOSE_TAG not in self.reply[start:]:
+    def closed_calls(self, new: str, reply: Callable[[], str]) -> list[dict]:
+        """With ``auto``, the calls (each with its ``index`` among the reply's calls) of
+        ``<tool_call>`` blocks that the reply's ``new`` text closed; ``reply()`` gives the whole
+        reply so far, read only when a block closed. A closed block never changes, so these are
+        the first of the calls ``parse`` finds in the whole reply."""
+        if self.plan.choice is not ToolChoice.AUTO:
             return []
-        _, calls = self.plan.parse(self.reply, finished=False)
+        seen = self.tail + new
+        self.tail = seen[-(len(CLOSE_TAG) - 1):]
+        if CLOSE_TAG not in seen:
+            return []
+        _, calls = self.plan.parse(reply(), finished=False)
         new = [c | {"index": i} for i, c in enumerate(calls) if i >= self.calls_sent]
         self.calls_sent = len(calls)
         return new

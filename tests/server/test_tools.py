@@ -55,7 +55,7 @@ def test_a_stream_sends_each_call_as_its_block_closes(reply, content, calls):
     stream, early = ContentStream(PLAN), []
     for n, c in enumerate(reply):
         stream.push(c)
-        for call in stream.closed_calls():
+        for call in stream.closed_calls(c, lambda: reply[:n + 1]):
             assert reply[:n + 1].endswith("</tool_call>"), (n, call)
             early.append(call)
     assert [c["index"] for c in early] == list(range(len(calls)))
@@ -68,9 +68,9 @@ def test_constrained_choices_stream_nothing_and_parse_their_json():
     required = ToolPlan(({"name": "add"},), ToolChoice.REQUIRED)
     text = '[{"name":"add","arguments":{"a":1}}]'
     assert ContentStream(named).push('{"a":1}') == ContentStream(required).push(text) == ""
-    stream = ContentStream(required)
-    stream.push(f"<tool_call>{text}</tool_call>")
-    assert stream.closed_calls() == [], "a constrained reply's call is known only at its end"
+    stream, call = ContentStream(required), f"<tool_call>{text}</tool_call>"
+    stream.push(call)
+    assert stream.closed_calls(call, lambda: call) == [], "a constrained reply's call is known only at its end"
     assert [c["function"]["arguments"] for c in named.parse('{"a":1}', True)[1]] == ['{"a":1}']
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in required.parse(text, True)[1]] \
         == [("add", {"a": 1})]
