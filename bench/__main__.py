@@ -175,6 +175,9 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     stn.add_argument("--slo-ttft-s", type=float, default=None, help="TTFT target in seconds (default: --ttft-factor)")
     stn.add_argument("--slo-tbt-s", type=float, default=None, help="TBT target in seconds (default: --tbt-factor)")
     stn.add_argument("--max-output", type=int, default=1024, help="RT replies are cut to this many tokens")
+    stn.add_argument("--late-after", type=float, default=0.5,
+                     help="tandem systems: the part of its TTFT target a chat's prompt waits before look-ahead "
+                          "admission stops keeping it out")
     stn.add_argument("--out", default="sim_tandem.json", help="result file under bench/results")
     ia = sub.add_parser("int8-accuracy", help="perplexity and greedy agreement of SmolLM2 with int8 KV vs full "
                         "precision on held-out ShareGPT replies (HF transformers)")

@@ -40,6 +40,7 @@ SYSTEMS = {
     "tandem-no-lengths": (dict(policy="tandem", tandem_off=("lengths",)), None),
     "tandem-no-predictor": (dict(policy="tandem"), None),     # what a server without a trained predictor runs
     "tandem-no-hidden": (dict(policy="tandem", hybrid_cache=False), "predictor"),
+    "tandem-no-late": (dict(policy="tandem", tandem_off=("late",)), "predictor"),
     "tandem-recompute": (dict(policy="tandem", preemption_mode="recompute"), "predictor"),
     "tandem-bidir": (dict(policy="tandem", bidirectional=True), "predictor"),
     "tandem-oracle": (dict(policy="tandem"), "oracle"),
@@ -54,6 +55,8 @@ METRICS = {"RT TTFT & TPOT": ("attain_bros", True, "bros"),
 
 def _setup(system: str, args, ttft: float, tbt: float) -> SimSetup:
     fields, _ = SYSTEMS[system]
+    if fields["policy"] == "tandem":
+        fields = fields | {"late_after": args.late_after}
     cfg = SchedConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048, rho=OPT_13B_A100_RHO,
                       swap_space_bytes=int(args.swap_gib * 2**30), **fields)
     return SimSetup(OPT_13B_A100, PoolGeometry(2 * args.kv_tokens // 16, 16, hidden_blocks=1), cfg,

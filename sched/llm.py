@@ -111,7 +111,7 @@ class LLM:
     with aging, hidden caches where they save memory, swapping by estimated wait; see
     sched/tandem.py), or one mechanism alone: "fcfs", "rr", "bros", "aptserve", "alise"
     (ablations and baselines); tandem_off: tandem's mechanisms to switch off ("slo", "lengths",
-    "hidden"); slo_tbt_mean: under tandem, an RT request's TBT target bounds its mean time per
+    "hidden", "late"); slo_tbt_mean: under tandem, an RT request's TBT target bounds its mean time per
     output token (TPOT) instead of each gap.
     weight_blocks: on the CPU in float32 with the compiled kernels, weights that are exactly a
     GGUF's 4- or 8-bit blocks (SmolLM2's: Q4_1, its embedding Q8_0) stay in them, a fifth of the

@@ -62,6 +62,8 @@ class SchedConfig:
                                          # blocks compressed as swapped ones, engine.quantpool)
     tandem_off: tuple[str, ...] = ()     # tandem: mechanisms switched off (sched.tandem.MECHANISMS)
     mean_tbt: bool = False               # tandem: the TBT target bounds the mean gap (TPOT), not each gap
+    late_after: float = 0.5              # tandem: the part of its TTFT target a chat's prompt waits before
+                                         # look-ahead admission stops keeping it out (Tandem._late)
     prefix_caching: bool = False         # reuse the full KV blocks of equal token prefixes (cache.prefix);
                                          # whole-block pools only: bidirectional blocks are never shared
 
@@ -94,6 +96,9 @@ class SchedConfig:
             raise ValueError("tandem_off: an option of the tandem policy")
         if self.mean_tbt and self.policy != "tandem":
             raise ValueError("slo_tbt_mean: an option of the tandem policy")
+        if isinstance(self.late_after, bool) or not (isinstance(self.late_after, (int, float))
+                                                     and self.late_after >= 0):
+            raise ValueError(f"late_after: must be a number of TTFT targets >= 0, got {self.late_after!r}")
         aptserve_only = {"aptserve-fcfs (adaptive=False)": not self.adaptive,
                          "mixed_batches": self.mixed_batches, "slo_decay": self.slo_decay is not None}
         for name, set_ in aptserve_only.items():
@@ -158,7 +163,7 @@ def make_policy(cfg: SchedConfig, cost: OnlineCostModel | None):
             raise ValueError("policy: tandem needs a cost model (profile the engine first)")
         return Tandem(cost, cfg.max_num_seqs, cfg.rho, cfg.hybrid_cache and not cfg.bidirectional,
                       idle_budget_s=cfg.rt_budget_s, off=frozenset(cfg.tandem_off), mean_tbt=cfg.mean_tbt,
-                      swapping=cfg.swapping)
+                      swapping=cfg.swapping, late_after=cfg.late_after)
     if cfg.policy == "aptserve":
         return AptServe(cfg.rho, cfg.hybrid_cache, cfg.adaptive, cfg.slo_decay, cfg.mixed_batches, cost)
     raise ValueError(f"policy: {cfg.policy!r} is not one of {list(POLICIES)}")

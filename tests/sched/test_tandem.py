@@ -4,7 +4,10 @@ deadline, a hidden cache only where KV does not fit and a hidden cache is smalle
 look-ahead admission, estimated waits for what it preempts, and each mechanism's switch."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
+
+import pytest
 
 from tandem.engine.messages import CacheType
 from tandem.sched.bros import Bros
@@ -265,11 +268,23 @@ def test_with_swapping_a_chat_past_half_its_ttft_target_starts_though_its_growth
     """The look-ahead case above with RT requests (TTFT and TBT targets of 1 s): a new chat
     predicted to run 200 tokens raises the running chats' peak to 45.5 blocks of 40, so it waits
     while it has waited 0.4 s; at 0.6 s, past half its TTFT target, it starts when caches are
-    swapped, and still waits when they are recomputed."""
+    swapped, and still waits when they are recomputed; with ``late_after`` a quarter it starts
+    at 0.4 s, and with the mechanism off it waits however long it has waited."""
     running = [cand(f"r{i}", 96, 40, out=1, rt=True, slo=1.0) for i in range(2)]
 
-    def started(pending, swapping):
+    def started(pending, swapping, **kw):
         new = cand("new", 32, 200, rt=True, computed=0, blocks=0, arrival=5.0, slo=1.0, pending=pending)
-        return "new" in {d.req_id for d in policy(swapping=swapping)(snap(running, [new], free=12)).scheduled}
+        return "new" in {d.req_id for d in policy(swapping=swapping, **kw)(snap(running, [new], free=12)).scheduled}
     assert not started(0.4, True) and started(0.6, True)
     assert not started(0.6, False)
+    assert started(0.4, True, late_after=0.25) and not started(0.2, True, late_after=0.25)
+    assert not started(5.0, True, off=frozenset({Mechanism.LATE}))
+
+
+def test_late_after_reaches_the_policy_and_is_checked():
+    from tandem.sched.scheduler import SchedConfig, make_policy
+    assert make_policy(SchedConfig(policy="tandem", late_after=0.25).check(), cost).late_after == 0.25
+    assert make_policy(SchedConfig(policy="tandem", tandem_off=("late",)).check(), cost).late_after == math.inf
+    for bad in (-0.1, math.nan, "0.5", True):
+        with pytest.raises(ValueError, match="late_after"):
+            SchedConfig(policy="tandem", late_after=bad).check()
