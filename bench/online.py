@@ -50,7 +50,7 @@ def tandem_args(system: str, slo: dict | None = None, kv_cache_gib: float | None
     """Server flags for ``tandem[-<policy>][-bidir|-mixed][-kv][-oracle][-recompute|-swap]
     [-no-<mechanism>][-tpot]`` (bare ``tandem``: the default policy; a policy name may hold dashes:
     ``tandem-fcfs-prefill-first``; ``-oracle``: each request's true length as its prediction;
-    ``-no-slo``, ``-no-lengths``, ``-no-hidden``: the default policy with that mechanism off;
+    ``-no-slo``, ``-no-lengths``, ``-no-hidden``, ``-no-late``: the default policy with that mechanism off;
     ``-tpot``: its TBT target on the mean gap; ``-f32w``: float32 weights, not a GGUF's own blocks),
     the SLOs our server is told, and the KV cache size.
     tandem's and alise's predictions are not capped by max_tokens: the bench fixes each reply's
@@ -59,6 +59,7 @@ def tandem_args(system: str, slo: dict | None = None, kv_cache_gib: float | None
     for suffix, flag in (("-f32w", ["--no-weight-blocks"]), ("-tpot", ["--slo-tbt-mean"]),
                          ("-no-slo", ["--tandem-off", "slo"]),
                          ("-no-lengths", ["--tandem-off", "lengths"]), ("-no-hidden", ["--tandem-off", "hidden"]),
+                         ("-no-late", ["--tandem-off", "late"]),
                          ("-kv", ["--kv-only"]), ("-mixed", ["--aptserve-mixed"]),
                          ("-bidir", ["--bidirectional-blocks"]), ("-oracle", ["--length-predictor", "max_tokens"]),
                          ("-recompute", ["--preemption-mode", "recompute"]), ("-swap", ["--preemption-mode", "swap"])):
@@ -138,7 +139,8 @@ def slo_for(args, hf_dir: Path, tok) -> dict:
 
 def server_counters(url: str) -> dict[str, float]:
     """Counters from the server's Prometheus /metrics: preemptions (vLLM's name; ours too), our
-    tokens per cache type (tokens_kv, tokens_hidden), its device steps (steps, step_seconds) and
+    tokens per cache type (tokens_kv, tokens_hidden), the default policy's late starts and starts
+    ahead of a waiting chat (starts_late, starts_ahead), its device steps (steps, step_seconds) and
     the tokens they computed by class and phase (tokens_rt_prefill, tokens_be_decode, ...);
     {} where there is no /metrics."""
     try:
@@ -158,6 +160,9 @@ def server_counters(url: str) -> dict[str, float]:
             key = f"tokens_{m.group(1)}"
         elif name in ("tandem:step_seconds_count", "tandem:step_seconds_sum"):
             key = "steps" if name.endswith("count") else "step_seconds"
+        elif name == "tandem:starts_by_reason_total" and (
+                m := re.search(r'reason="scheduled \(RT\): started (\w+)', head)):
+            key = f"starts_{m.group(1)}"
         elif name == "tandem:step_tokens_total":
             labels = dict(re.findall(r'(\w+)="(\w*)"', head))
             key = f"tokens_{labels.get('service_class')}_{labels.get('phase')}"
@@ -366,6 +371,7 @@ def print_row(r: dict, flush=False) -> None:
 def _server(r: dict) -> str:
     c = r.get("server") or {}
     out = f"; {c['preemptions']:.0f} preemptions" if "preemptions" in c else ""
+    out += "".join(f", {c[k]:.0f} chats started {k[7:]}" for k in ("starts_late", "starts_ahead") if c.get(k))
     tokens = c.get("tokens_kv", 0.0) + c.get("tokens_hidden", 0.0)
     return out + (f", {c.get('tokens_hidden', 0.0) / tokens:.0%} of tokens into hidden caches" if tokens else "")
 

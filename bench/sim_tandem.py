@@ -27,6 +27,7 @@ from tandem.bench.workloads import sharegpt_trace, synthetic_be
 from tandem.cache import PoolGeometry
 from tandem.sched.cost_model import OPT_13B_A100, OPT_13B_A100_KV_TOKENS, OPT_13B_A100_RHO
 from tandem.sched.scheduler import SchedConfig
+from tandem.sched.tandem import STARTED_AHEAD, STARTED_LATE
 
 # name -> (SchedConfig fields, where RT lengths come from)
 SYSTEMS = {
@@ -74,7 +75,8 @@ def run_one(system: str, rate: float, trace, be_items, args, ttft: float, tbt: f
             "attain_apt": attainment(recs, lambda r: meets_apt(r, ttft, tbt)),
             "norm_latency_ms": s["normalized_latency_mean_s"] * 1e3,
             "be_rps": be.completed / makespan, "be_tok_s": be.output_tokens / makespan,
-            "preemptions": stats["preemptions"], "swaps": stats["swaps"], "tokens": stats["tokens"]}
+            "preemptions": stats["preemptions"], "swaps": stats["swaps"], "tokens": stats["tokens"],
+            "starts_late": stats["starts"].get(STARTED_LATE, 0), "starts_ahead": stats["starts"].get(STARTED_AHEAD, 0)}
 
 
 def run(args) -> dict:
@@ -119,7 +121,8 @@ def _rows_of_seed(args, tok, ttft: float, tbt: float) -> list[dict]:
             rows.append(row)
             print(f"  {system:>19} @ {rate:g}: TTFT&TPOT {row['attain_bros']:.0%}, TTFT&P99TBT "
                   f"{row['attain_apt']:.0%}, norm. latency {row['norm_latency_ms']:.1f} ms/tok, BE "
-                  f"{row['be_rps']:.2f} req/s, {row['preemptions']} preemptions", flush=True)
+                  f"{row['be_rps']:.2f} req/s, {row['preemptions']} preemptions, chats started late / ahead "
+                  f"{row['starts_late']} / {row['starts_ahead']}", flush=True)
     return rows
 
 

@@ -131,7 +131,8 @@ def simulate(trace: list[TraceItem], setup: SimSetup, be: BeJobs | None = None,
 
     With ``be``, BE jobs are kept pending alongside; only their completed counts are kept (in ``be``).
     ``stats``, when given, receives the scheduler's counts at the end: preemptions, cache-type
-    switches (by new type) and tokens computed into each cache type.
+    switches (by new type), tokens computed into each cache type, swaps and starts (and
+    resumptions) by the policy's reason.
     """
     clock = SimClock()
     devices = [SimDevice(f"sim{i}", setup.geometry, setup.cost, clock, setup.noise, setup.seed + i,
@@ -199,5 +200,6 @@ def simulate(trace: list[TraceItem], setup: SimSetup, be: BeJobs | None = None,
         stats.update(preemptions=sum(sched.preemptions_by_class.values()),
                      switches={k.value: v for k, v in sched.cache_switches.items()},
                      tokens={k.value: v for k, v in sched.tokens_by_cache_type.items()},
-                     swaps=dict(sched.counts("swaps")), swap_bytes=dict(sched.counts("swap_bytes")))
+                     swaps=dict(sched.counts("swaps")), swap_bytes=dict(sched.counts("swap_bytes")),
+                     starts=dict(sched.counts("start_reasons")))
     return order, clock.t

@@ -113,6 +113,7 @@ class DeviceActor:
         self.num_preemptions = 0
         self.preemptions_by_class: Counter = Counter()
         self.preemption_reasons: Counter = Counter()   # the policy's reason for each preemption
+        self.start_reasons: Counter = Counter()        # its reason for each start or resumption
         self.tokens_by_cache_type: Counter = Counter()
         self.tokens_by_phase: Counter = Counter()  # (ServiceClass, Phase) -> tokens computed
         self.steps: deque[tuple[float, int]] = deque(maxlen=1024)   # (seconds, tokens) of recent steps
@@ -288,6 +289,8 @@ class DeviceActor:
             hidden = self.pool.geometry.blocks_for(st.num_computed) if st.cache_type is CacheType.HIDDEN else 0
             shape = shape.add(dec.num_new_tokens, st.num_computed + dec.num_new_tokens,
                               dec.phase is Phase.DECODE, hidden)
+            if st.status is Status.WAITING:
+                self.start_reasons[reason_kind(plan.reasons.get(dec.req_id, "scheduled"))] += 1
             self._start(st)
             if not st.sent_to_device:
                 inp.new_requests.append(self._new_request(st))

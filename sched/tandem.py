@@ -72,6 +72,9 @@ class Mechanism(str, Enum):
 
 
 MECHANISMS = tuple(m.value for m in Mechanism)
+# why a waiting request started where look-ahead admission, or a more urgent request, held it back
+STARTED_LATE = "scheduled (RT): started late, its TTFT target near, though its predicted growth may not fit"
+STARTED_AHEAD = "scheduled (RT): started ahead, in free blocks, while a more urgent request waits for more"
 
 
 class Tandem(Bros):
@@ -96,6 +99,7 @@ class Tandem(Bros):
         self._rank: dict[str, tuple] = {}
         self._held: Footprint | None = None
         self._running: set[str] = set()
+        self._started: dict[str, str] = {}     # this iteration's starts by a rule of this policy's own
 
     # ---- the hooks BROS's packing calls ------------------------------------------------
     def _rt_order(self, snap: Snapshot, res) -> list[Candidate]:
@@ -115,8 +119,10 @@ class Tandem(Bros):
         their first token is due; counted from then on."""
         if self._held is None or c.req_id in self._running:
             return True
-        if not (self._held.admits(c) or self._late(c)):
-            return False
+        if not self._held.admits(c):
+            if not self._late(c):
+                return False
+            self._started[c.req_id] = STARTED_LATE
         self._held.add(c)
         return True
 
@@ -144,7 +150,10 @@ class Tandem(Bros):
         newcomer when it arrived first (RT preempts only later arrivals), which a swap makes
         cheap. Without it, chats arriving behind a swapped 600-token chat in a full pool waited
         1.5-4 s for its return (OPT-13B's cost model, a 2,600-token pool, 2 req/s)."""
-        return self.swapping and r.num_output == 0 and budget.need(r, n) <= budget.room(r)
+        if self.swapping and r.num_output == 0 and budget.need(r, n) <= budget.room(r):
+            self._started.setdefault(r.req_id, STARTED_AHEAD)
+            return True
+        return False
 
     def _res(self, c: Candidate, t_avg: float) -> float:
         """Each gap against the TBT target, or with ``mean_tbt`` the mean time per output token
@@ -202,6 +211,7 @@ class Tandem(Bros):
         snap, hidden = self._cache_choice(snap)       # a cache type does not enter T_rem: the order holds
         self._running = {c.req_id for c in snap.running}
         self._held = None if Mechanism.LENGTHS in self.off else Footprint(snap, snap.running, self._rank)
+        self._started = {}
         if Mechanism.SLO in self.off:
             self.b_curr = self.max_num_seqs
         plan = super().__call__(snap)
@@ -212,6 +222,8 @@ class Tandem(Bros):
             c = by_id.get(d.req_id)
             if c is not None and c.req_id in hidden:
                 plan.cache_types[c.req_id] = hidden[c.req_id]
+            if d.req_id in self._started:
+                plan.reasons[d.req_id] = self._started[d.req_id]
         plan.levels = {c.req_id: key[1] for key, c, _ in keyed}
         plan.ewt = self.alise.ewt(keyed, plan) if Mechanism.LENGTHS not in self.off else {}
         return plan

@@ -93,6 +93,8 @@ class Metrics:
                              "from host memory to be recomputed", ["model_name", "event"], registry=r)
         self.preemption_reasons = Counter("tandem:preemptions_by_reason", "Preemptions by the policy's reason "
                                           "(whom the blocks went to)", ["model_name", "reason"], registry=r)
+        self.start_reasons = Counter("tandem:starts_by_reason", "Requests started, or resumed after a preemption, "
+                                     "by the policy's reason", ["model_name", "reason"], registry=r)
         self.waiting_reasons = Gauge("tandem:requests_waiting_by_reason", "Waiting requests by class and by "
                                      "the policy's reason for not running them", ["model_name", "service_class",
                                      "reason"], registry=r)
@@ -169,6 +171,7 @@ class Metrics:
             self._count(self.swap_bytes, actor.index, actor.swap_bytes)
             self._count(self.swaps, actor.index, actor.swaps)
             self._count(self.preemption_reasons, actor.index, actor.preemption_reasons)
+            self._count(self.start_reasons, actor.index, actor.start_reasons)
             self._count(self.prefix_queries, actor.index, {(): actor.prefix_tokens["queried"]})
             self._count(self.prefix_hits, actor.index, {(): actor.prefix_tokens["hits"]})
             self._count(self.prefix_routed, actor.index, {(): actor.prefix_routed})

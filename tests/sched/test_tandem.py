@@ -13,7 +13,7 @@ from tandem.engine.messages import CacheType
 from tandem.sched.bros import Bros
 from tandem.sched.cost_model import CostModel, StepShape
 from tandem.sched.policy import Candidate, Limits, Snapshot
-from tandem.sched.tandem import Mechanism, Tandem
+from tandem.sched.tandem import STARTED_AHEAD, STARTED_LATE, Mechanism, Tandem
 
 COST = CostModel(base=0.01, per_prefill_token=1e-4, per_prefill_attn=0.0, per_decode_token=1e-3,
                  per_decode_ctx=1e-6, per_hidden_block=1e-4)
@@ -254,6 +254,7 @@ def test_with_swapping_a_new_chat_starts_in_free_blocks_while_a_swapped_one_wait
     assert sorted(d.req_id for d in on.scheduled) == ["new", "old"] and on.preempted == []
     assert on.reasons["swapped"].startswith("waiting: no block")
     assert on.reasons["again"] == on.reasons["big"] == "waiting: behind a more urgent RT request that waits for blocks"
+    assert on.reasons["new"] == STARTED_AHEAD and on.reasons["old"] == "scheduled (RT)"
     without = policy(off=off)(s)
     assert [d.req_id for d in without.scheduled] == ["old"] and without.preempted == []
 
@@ -272,10 +273,16 @@ def test_with_swapping_a_chat_past_half_its_ttft_target_starts_though_its_growth
     at 0.4 s, and with the mechanism off it waits however long it has waited."""
     running = [cand(f"r{i}", 96, 40, out=1, rt=True, slo=1.0) for i in range(2)]
 
-    def started(pending, swapping, **kw):
+    def plan(pending, swapping, **kw):
         new = cand("new", 32, 200, rt=True, computed=0, blocks=0, arrival=5.0, slo=1.0, pending=pending)
-        return "new" in {d.req_id for d in policy(swapping=swapping, **kw)(snap(running, [new], free=12)).scheduled}
+        return policy(swapping=swapping, **kw)(snap(running, [new], free=12))
+
+    def started(pending, swapping, **kw):
+        return "new" in {d.req_id for d in plan(pending, swapping, **kw).scheduled}
     assert not started(0.4, True) and started(0.6, True)
+    assert plan(0.6, True).reasons["new"] == STARTED_LATE       # what /metrics counts it under
+    fits = cand("new", 32, 8, rt=True, computed=0, blocks=0, arrival=5.0, slo=1.0, pending=0.6)
+    assert policy(swapping=True)(snap(running, [fits], free=12)).reasons["new"] == "scheduled (RT)"
     assert not started(0.6, False)
     assert started(0.4, True, late_after=0.25) and not started(0.2, True, late_after=0.25)
     assert not started(5.0, True, off=frozenset({Mechanism.LATE}))

@@ -56,6 +56,11 @@ async def test_policy_serves_mixed_work(policy, reference, tiny_chat_model, tmp_
         seen = server_counters(s.url)                               # what the bench scrapes
         assert seen["tokens_kv"] + seen.get("tokens_hidden", 0) >= computed
         assert seen["preemptions"] == metric(text, "vllm:num_preemptions_total")
+        # 8 RT requests and every completed BE line started (the job cancelled at the end may have
+        # started up to 3 more), and each preemption or discarded cache made one start again
+        again = metric(text, "vllm:num_preemptions_total") + metric(text, "tandem:cache_switches_total")
+        started = 8 + be_res.completed
+        assert started <= metric(text, "tandem:starts_by_reason_total") <= started + 3 + again
         if policy == "bros":
             assert metric(text, "tandem:cost_model_observed_steps") > 0
             assert 0 <= metric(text, "tandem:cost_model_error") < 10

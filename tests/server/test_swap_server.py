@@ -1,6 +1,6 @@
 """Swapping behind the server: with a pool too small for the concurrent requests, preempted
 requests' caches go to host memory and come back; each reply is HF transformers' greedy one,
-and /metrics counts the swaps and the bytes both ways."""
+and /metrics counts the swaps and the bytes both ways, and every start and resumption."""
 import asyncio
 
 import pytest
@@ -53,6 +53,9 @@ async def test_swapped_requests_reply_as_if_alone(tiny_chat_model, tmp_path):
     assert metric(text, "vllm:num_preemptions_total") > 0, "the pool was meant to force preemption"
     # every preemption is counted once under the policy's reason for it
     assert metric(text, "tandem:preemptions_by_reason_total") == metric(text, "vllm:num_preemptions_total")
+    # and each start, and each resumption after a preemption, once (the N stories and the whole chat;
+    # the refused chat never started)
+    assert metric(text, "tandem:starts_by_reason_total") == N + 1 + metric(text, "vllm:num_preemptions_total")
     out = metric(text, "tandem:swaps_total", event="out")
     assert out > 0 and metric(text, "tandem:swaps_total", event="in") == out
     moved = metric(text, "tandem:swap_bytes_total", direction="out")
