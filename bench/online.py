@@ -28,6 +28,7 @@ from tandem.bench.peers import free_port, serve, vllm_server
 from tandem.bench.workloads import TraceItem, chat_text, sharegpt_trace
 from tandem.engine.dtype import resolve_dtype
 from tandem.engine.models.loader import load_spec
+from tandem.sched.tandem import STARTED
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -162,8 +163,8 @@ def server_counters(url: str) -> dict[str, float]:
         elif name in ("tandem:step_seconds_count", "tandem:step_seconds_sum"):
             key = "steps" if name.endswith("count") else "step_seconds"
         elif name == "tandem:starts_by_reason_total" and (
-                m := re.search(r'reason="scheduled \(RT\): started (\w+)', head)):
-            key = f"starts_{m.group(1)}"
+                kind := next((k for k, why in STARTED.items() if f'reason="{why}"' in head), None)):
+            key = f"starts_{kind}"
         elif name == "tandem:step_tokens_total":
             labels = dict(re.findall(r'(\w+)="(\w*)"', head))
             key = f"tokens_{labels.get('service_class')}_{labels.get('phase')}"
@@ -372,7 +373,7 @@ def print_row(r: dict, flush=False) -> None:
 def _server(r: dict) -> str:
     c = r.get("server") or {}
     out = f"; {c['preemptions']:.0f} preemptions" if "preemptions" in c else ""
-    out += "".join(f", {c[k]:.0f} chats started {k[7:]}" for k in ("starts_late", "starts_ahead") if c.get(k))
+    out += "".join(f", {c[f'starts_{k}']:.0f} chats started {k}" for k in STARTED if c.get(f"starts_{k}"))
     tokens = c.get("tokens_kv", 0.0) + c.get("tokens_hidden", 0.0)
     return out + (f", {c.get('tokens_hidden', 0.0) / tokens:.0%} of tokens into hidden caches" if tokens else "")
 

@@ -27,7 +27,7 @@ from tandem.bench.workloads import sharegpt_trace, synthetic_be
 from tandem.cache import PoolGeometry
 from tandem.sched.cost_model import OPT_13B_A100, OPT_13B_A100_KV_TOKENS, OPT_13B_A100_RHO
 from tandem.sched.scheduler import SchedConfig
-from tandem.sched.tandem import STARTED_AHEAD, STARTED_LATE
+from tandem.sched.tandem import STARTED
 
 # name -> (SchedConfig fields, where RT lengths come from)
 SYSTEMS = {
@@ -76,7 +76,7 @@ def run_one(system: str, rate: float, trace, be_items, args, ttft: float, tbt: f
             "norm_latency_ms": s["normalized_latency_mean_s"] * 1e3,
             "be_rps": be.completed / makespan, "be_tok_s": be.output_tokens / makespan,
             "preemptions": stats["preemptions"], "swaps": stats["swaps"], "tokens": stats["tokens"],
-            "starts_late": stats["starts"].get(STARTED_LATE, 0), "starts_ahead": stats["starts"].get(STARTED_AHEAD, 0)}
+            **{f"starts_{k}": stats["starts"].get(why, 0) for k, why in STARTED.items()}}
 
 
 def run(args) -> dict:

@@ -75,6 +75,7 @@ MECHANISMS = tuple(m.value for m in Mechanism)
 # why a waiting request started where look-ahead admission, or a more urgent request, held it back
 STARTED_LATE = "scheduled (RT): started late, its TTFT target near, though its predicted growth may not fit"
 STARTED_AHEAD = "scheduled (RT): started ahead, in free blocks, while a more urgent request waits for more"
+STARTED = {"late": STARTED_LATE, "ahead": STARTED_AHEAD}     # short name -> the reason /metrics counts
 
 
 class Tandem(Bros):
