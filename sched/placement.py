@@ -360,25 +360,23 @@ class _Baseline(_Books):
         if fits:
             if self.policy is Placement.BF:
                 return min(fits, key=lambda d: (self.free(d), d))
+            worst = max(fits, key=lambda d: (self.free(d), -d))
             if cached:
-                d = self._affine(size, cached, fits)
+                d = self._affine(size, cached, fits, worst)
                 if d is not None:
                     return d
-            return max(fits, key=lambda d: (self.free(d), -d))
+            return worst
         d = self.open_device()
         return d if d is not None else self.emptiest(avoid)
 
-    def _affine(self, size: int, cached: dict[int, int], fits: list[int]) -> int | None:
+    def _affine(self, size: int, cached: dict[int, int], fits: list[int], worst: int) -> int | None:
         """The device of ``fits`` that cache-aware routing picks for an arrival of ``size``
-        blocks, if any: after placing it there, the fullest and the emptiest active devices
-        differ by at most C/10 blocks (or the arrival lands on the emptiest)."""
+        blocks, if any: LB's balancer would move nothing once it is placed there (the fullest
+        and the emptiest active devices differ by at most C/10 blocks, or the fullest holds no
+        request that would narrow the gap), or it is ``worst``, where worst fit puts it anyway."""
         counts = {d: len(self.requests_on(d)) for d in self.cl.active}
         d = prefix_affinity({d: n for d, n in cached.items() if d in fits}, counts)
-        if d is None:
-            return None
-        loads = {e: self.load(e) + (size if e == d else 0) for e in self.cl.active}
-        if self.load(d) <= min(self.load(e) for e in self.cl.active) or 10 * (max(loads.values()) - min(
-                loads.values())) <= self.C:
+        if d is None or d == worst or not self._balancing(extra=(d, size)):
             return d
         return None
 
@@ -399,20 +397,31 @@ class _Baseline(_Books):
                 self._relocate(r, dst, f"device {d} overflowed as its requests grew", kind)
 
     def _balance(self) -> None:
-        """Pair the fullest device with the emptiest, the next with the next; move the request
-        that best halves each pair's gap when the gap exceeds C/10."""
-        order = sorted(self.cl.active, key=lambda d: (self.load(d), d))
+        for r, hi, lo, gap in self._balancing():
+            why = f"load balancing: device {hi} holds {gap} blocks more than {lo}"
+            self.item_moves.append(self._op(lambda r=r, lo=lo, why=why: self._relocate(r, lo, why)))
+
+    def _balancing(self, extra: tuple[int, int] | None = None) -> list[tuple[str, int, int, int]]:
+        """LB's moves, as (request, from, to, gap): pair the fullest device with the emptiest,
+        the next with the next, and move the request that best halves each pair's gap when the
+        gap exceeds C/10. ``extra``: (device, blocks) of an arrival not yet placed, counted there
+        as a request named ""."""
+        load = {d: self.load(d) for d in self.cl.active}
+        held = {d: {r: self.cl.sizes[r] for r in self.requests_on(d)} for d in self.cl.active}
+        if extra is not None:
+            load[extra[0]] += extra[1]
+            held[extra[0]][""] = extra[1]
+        order = sorted(self.cl.active, key=lambda d: (load[d], d))
+        moves = []
         while len(order) >= 2:
             lo, hi = order.pop(0), order.pop()
-            gap = self.load(hi) - self.load(lo)
+            gap = load[hi] - load[lo]
             if 10 * gap <= self.C:
                 break
-            cands = [r for r in self.requests_on(hi) if self.cl.sizes[r] < gap
-                     and self.cl.sizes[r] <= self.free(lo)]
+            cands = [r for r, n in held[hi].items() if n < gap and n <= self.C - load[lo]]
             if cands:
-                r = min(cands, key=lambda r: (abs(2 * self.cl.sizes[r] - gap), r))
-                why = f"load balancing: device {hi} holds {gap} blocks more than {lo}"
-                self.item_moves.append(self._op(lambda: self._relocate(r, lo, why)))
+                moves.append((min(cands, key=lambda r: (abs(2 * held[hi][r] - gap), r)), hi, lo, gap))
+        return moves
 
 
 # ---- Mell ----------------------------------------------------------------------------------

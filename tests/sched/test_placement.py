@@ -5,7 +5,7 @@ from fractions import Fraction
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from tandem.sched.placement import (Category, Cluster, Epoch, MoveKind, Placement, category, place,
+from tandem.sched.placement import (Category, Cluster, Decision, Epoch, MoveKind, Placement, category, place,
                              violations)
 
 C = 48
@@ -331,6 +331,14 @@ def test_an_arrival_goes_where_its_prompt_is_cached_while_loads_allow():
     assert place(Placement.LB, crowded, Epoch({"x": 1}, cached={"x": {1: 3}}))[1].placed == {"x": 0}
     three = cluster({0: {"a": 5}, 1: {"b": 2, "c": 2, "d": 2}}, max_devices=2)   # two ahead: allowed
     assert place(Placement.LB, three, Epoch({"x": 1}, cached={"x": {1: 3}}))[1].placed == {"x": 1}
+    # two idle devices: 10 blocks apart, but the balancer cannot narrow the gap by moving x itself
+    idle = cluster({0: {}, 1: {}}, max_devices=2)
+    assert place(Placement.LB, idle, Epoch({"x": 10}, cached={"x": {1: 3}}))[1] == \
+        Decision({"x": 1}, [], [0], [])
+    # equally full devices: on device 1, x would leave it 6 blocks ahead with d (2 blocks) to move
+    # back, where on worst fit's device 0 none of a, b, x is smaller than the gap
+    tied = cluster({0: {"a": 6, "b": 9}, 1: {"c": 11, "d": 2, "e": 1, "f": 1}}, max_devices=2)
+    assert place(Placement.LB, tied, Epoch({"x": 6}, cached={"x": {1: 4}}))[1] == Decision({"x": 0}, [], [0], [])
     # the packers place by size alone
     for policy in (Placement.BF, Placement.MELL):
         alone = place(policy, cl, Epoch({"x": 2}))[1].placed
