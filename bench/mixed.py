@@ -20,7 +20,7 @@ import itertools
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import aiohttp
 
@@ -139,10 +139,11 @@ async def drive_online(s, url, model, be: Iterator[TraceItem], concurrency: int,
     out.records = [r for r in out.records if r.ok]       # aborted at the window's end: not completed
 
 
-async def run_mixed(url: str, model: str, rt: list[TraceItem], be_items: list[TraceItem], system: str, *,
+async def run_mixed(url: str, model: str, rt: list[TraceItem], be_items: Iterable[TraceItem], system: str, *,
                     be_mode: str = "batches", job_size: int = 16, be_concurrency: int = 16,
                     drain_s: float = 120.0, api_key: str | None = None) -> tuple[list[RequestRecord], BeResult]:
-    """RT items at their arrival offsets while BE work is kept pending; see the module doc."""
+    """RT items at their arrival offsets while BE work is kept pending; see the module doc. ``be_items``
+    are cycled: an endless iterator sends none twice."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     be = itertools.cycle(be_items)
     result = BeResult(be_mode)

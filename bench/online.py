@@ -229,22 +229,32 @@ def opt125m_random(tokenizer_dir: Path) -> Path:
     return path
 
 
+class RateTraces:
+    """Each rate's RT trace, the same for every system. Each rate's prompts follow the previous
+    rate's in the dataset, so no prompt reaches one server twice: its prefix cache would hold an
+    earlier rate's prompts, and a length predictor that learns online their answers.
+    ``same_prompts`` (``--requests``): every rate has the same prompts, each rate on a server of its
+    own."""
+
+    def __init__(self, args, hf_dir: Path, tok, *, same_prompts: bool = False):
+        self.args, self.hf_dir, self.tok, self.same = args, hf_dir, tok, same_prompts
+        self.traces: dict[float, list[TraceItem]] = {}
+        self.used = 0
+
+    def __call__(self, rate: float) -> list[TraceItem]:
+        a = self.args
+        if rate not in self.traces and self.same:
+            self.traces[rate] = rt_trace(a, self.hf_dir, self.tok, rate, held_out=a.held_out,
+                                         duration_s=a.requests / rate)
+        if rate not in self.traces:
+            self.traces[rate] = rt_trace(a, self.hf_dir, self.tok, rate, held_out=a.held_out, skip=self.used)
+            self.used += max(1, round(rate * a.duration))
+        return self.traces[rate]
+
+
 def main(args) -> None:
     hf_dir, tok = _setup(args)
-    traces, used = {}, [0]
-
-    def trace(rate: float):
-        """Each rate's prompts follow the previous rate's in the dataset, so no prompt reaches one
-        server twice (a length predictor that learns online would otherwise know its answer).
-        With ``--requests`` every rate has the same prompts, and a server of its own."""
-        if rate not in traces and args.requests:
-            traces[rate] = rt_trace(args, hf_dir, tok, rate, held_out=args.held_out,
-                                    duration_s=args.requests / rate)
-        if rate not in traces:
-            n = max(1, round(rate * args.duration))
-            traces[rate] = rt_trace(args, hf_dir, tok, rate, held_out=args.held_out, skip=used[0])
-            used[0] += n
-        return traces[rate]
+    trace = RateTraces(args, hf_dir, tok, same_prompts=bool(args.requests))
     slo = slo_for(args, hf_dir, tok)
     rows, searches = [], []
 
@@ -296,21 +306,22 @@ def main(args) -> None:
 def mixed(args) -> None:
     """RT ShareGPT online at each rate while BE work is always pending (Batch API jobs or online)."""
     from tandem.bench.mixed import co_serving_targets, print_targets, run_mixed
-    from tandem.bench.workloads import synthetic_be
+    from tandem.bench.workloads import synthetic_be_stream
     hf_dir, tok = _setup(args)
     slo = slo_for(args, hf_dir, tok)
     vocab = len(tok) if tok is not None else load_spec(hf_dir).vocab_size
-    be_items = synthetic_be(args.be_pool, args.seed + 1, vocab, scale=args.be_scale, tokenizer=tok)
+    trace = RateTraces(args, hf_dir, tok)
     told = slo if args.server_slo_tbt_ms is None else {**slo, "tbt_s": args.server_slo_tbt_ms / 1e3}
     label = "" if args.server_slo_tbt_ms is None else f"@tbt{args.server_slo_tbt_ms:g}ms"
     rows = []
     for system in args.systems:
         mode = args.be_mode if args.be_mode != "auto" else ("batches" if system.startswith("tandem") else "online")
         with start(system, hf_dir, args.max_num_seqs, told, args.model, args.kv_cache_gib, args.devices) as url:
-            for rate in args.rates:
-                rt = rt_trace(args, hf_dir, tok, rate, held_out=args.held_out)
+            for i, rate in enumerate(args.rates):
+                # each rate's BE prompts new to the server too (random ids: no prefix shared)
+                be_items = synthetic_be_stream(args.seed + 1 + i, vocab, scale=args.be_scale, tokenizer=tok)
                 before, t0 = server_counters(url), time.monotonic()
-                recs, be = asyncio.run(run_mixed(url, "smollm2", rt, be_items, system, be_mode=mode,
+                recs, be = asyncio.run(run_mixed(url, "smollm2", trace(rate), be_items, system, be_mode=mode,
                                                  job_size=args.be_job_size, be_concurrency=args.be_concurrency,
                                                  drain_s=args.drain))
                 after, elapsed = server_counters(url), time.monotonic() - t0

@@ -187,11 +187,12 @@ def lengths_trace(rate: float, duration_s: float, seed: int, vocab_size: int, *,
                   max_output_tokens: int = 512, cv: float = 1.0, service_class: str = "rt",
                   skip: int = 0) -> list[TraceItem]:
     """``sharegpt_trace`` from the shipped lengths alone: random token ids of each prompt's length
-    (for random-weight models, whose text is noise anyway), outputs forced to the reply's length."""
+    (for random-weight models, whose text is noise anyway), outputs forced to the reply's length.
+    A trace that skips pairs draws other ids too, so its prompts share no prefix with the first."""
     import random
     pairs = json.loads(LENGTHS_FILE.read_text())["prompt_reply_tokens"]
     n = max(1, round(rate * duration_s))
-    rng = random.Random(seed)
+    rng = random.Random(seed if skip == 0 else f"{seed}/{skip}")
     items = []
     for i, t in enumerate(arrivals(rate, n, seed, cv)):
         p_len, r_len = pairs[(skip + i) % len(pairs)]
@@ -201,23 +202,28 @@ def lengths_trace(rate: float, duration_s: float, seed: int, vocab_size: int, *,
     return items
 
 
-def synthetic_be(n: int, seed: int, vocab_size: int, *, prompt_range=(512, 1024),
-                 output_range=(32, 128), scale: float = 1.0, tokenizer=None) -> list[TraceItem]:
-    """BROS-style best-effort jobs: uniform input and output lengths (scaled to the model's context).
+def synthetic_be(n: int, seed: int, vocab_size: int, **kw) -> list[TraceItem]:
+    """The first n items of ``synthetic_be_stream``."""
+    return list(islice(synthetic_be_stream(seed, vocab_size, **kw), n))
 
-    Prompts are random token ids; with a tokenizer they also carry their decoded text (for
-    servers that take only strings, where the re-tokenized length may differ slightly).
+
+def synthetic_be_stream(seed: int, vocab_size: int, *, prompt_range=(512, 1024), output_range=(32, 128),
+                        scale: float = 1.0, tokenizer=None) -> Iterator[TraceItem]:
+    """BROS-style best-effort jobs, without end: uniform input and output lengths (scaled to the
+    model's context).
+
+    Prompts are random token ids, so no two share a prefix a server could cache; with a tokenizer
+    they also carry their decoded text (for servers that take only strings, where the
+    re-tokenized length may differ slightly).
     """
     import random
     rng = random.Random(seed)
     lo_p, hi_p = (max(1, int(x * scale)) for x in prompt_range)
     lo_o, hi_o = (max(1, int(x * scale)) for x in output_range)
-    items = []
-    for _ in range(n):
+    while True:
         ids = [rng.randrange(3, vocab_size) for _ in range(rng.randint(lo_p, hi_p))]
         text = tokenizer.decode(ids) if tokenizer is not None else ""
-        items.append(TraceItem(0.0, ids, rng.randint(lo_o, hi_o), "be", text))
-    return items
+        yield TraceItem(0.0, ids, rng.randint(lo_o, hi_o), "be", text)
 
 
 def humaneval_prompts() -> list[str]:
