@@ -26,7 +26,7 @@ from tandem.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from tandem.server.metrics import Metrics
 from tandem.server.protocol import (GenRequest, check_model, parse_chat, parse_completion, parse_detokenize,
                                     parse_tokenize)
-from tandem.server.tools import ContentStream, ToolPlan
+from tandem.server.tools import ContentStream, ToolPlan, finish_reason
 
 OPEN_PATHS = ("/health", "/metrics", "/status", "/dashboard", "/openapi.json")   # what /metrics shows, no request text
 DASHBOARD = Path(__file__).parent / "static" / "dashboard.html"
@@ -331,10 +331,10 @@ def usage(p: Prepared, choices: list[Choice]) -> dict:
 
 def choice_json(chat: bool, ch: Choice, text_of: TokenText, tools: ToolPlan | None = None) -> dict:
     if chat:
-        content, calls = tools.parse(ch.text, ch.finish_reason == "stop") if tools else (ch.text, [])
+        content, calls = tools.parse(ch.text) if tools else (ch.text, [])
         message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
         c = {"index": ch.index, "message": message, "logprobs": None,
-             "finish_reason": "tool_calls" if calls else ch.finish_reason} | unsent_logprobs(chat, ch, text_of)
+             "finish_reason": finish_reason(calls, ch.finish_reason)} | unsent_logprobs(chat, ch, text_of)
     else:
         c = completion_choice(ch, ch.text, ch.finish_reason, text_of)
     return c | token_ids_json(chat, ch, ch.token_ids)
@@ -466,8 +466,8 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
 
     async def sink(ch: Choice, delta: str) -> None:
         closed = []
-        if ch.content is not None:            # content up to where a call may begin; each call as it closes
-            closed = ch.content.closed_calls(delta, lambda: ch.text)
+        if ch.content is not None:            # content up to where a call may begin; the calls' deltas
+            closed = ch.content.call_deltas(delta, lambda: ch.text)
             delta = ch.content.push(delta)
         if delta or ch.echo_pending or (ch.prompt_ids is not None and len(ch.token_ids) > ch.ids_sent) or (
                 ch.logprobs is not None and len(ch.logprobs) > ch.lps_sent):
@@ -478,11 +478,11 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
             return
         finish = ch.finish_reason
         if ch.content is not None:
-            content, calls = tools.parse(ch.text, finish == "stop")
+            content, calls = tools.parse(ch.text)
             if content and len(content) > ch.content.sent:
                 await send(chunk(ch, content[ch.content.sent:], None))
+            finish = finish_reason(calls, finish)
             if calls:
-                finish = "tool_calls"
                 rest = [c | {"index": i} for i, c in enumerate(calls) if i >= ch.content.calls_sent]
                 if rest:
                     await send(call_event(ch, rest))

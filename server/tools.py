@@ -7,14 +7,19 @@ calls in the conversation are written back the same way in the assistant's turn,
 tool's result goes in a user turn inside ``<tool_response>`` tags, which every template takes.
 
 How the output becomes calls depends on ``tool_choice``:
-- ``required``: the output is constrained (structured outputs) to a JSON array of calls, each
-  ``{"name": <a tool's name>, "arguments": <that tool's parameters schema>}``, one call unless
+- ``required``: the output is constrained (structured outputs) to a compact JSON array of calls,
+  each ``{"name":<a tool's name>,"arguments":<that tool's parameters schema>}``, one call unless
   ``parallel_tool_calls``;
 - a named function: the output is constrained to its parameters schema, and is its arguments;
 - ``auto`` (the default with tools): nothing is constrained; the ``<tool_call>`` blocks of the
-  output that hold a known tool's name and JSON arguments become calls, the rest stays text (a
-  stream sends each call as its block closes);
+  output that hold a known tool's name and JSON arguments become calls, the rest stays text;
 - ``none``: the tools are not shown and nothing is parsed.
+
+Streamed, a constrained call goes out as soon as its name is written and then its arguments
+piece by piece, as OpenAI streams them; with ``auto`` each call goes out whole as its block
+closes (before that, the block may still turn out not to be a call). A reply cut off by
+``max_tokens`` keeps finish reason ``length``, so a client can tell its calls from finished
+ones; a constrained call keeps the arguments it got to, an ``auto`` block left open is text.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ import json
 import re
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.engine.params import StructuredOutputs
 
@@ -79,17 +84,14 @@ class ToolPlan:
                 'pair of tags:\n<tool_call>\n{"name": "<function name>", "arguments": {<arguments>}}\n'
                 "</tool_call>\nA function's result comes back in <tool_response> tags.")
 
-    def parse(self, text: str, finished: bool) -> tuple[str | None, list[dict]]:
-        """An output's text -> (content, tool calls). A constrained output that did not finish
-        (it hit max_tokens) is no call: it stays text."""
+    def parse(self, text: str) -> tuple[str | None, list[dict]]:
+        """An output's text -> (content, tool calls). A constrained output is calls only, those it
+        began where it was cut off (``ArgumentStream``)."""
         if self.choice is ToolChoice.AUTO:
             return self._parse_tagged(text)
-        if not finished:
-            return text, []
-        if self.choice is ToolChoice.NAMED:
-            return None, [tool_call(self.name, text)]
-        return None, [tool_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False))
-                      for c in json.loads(text)]
+        stream = ArgumentStream(self)
+        stream.push(text)
+        return None, stream.calls
 
     def _parse_tagged(self, text: str) -> tuple[str | None, list[dict]]:
         """``<tool_call>`` blocks naming a known function with JSON arguments become calls; blocks
@@ -115,18 +117,98 @@ class ToolPlan:
 
 
 @dataclass(slots=True)
+class ArgumentStream:
+    """A constrained reply's calls while it is generated, a character at a time. The grammar
+    makes the output compact JSON: with a named function the whole output is its arguments; with
+    ``required`` it is ``[{"name":N,"arguments":A},...]``, keys in that order, so a call's name is
+    known at the ``,"arguments":`` after it, and its arguments run from there to the ``}`` that
+    closes the call's object. Outside strings the nesting depth says which ``}`` that is: the
+    array is depth 1, a call's object 2."""
+    plan: ToolPlan
+    calls: list[dict] = field(default_factory=list)     # each call begun, arguments so far
+    depth: int = 0
+    quoted: bool = False            # inside a JSON string
+    escaped: bool = False           # right after a backslash inside one
+    head: str | None = None         # required: a call object's text up to its arguments
+    in_args: bool = False
+
+    def push(self, new: str) -> list[dict]:
+        """The ``tool_calls`` deltas of the reply's ``new`` text, by index: a call begun here goes
+        whole (id, type, name and its arguments so far), a call begun before as a piece of its
+        arguments."""
+        known = len(self.calls)
+        if self.plan.choice is ToolChoice.NAMED and new and not self.calls:
+            self.calls.append(tool_call(self.plan.name, ""))
+            self.in_args = True
+        chars: dict[int, list[str]] = {}
+        for ch in new:
+            if self._follow(ch):
+                continue
+            if self.in_args:
+                chars.setdefault(len(self.calls) - 1, []).append(ch)
+            elif self.head is not None:
+                self._read_head(ch)
+        pieces = {i: "".join(cs) for i, cs in chars.items()}
+        for i, piece in pieces.items():
+            self.calls[i]["function"]["arguments"] += piece
+        begun = [self.calls[i] | {"index": i, "function": dict(self.calls[i]["function"])}
+                 for i in range(known, len(self.calls))]
+        return [{"index": i, "function": {"arguments": piece}} for i, piece in sorted(pieces.items())
+                if i < known] + begun
+
+    def _follow(self, ch: str) -> bool:
+        """Follow one character; True for the braces of a required call's own object."""
+        if self.quoted:
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self.quoted = False
+            return False
+        required = self.plan.choice is ToolChoice.REQUIRED
+        if ch == '"':
+            self.quoted = True
+        elif ch in "{[":
+            self.depth += 1
+            if required and self.depth == 2:
+                self.head = ""
+                return True
+        elif ch in "}]":
+            self.depth -= 1
+            if required and self.depth == 1:
+                self.head, self.in_args = None, False
+                return True
+        return False
+
+    def _read_head(self, ch: str) -> None:
+        """A required call's ``"name":N,"arguments":`` text; at its end the call begins."""
+        self.head += ch
+        key = ',"arguments":'
+        if not self.quoted and self.depth == 2 and self.head.endswith(key):
+            name = json.loads(self.head[len('"name":'):-len(key)])
+            self.calls.append(tool_call(name, ""))
+            self.head, self.in_args = None, True
+
+
+@dataclass(slots=True)
 class ContentStream:
     """What of a chat-with-tools reply a stream may send while it is generated. Content: with
     ``auto``, the text before a ``<tool_call>`` tag, holding back what could begin one, and once
     it is more than whitespace (a reply that is only calls has no content); nothing of a
-    constrained reply (it is a call). Each push looks at the text not sent yet only. Calls:
-    with ``auto``, each call as soon as its block closes (``closed_calls``), so a client can run
-    the first while the model writes the next."""
+    constrained reply (it is a call). Each push looks at the text not sent yet only. Calls
+    (``call_deltas``): with ``auto``, each call as soon as its block closes, so a client can run
+    the first while the model writes the next; a constrained reply's calls as they are written."""
     plan: ToolPlan
     unsent: str | None = ""         # None: no more content is sent before the reply ends
     sent: int = 0                   # characters sent (a prefix of the final content)
     tail: str = ""                  # auto: the reply's last characters, where a closing tag may begin
     calls_sent: int = 0             # calls sent before the reply ends: the first of its final calls
+    args: ArgumentStream | None = None      # a constrained reply's calls so far
+
+    def __post_init__(self):
+        if self.plan.choice in (ToolChoice.NAMED, ToolChoice.REQUIRED):
+            self.args = ArgumentStream(self.plan)
 
     def push(self, new: str) -> str:
         """The content to send now, given the reply's ``new`` text."""
@@ -147,21 +229,32 @@ class ContentStream:
         self.sent += len(out)
         return out
 
-    def closed_calls(self, new: str, reply: Callable[[], str]) -> list[dict]:
-        """With ``auto``, the calls (each with its ``index`` among the reply's calls) of
-        ``<tool_call>`` blocks that the reply's ``new`` text closed; ``reply()`` gives the whole
-        reply so far, read only when a block closed. A closed block never changes, so these are
-        the first of the calls ``parse`` finds in the whole reply."""
+    def call_deltas(self, new: str, reply: Callable[[], str]) -> list[dict]:
+        """The ``tool_calls`` deltas of the reply's ``new`` text, each with its ``index`` among
+        the reply's calls. Constrained: ``ArgumentStream.push``. With ``auto``, the calls of
+        ``<tool_call>`` blocks that ``new`` closed; ``reply()`` gives the whole reply so far, read
+        only when a block closed. A closed block never changes, so these are the first of the
+        calls ``parse`` finds in the whole reply."""
+        if self.args is not None:
+            deltas = self.args.push(new)
+            self.calls_sent = len(self.args.calls)
+            return deltas
         if self.plan.choice is not ToolChoice.AUTO:
             return []
         seen = self.tail + new
         self.tail = seen[-(len(CLOSE_TAG) - 1):]
         if CLOSE_TAG not in seen:
             return []
-        _, calls = self.plan.parse(reply(), finished=False)
+        _, calls = self.plan.parse(reply())
         new = [c | {"index": i} for i, c in enumerate(calls) if i >= self.calls_sent]
         self.calls_sent = len(calls)
         return new
+
+
+def finish_reason(calls: list[dict], finish: str | None) -> str | None:
+    """"tool_calls" for a reply that made calls and ended by itself; one cut off by max_tokens
+    (or aborted) keeps its own reason, so a client can tell that its calls may be unfinished."""
+    return "tool_calls" if calls and finish == "stop" else finish
 
 
 def tool_call(name: str, arguments: str) -> dict:

@@ -340,10 +340,21 @@ TOOLS = [{"type": "function", "function": {
 PARAMS = {t["function"]["name"]: jsonschema_rs.validator_for(t["function"]["parameters"]) for t in TOOLS}
 
 
+def merged_calls(chunks) -> list[tuple[str, str]]:
+    """A stream's tool_calls deltas merged by index, as the OpenAI client's users do: (name, arguments)."""
+    calls: dict[int, list[str]] = {}
+    for t in (t for c in chunks for t in c.choices[0].delta.tool_calls or []):
+        if t.index not in calls:
+            assert t.id.startswith("call_") and t.function.name, t
+            calls[t.index] = [t.function.name, ""]
+        calls[t.index][1] += t.function.arguments or ""
+    return [tuple(calls[i]) for i in sorted(calls)]
+
+
 def test_required_and_named_tool_calls(server, client):
     """tool_choice required (one call: parallel_tool_calls false) and a named function: the reply
     is a call to a given tool whose arguments follow its parameters (jsonschema_rs); streamed, the
-    same call arrives as a tool_calls delta."""
+    same call arrives with its arguments in pieces, as they are written."""
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
     for choice in ("required", {"type": "function", "function": {"name": "add"}}):
         kw = dict(model=server.model, messages=msgs, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
@@ -357,10 +368,25 @@ def test_required_and_named_tool_calls(server, client):
             assert call.function.name == "add"
         chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
         assert not "".join(c.choices[0].delta.content or "" for c in chunks)
-        streamed = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
-        assert [(t.function.name, t.function.arguments) for t in streamed] == \
-            [(call.function.name, call.function.arguments)]
+        assert merged_calls(chunks) == [(call.function.name, call.function.arguments)]
+        assert sum(1 for c in chunks if c.choices[0].delta.tool_calls) > 1, "the arguments came whole"
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_call_cut_off_by_max_tokens_ends_with_length(server, client):
+    """A named function's arguments cut off after 3 tokens: the reply is the call begun, its
+    arguments unfinished, with finish_reason length (not tool_calls), whole and streamed alike."""
+    kw = dict(model=server.model, messages=[{"role": "user", "content": "Add."}], tools=TOOLS,
+              tool_choice={"type": "function", "function": {"name": "add"}}, max_tokens=3, temperature=0)
+    r = client.chat.completions.create(**kw).choices[0]
+    assert r.finish_reason == "length" and r.message.content is None
+    (call,) = r.message.tool_calls
+    assert call.function.name == "add" and call.function.arguments.startswith("{")
+    with pytest.raises(ValueError):
+        json.loads(call.function.arguments)
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    assert merged_calls(chunks) == [("add", call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_auto_tool_calls_are_parsed_from_the_reply(server, client):

@@ -1,10 +1,12 @@
 """Tool calls read from a reply (tool_choice auto): which <tool_call> blocks become calls, what
 stays content, and what a stream may send before the reply ends, against hand-worked replies."""
 import json
+import re
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
-from tandem.server.tools import ContentStream, ToolChoice, ToolPlan
+from tandem.server.tools import ContentStream, ToolChoice, ToolPlan, finish_reason, tool_call
 
 PLAN = ToolPlan(({"name": "add"}, {"name": "get_weather"}), ToolChoice.AUTO)
 CALL_ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
@@ -30,7 +32,7 @@ CASES = [
 
 @pytest.mark.parametrize("reply, content, calls", CASES)
 def test_auto_replies_split_into_content_and_calls(reply, content, calls):
-    got_content, got_calls = PLAN.parse(reply, finished=True)
+    got_content, got_calls = PLAN.parse(reply)
     assert got_content == content
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got_calls] == calls
     assert all(c["type"] == "function" and c["id"].startswith("call_") for c in got_calls)
@@ -55,7 +57,7 @@ def test_a_stream_sends_each_call_as_its_block_closes(reply, content, calls):
     stream, early = ContentStream(PLAN), []
     for n, c in enumerate(reply):
         stream.push(c)
-        for call in stream.closed_calls(c, lambda: reply[:n + 1]):
+        for call in stream.call_deltas(c, lambda: reply[:n + 1]):
             assert reply[:n + 1].endswith("</tool_call>"), (n, call)
             early.append(call)
     assert [c["index"] for c in early] == list(range(len(calls)))
@@ -63,15 +65,69 @@ def test_a_stream_sends_each_call_as_its_block_closes(reply, content, calls):
     assert stream.calls_sent == len(calls)
 
 
-def test_constrained_choices_stream_nothing_and_parse_their_json():
+def accumulate(deltas: list[dict]) -> list[tuple]:
+    """tool_calls deltas merged by index, as an OpenAI client does: (id, name, arguments)."""
+    calls: dict[int, list] = {}
+    for d in deltas:
+        if d["index"] not in calls:
+            assert d["id"].startswith("call_") and d["type"] == "function", d
+            calls[d["index"]] = [d["id"], d["function"]["name"], ""]
+        else:
+            assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}, d
+        calls[d["index"]][2] += d["function"]["arguments"]
+    assert sorted(calls) == list(range(len(calls)))
+    return [tuple(calls[i]) for i in range(len(calls))]
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+                    max_leaves=8)
+NAMES = ("add", "get_weather")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(NAMES), st.dictionaries(st.text(max_size=5), JSON, max_size=3)),
+                min_size=1, max_size=3), st.booleans(), st.lists(st.integers(1, 12), max_size=60))
+def test_required_calls_stream_their_arguments_as_written(calls, ascii_only, cuts):
+    """A reply of tool_choice required (compact JSON, written here by json.dumps, with strings that
+    hold quotes, braces and backslashes), fed in random pieces: the deltas merge into its calls,
+    each sent as soon as its name is complete; every prefix (a reply cut off by max_tokens) parses
+    to the calls begun so far, each with a prefix of its arguments."""
+    plan = ToolPlan(tuple({"name": n} for n in NAMES), ToolChoice.REQUIRED)
+    dump = lambda v: json.dumps(v, separators=(",", ":"), ensure_ascii=ascii_only)   # noqa: E731
+    text = dump([{"name": n, "arguments": a} for n, a in calls])
+    want = [(n, dump(a)) for n, a in calls]
+    heads = [m.end() for m in re.finditer(r'\{"name":"(add|get_weather)","arguments":', text)]
+    stream, deltas, pos = ContentStream(plan), [], 0
+    for k in cuts + [len(text)]:
+        piece, pos = text[pos:pos + k], pos + k
+        assert stream.push(piece) == ""
+        deltas += stream.call_deltas(piece, lambda: text[:pos])
+        assert len(accumulate(deltas)) == sum(h <= pos for h in heads)      # begun as its name ends
+    assert [(n, a) for _, n, a in accumulate(deltas)] == want
+    assert all(json.loads(a) == c[1] for (_, _, a), c in zip(accumulate(deltas), calls))
+    for k in range(len(text) + 1):
+        content, got = plan.parse(text[:k])
+        assert content is None and [c["function"]["name"] for c in got] == [n for h, (n, _) in zip(heads, calls) if h <= k]
+        assert all(want[i][1].startswith(c["function"]["arguments"]) for i, c in enumerate(got))
+
+
+def test_a_named_function_streams_its_arguments_from_the_first_piece():
+    """With a named function the reply is the arguments: the call goes out with the first text,
+    then each piece as it comes."""
     named = ToolPlan(({"name": "add"},), ToolChoice.NAMED, "add")
-    required = ToolPlan(({"name": "add"},), ToolChoice.REQUIRED)
-    text = '[{"name":"add","arguments":{"a":1}}]'
-    assert ContentStream(named).push('{"a":1}') == ContentStream(required).push(text) == ""
-    stream, call = ContentStream(required), f"<tool_call>{text}</tool_call>"
-    stream.push(call)
-    assert stream.closed_calls(call, lambda: call) == [], "a constrained reply's call is known only at its end"
-    assert [c["function"]["arguments"] for c in named.parse('{"a":1}', True)[1]] == ['{"a":1}']
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in required.parse(text, True)[1]] \
-        == [("add", {"a": 1})]
-    assert required.parse(text[:-3], finished=False) == (text[:-3], []), "cut off by max_tokens: no call"
+    stream, text = ContentStream(named), '{"a":1,"b":"x}\\"}'
+    assert stream.call_deltas("", lambda: "") == []
+    first = stream.call_deltas(text[:3], lambda: text[:3])
+    assert [(d["index"], d["function"]) for d in first] == [(0, {"name": "add", "arguments": '{"a'})]
+    rest = [stream.call_deltas(c, lambda: text) for c in text[3:]]
+    assert all(d == [{"index": 0, "function": {"arguments": c}}] for d, c in zip(rest, text[3:]))
+    assert accumulate(first + sum(rest, [])) == [(first[0]["id"], "add", text)]
+    assert stream.push(text) == "" and stream.calls_sent == 1
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in named.parse(text[:5])[1]] == [("add", text[:5])]
+
+
+def test_calls_finish_with_tool_calls_only_when_the_reply_ended_by_itself():
+    call = [tool_call("add", "{}")]
+    assert finish_reason(call, "stop") == "tool_calls"
+    assert finish_reason(call, "length") == "length" and finish_reason([], "stop") == "stop"
