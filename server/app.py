@@ -478,7 +478,7 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
             return
         finish = ch.finish_reason
         if ch.content is not None:
-            content, calls = tools.parse(ch.text)
+            content, calls = ch.content.final(ch.text)
             if content and len(content) > ch.content.sent:
                 await send(chunk(ch, content[ch.content.sent:], None))
             finish = finish_reason(calls, finish)

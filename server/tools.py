@@ -250,6 +250,11 @@ class ContentStream:
         self.calls_sent = len(calls)
         return new
 
+    def final(self, reply: str) -> tuple[str | None, list[dict]]:
+        """The whole reply's (content, calls), as ``ToolPlan.parse`` gives them; a constrained
+        reply's are the calls already streamed, with their ids, not read again."""
+        return (None, self.args.calls) if self.args is not None else self.plan.parse(reply)
+
 
 def finish_reason(calls: list[dict], finish: str | None) -> str | None:
     """"tool_calls" for a reply that made calls and ended by itself; one cut off by max_tokens
