@@ -288,6 +288,11 @@ class Bros:
         """May ``c`` join this iteration at all? (Every request may, here.)"""
         return True
 
+    def _kept(self, r: Candidate, later: Iterable[Candidate], t_avg: float) -> list[tuple[Candidate, int]]:
+        """Work after ``r`` in the RT order whose time ``r``'s prompt chunk must leave in this
+        iteration. None here: BROS's order is urgency already."""
+        return []
+
     def _overtakes(self, r: Candidate, n: int, budget: BlockBudget) -> bool:
         """May waiting ``r`` start while a more urgent RT request waits for blocks? Not here: the
         blocks that running requests free as they end go to the waiting one first."""
@@ -333,6 +338,13 @@ class Bros:
                 q_rt.popleft()
                 plan.reasons[r.req_id] = "waiting: its predicted growth would not fit beside the running requests'"
                 continue
+            kept = self._kept(r, list(q_rt)[1:], t_avg) if n > 1 else []
+            if kept and self._time(rt_ready + kept + [(r, n)]) > t_res_min:
+                n = self._fit_chunk(rt_ready + kept, r, n, t_res_min) if lim.chunked_prefill else 0
+                if n == 0:
+                    q_rt.popleft()
+                    plan.reasons[r.req_id] = "waiting: chats whose next token is due take this iteration's time"
+                    continue
             if rt_ready and self._time(rt_ready + [(r, n)]) > t_res_min:
                 n = self._fit_chunk(rt_ready, r, n, t_res_min) if lim.chunked_prefill else 0
                 early = True

@@ -82,6 +82,33 @@ def test_rt_before_be_and_within_rt_by_level_then_slack():
     assert [d.req_id for d in plan.scheduled] == ["rt-b", "rt-a"]
 
 
+def test_a_decoding_chat_whose_token_is_due_runs_before_a_shorter_prompt_with_slack():
+    """A chat decoding a long reply (predicted 1,900 tokens), its next token due in 30 ms, and a
+    new 800-token chat predicted to reply in 6, with 10 s of TTFT slack. Its level puts the new
+    chat first, but its whole prompt takes 10 + 0.1 x 800 ms: started first, it would fill the
+    iteration and the decoding chat's token would come past its target. The decoding chat runs,
+    and the prompt gets a chunk that keeps the step within the 30 ms (priced by hand)."""
+    d = cand("d", 100, 1900, rt=True, out=3, slo=0.05, pending=0.02)
+    w = cand("w", 800, 6, rt=True, computed=0, blocks=0, slo=10.0, arrival=1.0)
+    sizes = dict(chunks(policy()(snap([d], [w], t_avg=0.02))))
+    assert sizes["d"] == 1
+    assert 0 < sizes["w"] < 800
+    shape = StepShape().add(1, 103, True).add(sizes["w"], sizes["w"], False)
+    assert COST.predict(shape) <= 0.03 + 1e-9
+    assert COST.predict(shape.add(1, sizes["w"] + 1, False)) > 0.03      # the longest chunk that fits
+
+
+def test_a_prompt_whose_first_token_is_due_keeps_its_place_before_a_decoding_chat():
+    """The same two chats, the new one's TTFT 100 ms away and its whole prompt 90 ms of
+    compute (10 + 0.1 x 800, by hand): it can make its target only by running whole now, so it
+    does not leave the decoding chat's time, and runs alone (the decoding chat's 30 ms budget
+    cannot hold both)."""
+    d = cand("d", 100, 1900, rt=True, out=3, slo=0.05, pending=0.02)
+    w = cand("w", 800, 6, rt=True, computed=0, blocks=0, slo=0.1, arrival=1.0)
+    assert COST.predict(StepShape().add(800, 800, False)) <= 0.1
+    assert chunks(policy()(snap([d], [w], t_avg=0.06))) == [("w", 800)]
+
+
 def test_be_never_makes_the_rt_step_late():
     """A decoding RT request with 30 ms of slack and a BE prompt whose prefill alone takes
     10 + 0.1 x 800 ms: the BE prompt joins only as a chunk that keeps the step within 30 ms."""
