@@ -8,8 +8,12 @@ import time
 
 from tandem.bench.output import save_json
 from tandem.engine.messages import CacheType
+from tandem.sched.alise import Alise
 from tandem.sched.aptserve import AptServe
+from tandem.sched.bros import Bros
+from tandem.sched.cost_model import OPT_13B_A100, OPT_13B_A100_RHO
 from tandem.sched.policy import Candidate, Limits, Snapshot, fcfs
+from tandem.sched.tandem import Tandem
 
 BLOCK = 16
 
@@ -33,14 +37,20 @@ def snapshot(n: int, seed: int, kind: str = "prefill") -> Snapshot:
                     hidden_blocks_per_token_block=1)
 
 
+def _cost(shape, swap_slots: int = 0) -> float:
+    """The simulator's cost model (OPT-13B on an A100) for the policies that price iterations."""
+    return OPT_13B_A100.predict(shape)
+
+
 def run(args) -> None:
     rows = []
-    policies = {"aptserve": lambda: AptServe(rho=1e-4), "aptserve-kv-only": lambda: AptServe(1e-4, hybrid=False),
-                "fcfs": lambda: fcfs}
+    policies = {"aptserve": lambda n: AptServe(rho=1e-4), "aptserve-kv-only": lambda n: AptServe(1e-4, hybrid=False),
+                "fcfs": lambda n: fcfs, "bros": lambda n: Bros(_cost, n), "alise": lambda n: Alise(_cost),
+                "tandem": lambda n: Tandem(_cost, n, rho=OPT_13B_A100_RHO)}
     for n, kind in ((n, k) for n in args.candidates for k in ("prefill", "decode")):
         snaps = [snapshot(n, s, kind) for s in range(args.repeats)]
         for name, make in policies.items():
-            policy, times = make(), []
+            policy, times = make(n), []
             for s in snaps:
                 t0 = time.perf_counter()
                 policy(s)

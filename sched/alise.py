@@ -45,6 +45,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
+
 from tandem.engine.messages import CacheType
 from tandem.sched.bros import BlockBudget, CostFn, add_chunk
 from tandem.sched.cost_model import StepShape
@@ -230,13 +232,20 @@ class Footprint:
     out again (in the simulator at 4 req/s: 3,607 preemptions for 500 requests with true
     lengths)."""
 
+    _GONE = np.iinfo(np.int64).max      # the key of a dropped row: above every class and level
+
     def __init__(self, snap: Snapshot, holders: list[Candidate], rank: dict[str, tuple]):
         self.snap = snap
         self.rank = rank
         self.total = snap.num_free_blocks + sum(c.num_blocks for c in snap.running)
-        self.items: dict[str, tuple[int, int, int]] = {}
+        # one row per request counted, (tokens now, tokens to go, blocks per token-block), and its
+        # (class, level) key; a plan asks ``admits`` of every waiting request against every row
+        # (at 1,600 candidates a Python loop over them took 70% of ALISE's plan)
+        self._rows = np.zeros((max(8, 2 * len(holders)), 3))
+        self._keys = np.full(len(self._rows), self._GONE, dtype=np.int64)
+        self._row_of: dict[str, int] = {}
         for c in holders:
-            self.items[c.req_id] = self._item(c)
+            self._put(c.req_id, self._item(c))
 
     def _item(self, c: Candidate, starting: bool = False) -> tuple[int, int, int]:
         """(tokens now, tokens to go, blocks per token-block). A request ``starting`` that
@@ -249,30 +258,40 @@ class Footprint:
             self.snap.blocks_per_token_block
         return c.num_tokens + c.foreign_slots, max(L - c.num_output, 1), per
 
+    @staticmethod
+    def _key(rank: tuple) -> int:
+        """(class, level) as one integer in the same order."""
+        return int(rank[0]) * 1024 + int(rank[1])
+
+    def _put(self, req_id: str, item: tuple[int, int, int]) -> None:
+        i = self._row_of.get(req_id, len(self._row_of))
+        if i == len(self._rows):
+            self._rows = np.vstack([self._rows, np.zeros_like(self._rows)])
+            self._keys = np.concatenate([self._keys, np.full(len(self._keys), self._GONE, dtype=np.int64)])
+        self._row_of[req_id] = i
+        self._rows[i] = item
+        self._keys[i] = self._key(self.rank[req_id])
+
     def add(self, c: Candidate) -> None:
         """Count a request that was admitted; the blocks of its cached prefix that others hold
         (``num_blocks`` of a waiting one) are in the pool once and in its size and theirs."""
-        self.items[c.req_id] = self._item(c)
+        self._put(c.req_id, self._item(c))
         self.total += c.num_blocks
 
     def drop(self, req_id: str) -> None:
-        self.items.pop(req_id, None)
+        i = self._row_of.get(req_id)
+        if i is not None:
+            self._keys[i] = self._GONE
 
     def admits(self, c: Candidate) -> bool:
-        mine = self.rank[c.req_id][:2]
-        items = [v for rid, v in self.items.items() if self.rank[rid][:2] <= mine]
-        if not items:
+        held = self._rows[self._keys <= self._key(self.rank[c.req_id])]
+        if not len(held):
             return True
-        items.append(self._item(c, starting=True))
-        items.sort(key=lambda t: -t[1])
+        items = np.vstack([held, self._item(c, starting=True)])
+        x, r, b = items[np.argsort(-items[:, 1], kind="stable")].T
         B = self.snap.block_size
-        now = slope = partial = peak = 0.0
-        for x, r, b in items:
-            now += b * x / B
-            slope += b / B
-            partial += b / 2
-            peak = max(peak, now + slope * (r - 1) + partial)
-        return peak <= self.total + c.num_blocks
+        peak = np.cumsum(b * x / B) + np.cumsum(b / B) * (r - 1) + np.cumsum(b / 2)
+        return max(float(peak.max()), 0.0) <= self.total + c.num_blocks
 
 
 def gittins_remaining(spread: tuple[int, ...], a: int) -> float:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
 from tandem.sched.alise import Alise
 from tandem.sched.cost_model import CostModel
 from tandem.sched.policy import Candidate, Limits, Snapshot
@@ -213,3 +216,52 @@ def test_spread_ranks_by_gittins_and_outliving_it_doubles_its_longest():
     # past every point: the longest doubles, one demotion each time
     past = replace(cand("p", 10, 250, 50), spread=(1, 100))
     assert Alise.remaining(past) == (150, 2)           # 100 -> 200 -> 400
+
+
+def _peak_by_steps(items, block_size=16):
+    """Blocks held at the worst step, walked step by step: at step k every item with more than k
+    tokens to go holds b (x + k) / B + b / 2 blocks (b blocks per token-block, its last block
+    half full on average); the others have ended."""
+    longest = max(r for _, r, _ in items)
+    return max([0.0] + [sum(b * (x + k) / block_size + b / 2 for x, r, b in items if r > k) for k in range(longest)])
+
+
+@given(st.lists(st.tuples(st.integers(1, 400), st.integers(1, 300), st.booleans(), st.integers(0, 3),
+                          st.booleans()), min_size=0, max_size=12),
+       st.lists(st.tuples(st.integers(1, 400), st.integers(1, 300), st.booleans(), st.integers(0, 3),
+                          st.booleans(), st.integers(0, 8)), min_size=1, max_size=6),
+       st.integers(0, 400))
+@example([(16, 1, False, 0, False)], [(16, 1, False, 0, False, 0)], 4)      # a peak of 6 in a pool of 6: it fits
+@settings(max_examples=300, deadline=None)
+def test_look_ahead_admission_against_the_peak_walked_step_by_step(holders, arrivals, free):
+    """Holders and arrivals of random size, remaining length, cache type, class and level; the
+    arrivals asked in turn, each admitted one counted from then on, and one holder dropped after
+    each question: every answer is whether the step-by-step peak of the arrival and the holders
+    of its class and level or better fits the pool."""
+    from tandem.engine.messages import CacheType
+    from tandem.sched.alise import Footprint
+
+    def candidate(rid, x, r, hidden, level, be, blocks=0):
+        c = Candidate(rid, x, x, blocks, 0.0, not be, num_output=0, predicted=r,
+                      cache_type=CacheType.HIDDEN if hidden else CacheType.KV)
+        return c, (be, level, 0)
+
+    running = [candidate(f"h{i}", *h, blocks=-(-h[0] // 16) * 2) for i, h in enumerate(holders)]
+    waiting = [candidate(f"a{i}", *a[:5], blocks=a[5]) for i, a in enumerate(arrivals)]
+    rank = {c.req_id: k for c, k in running + waiting}
+    s = Snapshot([c for c, _ in running], [], free, 16, 2, Limits(64, 2048, True), hidden_blocks_per_token_block=1)
+    fp = Footprint(s, s.running, rank)
+    held = {c.req_id: c for c in s.running}
+    total = free + sum(c.num_blocks for c in s.running)
+    for (c, mine), h in zip(waiting, [c.req_id for c, _ in running] + [None] * len(waiting)):
+        per = lambda x: 1 if x.cache_type is CacheType.HIDDEN else 2  # noqa: E731
+        items = [(x.num_tokens, x.predicted, per(x)) for x in held.values() if rank[x.req_id][:2] <= mine[:2]]
+        want = not items or _peak_by_steps(items + [(c.num_tokens, c.predicted, per(c))]) <= total + c.num_blocks
+        assert fp.admits(c) == want
+        if want:
+            fp.add(c)
+            held[c.req_id] = c
+            total += c.num_blocks
+        if h is not None:
+            fp.drop(h)
+            held.pop(h)
