@@ -46,6 +46,7 @@ from tandem.sched.cost_model import StepShape
 from tandem.sched.policy import Candidate, Plan, Snapshot, _blocks, _decide, fcfs
 
 CostFn = Callable[[StepShape, int], float]      # (shape, slots to swap in) -> predicted seconds
+KEPT_WAIT = "waiting: chats whose next token is due take this iteration's time"
 
 
 class BlockBudget:
@@ -288,9 +289,9 @@ class Bros:
         """May ``c`` join this iteration at all? (Every request may, here.)"""
         return True
 
-    def _kept(self, r: Candidate, later: Iterable[Candidate], t_avg: float) -> list[tuple[Candidate, int]]:
-        """Work after ``r`` in the RT order whose time ``r``'s prompt chunk must leave in this
-        iteration. None here: BROS's order is urgency already."""
+    def _kept(self, r: Candidate, t_avg: float) -> list[tuple[Candidate, int]]:
+        """Work after ``r`` in this iteration's RT order (``_rt_order``) whose time ``r``'s prompt
+        chunk must leave. None here: BROS's order is urgency already."""
         return []
 
     def _overtakes(self, r: Candidate, n: int, budget: BlockBudget) -> bool:
@@ -321,6 +322,7 @@ class Bros:
         rt_ready: list[tuple[Candidate, int]] = []
         taken: set[str] = set()
         early, blocked, running_ids = False, False, {c.req_id for c in snap.running}
+        kept_full = fitted = False
         while q_rt and len(rt_ready) < self.b_curr and tokens_left > 0:
             r = q_rt[0]
             if r.req_id in plan.preempted:      # gave its blocks to a more urgent request this iteration
@@ -334,16 +336,23 @@ class Bros:
             if n < r.num_tokens - r.num_computed and not lim.chunked_prefill:
                 plan.reasons[r.req_id] = "waiting: prompt exceeds this iteration's token budget"
                 break
+            kept = self._kept(r, t_avg) if n > 1 else []
+            if kept and kept_full:
+                # a prompt was cut to (or left out for) the time kept for others: what is left
+                # is theirs, and a later prompt that keeps time for them gets none
+                q_rt.popleft()
+                plan.reasons[r.req_id] = KEPT_WAIT
+                continue
             if not self._admits(r):
                 q_rt.popleft()
                 plan.reasons[r.req_id] = "waiting: its predicted growth would not fit beside the running requests'"
                 continue
-            kept = self._kept(r, list(q_rt)[1:], t_avg) if n > 1 else []
             if kept and self._time(rt_ready + kept + [(r, n)]) > t_res_min:
                 n = self._fit_chunk(rt_ready + kept, r, n, t_res_min) if lim.chunked_prefill else 0
+                kept_full, fitted = n == 0, n > 0
                 if n == 0:
                     q_rt.popleft()
-                    plan.reasons[r.req_id] = "waiting: chats whose next token is due take this iteration's time"
+                    plan.reasons[r.req_id] = KEPT_WAIT
                     continue
             if rt_ready and self._time(rt_ready + [(r, n)]) > t_res_min:
                 n = self._fit_chunk(rt_ready, r, n, t_res_min) if lim.chunked_prefill else 0
@@ -362,6 +371,7 @@ class Bros:
             rt_ready.append((r, n))
             taken.add(r.req_id)
             tokens_left -= n
+            kept_full, fitted = kept_full or fitted, False
             if early:
                 break
         be_ready = self._pack_be(snap, budget, plan, rt_ready, q_rt, taken, t_res_min, tokens_left)
