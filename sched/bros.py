@@ -322,9 +322,9 @@ class Bros:
         rt_ready: list[tuple[Candidate, int]] = []
         taken: set[str] = set()
         early, blocked, running_ids = False, False, {c.req_id for c in snap.running}
-        kept_full = fitted = False
+        kept_full = False
         while q_rt and len(rt_ready) < self.b_curr and tokens_left > 0:
-            r = q_rt[0]
+            r, fitted = q_rt[0], False
             if r.req_id in plan.preempted:      # gave its blocks to a more urgent request this iteration
                 q_rt.popleft()
                 continue
@@ -371,7 +371,7 @@ class Bros:
             rt_ready.append((r, n))
             taken.add(r.req_id)
             tokens_left -= n
-            kept_full, fitted = kept_full or fitted, False
+            kept_full = kept_full or fitted
             if early:
                 break
         be_ready = self._pack_be(snap, budget, plan, rt_ready, q_rt, taken, t_res_min, tokens_left)
