@@ -11,7 +11,7 @@ from tandem.engine.messages import CacheType
 from tandem.sched.alise import Alise
 from tandem.sched.aptserve import AptServe
 from tandem.sched.bros import Bros
-from tandem.sched.cost_model import OPT_13B_A100, OPT_13B_A100_RHO
+from tandem.sched.cost_model import OPT_13B_A100, OPT_13B_A100_RHO, OnlineCostModel
 from tandem.sched.policy import Candidate, Limits, Snapshot, fcfs
 from tandem.sched.tandem import Tandem
 
@@ -52,16 +52,17 @@ def crowded(n: int, seed: int) -> Snapshot:
     return Snapshot(running, waiting, 4 * held, BLOCK, 2, Limits(n, 8192, True), 0.05)
 
 
-def _cost(shape, swap_slots: int = 0) -> float:
-    """The simulator's cost model (OPT-13B on an A100) for the policies that price iterations."""
-    return OPT_13B_A100.predict(shape)
+def _cost() -> OnlineCostModel:
+    """The simulator's cost model (OPT-13B on an A100) for the policies that price iterations, in
+    the wrapper the scheduler hands them (never refitted here)."""
+    return OnlineCostModel(OPT_13B_A100, refit_every=1 << 60)
 
 
 def run(args) -> None:
     rows = []
     policies = {"aptserve": lambda n: AptServe(rho=1e-4), "aptserve-kv-only": lambda n: AptServe(1e-4, hybrid=False),
-                "fcfs": lambda n: fcfs, "bros": lambda n: Bros(_cost, n), "alise": lambda n: Alise(_cost),
-                "tandem": lambda n: Tandem(_cost, n, rho=OPT_13B_A100_RHO)}
+                "fcfs": lambda n: fcfs, "bros": lambda n: Bros(_cost(), n), "alise": lambda n: Alise(_cost()),
+                "tandem": lambda n: Tandem(_cost(), n, rho=OPT_13B_A100_RHO)}
     for n, kind in ((n, k) for n in args.candidates for k in ("prefill", "decode", "crowded")):
         snaps = [crowded(n, s) if kind == "crowded" else snapshot(n, s, kind) for s in range(args.repeats)]
         for name, make in policies.items():

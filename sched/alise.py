@@ -49,7 +49,7 @@ import numpy as np
 
 from tandem.engine.messages import CacheType
 from tandem.sched.bros import BlockBudget, CostFn, add_chunk
-from tandem.sched.cost_model import StepShape
+from tandem.sched.cost_model import StepShape, predict_many
 from tandem.sched.policy import Candidate, Plan, Snapshot, _decide
 
 DEFAULT_LENGTH = 256        # L̂ for a request that comes without a prediction
@@ -79,49 +79,57 @@ class Alise:
 
     @staticmethod
     def predicted(c: Candidate) -> tuple[int, int]:
-        """(L̂, doublings): the prediction doubled until it exceeds the tokens generated."""
+        """(L̂, doublings): the prediction doubled until it exceeds the tokens generated g, i.e.
+        j doublings with j the bit length of g // L̂ (the least j with L̂ 2^j > g)."""
         L = max(1, c.predicted if c.predicted is not None else DEFAULT_LENGTH)
-        j = 0
-        while c.num_output >= L:
-            L, j = 2 * L, j + 1
-        return L, j
+        j = (c.num_output // L).bit_length()
+        return L << j, j
 
     @classmethod
     def remaining(cls, c: Candidate) -> tuple[float, int]:
         """(output tokens still to come as the ranking counts them, demotions). With a spread,
         its Gittins index while some of its lengths exceed the tokens generated; past all of
         them, or without one, L̂ doubled until it exceeds them (each doubling a demotion)."""
-        if c.spread and c.spread[-1] > c.num_output:
-            return gittins_remaining(c.spread, c.num_output), 0
-        if c.spread:
-            c = replace(c, predicted=c.spread[-1])
-        L, j = cls.predicted(c)
-        return max(L - c.num_output, 1), j
+        left, demotions = _remaining_many(_Columns([c]))
+        return left[0].item(), int(demotions[0])
+
+    def estimates(self, cands: list[Candidate]) -> tuple[np.ndarray, np.ndarray]:
+        """(T_rem, level) of each candidate, in numpy: a plan prices every candidate once."""
+        col = _Columns(cands)
+        left, demotions = _remaining_many(col)
+        todo = col.tokens - col.computed
+        pre = np.where(todo > 1, predict_many(self.cost, todo, todo * col.tokens), 0.0)
+        t = pre + np.maximum(left, 1) * predict_many(self.cost, decode_tokens=1, decode_ctx=np.maximum(col.tokens, 1))
+        return t, self._levels(t, demotions, col.waited)
+
+    def _levels(self, t: np.ndarray, demotions: np.ndarray, waited: np.ndarray) -> np.ndarray:
+        """0 (aged past level 1) .. levels: the first i with T_rem <= θ_i, one lower per demotion,
+        one higher per ``age_s`` waited."""
+        theta = self.theta1 * 2.0 ** np.arange(self.levels)
+        base = np.minimum(np.searchsorted(theta, t, side="left") + 1, self.levels)
+        promotions = np.floor_divide(waited, self.age_s).astype(np.int64) if self.age_s > 0 else 0
+        return np.maximum(np.minimum(self.levels, base + demotions) - promotions, 0)
 
     def t_rem(self, c: Candidate) -> float:
-        left, _ = self.remaining(c)
-        todo = c.num_tokens - c.num_computed
-        pre = self.cost(StepShape().add(todo, c.num_tokens, False), 0) if todo > 1 else 0.0
-        return pre + max(left, 1) * self._decode_step(c.num_tokens)
+        return self.estimates([c])[0][0].item()
 
-    def level(self, c: Candidate, t_rem: float | None = None) -> int:
+    def level(self, c: Candidate) -> int:
         """0 (aged past level 1) .. levels."""
-        t = self.t_rem(c) if t_rem is None else t_rem
-        base = 1 if t <= self.theta1 else min(self.levels, 1 + math.ceil(math.log2(t / self.theta1)))
-        _, demotions = self.remaining(c)
-        promotions = int(self.waited(c) // self.age_s) if self.age_s > 0 else 0
-        lvl = min(self.levels, base + demotions) - promotions
-        return max(lvl, 0)
+        return int(self.estimates([c])[1][0])
 
     def order(self, snap: Snapshot) -> list[tuple[tuple, Candidate, float]]:
-        """(key, candidate, T_rem) in priority order."""
-        keyed = []
-        for c in snap.running + snap.waiting:
-            t = self.t_rem(c)
-            lvl = self.level(c, t)
-            keyed.append(((not c.rt, lvl, c.arrival if lvl == 0 else t, c.arrival), c, t))
-        keyed.sort(key=lambda kc: kc[0])
-        return keyed
+        """(key, candidate, T_rem) in priority order: key (class, level, T_rem or at level 0 the
+        arrival, arrival), ascending."""
+        cands = snap.running + snap.waiting
+        if not cands:
+            return []
+        t, lvl = self.estimates(cands)
+        arrival = np.array([c.arrival for c in cands], dtype=float)
+        be = np.array([not c.rt for c in cands])
+        second = np.where(lvl == 0, arrival, t)
+        idx = np.lexsort((arrival, second, lvl, be))
+        keys = zip(be[idx].tolist(), lvl[idx].tolist(), second[idx].tolist(), arrival[idx].tolist())
+        return [(k, cands[i], ti) for k, i, ti in zip(keys, idx.tolist(), t[idx].tolist())]
 
     @staticmethod
     def waited(c: Candidate) -> float:
@@ -243,9 +251,15 @@ class Footprint:
         # (at 1,600 candidates a Python loop over them took 70% of ALISE's plan)
         self._rows = np.zeros((max(8, 2 * len(holders)), 3))
         self._keys = np.full(len(self._rows), self._GONE, dtype=np.int64)
-        self._row_of: dict[str, int] = {}
-        for c in holders:
-            self._put(c.req_id, self._item(c))
+        self._row_of = {c.req_id: i for i, c in enumerate(holders)}
+        if holders:
+            col = _Columns(holders)
+            L, _ = _doubled(col.predicted, col.output)
+            hidden = np.array([c.cache_type is CacheType.HIDDEN for c in holders])
+            self._rows[:len(holders)] = np.stack([
+                col.tokens + np.array([c.foreign_slots for c in holders]), np.maximum(L - col.output, 1),
+                np.where(hidden, snap.hidden_blocks_per_token_block, snap.blocks_per_token_block)], axis=1)
+            self._keys[:len(holders)] = [self._key(rank[c.req_id]) for c in holders]
 
     def _item(self, c: Candidate, starting: bool = False) -> tuple[int, int, int]:
         """(tokens now, tokens to go, blocks per token-block). A request ``starting`` that
@@ -308,12 +322,57 @@ def gittins_remaining(spread: tuple[int, ...], a: int) -> float:
     neighbours replied either briefly or at length gets the chance of a brief reply, and
     once it outlives those its r rises to what the long ones leave. A single point gives
     L - a, i.e. SRPT."""
-    surv = [x - a for x in spread if x > a]
-    n, done, best = len(surv), 0.0, math.inf
-    for i, d in enumerate(surv, 1):
-        done += d
-        best = min(best, (done + (n - i) * d) / i)
-    return best
+    return _gittins_many([spread], np.array([a]))[0].item()
+
+
+def _gittins_many(spreads: list[tuple[int, ...]], a: np.ndarray) -> np.ndarray:
+    """``gittins_remaining`` of each (spread, a): the spreads right-aligned in one matrix, padded
+    on the left with -1 (below every a), so the points above a are a suffix of each row, the
+    i-th of them at the row's cumulative count i."""
+    width = max(len(s) for s in spreads)
+    S = np.full((len(spreads), width), -1, dtype=np.int64)
+    for row, s in zip(S, spreads):
+        row[width - len(s):] = s
+    above = S > a[:, None]
+    d = np.where(above, S - a[:, None], 0)
+    i = np.cumsum(above, axis=1)
+    r = (np.cumsum(d, axis=1) + (i[:, -1:] - i) * d) / np.maximum(i, 1)
+    return np.where(above, r, np.inf).min(axis=1)
+
+
+class _Columns:
+    """The candidates' numbers that the estimate reads, one array each."""
+
+    def __init__(self, cands: list[Candidate]):
+        self.spreads = [c.spread for c in cands]
+        self.output = np.array([c.num_output for c in cands], dtype=np.int64)
+        self.predicted = np.array([DEFAULT_LENGTH if c.predicted is None else c.predicted for c in cands],
+                                  dtype=np.int64)
+        self.tokens = np.array([c.num_tokens for c in cands], dtype=np.int64)
+        self.computed = np.array([c.num_computed for c in cands], dtype=np.int64)
+        self.waited = np.array([c.stalled_s + c.pending_s for c in cands], dtype=float)
+
+
+def _doubled(predicted: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``Alise.predicted`` of each (prediction, tokens generated): the doublings are the bit
+    length of g // L̂, the exponent ``frexp`` gives."""
+    L = np.maximum(predicted, 1)
+    doublings = np.frexp(g // L)[1].astype(np.int64)
+    return L << doublings, doublings
+
+
+def _remaining_many(col: _Columns) -> tuple[np.ndarray, np.ndarray]:
+    """``Alise.remaining`` of each candidate: (tokens left as float, demotions)."""
+    g = col.output
+    last = np.array([s[-1] if s else 0 for s in col.spreads], dtype=np.int64)
+    has = np.array([bool(s) for s in col.spreads])
+    L, doublings = _doubled(np.where(has, last, col.predicted), g)
+    left = np.maximum(L - g, 1).astype(float)
+    gamble = np.flatnonzero(has & (last > g))
+    if len(gamble):
+        left[gamble] = _gittins_many([col.spreads[i] for i in gamble], g[gamble])
+        doublings[gamble] = 0
+    return left, doublings
 
 
 def _why(key: tuple, what: str) -> str:

@@ -41,8 +41,10 @@ from collections import deque
 from dataclasses import replace
 from typing import Callable, Iterable
 
+import numpy as np
+
 from tandem.engine.messages import CacheType
-from tandem.sched.cost_model import StepShape
+from tandem.sched.cost_model import StepShape, predict_many
 from tandem.sched.policy import Candidate, Plan, Snapshot, _blocks, _decide, fcfs
 
 CostFn = Callable[[StepShape, int], float]      # (shape, slots to swap in) -> predicted seconds
@@ -139,6 +141,8 @@ class Bros:
         self.idle_budget_s = idle_budget_s
         self.loosest_s: float | None = None     # the loosest RT target seen (a TTFT target)
         self.block_size = 0                     # the snapshot's, for pricing hidden caches
+        self._urg: dict[str, float] = {}        # this plan's RT urgencies, at T_avg ``_urg_t_avg``
+        self._urg_t_avg = math.nan
 
     # ---- helpers ---------------------------------------------------------------
     def _time(self, items: list[tuple[Candidate, int]]) -> float:
@@ -148,10 +152,11 @@ class Bros:
         """Longest prefill chunk <= n (and >= min_chunk) keeping C(items + c) within ``limit``; 0 if none."""
         if n <= 1:
             return 0
+        base, slots = _shape(items, self.block_size), sum(x.num_cpu for x, _ in items) + c.num_cpu
         lo, hi = 0, n
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._time(items + [(c, mid)]) <= limit:
+            if self.cost(add_chunk(base, c, mid, self.block_size), slots) <= limit:
                 lo = mid
             else:
                 hi = mid - 1
@@ -186,7 +191,7 @@ class Bros:
         request is bounded by the tightest RT target seen.
         """
         floor = self.cost(StepShape().add(1, 1, True), 0)
-        feasible = [res(c) for c in q_rt if res(c) >= floor and not c.missed]
+        feasible = [x for x in (res(c) for c in q_rt if not c.missed) if x >= floor]
         if feasible:
             budget = min(feasible)
         elif q_rt:
@@ -244,23 +249,35 @@ class Bros:
     def _urgency(self, c: Candidate, t_avg: float) -> float:
         """The residual time less the further iterations its next token needs, (k_i - 1) T_avg:
         the order of RT requests, and what a request keeps if BE work replaces it. A request
-        past its TTFT keeps its residual (its SLO is lost; those wait in arrival order)."""
-        if c.missed:
-            return self._res(c, t_avg)
-        return self._res(c, t_avg) - (self._groups(c, t_avg) - 1) * t_avg
+        past its TTFT keeps its residual (its SLO is lost; those wait in arrival order). A plan
+        computes every RT candidate's once (``_urgencies``)."""
+        known = self._urg.get(c.req_id) if t_avg == self._urg_t_avg else None
+        return known if known is not None else self._urgencies([c], t_avg)[0]
 
-    def _groups(self, c: Candidate, t_avg: float) -> int:
-        """k_i: iterations the request's next token still needs. 1 for a decode; for a prompt
-        (or a recompute) with more tokens to compute, its remaining prefill priced as one
+    def _urgencies(self, cands: list[Candidate], t_avg: float) -> list[float]:
+        """``_urgency`` of each candidate, their prompts priced in one call of the cost model."""
+        res = [self._res(c, t_avg) for c in cands]
+        k = self._groups(cands, t_avg)
+        return [r if c.missed else r - (g - 1) * t_avg for c, r, g in zip(cands, res, k.tolist())]
+
+    def _groups(self, cands: list[Candidate], t_avg: float) -> np.ndarray:
+        """k_i of each candidate: iterations its next token still needs. 1 for a decode; for a
+        prompt (or a recompute) with more tokens to compute, its remaining prefill priced as one
         standalone step, C(prefill), in units of the recent iteration time:
 
             k_i = ceil(C(prefill of the remaining tokens) / T_avg)
 
         (a prefill that fits one average iteration needs that one: k_i = 1)."""
-        todo = c.num_tokens - c.num_computed
-        if todo <= 1 or t_avg <= 0 or c.slo_s is None:
-            return 1
-        return max(1, math.ceil(self.cost(StepShape().add(todo, c.num_tokens, False), c.num_cpu) / t_avg))
+        tokens = np.array([c.num_tokens for c in cands], dtype=np.int64)
+        todo = tokens - np.array([c.num_computed for c in cands], dtype=np.int64)
+        priced = (todo > 1) & np.array([c.slo_s is not None for c in cands], dtype=bool)
+        if t_avg <= 0 or not priced.any():
+            return np.ones(len(cands), dtype=np.int64)
+        t = predict_many(self.cost, todo[priced], todo[priced] * tokens[priced],
+                         swap_slots=np.array([c.num_cpu for c, p in zip(cands, priced) if p], dtype=np.int64))
+        k = np.ones(len(cands), dtype=np.int64)
+        k[priced] = np.maximum(1, np.ceil(t / t_avg)).astype(np.int64)
+        return k
 
     def _may_replace(self, r: Candidate, t_iter: float, t_avg: float) -> bool:
         """May BE work take RT request ``r``'s place in an iteration of ``t_iter`` seconds?
@@ -312,6 +329,8 @@ class Bros:
         self.block_size = snap.block_size
         budget = BlockBudget(snap)
         res = lambda c: self._res(c, t_avg)  # noqa: E731
+        rt = [c for c in [*snap.running, *snap.waiting] if c.rt]
+        self._urg, self._urg_t_avg = dict(zip((c.req_id for c in rt), self._urgencies(rt, t_avg))), t_avg
         q_rt = deque(self._rt_order(snap, lambda c: self._urgency(c, t_avg)))
         slos = [c.slo_s for c in q_rt if c.slo_s is not None]
         if slos:

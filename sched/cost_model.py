@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import astuple, dataclass
 
+import numpy as np
+
 FEATURES = ("prefill_tokens", "prefill_attn", "decode_tokens", "decode_ctx", "hidden_blocks")
 
 
@@ -53,13 +55,18 @@ class CostModel:
                 + self.per_decode_token * s.decode_tokens + self.per_decode_ctx * s.decode_ctx
                 + self.per_hidden_block * s.hidden_blocks)
 
+    def many(self, prefill_tokens, prefill_attn, decode_tokens, decode_ctx, swap_slots=0) -> np.ndarray:
+        """``predict`` of one shape per element of the arrays (no hidden blocks): the same sum in the
+        same order, so each equals ``predict`` to the last bit. Swap slots cost nothing here."""
+        return (self.base + self.per_prefill_token * prefill_tokens + self.per_prefill_attn * prefill_attn
+                + self.per_decode_token * decode_tokens + self.per_decode_ctx * decode_ctx)
+
     @classmethod
     def fit(cls, samples: list[tuple[StepShape, float]]) -> "CostModel":
         """Least squares over (shape, seconds) samples, coefficients kept non-negative.
 
         Active set: fit, drop the most negative coefficient's feature, refit, until none is negative.
         """
-        import numpy as np
         if len(samples) < 5:
             raise ValueError("need at least 5 measured steps to fit a cost model")
         X = np.array([[1.0, *astuple(s)] for s, _ in samples])
@@ -95,6 +102,10 @@ class SwapModel:
     def predict(self, slots: int) -> float:
         return self.base + self.per_slot * slots if slots else 0.0
 
+    def many(self, slots: np.ndarray) -> np.ndarray:
+        """``predict`` of each element."""
+        return np.where(slots != 0, self.base + self.per_slot * slots, 0.0)
+
 
 class OnlineCostModel:
     """The iteration cost model the scheduler uses: fitted at start-up, refined from measured steps.
@@ -124,6 +135,11 @@ class OnlineCostModel:
     def __call__(self, shape: StepShape, swap_slots: int = 0) -> float:
         return max(self.model.predict(shape), self.swap.predict(swap_slots))
 
+    def many(self, prefill_tokens, prefill_attn, decode_tokens, decode_ctx, swap_slots=0) -> np.ndarray:
+        """The call's prediction for one shape (no hidden blocks) per element of the arrays."""
+        return np.maximum(self.model.many(prefill_tokens, prefill_attn, decode_tokens, decode_ctx),
+                          self.swap.many(np.asarray(swap_slots)))
+
     def overrun(self, q: float = 0.9, cap: float = 1.5) -> float:
         """The q-quantile of measured / predicted over the recent steps, within [1, cap]: a step
         predicted to take t takes at most ``overrun() * t`` in a fraction q of cases. 1.0 until
@@ -147,6 +163,20 @@ class OnlineCostModel:
         if self.observed % self.refit_every == 0:
             self.model = CostModel.fit(self.startup + list(self.recent))
             self.refits += 1
+
+
+def predict_many(cost, prefill_tokens=0, prefill_attn=0, decode_tokens=0, decode_ctx=0, swap_slots=0) -> np.ndarray:
+    """``cost(StepShape(prefill_tokens, prefill_attn, decode_tokens, decode_ctx), swap_slots)`` for
+    each element of the (broadcast) arrays: a policy prices every candidate's own step this way
+    once per plan. In numpy when the cost function has ``many`` (the cost models here), else one
+    call per element (any other ``(shape, swap_slots) -> seconds`` callable)."""
+    arrays = np.broadcast_arrays(*(np.asarray(a, dtype=np.int64)
+                                   for a in (prefill_tokens, prefill_attn, decode_tokens, decode_ctx, swap_slots)))
+    many = getattr(cost, "many", None)
+    if many is not None:
+        return np.asarray(many(*arrays), dtype=float) + np.zeros(arrays[0].shape)
+    return np.array([cost(StepShape(*map(int, row[:4])), int(row[4])) for row in zip(*arrays)],
+                    dtype=float).reshape(arrays[0].shape)
 
 
 # A paper-scale setting: OPT-13B in fp16 on one A100-40GB, from published figures

@@ -265,3 +265,50 @@ def test_look_ahead_admission_against_the_peak_walked_step_by_step(holders, arri
         if h is not None:
             fp.drop(h)
             held.pop(h)
+
+
+def _gittins_by_definition(spread, a):
+    """min over horizons Δ of E[min(L - a, Δ) | L > a] / P(L - a <= Δ | L > a), exactly."""
+    from fractions import Fraction
+    surv = [x - a for x in spread if x > a]
+    return min(Fraction(sum(min(d, h) for d in surv), sum(1 for d in surv if d <= h))
+               for h in range(1, max(surv) + 1) if any(d <= h for d in surv))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 600), st.integers(0, 700), st.integers(0, 3), st.none() | st.integers(0, 500),
+                          st.lists(st.integers(1, 500), max_size=8), st.floats(0, 30), st.booleans()),
+                min_size=1, max_size=25))
+def test_remaining_time_levels_and_order_against_their_definitions(rows):
+    """Every candidate's T_rem and level (priced together, in numpy, with the cost model the
+    server uses) against the module docstring's formulas worked one request at a time: L̂
+    doubled until it exceeds g, the Gittins remaining from its definition over every horizon,
+    the first level whose θ_i holds T_rem, aging; and the order by (class, level, T_rem)."""
+    from tandem.sched.cost_model import OnlineCostModel, StepShape
+    a = Alise(OnlineCostModel(COST), levels=6, theta1_s=0.05, age_s=7.0)
+    cs = []
+    for i, (prompt, out, todo, pred, spread, waited, rt) in enumerate(rows):
+        n = prompt + out
+        cs.append(replace(cand(f"r{i}", prompt, out, pred, computed=max(0, n - todo), rt=rt, arrival=i % 5,
+                               stalled=waited / 2, pending=waited / 2), spread=tuple(sorted(spread))))
+    t, lvl = a.estimates(cs)
+    for c, got_t, got_lvl in zip(cs, t.tolist(), lvl.tolist()):
+        g, todo = c.num_output, c.num_tokens - c.num_computed
+        L, demotions = (c.spread[-1] if c.spread else c.predicted if c.predicted is not None else 256), 0
+        if c.spread and c.spread[-1] > g:
+            left = _gittins_by_definition(c.spread, g)
+        else:
+            L = max(L, 1)
+            while g >= L:
+                L, demotions = 2 * L, demotions + 1
+            left = L - g
+        pre = COST.predict(StepShape(todo, todo * c.num_tokens)) if todo > 1 else 0.0
+        want = pre + max(left, 1) * COST.predict(StepShape(decode_tokens=1, decode_ctx=c.num_tokens))
+        assert math.isclose(got_t, want, rel_tol=1e-12)
+        if any(math.isclose(want, 0.05 * 2 ** i, rel_tol=1e-9) for i in range(6)):
+            continue                                   # on a level's boundary: rounding may go either way
+        base = next((i for i in range(1, 7) if want <= 0.05 * 2 ** (i - 1)), 6)
+        assert got_lvl == max(min(6, base + demotions) - int((c.stalled_s + c.pending_s) // 7.0), 0)
+    key = {c.req_id: (not c.rt, lv, c.arrival if lv == 0 else tt, c.arrival) for c, tt, lv in zip(cs, t, lvl)}
+    order = [c.req_id for _, c, _ in a.order(snap(cs, []))]
+    assert [key[r] for r in order] == sorted(key.values())

@@ -2,8 +2,10 @@
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tandem.sched.cost_model import CostModel, OnlineCostModel, StepShape
+from tandem.sched.cost_model import CostModel, OnlineCostModel, StepShape, SwapModel, predict_many
 
 
 def test_shape_accumulates():
@@ -49,3 +51,20 @@ def test_overrun_is_the_upper_quantile_of_measured_over_predicted():
     for _ in range(OnlineCostModel.TAIL_WINDOW):             # faster than predicted: no margin
         online.observe(shape, 0.010)
     assert online.overrun() == 1.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4096), st.integers(0, 4096), st.integers(0, 64), st.integers(0, 10**6),
+                          st.integers(0, 500)), min_size=0, max_size=20),
+       st.floats(0.0, 0.05), st.floats(0.0, 1e-4))
+def test_many_prices_each_shape_as_one_call_does(rows, swap_base, per_slot):
+    """A policy prices every candidate's step at once: each element must be what the call on that
+    one shape and its swap slots returns, to the last bit (plans compare such times)."""
+    online = OnlineCostModel(CostModel(0.02, 1.3e-4, 2e-9, 6e-5, 6.3e-7), swap=SwapModel(swap_base, per_slot))
+    cols = list(zip(*rows)) if rows else [()] * 5
+    pt, attn, dt, ctx, slots = (list(c) for c in cols)
+    want = [online(StepShape(a, b, c, d), k) for a, b, c, d, k in rows]
+    assert predict_many(online, pt, attn, dt, ctx, slots).tolist() == want
+    assert predict_many(lambda s, k: online(s, k), pt, attn, dt, ctx, slots).tolist() == want
+    assert predict_many(online.model, pt, attn, dt, ctx).tolist() == [online.model.predict(StepShape(*r[:4]))
+                                                                       for r in rows]
