@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 import numpy as np
@@ -113,11 +113,22 @@ def add_chunk(s: StepShape, c: Candidate, n: int, block_size: int = 0) -> StepSh
                  hidden)
 
 
-def _shape(items: list[tuple[Candidate, int]], block_size: int = 0) -> StepShape:
-    s = StepShape()
-    for c, n in items:
-        s = add_chunk(s, c, n, block_size)
-    return s
+@dataclass(frozen=True, slots=True)
+class Load:
+    """Chunks of an iteration summed as the cost model reads them: their step shape and the
+    slots they swap in. A packing loop keeps one per list of chunks it grows, so pricing the
+    list plus one more chunk costs one addition, not a pass over the list."""
+    shape: StepShape = StepShape()
+    slots: int = 0
+
+    def add(self, c: Candidate, n: int, block_size: int = 0) -> "Load":
+        return Load(add_chunk(self.shape, c, n, block_size), self.slots + c.num_cpu)
+
+    def extend(self, items: Iterable[tuple[Candidate, int]], block_size: int = 0) -> "Load":
+        load = self
+        for c, n in items:
+            load = load.add(c, n, block_size)
+        return load
 
 
 class Bros:
@@ -145,18 +156,23 @@ class Bros:
         self._urg_t_avg = math.nan
 
     # ---- helpers ---------------------------------------------------------------
-    def _time(self, items: list[tuple[Candidate, int]]) -> float:
-        return self.cost(_shape(items, self.block_size), sum(c.num_cpu for c, _ in items))
+    def _load(self, items: Iterable[tuple[Candidate, int]], base: Load = Load()) -> Load:
+        return base.extend(items, self.block_size)
 
-    def _fit_chunk(self, items, c: Candidate, n: int, limit: float) -> int:
-        """Longest prefill chunk <= n (and >= min_chunk) keeping C(items + c) within ``limit``; 0 if none."""
+    def _time(self, load: Load, c: Candidate | None = None, n: int = 0) -> float:
+        """Predicted seconds of the chunks ``load`` sums, plus c's next n tokens if given."""
+        if c is not None:
+            load = load.add(c, n, self.block_size)
+        return self.cost(load.shape, load.slots)
+
+    def _fit_chunk(self, load: Load, c: Candidate, n: int, limit: float) -> int:
+        """Longest prefill chunk <= n (and >= min_chunk) keeping C(load + c) within ``limit``; 0 if none."""
         if n <= 1:
             return 0
-        base, slots = _shape(items, self.block_size), sum(x.num_cpu for x, _ in items) + c.num_cpu
         lo, hi = 0, n
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.cost(add_chunk(base, c, mid, self.block_size), slots) <= limit:
+            if self._time(load, c, mid) <= limit:
                 lo = mid
             else:
                 hi = mid - 1
@@ -339,6 +355,7 @@ class Bros:
         t_res_min = self._budget(q_rt, res)
         tokens_left = lim.max_num_batched_tokens
         rt_ready: list[tuple[Candidate, int]] = []
+        rt_load = Load()                        # rt_ready's, kept as it grows
         taken: set[str] = set()
         early, blocked, running_ids = False, False, {c.req_id for c in snap.running}
         kept_full = False
@@ -366,20 +383,21 @@ class Bros:
                 q_rt.popleft()
                 plan.reasons[r.req_id] = "waiting: its predicted growth would not fit beside the running requests'"
                 continue
-            if kept and self._time(rt_ready + kept + [(r, n)]) > t_res_min:
-                n = self._fit_chunk(rt_ready + kept, r, n, t_res_min) if lim.chunked_prefill else 0
+            kept_load = self._load(kept, rt_load) if kept else rt_load
+            if kept and self._time(kept_load, r, n) > t_res_min:
+                n = self._fit_chunk(kept_load, r, n, t_res_min) if lim.chunked_prefill else 0
                 kept_full, fitted = n == 0, n > 0
                 if n == 0:
                     q_rt.popleft()
                     plan.reasons[r.req_id] = KEPT_WAIT
                     continue
-            if rt_ready and self._time(rt_ready + [(r, n)]) > t_res_min:
-                n = self._fit_chunk(rt_ready, r, n, t_res_min) if lim.chunked_prefill else 0
+            if rt_ready and self._time(rt_load, r, n) > t_res_min:
+                n = self._fit_chunk(rt_load, r, n, t_res_min) if lim.chunked_prefill else 0
                 early = True
                 if n == 0:
                     plan.reasons[r.req_id] = "waiting: the batch would miss the most urgent RT deadline"
                     break
-            elif not rt_ready and self._time([(r, n)]) > t_res_min:
+            elif not rt_ready and self._time(Load(), r, n) > t_res_min:
                 early = True        # the most urgent request cannot make it: run it alone-first anyway
             if not self._make_room(r, n, snap, budget, plan, taken, t_avg):
                 plan.reasons[r.req_id] = "waiting: no block can be found or preempted"
@@ -388,6 +406,7 @@ class Bros:
                 continue            # blocks it needs) still run, and finish
             q_rt.popleft()
             rt_ready.append((r, n))
+            rt_load = rt_load.add(r, n, self.block_size)
             taken.add(r.req_id)
             tokens_left -= n
             kept_full = kept_full or fitted
@@ -407,6 +426,7 @@ class Bros:
     def _pack_be(self, snap, budget, plan, rt_ready, q_rt, taken, t_res_min, tokens_left):
         lim, t_avg = snap.limits, snap.t_avg
         be_ready: list[tuple[Candidate, int]] = []
+        load = self._load(rt_ready)                 # rt_ready's and be_ready's, kept as they change
         running_ids, blocked = {c.req_id for c in snap.running}, False
         for b in self._be_queue(snap, plan):
             if b.req_id in plan.preempted:          # gave its blocks to a BE request ranked above it
@@ -424,24 +444,28 @@ class Bros:
                 plan.reasons[b.req_id] = "pending: no block for it"
                 blocked = True      # no waiting request overtakes it; running ones still run
                 continue
-            fits = lambda items, k: (len(items) + 1 <= self.b_curr  # noqa: E731
-                                     and self._time(items + [(b, k)]) <= t_res_min)
-            if not fits(rt_ready + be_ready, n) and lim.chunked_prefill and len(rt_ready + be_ready) < self.b_curr:
-                n = self._fit_chunk(rt_ready + be_ready, b, n, t_res_min) or n
-            if fits(rt_ready + be_ready, n):
+            fits = lambda ld, count, k: (count + 1 <= self.b_curr  # noqa: E731
+                                         and self._time(ld, b, k) <= t_res_min)
+            count = len(rt_ready) + len(be_ready)
+            if not fits(load, count, n) and lim.chunked_prefill and count < self.b_curr:
+                n = self._fit_chunk(load, b, n, t_res_min) or n
+            if fits(load, count, n):
                 be_ready.append((b, n))
+                load = load.add(b, n, self.block_size)
                 tokens_left -= n
                 continue
             if not rt_ready:
                 budget.release(b)
                 break
             r, rn = rt_ready.pop()                                     # try replacing the least urgent RT
-            if self._may_replace(r, self._time(rt_ready + be_ready + [(b, n)]), t_avg) and fits(rt_ready + be_ready, n):
+            rest = self._load(rt_ready + be_ready)
+            if self._may_replace(r, self._time(rest, b, n), t_avg) and fits(rest, count - 1, n):
                 budget.release(r)
                 q_rt.appendleft(r)
                 taken.discard(r.req_id)
                 tokens_left += rn - n
                 be_ready.append((b, n))
+                load = rest.add(b, n, self.block_size)
                 plan.reasons[r.req_id] = "pending: replaced by a BE request (RT slack allows it)"
             else:
                 rt_ready.append((r, rn))
