@@ -44,6 +44,9 @@ from tandem.predictor.text import TextHead
 
 FORMAT = 1
 SPREAD = 8                   # points of a prediction's length distribution
+# [open choice] real lengths learned online kept at most, beyond the trained ones: about 200 MB
+# of index (hnswlib preallocates it as the index grows); then the newest replaces the oldest
+MAX_LEARNED = 100_000
 
 
 def default_dir() -> Path:
@@ -83,8 +86,12 @@ class LengthPredictor:
 
     # ---- the API ---------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | Path | None = None) -> "LengthPredictor":
-        """The predictor saved in ``path`` (None: the default one ``python -m predictor train`` made)."""
+    def load(cls, path: str | Path | None = None, max_learned: int | None = MAX_LEARNED) -> "LengthPredictor":
+        """The predictor saved in ``path`` (None: the default one ``python -m predictor train`` made);
+        of the lengths it learns beyond its trained ones it keeps the ``max_learned`` newest
+        (None: all)."""
+        if max_learned is not None and max_learned < 0:
+            raise ValueError(f"max_learned: must be 0 or more, got {max_learned}")
         base = Path(path) if path is not None else default_dir()
         d = saved_dir(base)
         meta_file = d / "meta.json"
@@ -96,7 +103,7 @@ class LengthPredictor:
             raise ValueError(f"{d}: predictor format {meta.get('format')!r}, expected {FORMAT}")
         s = Settings(**{"text_hidden": 0, **meta["settings"]})   # saved before the text head: none
         text = TextHead.load(d / "text.pt", s.text_hidden) if s.text_hidden else None
-        index = LengthIndex.load(d, DIM)
+        index = LengthIndex.load(d, DIM, max_learned)
         if len(index) != meta.get("size", len(index)):
             raise ValueError(f"{d}: the index holds {len(index)} lengths, its meta.json says {meta['size']}")
         return cls(s, LengthHead.load(d / "head.pt", DIM, s.hidden), index, text=text)

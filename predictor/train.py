@@ -40,6 +40,7 @@ def train(examples: Examples, settings: Settings = Settings(), *, epochs: int = 
         log(f"fitted the text head in {time.perf_counter() - t0:.0f} s (L1 in log space: {losses[-1]:.3f})")
     index = LengthIndex(DIM, capacity=len(examples))
     index.add(vectors, examples.lengths)
+    index.keep_all()
     pred = LengthPredictor(settings, head, index, embedder, text)
     if out is not None:
         pred.save(out)

@@ -55,9 +55,10 @@ def prediction_text(prompt: Any, detokenize=None) -> str:
 class LengthSource:
     """``cap``: a prediction never exceeds the request's max_tokens (right for users; benchmarks
     that fix each reply's length through max_tokens turn it off, or the cap tells the predictor
-    every over-estimate's answer)."""
+    every over-estimate's answer). ``max_learned``: real lengths a predictor it loads keeps
+    beyond its trained ones (None: the predictor's default)."""
 
-    def __init__(self, source: "str | Path | Any | None", cap: bool = True):
+    def __init__(self, source: "str | Path | Any | None", cap: bool = True, max_learned: int | None = None):
         self.predictor = None
         self.cap = cap
         if source != MAX_TOKENS:
@@ -66,7 +67,8 @@ class LengthSource:
                 self.predictor = source
             else:
                 try:
-                    self.predictor = LengthPredictor.load(source)
+                    bound = {} if max_learned is None else {"max_learned": max_learned}
+                    self.predictor = LengthPredictor.load(source, **bound)
                 except FileNotFoundError as e:
                     raise ValueError(f"length_predictor: {e}") from None
             import torch

@@ -99,6 +99,8 @@ class LLM:
     ``predictor.LengthPredictor``, or "max_tokens" (each request's max_tokens: an oracle
     when max_tokens is the length to generate). length_cap: predictions are capped by each
     request's max_tokens (False for benchmarks that fix reply lengths through max_tokens).
+    length_learned_max: a predictor loaded from a directory (or the trained one) keeps that many
+    of the real lengths it learns, the newest, beyond its trained ones (None: its default).
     preemption_mode: "swap" (a preempted request's cache goes to host memory and comes back),
     "recompute", or None (swap under alise, recompute elsewhere); swap_space: GiB of host memory
     for swapped caches per device; swap_dtype: "int8" (compressed, channel-wise per block) or
@@ -150,7 +152,8 @@ class LLM:
                  swap_space: float = 4.0, swap_dtype: str = "int8", kv_cache_dtype: str = "auto",
                  triton_attention: bool | None = None, tandem_off: Sequence[str] = (),
                  slo_tbt_mean: bool = False, length_cap: bool = True, weight_blocks: bool = True,
-                 enable_prefix_caching: bool = True, prefix_aware_routing: bool = True):
+                 enable_prefix_caching: bool = True, prefix_aware_routing: bool = True,
+                 length_learned_max: int | None = None):
         self._workers: list[WorkerHandle] = []
         self._prefix_routing = bool(prefix_aware_routing)
         self.runtime: Runtime | None = None
@@ -188,7 +191,7 @@ class LLM:
             raise ValueError(f"kv_cache_fraction: must be a number in (0, 1], got {kv_cache_fraction!r}")
         if omp_wait_policy not in (None, "ACTIVE", "PASSIVE"):
             raise ValueError(f"omp_wait_policy: {omp_wait_policy!r} is not ACTIVE or PASSIVE")
-        self.lengths = self._lengths(policy, length_predictor, length_cap)
+        self.lengths = self._lengths(policy, length_predictor, length_cap, length_learned_max)
         dtype, why = resolve_dtype(dtype, names[0])
         log.info("dtype %s: %s", dtype, why)
         self.dtype = dtype
@@ -263,13 +266,13 @@ class LLM:
             raise
         self._ids = itertools.count()
 
-    def _lengths(self, policy: str, source: Any, cap: bool) -> LengthSource | None:
+    def _lengths(self, policy: str, source: Any, cap: bool, max_learned: int | None) -> LengthSource | None:
         """Predicted output lengths: alise needs them (default: the trained predictor); tandem uses
         them when there is a predictor, and without one orders by prompt cost and aging alone."""
         if policy not in ("alise", "tandem") and source is None:
             return None
         try:
-            src = LengthSource(source, cap)
+            src = LengthSource(source, cap, max_learned)
         except ValueError as e:
             if policy != "tandem" or source is not None:
                 raise

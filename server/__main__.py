@@ -49,6 +49,10 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                     help="with --policy tandem or alise: a predictor directory, or max_tokens (each request's max_tokens "
                          "as its length). Default: DATA_DIR/predictor, started from the trained predictor and "
                          "taught every finished request's real length (saved at shutdown)")
+    ap.add_argument("--length-learned-max", type=int, default=None, metavar="N",
+                    help="the predictor keeps the N newest real lengths it learned, beyond its trained ones; "
+                         "each later one replaces the oldest, so memory stays bounded (0: learn nothing; "
+                         "default 100,000, about 200 MB)")
     ap.add_argument("--no-length-cap", action="store_true",
                     help="predicted lengths may exceed a request's max_tokens (for benchmarks that fix each reply's "
                          "length through max_tokens, where capping would hand the predictor the answer)")
@@ -149,6 +153,8 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                         ("max-waiting", a.max_waiting), ("max-model-len", a.max_model_len)):
             if v is not None and v < 1:
                 raise ValueError(f"{flag}: must be a positive integer, got {v}")
+        if a.length_learned_max is not None and a.length_learned_max < 0:
+            raise ValueError(f"length-learned-max: must be 0 or more, got {a.length_learned_max}")
         if a.max_connections < 1 or a.header_timeout <= 0 or a.body_timeout <= 0:
             raise ValueError("max-connections, header-timeout and body-timeout must be positive")
     except ValueError as e:
@@ -162,7 +168,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                         hybrid_cache=not a.kv_only, adaptive=not a.aptserve_fcfs, slo_decay=a.slo_decay,
                         mixed_batches=a.aptserve_mixed, placement=a.placement,
                         rebalance_interval_s=a.rebalance_interval, length_predictor=a.length_predictor,
-                        length_cap=not a.no_length_cap,
+                        length_cap=not a.no_length_cap, length_learned_max=a.length_learned_max,
                         preemption_mode=a.preemption_mode, swap_space_gib=a.swap_space, swap_dtype=a.swap_dtype,
                         kv_cache_dtype=a.kv_cache_dtype, prefix_caching=a.enable_prefix_caching,
                         prefix_routing=a.prefix_aware_routing,
@@ -189,7 +195,7 @@ def _length_source(cfg: ServerConfig):
     if not is_saved(own):
         return None
     try:
-        return LengthPredictor.load(own)
+        return LengthPredictor.load(own, **_bound(cfg))
     except Exception as e:                 # noqa: BLE001 -- any damage: start without it
         aside = own.with_name(f"predictor.unreadable-{int(time.time())}")
         os.replace(own, aside)
@@ -197,6 +203,11 @@ def _length_source(cfg: ServerConfig):
             "the data dir's length predictor could not be loaded (%s: %s); moved to %s, starting "
             "from the trained one", type(e).__name__, e, aside)
         return None
+
+
+def _bound(cfg: ServerConfig) -> dict:
+    """The predictor's bound on learned lengths, where the flag sets one."""
+    return {} if cfg.length_learned_max is None else {"max_learned": cfg.length_learned_max}
 
 
 async def _watch_parent(pid: int) -> None:
@@ -239,7 +250,8 @@ def main(argv=None, prog: str = "python -m server") -> None:
                   omp_wait_policy=cfg.omp_wait_policy, threads_per_worker=cfg.threads_per_worker,
                   chat_control_tokens=cfg.chat_control_tokens, placement=cfg.placement,
                   rebalance_interval_s=cfg.rebalance_interval_s, slo_tbt_s=cfg.slo_tbt_ms / 1000,
-                  length_predictor=_length_source(cfg), length_cap=cfg.length_cap, preemption_mode=cfg.preemption_mode,
+                  length_predictor=_length_source(cfg), length_cap=cfg.length_cap,
+                  length_learned_max=cfg.length_learned_max, preemption_mode=cfg.preemption_mode,
                   swap_space=cfg.swap_space_gib, swap_dtype=cfg.swap_dtype,
                   kv_cache_dtype=cfg.kv_cache_dtype, tandem_off=cfg.tandem_off,
                   slo_tbt_mean=cfg.slo_tbt_mean, weight_blocks=cfg.weight_blocks,

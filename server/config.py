@@ -32,6 +32,7 @@ class ServerConfig:
     rebalance_interval_s: float = 1.0  # seconds between the rebalancer's epochs
     length_predictor: str | None = None  # tandem, alise: a predictor directory or "max_tokens" (None: the data dir's)
     length_cap: bool = True            # predictions capped by each request's max_tokens
+    length_learned_max: int | None = None  # real lengths learned kept at most (None: the predictor's default)
     preemption_mode: str | None = None  # swap or recompute (None: swap under tandem and alise, else recompute)
     swap_space_gib: float = 4.0        # host memory for swapped caches, per device
     swap_dtype: str = "int8"           # swapped caches: int8 (compressed) or auto (as resident)

@@ -66,6 +66,46 @@ def test_index_neighbours_match_brute_force():
     assert np.all(np.diff(sims, axis=1) <= 1e-6)  # most similar first
 
 
+def test_learned_lengths_are_bounded_the_newest_replacing_the_oldest(tmp_path):
+    """Beyond its trained entries the index keeps the ``max_learned`` newest learned ones: each
+    query answers as exact search over the trained entries and those newest ones would, the
+    trained ones are never replaced, hnswlib's preallocation stops at the bound, and the order
+    of replacement survives a save and a load."""
+    rng = np.random.default_rng(3)
+    seed, learned = _unit(rng, 40), _unit(rng, 30)
+    seed_len, learned_len = rng.integers(1, 500, 40), rng.integers(1000, 2000, 30)
+    ix = LengthIndex(DIM, capacity=8)                 # as training builds it: no bound
+    ix.add(seed, seed_len)
+    ix.keep_all()
+    ix.max_learned = 6                                # as a server loads it
+
+    def live(n_added):                     # the trained entries and the 6 newest learned, exactly
+        lo = max(0, n_added - 6)
+        return np.vstack([seed, learned[lo:n_added]]), np.concatenate([seed_len, learned_len[lo:n_added]])
+
+    def check(index, n_added):
+        vecs, lens = live(n_added)
+        assert len(index) == len(vecs)
+        q = np.vstack([vecs, _unit(rng, 10)])
+        sims, got = index.query(q, 1)
+        best = np.argmax(q @ vecs.T, axis=1)
+        np.testing.assert_allclose(sims[:, 0], (q @ vecs.T)[np.arange(len(q)), best], atol=1e-5)
+        assert got[:, 0].tolist() == lens[best].tolist()
+    ix.add(learned[:4], learned_len[:4])          # room for all four
+    check(ix, 4)
+    ix.add(learned[4:9], learned_len[4:9])        # two more fit, three replace the oldest
+    check(ix, 9)
+    assert ix._index.get_max_elements() <= 40 + 6
+    ix.save(tmp_path)
+    back = LengthIndex.load(tmp_path, DIM, max_learned=6)
+    i = 9
+    for size in (2, 3, 1, 7, 4, 2, 2):           # a batch longer than the bound, too
+        back.add(learned[i:i + size], learned_len[i:i + size])
+        i += size
+        check(back, i)
+    assert back._index.get_max_elements() <= 40 + 6
+
+
 def _wquantile(values, weights, q):
     """Reference weighted quantile: walk the sorted values until q of the weight is reached."""
     if not any(weights):

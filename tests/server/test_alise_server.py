@@ -123,3 +123,23 @@ def test_status_lists_each_queued_requests_level(tiny_chat_model, tmp_path):
     assert len(fresh) >= 3
     assert [r["level"] for r in fresh] == sorted(r["level"] for r in fresh), fresh
     assert len({r["level"] for r in fresh}) > 1, "lengths 8 to 200 were meant to span levels"
+
+
+def test_the_predictor_keeps_only_the_newest_learned_lengths(tiny_chat_model, tmp_path):
+    """--length-learned-max 2: after three requests the saved predictor holds its trained
+    prompts and the two lengths learned last; the first one learned gave its place up."""
+    seed_dir = tmp_path / "seed"
+    seed_predictor(seed_dir)
+    s = start_server(tiny_chat_model, tmp_path, "--policy", "alise", "--length-predictor", str(seed_dir),
+                     "--length-learned-max", "2")
+    asks = [("Write a story about a dragon and a knight", 9), ("Name a large ocean please", 6),
+            ("Describe a quiet morning in spring", 11)]
+    try:
+        for text, n in asks:
+            assert chat(s, text, n)["usage"]["completion_tokens"] == n
+    finally:
+        assert stop_server(s) == 0
+    saved = LengthPredictor.load(tmp_path / "data" / "predictor")
+    assert len(saved.index) == len(SEED) + 2
+    assert saved.index.lengths.tolist()[len(SEED):] == [11, 6]     # the third took the first one's place
+    assert saved.predict([asks[1][0], asks[2][0]]) == [6, 11]
