@@ -28,7 +28,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from tandem.cache import PoolGeometry
@@ -82,7 +82,9 @@ class Release:
 @dataclass(slots=True)
 class Report:
     """Nothing to do: the turn it wakes runs the step listeners, so they see the device before
-    its first step (the dashboard lists an idle device, its pool all free)."""
+    its first step (the dashboard lists an idle device, its pool all free); ``done`` is set once
+    they ran."""
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 Message = Add | Abort | MoveOut | MoveIn | Release | Report
@@ -140,6 +142,7 @@ class ActorThread:
                 if self._stop:
                     return
                 inbox, self._inbox = self._inbox, deque()
+            reports = [m for m in inbox if isinstance(m, Report)]
             updates: list[Update] = []
             try:
                 while inbox:
@@ -161,6 +164,8 @@ class ActorThread:
                     fn(a)
                 except Exception:
                     log.exception("step listener failed")
+            for r in reports:
+                r.done.set()
 
     def _recover(self, how: Callable[[str], list[Update]], why: str) -> list[Update]:
         """Run a recovery. Should it fail as well (the books it works on are what broke), the
@@ -391,10 +396,14 @@ class Runtime:
             except Exception:                  # never silent, never fatal: the next epoch tries again
                 log.exception("rebalancer epoch failed")
 
-    def report(self) -> None:
-        """Every actor runs the step listeners once, on its own thread, without stepping."""
-        for t in self.threads:
-            t.post(Report())
+    def report(self, timeout_s: float = 30.0) -> bool:
+        """Every actor runs the step listeners once, on its own thread, without stepping; returns
+        once they all did (False if one did not within ``timeout_s``: a device stuck in a step)."""
+        reports = [Report() for _ in self.threads]
+        for t, r in zip(self.threads, reports):
+            t.post(r)
+        deadline = time.monotonic() + timeout_s
+        return all(r.done.wait(max(0.0, deadline - time.monotonic())) for r in reports)
 
     def add(self, st: RequestState, device: int | None = None) -> None:
         """Hand a checked request (Scheduler.new_state) to ``device``, or to the one the

@@ -628,7 +628,8 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
             print(f"tandem: model failed to load: {state.load_error}", flush=True)
             return
         engine.step_listeners.append(state.metrics.engine_step)
-        engine.runtime.report()             # /status and /metrics show every device from the start
+        # /status and /metrics show every device from the start
+        await asyncio.get_running_loop().run_in_executor(None, engine.runtime.report)
         state.metrics.cache_configured(*engine.llm.cache_config())
         state.metrics.lengths = engine.llm.lengths
         state.text_of = TokenText(engine.llm.tokenizer)

@@ -211,3 +211,22 @@ def test_policies_that_price_iterations_start_on_a_pool_smaller_than_their_profi
         outs = m.generate(prompts, SamplingParams(max_tokens=8, **GREEDY))
         assert_pool_free(m)
     assert [o.token_ids for o in outs] == hf_greedy(tiny_llama, prompts, 8)
+
+
+def test_report_returns_once_every_device_ran_its_listeners(llm):
+    """What the server waits for before it says it is ready: each device's step listeners (the
+    metrics) have seen it, though it has not stepped; a slow listener is waited for."""
+    import threading
+    import time
+    runtime = llm.start_runtime()
+    seen, main = [], threading.get_ident()
+
+    def slow(actor):
+        time.sleep(0.3)
+        seen.append((actor.index, threading.get_ident() != main))
+    runtime.listeners.append(slow)
+    try:
+        assert runtime.report() is True
+        assert seen == [(0, True)]              # on the device's own thread, before report returned
+    finally:
+        runtime.listeners.remove(slow)
