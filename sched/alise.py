@@ -43,7 +43,6 @@ requests in this iteration since they run together (continuous batching).
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import numpy as np
 
