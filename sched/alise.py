@@ -301,10 +301,13 @@ class Footprint:
         if not len(held):
             return True
         items = np.vstack([held, self._item(c, starting=True)])
-        x, r, b = items[np.argsort(-items[:, 1], kind="stable")].T
-        B = self.snap.block_size
+        B, room = self.snap.block_size, self.total + c.num_blocks
+        x, r, b = items.T
+        if float(b @ (x + r - 1)) / B + float(b.sum()) / 2 <= room:
+            return True         # each at its largest at once fits, so the peak does
+        x, r, b = items[np.argsort(-r, kind="stable")].T
         peak = np.cumsum(b * x / B) + np.cumsum(b / B) * (r - 1) + np.cumsum(b / 2)
-        return max(float(peak.max()), 0.0) <= self.total + c.num_blocks
+        return max(float(peak.max()), 0.0) <= room
 
 
 def gittins_remaining(spread: tuple[int, ...], a: int) -> float:
