@@ -421,6 +421,7 @@ class Bros:
                                     "this iteration or cannot run (batch size, time or blocks)")
         self.last_early = early
         self.b_curr = self.b_base if early else min(2 * self.b_curr, self.max_num_seqs)
+        self._urg = {}                                    # the next snapshot's requests are not these
         return plan
 
     def _pack_be(self, snap, budget, plan, rt_ready, q_rt, taken, t_res_min, tokens_left):
