@@ -86,11 +86,12 @@ class LengthPredictor:
 
     # ---- the API ---------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | Path | None = None, max_learned: int | None = MAX_LEARNED) -> "LengthPredictor":
+    def load(cls, path: str | Path | None = None, max_learned: int | None = None) -> "LengthPredictor":
         """The predictor saved in ``path`` (None: the default one ``python -m predictor train`` made);
         of the lengths it learns beyond its trained ones it keeps the ``max_learned`` newest
-        (None: all)."""
-        if max_learned is not None and max_learned < 0:
+        (None: ``MAX_LEARNED``)."""
+        max_learned = MAX_LEARNED if max_learned is None else max_learned
+        if max_learned < 0:
             raise ValueError(f"max_learned: must be 0 or more, got {max_learned}")
         base = Path(path) if path is not None else default_dir()
         d = saved_dir(base)

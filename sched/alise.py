@@ -252,12 +252,7 @@ class Footprint:
         self._keys = np.full(len(self._rows), self._GONE, dtype=np.int64)
         self._row_of = {c.req_id: i for i, c in enumerate(holders)}
         if holders:
-            col = _Columns(holders)
-            L, _ = _doubled(col.predicted, col.output)
-            hidden = np.array([c.cache_type is CacheType.HIDDEN for c in holders])
-            self._rows[:len(holders)] = np.stack([
-                col.tokens + np.array([c.foreign_slots for c in holders]), np.maximum(L - col.output, 1),
-                np.where(hidden, snap.hidden_blocks_per_token_block, snap.blocks_per_token_block)], axis=1)
+            self._rows[:len(holders)] = [self._item(c) for c in holders]
             self._keys[:len(holders)] = [self._key(rank[c.req_id]) for c in holders]
 
     def _item(self, c: Candidate, starting: bool = False) -> tuple[int, int, int]:

@@ -67,8 +67,7 @@ class LengthSource:
                 self.predictor = source
             else:
                 try:
-                    bound = {} if max_learned is None else {"max_learned": max_learned}
-                    self.predictor = LengthPredictor.load(source, **bound)
+                    self.predictor = LengthPredictor.load(source, max_learned)
                 except FileNotFoundError as e:
                     raise ValueError(f"length_predictor: {e}") from None
             import torch

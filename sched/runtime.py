@@ -396,12 +396,15 @@ class Runtime:
             except Exception:                  # never silent, never fatal: the next epoch tries again
                 log.exception("rebalancer epoch failed")
 
-    def report(self, timeout_s: float = 30.0) -> bool:
+    def report(self, timeout_s: float | None = 30.0) -> bool:
         """Every actor runs the step listeners once, on its own thread, without stepping; returns
-        once they all did (False if one did not within ``timeout_s``: a device stuck in a step)."""
+        once they all did (False if one did not within ``timeout_s``: a device stuck in a step;
+        None waits for as long as it takes)."""
         reports = [Report() for _ in self.threads]
         for t, r in zip(self.threads, reports):
             t.post(r)
+        if timeout_s is None:
+            return all(r.done.wait() for r in reports)
         deadline = time.monotonic() + timeout_s
         return all(r.done.wait(max(0.0, deadline - time.monotonic())) for r in reports)
 

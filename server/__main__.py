@@ -195,7 +195,7 @@ def _length_source(cfg: ServerConfig):
     if not is_saved(own):
         return None
     try:
-        return LengthPredictor.load(own, **_bound(cfg))
+        return LengthPredictor.load(own, cfg.length_learned_max)
     except Exception as e:                 # noqa: BLE001 -- any damage: start without it
         aside = own.with_name(f"predictor.unreadable-{int(time.time())}")
         os.replace(own, aside)
@@ -203,11 +203,6 @@ def _length_source(cfg: ServerConfig):
             "the data dir's length predictor could not be loaded (%s: %s); moved to %s, starting "
             "from the trained one", type(e).__name__, e, aside)
         return None
-
-
-def _bound(cfg: ServerConfig) -> dict:
-    """The predictor's bound on learned lengths, where the flag sets one."""
-    return {} if cfg.length_learned_max is None else {"max_learned": cfg.length_learned_max}
 
 
 async def _watch_parent(pid: int) -> None:
