@@ -165,10 +165,16 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     stn.add_argument("--be-job-size", type=int, default=32)
     stn.add_argument("--ttft-factor", type=float, default=10.0)
     stn.add_argument("--tbt-factor", type=float, default=5.0)
-    stn.add_argument("--host-gbps", type=float, default=25.0, help="device-host link for swaps, GB/s")
+    stn.add_argument("--host-gbps", type=float, default=None,
+                     help="device-host link for swaps, GB/s (default: 25, a PCIe link; fitted: 5, a copy)")
     stn.add_argument("--swap-gib", type=float, default=64.0, help="host memory for swapped caches")
     stn.add_argument("--seed", type=int, default=0)
     stn.add_argument("--seeds", nargs="+", type=int, default=None, help="run each seed in turn (a table each)")
+    stn.add_argument("--preset", default="opt13b", choices=["opt13b", "fitted"],
+                     help="opt13b: OPT-13B on an A100 (paper scale); fitted: SmolLM2 on this CPU, the cost model "
+                          "`python -m bench profile` fitted (its pool, KV bytes and slower host copies)")
+    stn.add_argument("--be-scale", type=float, default=1.0,
+                     help="BE prompt and output lengths scaled by this (the mixed bench's --be-scale)")
     stn.add_argument("--kv-tokens", type=int, default=None,
                      help="the device's KV pool in tokens (default: an A100-40GB's for OPT-13B, 12k)")
     stn.add_argument("--slo-ttft-s", type=float, default=None, help="TTFT target in seconds (default: --ttft-factor)")

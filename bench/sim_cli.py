@@ -9,10 +9,15 @@ from tandem.bench.metrics import attainment, meets_apt, meets_bros, summarize
 from tandem.bench.simulator import SimSetup, simulate
 from tandem.bench.workloads import sharegpt_trace
 from tandem.cache import PoolGeometry
+from tandem.engine.kvquant import int8_block_bytes
 from tandem.sched.cost_model import OPT_13B_A100, OPT_13B_A100_KV_TOKENS, CostModel, StepShape
+from tandem.sched.llm import DEFAULT_KV_CACHE_BYTES
 from tandem.sched.scheduler import SchedConfig
 
 COST_FILE = RESULTS / "cost_smollm2_cpu.json"
+# SmolLM2-135M: 30 layers, 3 KV heads of 64; one K (or V) block of 16 tokens in fp32, and in int8
+SMOLLM2_BLOCK_BYTES = (30 * 16 * 3 * 64 * 4, int8_block_bytes(30, 3, 64, 16))
+SMOLLM2_POOL_TOKENS = DEFAULT_KV_CACHE_BYTES // (2 * SMOLLM2_BLOCK_BYTES[0] // 16)    # the server's default pool
 
 
 def _tokenizer():
@@ -162,9 +167,7 @@ def sim_validate(args) -> None:
     tok = _tokenizer()
     cost, ratios, ratios_prefill = load_fitted()
     slo, tr = real["slo"], real["trace"]
-    from tandem.sched.llm import DEFAULT_KV_CACHE_BYTES
-    kv_tokens = DEFAULT_KV_CACHE_BYTES // (30 * 2 * 192 * 4)          # SmolLM2 fp32: K+V per token
-    setups = {"mean": SimSetup(cost, PoolGeometry(2 * kv_tokens // 16, 16),
+    setups = {"mean": SimSetup(cost, PoolGeometry(2 * SMOLLM2_POOL_TOKENS // 16, 16),
                                SchedConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048), 8192)}
     if ratios:
         setups["spread"] = SimSetup(**{**setups["mean"].__dict__, "noise": ratios,

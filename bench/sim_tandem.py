@@ -11,6 +11,13 @@ one completes), as in ``bench sim-mixed``. Predicted lengths come from predictor
 the run) for the RT prompts; the BE prompts are random tokens, so their lengths are unknown to
 every policy.
 
+``--preset fitted`` runs the same at this CPU's scale instead: SmolLM2 (grouped-query
+attention: a hidden cache would be larger than KV, so none is kept) with the cost model
+``python -m bench profile`` fitted on the real engine (each step drawing one of the measured /
+predicted step-time ratios, so steps spread as the engine's do), the server's default 2 GiB
+pool, and swaps at host-copy speed. There a decode step costs compute for every token in it, and a TBT
+target is a few iterations long, as on the real engine.
+
 Each system is compared on the metrics of the policy that owns them: RT attainment of TTFT and
 TPOT (BROS), effective throughput = the highest rate with 90% of RT requests meeting TTFT and
 their P99 TBT (Apt-Serve), mean RT normalized latency (ALISE), BE requests/s (FCFS).
@@ -18,14 +25,15 @@ their P99 TBT (Apt-Serve), mean RT normalized latency (ALISE), BE requests/s (FC
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from tandem.bench.metrics import attainment, meets_apt, meets_bros, summarize
 from tandem.bench.sim_alise import OPT_13B_BLOCK_BYTES, capacity, predict_all, with_lengths
-from tandem.bench.sim_cli import RESULTS, _tokenizer, slos
+from tandem.bench.sim_cli import RESULTS, SMOLLM2_BLOCK_BYTES, SMOLLM2_POOL_TOKENS, _tokenizer, load_fitted, slos
 from tandem.bench.simulator import BeJobs, SimSetup, simulate
 from tandem.bench.workloads import sharegpt_trace, synthetic_be
 from tandem.cache import PoolGeometry
-from tandem.sched.cost_model import OPT_13B_A100, OPT_13B_A100_KV_TOKENS, OPT_13B_A100_RHO
+from tandem.sched.cost_model import OPT_13B_A100, OPT_13B_A100_KV_TOKENS, OPT_13B_A100_RHO, CostModel
 from tandem.sched.scheduler import SchedConfig
 from tandem.sched.tandem import STARTED
 
@@ -54,26 +62,53 @@ METRICS = {"RT TTFT & TPOT": ("attain_bros", True, "bros"),
            "BE req/s": ("be_rps", True, "fcfs")}
 
 
-def _setup(system: str, args, ttft: float, tbt: float) -> SimSetup:
+@dataclass(frozen=True)
+class Device:
+    """What the simulated device is: its cost model, its pool and how a swap is priced."""
+    cost: CostModel
+    kv_tokens: int
+    hidden_blocks: int          # pool blocks per 16 tokens of a hidden cache (KV takes 2)
+    rho: float                  # a hidden cache's recompute per KV block
+    block_bytes: tuple[int, int]
+    host_bw: float              # bytes/s of a swap
+    noise: tuple[float, ...] = ()           # measured / predicted step times, one drawn per step
+    noise_prefill: tuple[float, ...] = ()   # the same for steps with prefill work
+
+
+CPU_COPY_BW = 5e9               # a host copy on this CPU, bytes/s (swaps on a CPU device are copies)
+
+
+def device(args) -> Device:
+    """The device ``--preset`` names, with ``--kv-tokens`` and ``--host-gbps`` where given."""
+    if args.preset == "fitted":
+        cost, ratios, ratios_prefill = load_fitted()
+        return Device(cost, args.kv_tokens or SMOLLM2_POOL_TOKENS, 3, 0.0, SMOLLM2_BLOCK_BYTES,
+                      args.host_gbps * 1e9 if args.host_gbps is not None else CPU_COPY_BW, ratios, ratios_prefill)
+    return Device(OPT_13B_A100, args.kv_tokens or OPT_13B_A100_KV_TOKENS, 1, OPT_13B_A100_RHO,
+                  OPT_13B_BLOCK_BYTES, (args.host_gbps if args.host_gbps is not None else 25.0) * 1e9)
+
+
+def _setup(system: str, args, dev: Device, ttft: float, tbt: float) -> SimSetup:
     fields, _ = SYSTEMS[system]
     if fields["policy"] == "tandem":
         fields = fields | {"late_after": args.late_after}
-    cfg = SchedConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048, rho=OPT_13B_A100_RHO,
+    cfg = SchedConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048, rho=dev.rho,
                       swap_space_bytes=int(args.swap_gib * 2**30), **fields)
-    return SimSetup(OPT_13B_A100, PoolGeometry(2 * args.kv_tokens // 16, 16, hidden_blocks=1), cfg,
-                    2048, slo_ttft_s=ttft, slo_tbt_s=tbt, rho=OPT_13B_A100_RHO, block_bytes=OPT_13B_BLOCK_BYTES,
-                    host_bw=args.host_gbps * 1e9, seed=args.seed)
+    return SimSetup(dev.cost, PoolGeometry(2 * dev.kv_tokens // 16, 16, hidden_blocks=dev.hidden_blocks), cfg,
+                    2048, slo_ttft_s=ttft, slo_tbt_s=tbt, rho=dev.rho, block_bytes=dev.block_bytes,
+                    host_bw=dev.host_bw, seed=args.seed, noise=dev.noise, noise_prefill=dev.noise_prefill)
 
 
-def run_one(system: str, rate: float, trace, be_items, args, ttft: float, tbt: float) -> dict:
+def run_one(system: str, rate: float, trace, be_items, args, dev: Device, ttft: float, tbt: float) -> dict:
     be = BeJobs(be_items, args.be_job_size)
     stats: dict = {}
-    recs, makespan = simulate(trace, _setup(system, args, ttft, tbt), be, stats=stats)
+    recs, makespan = simulate(trace, _setup(system, args, dev, ttft, tbt), be, stats=stats)
     s = summarize(recs, makespan)["rt"]
     return {"system": system, "rate": rate, "requests": len(recs), "makespan_s": makespan,
             "attain_bros": attainment(recs, lambda r: meets_bros(r, ttft, tbt)),
             "attain_apt": attainment(recs, lambda r: meets_apt(r, ttft, tbt)),
             "norm_latency_ms": s["normalized_latency_mean_s"] * 1e3,
+            "ttft_p99_ms": s["ttft_s"][99] * 1e3, "ttft_max_ms": max(r.ttft for r in recs if r.ok) * 1e3,
             "be_rps": be.completed / makespan, "be_tok_s": be.output_tokens / makespan,
             "preemptions": stats["preemptions"], "swaps": stats["swaps"], "tokens": stats["tokens"],
             **{f"starts_{k}": stats["starts"].get(why, 0) for k, why in STARTED.items()}}
@@ -84,17 +119,18 @@ def run(args) -> dict:
     arrivals and the BE jobs are drawn from it. One table per seed."""
     RESULTS.mkdir(exist_ok=True)
     tok = _tokenizer()
-    ttft, tbt, *_ = slos(OPT_13B_A100, args.ttft_factor, args.tbt_factor)
+    dev = device(args)
+    ttft, tbt, *_ = slos(dev.cost, args.ttft_factor, args.tbt_factor)
     ttft = args.slo_ttft_s if args.slo_ttft_s is not None else ttft
     tbt = args.slo_tbt_s if args.slo_tbt_s is not None else tbt
-    args.kv_tokens = args.kv_tokens or OPT_13B_A100_KV_TOKENS
+    where = "SmolLM2 on this CPU (fitted)" if args.preset == "fitted" else "OPT-13B on an A100"
     print(f"{args.num_requests} held-out ShareGPT RT requests per rate (replies up to {args.max_output} tokens) "
-          f"with BE jobs of {args.be_job_size} always pending; OPT-13B on an A100 (simulated), a pool of "
-          f"{args.kv_tokens} tokens; SLOs TTFT {ttft:.3f} s, TBT {tbt:.3f} s", flush=True)
+          f"with BE jobs of {args.be_job_size} always pending; {where} (simulated), a pool of "
+          f"{dev.kv_tokens} tokens; SLOs TTFT {ttft:.3f} s, TBT {tbt:.3f} s", flush=True)
     rows, eff = [], {}
     for seed in args.seeds or [args.seed]:
         args.seed = seed
-        mine = _rows_of_seed(args, tok, ttft, tbt)
+        mine = _rows_of_seed(args, tok, dev, ttft, tbt)
         eff[seed] = effective(mine, args)
         if len(args.seeds or []) > 1:
             print(f"\nseed {seed}:")
@@ -107,20 +143,21 @@ def run(args) -> dict:
     return out
 
 
-def _rows_of_seed(args, tok, ttft: float, tbt: float) -> list[dict]:
+def _rows_of_seed(args, tok, dev: Device, ttft: float, tbt: float) -> list[dict]:
     traces = {rate: sharegpt_trace(tok, rate, args.num_requests / rate, args.seed, max_context=2048,
                                    max_output_tokens=args.max_output, held_out=True) for rate in args.rates}
     need = any(SYSTEMS[s][1] == "predictor" for s in args.systems)
     predicted = predict_all(list(traces.values())) if need else {}
-    be_items = synthetic_be(256, args.seed + 1, len(tok))
+    be_items = synthetic_be(256, args.seed + 1, len(tok), scale=args.be_scale)
     rows = []
     for system in args.systems:
         for rate in args.rates:
             row = run_one(system, rate, with_lengths(traces[rate], SYSTEMS[system][1], predicted), be_items,
-                          args, ttft, tbt) | {"seed": args.seed}
+                          args, dev, ttft, tbt) | {"seed": args.seed}
             rows.append(row)
             print(f"  {system:>19} @ {rate:g}: TTFT&TPOT {row['attain_bros']:.0%}, TTFT&P99TBT "
-                  f"{row['attain_apt']:.0%}, norm. latency {row['norm_latency_ms']:.1f} ms/tok, BE "
+                  f"{row['attain_apt']:.0%}, norm. latency {row['norm_latency_ms']:.1f} ms/tok, TTFT p99 / max "
+                  f"{row['ttft_p99_ms']:,.0f} / {row['ttft_max_ms']:,.0f} ms, BE "
                   f"{row['be_rps']:.2f} req/s, {row['preemptions']} preemptions, chats started late / ahead "
                   f"{row['starts_late']} / {row['starts_ahead']}", flush=True)
     return rows
