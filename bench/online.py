@@ -51,7 +51,8 @@ def tandem_args(system: str, slo: dict | None = None, kv_cache_gib: float | None
     """Server flags for ``tandem[-<policy>][-bidir|-mixed][-kv][-oracle][-recompute|-swap]
     [-no-<mechanism>][-tpot]`` (bare ``tandem``: the default policy; a policy name may hold dashes:
     ``tandem-fcfs-prefill-first``; ``-oracle``: each request's true length as its prediction;
-    ``-no-slo``, ``-no-lengths``, ``-no-hidden``, ``-no-late``: the default policy with that mechanism off;
+    ``-no-slo``, ``-no-lengths``, ``-no-hidden``, ``-no-late``, ``-no-overdue``: the default policy with that
+    mechanism off;
     ``-no-prefix``: prefix caching off;
     ``-tpot``: its TBT target on the mean gap; ``-f32w``: float32 weights, not a GGUF's own blocks),
     the SLOs our server is told, and the KV cache size.
@@ -61,7 +62,8 @@ def tandem_args(system: str, slo: dict | None = None, kv_cache_gib: float | None
     for suffix, flag in (("-f32w", ["--no-weight-blocks"]), ("-tpot", ["--slo-tbt-mean"]),
                          ("-no-slo", ["--tandem-off", "slo"]),
                          ("-no-lengths", ["--tandem-off", "lengths"]), ("-no-hidden", ["--tandem-off", "hidden"]),
-                         ("-no-late", ["--tandem-off", "late"]), ("-no-prefix", ["--no-enable-prefix-caching"]),
+                         ("-no-late", ["--tandem-off", "late"]), ("-no-overdue", ["--tandem-off", "overdue"]),
+                         ("-no-prefix", ["--no-enable-prefix-caching"]),
                          ("-kv", ["--kv-only"]), ("-mixed", ["--aptserve-mixed"]),
                          ("-bidir", ["--bidirectional-blocks"]), ("-oracle", ["--length-predictor", "max_tokens"]),
                          ("-recompute", ["--preemption-mode", "recompute"]), ("-swap", ["--preemption-mode", "swap"])):

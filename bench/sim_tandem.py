@@ -50,6 +50,7 @@ SYSTEMS = {
     "tandem-no-predictor": (dict(policy="tandem"), None),     # what a server without a trained predictor runs
     "tandem-no-hidden": (dict(policy="tandem", hybrid_cache=False), "predictor"),
     "tandem-no-late": (dict(policy="tandem", tandem_off=("late",)), "predictor"),
+    "tandem-no-overdue": (dict(policy="tandem", tandem_off=("overdue",)), "predictor"),
     "tandem-recompute": (dict(policy="tandem", preemption_mode="recompute"), "predictor"),
     "tandem-bidir": (dict(policy="tandem", bidirectional=True), "predictor"),
     "tandem-oracle": (dict(policy="tandem"), "oracle"),

@@ -82,7 +82,8 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     ap.add_argument("--tandem-off", nargs="+", default=[], choices=list(MECHANISMS), metavar="MECHANISM",
                     help="with --policy tandem, switch mechanisms off (ablation): slo (iterations not bounded "
                          "by RT deadlines), lengths (no remaining-time order, no look-ahead admission), hidden "
-                         "(KV caches only), late (look-ahead admission keeps a chat out however long it waited)")
+                         "(KV caches only), late (look-ahead admission keeps a chat out however long it waited), "
+                         "overdue (a chat that missed its TTFT stays behind the others until its first token)")
     ap.add_argument("--aptserve-fcfs", action="store_true",
                     help="with --policy aptserve: FCFS order, hidden caches only for requests that do not "
                          "fit otherwise (ablation)")

@@ -43,6 +43,7 @@ def test_system_names_map_to_server_flags():
     assert tandem_args("tandem-fcfs") == ["--policy", "fcfs"]
     assert tandem_args("tandem-no-lengths") == ["--policy", "tandem", "--tandem-off", "lengths", "--no-length-cap"]
     assert tandem_args("tandem-no-late") == ["--policy", "tandem", "--tandem-off", "late", "--no-length-cap"]
+    assert tandem_args("tandem-no-overdue") == ["--policy", "tandem", "--tandem-off", "overdue", "--no-length-cap"]
     assert tandem_args("tandem-fcfs-no-prefix") == ["--policy", "fcfs", "--no-enable-prefix-caching"]
     assert tandem_args("tandem-recompute") == ["--policy", "tandem", "--preemption-mode", "recompute",
                                            "--no-length-cap"]

@@ -322,3 +322,39 @@ def test_late_after_reaches_the_policy_and_is_checked():
     for bad in (-0.1, math.nan, "0.5", True):
         with pytest.raises(ValueError, match="late_after"):
             SchedConfig(policy="tandem", late_after=bad).check()
+
+
+def test_a_chat_overdue_for_its_first_token_takes_the_prompt_time_back_from_chats_on_target():
+    """Fifteen chats decoding, each token due within 30 ms (the budget), a new 400-token chat
+    with 10 s of TTFT slack, and an older one of the same size and prediction that missed its
+    1 s TTFT target. The decodes take 26.5 ms (10 + 15 x 1 + 15 x 103 x 0.001, by hand), which
+    leaves one prompt a chunk. Late by five targets, the old chat runs on what the chats on
+    target leave, here nothing: the new chat's chunk takes it. Overdue (past ten targets) it
+    takes that chunk, the longest that keeps the step within 30 ms beside every due decode, and
+    the new chat waits; with the mechanism off it waits however long it has waited. A chat that
+    missed its TTFT and has waited twelve TBT targets for its next token is not overdue: the
+    rule is for first tokens."""
+    decoding = [cand(f"d{i}", 100, 40, out=3, rt=True, slo=0.05, pending=0.02, arrival=1.0 + i) for i in range(15)]
+    stalled = replace(cand("stalled", 100, 40, out=3, rt=True, slo=0.05, pending=0.6), missed=True)
+    new = cand("new", 400, 40, rt=True, computed=0, blocks=0, slo=10.0, arrival=20.0)
+
+    def plan(waited, **kw):
+        old = replace(cand("old", 400, 40, rt=True, computed=0, blocks=0, slo=1.0, pending=waited), missed=True)
+        return dict(chunks(policy(**kw)(snap(decoding + [stalled], [old, new], t_avg=0.02))))
+
+    def longest_chunk(sizes):
+        shape = StepShape()
+        for i in range(15):
+            shape = shape.add(1, 103, True)
+        k = sizes["old" if "old" in sizes else "new"]
+        return COST.predict(shape.add(k, k, False)) <= 0.03 + 1e-9 < COST.predict(shape.add(k + 1, k + 1, False))
+
+    late = plan(5.0)
+    assert "old" not in late and late["new"] > 0 and longest_chunk(late)
+    overdue = plan(11.0)
+    assert "new" not in overdue and overdue["old"] > 0 and longest_chunk(overdue)
+    assert all(late[d.req_id] == overdue[d.req_id] == 1 for d in decoding)
+    assert "stalled" not in late and "stalled" not in overdue
+    assert plan(11.0, off=frozenset({Mechanism.OVERDUE})) == late
+    from tandem.sched.scheduler import SchedConfig, make_policy
+    assert make_policy(SchedConfig(policy="tandem", tandem_off=("overdue",)).check(), cost).overdue_after == math.inf
