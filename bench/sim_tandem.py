@@ -15,8 +15,8 @@ every policy.
 attention: a hidden cache would be larger than KV, so none is kept) with the cost model
 ``python -m bench profile`` fitted on the real engine (each step drawing one of the measured /
 predicted step-time ratios, so steps spread as the engine's do), the server's default 2 GiB
-pool, and swaps at host-copy speed. There a decode step costs compute for every token in it, and a TBT
-target is a few iterations long, as on the real engine.
+pool, and swaps at an assumed host-copy speed. There a decode step costs compute for every
+token in it, and a TBT target is a few iterations long, as on the real engine.
 
 Each system is compared on the metrics of the policy that owns them: RT attainment of TTFT and
 TPOT (BROS), effective throughput = the highest rate with 90% of RT requests meeting TTFT and
@@ -25,6 +25,7 @@ their P99 TBT (Apt-Serve), mean RT normalized latency (ALISE), BE requests/s (FC
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 from tandem.bench.metrics import attainment, meets_apt, meets_bros, summarize
@@ -76,7 +77,9 @@ class Device:
     noise_prefill: tuple[float, ...] = ()   # the same for steps with prefill work
 
 
-CPU_COPY_BW = 5e9               # a host copy on this CPU, bytes/s (swaps on a CPU device are copies)
+# [open choice] a swap on a CPU device is a copy within host memory: 5 GB/s assumed, not measured (with the
+# default pool nothing was swapped in the runs bench/README.md reports)
+CPU_COPY_BW = 5e9
 
 
 def device(args) -> Device:
@@ -109,7 +112,8 @@ def run_one(system: str, rate: float, trace, be_items, args, dev: Device, ttft: 
             "attain_bros": attainment(recs, lambda r: meets_bros(r, ttft, tbt)),
             "attain_apt": attainment(recs, lambda r: meets_apt(r, ttft, tbt)),
             "norm_latency_ms": s["normalized_latency_mean_s"] * 1e3,
-            "ttft_p99_ms": s["ttft_s"][99] * 1e3, "ttft_max_ms": max(r.ttft for r in recs if r.ok) * 1e3,
+            "ttft_p99_ms": s["ttft_s"].get(99, math.nan) * 1e3,
+            "ttft_max_ms": max((r.ttft for r in recs if r.ok), default=math.nan) * 1e3,
             "be_rps": be.completed / makespan, "be_tok_s": be.output_tokens / makespan,
             "preemptions": stats["preemptions"], "swaps": stats["swaps"], "tokens": stats["tokens"],
             **{f"starts_{k}": stats["starts"].get(why, 0) for k, why in STARTED.items()}}
@@ -137,7 +141,7 @@ def run(args) -> dict:
             print(f"\nseed {seed}:")
         print_tables(mine, args, eff[seed])
         rows += mine
-    out = {"slo": {"ttft_s": ttft, "tbt_s": tbt}, "args": vars(args), "rows": rows,
+    out = {"slo": {"ttft_s": ttft, "tbt_s": tbt}, "args": vars(args), "kv_tokens": dev.kv_tokens, "rows": rows,
            "effective_throughput": eff[args.seed] if len(eff) == 1 else eff}
     (RESULTS / args.out).write_text(json.dumps(out, indent=2, default=str))
     print(f"wrote {RESULTS / args.out}")
