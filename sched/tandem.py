@@ -161,7 +161,7 @@ class Tandem(Bros):
         [open choice] Only the time is kept, not the order: putting due requests first
         in the order itself (which also decides who gets blocks) cut the paper-scale simulation's
         chats on TTFT & P99 TBT at 3 req/s from 60% to 24%, with 3,637 preemptions against 1,448."""
-        if (r.missed and not self._overdue(r)) or (not r.missed and self._due(r, t_avg)):
+        if not self._overdue(r) and (r.missed or self._due(r, t_avg)):
             return []
         return self._due_items[bisect.bisect_right(self._due_at, self._pos[r.req_id]):]
 

@@ -629,7 +629,8 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
             return
         engine.step_listeners.append(state.metrics.engine_step)
         # /status and /metrics show every device from the start
-        await asyncio.get_running_loop().run_in_executor(None, engine.runtime.report)
+        if not await asyncio.get_running_loop().run_in_executor(None, engine.runtime.report):
+            log.warning("a device did not report within 30 s (stuck in a step?); /status may show it late")
         state.metrics.cache_configured(*engine.llm.cache_config())
         state.metrics.lengths = engine.llm.lengths
         state.text_of = TokenText(engine.llm.tokenizer)

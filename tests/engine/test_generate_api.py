@@ -226,7 +226,7 @@ def test_report_returns_once_every_device_ran_its_listeners(llm):
         seen.append((actor.index, threading.get_ident() != main))
     runtime.listeners.append(slow)
     try:
-        assert runtime.report(timeout_s=None) is True     # no deadline: the answer is not about speed
+        runtime.report(timeout_s=None)
         assert seen == [(0, True)]              # on the device's own thread, before report returned
     finally:
         runtime.listeners.remove(slow)
