@@ -83,10 +83,13 @@ def main(argv=None, prog: str = "python -m bench") -> None:
                     help="decode batches to time (none: the products only)")
     cl.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the worker's)")
     cl.add_argument("--repeats", type=int, default=3)
+    cl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="bfloat16: dense weights with and without GGUF's blocks for thin products")
     cl.add_argument("--out", default="cpu_linear.json", help="result file under bench/results")
     su = sub.add_parser("startup-profile", help="the start-up profile's time, and its cost model's error on "
                         "measured serving steps (SmolLM2, cpu:1)")
     su.add_argument("--repeats", type=int, default=2)
+    su.add_argument("--no-weight-blocks", action="store_true", help="the server's --no-weight-blocks")
     su.add_argument("--steps", type=int, default=240, help="measured serving steps to score the models on")
     su.add_argument("--out", default="startup_profile.json", help="result file under bench/results")
     ind = sub.add_parser("independence", help="cpu:2: does a busy device slow the other's short chats? "

@@ -1,7 +1,9 @@
-"""The CPU worker's projections in its three weight layouts, on one thread (``--threads``):
+"""The CPU worker's projections in its weight layouts, on one thread (``--threads``). In float32:
 GGUF's blocks in panels (engine/csrc/qlinear.cpp, the default for SmolLM2), float32 panels
 (engine/csrc/linear.cpp; ``--no-weight-blocks``) and oneDNN's blocked layout (the layout
-without a compiler).
+without a compiler). With ``--dtype bfloat16``: dense bfloat16 weights with GGUF's blocks
+beside them for products of at most ``engine.linear.THIN_ROWS`` rows (the default where the
+CPU computes bfloat16 natively), and dense bfloat16 alone (``--no-weight-blocks``).
 
 1. Products: every projection and the LM head of SmolLM2 (its real weights), at ``--rows``
    rows, each layout in turn, ``--repeats`` rounds; the time to read a layout's weights once
@@ -60,7 +62,7 @@ def _smollm2():
     return hf, load_spec(hf)
 
 
-LAYOUTS = ("blocks", "panels", "oneDNN")
+LAYOUTS = {"float32": ("blocks", "panels", "oneDNN"), "bfloat16": ("bf16+blocks", "bf16")}
 
 
 def _weights(hf, spec) -> list[torch.Tensor]:
@@ -78,21 +80,31 @@ def _weights(hf, spec) -> list[torch.Tensor]:
 
 
 def _nbytes(w) -> int:
-    from tandem.engine.linear import Panels
-    return w.data.numel() * w.data.element_size() if isinstance(w, Panels) else w.numel() * 4
+    """Bytes a product of a few rows reads: the blocks of a :class:`Thin`, all of the others."""
+    from tandem.engine.linear import Panels, Thin
+    w = w.blocks if isinstance(w, Thin) else w
+    return w.data.numel() * w.data.element_size() if isinstance(w, Panels) else w.numel() * w.element_size()
 
 
-def product_times(hf, spec, ops, rows: list[int], repeats: int) -> dict:
+def _packed(dense: list[torch.Tensor], ops, dtype: str) -> dict[str, list]:
+    from tandem.engine.linear import pack
+    if dtype == "bfloat16":
+        return {"bf16+blocks": [pack(w, ops, dtype=torch.bfloat16) for w in dense],
+                "bf16": [pack(w, ops, blocks=False, dtype=torch.bfloat16) for w in dense]}
+    return {"blocks": [pack(w, ops) for w in dense], "panels": [pack(w, ops, blocks=False) for w in dense],
+            "oneDNN": [pack(w) for w in dense]}
+
+
+def product_times(hf, spec, ops, rows: list[int], repeats: int, dtype: str = "float32") -> dict:
     """ms per sweep over the model's projections and LM head, per layout and row count."""
-    from tandem.engine.linear import linear, pack
+    from tandem.engine.linear import linear
     dense = _weights(hf, spec)
-    weights = {"blocks": [pack(w, ops) for w in dense], "panels": [pack(w, ops, blocks=False) for w in dense],
-               "oneDNN": [pack(w) for w in dense]}
+    weights = _packed(dense, ops, dtype)
     ins = [w.shape[1] for w in dense]
     out: dict = {name: {m: [] for m in rows} for name in weights}
     for r in range(repeats):
         for m in rows:
-            xs = {k: torch.randn(m, k) for k in set(ins)}
+            xs = {k: torch.randn(m, k).to(getattr(torch, dtype)) for k in set(ins)}
             for name in _order(list(weights), r):
                 ws = weights[name]
                 for w, k in zip(ws, ins):
@@ -102,23 +114,26 @@ def product_times(hf, spec, ops, rows: list[int], repeats: int) -> dict:
                     linear(xs[k], w)
                 out[name][m].append(1e3 * (time.perf_counter() - t))
     nbytes = {name: sum(_nbytes(w) for w in ws) for name, ws in weights.items()}
-    nbytes["oneDNN"] = nbytes["panels"] = sum(w.numel() * 4 for w in dense)
+    if dtype == "float32":
+        nbytes["oneDNN"] = nbytes["panels"] = sum(w.numel() * 4 for w in dense)
     return {"bytes": nbytes, "ms": out}
 
 
-def step_times(hf, spec, ops, batches: list[int], repeats: int, threads: int, steps: int = 20) -> dict:
+def step_times(hf, spec, ops, batches: list[int], repeats: int, threads: int, steps: int = 20,
+               dtype: str = "float32") -> dict:
     """Median decode-step ms per layout and batch, and each run's first greedy tokens."""
     from tandem.engine.worker import InProcessDevice, WorkerConfig
     from tandem.sched.profiling import dummy_request, random_ids
     from tandem.sched.scheduler import SchedConfig, Scheduler
-    out: dict = {name: {b: [] for b in batches} for name in LAYOUTS}
+    layouts = LAYOUTS[dtype]
+    out: dict = {name: {b: [] for b in batches} for name in layouts}
     tokens: dict = {}
     for r in range(repeats):
         for name in _order(list(out), r):
             with _layout(name, ops):
-                dev = InProcessDevice("cpu", WorkerConfig(str(hf), spec, "float32", "cpu", 16, 512 << 20, None,
+                dev = InProcessDevice("cpu", WorkerConfig(str(hf), spec, dtype, "cpu", 16, 512 << 20, None,
                                                           1, threads, False, True,
-                                                          weight_blocks=name == "blocks"))
+                                                          weight_blocks=name.endswith("blocks")))
             sched = Scheduler(SchedConfig(max_num_batched_tokens=512), [dev], spec.eos_token_ids,
                               spec.max_model_len)
             for b in batches:
@@ -137,7 +152,7 @@ def step_times(hf, spec, ops, batches: list[int], repeats: int, threads: int, st
                 out[name][b].append(statistics.median(times))
                 tokens.setdefault(b, {})[name] = [s.output_token_ids[:8] for s in states]
             del sched, dev
-    same = {b: all(t[name] == t["oneDNN"] for name in LAYOUTS) for b, t in tokens.items()}
+    same = {b: all(t[name] == t[layouts[-1]] for name in layouts) for b, t in tokens.items()}
     return {"ms": out, "same_tokens": same}
 
 
@@ -153,8 +168,9 @@ def main(args) -> None:
     torch.set_num_threads(args.threads)
     hf, spec = _smollm2()
     read = read_bandwidth()
-    prod = product_times(hf, spec, ops, args.rows, args.repeats)
-    print(f"\nSmolLM2's projections and LM head, {args.threads} thread(s), ms per sweep ({args.repeats} rounds, "
+    prod = product_times(hf, spec, ops, args.rows, args.repeats, args.dtype)
+    print(f"\nSmolLM2's projections and LM head, {args.dtype}, {args.threads} thread(s), ms per sweep "
+          f"({args.repeats} rounds, "
           f"min-max); the floor: reading the layout's weights once at the {read / 1e9:.1f} GB/s that many "
           f"threads read\n")
     print("| layout | MB | floor ms | " + " | ".join(f"{m} rows" for m in args.rows) + " |")
@@ -164,15 +180,17 @@ def main(args) -> None:
         print(f"| {name} | {nb / 1e6:.0f} | {nb / read * 1e3:.0f} | "
               + " | ".join(_cell(by_rows[m]) for m in args.rows) + " |")
     if not args.batches:
-        save_json(args.out, {"threads": args.threads, "read_GBps": read / 1e9, "products": prod})
+        save_json(args.out, {"threads": args.threads, "dtype": args.dtype, "read_GBps": read / 1e9,
+                             "products": prod})
         return
-    steps = step_times(hf, spec, ops, args.batches, args.repeats, args.threads)
-    print(f"\nSmolLM2 decode steps (300-token prompts), in-process, {args.threads} thread(s), median ms per step "
-          f"({args.repeats} rounds, min-max)\n")
+    steps = step_times(hf, spec, ops, args.batches, args.repeats, args.threads, dtype=args.dtype)
+    print(f"\nSmolLM2 decode steps (300-token prompts), in-process, {args.dtype}, {args.threads} thread(s), "
+          f"median ms per step ({args.repeats} rounds, min-max)\n")
     print("| requests | " + " | ".join(str(b) for b in args.batches) + " |")
     print("|---|" + "---|" * len(args.batches))
     for name, by_b in steps["ms"].items():
         print(f"| {name} | " + " | ".join(_cell(by_b[b]) for b in args.batches) + " |")
     print("\nsame first 8 greedy tokens in every layout: "
           + ", ".join(f"{b} requests: {'yes' if s else 'no'}" for b, s in steps["same_tokens"].items()))
-    save_json(args.out, {"threads": args.threads, "read_GBps": read / 1e9, "products": prod, "steps": steps})
+    save_json(args.out, {"threads": args.threads, "dtype": args.dtype, "read_GBps": read / 1e9, "products": prod,
+                         "steps": steps})

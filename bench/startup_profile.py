@@ -46,7 +46,7 @@ def main(args) -> None:
     from tandem.sched.profiling import PLAN, SHORT_PLAN, profile_cost
     plans = {"start-up (PLAN)": PLAN, "rebalancer (SHORT_PLAN)": SHORT_PLAN}
     runs, held_out = [], None
-    with LLM("smollm2", "cpu:1", policy="fcfs") as llm:
+    with LLM("smollm2", "cpu:1", policy="fcfs", weight_blocks=not args.no_weight_blocks) as llm:
         vocab = llm.spec.vocab_size
         for r in range(args.repeats):
             for name, plan in plans.items():

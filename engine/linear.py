@@ -31,9 +31,13 @@ product). With two threads float32 panels were 25-45% faster than oneDNN at 1-64
 slower at 512 (oneDNN's blocking scales better with threads on large products); one layout is
 kept, not both.
 
-Packing is for CPU float32 with oneDNN available; everything else (CUDA, bfloat16, a torch
-built without oneDNN) keeps dense weights and ``F.linear``. Only :func:`linear` multiplies by
-a packed weight.
+Packing is for CPU float32 with oneDNN available. A bfloat16 model on the CPU keeps its dense
+weights for ``F.linear`` (oneDNN, on AMX tiles where the CPU has them) and, where a weight is
+exactly a GGUF's blocks, those blocks as well (:class:`Thin`): a product of at most
+``THIN_ROWS`` rows (a decode step of a few requests, the LM head of a step that samples a few)
+runs over the blocks in float32, the others over the dense weights. Everything else (CUDA, a
+torch built without oneDNN) keeps dense weights and ``F.linear``. Only :func:`linear`
+multiplies by a packed weight.
 """
 from __future__ import annotations
 
@@ -71,15 +75,48 @@ class Panels:
                    blocks.kind)
 
 
+# [measured] The rows up to which a bfloat16 model's products go over GGUF's blocks: one tile of
+# qlinear.cpp (six rows share each unpacked weight). SmolLM2's projections and LM head on one
+# thread of a 2-core Xeon with AMX (``python -m bench cpu-linear --dtype bfloat16``, three
+# rounds), ms per sweep at 1 / 2 / 4 / 6 rows: over the blocks 15-17 / 17-18 / 21-32 / 28-39,
+# dense bfloat16 38-45 / 39-41 / 38-61 / 39-60. From 8 rows on the blocks alone took 41-59 ms
+# and more (1,935-2,660 at 512 rows), dense bfloat16 on AMX 40-58 (193-366 at 512).
+THIN_ROWS = 6
+
+
+@dataclass(frozen=True, eq=False)
+class Thin:
+    """A bfloat16 model's weight kept twice on the CPU: ``dense`` [out, in] for products of more
+    than ``THIN_ROWS`` rows, and GGUF's blocks in panels for the thinner ones, which are bound by
+    reading the weights (0.75 or 1.125 bytes a weight against 2, and no AMX tile to fill). The
+    blocks are the float32 weights the bfloat16 ones were rounded from, so a thin product is the
+    float32 one, rounded to bfloat16 once at the end."""
+    dense: torch.Tensor
+    blocks: Panels
+
+
 def packs(device: str, dtype: torch.dtype) -> bool:
     """Whether weights on ``device`` in ``dtype`` are packed (see the module docstring)."""
     return device == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-def pack(w: torch.Tensor | Blocks, ops: Any = None, blocks: bool = True) -> torch.Tensor | Panels:
-    """``w`` [out, in] (dense, or GGUF blocks found already) packed for any number of rows:
+def thin_blocks(device: str, dtype: torch.dtype, ops: Any) -> bool:
+    """Whether a model on ``device`` in ``dtype`` keeps GGUF's blocks beside its dense weights
+    (:class:`Thin`): bfloat16 on the CPU with the compiled block kernels."""
+    return device == "cpu" and dtype == torch.bfloat16 and ops is not None and hasattr(ops, "q4_1_linear")
+
+
+def pack(w: torch.Tensor | Blocks, ops: Any = None, blocks: bool = True,
+         dtype: torch.dtype = torch.float32) -> torch.Tensor | Panels | Thin:
+    """``w`` [out, in] (float32, or GGUF blocks found already) packed for any number of rows:
     panels when ``ops`` (engine.kernels' module) has the panel kernel -- over GGUF's blocks when
-    ``blocks`` and ``w`` is exactly some, else float32 --, otherwise oneDNN's blocked layout."""
+    ``blocks`` and ``w`` is exactly some, else float32 --, otherwise oneDNN's blocked layout.
+    With ``dtype`` bfloat16 (``thin_blocks``): ``w`` in bfloat16, and its blocks beside it (a
+    :class:`Thin`) when it is exactly some."""
+    if dtype != torch.float32:
+        found = (w if isinstance(w, Blocks) else find_blocks(w)) if blocks else None
+        dense = (dequantize(w) if isinstance(w, Blocks) else w).detach().to(dtype).contiguous()
+        return Thin(dense, Panels.pack_blocks(found, ops)) if found is not None else dense
     kernels = ops is not None and hasattr(ops, "panel_linear")
     if kernels and blocks and hasattr(ops, "q4_1_linear"):
         found = w if isinstance(w, Blocks) else find_blocks(w)
@@ -91,12 +128,16 @@ def pack(w: torch.Tensor | Blocks, ops: Any = None, blocks: bool = True) -> torc
     return torch.ops.mkldnn._reorder_linear_weight(dense.detach().contiguous(), None)
 
 
-def is_packed(w: torch.Tensor | Panels) -> bool:
-    return isinstance(w, Panels) or w.is_mkldnn
+def is_packed(w: torch.Tensor | Panels | Thin) -> bool:
+    return isinstance(w, (Panels, Thin)) or w.is_mkldnn
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | Panels, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor | Panels | Thin, b: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T + b for a dense or a packed ``w``."""
+    if isinstance(w, Thin):
+        if x.numel() > THIN_ROWS * x.shape[-1]:
+            return F.linear(x, w.dense, b)
+        return linear(x.float(), w.blocks, None if b is None else b.float()).to(x.dtype)
     if isinstance(w, Panels):
         y = w.kernel(x.reshape(-1, x.shape[-1]).contiguous(), w.data, w.out_features)
         if b is not None:
@@ -108,16 +149,35 @@ def linear(x: torch.Tensor, w: torch.Tensor | Panels, b: torch.Tensor | None = N
 
 
 def pack_into(module: nn.Module, name: str, w: torch.Tensor | Blocks, ops: Any = None,
-              blocks: bool = True) -> None:
-    """Make ``module.<name>`` the packed ``w`` (replacing a parameter or a buffer): oneDNN's
-    tensor as a non-persistent buffer, panels as a plain attribute."""
+              blocks: bool = True, dtype: torch.dtype = torch.float32) -> None:
+    """Make ``module.<name>`` the packed ``w`` (replacing a parameter or a buffer): a tensor
+    (oneDNN's, or dense bfloat16) as a non-persistent buffer, panels and thin pairs as a plain
+    attribute."""
     module._parameters.pop(name, None)
     module._buffers.pop(name, None)
-    packed = pack(w, ops, blocks)
-    if isinstance(packed, Panels):
+    packed = pack(w, ops, blocks, dtype)
+    if isinstance(packed, (Panels, Thin)):
         setattr(module, name, packed)
     else:
         module.register_buffer(name, packed, persistent=False)
+
+
+def pack_head(model: nn.Module, ops: Any = None, blocks: bool = True, dtype: torch.dtype = torch.float32) -> None:
+    """Pack a model's LM head (tied to its embedding table or not), last, once its projections
+    are: in float32 the table stays in GGUF's blocks for lookups when it is exactly some
+    (``embedding_into``); in bfloat16 (a model built in float32 so that its blocks can be found)
+    the head becomes a :class:`Thin`, then the whole model bfloat16, a tied head sharing the
+    table's dense weights."""
+    tied = model.lm_head is model.embed
+    if dtype == torch.float32:
+        table = embedding_into(model, "embed", blocks)
+        pack_into(model, "lm_head", table if tied else model.lm_head, ops, blocks)
+        return
+    pack_into(model, "lm_head", model.lm_head, ops, blocks, dtype)
+    model.to(dtype)                    # norms, embedding table, biases, rotary tables
+    if tied:
+        head = model.lm_head
+        model.lm_head = Thin(model.embed, head.blocks) if isinstance(head, Thin) else model.embed
 
 
 def embedding(ids: torch.Tensor, table: torch.Tensor | Blocks) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from tandem.engine.dtype import DTYPES
 from tandem.engine.kvquant import int8_block_bytes
-from tandem.engine.linear import packs
+from tandem.engine.linear import packs, thin_blocks
 from tandem.engine.messages import Command, DeviceError, PoolInfo, StepInput, StepOutput
 from tandem.engine.models.spec import ModelSpec
 
@@ -103,13 +103,20 @@ def pool_blocks(cfg: WorkerConfig, bytes_per_block: int, reserved: int = 0) -> i
 
 
 def _build_runner(cfg: WorkerConfig):
-    from tandem.engine.models.loader import build_model
+    from tandem.engine.models.loader import build_model, stored_float32
     from tandem.engine.quantpool import QuantPool
     from tandem.engine.runner import ModelRunner
     torch.set_num_threads(cfg.threads)
     dtype = DTYPES[cfg.dtype]
     spec = cfg.spec
-    model = build_model(Path(cfg.hf_dir), spec, dtype, cfg.device)
+    kernel = None
+    if cfg.device == "cpu" and cfg.cpu_kernels and not cfg.triton_attention:
+        from tandem.engine.kernels import cpu_ops
+        kernel = cpu_ops()
+    # a bfloat16 model keeps GGUF's blocks for thin products: built in float32, where they are found
+    thin = (cfg.weight_blocks and not cfg.compile and thin_blocks(cfg.device, dtype, kernel)
+            and stored_float32(Path(cfg.hf_dir)))
+    model = build_model(Path(cfg.hf_dir), spec, torch.float32 if thin else dtype, cfg.device)
     full_block = spec.num_layers * cfg.block_size * spec.unit * torch.empty((), dtype=dtype).element_size()
     bytes_per_block, staged = full_block, 0
     if cfg.kv_cache_dtype == "int8":
@@ -130,15 +137,13 @@ def _build_runner(cfg: WorkerConfig):
                            spec.head_dim, dtype=dtype, device=cfg.device)
         if cfg.device == "cpu":
             pool.share_memory_()
-    kernel = None
-    if cfg.device == "cpu" and cfg.cpu_kernels and not cfg.triton_attention:
-        from tandem.engine.kernels import cpu_ops
-        kernel = cpu_ops()
     if cfg.compile:
         from tandem.engine.compiled import compile_model
         model = compile_model(model)
     elif packs(cfg.device, dtype) and not cfg.triton_attention:   # its hidden kernel reads dense weights
         model.pack_weights(kernel, cfg.weight_blocks)   # panels for the compiled kernel, else oneDNN's layout
+    elif thin:
+        model.pack_weights(kernel, True, dtype)         # dense bfloat16, and the blocks it was rounded from
     return ModelRunner(model, spec, pool, cfg.block_size, kernel, cfg.triton_attention,
                        cfg.tokenizer_json), num_blocks
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.attention import AttnBatch, HiddenProjection, paged_attention
-from tandem.engine.linear import embedding, embedding_into, is_packed, linear, pack_into
+from tandem.engine.linear import embedding, is_packed, linear, pack_head, pack_into
 from tandem.engine.models.spec import ModelSpec
 
 
@@ -106,18 +106,17 @@ class LlamaModel(nn.Module):
                 layer.gate_up.copy_(torch.cat([g(p + "mlp.gate_proj.weight"), g(p + "mlp.up_proj.weight")]))
                 layer.down.copy_(g(p + "mlp.down_proj.weight"))
 
-    def pack_weights(self, ops=None, blocks: bool = True) -> None:
+    def pack_weights(self, ops=None, blocks: bool = True, dtype: torch.dtype = torch.float32) -> None:
         """Pack every projection and the LM head for the CPU's GEMM (engine.linear); with
         ``blocks``, weights that are exactly a GGUF's blocks stay in them (the embedding table
-        too, for lookups; else it stays dense)."""
+        too, for lookups; else it stays dense). With ``dtype`` bfloat16 (a model built in
+        float32): dense bfloat16 weights, and beside them the blocks for thin products."""
         kv_rows = self.spec.num_heads * self.spec.head_dim
         for layer in self.layers:
-            pack_into(layer, "kv", layer.qkv[kv_rows:], ops, blocks)
+            pack_into(layer, "kv", layer.qkv[kv_rows:], ops, blocks, dtype)
             for name in ("qkv", "o", "gate_up", "down"):
-                pack_into(layer, name, getattr(layer, name), ops, blocks)
-        tied = self.lm_head is self.embed
-        table = embedding_into(self, "embed", blocks)
-        pack_into(self, "lm_head", table if tied else self.lm_head, ops, blocks)
+                pack_into(layer, name, getattr(layer, name), ops, blocks, dtype)
+        pack_head(self, ops, blocks, dtype)
 
     def _kv_from_hidden(self, layer: LlamaLayer):
         """K (rotated at the given positions) and V of stored post-norm inputs x: [n, d]."""

@@ -135,6 +135,21 @@ def _replace(spec: ModelSpec, **kw) -> ModelSpec:
     return replace(spec, **kw)
 
 
+def stored_float32(hf_dir: Path) -> bool:
+    """Whether the checkpoint's weights are stored in float32 safetensors (a dequantized GGUF's
+    are), read from the files' headers: building such a model in float32 costs no more than
+    reading it does, and only float32 weights can be exactly a GGUF's blocks."""
+    from safetensors import safe_open
+    files = sorted(glob.glob(str(Path(hf_dir) / "*.safetensors")))
+    if not files:
+        return False
+    for f in files:
+        with safe_open(f, "pt") as g:
+            if any(g.get_slice(k).get_dtype() != "F32" for k in g.keys()):
+                return False
+    return True
+
+
 def load_state_dict(hf_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
     files = sorted(glob.glob(str(Path(hf_dir) / "*.safetensors")))

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.attention import AttnBatch, HiddenProjection, paged_attention
-from tandem.engine.linear import embedding, embedding_into, is_packed, linear, pack_into
+from tandem.engine.linear import embedding, is_packed, linear, pack_head, pack_into
 from tandem.engine.models.spec import ModelSpec
 
 POS_OFFSET = 2   # OPT's learned position table is shifted by two rows
@@ -66,18 +66,18 @@ class OPTModel(nn.Module):
                 L.fc2_w.copy_(g(p + "fc2.weight"))
                 L.fc2_b.copy_(g(p + "fc2.bias"))
 
-    def pack_weights(self, ops=None, blocks: bool = True) -> None:
+    def pack_weights(self, ops=None, blocks: bool = True, dtype: torch.dtype = torch.float32) -> None:
         """Pack every projection and the LM head for the CPU's GEMM (engine.linear); with
         ``blocks``, weights that are exactly a GGUF's blocks stay in them (the token embedding
-        too, for lookups; else it stays dense, as the positions' table always does)."""
+        too, for lookups; else it stays dense, as the positions' table always does). With
+        ``dtype`` bfloat16 (a model built in float32): dense bfloat16 weights, and beside them the
+        blocks for thin products."""
         d = self.spec.d_model
         for L in self.layers:
-            pack_into(L, "kv_w", L.qkv_w[d:], ops, blocks)
+            pack_into(L, "kv_w", L.qkv_w[d:], ops, blocks, dtype)
             for name in ("qkv_w", "out_w", "fc1_w", "fc2_w"):
-                pack_into(L, name, getattr(L, name), ops, blocks)
-        tied = self.lm_head is self.embed
-        table = embedding_into(self, "embed", blocks)
-        pack_into(self, "lm_head", table if tied else self.lm_head, ops, blocks)
+                pack_into(L, name, getattr(L, name), ops, blocks, dtype)
+        pack_head(self, ops, blocks, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
                 batch: AttnBatch, logit_rows: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from tandem.engine.blocks import BlockKind, Blocks, find_blocks
-from tandem.engine.linear import Panels, embedding, embedding_into, linear, pack
+from tandem.engine.linear import THIN_ROWS, Panels, Thin, embedding, embedding_into, linear, pack
 from tandem.engine.models.loader import load_spec
 from tandem.engine.worker import WorkerConfig, _build_runner
 from tests.conftest import hf_greedy, mixed_prompts
@@ -80,6 +80,33 @@ def test_block_products_match_float64(kind, out_features, rows, bias):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", list(BlockKind))
+@pytest.mark.parametrize("rows", [1, 5, THIN_ROWS, THIN_ROWS + 1, 13])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_products_go_over_the_blocks_when_thin(kind, rows, bias):
+    """A bfloat16 model's weight keeps its GGUF blocks beside its bfloat16 copy. Up to THIN_ROWS
+    rows the product is the float32 one over the exact weights, rounded to bfloat16 once (so it
+    matches the float64 product of the GGUF's own weights to the last bit, but where the float32
+    sum lay within rounding of a bfloat16 boundary); over the bfloat16 weights it would be off
+    by about an ulp in many places. Thicker products are torch's over the bfloat16 weights."""
+    g = torch.Generator().manual_seed(rows)
+    deq, _ = through_gguf(torch.randn(64, 256, generator=g).numpy(), kind)
+    b = torch.randn(64, generator=g).bfloat16() if bias else None
+    x = torch.randn(rows, 256, generator=g).bfloat16()
+    thin = pack(deq, built_ops(), dtype=torch.bfloat16)
+    assert isinstance(thin, Thin) and thin.blocks.kind is kind and thin.dense.dtype == torch.bfloat16
+    got = linear(x, thin, b)
+    assert got.shape == (rows, 64) and got.dtype == torch.bfloat16
+    if rows > THIN_ROWS:
+        assert torch.equal(got, F.linear(x, deq.bfloat16(), b))
+        return
+    exact = F.linear(x.double(), deq.double(), None if b is None else b.double())
+    rounded = exact.bfloat16()
+    ulp = (rounded.double().abs() * 2.0 ** -7).clamp_min(2.0 ** -133)
+    assert ((got.double() - rounded.double()).abs() <= ulp).all()
+    assert (got == rounded).double().mean() >= 0.98
+
+
 def test_embedding_rows_from_blocks_are_exact():
     deq, _ = through_gguf(np.random.default_rng(2).standard_normal((50, 64)).astype(np.float32), BlockKind.Q8_0)
     holder = torch.nn.Module()
@@ -118,6 +145,28 @@ def test_worker_keeps_a_gguf_models_blocks(family, request):
         assert {t.kind for t in weights} == {BlockKind.Q4_1 if blocks else None}
         assert model.lm_head.kind is (BlockKind.Q8_0 if blocks else None)
         assert isinstance(model.embed, Blocks) is blocks
+
+
+@pytest.mark.parametrize("family", ["gguf_llama", "gguf_opt"])
+def test_bfloat16_worker_keeps_the_blocks_beside_its_weights(family, request):
+    """A bfloat16 CPU worker of a GGUF model holds each projection in bfloat16 with its Q4_1
+    blocks beside it, the LM head with the Q8_0 ones, a tied head sharing the embedding table
+    (not a copy), everything else in bfloat16; with weight_blocks off, bfloat16 alone."""
+    built_ops()
+    path = request.getfixturevalue(family)
+    spec = load_spec(path)
+    for blocks in (True, False):
+        cfg = WorkerConfig(str(path), spec, "bfloat16", "cpu", 8, 1 << 20, None, 1, 1, False, True,
+                           weight_blocks=blocks)
+        model = _build_runner(cfg)[0].model
+        thin = [t for layer in model.layers for t in vars(layer).values() if isinstance(t, Thin)]
+        assert len(thin) == (5 * spec.num_layers if blocks else 0)     # 4 projections + the K/V rows
+        assert all(t.blocks.kind is BlockKind.Q4_1 and t.dense.dtype == torch.bfloat16 for t in thin)
+        head = model.lm_head
+        assert isinstance(head, Thin) is blocks
+        if blocks:
+            assert head.blocks.kind is BlockKind.Q8_0 and head.dense is model.embed
+        assert {t.dtype for t in [*model.parameters(), *model.buffers()]} == {torch.bfloat16}
 
 
 @pytest.mark.parametrize("family", ["gguf_llama", "gguf_opt"])
