@@ -100,6 +100,11 @@ def packs(device: str, dtype: torch.dtype) -> bool:
     return device == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
+def holds_thin(model: nn.Module) -> bool:
+    """Whether any of ``model``'s weights is a :class:`Thin` (its thin products take the blocks)."""
+    return any(isinstance(v, Thin) for m in model.modules() for v in vars(m).values())
+
+
 def thin_blocks(device: str, dtype: torch.dtype, ops: Any) -> bool:
     """Whether a model on ``device`` in ``dtype`` keeps GGUF's blocks beside its dense weights
     (:class:`Thin`): bfloat16 on the CPU with the compiled block kernels."""

@@ -46,6 +46,9 @@ class PoolInfo:
     hidden_rows: int            # blocks per block_size tokens of a hidden cache (d_model / unit), 0: none
     block_bytes: int = 0        # bytes of one block over all layers, at the pool's dtype
     int8_block_bytes: int = 0   # bytes of one block compressed to int8 (values, scale and offset)
+    thin_rows: int = 0          # not the pool's but the engine's: steps of at most this many token rows
+                                # multiply over a GGUF's blocks (engine.linear.Thin), 0: none; the
+                                # cost model prices the steps past it apart
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from tandem.engine.dtype import DTYPES
 from tandem.engine.kvquant import int8_block_bytes
-from tandem.engine.linear import packs, thin_blocks
+from tandem.engine.linear import THIN_ROWS, holds_thin, packs, thin_blocks
 from tandem.engine.messages import Command, DeviceError, PoolInfo, StepInput, StepOutput
 from tandem.engine.models.spec import ModelSpec
 
@@ -150,7 +150,7 @@ def _build_runner(cfg: WorkerConfig):
 
 def pool_info(runner, num_blocks: int) -> PoolInfo:
     return PoolInfo(num_blocks, runner.block_size, runner.hidden_rows, runner.block_bytes,
-                    runner.int8_block_bytes)
+                    runner.int8_block_bytes, THIN_ROWS if holds_thin(runner.model) else 0)
 
 
 def worker_main(conn, cfg: WorkerConfig) -> None:

@@ -11,6 +11,16 @@ cache (Apt-Serve), the KV blocks its context held before the step, whose K and
 V it projects again; ρ is Apt-Serve's recompute coefficient (SPEC §1.3), so a
 model refitted on measured steps refines ρ online. Fitted by least squares from
 measured steps; every coefficient is kept non-negative.
+
+An engine whose thin products take another path (a bfloat16 CPU worker multiplies
+steps of at most ``thin_rows`` token rows over a GGUF's blocks, engine.linear.Thin)
+reports that threshold, and every step past it costs a second intercept too:
+
+    + b_thick * [Σ Ln + #decodes > thin_rows]
+
+Without it the fit bends its per-decode cost to join the two kinds of steps and
+under-predicts the larger ones (SmolLM2 in bfloat16 on a 2-core AMX Xeon: measured /
+predicted p50 1.25 over serving steps of more than six rows, 0.42 over thinner ones).
 """
 from __future__ import annotations
 
@@ -49,27 +59,39 @@ class CostModel:
     per_decode_token: float      # seconds per decoding request
     per_decode_ctx: float        # seconds per context token of a decoding request
     per_hidden_block: float = 0.0  # seconds per KV block a hidden cache re-projects (Apt-Serve's ρ)
+    per_thick_step: float = 0.0    # seconds more for a step of more than thin_rows token rows
+    thin_rows: int = 0             # the engine's thin-product threshold (0: none, one intercept)
 
     def predict(self, s: StepShape) -> float:
         return (self.base + self.per_prefill_token * s.prefill_tokens + self.per_prefill_attn * s.prefill_attn
                 + self.per_decode_token * s.decode_tokens + self.per_decode_ctx * s.decode_ctx
-                + self.per_hidden_block * s.hidden_blocks)
+                + self.per_hidden_block * s.hidden_blocks
+                + (self.per_thick_step if self.thin_rows and s.prefill_tokens + s.decode_tokens > self.thin_rows
+                   else 0.0))
 
     def many(self, prefill_tokens, prefill_attn, decode_tokens, decode_ctx, swap_slots=0) -> np.ndarray:
         """``predict`` of one shape per element of the arrays (no hidden blocks): the same sum in the
         same order, so each equals ``predict`` to the last bit. Swap slots cost nothing here."""
-        return (self.base + self.per_prefill_token * prefill_tokens + self.per_prefill_attn * prefill_attn
-                + self.per_decode_token * decode_tokens + self.per_decode_ctx * decode_ctx)
+        t = (self.base + self.per_prefill_token * prefill_tokens + self.per_prefill_attn * prefill_attn
+             + self.per_decode_token * decode_tokens + self.per_decode_ctx * decode_ctx)
+        if self.thin_rows:
+            t = t + np.where(np.asarray(prefill_tokens) + decode_tokens > self.thin_rows, self.per_thick_step, 0.0)
+        return t
 
     @classmethod
-    def fit(cls, samples: list[tuple[StepShape, float]]) -> "CostModel":
-        """Least squares over (shape, seconds) samples, coefficients kept non-negative.
+    def fit(cls, samples: list[tuple[StepShape, float]], thin_rows: int = 0) -> "CostModel":
+        """Least squares over (shape, seconds) samples, coefficients kept non-negative; with
+        ``thin_rows``, the thick steps' intercept too, when the samples hold both kinds of steps.
 
         Active set: fit, drop the most negative coefficient's feature, refit, until none is negative.
         """
         if len(samples) < 5:
             raise ValueError("need at least 5 measured steps to fit a cost model")
-        X = np.array([[1.0, *astuple(s)] for s, _ in samples])
+        rows = [[1.0, *astuple(s)] for s, _ in samples]
+        thick = [float(s.prefill_tokens + s.decode_tokens > thin_rows) for s, _ in samples] if thin_rows else []
+        if 0 < sum(thick) < len(thick):         # with one kind of step only, the base covers it
+            rows = [r + [t] for r, t in zip(rows, thick)]
+        X = np.array(rows)
         y = np.array([t for _, t in samples])
         scale = X.max(axis=0)
         scale[scale == 0] = 1.0
@@ -82,7 +104,8 @@ class CostModel:
             active.pop(int(sol.argmin()))
         coef = np.zeros(X.shape[1])
         coef[active] = np.clip(sol, 0, None)
-        return cls(*(float(x) for x in coef / scale))
+        coef = [float(x) for x in coef / scale]
+        return cls(*coef[:6], per_thick_step=coef[6] if len(coef) > 6 else 0.0, thin_rows=thin_rows)
 
     def ratios(self, samples: list[tuple[StepShape, float]]) -> list[float]:
         """Measured / predicted per sample: the spread a mean model leaves out."""
@@ -161,7 +184,7 @@ class OnlineCostModel:
         self.recent.append((shape, seconds))
         self.observed += 1
         if self.observed % self.refit_every == 0:
-            self.model = CostModel.fit(self.startup + list(self.recent))
+            self.model = CostModel.fit(self.startup + list(self.recent), self.model.thin_rows)
             self.refits += 1
 
 

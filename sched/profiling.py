@@ -64,7 +64,12 @@ def profile_cost(scheduler, vocab_size: int, seed: int = 0, plan=PLAN) -> Online
                 log.clear()
     finally:
         scheduler.step_log = None
-    return OnlineCostModel(CostModel.fit(log), startup=log)
+    return OnlineCostModel(CostModel.fit(log, thin_rows(scheduler)), startup=log)
+
+
+def thin_rows(scheduler) -> int:
+    """The devices' thin-product threshold (engine.linear.THIN_ROWS where a device has one)."""
+    return max(d.pool_info.thin_rows for d in scheduler.devices)
 
 
 def _fits(scheduler, reqs: int, tokens: int) -> bool:
@@ -79,7 +84,7 @@ def profile_aptserve(scheduler, vocab_size: int, seed: int = 0) -> tuple[float, 
     paired: list = []
     rho = profile_rho(scheduler, vocab_size, seed, samples=paired)
     startup = profile_cost(scheduler, vocab_size, seed).startup + paired
-    return rho, OnlineCostModel(CostModel.fit(startup), startup=startup)
+    return rho, OnlineCostModel(CostModel.fit(startup, thin_rows(scheduler)), startup=startup)
 
 
 def profile_rho(scheduler, vocab_size: int, seed: int = 0, contexts: tuple[int, ...] = (64, 256, 512),

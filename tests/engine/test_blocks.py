@@ -11,7 +11,7 @@ from gguf.quants import quantize as gguf_quantize
 from tandem.engine.blocks import BlockKind, Blocks, find_blocks
 from tandem.engine.linear import THIN_ROWS, Panels, Thin, embedding, embedding_into, linear, pack
 from tandem.engine.models.loader import load_spec
-from tandem.engine.worker import WorkerConfig, _build_runner
+from tandem.engine.worker import WorkerConfig, _build_runner, pool_info
 from tests.conftest import hf_greedy, mixed_prompts
 from tests.engine.test_linear import built_ops
 
@@ -158,7 +158,9 @@ def test_bfloat16_worker_keeps_the_blocks_beside_its_weights(family, request):
     for blocks in (True, False):
         cfg = WorkerConfig(str(path), spec, "bfloat16", "cpu", 8, 1 << 20, None, 1, 1, False, True,
                            weight_blocks=blocks)
-        model = _build_runner(cfg)[0].model
+        runner, num_blocks = _build_runner(cfg)
+        model = runner.model
+        assert pool_info(runner, num_blocks).thin_rows == (THIN_ROWS if blocks else 0)   # for the cost model
         thin = [t for layer in model.layers for t in vars(layer).values() if isinstance(t, Thin)]
         assert len(thin) == (5 * spec.num_layers if blocks else 0)     # 4 projections + the K/V rows
         assert all(t.blocks.kind is BlockKind.Q4_1 and t.dense.dtype == torch.bfloat16 for t in thin)

@@ -36,6 +36,35 @@ def test_fit_recovers_coefficients_and_stays_non_negative():
                ("base", "per_prefill_token", "per_prefill_attn", "per_decode_token", "per_decode_ctx")) >= 0
 
 
+def test_steps_past_the_engines_thin_rows_are_priced_apart():
+    """An engine whose steps of at most six token rows take another path (GGUF blocks beside
+    bfloat16 weights): one intercept cannot fit both kinds, a second one for the thicker steps
+    does, and refits keep it."""
+    def truth(s):
+        return 0.02 + 2e-4 * s.prefill_tokens + 1e-3 * s.decode_tokens + (0.03 if s.prefill_tokens + s.decode_tokens > 6
+                                                                            else 0.0)
+    rng = random.Random(2)
+    samples = []
+    for _ in range(300):
+        s = StepShape()
+        for _ in range(rng.choice([0, 0, 1])):
+            n = rng.randint(1, 400)
+            s = s.add(n, n, decode=False)
+        for _ in range(rng.choice([1, 2, 4, 6, 8, 16, 32])):
+            s = s.add(1, rng.randint(1, 500), decode=True)
+        samples.append((s, truth(s)))
+    fit = CostModel.fit(samples, thin_rows=6)
+    assert fit.thin_rows == 6 and fit.per_thick_step == pytest.approx(0.03, rel=0.02)
+    assert fit.base == pytest.approx(0.02, rel=0.02) and fit.mean_abs_error(samples) < 0.01
+    assert CostModel.fit(samples).mean_abs_error(samples) > 0.05          # one intercept for both
+    thin = [x for x in samples if x[0].prefill_tokens + x[0].decode_tokens <= 6]
+    assert CostModel.fit([x for x in samples if x not in thin], thin_rows=6).per_thick_step == 0.0
+    online = OnlineCostModel(fit, startup=samples, refit_every=50)
+    for s, t in samples[:50]:
+        online.observe(s, t)
+    assert online.refits == 1 and online.model.thin_rows == 6 and online.model.per_thick_step > 0
+
+
 def test_overrun_is_the_upper_quantile_of_measured_over_predicted():
     model = CostModel(0.01, 1e-3, 0.0, 5e-3, 0.0)
     online = OnlineCostModel(model, refit_every=10**9)
@@ -60,11 +89,13 @@ def test_overrun_is_the_upper_quantile_of_measured_over_predicted():
 def test_many_prices_each_shape_as_one_call_does(rows, swap_base, per_slot):
     """A policy prices every candidate's step at once: each element must be what the call on that
     one shape and its swap slots returns, to the last bit (plans compare such times)."""
-    online = OnlineCostModel(CostModel(0.02, 1.3e-4, 2e-9, 6e-5, 6.3e-7), swap=SwapModel(swap_base, per_slot))
-    cols = list(zip(*rows)) if rows else [()] * 5
-    pt, attn, dt, ctx, slots = (list(c) for c in cols)
-    want = [online(StepShape(a, b, c, d), k) for a, b, c, d, k in rows]
-    assert predict_many(online, pt, attn, dt, ctx, slots).tolist() == want
-    assert predict_many(lambda s, k: online(s, k), pt, attn, dt, ctx, slots).tolist() == want
-    assert predict_many(online.model, pt, attn, dt, ctx).tolist() == [online.model.predict(StepShape(*r[:4]))
-                                                                       for r in rows]
+    for thin in (0, 6):         # without and with a thin-product threshold (engine.linear.Thin)
+        model = CostModel(0.02, 1.3e-4, 2e-9, 6e-5, 6.3e-7, per_thick_step=0.011 * bool(thin), thin_rows=thin)
+        online = OnlineCostModel(model, swap=SwapModel(swap_base, per_slot))
+        cols = list(zip(*rows)) if rows else [()] * 5
+        pt, attn, dt, ctx, slots = (list(c) for c in cols)
+        want = [online(StepShape(a, b, c, d), k) for a, b, c, d, k in rows]
+        assert predict_many(online, pt, attn, dt, ctx, slots).tolist() == want
+        assert predict_many(lambda s, k: online(s, k), pt, attn, dt, ctx, slots).tolist() == want
+        assert predict_many(online.model, pt, attn, dt, ctx).tolist() == [online.model.predict(StepShape(*r[:4]))
+                                                                           for r in rows]
