@@ -21,8 +21,8 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     for p in (on, mx):
         p.add_argument("--systems", nargs="+", default=["tandem"],
                        help="tandem (our default policy), tandem-<policy> (tandem-fcfs, tandem-bros, ...; "
-                            "tandem-no-slo etc.: the default with one mechanism off; -f32w: float32 weights, "
-                            "not the GGUF's blocks), vllm, vllm-priority, "
+                            "tandem-no-slo etc.: the default with one mechanism off; -f32w: dense weights "
+                            "alone, --no-weight-blocks), vllm, vllm-priority, "
                             "llamacpp, transformers")
         p.add_argument("--rates", nargs="+", type=float, default=[1.0, 2.0])
         p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")

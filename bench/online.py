@@ -54,7 +54,7 @@ def tandem_args(system: str, slo: dict | None = None, kv_cache_gib: float | None
     ``-no-slo``, ``-no-lengths``, ``-no-hidden``, ``-no-late``, ``-no-overdue``: the default policy with that
     mechanism off;
     ``-no-prefix``: prefix caching off;
-    ``-tpot``: its TBT target on the mean gap; ``-f32w``: float32 weights, not a GGUF's own blocks),
+    ``-tpot``: its TBT target on the mean gap; ``-f32w``: dense weights alone, ``--no-weight-blocks``),
     the SLOs our server is told, and the KV cache size.
     tandem's and alise's predictions are not capped by max_tokens: the bench fixes each reply's
     length through it."""

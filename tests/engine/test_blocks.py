@@ -129,17 +129,23 @@ def gguf_opt(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("gguf-opt"), "opt", seed=4, gguf_blocks=True)
 
 
-@pytest.mark.parametrize("family", ["gguf_llama", "gguf_opt"])
-def test_worker_keeps_a_gguf_models_blocks(family, request):
-    """The CPU worker keeps every projection in Q4_1 panels, the LM head in Q8_0 and the token
-    embedding in Q8_0 blocks; with weight_blocks off, all in float32 panels."""
+def gguf_workers(request, family: str, dtype: str):
+    """(weight_blocks, the model's spec, its CPU worker's runner, the runner's pool blocks), with
+    weight_blocks on and then off."""
     built_ops()
     path = request.getfixturevalue(family)
     spec = load_spec(path)
     for blocks in (True, False):
-        cfg = WorkerConfig(str(path), spec, "float32", "cpu", 8, 1 << 20, None, 1, 1, False, True,
-                           weight_blocks=blocks)
-        model = _build_runner(cfg)[0].model
+        cfg = WorkerConfig(str(path), spec, dtype, "cpu", 8, 1 << 20, None, 1, 1, False, True, weight_blocks=blocks)
+        yield (blocks, spec, *_build_runner(cfg))
+
+
+@pytest.mark.parametrize("family", ["gguf_llama", "gguf_opt"])
+def test_worker_keeps_a_gguf_models_blocks(family, request):
+    """The CPU worker keeps every projection in Q4_1 panels, the LM head in Q8_0 and the token
+    embedding in Q8_0 blocks; with weight_blocks off, all in float32 panels."""
+    for blocks, spec, runner, _ in gguf_workers(request, family, "float32"):
+        model = runner.model
         weights = [t for layer in model.layers for t in vars(layer).values() if isinstance(t, Panels)]
         assert len(weights) == 5 * spec.num_layers          # 4 projections + the K/V rows
         assert {t.kind for t in weights} == {BlockKind.Q4_1 if blocks else None}
@@ -152,13 +158,7 @@ def test_bfloat16_worker_keeps_the_blocks_beside_its_weights(family, request):
     """A bfloat16 CPU worker of a GGUF model holds each projection in bfloat16 with its Q4_1
     blocks beside it, the LM head with the Q8_0 ones, a tied head sharing the embedding table
     (not a copy), everything else in bfloat16; with weight_blocks off, bfloat16 alone."""
-    built_ops()
-    path = request.getfixturevalue(family)
-    spec = load_spec(path)
-    for blocks in (True, False):
-        cfg = WorkerConfig(str(path), spec, "bfloat16", "cpu", 8, 1 << 20, None, 1, 1, False, True,
-                           weight_blocks=blocks)
-        runner, num_blocks = _build_runner(cfg)
+    for blocks, spec, runner, num_blocks in gguf_workers(request, family, "bfloat16"):
         model = runner.model
         assert pool_info(runner, num_blocks).thin_rows == (THIN_ROWS if blocks else 0)   # for the cost model
         thin = [t for layer in model.layers for t in vars(layer).values() if isinstance(t, Thin)]
