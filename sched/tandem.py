@@ -143,8 +143,9 @@ class Tandem(Bros):
         of chats on TTFT & TPOT against 82 / 80 / 76%. At paper scale, over three traces, it
         changed nothing at 2 req/s, moved attainment by -2 to +4 points at 2.5, and at 3 req/s
         (past capacity) moved TTFT & P99 TBT by -7 to +8 points, lowered the normalized latency
-        in two traces of three, and cut the longest first-token wait from 17-82 s to 5.5-7.4 s. Three and six targets did about the same on this CPU
-        (at most 10.1-10.3 / 15.6-15.8 / 25.3-29.9 s). Letting the overdue prompt take the
+        in two traces of three, and cut the longest first-token wait from 17-82 s to 5.5-7.4 s.
+        Three and six targets did about the same on this CPU (at most 10.1-10.3 / 15.6-15.8 /
+        25.3-29.9 s). Letting the overdue prompt take the
         decodes' time too bounded the waits more (at most 10.6 / 13.8 / 16.5 s) but ran its
         whole prompt alone while the decodes waited (78% on target at 1 req/s); moved first
         among the late chats only, it still waited behind every chat on target (38% on TTFT &
