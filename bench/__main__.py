@@ -50,6 +50,9 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     mx.add_argument("--be-job-size", type=int, default=16, help="requests per batch job")
     mx.add_argument("--be-concurrency", type=int, default=16, help="BE requests outstanding (online mode)")
     mx.add_argument("--be-scale", type=float, default=1.0, help="scale of BROS's 512-1024 in / 32-128 out")
+    mx.add_argument("--trace-status", action="store_true",
+                    help="our server: poll /status each second and say why chats waited past their TTFT target "
+                         "(<out>_status.json keeps the polls)")
     mx.add_argument("--server-slo-tbt-ms", type=float, default=None,
                     help="tell our server this TBT target instead of the one the run judges by (BROS then "
                          "sizes its iterations to it): traces RT latency against BE throughput")

@@ -26,6 +26,7 @@ import aiohttp
 
 from tandem.bench.client import completion_body, fire_trace, one_request
 from tandem.bench.metrics import RequestRecord
+from tandem.bench.waits import poll_status
 from tandem.bench.workloads import TraceItem
 
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
@@ -141,9 +142,11 @@ async def drive_online(s, url, model, be: Iterator[TraceItem], concurrency: int,
 
 async def run_mixed(url: str, model: str, rt: list[TraceItem], be_items: Iterable[TraceItem], system: str, *,
                     be_mode: str = "batches", job_size: int = 16, be_concurrency: int = 16,
-                    drain_s: float = 120.0, api_key: str | None = None) -> tuple[list[RequestRecord], BeResult]:
+                    drain_s: float = 120.0, api_key: str | None = None,
+                    status_trace: list[dict] | None = None) -> tuple[list[RequestRecord], BeResult]:
     """RT items at their arrival offsets while BE work is kept pending; see the module doc. ``be_items``
-    are cycled: an endless iterator sends none twice."""
+    are cycled: an endless iterator sends none twice. With ``status_trace``, the server's /status
+    is polled each second meanwhile and appended to it (bench/waits.py)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     be = itertools.cycle(be_items)
     result = BeResult(be_mode)
@@ -153,11 +156,14 @@ async def run_mixed(url: str, model: str, rt: list[TraceItem], be_items: Iterabl
         driver = drive_batches(s, url, model, be, job_size, system, stop, result) if be_mode == "batches" \
             else drive_online(s, url, model, be, be_concurrency, system, stop, result)
         be_task = asyncio.create_task(driver)
+        poller = asyncio.create_task(poll_status(s, url, stop, status_trace)) if status_trace is not None else None
         t0 = time.monotonic()
         recs = await fire_trace(s, url, model, rt, system, t0, drain_s=drain_s)
         result.window_s = time.monotonic() - t0
         stop.set()
         await be_task
+        if poller is not None:
+            await poller
     return recs, result
 
 

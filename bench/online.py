@@ -308,6 +308,7 @@ def main(args) -> None:
 def mixed(args) -> None:
     """RT ShareGPT online at each rate while BE work is always pending (Batch API jobs or online)."""
     from tandem.bench.mixed import co_serving_targets, print_targets, run_mixed
+    from tandem.bench.waits import late_waits, print_late_waits
     from tandem.bench.workloads import synthetic_be_stream
     hf_dir, tok = _setup(args)
     slo = slo_for(args, hf_dir, tok)
@@ -315,7 +316,7 @@ def mixed(args) -> None:
     trace = RateTraces(args, hf_dir, tok)
     told = slo if args.server_slo_tbt_ms is None else {**slo, "tbt_s": args.server_slo_tbt_ms / 1e3}
     label = "" if args.server_slo_tbt_ms is None else f"@tbt{args.server_slo_tbt_ms:g}ms"
-    rows = []
+    rows, traces = [], {}
     for system in args.systems:
         mode = args.be_mode if args.be_mode != "auto" else ("batches" if system.startswith("tandem") else "online")
         with start(system, hf_dir, args.max_num_seqs, told, args.model, args.kv_cache_gib, args.devices) as url:
@@ -323,13 +324,17 @@ def mixed(args) -> None:
                 # each rate's BE prompts new to the server too (random ids: no prefix shared)
                 be_items = synthetic_be_stream(args.seed + 1 + i, vocab, scale=args.be_scale, tokenizer=tok)
                 before, t0 = server_counters(url), time.monotonic()
+                polled = [] if args.trace_status and system.startswith("tandem") else None
                 recs, be = asyncio.run(run_mixed(url, "smollm2", trace(rate), be_items, system, be_mode=mode,
                                                  job_size=args.be_job_size, be_concurrency=args.be_concurrency,
-                                                 drain_s=args.drain))
+                                                 drain_s=args.drain, status_trace=polled))
                 after, elapsed = server_counters(url), time.monotonic() - t0
                 row = judge(system + (label if system.startswith("tandem") else ""), rate, recs, be.window_s,
                             slo) | {"be": be.summary(), "elapsed_s": elapsed,
                                     "server": {k: v - before.get(k, 0.0) for k, v in after.items()}}
+                if polled is not None:
+                    row["late_waits"] = late_waits(polled, slo["ttft_s"])
+                    traces[f"{row['system']}@{rate:g}"] = polled
                 print_row(row, flush=True)
                 rows.append(row)
     targets = co_serving_targets(rows)
@@ -338,6 +343,8 @@ def mixed(args) -> None:
                                                   "concurrency": args.be_concurrency, "scale": args.be_scale},
                                "rows": rows, "targets": targets}, indent=2))
     stem = out.stem
+    if traces:
+        (RESULTS / f"{stem}_status.json").write_text(json.dumps(traces))
     plots.attainment_vs_rate(rows, RESULTS / f"{stem}_attainment.png", "RT attainment with BE always pending")
     plots.rt_latency_vs_be_throughput(rows, RESULTS / f"{stem}_rt_vs_be.png", "RT latency vs BE throughput")
     for rate in args.rates:
@@ -345,6 +352,7 @@ def mixed(args) -> None:
                            f"RT latency CDFs at {rate:g} req/s, BE pending")
     print_table(rows)
     print_steps(rows)
+    print_late_waits(rows)
     print_targets(targets)
     print(f"wrote {out} and {stem}_*.png")
 
