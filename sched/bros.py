@@ -49,6 +49,10 @@ from tandem.sched.policy import Candidate, Plan, Snapshot, _blocks, _decide, fcf
 
 CostFn = Callable[[StepShape, int], float]      # (shape, slots to swap in) -> predicted seconds
 KEPT_WAIT = "waiting: chats whose next token is due take this iteration's time"
+# why the RT requests the packing did not reach wait: what ended it (time, batch size, tokens)
+FULL_WAIT = {"time": "waiting: more urgent RT requests fill this iteration's time",
+             "batch": "waiting: more urgent RT requests fill this iteration's batch size",
+             "tokens": "waiting: more urgent RT requests fill this iteration's token budget"}
 
 
 class BlockBudget:
@@ -412,6 +416,9 @@ class Bros:
             kept_full = kept_full or fitted
             if early:
                 break
+        full = FULL_WAIT["time" if early else "batch" if len(rt_ready) >= self.b_curr else "tokens"]
+        for c in q_rt:
+            plan.reasons.setdefault(c.req_id, full)
         be_ready = self._pack_be(snap, budget, plan, rt_ready, q_rt, taken, t_res_min, tokens_left)
         for c, n in rt_ready + be_ready:
             plan.scheduled.append(_decide(c, n))

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.engine.messages import Phase
-from tandem.sched.bros import Bros, RoundRobin
+from tandem.sched.bros import FULL_WAIT, Bros, RoundRobin
 from tandem.sched.cost_model import CostModel, OnlineCostModel, StepShape, SwapModel
 from tandem.sched.policy import Candidate, Limits, Snapshot
 
@@ -63,6 +63,22 @@ def test_rt_packed_while_the_time_budget_holds():
     plan = p(snap(running=rts))
     assert planned(plan) == [("r0", 1), ("r1", 1), ("r2", 1), ("r3", 1)]
     assert p.last_early
+
+
+def test_rt_requests_the_packing_did_not_reach_are_told_what_filled_the_iteration():
+    # time: as above, r4 is refused (early return) and r5 is never reached
+    rts = [dec(f"r{i}", 0.1, 0.07 - 0.001 * i) for i in range(6)]
+    plan = Bros(cost, max_num_seqs=8, b_base=8)(snap(running=rts))
+    assert plan.reasons["r4"] == "waiting: the batch would miss the most urgent RT deadline"
+    assert plan.reasons["r5"] == FULL_WAIT["time"]
+    # batch size: B_curr = B_base = 2 with time to spare
+    plan = Bros(cost, max_num_seqs=8, b_base=2)(snap(running=[dec(f"r{i}", 1.0, 0.0) for i in range(4)]))
+    assert planned(plan) == [("r0", 1), ("r1", 1)]
+    assert plan.reasons["r2"] == plan.reasons["r3"] == FULL_WAIT["batch"]
+    # tokens: the 60-token prompt (more urgent: it needs more iterations) takes all 50 of them
+    plan = Bros(cost, max_num_seqs=8)(snap(waiting=[new("q", 10, slo=10.0), new("p", 60, slo=10.0)], tokens=50))
+    assert planned(plan) == [("p", 50)]
+    assert plan.reasons["q"] == FULL_WAIT["tokens"]
 
 
 def test_prefill_chunk_shortened_to_fit_the_deadline():
