@@ -149,9 +149,13 @@ def server_counters(url: str) -> dict[str, float]:
     {} where there is no /metrics."""
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-            text = resp.read().decode()
+            return counters_of(resp.read().decode())
     except OSError:
         return {}
+
+
+def counters_of(text: str) -> dict[str, float]:
+    """``server_counters`` of one /metrics text."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("# TYPE vllm:num_preemptions"):       # declared: 0 until the first one

@@ -21,18 +21,29 @@ def device(rt, iteration_s=0.1, free=7, be_running=2):
             "be_waiting": 0, "rt": rt}
 
 
+def counters(steps, rt_prefill, be_prefill, rt_decode, be_decode):
+    return {"steps": steps, "tokens_rt_prefill": rt_prefill, "tokens_be_prefill": be_prefill,
+            "tokens_rt_decode": rt_decode, "tokens_be_decode": be_decode}
+
+
 def test_reasons_are_counted_in_seconds_over_the_late_chats():
     # [id, state, generated, prompt tokens, age s, level, why]
     trace = [
         {"t": 0.0, "devices": [device([["a", "waiting", 0, 9, 0.5, 1, None],           # not late yet
                                        ["b", "waiting", 0, 9, 1.5, 2, DUE + " (level 2, RT)"],
-                                       ["c", "running", 3, 9, 4.0, 0, "scheduled (RT)"]], 0.1, 7, 2)]},
+                                       ["c", "running", 3, 9, 4.0, 0, "scheduled (RT)"]], 0.1, 7, 2)],
+         "counters": counters(10, 0, 100, 0, 0)},
         {"t": 1.0, "devices": [device([["a", "waiting", 0, 9, 1.5, 1, None],
                                        ["b", "running", 0, 9, 2.5, 2, "scheduled (RT)"],
-                                       ["c", "running", 4, 9, 5.0, 0, "scheduled (RT)"]], 0.3, 5, 0)]},
+                                       ["c", "running", 4, 9, 5.0, 0, "scheduled (RT)"]], 0.3, 5, 0)],
+         "counters": counters(14, 40, 120, 5, 1)},
         {"t": 3.0, "devices": [device([["a", "waiting", 0, 9, 3.5, 1, NO_BLOCK],
-                                       ["b", "running", 1, 9, 4.5, 2, "scheduled (RT)"]], 0.2, 3, 1)]},
-        {"t": 4.0, "devices": [device([["b", "running", 2, 9, 5.5, 2, "scheduled (RT)"]])]},   # nobody late
+                                       ["b", "running", 1, 9, 4.5, 2, "scheduled (RT)"]], 0.2, 3, 1)],
+         "counters": counters(20, 40, 220, 17, 3)},
+        {"t": 4.0, "devices": [device([["b", "running", 2, 9, 5.5, 2, "scheduled (RT)"]])],   # nobody late
+         "counters": counters(25, 90, 220, 22, 3)},
+        {"t": 5.0, "devices": [device([["b", "running", 3, 9, 6.5, 2, "scheduled (RT)"]])],
+         "counters": counters(40, 90, 1000, 30, 10)},
     ]
     w = late_waits(trace, ttft_s=1.0)
     assert w["chats"] == 2 and w["longest_s"] == 3.5
@@ -46,6 +57,10 @@ def test_reasons_are_counted_in_seconds_over_the_late_chats():
     assert b["iteration_ms"] == pytest.approx(200.0)          # (0.1 + 0.3 + 0.2) / 3
     assert b["rt_decoding"] == pytest.approx(1.0)             # c, c, b
     assert b["be_running"] == pytest.approx(1.0) and b["free_blocks"] == pytest.approx(5.0)
+    # the steps from t 0 to t 4 (each interval starts with a late chat; t 4 -> 5 does not):
+    # 15 steps, 90 RT and 120 BE prompt tokens, 22 RT and 3 BE decodes
+    assert w["steps"] == {"steps": 15, "rt_prefill_per_step": 6.0, "be_prefill_per_step": 8.0,
+                          "rt_decodes_per_step": pytest.approx(22 / 15), "be_decodes_per_step": 0.2}
 
 
 def test_nobody_late_gives_no_reasons():
@@ -53,7 +68,9 @@ def test_nobody_late_gives_no_reasons():
     w = late_waits(trace, ttft_s=1.0)
     assert w == {"chats": 0, "longest_s": 0.0, "reasons": [],
                  "beside": {"snapshots": 0, "iteration_ms": None, "rt_decoding": None, "be_running": None,
-                            "free_blocks": None}}
+                            "free_blocks": None},
+                 "steps": {"steps": 0.0, "rt_prefill_per_step": None, "be_prefill_per_step": None,
+                           "rt_decodes_per_step": None, "be_decodes_per_step": None}}
 
 
 async def _stream(s: aiohttp.ClientSession, url: str, model: str, n: int, out: dict) -> None:
@@ -106,6 +123,11 @@ def test_the_poller_sees_late_the_chats_a_client_saw_late(tiny_chat_model, tmp_p
     assert w["chats"] == len(seen)
     assert max(c["ttft"] for c in chats) >= w["longest_s"] > target
     assert any(x["why"].startswith("waiting: ") and x["chats"] >= 2 for x in w["reasons"]), w["reasons"]
+    # the server's step counters: steps ran while chats were late, prompts computed, no BE work
+    st = w["steps"]
+    assert st["steps"] > 0 and st["rt_prefill_per_step"] > 0 and st["be_prefill_per_step"] == 0
+    # the last poll comes after the run: the warm-up's one decode and 299 of each chat, counted
+    assert trace[-1]["counters"]["tokens_rt_decode"] == 1 + 4 * 299
 
 
 def _ids(trace: list[dict], ttft_s: float, key: str) -> set[str]:
@@ -127,3 +149,5 @@ def test_compact_keeps_what_the_analysis_reads():
     assert compact(status, 1.23456) == {"t": 1.235, "devices": [
         {"index": 1, "iteration_s": 0.12, "steps": 40, "free": 9, "be_running": 2, "be_waiting": 5,
          "rt": [["x-0", "waiting", 0, 30, 2.0, 3, DUE]]}]}
+    with_counters = compact(status, 1.0, {"steps": 7.0, "tokens_rt_prefill": 30.0, "preemptions": 2.0})
+    assert with_counters["counters"] == counters(7.0, 30.0, 0.0, 0.0, 0.0)
