@@ -183,6 +183,9 @@ def main(argv=None, prog: str = "python -m bench") -> None:
                      help="BE prompt and output lengths scaled by this (the mixed bench's --be-scale)")
     stn.add_argument("--kv-tokens", type=int, default=None,
                      help="the device's KV pool in tokens (default: an A100-40GB's for OPT-13B, 12k)")
+    stn.add_argument("--slower", type=float, default=1.0,
+                     help="every step takes this many times its cost model's time (a machine slower than its "
+                          "profile; the policies learn it only from the steps they see)")
     stn.add_argument("--slo-ttft-s", type=float, default=None, help="TTFT target in seconds (default: --ttft-factor)")
     stn.add_argument("--slo-tbt-s", type=float, default=None, help="TBT target in seconds (default: --tbt-factor)")
     stn.add_argument("--max-output", type=int, default=1024, help="RT replies are cut to this many tokens")

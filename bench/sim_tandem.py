@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tandem.bench.metrics import attainment, meets_apt, meets_bros, summarize
 from tandem.bench.sim_alise import OPT_13B_BLOCK_BYTES, capacity, predict_all, with_lengths
@@ -83,13 +83,25 @@ CPU_COPY_BW = 5e9
 
 
 def device(args) -> Device:
-    """The device ``--preset`` names, with ``--kv-tokens`` and ``--host-gbps`` where given."""
+    """The device ``--preset`` names, with ``--kv-tokens``, ``--host-gbps`` and ``--slower`` where given."""
     if args.preset == "fitted":
         cost, ratios, ratios_prefill = load_fitted()
-        return Device(cost, args.kv_tokens or SMOLLM2_POOL_TOKENS, 3, 0.0, SMOLLM2_BLOCK_BYTES,
-                      args.host_gbps * 1e9 if args.host_gbps is not None else CPU_COPY_BW, ratios, ratios_prefill)
-    return Device(OPT_13B_A100, args.kv_tokens or OPT_13B_A100_KV_TOKENS, 1, OPT_13B_A100_RHO,
-                  OPT_13B_BLOCK_BYTES, (args.host_gbps if args.host_gbps is not None else 25.0) * 1e9)
+        dev = Device(cost, args.kv_tokens or SMOLLM2_POOL_TOKENS, 3, 0.0, SMOLLM2_BLOCK_BYTES,
+                     args.host_gbps * 1e9 if args.host_gbps is not None else CPU_COPY_BW, ratios, ratios_prefill)
+    else:
+        dev = Device(OPT_13B_A100, args.kv_tokens or OPT_13B_A100_KV_TOKENS, 1, OPT_13B_A100_RHO,
+                     OPT_13B_BLOCK_BYTES, (args.host_gbps if args.host_gbps is not None else 25.0) * 1e9)
+    return slowed(dev, getattr(args, "slower", 1.0))
+
+
+def slowed(dev: Device, factor: float) -> Device:
+    """``dev`` with every step ``factor`` times as long as its cost model says (a machine slower
+    than when its profile ran); the policies still plan with the cost model and learn the overrun
+    only from the steps they see, as the server's do."""
+    if factor == 1.0:
+        return dev
+    return replace(dev, noise=tuple(x * factor for x in dev.noise or (1.0,)),
+                   noise_prefill=tuple(x * factor for x in dev.noise_prefill))
 
 
 def _setup(system: str, args, dev: Device, ttft: float, tbt: float) -> SimSetup:
@@ -129,6 +141,8 @@ def run(args) -> dict:
     ttft = args.slo_ttft_s if args.slo_ttft_s is not None else ttft
     tbt = args.slo_tbt_s if args.slo_tbt_s is not None else tbt
     where = "SmolLM2 on this CPU (fitted)" if args.preset == "fitted" else "OPT-13B on an A100"
+    if args.slower != 1.0:
+        where += f", every step {args.slower:g}x its cost model's time"
     print(f"{args.num_requests} held-out ShareGPT RT requests per rate (replies up to {args.max_output} tokens) "
           f"with BE jobs of {args.be_job_size} always pending; {where} (simulated), a pool of "
           f"{dev.kv_tokens} tokens; SLOs TTFT {ttft:.3f} s, TBT {tbt:.3f} s", flush=True)

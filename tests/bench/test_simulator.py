@@ -102,3 +102,24 @@ def test_hidden_cache_steps_pay_rho_per_kv_block_of_context():
     assert r.gaps == pytest.approx([0.01 + 4 * rho] * 3)
     (k,), _ = simulate(trace, SimSetup(**{**hid.__dict__, "sched": SchedConfig()}))
     assert k.gaps == pytest.approx([0.01] * 3)
+
+
+def test_a_slower_machine_stretches_every_step_by_its_factor():
+    """``sim-tandem --slower``: a device without measured ratios (the paper preset) gets the
+    factor as its only ratio; one with ratios (the fitted preset) gets each ratio scaled, the
+    prefill steps' own as well. Times by hand from COST: a 10-token prefill 0.02 s, a decode 0.01 s."""
+    from tandem.bench.sim_tandem import Device, slowed
+    trace = [TraceItem(0.0, list(range(10)), 30, "rt")]
+    base = SimSetup(COST, PoolGeometry(1000, 16), SchedConfig(), max_model_len=2048)
+
+    def run(dev):
+        (r,), _ = simulate(trace, SimSetup(**{**base.__dict__, "noise": dev.noise,
+                                              "noise_prefill": dev.noise_prefill, "seed": 3}))
+        return r
+    plain = Device(COST, 1000, 1, 0.0, (1, 1), 1e9)
+    r = run(slowed(plain, 1.5))
+    assert r.ttft == pytest.approx(0.03) and r.gaps == pytest.approx([0.015] * 29)
+    assert slowed(plain, 1.0) is plain
+    r = run(slowed(Device(COST, 1000, 1, 0.0, (1, 1), 1e9, noise=(1.0, 3.0), noise_prefill=(2.0,)), 1.5))
+    assert r.ttft == pytest.approx(0.06)
+    assert set(round(g, 6) for g in r.gaps) == {0.015, 0.045}
