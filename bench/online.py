@@ -54,7 +54,8 @@ def tandem_args(system: str, slo: dict | None = None, kv_cache_gib: float | None
     ``-no-slo``, ``-no-lengths``, ``-no-hidden``, ``-no-late``, ``-no-overdue``: the default policy with that
     mechanism off;
     ``-no-prefix``: prefix caching off;
-    ``-tpot``: its TBT target on the mean gap; ``-f32w``: dense weights alone, ``--no-weight-blocks``),
+    ``-tpot``: its TBT target on the mean gap; ``-f32w``: dense weights alone, ``--no-weight-blocks``;
+    ``-shed``: new chats refused while chats wait ten TTFT targets, ``--shed-chats-after 10``),
     the SLOs our server is told, and the KV cache size.
     tandem's and alise's predictions are not capped by max_tokens: the bench fixes each reply's
     length through it."""
@@ -63,7 +64,7 @@ def tandem_args(system: str, slo: dict | None = None, kv_cache_gib: float | None
                          ("-no-slo", ["--tandem-off", "slo"]),
                          ("-no-lengths", ["--tandem-off", "lengths"]), ("-no-hidden", ["--tandem-off", "hidden"]),
                          ("-no-late", ["--tandem-off", "late"]), ("-no-overdue", ["--tandem-off", "overdue"]),
-                         ("-no-prefix", ["--no-enable-prefix-caching"]),
+                         ("-no-prefix", ["--no-enable-prefix-caching"]), ("-shed", ["--shed-chats-after", "10"]),
                          ("-kv", ["--kv-only"]), ("-mixed", ["--aptserve-mixed"]),
                          ("-bidir", ["--bidirectional-blocks"]), ("-oracle", ["--length-predictor", "max_tokens"]),
                          ("-recompute", ["--preemption-mode", "recompute"]), ("-swap", ["--preemption-mode", "swap"])):

@@ -110,6 +110,7 @@ class DeviceActor:
         self.t_avg = 0.0                  # EWMA of iteration wall time (BROS's T_avg)
         self.step_id = 0
         self.last_plan = Plan()
+        self.chat_wait_targets = 0.0          # first_token_wait of the last plan's snapshot (admission)
         self.num_preemptions = 0
         self.preemptions_by_class: Counter = Counter()
         self.preemption_reasons: Counter = Counter()   # the policy's reason for each preemption
@@ -230,8 +231,10 @@ class DeviceActor:
         self.step_id += 1
         t0 = self.clock()
         self._hits = self._cached_prefixes()
-        plan = self.policy(self.snapshot()) if self.has_work() else Plan()
+        snap = self.snapshot() if self.has_work() else None
+        plan = self.policy(snap) if snap is not None else Plan()
         self.last_plan = plan                   # why each request waits or runs (status endpoint)
+        self.chat_wait_targets = first_token_wait(snap)
         inp, shape = self._apply(plan)
         if (inp.scheduled or inp.finished_ids or inp.reset_ids or inp.new_requests or inp.imports
                 or inp.offloads):
@@ -751,6 +754,15 @@ def reason_kind(why: str) -> str:
     """A policy's reason without its per-request details (the level and class ALISE appends), so
     reasons can be counted."""
     return why.split(" (level ", 1)[0]
+
+
+def first_token_wait(snap: Snapshot | None) -> float:
+    """The longest an RT request still without its first token has waited, in its own TTFT
+    targets (0 with none)."""
+    if snap is None:
+        return 0.0
+    return max((c.pending_s / c.slo_s for c in (*snap.running, *snap.waiting)
+                if c.rt and c.num_output == 0 and c.slo_s), default=0.0)
 
 
 def missed_ttft(st: RequestState, now: float) -> bool:

@@ -67,6 +67,10 @@ class AsyncEngine:
         """Requests waiting for a device, and those accepted on their way to one."""
         return self.runtime.num_waiting() + self.admitting
 
+    def chats_overdue(self, targets: float) -> bool:
+        """Every device holds a chat waiting more than ``targets`` TTFT targets for its first token."""
+        return self.runtime.chats_overdue(targets)
+
     def shutdown(self) -> None:
         self.llm.shutdown()
 

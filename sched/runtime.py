@@ -495,6 +495,13 @@ class Runtime:
     def num_waiting(self) -> int:
         return sum(t.num_queued() for t in self.threads)
 
+    def chats_overdue(self, targets: float) -> bool:
+        """Does every live device hold a chat that has waited more than ``targets`` TTFT targets for
+        its first token (as of its last plan)? Then a new chat would wait behind chats that fill
+        every step, wherever it is placed."""
+        live = [t for t in self.threads if t.actor.dead is None]
+        return bool(live) and all(t.actor.chat_wait_targets > targets for t in live)
+
     def stop(self) -> None:
         self._stopping.set()
         for t in self.threads:

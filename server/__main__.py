@@ -114,6 +114,10 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                          "token (TPOT) instead of every gap; a gap may then take up to twice the target where "
                          "earlier tokens came early (more BE work and longer prompt chunks fit)")
     ap.add_argument("--max-waiting", type=int, default=d.max_waiting, help="waiting requests before 429")
+    ap.add_argument("--shed-chats-after", type=float, default=d.shed_chats_after, metavar="TARGETS",
+                    help="new chats get 429 while every device holds a chat that has waited more than this many "
+                         "of its TTFT targets for its first token: past its capacity for chats, the server says "
+                         "so at once instead of queueing without bound (0: never; batch work is never refused)")
     ap.add_argument("--max-upload-mb", type=float, default=d.max_upload_bytes / 2**20,
                     help="largest file upload (413 beyond)")
     ap.add_argument("--chat-control-tokens", action="store_true",
@@ -155,6 +159,8 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                         ("max-waiting", a.max_waiting), ("max-model-len", a.max_model_len)):
             if v is not None and v < 1:
                 raise ValueError(f"{flag}: must be a positive integer, got {v}")
+        if a.shed_chats_after < 0:
+            raise ValueError(f"shed-chats-after: must be 0 (never) or more, got {a.shed_chats_after}")
         if a.length_learned_max is not None and a.length_learned_max < 0:
             raise ValueError(f"length-learned-max: must be 0 or more, got {a.length_learned_max}")
         if a.max_connections < 1 or a.header_timeout <= 0 or a.body_timeout <= 0:
@@ -175,7 +181,8 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                         kv_cache_dtype=a.kv_cache_dtype, prefix_caching=a.enable_prefix_caching,
                         prefix_routing=a.prefix_aware_routing,
                         slo_ttft_ms=a.slo_ttft_ms, slo_tbt_ms=a.slo_tbt_ms,
-                        max_waiting=a.max_waiting, max_upload_bytes=int(a.max_upload_mb * 2**20),
+                        max_waiting=a.max_waiting, shed_chats_after=a.shed_chats_after,
+                        max_upload_bytes=int(a.max_upload_mb * 2**20),
                         max_body_bytes=int(a.max_body_mb * 2**20), chat_control_tokens=a.chat_control_tokens, dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
                         weight_blocks=not a.no_weight_blocks,
                         watch_parent=a.watch_parent, threads_per_worker=a.threads_per_worker,

@@ -29,6 +29,7 @@ from tandem.server.protocol import (GenRequest, check_model, parse_chat, parse_c
 from tandem.server.tools import ContentStream, ToolPlan, finish_reason
 
 OPEN_PATHS = ("/health", "/metrics", "/status", "/dashboard", "/openapi.json")   # what /metrics shows, no request text
+PAST_CAPACITY = "chats_past_capacity"      # the error code of a chat refused by --shed-chats-after
 DASHBOARD = Path(__file__).parent / "static" / "dashboard.html"
 log = logging.getLogger(__name__)
 
@@ -160,6 +161,11 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
     if not force_be and engine.num_waiting() >= cfg.max_waiting:
         raise ApiError(429, "too many requests are waiting; retry later", type="rate_limit_error",
                        headers={"Retry-After": "1"})
+    if (gen.service_class is ServiceClass.RT and cfg.shed_chats_after
+            and engine.chats_overdue(cfg.shed_chats_after)):
+        raise ApiError(429, f"chats are waiting more than {cfg.shed_chats_after:g} times their first-token "
+                            "target: the server is past its capacity for chats; retry later",
+                       type="rate_limit_error", code=PAST_CAPACITY, headers={"Retry-After": "5"})
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     now = time.monotonic()
     reqs = [Request(f"{rid}-{j * gen.n + i}", ids,          # choice index: prompt j's i-th choice
@@ -418,7 +424,12 @@ async def complete(engine: AsyncEngine, st: AppState, p: Prepared, chat: bool) -
 async def generate_handler(request: web.Request, chat: bool) -> web.StreamResponse:
     st = request.app[STATE]
     engine = ready_engine(request)
-    p = await prepare(engine, st.cfg, await read_json(request), chat)
+    try:
+        p = await prepare(engine, st.cfg, await read_json(request), chat)
+    except ApiError as e:
+        if e.code == PAST_CAPACITY:
+            st.metrics.chats_refused.labels(st.metrics.model).inc()
+        raise
     if p.gen.stream:
         try:
             return await stream_handler(request, engine, st, p, new_choices(p, st.text_of), chat, int(time.time()))

@@ -42,6 +42,7 @@ class ServerConfig:
     slo_ttft_ms: float = 1000.0        # default RT time-to-first-token target
     slo_tbt_ms: float = 200.0          # default RT time-between-tokens target
     max_waiting: int = 1024            # waiting requests before 429
+    shed_chats_after: float = 0.0      # TTFT targets a chat waits on every device before new chats get 429 (0: never)
     max_upload_bytes: int = 200 << 20  # largest file upload
     chat_control_tokens: bool = False  # message text may spell template tokens (<|im_end|>, ...)
     max_body_bytes: int = 8 << 20      # largest JSON request body (413 beyond, before reading it)

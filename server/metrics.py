@@ -77,6 +77,9 @@ class Metrics:
                                           "oldest idle one, to admit a new one), timed_out (head or body late)",
                                           ["reason"], registry=r)
         self._closed_seen: dict[str, int] = {}
+        self.chats_refused = Counter("tandem:chats_refused", "New chats refused (429) while every device "
+                                     "held a chat waiting more than --shed-chats-after TTFT targets for its "
+                                     "first token", ["model_name"], registry=r)
         self.devices_active = Gauge("tandem:devices_active", "Devices holding at least one request "
                                     "(the others are idle)", ["model_name"], registry=r)
         self.device_pool = Gauge("tandem:device_pool_usage_perc", "Fraction of each device's pool blocks "

@@ -16,6 +16,7 @@ from tests.server.conftest import ROOT, free_port
     (["--max-model-len", "0"], "max-model-len"),
     (["--rebalance-interval", "0"], "rebalance-interval"),
     (["--length-learned-max", "-1"], "length-learned-max"),
+    (["--shed-chats-after", "-2"], "shed-chats-after"),
 ])
 def test_bad_settings_exit_before_loading(args, says):
     run = subprocess.run([sys.executable, "-m", "server", "--port", str(free_port()), *args], cwd=ROOT,
