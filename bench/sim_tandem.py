@@ -126,6 +126,8 @@ def run_one(system: str, rate: float, trace, be_items, args, dev: Device, ttft: 
             "norm_latency_ms": s["normalized_latency_mean_s"] * 1e3,
             "ttft_p99_ms": s["ttft_s"].get(99, math.nan) * 1e3,
             "ttft_max_ms": max((r.ttft for r in recs if r.ok), default=math.nan) * 1e3,
+            "gap_max_ms": max((g for r in recs if r.ok and r.service_class == "rt" for g in r.gaps),
+                              default=math.nan) * 1e3,
             "be_rps": be.completed / makespan, "be_tok_s": be.output_tokens / makespan,
             "preemptions": stats["preemptions"], "swaps": stats["swaps"], "tokens": stats["tokens"],
             **{f"starts_{k}": stats["starts"].get(why, 0) for k, why in STARTED.items()}}
@@ -176,8 +178,8 @@ def _rows_of_seed(args, tok, dev: Device, ttft: float, tbt: float) -> list[dict]
             rows.append(row)
             print(f"  {system:>19} @ {rate:g}: TTFT&TPOT {row['attain_bros']:.0%}, TTFT&P99TBT "
                   f"{row['attain_apt']:.0%}, norm. latency {row['norm_latency_ms']:.1f} ms/tok, TTFT p99 / max "
-                  f"{row['ttft_p99_ms']:,.0f} / {row['ttft_max_ms']:,.0f} ms, BE "
-                  f"{row['be_rps']:.2f} req/s, {row['preemptions']} preemptions, chats started late / ahead "
+                  f"{row['ttft_p99_ms']:,.0f} / {row['ttft_max_ms']:,.0f} ms, longest gap {row['gap_max_ms']:,.0f} "
+                  f"ms, BE {row['be_rps']:.2f} req/s, {row['preemptions']} preemptions, chats started late / ahead "
                   f"{row['starts_late']} / {row['starts_ahead']}", flush=True)
     return rows
 

@@ -332,10 +332,9 @@ def test_a_chat_overdue_for_its_first_token_takes_the_prompt_time_back_from_chat
     target leave, here nothing: the new chat's chunk takes it. Overdue (past ten targets) it
     takes that chunk, the longest that keeps the step within 30 ms beside every due decode, and
     the new chat waits; with the mechanism off it waits however long it has waited. A chat that
-    missed its TTFT and has waited twelve TBT targets for its next token is not overdue: the
-    rule is for first tokens."""
+    missed its TTFT and has waited five TBT targets for its next token is not overdue yet."""
     decoding = [cand(f"d{i}", 100, 40, out=3, rt=True, slo=0.05, pending=0.02, arrival=1.0 + i) for i in range(15)]
-    stalled = replace(cand("stalled", 100, 40, out=3, rt=True, slo=0.05, pending=0.6), missed=True)
+    stalled = replace(cand("stalled", 100, 40, out=3, rt=True, slo=0.05, pending=0.25), missed=True)
     new = cand("new", 400, 40, rt=True, computed=0, blocks=0, slo=10.0, arrival=20.0)
 
     def plan(waited, **kw):
@@ -358,3 +357,29 @@ def test_a_chat_overdue_for_its_first_token_takes_the_prompt_time_back_from_chat
     assert plan(11.0, off=frozenset({Mechanism.OVERDUE})) == late
     from tandem.sched.scheduler import SchedConfig, make_policy
     assert make_policy(SchedConfig(policy="tandem", tandem_off=("overdue",)).check(), cost).overdue_after == math.inf
+
+
+def test_a_late_chat_decoding_is_overdue_for_its_next_token_after_ten_targets():
+    """The fifteen due decodes and the new chat of the test above, and a chat that missed its
+    TTFT, decoding, whose next token has waited. Late, it runs on what the chats on target leave:
+    nothing here. After five TBT targets (0.25 s of 50 ms) it still waits; after twelve it is
+    overdue and runs, back among the chats on target at its level (most urgent there), every due
+    decode still running and the new chat's chunk shortened to what is left (hand-computed:
+    16 decodes take 27.65 ms, 23 prompt tokens fit in the other 2.35). Swapped out, it is not
+    moved: it would take blocks back from chats on target. With the mechanism off it waits."""
+    decoding = [cand(f"d{i}", 100, 40, out=3, rt=True, slo=0.05, pending=0.02, arrival=1.0 + i) for i in range(15)]
+    new = cand("new", 400, 40, rt=True, computed=0, blocks=0, slo=10.0, arrival=20.0)
+
+    def plan(waited, swapped=False, **kw):
+        stalled = replace(cand("stalled", 100, 40, out=3, rt=True, slo=0.05, pending=waited), missed=True)
+        if swapped:
+            return dict(chunks(policy(**kw)(snap(decoding, [replace(stalled, num_blocks=0, num_cpu=14), new],
+                                                 t_avg=0.02))))
+        return dict(chunks(policy(**kw)(snap(decoding + [stalled], [new], t_avg=0.02))))
+
+    assert "stalled" not in plan(0.25)
+    overdue = plan(0.6)
+    assert overdue["stalled"] == 1 and all(overdue[d.req_id] == 1 for d in decoding)
+    assert overdue["new"] == 23
+    assert "stalled" not in plan(0.6, swapped=True)
+    assert "stalled" not in plan(0.6, off=frozenset({Mechanism.OVERDUE}))
