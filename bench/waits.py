@@ -87,11 +87,10 @@ def late_waits(trace: list[dict], ttft_s: float) -> dict:
     ran: Counter = Counter()            # counters' growth over the intervals that start with a late chat
     for i, snap in enumerate(trace):
         dt = gaps[i] if i < len(gaps) else last
-        if i + 1 < len(trace) and "counters" in snap and "counters" in trace[i + 1] and any(
-                r[2] == 0 and r[4] > ttft_s for d in snap["devices"] for r in d["rt"]):
+        helds = [(d, [r for r in d["rt"] if r[2] == 0 and r[4] > ttft_s]) for d in snap["devices"]]
+        if i + 1 < len(trace) and "counters" in snap and "counters" in trace[i + 1] and any(h for _, h in helds):
             ran.update({k: trace[i + 1]["counters"][k] - snap["counters"][k] for k in COUNTERS})
-        for d in snap["devices"]:
-            held = [r for r in d["rt"] if r[2] == 0 and r[4] > ttft_s]
+        for d, held in helds:
             if not held:
                 continue
             decoding = sum(1 for r in d["rt"] if r[2] > 0)
