@@ -55,16 +55,19 @@ def tandem_args(system: str, slo: dict | None = None, kv_cache_gib: float | None
     mechanism off;
     ``-no-prefix``: prefix caching off;
     ``-tpot``: its TBT target on the mean gap; ``-f32w``: dense weights alone, ``--no-weight-blocks``;
-    ``-shed``: new chats refused while chats wait ten TTFT targets, ``--shed-chats-after 10``),
+    ``-shed``: new chats refused while chats wait ten TTFT targets, ``--shed-chats-after 10``;
+    ``-shedN``: N targets),
     the SLOs our server is told, and the KV cache size.
     tandem's and alise's predictions are not capped by max_tokens: the bench fixes each reply's
     length through it."""
     name, flags = system, []
+    if m := re.search(r"-shed(\d*)$", name):        # -shed: ten targets; -shed3: three
+        name, flags = name[:m.start()], ["--shed-chats-after", m.group(1) or "10"]
     for suffix, flag in (("-f32w", ["--no-weight-blocks"]), ("-tpot", ["--slo-tbt-mean"]),
                          ("-no-slo", ["--tandem-off", "slo"]),
                          ("-no-lengths", ["--tandem-off", "lengths"]), ("-no-hidden", ["--tandem-off", "hidden"]),
                          ("-no-late", ["--tandem-off", "late"]), ("-no-overdue", ["--tandem-off", "overdue"]),
-                         ("-no-prefix", ["--no-enable-prefix-caching"]), ("-shed", ["--shed-chats-after", "10"]),
+                         ("-no-prefix", ["--no-enable-prefix-caching"]),
                          ("-kv", ["--kv-only"]), ("-mixed", ["--aptserve-mixed"]),
                          ("-bidir", ["--bidirectional-blocks"]), ("-oracle", ["--length-predictor", "max_tokens"]),
                          ("-recompute", ["--preemption-mode", "recompute"]), ("-swap", ["--preemption-mode", "swap"])):

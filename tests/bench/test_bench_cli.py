@@ -54,6 +54,7 @@ def test_system_names_map_to_server_flags():
     assert tandem_args("tandem-aptserve-kv") == ["--policy", "aptserve", "--kv-only"]
     assert tandem_args("tandem-fcfs-f32w") == ["--policy", "fcfs", "--no-weight-blocks"]
     assert tandem_args("tandem-shed") == ["--policy", "tandem", "--shed-chats-after", "10", "--no-length-cap"]
+    assert tandem_args("tandem-bros-shed3") == ["--policy", "bros", "--shed-chats-after", "3"]
     # the SLOs are numbers handed to the server as flags (no clock is read): 0.5 s -> "500.0" ms
     assert tandem_args("tandem-aptserve-mixed", {"ttft_s": 0.5, "tbt_s": 0.1}, 0.25) == [
         "--policy", "aptserve", "--aptserve-mixed", "--slo-ttft-ms", "500.0", "--slo-tbt-ms", "100.0",
