@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.blocks import PANEL, Blocks, BlockKind, dequantize, find_blocks, pack_blocks, rows
+from tandem.engine.dtype import cpu_flags
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,13 +76,21 @@ class Panels:
                    blocks.kind)
 
 
-# [measured] The rows up to which a bfloat16 model's products go over GGUF's blocks: one tile of
-# qlinear.cpp (six rows share each unpacked weight). SmolLM2's projections and LM head on one
-# thread of a 2-core Xeon with AMX (``python -m bench cpu-linear --dtype bfloat16``, three
-# rounds), ms per sweep at 1 / 2 / 4 / 6 rows: over the blocks 15-17 / 17-18 / 21-32 / 28-39,
-# dense bfloat16 38-45 / 39-41 / 38-61 / 39-60. From 8 rows on the blocks alone took 41-59 ms
-# and more (1,935-2,660 at 512 rows), dense bfloat16 on AMX 40-58 (193-366 at 512).
-THIN_ROWS = 6
+def thin_rows(flags: set[str] | None = None) -> int:
+    """[measured] The rows up to which a bfloat16 model's products go over GGUF's blocks: where the
+    blocks' float32 product (six rows a tile of qlinear.cpp share each unpacked weight) is faster
+    than the dense bfloat16 one. SmolLM2's projections and LM head on one thread (``python -m
+    bench cpu-linear --dtype bfloat16``, three rounds), ms per sweep, blocks / dense bfloat16:
+
+    - a 2-core Xeon with AMX (an AMX tile takes 16 rows at once): 15-17 / 38-45 at one row,
+      28-39 / 39-60 at six, 39-64 / 39-59 at seven (the blocks' second tile): six rows.
+    - a 2-core AMD EPYC (Zen 4) with AVX-512 BF16 and no AMX: 20-21 / 37-39 at six rows, 30-31 /
+      37-41 at seven, 38-40 / 45-47 at twelve, 49 / 47-50 at fourteen, 52-54 / 50-53 at sixteen:
+      twelve rows (two tiles)."""
+    return 6 if "amx_bf16" in (cpu_flags() if flags is None else flags) else 12
+
+
+THIN_ROWS = thin_rows()
 
 
 @dataclass(frozen=True, eq=False)

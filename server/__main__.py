@@ -138,7 +138,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                     help="keep a GGUF model's weights dense instead of its own 4- and 8-bit blocks (by "
                          "default, on the CPU in float32, the products read the blocks: the same tokens in a "
                          "fifth of the memory, decode steps of 1-4 requests 1.5-2x faster; in bfloat16 the "
-                         "blocks stay beside the weights for products of up to six rows)")
+                         "blocks stay beside the weights for products of up to six rows with AMX, twelve without)")
     ap.add_argument("--kv-cache-bytes", type=int, default=None)
     ap.add_argument("--threads-per-worker", type=int, default=None,
                     help="torch threads in each worker process (default: the cores divided among the CPU workers)")

@@ -81,7 +81,7 @@ def test_block_products_match_float64(kind, out_features, rows, bias):
 
 
 @pytest.mark.parametrize("kind", list(BlockKind))
-@pytest.mark.parametrize("rows", [1, 5, THIN_ROWS, THIN_ROWS + 1, 13])
+@pytest.mark.parametrize("rows", [1, 5, THIN_ROWS, THIN_ROWS + 1, 2 * THIN_ROWS + 1])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bfloat16_products_go_over_the_blocks_when_thin(kind, rows, bias):
     """A bfloat16 model's weight keeps its GGUF blocks beside its bfloat16 copy. Up to THIN_ROWS
