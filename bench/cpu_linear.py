@@ -89,15 +89,18 @@ def _nbytes(w) -> int:
 def _packed(dense: list[torch.Tensor], ops, dtype: str) -> dict[str, list]:
     from tandem.engine.linear import pack
     if dtype == "bfloat16":
-        return {"bf16+blocks": [pack(w, ops, dtype=torch.bfloat16) for w in dense],
-                "bf16": [pack(w, ops, blocks=False, dtype=torch.bfloat16) for w in dense]}
+        thin = [pack(w, ops, dtype=torch.bfloat16) for w in dense]
+        return {"bf16+blocks": thin, "bf16": [pack(w, ops, blocks=False, dtype=torch.bfloat16) for w in dense],
+                "blocks alone": [getattr(w, "blocks", w) for w in thin]}
     return {"blocks": [pack(w, ops) for w in dense], "panels": [pack(w, ops, blocks=False) for w in dense],
             "oneDNN": [pack(w) for w in dense]}
 
 
 def product_times(hf, spec, ops, rows: list[int], repeats: int, dtype: str = "float32") -> dict:
-    """ms per sweep over the model's projections and LM head, per layout and row count."""
-    from tandem.engine.linear import linear
+    """ms per sweep over the model's projections and LM head, per layout and row count. In bfloat16,
+    "blocks alone" times the blocks of every weight at every row count (float32 in, as a thin
+    product takes them), so where they stop paying (engine.linear.thin_rows) can be read off."""
+    from tandem.engine.linear import Panels, linear
     dense = _weights(hf, spec)
     weights = _packed(dense, ops, dtype)
     ins = [w.shape[1] for w in dense]
@@ -107,11 +110,12 @@ def product_times(hf, spec, ops, rows: list[int], repeats: int, dtype: str = "fl
             xs = {k: torch.randn(m, k).to(getattr(torch, dtype)) for k in set(ins)}
             for name in _order(list(weights), r):
                 ws = weights[name]
+                one = (lambda x, w: linear(x.float(), w)) if dtype != "float32" and isinstance(ws[0], Panels) else linear
                 for w, k in zip(ws, ins):
-                    linear(xs[k], w)                        # warm
+                    one(xs[k], w)                           # warm
                 t = time.perf_counter()
                 for w, k in zip(ws, ins):
-                    linear(xs[k], w)
+                    one(xs[k], w)
                 out[name][m].append(1e3 * (time.perf_counter() - t))
     nbytes = {name: sum(_nbytes(w) for w in ws) for name, ws in weights.items()}
     if dtype == "float32":
