@@ -160,6 +160,19 @@ def step_times(hf, spec, ops, batches: list[int], repeats: int, threads: int, st
     return {"ms": out, "same_tokens": same}
 
 
+def crossover(ms: dict, rows: list[int]) -> str:
+    """Up to which of ``rows`` the blocks alone beat dense bfloat16 (medians over the rounds), against
+    the threshold the engine takes on this CPU (engine.linear.thin_rows)."""
+    from tandem.engine.linear import thin_rows
+    pays = 0
+    for m in sorted(rows):
+        if statistics.median(ms["blocks alone"][m]) >= statistics.median(ms["bf16"][m]):
+            break
+        pays = m
+    return (f"the blocks alone beat dense bfloat16 up to {pays} of the rows timed; the engine takes them up to "
+            f"{thin_rows()} rows on this CPU (engine.linear.thin_rows)")
+
+
 def _cell(xs: list[float]) -> str:
     return f"{min(xs):.0f}-{max(xs):.0f}" if len(xs) > 1 else f"{xs[0]:.0f}"
 
@@ -183,6 +196,8 @@ def main(args) -> None:
         nb = prod["bytes"][name]
         print(f"| {name} | {nb / 1e6:.0f} | {nb / read * 1e3:.0f} | "
               + " | ".join(_cell(by_rows[m]) for m in args.rows) + " |")
+    if args.dtype == "bfloat16":
+        print(f"\n{crossover(prod['ms'], args.rows)}")
     if not args.batches:
         save_json(args.out, {"threads": args.threads, "dtype": args.dtype, "read_GBps": read / 1e9,
                              "products": prod})
