@@ -162,15 +162,15 @@ def step_times(hf, spec, ops, batches: list[int], repeats: int, threads: int, st
 
 def crossover(ms: dict, rows: list[int]) -> str:
     """Up to which of ``rows`` the blocks alone beat dense bfloat16 (medians over the rounds), against
-    the threshold the engine takes on this CPU (engine.linear.thin_rows)."""
-    from tandem.engine.linear import thin_rows
+    the threshold the engine takes on this CPU (engine.linear.THIN_ROWS)."""
+    from tandem.engine.linear import THIN_ROWS
     pays = 0
     for m in sorted(rows):
         if statistics.median(ms["blocks alone"][m]) >= statistics.median(ms["bf16"][m]):
             break
         pays = m
     return (f"the blocks alone beat dense bfloat16 up to {pays} of the rows timed; the engine takes them up to "
-            f"{thin_rows()} rows on this CPU (engine.linear.thin_rows)")
+            f"{THIN_ROWS} rows on this CPU (engine.linear.thin_rows)")
 
 
 def _cell(xs: list[float]) -> str:

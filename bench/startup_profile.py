@@ -35,23 +35,18 @@ def serving_steps(scheduler, vocab_size: int, steps: int, seed: int = 1) -> list
     return log
 
 
-def _quantile(xs: list[float], f: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(f * len(xs)))] if xs else float("nan")
-
-
 def score(model, steps: list) -> dict:
     """The model's error on ``steps``; where the engine has a thin-product threshold, also the
     median measured / predicted of the steps at most that many rows (thin) and of the others."""
+    from tandem.bench.metrics import percentile
     ratios = model.ratios(steps)
-    out = {"mean_abs_error": model.mean_abs_error(steps),
-           **{f"p{int(100 * f)}": _quantile(ratios, f) for f in (0.1, 0.5, 0.9)}}
+    out = {"mean_abs_error": model.mean_abs_error(steps), **{f"p{q}": percentile(ratios, q) for q in (10, 50, 90)}}
     if model.thin_rows:
         thin, thick = [], []
         for x in steps:
             (thin if x[0].prefill_tokens + x[0].decode_tokens <= model.thin_rows else thick).append(x)
-        out.update(thin_steps=len(thin), thin_p50=_quantile(model.ratios(thin), 0.5),
-                   thick_p50=_quantile(model.ratios(thick), 0.5))
+        out.update(thin_steps=len(thin), thin_p50=percentile(model.ratios(thin), 50),
+                   thick_p50=percentile(model.ratios(thick), 50))
     return out
 
 
