@@ -27,6 +27,11 @@ Per iteration (Algorithm 1):
      packed while count, blocks and time allow; when one does not fit, the least urgent RT
      request taken is replaced by it if that makes it fit [SPEC safeguard: only if that RT
      request's slack after this iteration still covers one average iteration].
+     [open choice] The first BE request of an iteration with nothing else in it runs even
+     when its smallest chunk (min_chunk tokens, or its next decode) is predicted past the
+     budget, as the most urgent RT request does: a tight RT target and a cost model that
+     prices long context high left a long batch prompt with no chunk that fit, and nothing
+     ran, for ever.
   4. Adaptive batch size (TCP-like): B_curr resets to B_base after an early return and
      doubles otherwise, never above max_num_seqs.
   5. [open choice] Without RT requests an iteration is bounded by the tightest RT target
@@ -456,8 +461,8 @@ class Bros:
                                          and self._time(ld, b, k) <= t_res_min)
             count = len(rt_ready) + len(be_ready)
             if not fits(load, count, n) and lim.chunked_prefill and count < self.b_curr:
-                n = self._fit_chunk(load, b, n, t_res_min) or n
-            if fits(load, count, n):
+                n = self._fit_chunk(load, b, n, t_res_min) or (min(n, self.min_chunk) if count == 0 else n)
+            if fits(load, count, n) or count == 0:          # alone, it runs whatever the budget
                 be_ready.append((b, n))
                 load = load.add(b, n, self.block_size)
                 tokens_left -= n

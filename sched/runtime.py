@@ -46,6 +46,9 @@ RESTART_BACKOFF_S = 0.5      # doubled after each failed try
 MAX_REQUEST_CRASHES = 2      # worker deaths a request may live through before it is failed
 MAX_ABORTED_KEPT = 10_000    # cancelled ids remembered, for requests migrating while cancelled
 MAX_LOOP_FAILURES = 3        # loop exceptions in a row (no good step between) before a device is dead
+# work queued but nothing planned: plan again after this long (a message wakes the actor sooner);
+# only time changes such a plan then (waits grow), and re-planning at once kept a core busy for ever
+EMPTY_PLAN_RETRY_S = 0.01
 
 
 @dataclass(slots=True)
@@ -103,6 +106,7 @@ class ActorThread:
         self._inbox: deque[Message] = deque()
         self._wake = threading.Condition()
         self._stop = False
+        self._planned_nothing = False     # the last step's plan told the device nothing
         self.restarting = False
         self.loop_failures = 0            # loop exceptions since the last good step
         self.restarts = 0                 # workers started to replace dead ones
@@ -139,9 +143,12 @@ class ActorThread:
                 while not self._stop and not self._inbox and not (a.dead is None and
                                                                   (a.has_work() or a.has_messages())):
                     self._wake.wait()
+                if self._planned_nothing and not self._stop and not self._inbox:
+                    self._wake.wait(EMPTY_PLAN_RETRY_S)
                 if self._stop:
                     return
                 inbox, self._inbox = self._inbox, deque()
+                self._planned_nothing = False
             reports = [m for m in inbox if isinstance(m, Report)]
             updates: list[Update] = []
             try:
@@ -284,6 +291,7 @@ class ActorThread:
         a = self.actor
         p = a.plan()
         if p is None:
+            self._planned_nothing = True
             return []
         out = self._exchange(p.inp)
         if out.error:                # the worker raised in this step; it keeps serving the others

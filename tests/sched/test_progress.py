@@ -2,14 +2,19 @@
 requests take each other's blocks every iteration, run to the end. The real Scheduler and
 policies run on simulated devices (a virtual clock and the OPT-13B cost model); the check is
 independent of how they decide: every request finishes, within a bounded virtual time."""
+import threading
+import time
+
 import pytest
 
 from tandem.bench.simulator import SimClock, SimDevice
 from tandem.cache import PoolGeometry
 from tandem.engine.messages import CacheType
 from tandem.engine.params import SamplingParams
-from tandem.sched.cost_model import OPT_13B_A100, OnlineCostModel
+from tandem.sched.cost_model import OPT_13B_A100, OnlineCostModel, StepShape
+from tandem.sched.policy import Plan
 from tandem.sched.request import Request, ServiceClass
+from tandem.sched.runtime import EMPTY_PLAN_RETRY_S, Runtime
 from tandem.sched.scheduler import PRICED, SchedConfig, Scheduler
 
 
@@ -215,3 +220,40 @@ def test_round_robin_classes_do_not_take_each_others_blocks_in_turn():
     run.add("batch", 500, 300, "be")
     run.to_the_end(limit_s=600)
     assert run.tokens == {"chat": 300, "batch": 300}
+
+
+@pytest.mark.parametrize("policy", ["bros", "tandem"])
+def test_a_long_batch_prompt_runs_when_no_chunk_fits_the_rt_target(policy):
+    """With no chat present an iteration is bounded by the tightest RT target; when not even the
+    smallest prompt chunk fits that bound (a tight target, a cost model that prices long context
+    high), the batch prompt took nothing and the server planned empty iterations for ever. Alone,
+    it must run: a chat first, then an 8,000-token batch prompt and a batch decode."""
+    floor = OPT_13B_A100.predict(StepShape().add(1, 1, True))        # the cheapest step
+    run = Run(SchedConfig(policy=policy, max_num_seqs=16, max_num_batched_tokens=2048, rt_budget_s=floor / 2),
+              num_blocks=1100, max_model_len=8192)
+    run.add("chat", 40, 8, ttft=1.0, tbt=floor / 2, pred=8)
+    run.to_the_end(limit_s=60)
+    run.add("prompt", 8000, 4, "be", pred=4)
+    run.add("short", 16, 20, "be", pred=20)
+    run.to_the_end(limit_s=600)
+    assert run.tokens == {"chat": 8, "prompt": 4, "short": 20}
+
+
+def test_an_actor_whose_policy_plans_nothing_waits_and_plans_again():
+    """A device actor with work whose plan is empty must not plan again at once, for ever (a core
+    spun at 100% while nothing ran); it plans again as time passes, without a message, and the
+    request then runs. The real runtime thread, on a simulated device."""
+    run = Run(SchedConfig(policy="fcfs", max_num_seqs=4, max_num_batched_tokens=256), num_blocks=64)
+    actor = run.s.actors[0]
+    real, actor.policy = actor.policy, lambda snap: Plan()
+    done = threading.Event()
+    runtime = Runtime(run.s, lambda ups: done.set() if any(u.finish_reason for u in ups) else None)
+    try:
+        runtime.add(run.s.new_state(Request("r", list(range(20)), SamplingParams(max_tokens=3, ignore_eos=True))))
+        time.sleep(0.5)
+        planned = actor.step_id
+        assert 1 <= planned <= 0.5 / EMPTY_PLAN_RETRY_S + 10, planned
+        actor.policy = real
+        assert done.wait(30), actor.last_plan.reasons
+    finally:
+        runtime.stop()
