@@ -72,6 +72,9 @@ class LengthSource:
                     raise ValueError(f"length_predictor: {e}") from None
             import torch
             torch.set_num_threads(1)
+            # the sentence encoder loads and runs once now: the first request paid about a second
+            # for it on a CPU core (a chat's whole TTFT target)
+            self.predictor.encode(["Hello"])
         self._lock = threading.Lock()
         self._pending: dict[str, list] = {}    # req_id -> [vector, tokens so far, ignore_eos]
         self.predicted = 0

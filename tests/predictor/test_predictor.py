@@ -286,3 +286,14 @@ def test_length_source_hands_length_and_spread_on_capped_or_not(embedder):
         LengthSource(p, cap=cap).assign([r], prompts[:1])
         assert (r.predicted_len, r.predicted_spread) == (expect_len, expect_spread)
     assert max(want.spread) > 400 and want.length > 400     # the cap did cut something
+
+
+def test_the_sentence_encoder_loads_with_the_length_source_not_at_the_first_request(embedder):
+    """Loading the encoder took about a second, which the first chat after start-up paid."""
+    from tandem.sched.lengths import LengthSource
+    ix = LengthIndex(DIM, ef=50)
+    ix.add(embedder.encode(["a", "b"]), np.array([3, 5]))
+    p = LengthPredictor(Settings(k=2, threshold=0.0, hidden=16), LengthHead(DIM, 16), ix)
+    assert p._embedder is None
+    LengthSource(p)
+    assert p._embedder is not None
