@@ -548,11 +548,20 @@ async def detokenize(request):
     return json_response({"prompt": text})
 
 
+def _model_object(st) -> dict:
+    return {"id": st.cfg.served_model_name, "object": "model", "created": st.created, "owned_by": "tandem",
+            "max_model_len": st.engine.llm.max_model_len if st.engine else None}
+
+
 async def models(request):
+    return json_response({"object": "list", "data": [_model_object(request.app[STATE])]})
+
+
+async def model(request):
+    """One model by id, as ``GET /v1/models`` lists it; 404 for a model not served here."""
     st = request.app[STATE]
-    return json_response({"object": "list", "data": [
-        {"id": st.cfg.served_model_name, "object": "model", "created": st.created, "owned_by": "tandem",
-         "max_model_len": st.engine.llm.max_model_len if st.engine else None}]})
+    check_model({"model": request.match_info["id"]}, st.cfg.served_model_name)
+    return json_response(_model_object(st))
 
 
 async def health(request):
@@ -622,6 +631,7 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{id}", model)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/status", status)

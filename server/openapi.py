@@ -63,6 +63,9 @@ COMPLETION = _completion("text_completion", {"text": {"type": "string"}, "prompt
 TOKENS = {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
     "count": {"type": "integer", "minimum": 0}, "max_model_len": {"type": "integer"},
     "tokens": {"type": "array", "items": {"type": "integer"}}}}
+MODEL = {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
+    "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+    "owned_by": {"type": "string"}, "max_model_len": {"type": ["integer", "null"]}}}
 FILE = {"type": "object", "required": ["id", "object", "bytes", "created_at", "filename", "purpose"], "properties": {
     "id": {"type": "string"}, "object": {"const": "file"}, "bytes": {"type": "integer"},
     "created_at": {"type": "integer"}, "filename": {"type": "string"}, "purpose": {"type": "string"}}}
@@ -133,7 +136,8 @@ def document(version: str = "0.1.0") -> dict:
                                       TOKENS, TOKENIZE_BODY)},
             "/detokenize": {"post": _op("token ids to text", {"type": "object", "required": ["prompt"], "properties": {
                 "prompt": {"type": "string"}}}, DETOKENIZE_BODY)},
-            "/v1/models": {"get": _op("the served model", _list({"type": "object", "required": ["id", "object"]}))},
+            "/v1/models": {"get": _op("the served model", _list(MODEL))},
+            "/v1/models/{id}": {"get": _op("a model by id", MODEL, params=_path_id("model id"))},
             "/v1/files": {
                 "post": {**_op("upload a file", FILE), "requestBody": {"required": True, "content": {
                     "multipart/form-data": {"schema": upload}}}},

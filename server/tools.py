@@ -36,6 +36,7 @@ CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
 ANY_OBJECT = {"type": "object"}
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 class ToolChoice(enum.Enum):
@@ -72,7 +73,9 @@ class ToolPlan:
 
     def _params(self, name: str) -> dict:
         f = next(f for f in self.functions if f["name"] == name)
-        return f.get("parameters") or ANY_OBJECT
+        if "parameters" not in f:       # OpenAI: omitted parameters are an empty parameter list
+            return NO_ARGUMENTS
+        return f["parameters"] or ANY_OBJECT
 
     def system_text(self) -> str:
         """The tools as the model is shown them."""

@@ -21,6 +21,10 @@ def client(server):
 def test_models_and_health(server, client):
     ids = [m.id for m in client.models.list().data]
     assert ids == [server.model]
+    assert client.models.retrieve(server.model).model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.code == "model_not_found"
 
 
 def test_streamed_chat_with_usage(server, client):

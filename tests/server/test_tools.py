@@ -131,3 +131,21 @@ def test_calls_finish_with_tool_calls_only_when_the_reply_ended_by_itself():
     call = [tool_call("add", "{}")]
     assert finish_reason(call, "stop") == "tool_calls"
     assert finish_reason(call, "length") == "length" and finish_reason([], "stop") == "stop"
+
+
+def test_required_calls_of_a_function_without_parameters_take_no_arguments():
+    """OpenAI: a function whose ``parameters`` are omitted takes an empty parameter list, so under
+    tool_choice required its calls' arguments must be ``{}``; one with a schema follows it, and
+    ``parameters: {}`` (a schema that allows anything) allows any object. Checked with the
+    jsonschema_rs validator over the output constraint."""
+    import jsonschema_rs
+    plan = ToolPlan(({"name": "now"}, {"name": "anything", "parameters": {}},
+                     {"name": "add", "parameters": {"type": "object", "required": ["a"],
+                                                    "properties": {"a": {"type": "integer"}}}}),
+                    ToolChoice.REQUIRED)
+    ok = jsonschema_rs.validator_for(plan.constraint().json).is_valid
+    assert ok([{"name": "now", "arguments": {}}])
+    assert not ok([{"name": "now", "arguments": {"tz": "UTC"}}])
+    assert ok([{"name": "anything", "arguments": {"tz": "UTC"}}])
+    assert ok([{"name": "add", "arguments": {"a": 1}}]) and not ok([{"name": "add", "arguments": {}}])
+    assert not ok([{"name": "now", "arguments": []}])
