@@ -212,6 +212,13 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     ik.add_argument("--max-num-seqs", type=int, default=32)
     ik.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     ik.add_argument("--out", default="int8_kv.json", help="result file under bench/results")
+    stk = sub.add_parser("same-tokens", help="greedy replies of held-out ShareGPT prompts run together and each "
+                         "alone, per dtype: how many change with the batch")
+    stk.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    stk.add_argument("--num-prompts", type=int, default=20)
+    stk.add_argument("--max-prompt", type=int, default=256)
+    stk.add_argument("--max-tokens", type=int, default=60)
+    stk.add_argument("--out", default="same_tokens.json", help="result file under bench/results")
     pc = sub.add_parser("prefix-cache", help="prefix caching off vs on, SmolLM2: chats about one document "
                         "(held-out ShareGPT), time to first token one by one and a batch's throughput")
     pc.add_argument("--num-questions", type=int, default=8, help="chats one by one, and as many in the batch")
@@ -356,6 +363,9 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     elif args.cmd == "int8-accuracy":
         from tandem.bench.int8_accuracy import run as int8_accuracy
         int8_accuracy(args)
+    elif args.cmd == "same-tokens":
+        from tandem.bench.same_tokens import run as same_tokens
+        same_tokens(args)
     elif args.cmd == "prefix-routing":
         from tandem.bench.prefix_routing import run as prefix_routing
         prefix_routing(args)
