@@ -407,6 +407,13 @@ async def all_or_none(coros) -> None:
             t.cancel()
 
 
+def head(p: Prepared, obj: str, created: int) -> dict:
+    """The fields a response (or each event of a stream) begins with; ``service_tier`` says how
+    the request was served: "flex" best-effort, "default" real-time."""
+    return {"id": p.rid, "object": obj, "created": created, "model": p.model,
+            "service_tier": "flex" if p.gen.service_class is ServiceClass.BE else "default"}
+
+
 async def complete(engine: AsyncEngine, st: AppState, p: Prepared, chat: bool) -> dict:
     """Run a prepared, non-streamed request to its end; the OpenAI response body."""
     choices = new_choices(p, st.text_of)
@@ -415,9 +422,9 @@ async def complete(engine: AsyncEngine, st: AppState, p: Prepared, chat: bool) -
         await all_or_none(run_choice(sub, st.metrics, r, ch) for sub, r, ch in zip(p.subs, p.requests, choices))
     finally:
         p.close()
-    return {"id": p.rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": p.model, "choices": [choice_json(chat, ch, st.text_of, p.gen.tools) for ch in choices],
-            "usage": usage(p, choices)} | (
+    return head(p, "chat.completion" if chat else "text_completion", created) | {
+        "choices": [choice_json(chat, ch, st.text_of, p.gen.tools) for ch in choices],
+        "usage": usage(p, choices)} | (
         chat_prompt_ids(p) if chat else {})
 
 
@@ -447,7 +454,7 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
         await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
 
     def event(c: dict) -> dict:
-        return {"id": p.rid, "object": obj, "created": created, "model": p.model, "choices": [c]}
+        return head(p, obj, created) | {"choices": [c]}
 
     def chunk(ch: Choice, delta: str, finish: str | None, first: bool = False) -> dict:
         if chat:
@@ -503,8 +510,7 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
         await all_or_none(run_choice(sub, st.metrics, r, ch, sink)
                           for sub, r, ch in zip(p.subs, p.requests, choices))
         if p.gen.include_usage:
-            await send({"id": p.rid, "object": obj, "created": created, "model": p.model,
-                        "choices": [], "usage": usage(p, choices)})
+            await send(head(p, obj, created) | {"choices": [], "usage": usage(p, choices)})
     except ApiError as e:                 # headers are out: report in-band, as OpenAI does
         await send(e.body())
     await resp.write(b"data: [DONE]\n\n")

@@ -42,6 +42,8 @@ def _completion(object_name: str, choice: dict, **extra) -> dict:
     return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
         "id": {"type": "string"}, "object": {"const": object_name}, "created": {"type": "integer"},
         "model": {"type": "string"}, "usage": USAGE, **extra,
+        "service_tier": {"enum": ["default", "flex"], "description": "how it was served: flex best-effort (BE), "
+                                                                     "default real-time (RT)"},
         "choices": {"type": "array", "items": {"type": "object", "required": ["index", "finish_reason"],
                                                "properties": {"index": {"type": "integer"},
                                                               "finish_reason": FINISH, "token_ids": IDS,

@@ -87,7 +87,8 @@ SAMPLING = {
                                           "json_object; the output matches it whole"},
     **{f"guided_{k}": {**STRUCTURED[k], "description": f"vLLM's older spelling of structured_outputs.{k}"}
        for k in ("json", "regex", "choice", "grammar")},
-    "service_tier": {"enum": ["auto", "default", "flex"], "description": "flex: best-effort (BE)"},
+    "service_tier": {"enum": ["auto", "default", "flex", "priority"],
+                     "description": "flex: best-effort (BE); the others: real-time (RT)"},
     "slo_ttft_ms": _num(0, MAX_SLO_MS, "time-to-first-token target (default: the server's, RT only)",
                         exclusive_lo=True),
     "slo_tbt_ms": _num(0, MAX_SLO_MS, "time-between-tokens target (default: the server's, RT only)",

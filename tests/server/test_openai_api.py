@@ -27,6 +27,19 @@ def test_models_and_health(server, client):
     assert e.value.code == "model_not_found"
 
 
+def test_the_response_says_how_the_request_was_served(server, client):
+    """OpenAI's service_tier: flex requests are best-effort; default, auto and priority real-time."""
+    msg = [{"role": "user", "content": "Hi"}]
+    for asked, served in (("flex", "flex"), ("priority", "default"), ("auto", "default"), (None, "default")):
+        extra = {"service_tier": asked} if asked else {}
+        assert client.chat.completions.create(model=server.model, messages=msg, max_tokens=2,
+                                              extra_body=extra).service_tier == served
+    chunks = list(client.completions.create(model=server.model, prompt="Hi", max_tokens=2, stream=True,
+                                            extra_body={"service_tier": "flex"},
+                                            stream_options={"include_usage": True}))
+    assert chunks and all(c.service_tier == "flex" for c in chunks)
+
+
 def test_streamed_chat_with_usage(server, client):
     stream = client.chat.completions.create(
         model=server.model, messages=[{"role": "user", "content": "Say hi"}], max_tokens=12,
