@@ -428,15 +428,20 @@ async def complete(engine: AsyncEngine, st: AppState, p: Prepared, chat: bool) -
         chat_prompt_ids(p) if chat else {})
 
 
-async def generate_handler(request: web.Request, chat: bool) -> web.StreamResponse:
-    st = request.app[STATE]
-    engine = ready_engine(request)
+async def prepare_online(engine: AsyncEngine, st: AppState, body: dict, chat: bool) -> Prepared:
+    """``prepare`` for a client's request: a chat refused past capacity is counted."""
     try:
-        p = await prepare(engine, st.cfg, await read_json(request), chat)
+        return await prepare(engine, st.cfg, body, chat)
     except ApiError as e:
         if e.code == PAST_CAPACITY:
             st.metrics.chats_refused.labels(st.metrics.model).inc()
         raise
+
+
+async def generate_handler(request: web.Request, chat: bool) -> web.StreamResponse:
+    st = request.app[STATE]
+    engine = ready_engine(request)
+    p = await prepare_online(engine, st, await read_json(request), chat)
     if p.gen.stream:
         try:
             return await stream_handler(request, engine, st, p, new_choices(p, st.text_of), chat, int(time.time()))
@@ -449,12 +454,13 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     obj = "chat.completion.chunk" if chat else "text_completion"
+    top = head(p, obj, created)         # the same in every event: built once, not per token
 
     async def send(payload) -> None:
         await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
 
     def event(c: dict) -> dict:
-        return head(p, obj, created) | {"choices": [c]}
+        return {**top, "choices": [c]}
 
     def chunk(ch: Choice, delta: str, finish: str | None, first: bool = False) -> dict:
         if chat:
@@ -510,7 +516,7 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
         await all_or_none(run_choice(sub, st.metrics, r, ch, sink)
                           for sub, r, ch in zip(p.subs, p.requests, choices))
         if p.gen.include_usage:
-            await send(head(p, obj, created) | {"choices": [], "usage": usage(p, choices)})
+            await send({**top, "choices": [], "usage": usage(p, choices)})
     except ApiError as e:                 # headers are out: report in-band, as OpenAI does
         await send(e.body())
     await resp.write(b"data: [DONE]\n\n")
@@ -643,8 +649,9 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
     app.router.add_get("/status", status)
     app.router.add_get("/dashboard", dashboard)
     app.router.add_get("/openapi.json", openapi)
-    from tandem.server import routes_batch
+    from tandem.server import responses, routes_batch
     routes_batch.add_routes(app)
+    responses.add_routes(app)
 
     async def load(app_):
         t0 = time.monotonic()

@@ -2,7 +2,8 @@
 the same ones the server validates with; responses describe what the handlers return."""
 from __future__ import annotations
 
-from tandem.server.schema import BATCH_BODY, CHAT_BODY, COMPLETION_BODY, DETOKENIZE_BODY, TOKENIZE_BODY
+from tandem.server.schema import (BATCH_BODY, CHAT_BODY, COMPLETION_BODY, DETOKENIZE_BODY, RESPONSES_BODY,
+                                  TOKENIZE_BODY)
 
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"], "properties": {
@@ -65,6 +66,11 @@ COMPLETION = _completion("text_completion", {"text": {"type": "string"}, "prompt
 TOKENS = {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
     "count": {"type": "integer", "minimum": 0}, "max_model_len": {"type": "integer"},
     "tokens": {"type": "array", "items": {"type": "integer"}}}}
+RESPONSE = {"type": "object", "required": ["id", "object", "created_at", "status", "model", "output"], "properties": {
+    "id": {"type": "string"}, "object": {"const": "response"}, "created_at": {"type": "integer"},
+    "status": {"enum": ["completed", "incomplete", "in_progress"]}, "model": {"type": "string"},
+    "output": {"type": "array", "items": {"type": "object", "required": ["type", "role", "content"]}},
+    "incomplete_details": {"type": ["object", "null"]}, "usage": {"type": ["object", "null"]}}}
 MODEL = {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
     "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
     "owned_by": {"type": "string"}, "max_model_len": {"type": ["integer", "null"]}}}
@@ -134,6 +140,8 @@ def document(version: str = "0.1.0") -> dict:
                                                  CHAT_BODY, stream=True)},
             "/v1/completions": {"post": _op("text completion (stream: server-sent events)", COMPLETION,
                                             COMPLETION_BODY, stream=True)},
+            "/v1/responses": {"post": _op("a response (OpenAI's Responses API; stream: typed server-sent events)",
+                                          RESPONSE, RESPONSES_BODY, stream=True)},
             "/tokenize": {"post": _op("a prompt's token ids (text, or chat messages through the template)",
                                       TOKENS, TOKENIZE_BODY)},
             "/detokenize": {"post": _op("token ids to text", {"type": "object", "required": ["prompt"], "properties": {

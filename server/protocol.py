@@ -42,8 +42,10 @@ def _val(body: dict, key: str, default):
 HARMLESS_COUNT = {"best_of": 1}
 
 
-def _reject_unsupported(body: dict, chat: bool) -> None:
-    for key in CHAT_UNSUPPORTED if chat else COMPLETION_UNSUPPORTED:
+def reject_unsupported(body: dict, keys: tuple[str, ...]) -> None:
+    """400 naming the first of ``keys`` the body asks something of (null, false, empty, best_of 1
+    and modalities [text] ask nothing)."""
+    for key in keys:
         v = body.get(key)
         harmless = v is None or v is False or v == [] or v == {} or (key == "modalities" and v == ["text"]) or (
             isinstance(v, int) and not isinstance(v, bool) and key in HARMLESS_COUNT
@@ -57,7 +59,7 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
                  default_tbt_s: float | None) -> tuple[SamplingParams, dict]:
     """Sampling fields shared by both endpoints, from a body that passed its schema; raises
     ApiError(400) naming the parameter for what the schema cannot say."""
-    _reject_unsupported(body, chat)
+    reject_unsupported(body, CHAT_UNSUPPORTED if chat else COMPLETION_UNSUPPORTED)
     mt_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _val(body, mt_key, None)
     if max_tokens is None and not chat:

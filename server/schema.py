@@ -156,6 +156,35 @@ COMPLETION_BODY = _body({"prompt": PROMPT,
                          "logprobs": _int(0, MAX_LOGPROBS, "each output token's log probability under the "
                                           "model (before temperature, top-k/p) and the likeliest this many")},
                         ["prompt"], COMPLETION_UNSUPPORTED)
+METADATA = {"type": "object", "maxProperties": 16, "propertyNames": {"maxLength": 64},
+                  "additionalProperties": {"type": "string", "maxLength": 512}}
+RESPONSES_UNSUPPORTED = ("tools", "tool_choice", "previous_response_id", "conversation", "background", "include",
+                         "prompt", "max_tool_calls", "top_logprobs", "reasoning")
+INPUT_PART = {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}}}
+INPUT_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
+    "type": {"enum": ["message"]}, "role": {"enum": ["system", "developer", "user", "assistant"]},
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": INPUT_PART, "minItems": 1}]},
+    "id": {"type": "string"}, "status": {"type": "string"}}}
+RESPONSES_BODY = {"type": "object", "required": ["input"], "properties": {
+    **{k: SAMPLING[k] for k in ("model", "temperature", "top_p", "top_k", "seed", "stream", "service_tier",
+                                "slo_ttft_ms", "slo_tbt_ms", "user", "cache_salt", "ignore_eos", "min_tokens")},
+    "input": {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": INPUT_MESSAGE, "minItems": 1}],
+              "description": "the user's text, or messages (text parts only)"},
+    "instructions": {"type": "string", "description": "a system message before the input"},
+    "max_output_tokens": _int(1, MAX_TOKENS_CAP, "input + max_output_tokens must fit the context"),
+    "text": {"type": "object", "properties": {"format": {
+        "type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]},
+            "name": {"type": "string", "minLength": 1, "maxLength": 64}, "description": {"type": "string"},
+            "schema": {"type": "object"}, "strict": {"type": "boolean"}}}},
+        "description": "format json_schema: the output follows its schema; json_object: any JSON object"},
+    "metadata": METADATA,
+    "store": {"type": "boolean", "description": "accepted; responses are not kept (no GET /v1/responses/{id})"},
+    "truncation": {"enum": ["disabled"], "description": "an input past the context is refused"},
+    "parallel_tool_calls": {"type": "boolean"},
+    "stream_options": {"type": "object"},
+    **{k: {"description": "not supported: rejected unless null, false or empty"} for k in RESPONSES_UNSUPPORTED}}}
 TOKENIZE_BODY = {"type": "object", "properties": {   # vLLM's /tokenize: one of prompt and messages
     "model": SAMPLING["model"],
     "prompt": {"type": "string", "minLength": 1, "description": "text, tokenized as a completion's prompt is"},
@@ -167,8 +196,7 @@ BATCH_BODY = {"type": "object", "required": ["input_file_id", "endpoint"], "prop
     "input_file_id": {"type": "string", "description": "a file uploaded with purpose 'batch'"},
     "endpoint": {"enum": list(ENDPOINTS)},
     "completion_window": {"enum": list(WINDOWS), "description": "default 24h"},
-    "metadata": {"type": "object", "maxProperties": 16, "propertyNames": {"maxLength": 64},
-                 "additionalProperties": {"type": "string", "maxLength": 512}}}}
+    "metadata": METADATA}}
 
 _TYPES = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
           "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
