@@ -17,7 +17,7 @@ from tandem.sched.request import error_id
 from tandem.server.errors import ApiError
 from tandem.server.store import Store, new_id
 
-ENDPOINTS = {"/v1/chat/completions": True, "/v1/completions": False}   # -> chat?
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 WINDOWS = {"24h": 24 * 3600}
 MAX_LINES = 50_000
 MAX_LINE_ATTEMPTS = 3        # a line failing on the server's side (5xx, an exception) runs again
@@ -25,7 +25,7 @@ LINE_RETRY_S = 1.0           # times the attempt number, before the next attempt
 
 log = logging.getLogger("tandem.batches")
 
-# run_line(body, chat) -> (status_code, response body); BE class forced by the caller
+# run_line(body, endpoint) -> (status_code, response body); BE class forced by the caller
 RunLine = Callable[[dict, bool], Awaitable[tuple[int, dict]]]
 
 
@@ -167,7 +167,7 @@ class BatchRunner:
             self.store.add_lines(bid, lines)
         expired = False
         if self.store.status(bid) == "in_progress":
-            expired = await self._run_lines(bid, ENDPOINTS[b["endpoint"]], b["expires_at"])
+            expired = await self._run_lines(bid, b["endpoint"], b["expires_at"])
         status = self.store.status(bid)
         if status == "cancelling":
             await self._finalize(bid, "cancelled")
@@ -177,7 +177,7 @@ class BatchRunner:
             self.store.set_status(bid, "finalizing")
             await self._finalize(bid, "completed")
 
-    async def _run_lines(self, bid: str, chat: bool, expires_at: int) -> bool:
+    async def _run_lines(self, bid: str, endpoint: str, expires_at: int) -> bool:
         """Run the pending lines until all are done, the batch is cancelled or it expires (True).
         Lines still running then, or when this task is cancelled (the server stops), are aborted."""
         stop, expired = asyncio.Event(), False
@@ -186,7 +186,7 @@ class BatchRunner:
             async with self.slots:
                 if stop.is_set():
                     return
-                code, resp = await self._attempts(bid, line_no, body, chat)
+                code, resp = await self._attempts(bid, line_no, body, endpoint)
                 self.store.finish_line(bid, line_no, code, resp)
 
         async def watch() -> None:
@@ -213,12 +213,12 @@ class BatchRunner:
             await asyncio.gather(*jobs, return_exceptions=True)
         return expired
 
-    async def _attempts(self, bid: str, line_no: int, body: dict, chat: bool) -> tuple[int, dict]:
+    async def _attempts(self, bid: str, line_no: int, body: dict, endpoint: str) -> tuple[int, dict]:
         """Run one line. A client error (4xx) is its result at once; a failure on the server's
         side is tried again, and only the last of MAX_LINE_ATTEMPTS becomes the line's error."""
         for attempt in range(1, MAX_LINE_ATTEMPTS + 1):
             try:
-                return await self.run_line(body, chat)
+                return await self.run_line(body, endpoint)
             except ApiError as e:
                 if e.status < 500:
                     return e.status, e.body()

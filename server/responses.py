@@ -1,13 +1,15 @@
 """OpenAI's Responses API, ``POST /v1/responses``, over the chat path.
 
-The request's ``instructions`` (a system message) and ``input`` (a user's text, or messages of
-text parts) become a chat; ``max_output_tokens`` its max_tokens, ``text.format`` its
-response_format (a JSON schema or any JSON object). The reply is one output message: in the
-response object, or streamed as the API's typed events (``response.created``, then
-``response.output_text.delta`` per piece of text, ..., ``response.completed``). A reply cut off
-by ``max_output_tokens`` is ``incomplete``. Responses are not kept (``store`` is accepted, there
-is no ``GET /v1/responses/{id}``), so ``previous_response_id`` is refused, as are tools, with a
-400 naming the field.
+The request's ``instructions`` (a system message) and ``input`` (a user's text, or items:
+messages of text parts, earlier ``function_call`` items and their ``function_call_output``)
+become a chat; ``max_output_tokens`` its max_tokens, ``text.format`` its response_format (a
+JSON schema or any JSON object), function ``tools`` and ``tool_choice`` its tools. The reply's
+text is an output message and each call it makes a ``function_call`` item: in the response
+object, or streamed as the API's typed events (``response.created``, ...,
+``response.completed``). Without tools the text streams as it is generated; with tools it may
+turn out to be calls, so its events come once the reply has ended. A reply cut off by
+``max_output_tokens`` is ``incomplete``. Responses are not kept (``store`` is accepted, there
+is no ``GET /v1/responses/{id}``), so ``previous_response_id`` is refused with a 400 naming it.
 """
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ import time
 import orjson
 from aiohttp import web
 
-from tandem.server.app import (STATE, Choice, Prepared, all_or_none, complete, json_response, new_choices,
-                               prepare_online, read_json, ready_engine, run_choice, usage)
+from tandem.sched.request import ServiceClass
+from tandem.server.app import (STATE, Choice, Prepared, all_or_none, choice_json, complete, json_response,
+                               new_choices, prepare, prepare_online, read_json, ready_engine, run_choice, usage)
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.protocol import reject_unsupported
 from tandem.server.schema import RESPONSES_BODY, RESPONSES_UNSUPPORTED, validate
@@ -39,11 +42,21 @@ def chat_body(body: dict) -> dict:
     reject_unsupported(body, RESPONSES_UNSUPPORTED)
     messages = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
     inp = body["input"]
-    for m in [{"role": "user", "content": inp}] if isinstance(inp, str) else inp:
-        content = m["content"]
-        parts = content if isinstance(content, str) else [{"type": "text", "text": p["text"]} for p in content]
-        messages.append({"role": m["role"], "content": parts})
+    for item in [{"role": "user", "content": inp}] if isinstance(inp, str) else inp:
+        m = _message_of(item, messages[-1] if messages else None)
+        if not messages or m is not messages[-1]:
+            messages.append(m)
     chat = {k: body[k] for k in PASSED if body.get(k) is not None} | {"messages": messages}
+    if body.get("tools"):
+        chat["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters",
+                                                                             "strict") if t.get(k) is not None}}
+                         for t in body["tools"]]
+    choice = body.get("tool_choice")
+    if choice is not None:
+        chat["tool_choice"] = choice if isinstance(choice, str) else {"type": "function",
+                                                                      "function": {"name": choice["name"]}}
+    if body.get("parallel_tool_calls") is not None:
+        chat["parallel_tool_calls"] = body["parallel_tool_calls"]
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     fmt = (body.get("text") or {}).get("format") or {"type": "text"}
@@ -57,6 +70,24 @@ def chat_body(body: dict) -> dict:
     return chat
 
 
+def _message_of(item: dict, last: dict | None) -> dict:
+    """The chat message an input item is: a message; an earlier call, an assistant's tool call
+    (``last`` itself, with this call added, when it is an assistant's turn of calls); a call's output, a tool message."""
+    kind = item.get("type", "message")
+    if kind == "function_call":
+        call = {"id": item["call_id"], "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]}}
+        if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+            last["tool_calls"].append(call)
+            return last
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+    if kind == "function_call_output":
+        return {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
+    content = item["content"]
+    return {"role": item["role"], "content": content if isinstance(content, str) else
+            [{"type": "text", "text": p["text"]} for p in content]}
+
+
 def _renamed(e: ApiError) -> ApiError:
     """An error about the chat a request became, naming the Responses fields it came from."""
     for chat_name, name in RENAMED:
@@ -67,24 +98,37 @@ def _renamed(e: ApiError) -> ApiError:
     return e
 
 
+async def prepared(engine, st, body: dict, force_be: bool = False) -> Prepared:
+    """The request's chat, checked and queued (raises ApiError naming the Responses fields);
+    ``force_be``: a batch line (best-effort, never refused for the waiting queue)."""
+    try:
+        chat = chat_body(body)
+        if force_be:
+            return await prepare(engine, st.cfg, chat, True, force_be=True)
+        return await prepare_online(engine, st, chat, True)
+    except ApiError as e:
+        raise _renamed(e) from None
+
+
+async def finish(engine, st, p: Prepared, body: dict, created: int) -> dict:
+    """Run a prepared request to its end: the response object."""
+    out = await complete(engine, st, p, chat=True)
+    c = out["choices"][0]
+    return response_json(p, body, created, c["message"], c["finish_reason"], out["usage"])
+
+
 async def create(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     engine = ready_engine(request)
     body = await read_json(request)
-    try:
-        p = await prepare_online(engine, st, chat_body(body), chat=True)
-    except ApiError as e:
-        raise _renamed(e) from None
+    p = await prepared(engine, st, body)
     created = int(time.time())
-    if body.get("stream"):
-        try:
-            return await _stream(request, st, p, body, created)
-        finally:
-            p.close()
-    out = await complete(engine, st, p, chat=True)
-    c = out["choices"][0]
-    return json_response(response_json(p, body, created, c["message"]["content"] or "", c["finish_reason"],
-                                       out["usage"]))
+    if not body.get("stream"):
+        return json_response(await finish(engine, st, p, body, created))
+    try:
+        return await _stream(request, st, p, body, created)
+    finally:
+        p.close()
 
 
 def _ids(p: Prepared) -> tuple[str, str]:
@@ -93,22 +137,33 @@ def _ids(p: Prepared) -> tuple[str, str]:
     return "resp_" + tail, "msg_" + tail
 
 
-def _message(p: Prepared, text: str | None, finish: str | None) -> dict:
+def _text_item(p: Prepared, text: str | None, finish: str | None) -> dict:
     """The output message: in progress (no ``text`` yet), else whole."""
     status = "in_progress" if text is None else "incomplete" if finish == "length" else "completed"
     content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
     return {"id": _ids(p)[1], "type": "message", "status": status, "role": "assistant", "content": content}
 
 
-def response_json(p: Prepared, body: dict, created: int, text: str | None, finish: str | None,
+def _output(p: Prepared, message: dict, finish: str | None) -> list[dict]:
+    """A chat reply's message as output items: its text (when it has some, or makes no call),
+    then a ``function_call`` per tool call."""
+    calls = message.get("tool_calls") or []
+    items = [_text_item(p, message["content"] or "", finish)] if message["content"] or not calls else []
+    return items + [{"type": "function_call", "id": "fc_" + c["id"].removeprefix("call_"), "call_id": c["id"],
+                     "name": c["function"]["name"], "arguments": c["function"]["arguments"], "status": "completed"}
+                    for c in calls]
+
+
+def response_json(p: Prepared, body: dict, created: int, message: dict | None, finish: str | None,
                   chat_usage: dict | None) -> dict:
-    """The response object: in progress while ``text`` is None, else with its output and usage."""
-    if text is None:
+    """The response object: in progress while ``message`` (the chat's reply) is None, else with
+    its output items and usage."""
+    if message is None:
         status, details, output = "in_progress", None, []
     else:
         cut = finish == "length"
         status, details = ("incomplete", {"reason": "max_output_tokens"}) if cut else ("completed", None)
-        output = [_message(p, text, finish)]
+        output = _output(p, message, finish)
     fmt = (body.get("text") or {}).get("format") or {"type": "text"}
     u = None if chat_usage is None else {
         "input_tokens": chat_usage["prompt_tokens"],
@@ -118,23 +173,24 @@ def response_json(p: Prepared, body: dict, created: int, text: str | None, finis
     return {"id": _ids(p)[0], "object": "response", "created_at": created, "status": status, "error": None,
             "incomplete_details": details, "instructions": body.get("instructions"),
             "max_output_tokens": body.get("max_output_tokens"), "metadata": body.get("metadata") or {},
-            "model": p.model, "output": output, "parallel_tool_calls": True, "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None},
-            "service_tier": "flex" if body.get("service_tier") == "flex" else "default",
+            "model": p.model, "output": output, "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
+            "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
+            "service_tier": "flex" if p.gen.service_class is ServiceClass.BE else "default",
             "store": False, "temperature": body.get("temperature", 1.0), "text": {"format": fmt},
-            "tool_choice": "auto", "tools": [], "top_p": body.get("top_p", 1.0), "truncation": "disabled",
-            "usage": u, "user": body.get("user")}
+            "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
+            "top_p": body.get("top_p", 1.0), "truncation": "disabled", "usage": u, "user": body.get("user")}
 
 
 async def _stream(request, st, p: Prepared, body: dict, created: int) -> web.StreamResponse:
-    """The Responses API's events: the response created and in progress, the message and its
-    text part added, a delta per piece of text, the text, part and message done, the response
-    completed (or an ``error`` event, when generation fails after the headers went out)."""
+    """The Responses API's events: the response created and in progress; per output item, it
+    added, its text (a part added, deltas, the text and part done) or its call's arguments (a
+    delta and done), and it done; the response completed or incomplete (or an ``error`` event,
+    when generation fails after the headers went out). Without tools the message's events go
+    out as the text is generated; with tools, once the reply has ended."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     seq = 0
-    msg_id = _ids(p)[1]
-    at = {"item_id": msg_id, "output_index": 0, "content_index": 0}
+    live = p.gen.tools is None
 
     async def send(kind: str, payload: dict) -> None:
         nonlocal seq
@@ -142,24 +198,48 @@ async def _stream(request, st, p: Prepared, body: dict, created: int) -> web.Str
         seq += 1
         await resp.write(b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n")
 
-    await send("response.created", {"response": response_json(p, body, created, None, None, None)})
-    await send("response.in_progress", {"response": response_json(p, body, created, None, None, None)})
-    await send("response.output_item.added", {"output_index": 0, "item": _message(p, None, None)})
-    await send("response.content_part.added", {**at, "part": {"type": "output_text", "text": "", "annotations": []}})
+    async def text_opens(index: int) -> dict:
+        await send("response.output_item.added", {"output_index": index, "item": _text_item(p, None, None)})
+        at = {"item_id": _ids(p)[1], "output_index": index, "content_index": 0}
+        await send("response.content_part.added", {**at, "part": {"type": "output_text", "text": "", "annotations": []}})
+        return at
+
+    async def text_closes(at: dict, item: dict) -> None:
+        await send("response.output_text.done", {**at, "text": item["content"][0]["text"], "logprobs": []})
+        await send("response.content_part.done", {**at, "part": item["content"][0]})
+        await send("response.output_item.done", {"output_index": at["output_index"], "item": item})
+
+    async def replay(index: int, item: dict) -> None:
+        """An output item's events, all at once."""
+        if item["type"] == "message":
+            at = await text_opens(index)
+            if item["content"][0]["text"]:
+                await send("response.output_text.delta", {**at, "delta": item["content"][0]["text"], "logprobs": []})
+            return await text_closes(at, item)
+        at = {"item_id": item["id"], "output_index": index}
+        await send("response.output_item.added", {"output_index": index,
+                                                  "item": item | {"arguments": "", "status": "in_progress"}})
+        await send("response.function_call_arguments.delta", {**at, "delta": item["arguments"]})
+        await send("response.function_call_arguments.done", {**at, "name": item["name"],
+                                                             "arguments": item["arguments"]})
+        await send("response.output_item.done", {"output_index": index, "item": item})
+
+    started = response_json(p, body, created, None, None, None)
+    await send("response.created", {"response": started})
+    await send("response.in_progress", {"response": started})
+    at = await text_opens(0) if live else None
 
     async def sink(ch: Choice, delta: str) -> None:
-        if delta:
+        if live and delta:
             await send("response.output_text.delta", {**at, "delta": delta, "logprobs": []})
 
     choices = new_choices(p, st.text_of)
     try:
         await all_or_none(run_choice(sub, st.metrics, r, ch, sink) for sub, r, ch in zip(p.subs, p.requests, choices))
-        ch = choices[0]
-        done = response_json(p, body, created, ch.text, ch.finish_reason, usage(p, choices))
-        item = done["output"][0]
-        await send("response.output_text.done", {**at, "text": ch.text, "logprobs": []})
-        await send("response.content_part.done", {**at, "part": item["content"][0]})
-        await send("response.output_item.done", {"output_index": 0, "item": item})
+        c = choice_json(True, choices[0], st.text_of, p.gen.tools)
+        done = response_json(p, body, created, c["message"], c["finish_reason"], usage(p, choices))
+        for index, item in enumerate(done["output"]):
+            await (text_closes(at, item) if live else replay(index, item))
         await send("response.incomplete" if done["status"] == "incomplete" else "response.completed",
                    {"response": done})
     except ApiError as e:                 # headers are out: report in-band, as OpenAI does

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from tandem.server import responses
 from tandem.server.app import STATE, complete, json_response, prepare, read_json
 from tandem.server.batches import WINDOWS, BatchRunner
 from tandem.server.connections import body_read
@@ -24,10 +26,14 @@ def add_routes(app: web.Application) -> None:
     store = Store(cfg.data_dir)
     app[STORE] = store
 
-    async def run_line(body: dict, chat: bool):
+    async def run_line(body: dict, endpoint: str):
         engine = app[STATE].engine
         while engine.num_waiting() >= cfg.max_waiting:   # admission control: a line waits for room
             await asyncio.sleep(ADMISSION_POLL_S)
+        if endpoint == "/v1/responses":
+            p = await responses.prepared(engine, app[STATE], body, force_be=True)
+            return 200, await responses.finish(engine, app[STATE], p, body, int(time.time()))
+        chat = endpoint == "/v1/chat/completions"
         p = await prepare(engine, app[STATE].cfg, body, chat, force_be=True)
         return 200, await complete(engine, app[STATE], p, chat)
     app[RUNNER] = BatchRunner(store, run_line, concurrency=cfg.max_num_seqs)

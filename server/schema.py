@@ -158,19 +158,39 @@ COMPLETION_BODY = _body({"prompt": PROMPT,
                         ["prompt"], COMPLETION_UNSUPPORTED)
 METADATA = {"type": "object", "maxProperties": 16, "propertyNames": {"maxLength": 64},
                   "additionalProperties": {"type": "string", "maxLength": 512}}
-RESPONSES_UNSUPPORTED = ("tools", "tool_choice", "previous_response_id", "conversation", "background", "include",
-                         "prompt", "max_tool_calls", "top_logprobs", "reasoning")
+RESPONSES_UNSUPPORTED = ("previous_response_id", "conversation", "background", "include", "prompt",
+                         "max_tool_calls", "top_logprobs", "reasoning")
 INPUT_PART = {"type": "object", "required": ["type", "text"], "properties": {
     "type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}}}
 INPUT_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
     "type": {"enum": ["message"]}, "role": {"enum": ["system", "developer", "user", "assistant"]},
     "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": INPUT_PART, "minItems": 1}]},
     "id": {"type": "string"}, "status": {"type": "string"}}}
+FUNCTION_CALL_ITEM = {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
+    "type": {"enum": ["function_call"]}, "call_id": {"type": "string"}, "name": {"type": "string"},
+    "arguments": {"type": "string", "description": "JSON text"}, "id": {"type": "string"},
+    "status": {"type": "string"}}}
+FUNCTION_OUTPUT_ITEM = {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+    "type": {"enum": ["function_call_output"]}, "call_id": {"type": "string"}, "output": {"type": "string"},
+    "id": {"type": "string"}, "status": {"type": "string"}}}
+FUNCTION_NAME = TOOLS["tools"]["items"]["properties"]["function"]["properties"]["name"]
+RESPONSES_TOOLS = {
+    "tools": {"type": "array", "maxItems": MAX_TOOLS, "description": "functions the model may call", "items": {
+        "type": "object", "required": ["type", "name"], "properties": {
+            "type": {"enum": ["function"]}, "name": FUNCTION_NAME, "description": {"type": "string"},
+            "parameters": {"type": "object", "description": "JSON schema of the arguments"},
+            "strict": {"type": "boolean"}}}},
+    "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]}, {
+        "type": "object", "required": ["type", "name"], "properties": {
+            "type": {"enum": ["function"]}, "name": {"type": "string"}}}]},
+    "parallel_tool_calls": TOOLS["parallel_tool_calls"]}
 RESPONSES_BODY = {"type": "object", "required": ["input"], "properties": {
     **{k: SAMPLING[k] for k in ("model", "temperature", "top_p", "top_k", "seed", "stream", "service_tier",
                                 "slo_ttft_ms", "slo_tbt_ms", "user", "cache_salt", "ignore_eos", "min_tokens")},
-    "input": {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": INPUT_MESSAGE, "minItems": 1}],
-              "description": "the user's text, or messages (text parts only)"},
+    "input": {"anyOf": [{"type": "string", "minLength": 1}, {
+        "type": "array", "minItems": 1, "items": {"anyOf": [INPUT_MESSAGE, FUNCTION_CALL_ITEM, FUNCTION_OUTPUT_ITEM]}}],
+              "description": "the user's text, or items: messages (text parts only), earlier function calls "
+                             "and their outputs"},
     "instructions": {"type": "string", "description": "a system message before the input"},
     "max_output_tokens": _int(1, MAX_TOKENS_CAP, "input + max_output_tokens must fit the context"),
     "text": {"type": "object", "properties": {"format": {
@@ -182,7 +202,7 @@ RESPONSES_BODY = {"type": "object", "required": ["input"], "properties": {
     "metadata": METADATA,
     "store": {"type": "boolean", "description": "accepted; responses are not kept (no GET /v1/responses/{id})"},
     "truncation": {"enum": ["disabled"], "description": "an input past the context is refused"},
-    "parallel_tool_calls": {"type": "boolean"},
+    **RESPONSES_TOOLS,
     "stream_options": {"type": "object"},
     **{k: {"description": "not supported: rejected unless null, false or empty"} for k in RESPONSES_UNSUPPORTED}}}
 TOKENIZE_BODY = {"type": "object", "properties": {   # vLLM's /tokenize: one of prompt and messages

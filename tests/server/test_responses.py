@@ -1,7 +1,9 @@
 """OpenAI's Responses API through the openai client (its own types and stream parser), against
 HF transformers: a greedy reply is HF's greedy continuation of the chat template over the
 instructions and the input, whole or streamed; a cut-off reply is incomplete; a JSON schema
-format holds (jsonschema_rs); what it does not support is refused with 400 naming the field."""
+format holds (jsonschema_rs), and so do a required call's arguments; earlier calls and their
+outputs reach the prompt as a chat's do; what it does not support is refused with 400 naming
+the field."""
 import json
 
 import jsonschema_rs
@@ -86,8 +88,52 @@ def test_a_json_schema_format_holds(server, client):
     assert r.status == "completed" and jsonschema_rs.validator_for(schema).is_valid(json.loads(r.output_text))
 
 
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+    "additionalProperties": False}}
+CITY = jsonschema_rs.validator_for(WEATHER["parameters"])
+
+
+def test_a_required_call_is_a_function_call_item_whose_arguments_follow_the_schema(server, client):
+    ask = dict(model=server.model, input="Weather in Oslo?", tools=[WEATHER, {"type": "function", "name": "now"}],
+               tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40, temperature=0)
+    r = client.responses.create(**ask)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and len(calls) == 1 and r.output == calls
+    assert calls[0].name == "get_weather" and CITY.is_valid(json.loads(calls[0].arguments))
+    assert calls[0].call_id.startswith("call_") and calls[0].status == "completed"
+    events = list(client.responses.create(**ask, stream=True))
+    kinds = [e.type for e in events]
+    assert "response.output_text.delta" not in kinds and kinds[-1] == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == calls[0].arguments
+    final = [o for o in events[-1].response.output if o.type == "function_call"]
+    assert [(c.name, c.arguments) for c in final] == [(c.name, c.arguments) for c in calls]
+    with client.responses.stream(**ask) as s:               # the client's own accumulator
+        assert [(o.name, o.arguments) for o in s.get_final_response().output] == [("get_weather", calls[0].arguments)]
+
+
+def test_earlier_calls_and_their_outputs_reach_the_prompt_as_a_chats_do(server, client):
+    """The same conversation through the chat API (its tool messages checked against HF's
+    template elsewhere): the same prompt length and the same greedy reply."""
+    args = '{"city": "Oslo"}'
+    r = client.responses.create(model=server.model, tools=[WEATHER], max_output_tokens=MAX, temperature=0, input=[
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": args},
+        {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 21 C"}])
+    chat = client.chat.completions.create(
+        model=server.model, max_tokens=MAX, temperature=0,
+        tools=[{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}],
+        messages=[{"role": "user", "content": "Weather in Oslo?"},
+                  {"role": "assistant", "content": None, "tool_calls": [
+                      {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}])
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.output_text == (chat.choices[0].message.content or "")
+
+
 @pytest.mark.parametrize("extra, param", [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"max_output_tokens": 10 ** 6}, "max_output_tokens"),
@@ -99,3 +145,32 @@ def test_what_it_cannot_do_is_refused_naming_the_field(server, client, extra, pa
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(**({"model": server.model, "input": "Hi"} | extra))
     assert e.value.status_code == 400 and e.value.param.startswith(param), (e.value.param, e.value.message)
+
+
+def test_a_batch_of_responses(server, client, tiny_chat_model, tok):
+    """The Batch API's /v1/responses endpoint: each line's body is a response object with HF's
+    greedy reply, served best-effort; a bad line's error names its Responses field."""
+    import io
+    import time
+    rows = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/responses",
+             "body": {"model": server.model, "input": f"Question {i}?", "max_output_tokens": MAX, "temperature": 0}}
+            for i in range(3)]
+    rows.append({"custom_id": "bad", "method": "POST", "url": "/v1/responses",
+                 "body": {"model": server.model, "input": "x", "max_output_tokens": 0}})
+    f = client.files.create(file=("in.jsonl", io.BytesIO("".join(json.dumps(r) + "\n" for r in rows).encode())),
+                            purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/responses", completion_window="24h")
+    deadline = time.monotonic() + 240
+    while b.status not in ("completed", "failed") and time.monotonic() < deadline:
+        time.sleep(0.3)
+        b = client.batches.retrieve(b.id)
+    assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (3, 1), b
+    out = {o["custom_id"]: o["response"]["body"] for o in map(json.loads, client.files.content(b.output_file_id)
+                                                              .text.splitlines())}
+    for i in range(3):
+        text, _, _ = hf_reply(tiny_chat_model, tok, [{"role": "user", "content": f"Question {i}?"}], MAX)
+        body = out[f"q{i}"]
+        assert body["object"] == "response" and body["service_tier"] == "flex"
+        assert body["output"][0]["content"][0]["text"] == text
+    err = json.loads(client.files.content(b.error_file_id).text)
+    assert err["custom_id"] == "bad" and err["response"]["body"]["error"]["param"] == "max_output_tokens"
