@@ -142,6 +142,10 @@ def document(version: str = "0.1.0") -> dict:
                                             COMPLETION_BODY, stream=True)},
             "/v1/responses": {"post": _op("a response (OpenAI's Responses API; stream: typed server-sent events)",
                                           RESPONSE, RESPONSES_BODY, stream=True)},
+            "/v1/responses/{id}": {"get": _op("a kept response", RESPONSE, params=_path_id("response id")),
+                                   "delete": _op("forget a kept response", {"type": "object",
+                                                                            "required": ["id", "deleted"]},
+                                                 params=_path_id("response id"))},
             "/tokenize": {"post": _op("a prompt's token ids (text, or chat messages through the template)",
                                       TOKENS, TOKENIZE_BODY)},
             "/detokenize": {"post": _op("token ids to text", {"type": "object", "required": ["prompt"], "properties": {

@@ -8,12 +8,17 @@ text is an output message and each call it makes a ``function_call`` item: in th
 object, or streamed as the API's typed events (``response.created``, ...,
 ``response.completed``). Without tools the text streams as it is generated; with tools it may
 turn out to be calls, so its events come once the reply has ended. A reply cut off by
-``max_output_tokens`` is ``incomplete``. Responses are not kept (``store`` is accepted, there
-is no ``GET /v1/responses/{id}``), so ``previous_response_id`` is refused with a 400 naming it.
+``max_output_tokens`` is ``incomplete``. With ``store`` (the default) a finished response is
+kept in memory (the newest ``MAX_KEPT``, until a restart) for ``GET`` and ``DELETE
+/v1/responses/{id}``, and a request naming it as ``previous_response_id`` goes on from its
+conversation: its input and reply come before the new input (its instructions do not).
 """
 from __future__ import annotations
 
+import copy
+import functools
 import time
+from collections import OrderedDict
 
 import orjson
 from aiohttp import web
@@ -32,21 +37,63 @@ RENAMED = (("response_format.json_schema", "text.format"), ("response_format", "
            ("max_tokens", "max_output_tokens"), ("messages", "input"))
 
 
+MAX_KEPT = 4096         # stored responses kept in memory, the oldest forgotten first
+# response id -> (the response object as sent, its conversation as chat messages: input and reply)
+KEPT = web.AppKey("responses", OrderedDict)
+
+
 def add_routes(app: web.Application) -> None:
+    app[KEPT] = OrderedDict()
     app.router.add_post("/v1/responses", create)
+    app.router.add_get("/v1/responses/{id}", retrieve)
+    app.router.add_delete("/v1/responses/{id}", delete)
 
 
-def chat_body(body: dict) -> dict:
-    """The chat completion request a Responses request asks for (raises ApiError)."""
+def _kept(request: web.Request) -> tuple[dict, list[dict]]:
+    rid = request.match_info["id"]
+    if rid not in request.app[KEPT]:
+        raise ApiError(404, f"Response with id '{rid}' not found.", code="not_found")
+    return request.app[KEPT][rid]
+
+
+async def retrieve(request: web.Request) -> web.Response:
+    return json_response(_kept(request)[0])
+
+
+async def delete(request: web.Request) -> web.Response:
+    rid = _kept(request)[0]["id"]
+    del request.app[KEPT][rid]
+    return json_response({"id": rid, "object": "response", "deleted": True})
+
+
+def _keep(kept: OrderedDict, body: dict, response: dict, conversation: list[dict], reply: dict) -> None:
+    """Keep a finished response and its conversation, unless the request said ``store: false``."""
+    if body.get("store") is False or response["status"] == "in_progress":
+        return
+    kept[response["id"]] = (response, conversation + [{"role": "assistant", "content": reply["content"]}
+                                                       | ({"tool_calls": reply["tool_calls"]}
+                                                          if reply.get("tool_calls") else {})])
+    while len(kept) > MAX_KEPT:
+        kept.popitem(last=False)
+
+
+def chat_body(body: dict, kept: OrderedDict) -> tuple[dict, list[dict]]:
+    """The chat completion request a Responses request asks for, and its conversation (the
+    messages it continues and its input, without instructions); raises ApiError."""
     validate(body, RESPONSES_BODY)
     reject_unsupported(body, RESPONSES_UNSUPPORTED)
-    messages = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
+    before = body.get("previous_response_id")
+    if before is not None and before not in kept:
+        raise bad_request(f"Previous response with id '{before}' not found.", param="previous_response_id",
+                          code="previous_response_not_found")
+    conversation = copy.deepcopy(kept[before][1]) if before is not None else []
     inp = body["input"]
     for item in [{"role": "user", "content": inp}] if isinstance(inp, str) else inp:
-        m = _message_of(item, messages[-1] if messages else None)
-        if not messages or m is not messages[-1]:
-            messages.append(m)
-    chat = {k: body[k] for k in PASSED if body.get(k) is not None} | {"messages": messages}
+        m = _message_of(item, conversation[-1] if conversation else None)
+        if not conversation or m is not conversation[-1]:
+            conversation.append(m)
+    system = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
+    chat = {k: body[k] for k in PASSED if body.get(k) is not None} | {"messages": system + conversation}
     if body.get("tools"):
         chat["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters",
                                                                              "strict") if t.get(k) is not None}}
@@ -67,12 +114,13 @@ def chat_body(body: dict) -> dict:
             raise bad_request("'text.format.name' is required with type json_schema", param="text.format.name")
         chat["response_format"] = {"type": "json_schema", "json_schema": {
             k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
-    return chat
+    return chat, conversation
 
 
 def _message_of(item: dict, last: dict | None) -> dict:
     """The chat message an input item is: a message; an earlier call, an assistant's tool call
-    (``last`` itself, with this call added, when it is an assistant's turn of calls); a call's output, a tool message."""
+    (``last`` itself, with this call added, when it is an assistant's turn of calls); a call's
+    output, a tool message."""
     kind = item.get("type", "message")
     if kind == "function_call":
         call = {"id": item["call_id"], "type": "function",
@@ -98,11 +146,18 @@ def _renamed(e: ApiError) -> ApiError:
     return e
 
 
-async def prepared(engine, st, body: dict, force_be: bool = False) -> Prepared:
-    """The request's chat, checked and queued (raises ApiError naming the Responses fields);
-    ``force_be``: a batch line (best-effort, never refused for the waiting queue)."""
+async def run_line(app: web.Application, engine, body: dict) -> dict:
+    """A batch line: best-effort, never refused for the waiting queue; its response object."""
+    chat, conversation = chat_body(body, app[KEPT])
+    p = await _prepared(engine, app[STATE], chat, force_be=True)
+    response, reply = await _finish(engine, app[STATE], p, body, int(time.time()))
+    _keep(app[KEPT], body, response, conversation, reply)
+    return response
+
+
+async def _prepared(engine, st, chat: dict, force_be: bool = False) -> Prepared:
+    """The chat checked and queued (raises ApiError naming the Responses fields)."""
     try:
-        chat = chat_body(body)
         if force_be:
             return await prepare(engine, st.cfg, chat, True, force_be=True)
         return await prepare_online(engine, st, chat, True)
@@ -110,23 +165,27 @@ async def prepared(engine, st, body: dict, force_be: bool = False) -> Prepared:
         raise _renamed(e) from None
 
 
-async def finish(engine, st, p: Prepared, body: dict, created: int) -> dict:
-    """Run a prepared request to its end: the response object."""
+async def _finish(engine, st, p: Prepared, body: dict, created: int) -> tuple[dict, dict]:
+    """Run a prepared request to its end: the response object, and the chat's reply message."""
     out = await complete(engine, st, p, chat=True)
     c = out["choices"][0]
-    return response_json(p, body, created, c["message"], c["finish_reason"], out["usage"])
+    return response_json(p, body, created, c["message"], c["finish_reason"], out["usage"]), c["message"]
 
 
 async def create(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     engine = ready_engine(request)
     body = await read_json(request)
-    p = await prepared(engine, st, body)
+    chat, conversation = chat_body(body, request.app[KEPT])
+    p = await _prepared(engine, st, chat)
     created = int(time.time())
+    keep = functools.partial(_keep, request.app[KEPT], body, conversation=conversation)
     if not body.get("stream"):
-        return json_response(await finish(engine, st, p, body, created))
+        response, reply = await _finish(engine, st, p, body, created)
+        keep(response=response, reply=reply)
+        return json_response(response)
     try:
-        return await _stream(request, st, p, body, created)
+        return await _stream(request, st, p, body, created, keep)
     finally:
         p.close()
 
@@ -174,19 +233,22 @@ def response_json(p: Prepared, body: dict, created: int, message: dict | None, f
             "incomplete_details": details, "instructions": body.get("instructions"),
             "max_output_tokens": body.get("max_output_tokens"), "metadata": body.get("metadata") or {},
             "model": p.model, "output": output, "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
-            "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
+            "previous_response_id": body.get("previous_response_id"),
+            "reasoning": {"effort": None, "summary": None},
             "service_tier": "flex" if p.gen.service_class is ServiceClass.BE else "default",
-            "store": False, "temperature": body.get("temperature", 1.0), "text": {"format": fmt},
+            "store": body.get("store") is not False, "temperature": body.get("temperature", 1.0),
+            "text": {"format": fmt},
             "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
             "top_p": body.get("top_p", 1.0), "truncation": "disabled", "usage": u, "user": body.get("user")}
 
 
-async def _stream(request, st, p: Prepared, body: dict, created: int) -> web.StreamResponse:
+async def _stream(request, st, p: Prepared, body: dict, created: int, keep) -> web.StreamResponse:
     """The Responses API's events: the response created and in progress; per output item, it
     added, its text (a part added, deltas, the text and part done) or its call's arguments (a
     delta and done), and it done; the response completed or incomplete (or an ``error`` event,
     when generation fails after the headers went out). Without tools the message's events go
-    out as the text is generated; with tools, once the reply has ended."""
+    out as the text is generated; with tools, once the reply has ended. ``keep(response=, reply=)``
+    keeps the finished response (``_keep``)."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     seq = 0
@@ -201,7 +263,8 @@ async def _stream(request, st, p: Prepared, body: dict, created: int) -> web.Str
     async def text_opens(index: int) -> dict:
         await send("response.output_item.added", {"output_index": index, "item": _text_item(p, None, None)})
         at = {"item_id": _ids(p)[1], "output_index": index, "content_index": 0}
-        await send("response.content_part.added", {**at, "part": {"type": "output_text", "text": "", "annotations": []}})
+        await send("response.content_part.added",
+                   {**at, "part": {"type": "output_text", "text": "", "annotations": []}})
         return at
 
     async def text_closes(at: dict, item: dict) -> None:
@@ -240,6 +303,7 @@ async def _stream(request, st, p: Prepared, body: dict, created: int) -> web.Str
         done = response_json(p, body, created, c["message"], c["finish_reason"], usage(p, choices))
         for index, item in enumerate(done["output"]):
             await (text_closes(at, item) if live else replay(index, item))
+        keep(response=done, reply=c["message"])
         await send("response.incomplete" if done["status"] == "incomplete" else "response.completed",
                    {"response": done})
     except ApiError as e:                 # headers are out: report in-band, as OpenAI does

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -31,8 +30,7 @@ def add_routes(app: web.Application) -> None:
         while engine.num_waiting() >= cfg.max_waiting:   # admission control: a line waits for room
             await asyncio.sleep(ADMISSION_POLL_S)
         if endpoint == "/v1/responses":
-            p = await responses.prepared(engine, app[STATE], body, force_be=True)
-            return 200, await responses.finish(engine, app[STATE], p, body, int(time.time()))
+            return 200, await responses.run_line(app, engine, body)
         chat = endpoint == "/v1/chat/completions"
         p = await prepare(engine, app[STATE].cfg, body, chat, force_be=True)
         return 200, await complete(engine, app[STATE], p, chat)

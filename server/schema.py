@@ -158,8 +158,8 @@ COMPLETION_BODY = _body({"prompt": PROMPT,
                         ["prompt"], COMPLETION_UNSUPPORTED)
 METADATA = {"type": "object", "maxProperties": 16, "propertyNames": {"maxLength": 64},
                   "additionalProperties": {"type": "string", "maxLength": 512}}
-RESPONSES_UNSUPPORTED = ("previous_response_id", "conversation", "background", "include", "prompt",
-                         "max_tool_calls", "top_logprobs", "reasoning")
+RESPONSES_UNSUPPORTED = ("conversation", "background", "include", "prompt", "max_tool_calls", "top_logprobs",
+                         "reasoning")
 INPUT_PART = {"type": "object", "required": ["type", "text"], "properties": {
     "type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}}}
 INPUT_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
@@ -200,7 +200,10 @@ RESPONSES_BODY = {"type": "object", "required": ["input"], "properties": {
             "schema": {"type": "object"}, "strict": {"type": "boolean"}}}},
         "description": "format json_schema: the output follows its schema; json_object: any JSON object"},
     "metadata": METADATA,
-    "store": {"type": "boolean", "description": "accepted; responses are not kept (no GET /v1/responses/{id})"},
+    "store": {"type": "boolean", "description": "false: not kept (default: kept in memory, the newest 4,096, "
+                                                "for GET /v1/responses/{id} and previous_response_id)"},
+    "previous_response_id": {"type": "string", "description": "a kept response whose conversation this one "
+                                                              "goes on from"},
     "truncation": {"enum": ["disabled"], "description": "an input past the context is refused"},
     **RESPONSES_TOOLS,
     "stream_options": {"type": "object"},

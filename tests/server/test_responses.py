@@ -174,3 +174,30 @@ def test_a_batch_of_responses(server, client, tiny_chat_model, tok):
         assert body["output"][0]["content"][0]["text"] == text
     err = json.loads(client.files.content(b.error_file_id).text)
     assert err["custom_id"] == "bad" and err["response"]["body"]["error"]["param"] == "max_output_tokens"
+
+
+def test_a_stored_response_is_retrieved_continued_and_deleted(server, client, tiny_chat_model, tok):
+    """store (the default): GET gives the response back; previous_response_id continues its
+    conversation, as HF's greedy reply to the whole chat says (the earlier instructions left
+    out); DELETE forgets it; store false keeps nothing."""
+    first = client.responses.create(model=server.model, instructions="Be brief.", input="Hi there",
+                                    max_output_tokens=MAX, temperature=0)
+    assert first.store and client.responses.retrieve(first.id).output_text == first.output_text
+    second = client.responses.create(model=server.model, input="And then?", previous_response_id=first.id,
+                                     max_output_tokens=MAX, temperature=0)
+    text, n_in, _ = hf_reply(tiny_chat_model, tok, [{"role": "user", "content": "Hi there"},
+                                                    {"role": "assistant", "content": first.output_text},
+                                                    {"role": "user", "content": "And then?"}], MAX)
+    assert second.previous_response_id == first.id
+    assert (second.output_text, second.usage.input_tokens) == (text, n_in)
+    third = client.responses.create(model=server.model, input="More?", previous_response_id=second.id,
+                                    max_output_tokens=2, temperature=0, store=False)
+    assert third.usage.input_tokens > second.usage.total_tokens     # both earlier turns came first
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(third.id)
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=server.model, input="x", previous_response_id=first.id)
+    assert e.value.param == "previous_response_id"
