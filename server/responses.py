@@ -82,6 +82,16 @@ def chat_body(body: dict, kept: OrderedDict) -> tuple[dict, list[dict]]:
     messages it continues and its input, without instructions); raises ApiError."""
     validate(body, RESPONSES_BODY)
     reject_unsupported(body, RESPONSES_UNSUPPORTED)
+    conversation = _conversation(body, kept)
+    system = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
+    chat = {k: body[k] for k in PASSED if body.get(k) is not None} | {"messages": system + conversation}
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    return chat | _tools(body) | _format(body), conversation
+
+
+def _conversation(body: dict, kept: OrderedDict) -> list[dict]:
+    """The kept conversation ``previous_response_id`` names (a copy), then the input's messages."""
     before = body.get("previous_response_id")
     if before is not None and before not in kept:
         raise bad_request(f"Previous response with id '{before}' not found.", param="previous_response_id",
@@ -92,8 +102,13 @@ def chat_body(body: dict, kept: OrderedDict) -> tuple[dict, list[dict]]:
         m = _message_of(item, conversation[-1] if conversation else None)
         if not conversation or m is not conversation[-1]:
             conversation.append(m)
-    system = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
-    chat = {k: body[k] for k in PASSED if body.get(k) is not None} | {"messages": system + conversation}
+    return conversation
+
+
+def _tools(body: dict) -> dict:
+    """The chat's tools, tool_choice and parallel_tool_calls (a Responses tool is a chat tool's
+    function, flattened)."""
+    chat = {}
     if body.get("tools"):
         chat["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters",
                                                                              "strict") if t.get(k) is not None}}
@@ -104,17 +119,20 @@ def chat_body(body: dict, kept: OrderedDict) -> tuple[dict, list[dict]]:
                                                                       "function": {"name": choice["name"]}}
     if body.get("parallel_tool_calls") is not None:
         chat["parallel_tool_calls"] = body["parallel_tool_calls"]
-    if body.get("max_output_tokens") is not None:
-        chat["max_tokens"] = body["max_output_tokens"]
+    return chat
+
+
+def _format(body: dict) -> dict:
+    """The chat's response_format from ``text.format`` (nothing for plain text)."""
     fmt = (body.get("text") or {}).get("format") or {"type": "text"}
     if fmt["type"] == "json_object":
-        chat["response_format"] = {"type": "json_object"}
-    elif fmt["type"] == "json_schema":
-        if "name" not in fmt:
-            raise bad_request("'text.format.name' is required with type json_schema", param="text.format.name")
-        chat["response_format"] = {"type": "json_schema", "json_schema": {
-            k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
-    return chat, conversation
+        return {"response_format": {"type": "json_object"}}
+    if fmt["type"] != "json_schema":
+        return {}
+    if "name" not in fmt:
+        raise bad_request("'text.format.name' is required with type json_schema", param="text.format.name")
+    return {"response_format": {"type": "json_schema", "json_schema": {
+        k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}}
 
 
 def _message_of(item: dict, last: dict | None) -> dict:
