@@ -9,16 +9,14 @@ object, or streamed as the API's typed events (``response.created``, ...,
 ``response.completed``). Without tools the text streams as it is generated; with tools it may
 turn out to be calls, so its events come once the reply has ended. A reply cut off by
 ``max_output_tokens`` is ``incomplete``. With ``store`` (the default) a finished response is
-kept in memory (the newest ``MAX_KEPT``, until a restart) for ``GET`` and ``DELETE
+kept in the data dir's database (the newest ``MAX_KEPT``) for ``GET`` and ``DELETE
 /v1/responses/{id}``, and a request naming it as ``previous_response_id`` goes on from its
 conversation: its input and reply come before the new input (its instructions do not).
 """
 from __future__ import annotations
 
-import copy
 import functools
 import time
-from collections import OrderedDict
 
 import orjson
 from aiohttp import web
@@ -28,7 +26,9 @@ from tandem.server.app import (STATE, Choice, Prepared, all_or_none, choice_json
                                new_choices, prepare, prepare_online, read_json, ready_engine, run_choice, usage)
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.protocol import reject_unsupported
+from tandem.server.routes_batch import STORE
 from tandem.server.schema import RESPONSES_BODY, RESPONSES_UNSUPPORTED, validate
+from tandem.server.store import Store
 
 PASSED = ("model", "temperature", "top_p", "top_k", "seed", "stream", "service_tier", "slo_ttft_ms", "slo_tbt_ms",
           "user", "cache_salt", "ignore_eos", "min_tokens")
@@ -37,13 +37,11 @@ RENAMED = (("response_format.json_schema", "text.format"), ("response_format", "
            ("max_tokens", "max_output_tokens"), ("messages", "input"))
 
 
-MAX_KEPT = 4096         # stored responses kept in memory, the oldest forgotten first
-# response id -> (the response object as sent, its conversation as chat messages: input and reply)
-KEPT = web.AppKey("responses", OrderedDict)
+MAX_KEPT = 4096         # stored responses kept, the oldest forgotten first
 
 
 def add_routes(app: web.Application) -> None:
-    app[KEPT] = OrderedDict()
+    """After the batch routes, whose store keeps the responses too."""
     app.router.add_post("/v1/responses", create)
     app.router.add_get("/v1/responses/{id}", retrieve)
     app.router.add_delete("/v1/responses/{id}", delete)
@@ -51,9 +49,10 @@ def add_routes(app: web.Application) -> None:
 
 def _kept(request: web.Request) -> tuple[dict, list[dict]]:
     rid = request.match_info["id"]
-    if rid not in request.app[KEPT]:
+    kept = request.app[STORE].get_response(rid)
+    if kept is None:
         raise ApiError(404, f"Response with id '{rid}' not found.", code="not_found")
-    return request.app[KEPT][rid]
+    return kept
 
 
 async def retrieve(request: web.Request) -> web.Response:
@@ -62,27 +61,25 @@ async def retrieve(request: web.Request) -> web.Response:
 
 async def delete(request: web.Request) -> web.Response:
     rid = _kept(request)[0]["id"]
-    del request.app[KEPT][rid]
+    request.app[STORE].delete_response(rid)
     return json_response({"id": rid, "object": "response", "deleted": True})
 
 
-def _keep(kept: OrderedDict, body: dict, response: dict, conversation: list[dict], reply: dict) -> None:
+def _keep(store: Store, body: dict, response: dict, conversation: list[dict], reply: dict) -> None:
     """Keep a finished response and its conversation, unless the request said ``store: false``."""
     if body.get("store") is False or response["status"] == "in_progress":
         return
-    kept[response["id"]] = (response, conversation + [{"role": "assistant", "content": reply["content"]}
-                                                       | ({"tool_calls": reply["tool_calls"]}
-                                                          if reply.get("tool_calls") else {})])
-    while len(kept) > MAX_KEPT:
-        kept.popitem(last=False)
+    said = {"role": "assistant", "content": reply["content"]} | (
+        {"tool_calls": reply["tool_calls"]} if reply.get("tool_calls") else {})
+    store.keep_response(response, conversation + [said], MAX_KEPT)
 
 
-def chat_body(body: dict, kept: OrderedDict) -> tuple[dict, list[dict]]:
+def chat_body(body: dict, store: Store) -> tuple[dict, list[dict]]:
     """The chat completion request a Responses request asks for, and its conversation (the
     messages it continues and its input, without instructions); raises ApiError."""
     validate(body, RESPONSES_BODY)
     reject_unsupported(body, RESPONSES_UNSUPPORTED)
-    conversation = _conversation(body, kept)
+    conversation = _conversation(body, store)
     system = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
     chat = {k: body[k] for k in PASSED if body.get(k) is not None} | {"messages": system + conversation}
     if body.get("max_output_tokens") is not None:
@@ -90,13 +87,14 @@ def chat_body(body: dict, kept: OrderedDict) -> tuple[dict, list[dict]]:
     return chat | _tools(body) | _format(body), conversation
 
 
-def _conversation(body: dict, kept: OrderedDict) -> list[dict]:
-    """The kept conversation ``previous_response_id`` names (a copy), then the input's messages."""
+def _conversation(body: dict, store: Store) -> list[dict]:
+    """The kept conversation ``previous_response_id`` names, then the input's messages."""
     before = body.get("previous_response_id")
-    if before is not None and before not in kept:
+    kept = store.get_response(before) if before is not None else None
+    if before is not None and kept is None:
         raise bad_request(f"Previous response with id '{before}' not found.", param="previous_response_id",
                           code="previous_response_not_found")
-    conversation = copy.deepcopy(kept[before][1]) if before is not None else []
+    conversation = kept[1] if kept is not None else []
     inp = body["input"]
     for item in [{"role": "user", "content": inp}] if isinstance(inp, str) else inp:
         m = _message_of(item, conversation[-1] if conversation else None)
@@ -166,10 +164,10 @@ def _renamed(e: ApiError) -> ApiError:
 
 async def run_line(app: web.Application, engine, body: dict) -> dict:
     """A batch line: best-effort, never refused for the waiting queue; its response object."""
-    chat, conversation = chat_body(body, app[KEPT])
+    chat, conversation = chat_body(body, app[STORE])
     p = await _prepared(engine, app[STATE], chat, force_be=True)
     response, reply = await _finish(engine, app[STATE], p, body, int(time.time()))
-    _keep(app[KEPT], body, response, conversation, reply)
+    _keep(app[STORE], body, response, conversation, reply)
     return response
 
 
@@ -194,10 +192,10 @@ async def create(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     engine = ready_engine(request)
     body = await read_json(request)
-    chat, conversation = chat_body(body, request.app[KEPT])
+    chat, conversation = chat_body(body, request.app[STORE])
     p = await _prepared(engine, st, chat)
     created = int(time.time())
-    keep = functools.partial(_keep, request.app[KEPT], body, conversation=conversation)
+    keep = functools.partial(_keep, request.app[STORE], body, conversation=conversation)
     if not body.get("stream"):
         response, reply = await _finish(engine, st, p, body, created)
         keep(response=response, reply=reply)

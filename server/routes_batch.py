@@ -6,7 +6,6 @@ import asyncio
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from tandem.server import responses
 from tandem.server.app import STATE, complete, json_response, prepare, read_json
 from tandem.server.batches import WINDOWS, BatchRunner
 from tandem.server.connections import body_read
@@ -30,6 +29,7 @@ def add_routes(app: web.Application) -> None:
         while engine.num_waiting() >= cfg.max_waiting:   # admission control: a line waits for room
             await asyncio.sleep(ADMISSION_POLL_S)
         if endpoint == "/v1/responses":
+            from tandem.server import responses     # it imports STORE from here
             return 200, await responses.run_line(app, engine, body)
         chat = endpoint == "/v1/chat/completions"
         p = await prepare(engine, app[STATE].cfg, body, chat, force_be=True)

@@ -200,8 +200,8 @@ RESPONSES_BODY = {"type": "object", "required": ["input"], "properties": {
             "schema": {"type": "object"}, "strict": {"type": "boolean"}}}},
         "description": "format json_schema: the output follows its schema; json_object: any JSON object"},
     "metadata": METADATA,
-    "store": {"type": "boolean", "description": "false: not kept (default: kept in memory, the newest 4,096, "
-                                                "for GET /v1/responses/{id} and previous_response_id)"},
+    "store": {"type": "boolean", "description": "false: not kept (default: kept in the data dir, the newest "
+                                                "4,096, for GET /v1/responses/{id} and previous_response_id)"},
     "previous_response_id": {"type": "string", "description": "a kept response whose conversation this one "
                                                               "goes on from"},
     "truncation": {"enum": ["disabled"], "description": "an input past the context is refused"},

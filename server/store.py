@@ -1,4 +1,5 @@
-"""Durable store for files and batches: SQLite (stdlib) plus file bodies under the data dir.
+"""Durable store for files, batches and kept responses: SQLite (stdlib) plus file bodies under
+the data dir.
 
 Every batch line's result is committed as soon as it exists, exactly once
 (``UPDATE ... WHERE status = 'pending'``), so a server killed at any point and
@@ -27,6 +28,8 @@ CREATE TABLE IF NOT EXISTS batch_lines (
     batch_id TEXT NOT NULL, line_no INTEGER NOT NULL, custom_id TEXT NOT NULL, body TEXT NOT NULL,
     status TEXT NOT NULL DEFAULT 'pending', status_code INTEGER, result TEXT,
     PRIMARY KEY (batch_id, line_no));
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY, seq INTEGER NOT NULL, response TEXT NOT NULL, conversation TEXT NOT NULL);
 """
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
@@ -181,6 +184,21 @@ class Store:
 
     def status(self, bid: str) -> str:
         return self.db.execute("SELECT status FROM batches WHERE id=?", (bid,)).fetchone()["status"]
+
+    # ---- responses (the Responses API's store) ---------------------------------------
+    def keep_response(self, response: dict, conversation: list[dict], keep: int) -> None:
+        """Keep a response and its conversation; only the ``keep`` newest stay."""
+        seq = self.db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM responses").fetchone()[0]
+        self.db.execute("INSERT OR REPLACE INTO responses VALUES (?,?,?,?)",
+                        (response["id"], seq, json.dumps(response), json.dumps(conversation)))
+        self.db.execute("DELETE FROM responses WHERE seq <= ?", (seq - keep,))
+
+    def get_response(self, rid: str) -> tuple[dict, list[dict]] | None:
+        r = self.db.execute("SELECT response, conversation FROM responses WHERE id=?", (rid,)).fetchone()
+        return None if r is None else (json.loads(r["response"]), json.loads(r["conversation"]))
+
+    def delete_response(self, rid: str) -> bool:
+        return bool(self.db.execute("DELETE FROM responses WHERE id=?", (rid,)).rowcount)
 
     def close(self) -> None:
         self.db.close()

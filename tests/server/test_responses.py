@@ -201,3 +201,38 @@ def test_a_stored_response_is_retrieved_continued_and_deleted(server, client, ti
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=server.model, input="x", previous_response_id=first.id)
     assert e.value.param == "previous_response_id"
+
+
+def test_kept_responses_outlive_a_restart(tiny_chat_model, tmp_path):
+    """Kept in the data dir's database: after a restart the response is there, and a request
+    continues its conversation (the same prompt length as one that sends the turns itself)."""
+    from tests.server.conftest import start_server, stop_server
+    srv = start_server(tiny_chat_model, tmp_path)
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0)
+        first = c.responses.create(model=srv.model, input="Hi there", max_output_tokens=4, temperature=0)
+    finally:
+        stop_server(srv)
+    srv = start_server(tiny_chat_model, tmp_path)            # same data dir
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0)
+        assert c.responses.retrieve(first.id).output_text == first.output_text
+        later = c.responses.create(model=srv.model, input="And then?", previous_response_id=first.id,
+                                   max_output_tokens=2, temperature=0)
+        whole = c.responses.create(model=srv.model, max_output_tokens=2, temperature=0, store=False, input=[
+            {"role": "user", "content": "Hi there"}, {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And then?"}])
+        assert later.usage.input_tokens == whole.usage.input_tokens and later.output_text == whole.output_text
+    finally:
+        stop_server(srv)
+
+
+def test_the_store_keeps_the_newest_responses(tmp_path):
+    from tandem.server.store import Store
+    store = Store(tmp_path)
+    for i in range(5):
+        store.keep_response({"id": f"resp_{i}", "n": i}, [{"role": "user", "content": str(i)}], keep=3)
+    assert [store.get_response(f"resp_{i}") is not None for i in range(5)] == [False, False, True, True, True]
+    assert store.get_response("resp_4") == ({"id": "resp_4", "n": 4}, [{"role": "user", "content": "4"}])
+    assert store.delete_response("resp_3") and not store.delete_response("resp_3")
+    store.close()
