@@ -6,8 +6,9 @@ become a chat; ``max_output_tokens`` its max_tokens, ``text.format`` its respons
 JSON schema or any JSON object), function ``tools`` and ``tool_choice`` its tools. The reply's
 text is an output message and each call it makes a ``function_call`` item: in the response
 object, or streamed as the API's typed events (``response.created``, ...,
-``response.completed``). Without tools the text streams as it is generated; with tools it may
-turn out to be calls, so its events come once the reply has ended. A reply cut off by
+``response.completed``). Text streams as it is generated, and so do the calls of a reply that
+must call; with ``auto`` tools the text may turn out to be calls, so its events come once the
+reply has ended. A reply cut off by
 ``max_output_tokens`` is ``incomplete``. With ``store`` (the default) a finished response is
 kept in the data dir's database (the newest ``MAX_KEPT``) for ``GET`` and ``DELETE
 /v1/responses/{id}``, and a request naming it as ``previous_response_id`` goes on from its
@@ -29,6 +30,7 @@ from tandem.server.protocol import reject_unsupported
 from tandem.server.routes_batch import STORE
 from tandem.server.schema import RESPONSES_BODY, RESPONSES_UNSUPPORTED, validate
 from tandem.server.store import Store
+from tandem.server.tools import ContentStream, ToolChoice, finish_reason
 
 PASSED = ("model", "temperature", "top_p", "top_k", "seed", "stream", "service_tier", "slo_ttft_ms", "slo_tbt_ms",
           "user", "cache_salt", "ignore_eos", "min_tokens")
@@ -258,71 +260,105 @@ def response_json(p: Prepared, body: dict, created: int, message: dict | None, f
             "top_p": body.get("top_p", 1.0), "truncation": "disabled", "usage": u, "user": body.get("user")}
 
 
-async def _stream(request, st, p: Prepared, body: dict, created: int, keep) -> web.StreamResponse:
-    """The Responses API's events: the response created and in progress; per output item, it
-    added, its text (a part added, deltas, the text and part done) or its call's arguments (a
-    delta and done), and it done; the response completed or incomplete (or an ``error`` event,
-    when generation fails after the headers went out). Without tools the message's events go
-    out as the text is generated; with tools, once the reply has ended. ``keep(response=, reply=)``
-    keeps the finished response (``_keep``)."""
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    seq = 0
-    live = p.gen.tools is None
+class _Events:
+    """A stream's typed events, numbered in order, and the output items they open and close."""
 
-    async def send(kind: str, payload: dict) -> None:
-        nonlocal seq
-        data = orjson.dumps({"type": kind, "sequence_number": seq, **payload})
-        seq += 1
-        await resp.write(b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n")
+    def __init__(self, resp: web.StreamResponse, p: Prepared):
+        self.resp, self.p, self.seq = resp, p, 0
+        self.calls: dict[int, dict] = {}      # a constrained reply's calls opened so far, by index
 
-    async def text_opens(index: int) -> dict:
-        await send("response.output_item.added", {"output_index": index, "item": _text_item(p, None, None)})
-        at = {"item_id": _ids(p)[1], "output_index": index, "content_index": 0}
-        await send("response.content_part.added",
-                   {**at, "part": {"type": "output_text", "text": "", "annotations": []}})
+    async def send(self, kind: str, payload: dict) -> None:
+        data = orjson.dumps({"type": kind, "sequence_number": self.seq, **payload})
+        self.seq += 1
+        await self.resp.write(b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n")
+
+    async def text_opens(self, index: int) -> dict:
+        await self.send("response.output_item.added", {"output_index": index, "item": _text_item(self.p, None, None)})
+        at = {"item_id": _ids(self.p)[1], "output_index": index, "content_index": 0}
+        await self.send("response.content_part.added",
+                        {**at, "part": {"type": "output_text", "text": "", "annotations": []}})
         return at
 
-    async def text_closes(at: dict, item: dict) -> None:
-        await send("response.output_text.done", {**at, "text": item["content"][0]["text"], "logprobs": []})
-        await send("response.content_part.done", {**at, "part": item["content"][0]})
-        await send("response.output_item.done", {"output_index": at["output_index"], "item": item})
+    async def text_delta(self, at: dict, delta: str) -> None:
+        await self.send("response.output_text.delta", {**at, "delta": delta, "logprobs": []})
 
-    async def replay(index: int, item: dict) -> None:
+    async def text_closes(self, at: dict, item: dict) -> None:
+        await self.send("response.output_text.done", {**at, "text": item["content"][0]["text"], "logprobs": []})
+        await self.send("response.content_part.done", {**at, "part": item["content"][0]})
+        await self.send("response.output_item.done", {"output_index": at["output_index"], "item": item})
+
+    async def call_piece(self, d: dict) -> None:
+        """A chat ``tool_calls`` delta of a constrained reply: the call's item added with its
+        first piece, then each piece of its arguments."""
+        i, piece = d["index"], d["function"].get("arguments", "")
+        if i not in self.calls:
+            self.calls[i] = {"type": "function_call", "id": "fc_" + d["id"].removeprefix("call_"),
+                             "call_id": d["id"], "name": d["function"]["name"], "arguments": "",
+                             "status": "in_progress"}
+            await self.send("response.output_item.added", {"output_index": i, "item": self.calls[i]})
+        if piece:
+            await self.send("response.function_call_arguments.delta",
+                            {"item_id": self.calls[i]["id"], "output_index": i, "delta": piece})
+
+    async def call_closes(self, index: int, item: dict) -> None:
+        if index not in self.calls:
+            await self.call_piece({"index": index, "id": item["call_id"], "function": {
+                "name": item["name"], "arguments": item["arguments"]}})
+        await self.send("response.function_call_arguments.done", {"item_id": item["id"], "output_index": index,
+                                                                  "name": item["name"], "arguments": item["arguments"]})
+        await self.send("response.output_item.done", {"output_index": index, "item": item})
+
+    async def replay(self, index: int, item: dict) -> None:
         """An output item's events, all at once."""
-        if item["type"] == "message":
-            at = await text_opens(index)
-            if item["content"][0]["text"]:
-                await send("response.output_text.delta", {**at, "delta": item["content"][0]["text"], "logprobs": []})
-            return await text_closes(at, item)
-        at = {"item_id": item["id"], "output_index": index}
-        await send("response.output_item.added", {"output_index": index,
-                                                  "item": item | {"arguments": "", "status": "in_progress"}})
-        await send("response.function_call_arguments.delta", {**at, "delta": item["arguments"]})
-        await send("response.function_call_arguments.done", {**at, "name": item["name"],
-                                                             "arguments": item["arguments"]})
-        await send("response.output_item.done", {"output_index": index, "item": item})
+        if item["type"] != "message":
+            return await self.call_closes(index, item)
+        at = await self.text_opens(index)
+        if item["content"][0]["text"]:
+            await self.text_delta(at, item["content"][0]["text"])
+        await self.text_closes(at, item)
 
+
+async def _stream(request, st, p: Prepared, body: dict, created: int, keep) -> web.StreamResponse:
+    """The Responses API's events: the response created and in progress; per output item, it
+    added, its text (a part added, deltas, the text and part done) or its call's arguments
+    (deltas and done), and it done; the response completed or incomplete (or an ``error``
+    event, when generation fails after the headers went out). Without tools the text goes out
+    as it is generated, and so do the calls of a reply that must call (required or named);
+    with ``auto`` tools the text may turn out to be calls, so their events come once the reply
+    has ended. ``keep(response=, reply=)`` keeps the finished response (``_keep``)."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    ev, tools = _Events(resp, p), p.gen.tools
+    calls = ContentStream(tools) if tools is not None and tools.choice is not ToolChoice.AUTO else None
     started = response_json(p, body, created, None, None, None)
-    await send("response.created", {"response": started})
-    await send("response.in_progress", {"response": started})
-    at = await text_opens(0) if live else None
+    await ev.send("response.created", {"response": started})
+    await ev.send("response.in_progress", {"response": started})
+    at = await ev.text_opens(0) if tools is None else None
 
     async def sink(ch: Choice, delta: str) -> None:
-        if live and delta:
-            await send("response.output_text.delta", {**at, "delta": delta, "logprobs": []})
+        if at is not None and delta:
+            await ev.text_delta(at, delta)
+        for d in calls.call_deltas(delta, lambda: ch.text) if calls is not None else ():
+            await ev.call_piece(d)
 
     choices = new_choices(p, st.text_of)
     try:
         await all_or_none(run_choice(sub, st.metrics, r, ch, sink) for sub, r, ch in zip(p.subs, p.requests, choices))
-        c = choice_json(True, choices[0], st.text_of, p.gen.tools)
-        done = response_json(p, body, created, c["message"], c["finish_reason"], usage(p, choices))
+        ch = choices[0]
+        if calls is not None:             # the calls as streamed, with their ids
+            made = calls.final(ch.text)[1]
+            reply = {"role": "assistant", "content": None, "tool_calls": made}
+            finish = finish_reason(made, ch.finish_reason)
+        else:
+            c = choice_json(True, ch, st.text_of, tools)
+            reply, finish = c["message"], c["finish_reason"]
+        done = response_json(p, body, created, reply, finish, usage(p, choices))
         for index, item in enumerate(done["output"]):
-            await (text_closes(at, item) if live else replay(index, item))
-        keep(response=done, reply=c["message"])
-        await send("response.incomplete" if done["status"] == "incomplete" else "response.completed",
-                   {"response": done})
+            await (ev.text_closes(at, item) if at is not None else ev.replay(index, item))
+        keep(response=done, reply=reply)
+        await ev.send("response.incomplete" if done["status"] == "incomplete" else "response.completed",
+                      {"response": done})
     except ApiError as e:                 # headers are out: report in-band, as OpenAI does
-        await send("error", {"code": e.code, "message": e.message, "param": e.param})
+        await ev.send("error", {"code": e.code, "message": e.message, "param": e.param})
     await resp.write_eof()
     return resp

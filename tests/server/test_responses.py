@@ -102,14 +102,30 @@ def test_a_required_call_is_a_function_call_item_whose_arguments_follow_the_sche
     assert r.status == "completed" and len(calls) == 1 and r.output == calls
     assert calls[0].name == "get_weather" and CITY.is_valid(json.loads(calls[0].arguments))
     assert calls[0].call_id.startswith("call_") and calls[0].status == "completed"
-    events = list(client.responses.create(**ask, stream=True))
+    events = list(client.responses.create(**ask, stream=True))      # a named call streams as it is written
     kinds = [e.type for e in events]
     assert "response.output_text.delta" not in kinds and kinds[-1] == "response.completed"
-    assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == calls[0].arguments
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) >= 2 and "".join(pieces) == calls[0].arguments
+    assert kinds.index("response.output_item.added") < kinds.index("response.function_call_arguments.delta")
+    added = next(e.item for e in events if e.type == "response.output_item.added")
     final = [o for o in events[-1].response.output if o.type == "function_call"]
     assert [(c.name, c.arguments) for c in final] == [(c.name, c.arguments) for c in calls]
+    assert (added.type, added.id, added.call_id) == ("function_call", final[0].id, final[0].call_id)
     with client.responses.stream(**ask) as s:               # the client's own accumulator
         assert [(o.name, o.arguments) for o in s.get_final_response().output] == [("get_weather", calls[0].arguments)]
+
+
+def test_with_auto_tools_a_stream_sends_the_reply_once_it_has_ended(server, client):
+    """The text might turn out to be a call, so it goes out whole at the end, and the same as
+    the reply without a stream."""
+    ask = dict(model=server.model, input="Hello", tools=[WEATHER], max_output_tokens=MAX, temperature=0)
+    whole = client.responses.create(**ask)
+    events = list(client.responses.create(**ask, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) == 1 and deltas[0] == whole.output_text
+    assert events[-1].response.output_text == whole.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
 def test_earlier_calls_and_their_outputs_reach_the_prompt_as_a_chats_do(server, client):
