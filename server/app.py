@@ -24,6 +24,7 @@ from tandem.server.connections import GUARD, body_read, connections_middleware
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from tandem.server.metrics import Metrics
+from tandem.server.store import Store
 from tandem.server.protocol import (GenRequest, check_model, parse_chat, parse_completion, parse_detokenize,
                                     parse_tokenize)
 from tandem.server.tools import ContentStream, ToolPlan, finish_reason
@@ -45,6 +46,7 @@ class AppState:
 
 
 STATE = web.AppKey("state", AppState)
+STORE = web.AppKey("store", Store)      # files, batches and kept responses (routes_batch opens it)
 
 
 def json_response(obj, status: int = 200, headers: dict | None = None) -> web.Response:
@@ -407,11 +409,14 @@ async def all_or_none(coros) -> None:
             t.cancel()
 
 
+def served_tier(p: Prepared) -> str:
+    """OpenAI's ``service_tier`` of how the request was served: "flex" best-effort, "default" real-time."""
+    return "flex" if p.gen.service_class is ServiceClass.BE else "default"
+
+
 def head(p: Prepared, obj: str, created: int) -> dict:
-    """The fields a response (or each event of a stream) begins with; ``service_tier`` says how
-    the request was served: "flex" best-effort, "default" real-time."""
-    return {"id": p.rid, "object": obj, "created": created, "model": p.model,
-            "service_tier": "flex" if p.gen.service_class is ServiceClass.BE else "default"}
+    """The fields a response (or each event of a stream) begins with."""
+    return {"id": p.rid, "object": obj, "created": created, "model": p.model, "service_tier": served_tier(p)}
 
 
 async def complete(engine: AsyncEngine, st: AppState, p: Prepared, chat: bool) -> dict:

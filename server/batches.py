@@ -26,7 +26,7 @@ LINE_RETRY_S = 1.0           # times the attempt number, before the next attempt
 log = logging.getLogger("tandem.batches")
 
 # run_line(body, endpoint) -> (status_code, response body); BE class forced by the caller
-RunLine = Callable[[dict, bool], Awaitable[tuple[int, dict]]]
+RunLine = Callable[[dict, str], Awaitable[tuple[int, dict]]]
 
 
 def result_files(rows: list[dict], final: str) -> tuple[bytes, bytes]:

@@ -8,11 +8,11 @@ text is an output message and each call it makes a ``function_call`` item: in th
 object, or streamed as the API's typed events (``response.created``, ...,
 ``response.completed``). Text streams as it is generated, and so do the calls of a reply that
 must call; with ``auto`` tools the text may turn out to be calls, so its events come once the
-reply has ended. A reply cut off by
-``max_output_tokens`` is ``incomplete``. With ``store`` (the default) a finished response is
-kept in the data dir's database (the newest ``MAX_KEPT``) for ``GET`` and ``DELETE
-/v1/responses/{id}``, and a request naming it as ``previous_response_id`` goes on from its
-conversation: its input and reply come before the new input (its instructions do not).
+reply has ended. A reply cut off by ``max_output_tokens`` is ``incomplete``. With ``store``
+(the default) a finished response is kept in the data dir's database (the newest
+``MAX_KEPT``) for ``GET`` and ``DELETE /v1/responses/{id}``, and a request naming it as
+``previous_response_id`` goes on from its conversation: its input and reply come before the
+new input (its instructions do not).
 """
 from __future__ import annotations
 
@@ -22,12 +22,11 @@ import time
 import orjson
 from aiohttp import web
 
-from tandem.sched.request import ServiceClass
-from tandem.server.app import (STATE, Choice, Prepared, all_or_none, choice_json, complete, json_response,
-                               new_choices, prepare, prepare_online, read_json, ready_engine, run_choice, usage)
+from tandem.server.app import (STATE, STORE, Choice, Prepared, all_or_none, choice_json, complete, json_response,
+                               new_choices, prepare, prepare_online, read_json, ready_engine, run_choice, served_tier,
+                               usage)
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.protocol import reject_unsupported
-from tandem.server.routes_batch import STORE
 from tandem.server.schema import RESPONSES_BODY, RESPONSES_UNSUPPORTED, validate
 from tandem.server.store import Store
 from tandem.server.tools import ContentStream, ToolChoice, finish_reason
@@ -43,7 +42,7 @@ MAX_KEPT = 4096         # stored responses kept, the oldest forgotten first
 
 
 def add_routes(app: web.Application) -> None:
-    """After the batch routes, whose store keeps the responses too."""
+    """After the batch routes, which open the store that keeps the responses too."""
     app.router.add_post("/v1/responses", create)
     app.router.add_get("/v1/responses/{id}", retrieve)
     app.router.add_delete("/v1/responses/{id}", delete)
@@ -69,7 +68,7 @@ async def delete(request: web.Request) -> web.Response:
 
 def _keep(store: Store, body: dict, response: dict, conversation: list[dict], reply: dict) -> None:
     """Keep a finished response and its conversation, unless the request said ``store: false``."""
-    if body.get("store") is False or response["status"] == "in_progress":
+    if body.get("store") is False:
         return
     said = {"role": "assistant", "content": reply["content"]} | (
         {"tool_calls": reply["tool_calls"]} if reply.get("tool_calls") else {})
@@ -166,42 +165,41 @@ def _renamed(e: ApiError) -> ApiError:
 
 async def run_line(app: web.Application, engine, body: dict) -> dict:
     """A batch line: best-effort, never refused for the waiting queue; its response object."""
+    p, keep = await _start(app, engine, body, force_be=True)
+    return await _finish(engine, app[STATE], p, body, int(time.time()), keep)
+
+
+async def _start(app: web.Application, engine, body: dict, force_be: bool = False):
+    """The request's chat checked and queued (raises ApiError naming the Responses fields), and
+    ``keep(response=, reply=)``, which keeps it once finished (``_keep``)."""
     chat, conversation = chat_body(body, app[STORE])
-    p = await _prepared(engine, app[STATE], chat, force_be=True)
-    response, reply = await _finish(engine, app[STATE], p, body, int(time.time()))
-    _keep(app[STORE], body, response, conversation, reply)
-    return response
-
-
-async def _prepared(engine, st, chat: dict, force_be: bool = False) -> Prepared:
-    """The chat checked and queued (raises ApiError naming the Responses fields)."""
     try:
         if force_be:
-            return await prepare(engine, st.cfg, chat, True, force_be=True)
-        return await prepare_online(engine, st, chat, True)
+            p = await prepare(engine, app[STATE].cfg, chat, True, force_be=True)
+        else:
+            p = await prepare_online(engine, app[STATE], chat, True)
     except ApiError as e:
         raise _renamed(e) from None
+    return p, functools.partial(_keep, app[STORE], body, conversation=conversation)
 
 
-async def _finish(engine, st, p: Prepared, body: dict, created: int) -> tuple[dict, dict]:
-    """Run a prepared request to its end: the response object, and the chat's reply message."""
+async def _finish(engine, st, p: Prepared, body: dict, created: int, keep) -> dict:
+    """Run a prepared request to its end and keep it: the response object."""
     out = await complete(engine, st, p, chat=True)
     c = out["choices"][0]
-    return response_json(p, body, created, c["message"], c["finish_reason"], out["usage"]), c["message"]
+    response = response_json(p, body, created, c["message"], c["finish_reason"], out["usage"])
+    keep(response=response, reply=c["message"])
+    return response
 
 
 async def create(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     engine = ready_engine(request)
     body = await read_json(request)
-    chat, conversation = chat_body(body, request.app[STORE])
-    p = await _prepared(engine, st, chat)
+    p, keep = await _start(request.app, engine, body)
     created = int(time.time())
-    keep = functools.partial(_keep, request.app[STORE], body, conversation=conversation)
     if not body.get("stream"):
-        response, reply = await _finish(engine, st, p, body, created)
-        keep(response=response, reply=reply)
-        return json_response(response)
+        return json_response(await _finish(engine, st, p, body, created, keep))
     try:
         return await _stream(request, st, p, body, created, keep)
     finally:
@@ -253,7 +251,7 @@ def response_json(p: Prepared, body: dict, created: int, message: dict | None, f
             "model": p.model, "output": output, "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
             "previous_response_id": body.get("previous_response_id"),
             "reasoning": {"effort": None, "summary": None},
-            "service_tier": "flex" if p.gen.service_class is ServiceClass.BE else "default",
+            "service_tier": served_tier(p),
             "store": body.get("store") is not False, "temperature": body.get("temperature", 1.0),
             "text": {"format": fmt},
             "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],

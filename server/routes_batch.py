@@ -6,14 +6,14 @@ import asyncio
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from tandem.server.app import STATE, complete, json_response, prepare, read_json
+from tandem.server import responses
+from tandem.server.app import STATE, STORE, complete, json_response, prepare, read_json
 from tandem.server.batches import WINDOWS, BatchRunner
 from tandem.server.connections import body_read
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.schema import BATCH_BODY, validate
 from tandem.server.store import Store
 
-STORE = web.AppKey("store", Store)
 RUNNER = web.AppKey("runner", BatchRunner)
 PURPOSES = ("batch", "user_data")
 ADMISSION_POLL_S = 0.1
@@ -29,7 +29,6 @@ def add_routes(app: web.Application) -> None:
         while engine.num_waiting() >= cfg.max_waiting:   # admission control: a line waits for room
             await asyncio.sleep(ADMISSION_POLL_S)
         if endpoint == "/v1/responses":
-            from tandem.server import responses     # it imports STORE from here
             return 200, await responses.run_line(app, engine, body)
         chat = endpoint == "/v1/chat/completions"
         p = await prepare(engine, app[STATE].cfg, body, chat, force_be=True)
