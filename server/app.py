@@ -419,14 +419,20 @@ def head(p: Prepared, obj: str, created: int) -> dict:
     return {"id": p.rid, "object": obj, "created": created, "model": p.model, "service_tier": served_tier(p)}
 
 
-async def complete(engine: AsyncEngine, st: AppState, p: Prepared, chat: bool) -> dict:
-    """Run a prepared, non-streamed request to its end; the OpenAI response body."""
+async def run_to_end(st: AppState, p: Prepared) -> list[Choice]:
+    """Run a prepared, non-streamed request to its end; its choices."""
     choices = new_choices(p, st.text_of)
-    created = int(time.time())
     try:
         await all_or_none(run_choice(sub, st.metrics, r, ch) for sub, r, ch in zip(p.subs, p.requests, choices))
     finally:
         p.close()
+    return choices
+
+
+async def complete(engine: AsyncEngine, st: AppState, p: Prepared, chat: bool) -> dict:
+    """Run a prepared, non-streamed request to its end; the OpenAI response body."""
+    created = int(time.time())
+    choices = await run_to_end(st, p)
     return head(p, "chat.completion" if chat else "text_completion", created) | {
         "choices": [choice_json(chat, ch, st.text_of, p.gen.tools) for ch in choices],
         "usage": usage(p, choices)} | (

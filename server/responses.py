@@ -6,13 +6,13 @@ become a chat; ``max_output_tokens`` its max_tokens, ``text.format`` its respons
 JSON schema or any JSON object), function ``tools`` and ``tool_choice`` its tools. The reply's
 text is an output message and each call it makes a ``function_call`` item: in the response
 object, or streamed as the API's typed events (``response.created``, ...,
-``response.completed``). Text streams as it is generated, and so do the calls of a reply that
-must call; with ``auto`` tools the text may turn out to be calls, so its events come once the
-reply has ended. A reply cut off by ``max_output_tokens`` is ``incomplete``. With ``store``
-(the default) a finished response is kept in the data dir's database (the newest
-``MAX_KEPT``) for ``GET`` and ``DELETE /v1/responses/{id}``, and a request naming it as
-``previous_response_id`` goes on from its conversation: its input and reply come before the
-new input (its instructions do not).
+``response.completed``) as the reply is generated. A reply with ``auto`` tools is items in the
+order it wrote them: its text up to its first call, the calls, the text after them. A reply
+cut off by ``max_output_tokens`` is ``incomplete``. With ``store`` (the default) a finished
+response is kept in the data dir's database (the newest ``MAX_KEPT``) for ``GET`` and
+``DELETE /v1/responses/{id}``, and a request naming it as ``previous_response_id`` goes on
+from its conversation: its input and reply come before the new input (its instructions do
+not).
 """
 from __future__ import annotations
 
@@ -22,17 +22,18 @@ import time
 import orjson
 from aiohttp import web
 
-from tandem.server.app import (STATE, STORE, Choice, Prepared, all_or_none, choice_json, complete, json_response,
-                               new_choices, prepare, prepare_online, read_json, ready_engine, run_choice, served_tier,
+from tandem.server.app import (STATE, STORE, Choice, Prepared, all_or_none, choice_json, json_response, new_choices,
+                               prepare, prepare_online, read_json, ready_engine, run_choice, run_to_end, served_tier,
                                usage)
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.protocol import reject_unsupported
 from tandem.server.schema import RESPONSES_BODY, RESPONSES_UNSUPPORTED, validate
 from tandem.server.store import Store
-from tandem.server.tools import ContentStream, ToolChoice, finish_reason
+from tandem.server.tools import ContentStream, ToolChoice, finish_reason, lead_length
 
 PASSED = ("model", "temperature", "top_p", "top_k", "seed", "stream", "service_tier", "slo_ttft_ms", "slo_tbt_ms",
-          "user", "cache_salt", "ignore_eos", "min_tokens")
+          "user", "cache_salt", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
+          "structured_outputs")
 # chat fields the translation writes -> the Responses fields they came from (for error messages)
 RENAMED = (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
            ("max_tokens", "max_output_tokens"), ("messages", "input"))
@@ -166,7 +167,7 @@ def _renamed(e: ApiError) -> ApiError:
 async def run_line(app: web.Application, engine, body: dict) -> dict:
     """A batch line: best-effort, never refused for the waiting queue; its response object."""
     p, keep = await _start(app, engine, body, force_be=True)
-    return await _finish(engine, app[STATE], p, body, int(time.time()), keep)
+    return await _finish(app[STATE], p, body, int(time.time()), keep)
 
 
 async def _start(app: web.Application, engine, body: dict, force_be: bool = False):
@@ -183,11 +184,11 @@ async def _start(app: web.Application, engine, body: dict, force_be: bool = Fals
     return p, functools.partial(_keep, app[STORE], body, conversation=conversation)
 
 
-async def _finish(engine, st, p: Prepared, body: dict, created: int, keep) -> dict:
+async def _finish(st, p: Prepared, body: dict, created: int, keep) -> dict:
     """Run a prepared request to its end and keep it: the response object."""
-    out = await complete(engine, st, p, chat=True)
-    c = out["choices"][0]
-    response = response_json(p, body, created, c["message"], c["finish_reason"], out["usage"])
+    ch = (await run_to_end(st, p))[0]
+    c = choice_json(True, ch, st.text_of, p.gen.tools)
+    response = response_json(p, body, created, c["message"], c["finish_reason"], usage(p, [ch]), lead_length(ch.text))
     keep(response=response, reply=c["message"])
     return response
 
@@ -199,7 +200,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     p, keep = await _start(request.app, engine, body)
     created = int(time.time())
     if not body.get("stream"):
-        return json_response(await _finish(engine, st, p, body, created, keep))
+        return json_response(await _finish(st, p, body, created, keep))
     try:
         return await _stream(request, st, p, body, created, keep)
     finally:
@@ -207,38 +208,42 @@ async def create(request: web.Request) -> web.StreamResponse:
 
 
 def _ids(p: Prepared) -> tuple[str, str]:
-    """The response's id and its output message's, from the chat's."""
+    """The response's id and its first output message's, from the chat's."""
     tail = p.rid.split("-", 1)[1]
     return "resp_" + tail, "msg_" + tail
 
 
-def _text_item(p: Prepared, text: str | None, finish: str | None) -> dict:
-    """The output message: in progress (no ``text`` yet), else whole."""
+def _text_item(p: Prepared, text: str | None, finish: str | None, after_calls: bool = False) -> dict:
+    """An output message: in progress (no ``text`` yet), else whole. The text a reply writes
+    after its calls is a second message."""
     status = "in_progress" if text is None else "incomplete" if finish == "length" else "completed"
     content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-    return {"id": _ids(p)[1], "type": "message", "status": status, "role": "assistant", "content": content}
+    return {"id": _ids(p)[1] + ("_1" if after_calls else ""), "type": "message", "status": status,
+            "role": "assistant", "content": content}
 
 
-def _output(p: Prepared, message: dict, finish: str | None) -> list[dict]:
-    """A chat reply's message as output items: its text (when it has some, or makes no call),
-    then a ``function_call`` per tool call."""
-    calls = message.get("tool_calls") or []
-    items = [_text_item(p, message["content"] or "", finish)] if message["content"] or not calls else []
-    return items + [{"type": "function_call", "id": "fc_" + c["id"].removeprefix("call_"), "call_id": c["id"],
-                     "name": c["function"]["name"], "arguments": c["function"]["arguments"], "status": "completed"}
-                    for c in calls]
+def _output(p: Prepared, message: dict, finish: str | None, lead: int) -> list[dict]:
+    """A chat reply as output items, in the order it wrote them: the text before its first call
+    (its content's first ``lead`` characters), a ``function_call`` per call, and the text after
+    them. A reply that makes no call is one message, also when it is empty."""
+    content, calls = message["content"] or "", message.get("tool_calls") or []
+    if not calls:
+        return [_text_item(p, content, finish)]
+    before, after = content[:lead], content[lead:]
+    return ([_text_item(p, before, "stop")] if before else []) + [_call_item(c) for c in calls] + (
+        [_text_item(p, after, finish, after_calls=True)] if after.strip() else [])
 
 
 def response_json(p: Prepared, body: dict, created: int, message: dict | None, finish: str | None,
-                  chat_usage: dict | None) -> dict:
+                  chat_usage: dict | None, lead: int = 0) -> dict:
     """The response object: in progress while ``message`` (the chat's reply) is None, else with
-    its output items and usage."""
+    its output items (``_output``) and usage."""
     if message is None:
         status, details, output = "in_progress", None, []
     else:
         cut = finish == "length"
         status, details = ("incomplete", {"reason": "max_output_tokens"}) if cut else ("completed", None)
-        output = _output(p, message, finish)
+        output = _output(p, message, finish, lead)
     fmt = (body.get("text") or {}).get("format") or {"type": "text"}
     u = None if chat_usage is None else {
         "input_tokens": chat_usage["prompt_tokens"],
@@ -259,100 +264,134 @@ def response_json(p: Prepared, body: dict, created: int, message: dict | None, f
 
 
 class _Events:
-    """A stream's typed events, numbered in order, and the output items they open and close."""
+    """A stream's typed events, numbered in order, and the output items they open and close, each
+    at the next output index."""
 
     def __init__(self, resp: web.StreamResponse, p: Prepared):
         self.resp, self.p, self.seq = resp, p, 0
-        self.calls: dict[int, dict] = {}      # a constrained reply's calls opened so far, by index
+        self.index = 0                              # the next output item's
+        self.text: dict | None = None               # the open message's place
+        self.said = ""                              # and the text it was sent
+        self.calls: dict[int, tuple[int, dict]] = {}     # calls opened, by their index among the reply's calls
+        self.closed: set[str] = set()               # ids of the items done
 
     async def send(self, kind: str, payload: dict) -> None:
         data = orjson.dumps({"type": kind, "sequence_number": self.seq, **payload})
         self.seq += 1
         await self.resp.write(b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n")
 
-    async def text_opens(self, index: int) -> dict:
-        await self.send("response.output_item.added", {"output_index": index, "item": _text_item(self.p, None, None)})
-        at = {"item_id": _ids(self.p)[1], "output_index": index, "content_index": 0}
+    async def _added(self, item: dict) -> int:
+        await self.send("response.output_item.added", {"output_index": self.index, "item": item})
+        self.index += 1
+        return self.index - 1
+
+    async def _text_opens(self, item: dict) -> None:
+        self.text = {"item_id": item["id"], "output_index": await self._added(item | {"status": "in_progress",
+                                                                                       "content": []}),
+                     "content_index": 0}
         await self.send("response.content_part.added",
-                        {**at, "part": {"type": "output_text", "text": "", "annotations": []}})
-        return at
+                        {**self.text, "part": {"type": "output_text", "text": "", "annotations": []}})
 
-    async def text_delta(self, at: dict, delta: str) -> None:
-        await self.send("response.output_text.delta", {**at, "delta": delta, "logprobs": []})
+    async def text_piece(self, delta: str) -> None:
+        """A piece of the reply's text; the first opens its first message."""
+        if not delta:
+            return
+        if self.text is None:
+            await self._text_opens(_text_item(self.p, None, None))
+        self.said += delta
+        await self.send("response.output_text.delta", {**self.text, "delta": delta, "logprobs": []})
 
-    async def text_closes(self, at: dict, item: dict) -> None:
+    async def text_closes(self, item: dict) -> None:
+        """A message done as ``item``: opened where it was not, and sent the text it was not yet."""
+        if self.text is None:
+            await self._text_opens(item)
+        await self.text_piece(item["content"][0]["text"][len(self.said):])
+        at, self.text, self.said = self.text, None, ""
         await self.send("response.output_text.done", {**at, "text": item["content"][0]["text"], "logprobs": []})
         await self.send("response.content_part.done", {**at, "part": item["content"][0]})
         await self.send("response.output_item.done", {"output_index": at["output_index"], "item": item})
+        self.closed.add(item["id"])
 
     async def call_piece(self, d: dict) -> None:
-        """A chat ``tool_calls`` delta of a constrained reply: the call's item added with its
-        first piece, then each piece of its arguments."""
+        """A chat ``tool_calls`` delta: the call's item added with its first piece, then each piece
+        of its arguments."""
         i, piece = d["index"], d["function"].get("arguments", "")
         if i not in self.calls:
-            self.calls[i] = {"type": "function_call", "id": "fc_" + d["id"].removeprefix("call_"),
-                             "call_id": d["id"], "name": d["function"]["name"], "arguments": "",
-                             "status": "in_progress"}
-            await self.send("response.output_item.added", {"output_index": i, "item": self.calls[i]})
+            item = _call_item(d, "in_progress") | {"arguments": ""}
+            self.calls[i] = (await self._added(item), item)
         if piece:
             await self.send("response.function_call_arguments.delta",
-                            {"item_id": self.calls[i]["id"], "output_index": i, "delta": piece})
+                            {"item_id": self.calls[i][1]["id"], "output_index": self.calls[i][0], "delta": piece})
 
-    async def call_closes(self, index: int, item: dict) -> None:
-        if index not in self.calls:
-            await self.call_piece({"index": index, "id": item["call_id"], "function": {
+    async def call_closes(self, i: int, item: dict) -> None:
+        """The reply's call ``i`` done as ``item``; opened with all its arguments where it was not
+        (a call of an ``auto`` reply goes out whole), after the message before it."""
+        if i not in self.calls:
+            if self.text is not None:
+                await self.text_closes(_text_item(self.p, self.said, "stop"))
+            await self.call_piece({"index": i, "id": item["call_id"], "function": {
                 "name": item["name"], "arguments": item["arguments"]}})
+        index = self.calls[i][0]
         await self.send("response.function_call_arguments.done", {"item_id": item["id"], "output_index": index,
                                                                   "name": item["name"], "arguments": item["arguments"]})
         await self.send("response.output_item.done", {"output_index": index, "item": item})
+        self.closed.add(item["id"])
 
-    async def replay(self, index: int, item: dict) -> None:
-        """An output item's events, all at once."""
-        if item["type"] != "message":
-            return await self.call_closes(index, item)
-        at = await self.text_opens(index)
-        if item["content"][0]["text"]:
-            await self.text_delta(at, item["content"][0]["text"])
-        await self.text_closes(at, item)
+    async def finish(self, output: list[dict]) -> None:
+        """The response's output items not done yet, in order (they follow those done)."""
+        calls = 0
+        for item in output:
+            if item["type"] == "function_call":
+                calls += 1
+                if item["id"] not in self.closed:
+                    await self.call_closes(calls - 1, item)
+            elif item["id"] not in self.closed:
+                await self.text_closes(item)
+
+
+def _call_item(call: dict, status: str = "completed") -> dict:
+    """A chat's tool call as a ``function_call`` output item."""
+    return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
 
 
 async def _stream(request, st, p: Prepared, body: dict, created: int, keep) -> web.StreamResponse:
     """The Responses API's events: the response created and in progress; per output item, it
     added, its text (a part added, deltas, the text and part done) or its call's arguments
     (deltas and done), and it done; the response completed or incomplete (or an ``error``
-    event, when generation fails after the headers went out). Without tools the text goes out
-    as it is generated, and so do the calls of a reply that must call (required or named);
-    with ``auto`` tools the text may turn out to be calls, so their events come once the reply
-    has ended. ``keep(response=, reply=)`` keeps the finished response (``_keep``)."""
+    event, when generation fails after the headers went out). Everything goes out as it is
+    generated, as a chat's stream does (``ContentStream``): text, and a constrained call's
+    arguments piece by piece; with ``auto`` tools, the text up to where a call may begin and each
+    call as its block closes; what the reply writes after its calls, at the end.
+    ``keep(response=, reply=)`` keeps the finished response (``_keep``)."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     ev, tools = _Events(resp, p), p.gen.tools
-    calls = ContentStream(tools) if tools is not None and tools.choice is not ToolChoice.AUTO else None
+    content = ContentStream(tools) if tools is not None else None
+    whole: dict[int, dict] = {}           # an auto reply's calls sent, with the ids they went out with
     started = response_json(p, body, created, None, None, None)
     await ev.send("response.created", {"response": started})
     await ev.send("response.in_progress", {"response": started})
-    at = await ev.text_opens(0) if tools is None else None
 
     async def sink(ch: Choice, delta: str) -> None:
-        if at is not None and delta:
-            await ev.text_delta(at, delta)
-        for d in calls.call_deltas(delta, lambda: ch.text) if calls is not None else ():
-            await ev.call_piece(d)
+        await ev.text_piece(delta if content is None else content.push(delta))
+        for d in content.call_deltas(delta, lambda: ch.text) if content is not None else ():
+            if tools.choice is not ToolChoice.AUTO:
+                await ev.call_piece(d)
+                continue
+            whole[d["index"]] = {k: v for k, v in d.items() if k != "index"}
+            await ev.call_closes(d["index"], _call_item(d))
 
     choices = new_choices(p, st.text_of)
     try:
         await all_or_none(run_choice(sub, st.metrics, r, ch, sink) for sub, r, ch in zip(p.subs, p.requests, choices))
         ch = choices[0]
-        if calls is not None:             # the calls as streamed, with their ids
-            made = calls.final(ch.text)[1]
-            reply = {"role": "assistant", "content": None, "tool_calls": made}
-            finish = finish_reason(made, ch.finish_reason)
-        else:
-            c = choice_json(True, ch, st.text_of, tools)
-            reply, finish = c["message"], c["finish_reason"]
-        done = response_json(p, body, created, reply, finish, usage(p, choices))
-        for index, item in enumerate(done["output"]):
-            await (ev.text_closes(at, item) if at is not None else ev.replay(index, item))
+        text, calls = (ch.text, []) if content is None else content.final(ch.text)
+        calls = [whole.get(i, c) for i, c in enumerate(calls)]
+        reply = {"role": "assistant", "content": text} | ({"tool_calls": calls} if calls else {})
+        done = response_json(p, body, created, reply, finish_reason(calls, ch.finish_reason), usage(p, choices),
+                             content.sent if content is not None else 0)
+        await ev.finish(done["output"])
         keep(response=done, reply=reply)
         await ev.send("response.incomplete" if done["status"] == "incomplete" else "response.completed",
                       {"response": done})

@@ -259,6 +259,15 @@ class ContentStream:
         return (None, self.args.calls) if self.args is not None else self.plan.parse(reply)
 
 
+def lead_length(reply: str) -> int:
+    """How many characters of an ``auto`` reply come before its first ``<tool_call>`` tag, 0
+    where they are only whitespace: the content a stream sends before any call
+    (``ContentStream.sent``, once a call has gone out), and the content's first part."""
+    cut = reply.find(OPEN_TAG)
+    lead = reply if cut < 0 else reply[:cut]
+    return len(lead) if lead.strip() else 0
+
+
 def finish_reason(calls: list[dict], finish: str | None) -> str | None:
     """"tool_calls" for a reply that made calls and ended by itself; one cut off by max_tokens
     (or aborted) keeps its own reason, so a client can tell that its calls may be unfinished."""

@@ -5,6 +5,8 @@ format holds (jsonschema_rs), and so do a required call's arguments; earlier cal
 outputs reach the prompt as a chat's do; what it does not support is refused with 400 naming
 the field."""
 import json
+import time
+import urllib.request
 
 import jsonschema_rs
 import openai
@@ -116,16 +118,84 @@ def test_a_required_call_is_a_function_call_item_whose_arguments_follow_the_sche
         assert [(o.name, o.arguments) for o in s.get_final_response().output] == [("get_weather", calls[0].arguments)]
 
 
-def test_with_auto_tools_a_stream_sends_the_reply_once_it_has_ended(server, client):
-    """The text might turn out to be a call, so it goes out whole at the end, and the same as
-    the reply without a stream."""
+def test_with_auto_tools_text_streams_as_it_is_written(server, client):
+    """A reply that makes no call streams its text token by token, as without tools, and ends
+    as the reply without a stream."""
     ask = dict(model=server.model, input="Hello", tools=[WEATHER], max_output_tokens=MAX, temperature=0)
     whole = client.responses.create(**ask)
     events = list(client.responses.create(**ask, stream=True))
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
-    assert len(deltas) == 1 and deltas[0] == whole.output_text
+    assert len(deltas) >= 2 and "".join(deltas) == whole.output_text
     assert events[-1].response.output_text == whole.output_text
     assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+CALL = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Oslo|Rome)"\}\}</tool_call>'
+
+
+def test_an_auto_reply_is_its_text_its_calls_and_the_text_after_them_in_that_order(server, client):
+    """A reply written as text, two calls and more text (forced by a regular expression): the
+    same text and calls as the chat API's reply, as items in the order written, whole and
+    streamed (the text before the calls token by token, each item done before the next is
+    added), and as the client's accumulator assembles them."""
+    ask = dict(model=server.model, input="Weather in Oslo and Rome?", tools=[WEATHER], max_output_tokens=120,
+               temperature=0, extra_body={"structured_outputs": {"regex": r"Sure, one moment\. " + CALL + CALL +
+                                                                          r" Done\."}})
+    chat = client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "Weather in Oslo and Rome?"}],
+        tools=[{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}],
+        max_tokens=120, temperature=0, extra_body=ask["extra_body"]).choices[0]
+    assert chat.finish_reason == "tool_calls" and chat.message.content == "Sure, one moment.  Done."
+    r = client.responses.create(**ask)
+    assert [o.type for o in r.output] == ["message", "function_call", "function_call", "message"]
+    assert [o.content[0].text for o in (r.output[0], r.output[3])] == ["Sure, one moment. ", " Done."]
+    assert [(o.name, o.arguments) for o in r.output[1:3]] == [
+        (c.function.name, c.function.arguments) for c in chat.message.tool_calls]
+    assert len({o.id for o in r.output}) == 4 and r.status == "completed"
+
+    events = list(client.responses.create(**ask, stream=True))
+    final = events[-1].response
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [o.model_dump(exclude={"id", "call_id"}) for o in final.output] == [
+        o.model_dump(exclude={"id", "call_id"}) for o in r.output]
+    opened = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"]
+    done = [(e.output_index, e.item) for e in events if e.type == "response.output_item.done"]
+    assert opened == [(i, o.type) for i, o in enumerate(final.output)]
+    assert [(i, o.model_dump()) for i, o in done] == [(i, o.model_dump()) for i, o in enumerate(final.output)]
+    kinds = [(e.type, getattr(e, "output_index", None)) for e in events]
+    for i in range(1, len(final.output)):       # each item done before the next one is added
+        assert kinds.index(("response.output_item.done", i - 1)) < kinds.index(("response.output_item.added", i))
+    first = [e.delta for e in events if e.type == "response.output_text.delta" and e.output_index == 0]
+    assert len(first) >= 2 and "".join(first) == "Sure, one moment. "
+    with client.responses.stream(**ask) as s:               # the client's own accumulator
+        assembled = s.get_final_response().output
+    assert [(o.type, o.status, o.content[0].text if o.type == "message" else o.arguments) for o in assembled] == [
+        (o.type, o.status, o.content[0].text if o.type == "message" else o.arguments) for o in r.output]
+
+
+def test_an_auto_call_goes_out_as_its_block_closes(server, client):
+    """A call followed by 300 forced tokens: the client reads up to the call's item done and
+    hangs up, and the request is aborted, so the call went out while the reply was still being
+    written (sent at the reply's end, it would have come after all 300 tokens)."""
+    from tests.server.test_load import metric
+
+    def aborted() -> float:
+        with urllib.request.urlopen(server.url + "/metrics") as f:
+            return metric(f.read().decode(), "vllm:request_success_total", finished_reason="abort")
+    before = aborted()
+    stream = client.responses.create(model=server.model, input="Weather in Oslo?", tools=[WEATHER], stream=True,
+                                      max_output_tokens=300, temperature=0,
+                                      extra_body={"structured_outputs": {"regex": CALL + "( a)*"}, "ignore_eos": True})
+    for e in stream:
+        if e.type == "response.output_item.done":
+            assert e.item.type == "function_call" and e.item.name == "get_weather"
+            break
+    stream.close()
+    for _ in range(100):
+        if aborted() > before:
+            break
+        time.sleep(0.1)
+    assert aborted() == before + 1
 
 
 def test_earlier_calls_and_their_outputs_reach_the_prompt_as_a_chats_do(server, client):
