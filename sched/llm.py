@@ -57,6 +57,34 @@ class RequestOutput:
 log = logging.getLogger(__name__)
 
 
+class PromptTooLong(ValueError):
+    """A prompt longer than the model's context (found before tokenizing it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTemplate:
+    """How chat messages become a prompt (vLLM's chat options): followed by the assistant's
+    turn opened (``add_generation_prompt``, the default), or with the last message, an
+    assistant's, left open so that the reply continues it (``continue_final_message``: a reply
+    begun for the model, "prefilled")."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def check(self, messages: list[dict]) -> None:
+        """ValueError naming the option these messages cannot be rendered with."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be true with add_generation_prompt (set it false)")
+        if self.continue_final_message and messages[-1].get("role") != "assistant":
+            raise ValueError("continue_final_message: the last message must be the assistant's")
+
+    def render(self, tokenizer, messages: list[dict]) -> str:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=self.add_generation_prompt,
+                                             continue_final_message=self.continue_final_message)
+
+
+CHAT = ChatTemplate()
+
+
 def parse_devices(devices: str) -> list[str]:
     """'cpu', 'cpu:N' (N CPU workers) or 'cuda:0,1' -> per-worker device strings."""
     if not isinstance(devices, str):
@@ -228,6 +256,7 @@ class LLM:
             shared = dev == "cpu" or names.count(dev) > 1
             self._workers.append(WorkerHandle(f"{dev}#{i}" if shared else dev, wc))
         try:
+            self._warm_vocabulary()
             wait_all(self._workers)
         except BaseException:
             self.shutdown()
@@ -383,12 +412,19 @@ class LLM:
         backend.no_truncation()
         return backend.to_str()
 
+    def _warm_vocabulary(self) -> None:
+        """Read the vocabulary as structured outputs check grammars against it (0.2 s for
+        SmolLM2's) while the workers load, instead of inside the first constrained request."""
+        if self._tokenizer_json is not None:
+            self._vocabulary
+
     @functools.cached_property
     def _vocabulary(self) -> Vocabulary:
         return Vocabulary(self._tokenizer_json, self.spec.vocab_size, self.spec.eos_token_ids)
 
-    def encode_prompt(self, prompt: Any) -> tuple[list[int], str | None]:
-        """A string, a token id list, or chat messages -> (token ids, text or None)."""
+    def encode_prompt(self, prompt: Any, template: ChatTemplate = CHAT) -> tuple[list[int], str | None]:
+        """A string, a token id list, or chat messages (rendered as ``template`` says) -> (token
+        ids, text or None)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass token id lists")
@@ -400,13 +436,14 @@ class LLM:
             if not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt):
                 raise ValueError("prompt: chat messages need string 'role' and 'content'")
             self._check_chars(sum(len(m["content"]) for m in prompt))
+            template.check(prompt)
             from jinja2 import TemplateError
             try:
-                text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+                text = template.render(self.tokenizer, prompt)
             except TemplateError as e:        # the model's template refuses these messages
                 raise ValueError(f"messages: the model's chat template rejects them: {e}") from None
             if not self.chat_control_tokens and self._holds_control_text(prompt):
-                return self._encode_chat_literally(prompt), text
+                return self._encode_chat_literally(prompt, template), text
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), text
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             self.check_ids(prompt, "prompt")
@@ -422,14 +459,13 @@ class LLM:
     def _holds_control_text(self, messages: list[dict]) -> bool:
         return any(c in m["content"] for m in messages for c in self._control_texts)
 
-    def _encode_chat_literally(self, messages: list[dict]) -> list[int]:
+    def _encode_chat_literally(self, messages: list[dict], template: ChatTemplate) -> list[int]:
         """Chat ids where message text is only text: the template is rendered around placeholders
         and tokenized as usual, each message's content with its special-token spellings split into
         ordinary tokens, so a user cannot end their turn or open a system turn by typing one."""
         tok = self.tokenizer
         marks = [f"\x00tandem-message-{i}\x00" for i in range(len(messages))]
-        rendered = tok.apply_chat_template([dict(m, content=k) for m, k in zip(messages, marks)],
-                                           tokenize=False, add_generation_prompt=True)
+        rendered = template.render(tok, [dict(m, content=k) for m, k in zip(messages, marks)])
         ids, pos = [], 0
         for m, mark in zip(messages, marks):
             at = rendered.find(mark, pos)
@@ -448,7 +484,7 @@ class LLM:
         tokens. A tokenizer that normalizes its input (and may drop characters) is not bounded."""
         longest = self._longest_token_chars
         if longest and chars >= longest * self.max_model_len:
-            raise ValueError(f"prompt: {chars} characters are more than the model context of "
+            raise PromptTooLong(f"prompt: {chars} characters are more than the model context of "
                              f"{self.max_model_len} tokens can hold")
 
     @functools.cached_property
@@ -496,12 +532,13 @@ class LLM:
             sink(ups)
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = False) -> list[RequestOutput]:
+                 *, use_tqdm: bool = False, chat_template: ChatTemplate = CHAT) -> list[RequestOutput]:
         """Generate for each prompt; outputs in prompt order. Validates everything before queueing.
 
-        A prompt is a string, a list of token ids, a chat's messages, or a dict: ``{"prompt":
-        text}`` or ``{"prompt_token_ids": ids}``, with ``"cache_salt"`` to share cached blocks only
-        among the prompts that give the same salt."""
+        A prompt is a string, a list of token ids, a chat's messages (rendered as
+        ``chat_template`` says), or a dict: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``,
+        with ``"cache_salt"`` to share cached blocks only among the prompts that give the same
+        salt."""
         plist, salts = zip(*map(_unwrap, _as_prompt_list(prompts)))
         params = sampling_params if sampling_params is not None else SamplingParams()
         if isinstance(params, SamplingParams):
@@ -512,7 +549,7 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise ValueError("sampling_params: must be SamplingParams")
             p.validate()
-        encoded = [self.encode_prompt(p) for p in plist]
+        encoded = [self.encode_prompt(p, chat_template) for p in plist]
         for ids, _ in encoded:
             self._check_length(ids)
         for p in params:
@@ -530,16 +567,19 @@ class LLM:
         return [self._output(st) for st in states]
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             *, use_tqdm: bool = False) -> list[RequestOutput]:
+             *, use_tqdm: bool = False, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages) or a
-        list of them, each rendered by the model's chat template with the assistant's turn opened;
-        one output per conversation, in order."""
+        list of them, each rendered by the model's chat template with the assistant's turn opened
+        (or, ``continue_final_message``, its last message, an assistant's, left open for the reply
+        to continue: see ``ChatTemplate``); one output per conversation, in order."""
         if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
             messages = [messages]
         if not (isinstance(messages, (list, tuple)) and messages
                 and all(isinstance(c, list) and c and all(isinstance(m, dict) for m in c) for c in messages)):
             raise ValueError("messages: give a conversation (a list of message dicts) or a list of them")
-        return self.generate(list(messages), sampling_params, use_tqdm=use_tqdm)
+        return self.generate(list(messages), sampling_params, use_tqdm=use_tqdm,
+                             chat_template=ChatTemplate(add_generation_prompt, continue_final_message))
 
     def _run(self, states: list[RequestState], bar) -> None:
         """Hand the requests to the actors and wait until every one has ended."""

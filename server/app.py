@@ -9,6 +9,7 @@ import logging
 import os
 import time
 import uuid
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -18,6 +19,7 @@ from aiohttp import web
 
 from tandem.engine.messages import DeviceError
 from tandem.sched.async_engine import AsyncEngine, Submission
+from tandem.sched.llm import PromptTooLong
 from tandem.sched.request import Request, ServiceClass, error_id
 from tandem.server.config import ServerConfig
 from tandem.server.connections import GUARD, body_read, connections_middleware
@@ -109,6 +111,7 @@ async def read_json(request: web.Request) -> dict:
         raise ApiError(413, f"request body of {request.content_length} bytes is over the {limit}-byte limit")
     raw = await request.read()                          # a chunked one: aiohttp stops it at the limit
     body_read(request)
+    raw = decoded(raw, request.headers.get("Content-Encoding", ""), limit)
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
@@ -116,6 +119,32 @@ async def read_json(request: web.Request) -> dict:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     return body
+
+
+WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+def decoded(raw: bytes, encoding: str, limit: int) -> bytes:
+    """A body as it was before its ``Content-Encoding`` (gzip, deflate or none: the app decodes
+    bodies itself, so that a bad one is answered as any bad request is). ApiError: 415 for
+    another encoding, 400 for a body that does not decode whole, 413 past ``limit`` bytes
+    decoded."""
+    enc = encoding.strip().lower()
+    if enc in ("", "identity"):
+        return raw
+    if enc not in WBITS:
+        raise ApiError(415, f"Content-Encoding '{encoding}' is not supported: send gzip, deflate or none",
+                       code="unsupported_content_encoding")
+    d = zlib.decompressobj(WBITS[enc])
+    try:
+        out = d.decompress(raw, limit + 1)
+    except zlib.error as e:
+        raise bad_request(f"the body is not valid {enc} data: {e}") from None
+    if len(out) > limit:
+        raise ApiError(413, f"request body is over the {limit}-byte limit once decoded")
+    if not d.eof:
+        raise bad_request(f"the {enc} body ends before its data does")
+    return out
 
 
 # ---- generation ------------------------------------------------------------------
@@ -147,9 +176,10 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
     param = "messages" if chat else "prompt"
     try:
         encoded = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: [engine.llm.encode_prompt(prompt) for prompt in gen.prompts])
+            None, lambda: [engine.llm.encode_prompt(prompt, gen.template) for prompt in gen.prompts])
     except ValueError as e:
-        raise bad_request(str(e), param=param) from None
+        raise bad_request(str(e), param=param,
+                          code="context_length_exceeded" if isinstance(e, PromptTooLong) else None) from None
     sp = gen.sampling
     try:      # off the event loop: a structured output's grammar is compiled to check it
         await asyncio.get_running_loop().run_in_executor(None, engine.llm.check_sampling, sp)
@@ -550,9 +580,9 @@ async def tokenize(request):
     engine = ready_engine(request)
     body = await read_json(request)
     check_model(body, request.app[STATE].cfg.served_model_name)
-    prompt = parse_tokenize(body)
+    prompt, template = parse_tokenize(body)
     try:
-        ids, _ = await asyncio.get_running_loop().run_in_executor(None, engine.llm.encode_prompt, prompt)
+        ids, _ = await asyncio.get_running_loop().run_in_executor(None, engine.llm.encode_prompt, prompt, template)
     except ValueError as e:
         raise bad_request(str(e), param="prompt" if isinstance(prompt, str) else "messages") from None
     return json_response({"count": len(ids), "max_model_len": engine.llm.max_model_len, "tokens": ids})
@@ -646,7 +676,7 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
     """``build_engine()`` runs in a thread at start-up and returns an AsyncEngine."""
     # JSON bodies are read whole and capped here; file uploads stream their parts (routes_batch)
     app = web.Application(middlewares=[connections_middleware, errors_middleware, auth_middleware],
-                          client_max_size=cfg.max_body_bytes)
+                          client_max_size=cfg.max_body_bytes, handler_args={"auto_decompress": False})
     state = AppState(cfg, Metrics(cfg.served_model_name))
     app[STATE] = state
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -5,6 +5,7 @@ import re
 from dataclasses import dataclass
 
 from tandem.engine.params import SamplingParams, StructuredOutputs
+from tandem.sched.llm import CHAT, ChatTemplate
 from tandem.sched.request import ServiceClass
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.schema import (CHAT_BODY, CHAT_UNSUPPORTED, COMPLETION_BODY, COMPLETION_UNSUPPORTED,
@@ -30,6 +31,7 @@ class GenRequest:
     structured_param: str | None = None   # the field that asked for structured output (errors name it)
     tools: ToolPlan | None = None   # a chat's tools: its output is parsed for calls (server.tools)
     cache_salt: str | None = None   # prefix caching: blocks are shared only with the same salt
+    template: ChatTemplate = CHAT   # how a chat's messages are rendered
 
 
 def _val(body: dict, key: str, default):
@@ -44,10 +46,10 @@ HARMLESS_COUNT = {"best_of": 1}
 
 def reject_unsupported(body: dict, keys: tuple[str, ...]) -> None:
     """400 naming the first of ``keys`` the body asks something of (null, false, empty, best_of 1
-    and modalities [text] ask nothing)."""
+    and modalities [text] ask nothing: an empty suffix is what some clients send by default)."""
     for key in keys:
         v = body.get(key)
-        harmless = v is None or v is False or v == [] or v == {} or (key == "modalities" and v == ["text"]) or (
+        harmless = v is None or v is False or v in ("", [], {}) or (key == "modalities" and v == ["text"]) or (
             isinstance(v, int) and not isinstance(v, bool) and key in HARMLESS_COUNT
             and v <= HARMLESS_COUNT[key])
         if not harmless:
@@ -117,7 +119,7 @@ def _structured(body: dict) -> tuple[StructuredOutputs | None, str | None]:
         asked["response_format"] = StructuredOutputs(json=schema) if schema is not None else \
             StructuredOutputs(json_object=True)
     so = body.get("structured_outputs")
-    if so:
+    if so is not None:          # {} asks for a constraint and names none: refused below
         unknown = sorted(set(so) - set(STRUCTURED))
         if unknown:
             raise bad_request(f"'structured_outputs.{unknown[0]}' is not supported by this server; give one "
@@ -176,30 +178,44 @@ def chat_messages(messages: list[dict], tools: ToolPlan | None = None) -> list[d
     return render_messages(flat, tools)
 
 
+def chat_input(body: dict) -> tuple[ToolPlan | None, list[dict], ChatTemplate]:
+    """A validated chat body's tools, its messages as the template takes them and how they are
+    rendered; raises ApiError naming the field."""
+    template = ChatTemplate(_val(body, "add_generation_prompt", True), _val(body, "continue_final_message", False))
+    try:
+        plan = tool_plan(body)
+        messages = chat_messages(body["messages"], plan)
+        template.check(messages)
+    except ValueError as e:
+        raise bad_request(str(e), param=str(e).split(":")[0]) from None
+    return plan, messages, template
+
+
 def parse_chat(body: dict, **defaults) -> GenRequest:
     validate(body, CHAT_BODY)
     sp, extra = parse_common(body, chat=True, **defaults)
-    try:
-        plan = tool_plan(body)
-    except ValueError as e:
-        raise bad_request(str(e), param=str(e).split(":")[0]) from None
+    plan, messages, template = chat_input(body)
     constraint = plan.constraint() if plan is not None else None
     if constraint is not None:
         if sp.structured_outputs is not None:
             raise bad_request("tool_choice: a required or named tool call cannot also follow "
                               f"'{extra['structured_param']}'", param="tool_choice")
         sp.structured_outputs, extra["structured_param"] = constraint, "tools"
-    return GenRequest([chat_messages(body["messages"], plan)], sp, **extra,
-                      tools=plan if plan is not None and plan.calls else None)
+    return GenRequest([messages], sp, **extra, tools=plan if plan is not None and plan.calls else None,
+                      template=template)
 
 
-def parse_tokenize(body: dict):
-    """A /tokenize body's prompt: its text or its chat messages (exactly one of them)."""
+def parse_tokenize(body: dict) -> tuple:
+    """A /tokenize body's prompt, its text or its chat messages (exactly one of them; the
+    messages with their tools, as a chat renders them), and how a chat is rendered."""
     validate(body, TOKENIZE_BODY)
     given = [k for k in ("prompt", "messages") if body.get(k) is not None]
     if len(given) != 1:
         raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
-    return body["prompt"] if given == ["prompt"] else chat_messages(body["messages"])
+    if given == ["prompt"]:
+        return body["prompt"], CHAT
+    _, messages, template = chat_input(body)
+    return messages, template
 
 
 def parse_detokenize(body: dict) -> list[int]:

@@ -225,12 +225,16 @@ def _text_item(p: Prepared, text: str | None, finish: str | None, after_calls: b
 def _output(p: Prepared, message: dict, finish: str | None, lead: int) -> list[dict]:
     """A chat reply as output items, in the order it wrote them: the text before its first call
     (its content's first ``lead`` characters), a ``function_call`` per call, and the text after
-    them. A reply that makes no call is one message, also when it is empty."""
+    them. A reply that makes no call is one message, also when it is empty. Cut off by
+    ``max_output_tokens``, the item it was writing is ``incomplete``."""
     content, calls = message["content"] or "", message.get("tool_calls") or []
     if not calls:
         return [_text_item(p, content, finish)]
     before, after = content[:lead], content[lead:]
-    return ([_text_item(p, before, "stop")] if before else []) + [_call_item(c) for c in calls] + (
+    items = [_call_item(c) for c in calls]
+    if finish == "length" and p.gen.tools.choice is not ToolChoice.AUTO:
+        items[-1]["status"] = "incomplete"      # a constrained call cut off (an auto one's block closed)
+    return ([_text_item(p, before, "stop")] if before else []) + items + (
         [_text_item(p, after, finish, after_calls=True)] if after.strip() else [])
 
 

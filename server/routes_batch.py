@@ -73,6 +73,9 @@ def _store(request) -> Store:
 async def upload_file(request: web.Request):
     if request.content_type != "multipart/form-data":
         raise bad_request("upload with multipart/form-data (fields 'purpose' and 'file')")
+    if request.headers.get("Content-Encoding", "identity").strip().lower() != "identity":
+        raise ApiError(415, "an upload's body must not be compressed (its parts may say their own encoding)",
+                       code="unsupported_content_encoding")
     try:
         purpose, data, filename = await _read_upload(request, request.app[STATE].cfg.max_upload_bytes)
         body_read(request)

@@ -133,6 +133,12 @@ PROMPT = {"anyOf": [{"type": "string", "minLength": 1}, TOKEN_IDS,
                          "set of choices each)"}
 
 
+TEMPLATE = {      # vLLM's chat options: how the messages are rendered
+    "add_generation_prompt": {"type": "boolean", "description": "vLLM's extension: the assistant's turn opened "
+                              "after the messages (default true)"},
+    "continue_final_message": {"type": "boolean", "description": "vLLM's extension: the last message, an "
+                               "assistant's, left open and continued by the reply (needs add_generation_prompt "
+                               "false)"}}
 CHAT_UNSUPPORTED = ("echo", *UNSUPPORTED)
 COMPLETION_UNSUPPORTED = (*TOOLS, *UNSUPPORTED)
 
@@ -148,7 +154,7 @@ CHAT_BODY = _body({"messages": {"type": "array", "items": MESSAGE, "minItems": 1
                    "logprobs": {"type": "boolean", "description": "each output token's log probability under "
                                 "the model (before temperature, top-k/p)"},
                    "top_logprobs": _int(0, MAX_LOGPROBS, "with logprobs: the likeliest tokens at each position"),
-                   **TOOLS},
+                   **TOOLS, **TEMPLATE},
                   ["messages"], CHAT_UNSUPPORTED)
 COMPLETION_BODY = _body({"prompt": PROMPT,
                          "echo": {"type": "boolean", "description": "the prompt before the output, in the text "
@@ -213,7 +219,8 @@ TOKENIZE_BODY = {"type": "object", "properties": {   # vLLM's /tokenize: one of 
     "model": SAMPLING["model"],
     "prompt": {"type": "string", "minLength": 1, "description": "text, tokenized as a completion's prompt is"},
     "messages": {"type": "array", "items": MESSAGE, "minItems": 1,
-                 "description": "a chat, rendered by the model's template as a chat request's prompt is"}}}
+                 "description": "a chat, rendered by the model's template as a chat request's prompt is"},
+    **TOOLS, **TEMPLATE}}
 DETOKENIZE_BODY = {"type": "object", "required": ["tokens"], "properties": {    # vLLM's /detokenize
     "model": SAMPLING["model"], "tokens": {"type": "array", "items": _int(0, INT64, "token id")}}}
 BATCH_BODY = {"type": "object", "required": ["input_file_id", "endpoint"], "properties": {
@@ -235,10 +242,15 @@ def problem(schema: dict, v) -> tuple[list, str] | None:
     """The first way ``v`` breaks ``schema``: (path inside v, what is wrong), or None."""
     if "anyOf" in schema:
         found = [problem(s, v) for s in schema["anyOf"]]
-        if all(found):
-            fitting = [f for s, f in zip(schema["anyOf"], found) if f[0]]   # right type, wrong inside
-            return fitting[0] if len(fitting) == 1 else ([], "has none of the accepted forms")
-        return None
+        if not all(found):
+            return None
+        # a form of the right type that breaks only a bound of its own (too many items, too
+        # short) says more than forms whose insides are of the wrong types
+        bounded = [f for s, f in zip(schema["anyOf"], found) if not f[0] and "type" in s and _TYPES[s["type"]](v)]
+        if len(bounded) == 1:
+            return bounded[0]
+        fitting = [f for f in found if f[0]]       # right type, wrong inside
+        return fitting[0] if len(fitting) == 1 else ([], "has none of the accepted forms")
     if "enum" in schema and v not in schema["enum"]:
         return [], "must be one of " + ", ".join(map(str, schema["enum"]))
     t = schema.get("type")

@@ -64,6 +64,22 @@ def test_chat_takes_one_conversation_or_several_as_vllms_does(smol, hf_smol):
             smol.chat(bad, greedy)
 
 
+def test_a_chat_can_continue_a_reply_begun_for_the_model(smol, hf_smol):
+    """LLM.chat(continue_final_message=True): the assistant's last message is left open (HF's
+    template with the same option) and the reply goes on from it, as HF's greedy one does."""
+    conv = CHATS[0] + [{"role": "assistant", "content": "The capital of France is"}]
+    o = smol.chat(conv, SamplingParams(max_tokens=6, temperature=0), add_generation_prompt=False,
+                  continue_final_message=True)[0]
+    text = smol.tokenizer.apply_chat_template(conv, tokenize=False, continue_final_message=True)
+    assert text.endswith("The capital of France is")
+    ids = smol.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert o.prompt_token_ids == ids
+    ref = hf_smol.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, pad_token_id=2)
+    assert o.token_ids == ref[0, len(ids):].tolist() and "Paris" in o.text
+    with pytest.raises(ValueError, match="continue_final_message"):
+        smol.chat(conv, SamplingParams(max_tokens=2), continue_final_message=True)
+
+
 def test_stop_string_cuts_text(smol):
     full = smol.generate(CHATS[3], SamplingParams(max_tokens=MAX_NEW, temperature=0))[0]
     assert " " in full.text

@@ -297,3 +297,12 @@ def test_the_sentence_encoder_loads_with_the_length_source_not_at_the_first_requ
     assert p._embedder is None
     LengthSource(p)
     assert p._embedder is not None
+
+
+def test_loading_the_encoder_draws_no_progress_bar(capfd):
+    """It loads inside the server, whose log a "Loading weights" bar would clutter; a caller's
+    own progress bars stay on."""
+    from transformers.utils import logging as hf_logging
+    Embedder()
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()

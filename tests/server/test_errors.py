@@ -1,6 +1,8 @@
 """Malformed requests: each gets the right status and OpenAI error shape, and the server stays healthy."""
+import gzip
 import json
 import urllib.error
+import zlib
 import urllib.request
 
 import pytest
@@ -23,6 +25,12 @@ def multipart(content_type: str):
     """Headers for an upload with this Content-Type (and the server's key)."""
     return lambda server: {**server.headers(), "Content-Type": content_type}
 
+def encoded(encoding: str, content_type: str = "application/json"):
+    """Headers for a body sent with this Content-Encoding (and the server's key)."""
+    return lambda server: {**server.headers(), "Content-Type": content_type, "Content-Encoding": encoding}
+
+
+ASK = b'{"prompt": "a", "max_tokens": 2}'
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 CASES = [
     # (name, method, path, raw body or dict, headers override, status, error type, param)
@@ -157,6 +165,17 @@ CASES = [
      "invalid_request_error", None),
     ("purpose in an unknown charset", "POST", FILES, CHARSET_PART, multipart("multipart/form-data; boundary=B"),
      400, "invalid_request_error", None),
+    ("structured outputs naming no constraint", "POST", COMP, {"prompt": "a", "structured_outputs": {}}, None, 400,
+     "invalid_request_error", "structured_outputs"),
+    ("gzip that is not gzip", "POST", COMP, ASK, encoded("gzip"), 400, "invalid_request_error", None),
+    ("gzip cut off", "POST", COMP, gzip.compress(ASK)[:-12], encoded("gzip"), 400, "invalid_request_error", None),
+    ("deflate that is not deflate", "POST", CHAT, ASK, encoded("deflate"), 400, "invalid_request_error", None),
+    ("gzip over the size limit once decoded", "POST", COMP, gzip.compress(b'{"prompt": "' + b"x" * (9 << 20) + b'"}'),
+     encoded("gzip"), 413, "invalid_request_error", None),
+    ("brotli", "POST", COMP, ASK, encoded("br"), 415, "invalid_request_error", None),
+    ("zstd", "POST", "/tokenize", ASK, encoded("zstd"), 415, "invalid_request_error", None),
+    ("compressed upload", "POST", FILES, gzip.compress(GOOD_PART), encoded("gzip", "multipart/form-data; boundary=B"),
+     415, "invalid_request_error", None),
 ]
 
 
@@ -180,7 +199,7 @@ def test_malformed_request(server, name, method, path, body, headers, status, et
 
 @pytest.mark.parametrize("path, body", [
     (CHAT, {"messages": MSG, "logprobs": False, "top_logprobs": 0}),
-    (COMP, {"prompt": "a", "best_of": 1, "logprobs": None, "echo": False}),
+    (COMP, {"prompt": "a", "best_of": 1, "logprobs": None, "echo": False, "suffix": ""}),
     (CHAT, {"messages": MSG, "modalities": ["text"]}),
 ])
 def test_unsupported_fields_that_ask_for_nothing_are_accepted(server, path, body):
@@ -206,3 +225,28 @@ def test_405_says_which_methods_are_allowed(server):
     assert e.value.code == 405
     assert "GET" in {m.strip() for m in e.value.headers.get("Allow", "").split(",")}
     assert json.loads(e.value.read())["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("encoding, pack", [("gzip", gzip.compress), ("deflate", zlib.compress),
+                                            ("identity", bytes)])
+def test_a_compressed_body_is_read_as_the_same_body_plain(server, encoding, pack):
+    body = {"prompt": "Hello, compressed world", "max_tokens": 3, "temperature": 0}
+    plain = call(server, "POST", COMP, body, None)
+    got = call(server, "POST", COMP, pack(json.dumps(body).encode()), encoded(encoding))
+    assert plain[0] == got[0] == 200, got
+    assert got[1]["choices"][0]["text"] == plain[1]["choices"][0]["text"]
+    assert got[1]["usage"] == plain[1]["usage"]
+
+
+@pytest.mark.parametrize("path, body", [(COMP, {"prompt": [5] * 600}), (COMP, {"prompt": "x" * 2_000_000}),
+                                        (CHAT, {"messages": [{"role": "user", "content": "x" * 2_000_000}]})])
+def test_a_prompt_past_the_context_says_so_in_its_code(server, path, body):
+    """Whether the prompt's tokens were counted or its characters alone tell (before tokenizing)."""
+    got, payload = call(server, "POST", path, body, None)
+    assert got == 400 and payload["error"]["code"] == "context_length_exceeded", payload
+
+
+@pytest.mark.parametrize("prompt", [["a"] * 65, [[1, 2]] * 65])
+def test_too_many_prompts_are_refused_as_too_many(server, prompt):
+    got, payload = call(server, "POST", COMP, {"prompt": prompt, "max_tokens": 1}, None)
+    assert got == 400 and "at most 64 items" in payload["error"]["message"], payload

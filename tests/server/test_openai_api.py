@@ -517,3 +517,57 @@ def test_a_cache_salt_keeps_prompt_blocks_to_requests_with_the_same_salt(server,
     with pytest.raises(openai.BadRequestError) as e:
         cached(cache_salt="")
     assert e.value.body["param"] == "cache_salt"
+
+
+PREFILLED = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "My favourite fruit is"}]
+
+
+@pytest.mark.parametrize("options", [{"add_generation_prompt": False, "continue_final_message": True},
+                                     {"add_generation_prompt": False}])
+def test_a_chat_rendered_with_vllms_template_options(server, client, tiny_chat_model, options):
+    """continue_final_message leaves the assistant's last message open, so the reply continues it
+    (a "prefilled" reply); add_generation_prompt false opens no new turn. The prompt's ids are
+    HF's chat template rendered with the same options, and the greedy reply HF's continuation;
+    /tokenize counts the same prompt."""
+    from transformers import AutoTokenizer
+    from tests.conftest import hf_greedy
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    want = tok(tok.apply_chat_template(PREFILLED, tokenize=False, **options), add_special_tokens=False)["input_ids"]
+    assert want != tok(tok.apply_chat_template(PREFILLED, tokenize=False, add_generation_prompt=True),
+                       add_special_tokens=False)["input_ids"]
+    r = client.chat.completions.create(model=server.model, messages=PREFILLED, max_tokens=6, temperature=0,
+                                       extra_body={"return_token_ids": True, "ignore_eos": True, **options})
+    assert r.model_extra["prompt_token_ids"] == want
+    assert r.choices[0].model_extra["token_ids"] == hf_greedy(tiny_chat_model, [want], 6)[0]
+    import urllib.request
+    req = urllib.request.Request(server.url + "/tokenize", data=json.dumps({"messages": PREFILLED, **options}).encode(),
+                                 headers={**server.headers(), "Content-Type": "application/json"})
+    with urllib.request.urlopen(req) as f:
+        assert json.loads(f.read())["tokens"] == want
+
+
+@pytest.mark.parametrize("messages, options", [
+    (PREFILLED, {"continue_final_message": True}),                  # with add_generation_prompt (default true)
+    (PREFILLED[:1], {"add_generation_prompt": False, "continue_final_message": True}),   # no assistant message
+])
+def test_template_options_that_cannot_hold_are_refused(server, client, messages, options):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=server.model, messages=messages, max_tokens=2, extra_body=options)
+    assert e.value.param == "continue_final_message", e.value.message
+
+
+def test_tokenize_counts_a_chat_with_its_tools_as_the_chat_is_served(server, client):
+    """The tools are listed in the prompt's system turn: /tokenize counts them as the chat's usage
+    does, and with tool_choice none it leaves them out, as the chat does."""
+    import urllib.request
+    msgs = [{"role": "user", "content": "Weather in Oslo?"}]
+    plain = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=1).usage.prompt_tokens
+    for choice in ("auto", "none"):
+        chat = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=1, tools=TOOLS,
+                                              tool_choice=choice)
+        body = {"messages": msgs, "tools": TOOLS, "tool_choice": choice}
+        req = urllib.request.Request(server.url + "/tokenize", data=json.dumps(body).encode(),
+                                     headers={**server.headers(), "Content-Type": "application/json"})
+        with urllib.request.urlopen(req) as f:
+            counted = json.loads(f.read())["count"]
+        assert counted == chat.usage.prompt_tokens and (counted > plain if choice == "auto" else counted == plain)

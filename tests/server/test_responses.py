@@ -118,6 +118,23 @@ def test_a_required_call_is_a_function_call_item_whose_arguments_follow_the_sche
         assert [(o.name, o.arguments) for o in s.get_final_response().output] == [("get_weather", calls[0].arguments)]
 
 
+def test_a_call_cut_off_is_incomplete(server, client):
+    """A named call cut off by max_output_tokens: the response and its call item are
+    incomplete, with the arguments it got to (not JSON yet), whole and streamed alike."""
+    ask = dict(model=server.model, input="Weather?", tools=[WEATHER], max_output_tokens=3, temperature=0,
+               tool_choice={"type": "function", "name": "get_weather"})
+    r = client.responses.create(**ask)
+    (call,) = r.output
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert call.type == "function_call" and call.status == "incomplete" and call.arguments.startswith("{")
+    with pytest.raises(ValueError):
+        json.loads(call.arguments)
+    events = list(client.responses.create(**ask, stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert events[-1].type == "response.incomplete"
+    assert [(c.status, c.arguments) for c in done] == [("incomplete", call.arguments)]
+
+
 def test_with_auto_tools_text_streams_as_it_is_written(server, client):
     """A reply that makes no call streams its text token by token, as without tools, and ends
     as the reply without a stream."""
