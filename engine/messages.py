@@ -76,10 +76,12 @@ class SamplingSpec:
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
     """One sampled token's log probability under the model (log-softmax of its raw logits, before
-    temperature, top-k/p and stop masking) and the ``len(top_ids)`` likeliest tokens', best first."""
+    temperature, top-k/p and stop masking), its rank (1: the likeliest; vLLM's: the tokens at
+    least as likely, itself included) and the ``len(top_ids)`` likeliest tokens', best first."""
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    rank: int = 1
 
 
 @dataclass(slots=True)

@@ -16,7 +16,8 @@ class SamplingParams:
     top_p: float = 1.0                      # nucleus mass in (0, 1]
     top_k: int = -1                         # -1 or 0 = off
     seed: int | None = None                 # per-request seed; None = random
-    stop: list[str] = field(default_factory=list)          # stop strings (not included in text)
+    stop: list[str] = field(default_factory=list)          # stop strings (cut from the text, unless:)
+    include_stop_str_in_output: bool = False               # the stop string that matched ends the text
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0                     # EOS and stop ids are suppressed before this many
@@ -71,8 +72,9 @@ class SamplingParams:
                 bad(name, f"must be in [-2, 2], got {v!r}")
         if not _is_num(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION:
             bad("repetition_penalty", f"must be in (0, {MAX_REPETITION:g}], got {self.repetition_penalty!r}")
-        if not isinstance(self.ignore_eos, bool):
-            bad("ignore_eos", "must be a boolean")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be a boolean")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 bad("structured_outputs", "must be a StructuredOutputs")

@@ -99,13 +99,16 @@ def token_logprobs(rows: list[int], lp: torch.Tensor | None, specs: list[Samplin
 
 
 def pick_logprobs(lp: torch.Tensor, chosen: list[int], ks: list[int]) -> list[TokenLogprobs]:
-    """For each row of a log-softmax [m, V]: token ``chosen[i]``'s log probability and the row's
-    ``ks[i]`` likeliest tokens (ties in the order torch.topk gives them)."""
-    values = lp.gather(1, torch.tensor(chosen, device=lp.device)[:, None])[:, 0].tolist()
+    """For each row of a log-softmax [m, V]: token ``chosen[i]``'s log probability and rank, and
+    the row's ``ks[i]`` likeliest tokens (ties in the order torch.topk gives them)."""
+    picked = lp.gather(1, torch.tensor(chosen, device=lp.device)[:, None])
+    ranks = (lp >= picked).sum(dim=-1).tolist()
+    values = picked[:, 0].tolist()
     k = max(ks)
     top_v, top_i = torch.topk(lp, k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
     top_v, top_i = top_v.tolist(), top_i.tolist()
-    return [TokenLogprobs(v, tuple(i[:n]), tuple(t[:n])) for v, i, t, n in zip(values, top_i, top_v, ks)]
+    return [TokenLogprobs(v, tuple(i[:n]), tuple(t[:n]), r)
+            for v, i, t, n, r in zip(values, top_i, top_v, ks, ranks)]
 
 
 def _add_bias(logits: torch.Tensor, specs: list[SamplingSpec]) -> None:

@@ -48,6 +48,7 @@ class Update:
     logprobs: list | None = None      # TokenLogprobs of new_token_ids, when the request asked for them
     prompt_logprobs: list | None = None   # with the first token: each prompt token's (None first), if asked
     cached_tokens: int = 0            # at the end: prompt tokens it found in the prefix cache when it started
+    stop_reason: str | int | None = None  # at the end: the stop string or stop token id that ended it
 
 
 @dataclass(slots=True)
@@ -135,7 +136,8 @@ class DeviceActor:
         self.states[st.req_id] = st
         self.waiting.append(st.req_id)
         if self.decode is not None and (st.request.stream_text or st.request.sampling.stop):
-            self._texts[st.req_id] = TextTracker(self.decode, st.request.sampling.stop)
+            sp = st.request.sampling
+            self._texts[st.req_id] = TextTracker(self.decode, sp.stop, sp.include_stop_str_in_output)
 
     def abort(self, req_id: str) -> Update | None:
         st = self.states.get(req_id)
@@ -620,6 +622,9 @@ class DeviceActor:
             text = tracker.push([tok], check_stop=armed)
         if (eos and sp.structured_outputs is not None) or armed and (
                 eos or tok in sp.stop_token_ids or (tracker is not None and tracker.stopped)):
+            # vLLM's stop_reason: the stop string or stop token id; none for the end token
+            st.stop_reason = tracker.stopped if tracker is not None and tracker.stopped else \
+                None if eos else tok
             return self._finish(st, FinishReason.STOP, [tok], text=text)
         if n >= sp.max_tokens or st.num_tokens >= self.max_model_len:
             return self._finish(st, FinishReason.LENGTH, [tok], text=text)
@@ -638,7 +643,8 @@ class DeviceActor:
             text = st.text_result = self.decode(st.output_token_ids)
         queue_s = (st.first_scheduled_time - st.request.arrival_time
                    if st.first_scheduled_time is not None else None)
-        return Update(st.req_id, new or [], reason, error, text, queue_s, cached_tokens=st.cached_tokens or 0)
+        return Update(st.req_id, new or [], reason, error, text, queue_s, cached_tokens=st.cached_tokens or 0,
+                      stop_reason=st.stop_reason)
 
     def _drop(self, st: RequestState) -> None:
         """Free the request's blocks and take it off the queues (and off the worker)."""

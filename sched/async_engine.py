@@ -26,6 +26,7 @@ class Event:
     logprobs: list | None = None      # TokenLogprobs of new_token_ids, when the request asked for them
     prompt_logprobs: list | None = None   # with the first token, when asked: per prompt token (None first)
     cached_tokens: int = 0            # at the end: prompt tokens found in the prefix cache
+    stop_reason: str | int | None = None  # at the end: the stop string or stop token id that ended it
 
 
 class AsyncEngine:
@@ -91,7 +92,7 @@ class AsyncEngine:
             q = self._queues.get(u.req_id)
             if q is not None:
                 q.put_nowait(Event(u.new_token_ids, u.text, u.finish_reason, u.error, u.queue_s, u.logprobs,
-                                 u.prompt_logprobs, u.cached_tokens))
+                                 u.prompt_logprobs, u.cached_tokens, u.stop_reason))
 
 
 class Submission:

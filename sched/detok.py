@@ -44,7 +44,8 @@ class IncrementalDetokenizer:
 
 
 class TextTracker:
-    """One request's text: deltas safe to stream, and where a stop string cut it.
+    """One request's text: deltas safe to stream, and where a stop string cut it (after the
+    string where ``include_stop``, vLLM's include_stop_str_in_output; ``stopped`` names it).
 
     Only the last ``max(len(stop)) - 1`` known characters are ever held back (they could be
     the start of a stop string); a match can only end in new text, so each push searches those
@@ -52,14 +53,16 @@ class TextTracker:
     (before ``min_tokens``) is released without being searched.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str] | tuple[str, ...] = ()):
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str] | tuple[str, ...] = (),
+                 include_stop: bool = False):
         self.detok = IncrementalDetokenizer(decode)
         self.stop = tuple(s for s in stop if s)
+        self.include_stop = include_stop    # the matched stop string stays in the text
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.released: list[str] = []   # text handed out, in pieces (joined only by text())
         self.num_released = 0            # characters handed out
         self.pending = ""                # known text held back: at most ``hold`` characters
-        self.stopped = False             # a stop string matched; the text ends before it
+        self.stopped: str | None = None  # the stop string that matched; the text ends before it (or with it)
 
     def push(self, new_ids: list[int], check_stop: bool = True) -> str:
         """Add ids; the delta that can be streamed now."""
@@ -68,10 +71,11 @@ class TextTracker:
             return ""
         text = self.pending + delta
         if check_stop and self.stop:
-            hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-            if hits:
-                self.stopped, self.pending = True, ""
-                return self._release(text[:min(hits)])
+            hits = [(i, -len(s), s) for s in self.stop if (i := text.find(s)) >= 0]
+            if hits:            # of the matches this text completed: the first to begin (then the longest)
+                at, _, self.stopped = min(hits)
+                self.pending = ""
+                return self._release(text[:at + (len(self.stopped) if self.include_stop else 0)])
         keep = min(self.hold, len(text))
         self.pending = text[len(text) - keep:]
         return self._release(text[:len(text) - keep])

@@ -36,11 +36,13 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     token_ids: list[int]           # generated ids (EOS / stop id included when it ended the request)
-    text: str                      # generated text, special tokens skipped, stop string cut
+    text: str                      # generated text, special tokens skipped, stop string cut (or kept:
+                                   # SamplingParams.include_stop_str_in_output)
     finish_reason: str             # "stop" | "length" | "abort" | "error"
     logprobs: list | None = None   # with SamplingParams.logprobs: a TokenLogprobs per id of token_ids
     prompt_logprobs: list | None = None   # with SamplingParams.prompt_logprobs: per prompt id, None first
     num_cached_tokens: int = 0     # prompt tokens whose cache an earlier request had computed (prefix caching)
+    stop_reason: str | int | None = None   # vLLM's: the stop string or stop token id that ended it (None: EOS)
 
     @property
     def request_id(self) -> str:
@@ -617,7 +619,7 @@ class LLM:
                              list(st.output_token_ids), text, st.finish_reason.value,
                              list(st.output_logprobs) if asked else None,
                              st.scored_prompt() if st.request.sampling.prompt_logprobs is not None else None,
-                             st.cached_tokens or 0)
+                             st.cached_tokens or 0, st.stop_reason)
 
     # ---- lifecycle --------------------------------------------------------------
     def cache_config(self) -> tuple[int, str, int]:

@@ -84,6 +84,7 @@ class RequestState:
     finish_reason: FinishReason | None = None
     text: object | None = None         # its TextTracker while moving between devices
     text_result: str | None = None     # at the end: the generated text (stop string cut off)
+    stop_reason: str | int | None = None   # at the end: the stop string or stop token id that ended it
     first_scheduled_time: float | None = None   # for the queue-time metric
     last_token_time: float | None = None        # arrival, then each token: pending time (SPEC §1.1, §2.1)
     stalled_s: float = 0.0      # seconds its past tokens waited beyond one iteration each (ALISE's aging)

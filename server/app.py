@@ -24,7 +24,7 @@ from tandem.sched.request import Request, ServiceClass, error_id
 from tandem.server.config import ServerConfig
 from tandem.server.connections import GUARD, body_read, connections_middleware
 from tandem.server.errors import ApiError, bad_request
-from tandem.server.logprobs import TokenText, chat_logprobs, completion_logprobs
+from tandem.server.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs_json
 from tandem.server.metrics import Metrics
 from tandem.server.store import Store
 from tandem.server.protocol import (GenRequest, check_model, parse_chat, parse_completion, parse_detokenize,
@@ -293,8 +293,10 @@ class Choice:
     echo_ids: list[int] | None = None       # and the prompt's ids, for its log probabilities
     prompt_logprobs: list | None = None     # the echoed prompt's, from the first event
     echo_sent: bool = False                 # a stream sends the echo in its first chunk
+    echo_top: int = 0                       # the likeliest tokens its log probabilities list
     content: ContentStream | None = None    # a streamed chat with tools: what goes out before the end
     cached_tokens: int = 0                  # prompt tokens found in the prefix cache
+    stop_reason: str | int | None = None    # vLLM's: the stop string or stop token id that ended it
 
     @property
     def text(self) -> str:
@@ -312,7 +314,9 @@ class Choice:
         self.echo_sent = True
         if self.logprobs is None or self.prompt_logprobs is None:
             return self.echo, [], []
-        return self.echo, self.echo_ids, self.prompt_logprobs
+        return self.echo, self.echo_ids, [lp if lp is None or len(lp.top_ids) <= self.echo_top else replace(
+            lp, top_ids=lp.top_ids[:self.echo_top], top_logprobs=lp.top_logprobs[:self.echo_top])
+            for lp in self.prompt_logprobs]
 
 
 async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice, sink=None) -> None:
@@ -341,7 +345,7 @@ async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice
             delta = ev.text
             if ev.finish_reason is not None:
                 ch.finish_reason, queue_s = ev.finish_reason.value, ev.queue_s
-                ch.cached_tokens = ev.cached_tokens
+                ch.cached_tokens, ch.stop_reason = ev.cached_tokens, ev.stop_reason
                 record(ch.finish_reason, now)
             if delta:
                 ch.parts.append(delta)
@@ -372,7 +376,8 @@ def choice_json(chat: bool, ch: Choice, text_of: TokenText, tools: ToolPlan | No
         content, calls = tools.parse(ch.text) if tools else (ch.text, [])
         message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
         c = {"index": ch.index, "message": message, "logprobs": None,
-             "finish_reason": finish_reason(calls, ch.finish_reason)} | unsent_logprobs(chat, ch, text_of)
+             "finish_reason": finish_reason(calls, ch.finish_reason), "stop_reason": ch.stop_reason} | \
+            unsent_logprobs(chat, ch, text_of)
     else:
         c = completion_choice(ch, ch.text, ch.finish_reason, text_of)
     return c | token_ids_json(chat, ch, ch.token_ids)
@@ -382,7 +387,7 @@ def completion_choice(ch: Choice, text: str, finish: str | None, text_of: TokenT
     """A completion's choice (or chunk) with new ``text``: the echoed prompt goes first, once."""
     echo, ids, lps = ch.take_echo()
     return {"index": ch.index, "text": echo + text, "logprobs": None, "finish_reason": finish} | \
-        unsent_logprobs(False, ch, text_of, ids, lps)
+        ({"stop_reason": ch.stop_reason} if finish is not None else {}) | unsent_logprobs(False, ch, text_of, ids, lps)
 
 
 def unsent_logprobs(chat: bool, ch: Choice, text_of: TokenText, first_ids=(), first_lps=()) -> dict:
@@ -420,7 +425,7 @@ def echo_of(r: Request, text_of: TokenText) -> dict:
     the model has no tokenizer, since it makes no text) and ids."""
     text = r.prompt if r.prompt is not None else "" if text_of.tok is None else "".join(
         text_of(t)[0] for t in r.prompt_token_ids)
-    return {"echo": text, "echo_ids": list(r.prompt_token_ids)}
+    return {"echo": text, "echo_ids": list(r.prompt_token_ids), "echo_top": r.sampling.logprobs or 0}
 
 
 def chat_prompt_ids(p: Prepared) -> dict:
@@ -463,10 +468,17 @@ async def complete(engine: AsyncEngine, st: AppState, p: Prepared, chat: bool) -
     """Run a prepared, non-streamed request to its end; the OpenAI response body."""
     created = int(time.time())
     choices = await run_to_end(st, p)
+    body = [choice_json(chat, ch, st.text_of, p.gen.tools) for ch in choices]
+    k = p.gen.prompt_logprobs
+    if k is not None:       # vLLM's places: a completion's choices, a chat's response (one prompt)
+        scored = [prompt_logprobs_json(st.text_of, list(r.prompt_token_ids), ch.prompt_logprobs, k)
+                  if ch.prompt_logprobs is not None else None for r, ch in zip(p.requests, choices)]
+        for c, s in zip(body, scored):
+            if not chat:
+                c["prompt_logprobs"] = s
     return head(p, "chat.completion" if chat else "text_completion", created) | {
-        "choices": [choice_json(chat, ch, st.text_of, p.gen.tools) for ch in choices],
-        "usage": usage(p, choices)} | (
-        chat_prompt_ids(p) if chat else {})
+        "choices": body, "usage": usage(p, choices)} | (chat_prompt_ids(p) if chat else {}) | (
+        {"prompt_logprobs": scored[0]} if chat and k is not None else {})
 
 
 async def prepare_online(engine: AsyncEngine, st: AppState, body: dict, chat: bool) -> Prepared:
@@ -506,7 +518,8 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
     def chunk(ch: Choice, delta: str, finish: str | None, first: bool = False) -> dict:
         if chat:
             d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
-            c = {"index": ch.index, "delta": d, "logprobs": None, "finish_reason": finish}
+            c = {"index": ch.index, "delta": d, "logprobs": None, "finish_reason": finish} | (
+                {"stop_reason": ch.stop_reason} if finish is not None else {})
             if not first:
                 c |= unsent_logprobs(chat, ch, st.text_of)
         else:

@@ -95,3 +95,21 @@ def completion_logprobs(text_of: TokenText, ids: list[int], lps: list[TokenLogpr
         top.setdefault(s, _value(lp.logprob))
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def prompt_logprobs_json(text_of: TokenText, ids: list[int], lps: list[TokenLogprobs | None], k: int) -> list:
+    """vLLM's ``prompt_logprobs``: per prompt token None for the first (nothing comes before it),
+    then {token id (a string): {"logprob", "rank", "decoded_token"}} for the token itself and the
+    ``k`` likeliest (ranks 1 to k)."""
+    def entry(tid: int, lp: float, rank: int) -> dict:
+        return {"logprob": _value(lp), "rank": rank, "decoded_token": text_of(tid)[0]}
+    out = []
+    for tid, lp in zip(ids, lps, strict=True):
+        if lp is None:
+            out.append(None)
+            continue
+        at = {str(tid): entry(tid, lp.logprob, lp.rank)}
+        for rank, (a, v) in enumerate(zip(lp.top_ids[:k], lp.top_logprobs[:k]), 1):
+            at.setdefault(str(a), entry(a, v, rank))
+        out.append(at)
+    return out

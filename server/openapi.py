@@ -18,6 +18,15 @@ FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "tool_calls", "
 
 
 IDS = {"type": "array", "items": {"type": "integer"}, "description": "with return_token_ids"}
+STOP_REASON = {"type": ["string", "integer", "null"], "description": "vLLM's: the stop string or stop token id "
+                                                                    "that ended the choice (null: the end token, "
+                                                                    "max_tokens)"}
+PROMPT_LOGPROBS = {"type": ["array", "null"], "items": {"type": ["object", "null"], "additionalProperties": {
+    "type": "object", "required": ["logprob", "rank", "decoded_token"], "properties": {
+        "logprob": {"type": "number"}, "rank": {"type": "integer", "minimum": 1},
+        "decoded_token": {"type": "string"}}}},
+    "description": "with prompt_logprobs: k (vLLM's): per prompt token null for the first, then the token's and "
+                   "the k likeliest tokens' log probabilities and ranks, by token id"}
 
 
 _BYTES = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 255}}
@@ -48,7 +57,7 @@ def _completion(object_name: str, choice: dict, **extra) -> dict:
         "choices": {"type": "array", "items": {"type": "object", "required": ["index", "finish_reason"],
                                                "properties": {"index": {"type": "integer"},
                                                               "finish_reason": FINISH, "token_ids": IDS,
-                                                              **choice}}}}}
+                                                              "stop_reason": STOP_REASON, **choice}}}}}
 
 
 TOOL_CALLS = {"type": "array", "description": "the calls a chat with tools made (finish_reason tool_calls)",
@@ -60,9 +69,9 @@ CHAT_COMPLETION = _completion("chat.completion", {"message": {
     "type": "object", "required": ["role", "content"],
     "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
                    "tool_calls": TOOL_CALLS}},
-    "logprobs": CHAT_LOGPROBS}, prompt_token_ids=IDS)
+    "logprobs": CHAT_LOGPROBS}, prompt_token_ids=IDS, prompt_logprobs=PROMPT_LOGPROBS)
 COMPLETION = _completion("text_completion", {"text": {"type": "string"}, "prompt_token_ids": IDS,
-                                             "logprobs": COMPLETION_LOGPROBS})
+                                             "logprobs": COMPLETION_LOGPROBS, "prompt_logprobs": PROMPT_LOGPROBS})
 TOKENS = {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
     "count": {"type": "integer", "minimum": 0}, "max_model_len": {"type": "integer"},
     "tokens": {"type": "array", "items": {"type": "integer"}}}}

@@ -32,6 +32,7 @@ class GenRequest:
     tools: ToolPlan | None = None   # a chat's tools: its output is parsed for calls (server.tools)
     cache_salt: str | None = None   # prefix caching: blocks are shared only with the same salt
     template: ChatTemplate = CHAT   # how a chat's messages are rendered
+    prompt_logprobs: int | None = None    # vLLM's prompt_logprobs asked for: the likeliest this many shown
 
 
 def _val(body: dict, key: str, default):
@@ -79,15 +80,18 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
     sp.seed = _val(body, "seed", None)
     sp.stop, sp.stop_token_ids = list(stop), list(_val(body, "stop_token_ids", []))
     sp.ignore_eos = _val(body, "ignore_eos", False)
+    sp.include_stop_str_in_output = _val(body, "include_stop_str_in_output", False)
     sp.min_tokens = min_tokens
     sp.logprobs = _logprobs(body, chat)
-    sp.prompt_logprobs = None
+    sp.prompt_logprobs = body.get("prompt_logprobs")
     sp.logit_bias = _logit_bias(body)
     sp.presence_penalty = float(_val(body, "presence_penalty", 0.0))
     sp.frequency_penalty = float(_val(body, "frequency_penalty", 0.0))
     sp.repetition_penalty = float(_val(body, "repetition_penalty", 1.0))
     sp.structured_outputs, structured_param = _structured(body)
     stream = _val(body, "stream", False)
+    if stream and sp.prompt_logprobs is not None:       # as vLLM: they come with a whole response
+        raise bad_request("'prompt_logprobs' are not available with stream=true", param="prompt_logprobs")
     so = body.get("stream_options")
     if so is not None and not stream:
         raise bad_request("'stream_options' is only allowed with stream=true", param="stream_options")
@@ -99,7 +103,7 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
                  slo_tbt_s=tbt / 1000 if tbt else None if be else default_tbt_s,
                  max_tokens_given=max_tokens is not None,
                  return_token_ids=_val(body, "return_token_ids", False), structured_param=structured_param,
-                 cache_salt=body.get("cache_salt"))
+                 cache_salt=body.get("cache_salt"), prompt_logprobs=sp.prompt_logprobs)
     return sp, extra
 
 
@@ -230,8 +234,8 @@ def parse_completion(body: dict, **defaults) -> GenRequest:
     prompts = prompt if several else [prompt]
     sp, extra = parse_common(body, chat=False, **defaults)
     extra["echo"] = _val(body, "echo", False)
-    if extra["echo"]:
-        sp.prompt_logprobs = sp.logprobs
+    if extra["echo"] and sp.logprobs is not None:   # the echoed prompt's log probabilities
+        sp.prompt_logprobs = max(sp.logprobs, sp.prompt_logprobs or 0)
     if len(prompts) * extra["n"] > MAX_CHOICES:
         raise bad_request(f"{len(prompts)} prompts x n = {extra['n']} asks for more than {MAX_CHOICES} "
                           "choices", param="n")

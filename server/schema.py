@@ -60,6 +60,10 @@ SAMPLING = {
     "stop_token_ids": {"type": "array", "items": _int(0, INT64, "a token id of the vocabulary"),
                        "description": "vLLM's extension; ids must be inside the vocabulary"},
     "ignore_eos": {"type": "boolean", "description": "vLLM's extension"},
+    "prompt_logprobs": _int(0, MAX_LOGPROBS, "vLLM's extension, without stream: each prompt token's log "
+                            "probability and rank and the likeliest this many (the prompt is computed whole)"),
+    "include_stop_str_in_output": {"type": "boolean", "description": "vLLM's extension: the stop string that "
+                                   "ended the output stays at its end (each choice's stop_reason names it)"},
     "cache_salt": {"type": "string", "minLength": 1, "maxLength": 1024,
                    "description": "vLLM's extension: only requests with the same salt reuse each other's "
                    "cached prompt blocks (prefix caching), so one tenant cannot time another's prompts"},

@@ -85,9 +85,12 @@ def test_stop_string_cuts_text(smol):
     assert " " in full.text
     word = full.text.split()[2]
     cut = smol.generate(CHATS[3], SamplingParams(max_tokens=MAX_NEW, temperature=0, stop=[word]))[0]
-    assert cut.finish_reason == "stop"
+    assert cut.finish_reason == "stop" and cut.stop_reason == word and full.stop_reason is None
     assert cut.text == full.text[:full.text.index(word)]
     assert full.token_ids[:len(cut.token_ids)] == cut.token_ids
+    kept = smol.generate(CHATS[3], SamplingParams(max_tokens=MAX_NEW, temperature=0, stop=[word],
+                                                  include_stop_str_in_output=True))[0]
+    assert kept.text == full.text[:full.text.index(word) + len(word)] and kept.token_ids == cut.token_ids
 
 
 def test_string_prompt(smol):

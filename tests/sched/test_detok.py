@@ -82,9 +82,12 @@ def test_each_push_decodes_a_short_window(tok, replies):
     assert max(seen) <= 2 * WINDOW + 2
 
 
-def reference_cut(full: str, stops: list[str]) -> str:
-    hits = [full.find(s) for s in stops if s and full.find(s) >= 0]
-    return full[:min(hits)] if hits else full
+def reference_cut(full: str, stops: list[str], include: bool = False) -> str:
+    hits = [(full.find(s), s) for s in stops if s and full.find(s) >= 0]
+    if not hits:
+        return full
+    at, s = min(hits)
+    return full[:at + (len(s) if include else 0)]
 
 
 def test_stop_strings_match_a_search_of_the_whole_text(tok, replies):
@@ -98,12 +101,13 @@ def test_stop_strings_match_a_search_of_the_whole_text(tok, replies):
             continue
         a = rng.randrange(len(full) - 3)
         stops = [full[a:a + rng.randint(1, 12)], "never-in-the-text-\u2603"]
-        tr = TextTracker(decode, stops)
+        include = rng.random() < 0.5          # the stop string kept at the text's end
+        tr = TextTracker(decode, stops, include)
         out = [tr.push([t]) for t in ids]
         out.append(tr.finish())
-        expect = reference_cut(full, stops)
+        expect = reference_cut(full, stops, include)
         assert "".join(out) == expect == tr.text()
-        assert tr.stopped == any(s in full for s in stops)
+        assert tr.stopped == (stops[0] if stops[0] in full else None)
         checked += 1
     assert checked > 100
 
@@ -117,4 +121,4 @@ def test_held_back_text_never_leaks_a_stop_string(tok):
         streamed += tr.push([t])
         assert "END" not in streamed
     streamed += tr.finish()
-    assert streamed == "The answer is 42. " and tr.stopped
+    assert streamed == "The answer is 42. " and tr.stopped == "END"

@@ -571,3 +571,68 @@ def test_tokenize_counts_a_chat_with_its_tools_as_the_chat_is_served(server, cli
         with urllib.request.urlopen(req) as f:
             counted = json.loads(f.read())["count"]
         assert counted == chat.usage.prompt_tokens and (counted > plain if choice == "auto" else counted == plain)
+
+
+def test_stop_reason_names_what_stopped_a_choice_and_a_stop_string_may_stay(server, client, tiny_chat_model):
+    """vLLM's stop_reason: the stop string (or stop token id) that ended a choice, None for one cut
+    off by max_tokens; include_stop_str_in_output keeps the string at the text's end. The texts
+    are HF's greedy text cut at the string's first occurrence, whole and streamed alike."""
+    want = hf_texts(tiny_chat_model, ["Once upon a time"], 12)[0]
+    stop = want[4:7]
+    kw = dict(model=server.model, prompt="Once upon a time", max_tokens=12, temperature=0)
+    for keep in (False, True):
+        extra = {"ignore_eos": True, "include_stop_str_in_output": keep, "return_token_ids": True}
+        r = client.completions.create(**kw, stop=[stop, "never-written"], extra_body=extra).choices[0]
+        cut = want[:want.index(stop) + (len(stop) if keep else 0)]
+        assert (r.text, r.finish_reason, r.model_extra["stop_reason"]) == (cut, "stop", stop)
+        chunks = list(client.completions.create(**kw, stop=[stop], stream=True, extra_body=extra))
+        assert "".join(c.choices[0].text for c in chunks) == cut
+        assert chunks[-1].choices[0].model_extra["stop_reason"] == stop
+    r = client.completions.create(**kw, extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
+    assert (r.text, r.finish_reason, r.model_extra["stop_reason"]) == (want, "length", None)
+    at = r.model_extra["token_ids"][5]
+    r = client.completions.create(**kw, extra_body={"ignore_eos": True, "stop_token_ids": [at]}).choices[0]
+    assert (r.finish_reason, r.model_extra["stop_reason"]) == ("stop", at)
+    chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    said = chat.choices[0].message.content
+    chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=12, temperature=0, stop=[said[3:6]],
+                                          extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    c = chat.choices[0]
+    assert (c.message.content, c.model_extra["stop_reason"]) == (said[:said.index(said[3:6]) + 3], said[3:6])
+
+
+def test_prompt_logprobs_are_hfs_with_their_ranks(server, client, tiny_chat_model):
+    """vLLM's prompt_logprobs: per prompt token after the first, the token's HF log probability
+    and rank (the tokens at least as likely), and the k likeliest with ranks 1..k; a completion's
+    in each choice, a chat's beside its choices; computed whole, so a prompt cached by an earlier
+    request is scored the same; refused with stream=true, as vLLM does."""
+    prompt = "The capital of France is Paris, and the capital of Spain is Madrid."
+    kw = dict(model=server.model, prompt=prompt, max_tokens=1, temperature=0)
+    client.completions.create(**kw)                       # its blocks are now in the prefix cache
+    r = client.completions.create(**kw, extra_body={"prompt_logprobs": 2, "return_token_ids": True})
+    c = r.choices[0].model_extra
+    ids, got = c["prompt_token_ids"], c["prompt_logprobs"]
+    ref = hf_logprobs(tiny_chat_model, ids[:1], ids[1:])
+    assert len(got) == len(ids) and got[0] is None
+    for p, (tid, at) in enumerate(zip(ids[1:], got[1:])):
+        row = ref[p]
+        top = row.topk(2).indices.tolist()
+        assert list(at)[0] == str(tid) and set(at) == {str(tid), *map(str, top)}
+        assert at[str(tid)]["logprob"] == pytest.approx(row[tid].item(), abs=2e-4)
+        assert at[str(tid)]["rank"] == int((row >= row[tid] - 1e-6).sum()), p
+        assert [at[str(t)]["rank"] for t in top if t != tid] == [i + 1 for i, t in enumerate(top) if t != tid]
+    assert r.usage.prompt_tokens_details is None or r.usage.prompt_tokens_details.cached_tokens == 0
+    chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=1, extra_body={"prompt_logprobs": 0, "return_token_ids": True})
+    scored = chat.model_extra["prompt_logprobs"]
+    assert len(scored) == len(chat.model_extra["prompt_token_ids"]) and scored[0] is None
+    assert all(len(at) == 1 for at in scored[1:])
+    both = client.completions.create(**kw, echo=True, logprobs=1, extra_body={"prompt_logprobs": 3}).choices[0]
+    assert all(len(t) <= 2 for t in both.logprobs.top_logprobs[1:])      # echo: its own 1 (and the token)
+    assert all(len(at) >= 3 for at in both.model_extra["prompt_logprobs"][1:])
+    assert both.logprobs.token_logprobs[1:len(ids)] == [got[p][str(t)]["logprob"] for p, t in enumerate(ids) if p]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**kw, stream=True, extra_body={"prompt_logprobs": 1})
+    assert e.value.param == "prompt_logprobs"

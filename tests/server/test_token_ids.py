@@ -163,10 +163,11 @@ async def test_the_api_document_describes_every_field_returned(server):
         async with c.get(server.url + "/openapi.json") as r:
             doc = await r.json()
     calls = (("/v1/completions", {"prompt": "Hello", "n": 2}),
-             ("/v1/completions", {"prompt": "Hello", "logprobs": 2, "echo": True}),
+             ("/v1/completions", {"prompt": "Hello", "logprobs": 2, "echo": True, "prompt_logprobs": 1,
+                                  "stop": ["e"]}),
              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]}),
              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}], "logprobs": True,
-                                       "top_logprobs": 2}))
+                                       "top_logprobs": 2, "prompt_logprobs": 2}))
     for path, body in calls:
         schema = doc["paths"][path]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
         out = await post(server.url, path, body | {"max_tokens": 3, "return_token_ids": True})
