@@ -200,6 +200,8 @@ class LLM:
                 _positive(name, v)
         if not isinstance(swap_space, (int, float)) or isinstance(swap_space, bool) or swap_space < 0:
             raise ValueError(f"swap_space: must be a non-negative number of GiB, got {swap_space!r}")
+        if length_learned_max is not None and (not isinstance(length_learned_max, int) or length_learned_max < 0):
+            raise ValueError(f"length_learned_max: must be 0 or more, got {length_learned_max!r}")
         if isinstance(tandem_off, str):
             tandem_off = (tandem_off,)
         final = SchedConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, policy, rt_budget_s,

@@ -306,7 +306,8 @@ class ActorThread:
     def _worker_died(self, why: str) -> list[Update]:
         """Start a fresh worker and queue the requests again; fail the device if it cannot start."""
         a = self.actor
-        log.error("%s: %s; restarting it", a.device.name, why)
+        named = why if why.startswith(a.device.name + ":") else f"{a.device.name}: {why}"   # a DeviceError names it
+        log.error("%s; restarting it", named)
         self.restarting = True
         self._release_sources()
         updates = []

@@ -71,7 +71,8 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
                     help="reuse the K/V blocks of a prompt's start that an earlier request computed (a shared "
                          "system prompt, a chat's earlier turns) instead of computing them again; the same "
-                         "outputs either way (default: on; not with --bidirectional-blocks)")
+                         "outputs either way in float32, up to rounding in bfloat16 (default: on; not with "
+                         "--bidirectional-blocks)")
     ap.add_argument("--prefix-aware-routing", action=argparse.BooleanOptionalAction, default=d.prefix_routing,
                     help="several devices with prefix caching: send a request to the device whose cache holds "
                          "the most of its prompt's start (a chat's earlier turns), while that device holds at "
@@ -163,6 +164,12 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
             raise ValueError(f"shed-chats-after: must be 0 (never) or more, got {a.shed_chats_after}")
         if a.length_learned_max is not None and a.length_learned_max < 0:
             raise ValueError(f"length-learned-max: must be 0 or more, got {a.length_learned_max}")
+        from tandem.predictor.model import is_saved
+        from tandem.sched.lengths import MAX_TOKENS
+        if a.length_predictor not in (None, MAX_TOKENS) and not is_saved(a.length_predictor):
+            raise ValueError(f"length-predictor: no length predictor in {a.length_predictor} (nor {MAX_TOKENS})")
+        from tandem.engine.models.loader import check_model
+        check_model(a.model)
         if a.max_connections < 1 or a.header_timeout <= 0 or a.body_timeout <= 0:
             raise ValueError("max-connections, header-timeout and body-timeout must be positive")
     except ValueError as e:

@@ -314,9 +314,9 @@ class Choice:
         self.echo_sent = True
         if self.logprobs is None or self.prompt_logprobs is None:
             return self.echo, [], []
-        return self.echo, self.echo_ids, [lp if lp is None or len(lp.top_ids) <= self.echo_top else replace(
-            lp, top_ids=lp.top_ids[:self.echo_top], top_logprobs=lp.top_logprobs[:self.echo_top])
-            for lp in self.prompt_logprobs]
+        k = self.echo_top         # the prompt may have been scored with more (prompt_logprobs)
+        return self.echo, self.echo_ids, [lp if lp is None or len(lp.top_ids) <= k else replace(
+            lp, top_ids=lp.top_ids[:k], top_logprobs=lp.top_logprobs[:k]) for lp in self.prompt_logprobs]
 
 
 async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice, sink=None) -> None:
@@ -387,7 +387,12 @@ def completion_choice(ch: Choice, text: str, finish: str | None, text_of: TokenT
     """A completion's choice (or chunk) with new ``text``: the echoed prompt goes first, once."""
     echo, ids, lps = ch.take_echo()
     return {"index": ch.index, "text": echo + text, "logprobs": None, "finish_reason": finish} | \
-        ({"stop_reason": ch.stop_reason} if finish is not None else {}) | unsent_logprobs(False, ch, text_of, ids, lps)
+        ended(ch, finish) | unsent_logprobs(False, ch, text_of, ids, lps)
+
+
+def ended(ch: Choice, finish: str | None) -> dict:
+    """vLLM's ``stop_reason``, in a choice (or the chunk) that ends."""
+    return {"stop_reason": ch.stop_reason} if finish is not None else {}
 
 
 def unsent_logprobs(chat: bool, ch: Choice, text_of: TokenText, first_ids=(), first_lps=()) -> dict:
@@ -469,16 +474,22 @@ async def complete(engine: AsyncEngine, st: AppState, p: Prepared, chat: bool) -
     created = int(time.time())
     choices = await run_to_end(st, p)
     body = [choice_json(chat, ch, st.text_of, p.gen.tools) for ch in choices]
-    k = p.gen.prompt_logprobs
-    if k is not None:       # vLLM's places: a completion's choices, a chat's response (one prompt)
-        scored = [prompt_logprobs_json(st.text_of, list(r.prompt_token_ids), ch.prompt_logprobs, k)
-                  if ch.prompt_logprobs is not None else None for r, ch in zip(p.requests, choices)]
-        for c, s in zip(body, scored):
-            if not chat:
-                c["prompt_logprobs"] = s
+    top = chat_prompt_ids(p) if chat else {}
+    if p.gen.prompt_logprobs is not None:   # where vLLM puts them: beside a chat's choices (one
+        scored = scored_prompts(st, p, choices)     # prompt), in each completion choice
+        if chat:
+            top["prompt_logprobs"] = scored[0]
+        else:
+            for c, lp in zip(body, scored):
+                c["prompt_logprobs"] = lp
     return head(p, "chat.completion" if chat else "text_completion", created) | {
-        "choices": body, "usage": usage(p, choices)} | (chat_prompt_ids(p) if chat else {}) | (
-        {"prompt_logprobs": scored[0]} if chat and k is not None else {})
+        "choices": body, "usage": usage(p, choices)} | top
+
+
+def scored_prompts(st: AppState, p: Prepared, choices: list[Choice]) -> list:
+    """vLLM's ``prompt_logprobs`` of each choice's prompt (None where it ended before scoring)."""
+    return [prompt_logprobs_json(st.text_of, list(r.prompt_token_ids), ch.prompt_logprobs, p.gen.prompt_logprobs)
+            if ch.prompt_logprobs is not None else None for r, ch in zip(p.requests, choices)]
 
 
 async def prepare_online(engine: AsyncEngine, st: AppState, body: dict, chat: bool) -> Prepared:
@@ -518,8 +529,7 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
     def chunk(ch: Choice, delta: str, finish: str | None, first: bool = False) -> dict:
         if chat:
             d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
-            c = {"index": ch.index, "delta": d, "logprobs": None, "finish_reason": finish} | (
-                {"stop_reason": ch.stop_reason} if finish is not None else {})
+            c = {"index": ch.index, "delta": d, "logprobs": None, "finish_reason": finish} | ended(ch, finish)
             if not first:
                 c |= unsent_logprobs(chat, ch, st.text_of)
         else:

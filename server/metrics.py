@@ -8,6 +8,8 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from tandem.sched.request import Transfer
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
 CLASSES = ("rt", "be")
@@ -112,6 +114,7 @@ class Metrics:
                                   "full blocks compressed) and blocks over all devices", ["model_name", "block_size",
                                   "cache_dtype", "num_gpu_blocks"], registry=r)
         self.lengths = None                      # the engine's LengthSource, when it predicts
+        self._zeros()
         self._seen: dict = {}
         self._devices: dict[int, tuple] = {}     # device index -> its last load, pool, size, T_avg
         self._status: dict[int, dict] = {}       # device index -> sched.status.device_status after its step
@@ -214,6 +217,23 @@ class Metrics:
             self.step_seconds.labels(self.model).observe(seconds)
             self.iteration_tokens.labels(self.model).observe(tokens)
         self._count(self.step_tokens, actor.index, actor.tokens_by_phase)
+
+    def _zeros(self) -> None:
+        """The series whose labels are known in advance, at 0 from the start (Prometheus' advice): a
+        dashboard or an alert sees "none yet", not "no such metric"."""
+        m = self.model
+        for kind in Transfer:
+            self.migrations.labels(m, kind.value)
+            self.migration_pause.labels(m, kind.value)
+        for path in ("retrieval", "mlp"):
+            self.predictions.labels(m, path)
+        for direction in ("out", "in"):
+            self.swap_bytes.labels(m, direction)
+        for event in ("out", "in", "evicted"):
+            self.swaps.labels(m, event)
+        for c in (self.prediction_error, self.chats_refused, self.prefix_queries, self.prefix_hits,
+                  self.prefix_routed):
+            c.labels(m)
 
     def _count(self, counter: Counter, device: int, totals) -> None:
         """Bring a Prometheus counter up to one device's running totals (key -> count; a key is an

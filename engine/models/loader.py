@@ -40,21 +40,31 @@ def packaged_smollm2() -> Path:
 
 def resolve_model(model: str, cache_dir: str | os.PathLike) -> Path:
     """Return a HF checkpoint directory for ``model``; ValueError if there is none."""
-    if not isinstance(model, str) or not model:
-        raise ValueError(f"model: must be {_CHOICES}")
+    check_model(model)
     if model == SMOLLM2:
         return convert_gguf(packaged_smollm2(), Path(cache_dir))
     from tandem.engine.models.paper import CONFIGS, write_random_model
     if model in CONFIGS:
         return write_random_model(model, cache_dir)
     p = Path(model).expanduser()
+    return convert_gguf(p, Path(cache_dir)) if p.suffix == ".gguf" else p
+
+
+def check_model(model: str) -> None:
+    """ValueError unless ``model`` names a model ``resolve_model`` can give (nothing converted or
+    written yet, so a server can refuse a wrong name before it starts)."""
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model: must be {_CHOICES}")
+    from tandem.engine.models.paper import CONFIGS
+    if model == SMOLLM2 or model in CONFIGS:
+        return
+    p = Path(model).expanduser()
     if p.suffix == ".gguf":
         if not p.is_file():
             raise ValueError(f"model: GGUF file {model!r} does not exist")
-        return convert_gguf(p, Path(cache_dir))
-    if p.is_dir() and (p / "config.json").is_file():
-        return p
-    raise ValueError(f"model: {model!r} is not {_CHOICES}")
+        return
+    if not (p.is_dir() and (p / "config.json").is_file()):
+        raise ValueError(f"model: {model!r} is not {_CHOICES}")
 
 
 def convert_gguf(path: Path, cache_dir: Path) -> Path:

@@ -142,6 +142,7 @@ def test_bad_devices(devices, tiny_llama):
     (dict(kv_cache_fraction="0.5"), "kv_cache_fraction"),
     (dict(kv_cache_bytes=1 << 20, kv_cache_fraction=0.5), "kv_cache_fraction"),
     (dict(omp_wait_policy="spin"), "omp_wait_policy"),
+    (dict(length_learned_max=-1), "length_learned_max"),
 ])
 def test_bad_llm_arguments_fail_before_anything_loads(kwargs, field, tiny_llama, monkeypatch):
     import tandem.sched.llm as llm_module

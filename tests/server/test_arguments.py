@@ -17,12 +17,20 @@ from tests.server.conftest import ROOT, free_port
     (["--rebalance-interval", "0"], "rebalance-interval"),
     (["--length-learned-max", "-1"], "length-learned-max"),
     (["--shed-chats-after", "-2"], "shed-chats-after"),
+    (["--policy", "alise", "--length-predictor", "/no/such/dir"], "length-predictor"),
+    (["--model", "/no/such/checkpoint"], "model"),
+    (["--model", "missing.gguf"], "GGUF"),
 ])
 def test_bad_settings_exit_before_loading(args, says):
     run = subprocess.run([sys.executable, "-m", "server", "--port", str(free_port()), *args], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and says in run.stderr, run.stderr[-2000:]
     assert "loading" not in run.stdout
+
+
+def test_max_tokens_is_a_length_predictor_too():
+    from tandem.server.__main__ import parse_args
+    assert parse_args(["--policy", "alise", "--length-predictor", "max_tokens"]).length_predictor == "max_tokens"
 
 
 def test_the_omp_wait_policy_is_read_in_any_case(monkeypatch):

@@ -54,3 +54,18 @@ def test_steps_and_their_tokens_are_counted_by_class_and_phase(tiny_chat_model, 
         assert seen["tokens_rt_decode"] == tokens["rt", "decode"]
     finally:
         assert stop_server(s) == 0
+
+
+def test_counters_with_known_labels_are_there_at_zero_before_anything_happens():
+    """Read with Prometheus' own text parser: a fresh server's migrations, swaps, predictions and
+    refusals are series at 0, not missing until their first event."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from tandem.server.metrics import Metrics
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(Metrics("m").render().decode())
+               for s in f.samples}
+    for name, labels in (("tandem:migrations_total", {"kind": "kv"}), ("tandem:migrations_total", {"kind": "token"}),
+                         ("tandem:swaps_total", {"event": "evicted"}), ("tandem:swap_bytes_total", {"direction": "in"}),
+                         ("tandem:length_predictions_total", {"path": "retrieval"}),
+                         ("tandem:length_prediction_abs_error_tokens_count", {}), ("tandem:chats_refused_total", {})):
+        assert samples[(name, tuple(sorted({"model_name": "m", **labels}.items())))] == 0, (name, labels)
