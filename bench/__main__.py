@@ -213,7 +213,7 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     ik.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     ik.add_argument("--out", default="int8_kv.json", help="result file under bench/results")
     stk = sub.add_parser("same-tokens", help="greedy replies of held-out ShareGPT prompts run together and each "
-                         "alone, per dtype: how many change with the batch")
+                         "alone, and alone again with the prompt cached, per dtype: how many change")
     stk.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     stk.add_argument("--num-prompts", type=int, default=20)
     stk.add_argument("--max-prompt", type=int, default=256)
