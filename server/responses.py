@@ -27,13 +27,10 @@ from tandem.server.app import (STATE, STORE, Choice, Prepared, all_or_none, choi
                                usage)
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.protocol import reject_unsupported
-from tandem.server.schema import RESPONSES_BODY, RESPONSES_UNSUPPORTED, validate
+from tandem.server.schema import RESPONSES_BODY, RESPONSES_PASSED, RESPONSES_UNSUPPORTED, validate
 from tandem.server.store import Store
 from tandem.server.tools import ContentStream, ToolChoice, finish_reason, lead_length
 
-PASSED = ("model", "temperature", "top_p", "top_k", "seed", "stream", "service_tier", "slo_ttft_ms", "slo_tbt_ms",
-          "user", "cache_salt", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
-          "structured_outputs")
 # chat fields the translation writes -> the Responses fields they came from (for error messages)
 RENAMED = (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
            ("max_tokens", "max_output_tokens"), ("messages", "input"))
@@ -71,9 +68,7 @@ def _keep(store: Store, body: dict, response: dict, conversation: list[dict], re
     """Keep a finished response and its conversation, unless the request said ``store: false``."""
     if body.get("store") is False:
         return
-    said = {"role": "assistant", "content": reply["content"]} | (
-        {"tool_calls": reply["tool_calls"]} if reply.get("tool_calls") else {})
-    store.keep_response(response, conversation + [said], MAX_KEPT)
+    store.keep_response(response, conversation + [reply], MAX_KEPT)
 
 
 def chat_body(body: dict, store: Store) -> tuple[dict, list[dict]]:
@@ -83,7 +78,7 @@ def chat_body(body: dict, store: Store) -> tuple[dict, list[dict]]:
     reject_unsupported(body, RESPONSES_UNSUPPORTED)
     conversation = _conversation(body, store)
     system = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
-    chat = {k: body[k] for k in PASSED if body.get(k) is not None} | {"messages": system + conversation}
+    chat = {k: body[k] for k in RESPONSES_PASSED if body.get(k) is not None} | {"messages": system + conversation}
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     return chat | _tools(body) | _format(body), conversation
@@ -275,7 +270,8 @@ class _Events:
         self.resp, self.p, self.seq = resp, p, 0
         self.index = 0                              # the next output item's
         self.text: dict | None = None               # the open message's place
-        self.said = ""                              # and the text it was sent
+        self.said: list[str] = []                   # and the text it was sent, in pieces
+        self.said_chars = 0
         self.calls: dict[int, tuple[int, dict]] = {}     # calls opened, by their index among the reply's calls
         self.closed: set[str] = set()               # ids of the items done
 
@@ -302,15 +298,16 @@ class _Events:
             return
         if self.text is None:
             await self._text_opens(_text_item(self.p, None, None))
-        self.said += delta
+        self.said.append(delta)
+        self.said_chars += len(delta)
         await self.send("response.output_text.delta", {**self.text, "delta": delta, "logprobs": []})
 
     async def text_closes(self, item: dict) -> None:
         """A message done as ``item``: opened where it was not, and sent the text it was not yet."""
         if self.text is None:
             await self._text_opens(item)
-        await self.text_piece(item["content"][0]["text"][len(self.said):])
-        at, self.text, self.said = self.text, None, ""
+        await self.text_piece(item["content"][0]["text"][self.said_chars:])
+        at, self.text, self.said, self.said_chars = self.text, None, [], 0
         await self.send("response.output_text.done", {**at, "text": item["content"][0]["text"], "logprobs": []})
         await self.send("response.content_part.done", {**at, "part": item["content"][0]})
         await self.send("response.output_item.done", {"output_index": at["output_index"], "item": item})
@@ -332,7 +329,7 @@ class _Events:
         (a call of an ``auto`` reply goes out whole), after the message before it."""
         if i not in self.calls:
             if self.text is not None:
-                await self.text_closes(_text_item(self.p, self.said, "stop"))
+                await self.text_closes(_text_item(self.p, "".join(self.said), "stop"))
             await self.call_piece({"index": i, "id": item["call_id"], "function": {
                 "name": item["name"], "arguments": item["arguments"]}})
         index = self.calls[i][0]
@@ -372,7 +369,6 @@ async def _stream(request, st, p: Prepared, body: dict, created: int, keep) -> w
     await resp.prepare(request)
     ev, tools = _Events(resp, p), p.gen.tools
     content = ContentStream(tools) if tools is not None else None
-    whole: dict[int, dict] = {}           # an auto reply's calls sent, with the ids they went out with
     started = response_json(p, body, created, None, None, None)
     await ev.send("response.created", {"response": started})
     await ev.send("response.in_progress", {"response": started})
@@ -380,18 +376,16 @@ async def _stream(request, st, p: Prepared, body: dict, created: int, keep) -> w
     async def sink(ch: Choice, delta: str) -> None:
         await ev.text_piece(delta if content is None else content.push(delta))
         for d in content.call_deltas(delta, lambda: ch.text) if content is not None else ():
-            if tools.choice is not ToolChoice.AUTO:
+            if tools.choice is ToolChoice.AUTO:
+                await ev.call_closes(d["index"], _call_item(d))
+            else:
                 await ev.call_piece(d)
-                continue
-            whole[d["index"]] = {k: v for k, v in d.items() if k != "index"}
-            await ev.call_closes(d["index"], _call_item(d))
 
     choices = new_choices(p, st.text_of)
     try:
         await all_or_none(run_choice(sub, st.metrics, r, ch, sink) for sub, r, ch in zip(p.subs, p.requests, choices))
         ch = choices[0]
         text, calls = (ch.text, []) if content is None else content.final(ch.text)
-        calls = [whole.get(i, c) for i, c in enumerate(calls)]
         reply = {"role": "assistant", "content": text} | ({"tool_calls": calls} if calls else {})
         done = response_json(p, body, created, reply, finish_reason(calls, ch.finish_reason), usage(p, choices),
                              content.sent if content is not None else 0)

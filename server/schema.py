@@ -194,10 +194,12 @@ RESPONSES_TOOLS = {
         "type": "object", "required": ["type", "name"], "properties": {
             "type": {"enum": ["function"]}, "name": {"type": "string"}}}]},
     "parallel_tool_calls": TOOLS["parallel_tool_calls"]}
+# the chat fields a Responses request takes as they are
+RESPONSES_PASSED = ("model", "temperature", "top_p", "top_k", "seed", "stream", "service_tier", "slo_ttft_ms",
+                    "slo_tbt_ms", "user", "cache_salt", "ignore_eos", "min_tokens", "presence_penalty",
+                    "frequency_penalty", "structured_outputs")
 RESPONSES_BODY = {"type": "object", "required": ["input"], "properties": {
-    **{k: SAMPLING[k] for k in ("model", "temperature", "top_p", "top_k", "seed", "stream", "service_tier",
-                                "slo_ttft_ms", "slo_tbt_ms", "user", "cache_salt", "ignore_eos", "min_tokens",
-                                "presence_penalty", "frequency_penalty", "structured_outputs")},
+    **{k: SAMPLING[k] for k in RESPONSES_PASSED},
     "input": {"anyOf": [{"type": "string", "minLength": 1}, {
         "type": "array", "minItems": 1, "items": {"anyOf": [INPUT_MESSAGE, FUNCTION_CALL_ITEM, FUNCTION_OUTPUT_ITEM]}}],
               "description": "the user's text, or items: messages (text parts only), earlier function calls "

@@ -208,6 +208,7 @@ class ContentStream:
     tail: str = ""                  # auto: the reply's last characters, where a closing tag may begin
     calls_sent: int = 0             # calls sent before the reply ends: the first of its final calls
     args: ArgumentStream | None = None      # a constrained reply's calls so far
+    auto_sent: list[dict] = field(default_factory=list)     # auto: the calls sent, with the ids they went out with
 
     def __post_init__(self):
         if self.plan.choice in (ToolChoice.NAMED, ToolChoice.REQUIRED):
@@ -249,14 +250,18 @@ class ContentStream:
         if CLOSE_TAG not in seen:
             return []
         _, calls = self.plan.parse(reply())
+        self.auto_sent += calls[self.calls_sent:]
         new = [c | {"index": i} for i, c in enumerate(calls) if i >= self.calls_sent]
         self.calls_sent = len(calls)
         return new
 
     def final(self, reply: str) -> tuple[str | None, list[dict]]:
-        """The whole reply's (content, calls), as ``ToolPlan.parse`` gives them; a constrained
-        reply's are the calls already streamed, with their ids, not read again."""
-        return (None, self.args.calls) if self.args is not None else self.plan.parse(reply)
+        """The whole reply's (content, calls), as ``ToolPlan.parse`` gives them; the calls already
+        streamed keep the ids they went out with (a constrained reply's are not read again)."""
+        if self.args is not None:
+            return None, self.args.calls
+        content, calls = self.plan.parse(reply)
+        return content, self.auto_sent + calls[len(self.auto_sent):]
 
 
 def lead_length(reply: str) -> int:
