@@ -373,9 +373,13 @@ class _Baseline(_Books):
         """The device of ``fits`` that cache-aware routing picks for an arrival of ``size``
         blocks, if any: LB's balancer would move nothing once it is placed there (the fullest
         and the emptiest active devices differ by at most C/10 blocks, or the fullest holds no
-        request that would narrow the gap), or it is ``worst``, where worst fit puts it anyway."""
+        request that would narrow the gap), or it is ``worst``, where worst fit puts it anyway.
+        ``worst`` holding as much of the prompt as affinity's pick (which the request-count slack
+        may have left it out of) keeps it: the arrival goes where worst fit puts it."""
         counts = {d: len(self.requests_on(d)) for d in self.cl.active}
         d = prefix_affinity({d: n for d, n in cached.items() if d in fits}, counts)
+        if d is not None and cached.get(worst, 0) >= cached[d]:
+            return worst
         if d is None or d == worst or not self._balancing(extra=(d, size)):
             return d
         return None
