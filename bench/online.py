@@ -24,7 +24,7 @@ from tandem.bench.output import RESULTS
 from tandem.bench.client import run_trace
 from tandem.bench import plots
 from tandem.bench.metrics import attainment, effective_throughput, meets_apt, meets_bros, record_dict, summarize
-from tandem.bench.peers import free_port, serve, vllm_server
+from tandem.bench.peers import free_port, installed_only, serve, vllm_server
 from tandem.bench.workloads import TraceItem, chat_text, sharegpt_trace
 from tandem.engine.dtype import resolve_dtype
 from tandem.engine.models.loader import load_spec
@@ -279,7 +279,7 @@ def main(args) -> None:
 
     def server(system: str):
         return start(system, hf_dir, args.max_num_seqs, slo, args.model, args.kv_cache_gib, args.devices)
-    for system in args.systems:
+    for system in installed_only(args.systems):
         if args.requests:
             for rate in args.rates:
                 with server(system) as url:
@@ -325,7 +325,7 @@ def mixed(args) -> None:
     told = slo if args.server_slo_tbt_ms is None else {**slo, "tbt_s": args.server_slo_tbt_ms / 1e3}
     label = "" if args.server_slo_tbt_ms is None else f"@tbt{args.server_slo_tbt_ms:g}ms"
     rows, traces = [], {}
-    for system in args.systems:
+    for system in installed_only(args.systems):
         mode = args.be_mode if args.be_mode != "auto" else ("batches" if system.startswith("tandem") else "online")
         with start(system, hf_dir, args.max_num_seqs, told, args.model, args.kv_cache_gib, args.devices) as url:
             for i, rate in enumerate(args.rates):

@@ -30,6 +30,27 @@ def vllm_python() -> Path | None:
     return py if py.is_file() else None
 
 
+def installed(system: str) -> bool:
+    """Is the server behind a bench system name installed here? Ours always is; a peer once
+    bench/setup_peers.sh has set it up."""
+    if system.startswith("vllm"):
+        return vllm_python() is not None
+    if system == "llamacpp":
+        return llama_server_bin() is not None
+    if system == "transformers":
+        return transformers_cli() is not None
+    return True
+
+
+def installed_only(systems: list[str]) -> list[str]:
+    """``systems`` without the peers that are not installed, saying which were left out (a run
+    that started a missing peer after measuring the others would lose what it measured)."""
+    missing = [s for s in systems if not installed(s)]
+    if missing:
+        print(f"not installed (bench/setup_peers.sh): {', '.join(missing)}; left out", flush=True)
+    return [s for s in systems if s not in missing]
+
+
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
     """Until ``url`` answers 200. A server whose model failed to load (ours keeps answering
     /health with status "failed"; its log says why) is not waited for."""

@@ -1,8 +1,23 @@
 """Matplotlib figures for the bench results (PNG next to the JSON they come from)."""
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from pathlib import Path
+
+
+def optional(plot):
+    """``plot`` where matplotlib is installed (the ``bench`` extra); elsewhere a line saying the
+    figure was left out, so a run without it still writes its JSON and prints its table."""
+    @functools.wraps(plot)
+    def run(*args, **kw):
+        try:
+            import matplotlib  # noqa: F401
+        except ModuleNotFoundError:
+            print(f"no {plot.__name__} plot: matplotlib is not installed (pip install 'tandem[bench]')")
+            return None
+        return plot(*args, **kw)
+    return run
 
 
 def _plt():
@@ -18,6 +33,7 @@ def _save(fig, path: Path) -> None:
     _plt().close(fig)
 
 
+@optional
 def attainment_vs_rate(rows: list[dict], path: Path, title: str, key: str = "system") -> None:
     """One line per ``key`` value; left panel TTFT & P99 TBT (Apt-Serve), right TTFT & TPOT (BROS)."""
     plt = _plt()
@@ -46,6 +62,7 @@ def _cdf(ax, values: list[float], label: str) -> None:
                 drawstyle="steps-post")
 
 
+@optional
 def latency_cdfs(runs: list[dict], path: Path, title: str) -> None:
     """TTFT and TBT CDFs of RT requests, one line per (system, rate) run.
 
@@ -68,6 +85,7 @@ def latency_cdfs(runs: list[dict], path: Path, title: str) -> None:
     _save(fig, path)
 
 
+@optional
 def rt_latency_vs_be_throughput(rows: list[dict], path: Path, title: str) -> None:
     """Each (system, rate) as a point: BE tokens/s against RT normalized latency (the mean, as BROS
     reports it), labelled by rate."""

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 from tandem.bench.output import RESULTS, save_json
+from tandem.bench.plots import optional
 from tandem.sched.placement import Cluster, Epoch, MoveKind, Placement, place
 
 BLOCK_TOKENS = 16
@@ -138,7 +139,7 @@ def run(args) -> None:
                 _print_group([r for r in rows if (r["trace"], r["cv"], r["rate"]) == (kind, cv, rate)])
     save_json(args.out, {"capacity_blocks": CAPACITY, "block_tokens": BLOCK_TOKENS, "tbt_ms": args.tbt_ms,
                          "duration_s": args.duration, "rows": rows})
-    _plot(rows)
+    timeline(rows)
 
 
 def _print_group(rows: list[dict]) -> None:
@@ -156,7 +157,8 @@ def _print_group(rows: list[dict]) -> None:
               f"{r['peak_devices'] / max(1, r['floor_peak']):10.2f}")
 
 
-def _plot(rows: list[dict]) -> None:
+@optional
+def timeline(rows: list[dict]) -> None:
     """Active devices over time, per policy, for the highest-rate Poisson ShareGPT run."""
     from tandem.bench.plots import _plt, _save
     pick = [r for r in rows if r["trace"] == "sharegpt" and r["cv"] == 1.0]

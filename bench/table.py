@@ -18,20 +18,11 @@ OFFLINE_KEYS = {"tandem": "tandem", "vLLM CPU server (float32)": "vllm", "llama.
                 "transformers serve": "transformers"}
 
 
-def installed(system: str) -> bool:
-    from tandem.bench import peers
-    return {"tandem": True, "vllm": peers.vllm_python() is not None,
-            "llamacpp": peers.llama_server_bin() is not None,
-            "transformers": peers.transformers_cli() is not None}[system]
-
-
 def run(args) -> None:
     from tandem.bench.offline import main as offline
     from tandem.bench.online import main as online
-    systems = [s for s in ONLINE_SYSTEMS if installed(s)]
-    missing = sorted(set(ONLINE_SYSTEMS) - set(systems))
-    if missing:
-        print(f"not installed (bench/setup_peers.sh): {', '.join(missing)}; left out")
+    from tandem.bench.peers import installed_only
+    systems = installed_only(ONLINE_SYSTEMS)
     if not args.skip_offline:
         offline(argparse.Namespace(num_prompts=64, max_tokens=128, dtype="float32", devices="cpu:1",
                                    skip=["hf_generate", "hf_cb", "vllm_bfloat16"]))

@@ -84,7 +84,60 @@ def test_the_peers_table_gives_the_online_bench_every_setting_its_cli_has(monkey
     from tandem.bench import table
     from tandem.bench.__main__ import main
     cli = _online_args(monkeypatch, lambda: main(["online"]))
-    monkeypatch.setattr(table, "installed", lambda system: system == "tandem")
+    from tandem.bench import peers
+    monkeypatch.setattr(peers, "installed", lambda system: system == "tandem")
     built = _online_args(monkeypatch, lambda: table.run(argparse.Namespace(
         rates=[1.0, 2.0], duration=30.0, drain=60.0, search=None, skip_offline=True)))
     assert set(cli) - {"cmd"} <= set(built), sorted(set(cli) - set(built))
+
+
+def test_peers_not_installed_are_left_out_before_anything_runs(monkeypatch, tmp_path, capsys):
+    """`bench online --systems tandem vllm` on a machine without vLLM measures tandem and writes
+    it; starting the missing peer last used to raise and lose tandem's rows."""
+    import argparse
+    import contextlib
+    import json
+    from tandem.bench import online, peers
+    monkeypatch.setattr(peers, "PEERS_DIR", tmp_path / "peers")
+    assert peers.installed_only(["tandem", "tandem-bros", "vllm-priority", "llamacpp", "transformers"]) == [
+        "tandem", "tandem-bros"]
+    assert "vllm-priority, llamacpp, transformers; left out" in capsys.readouterr().out
+    started = []
+
+    @contextlib.contextmanager
+    def start(system, *a, **kw):
+        if not peers.installed(system):
+            raise FileNotFoundError(system)
+        started.append(system)
+        yield "http://127.0.0.1:1"
+
+    async def run_trace(*a, **kw):
+        return [], 1.0
+    monkeypatch.setattr(online, "RESULTS", tmp_path)
+    monkeypatch.setattr(online, "_setup", lambda args: (tmp_path, None))
+    monkeypatch.setattr(online, "slo_for", lambda *a: {"ttft_s": 1.0, "tbt_s": 0.1})
+    monkeypatch.setattr(online, "RateTraces", lambda *a, **kw: (lambda rate: []))
+    monkeypatch.setattr(online, "start", start)
+    monkeypatch.setattr(online, "server_counters", lambda url: {})
+    monkeypatch.setattr(online, "run_trace", run_trace)
+    monkeypatch.setattr(online, "judge", lambda system, rate, *a: {"system": system, "rate": rate})
+    for quiet in ("print_row", "print_table"):
+        monkeypatch.setattr(online, quiet, lambda *a, **kw: None)
+    monkeypatch.setattr(online.plots, "attainment_vs_rate", lambda *a, **kw: None)
+    monkeypatch.setattr(online.plots, "latency_cdfs", lambda *a, **kw: None)
+    online.main(argparse.Namespace(systems=["vllm", "tandem"], rates=[1.0], requests=None, search=None,
+                                   out="o.json", seed=0, duration=1.0, drain=1.0, max_num_seqs=4,
+                                   model="smollm2", kv_cache_gib=None, devices=None))
+    assert started == ["tandem"]
+    assert [r["system"] for r in json.loads((tmp_path / "o.json").read_text())["rows"]] == ["tandem"]
+
+
+def test_a_figure_without_matplotlib_is_left_out_with_a_line(monkeypatch, tmp_path, capsys):
+    """Without the bench extra a run still gets to its table: the figure says it was left out."""
+    import sys
+    from tandem.bench import plots
+    monkeypatch.setitem(sys.modules, "matplotlib", None)         # import matplotlib -> ModuleNotFoundError
+    plots.attainment_vs_rate([{"system": "a", "rate": 1.0, "attain_apt": 1, "attain_bros": 1}],
+                             tmp_path / "a.png", "t")
+    assert not (tmp_path / "a.png").exists()
+    assert "no attainment_vs_rate plot: matplotlib is not installed" in capsys.readouterr().out
