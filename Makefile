@@ -21,13 +21,9 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 # the default policy predicts output lengths with the trained predictor: trained once (minutes),
-# and again where it predates the whole-prompt text head (text.pt)
-PREDICTOR := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/tandem/predictor/text.pt
-
-$(PREDICTOR): | $(STAMP)
-	$(VPY) -m predictor train
-
-serve: $(STAMP) $(PREDICTOR)
+# and again where it predates the whole-prompt text head
+serve: $(STAMP)
+	$(VPY) -m predictor train --if-missing
 	$(VPY) -m server --model smollm2 --host 127.0.0.1 --port 8000
 
 # the suite keeps one core busy on average (a test mostly waits on its server, and the server on

@@ -20,6 +20,8 @@ def main(argv=None, prog: str = "python -m predictor") -> int:
     t.add_argument("--threshold", type=float, default=None)
     t.add_argument("--max-tokens", type=int, default=None)
     t.add_argument("--threads", type=int, default=2)
+    t.add_argument("--if-missing", action="store_true",
+                   help="train only where no predictor with the text head is saved yet (make serve)")
     e = sub.add_parser("eval", help="accuracy and latency on the held-out records")
     e.add_argument("--path", type=Path, default=None, help="predictor directory (default: the trained one)")
     e.add_argument("--limit", type=int, default=None, help="evaluate on the first N held-out records")
@@ -37,13 +39,17 @@ def main(argv=None, prog: str = "python -m predictor") -> int:
 def _train(a) -> int:
     from dataclasses import replace
     from tandem.predictor.data import sharegpt
-    from tandem.predictor.model import Settings, default_dir
+    from tandem.predictor.model import Settings, default_dir, is_current
     from tandem.predictor.train import train
+    out = a.out or default_dir()
+    if a.if_missing and is_current(out):
+        print(f"a trained length predictor is in {out}; not training again")
+        return 0
     given = {"k": a.k, "threshold": a.threshold, "max_tokens": a.max_tokens}
     settings = replace(Settings(), **{k: v for k, v in given.items() if v is not None})
     examples = sharegpt(held_out=False, limit=a.limit)
     print(f"{len(examples)} ShareGPT training records; settings {settings}")
-    train(examples, settings, epochs=a.epochs, text_epochs=a.text_epochs, out=a.out or default_dir())
+    train(examples, settings, epochs=a.epochs, text_epochs=a.text_epochs, out=out)
     return 0
 
 
@@ -75,4 +81,4 @@ def _predict(a) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog=f"python -m {__spec__.parent}"))   # or tandem.predictor when installed

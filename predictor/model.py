@@ -215,6 +215,17 @@ def is_saved(path: str | Path) -> bool:
     return (saved_dir(path) / "meta.json").is_file()
 
 
+def is_current(path: str | Path) -> bool:
+    """Is a complete predictor with the whole-prompt text head saved in ``path``? (One saved
+    before the text head predicts without it: ``python -m predictor train --if-missing`` trains
+    again there.)"""
+    d = saved_dir(path)
+    if not is_saved(path):
+        return False
+    settings = json.loads((d / "meta.json").read_text()).get("settings", {})
+    return settings.get("text_hidden", 0) > 0 and (d / "text.pt").is_file()
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

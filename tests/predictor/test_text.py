@@ -152,3 +152,21 @@ def test_a_predictor_saved_in_the_old_layout_loads_and_is_replaced_whole(tmp_pat
     assert LengthPredictor.load(d).predict(fresh) == p.predict(fresh)
     p.save(d)
     assert not (d / "index.bin").exists() and LengthPredictor.load(d).predict(fresh) == p.predict(fresh)
+
+
+def test_train_if_missing_trains_only_where_no_predictor_with_the_text_head_is(tmp_path, monkeypatch):
+    """`make serve` runs `predictor train --if-missing` each time: it trains where nothing is
+    saved, or only a predictor from before the text head; never over a current one."""
+    from tandem.predictor.__main__ import main
+    p, _ = _small_predictor(tmp_path)
+    p.text = None
+    p.save(tmp_path / "before_text_head")
+    trained = []
+    monkeypatch.setattr("tandem.predictor.train.train", lambda ex, s, **kw: trained.append(kw["out"].name))
+    monkeypatch.setattr("tandem.predictor.data.sharegpt", lambda held_out, limit=None: Examples(
+        ["a"], np.array([3]), np.array([1]), np.array([0])))
+    for name in ("trained", "nothing_here", "before_text_head"):
+        assert main(["train", "--if-missing", "--threads", "1", "--out", str(tmp_path / name)]) == 0
+    assert trained == ["nothing_here", "before_text_head"]
+    main(["train", "--threads", "1", "--out", str(tmp_path / "trained")])
+    assert trained[-1] == "trained", "without --if-missing it trains again"
