@@ -425,4 +425,4 @@ def main(argv=None, prog: str = "python -m bench") -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(prog=f"python -m {__spec__.parent}")        # bench, or tandem.bench when installed

@@ -17,7 +17,7 @@ def device_status(actor, now: float) -> dict:
     request's place: running or waiting, why (the policy's last word on it), its level; how many
     wait for each reason."""
     load = {c.value: {"running": v[0], "waiting": v[1], "blocks": v[2]} for c, v in load_by_class([actor]).items()}
-    by_type: Counter = Counter()
+    held = _Held(actor.pool)
     waiting_why: Counter = Counter()
     plan = actor.last_plan
     requests = []
@@ -26,8 +26,7 @@ def device_status(actor, now: float) -> dict:
             st = actor.states.get(rid)
             if st is None:
                 continue
-            blocks = actor.pool.num_blocks_of(rid)
-            by_type[st.cache_type.value] += blocks
+            blocks = held.add(rid, st.cache_type)
             if state == "waiting":
                 why = plan.reasons.get(rid, "waiting: arrived after the last iteration's plan")
                 waiting_why[(st.request.service_class.value, reason_kind(why))] += 1
@@ -44,7 +43,7 @@ def device_status(actor, now: float) -> dict:
     return {
         "index": actor.index, "name": actor.device.name, "dead": actor.dead,
         "pool": {"total": geometry.num_blocks, **pool_view([actor]),
-                 "by_cache_type": {t.value: by_type.get(t.value, 0) for t in CacheType}},
+                 "by_cache_type": held.by_type()},
         "classes": {c: load.get(c, {"running": 0, "waiting": 0, "blocks": 0}) for c in ("rt", "be")},
         "iteration_s": actor.t_avg, "steps": actor.step_id, "preemptions": actor.num_preemptions,
         "tokens_computed": actor.tokens_computed,
@@ -52,3 +51,27 @@ def device_status(actor, now: float) -> dict:
         "requests": requests,
         "waiting_reasons": [{"class": c, "why": why, "requests": n} for (c, why), n in sorted(waiting_why.items())],
     }
+
+
+class _Held:
+    """Blocks held per cache type, each block once: with prefix caching, requests that share a
+    prompt's start hold the same blocks."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.shared = getattr(pool, "prefix", None) is not None
+        self.ids: dict[CacheType, set[int]] = {t: set() for t in CacheType}
+        self.counts: Counter = Counter()
+
+    def add(self, rid: str, cache_type: CacheType) -> int:
+        """Count ``rid``'s blocks; return how many it holds."""
+        if not self.shared:
+            n = self.pool.num_blocks_of(rid)
+            self.counts[cache_type] += n
+            return n
+        table = self.pool.table(rid)
+        self.ids[cache_type].update(table)
+        return len(table)
+
+    def by_type(self) -> dict[str, int]:
+        return {t.value: len(self.ids[t]) if self.shared else self.counts[t] for t in CacheType}

@@ -280,4 +280,4 @@ def main(argv=None, prog: str = "python -m server") -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(prog=f"python -m {__spec__.parent}")        # server, or tandem.server when installed

@@ -75,11 +75,14 @@ def test_installed_copy_generates_from_another_directory(installed, tiny_llama):
 
 def test_installed_commands_answer_help(installed):
     py, bin_dir, env, home = installed
-    for cmd in ([py, "-m", "tandem.server", "--help"], [bin_dir / "tandem", "serve", "--help"],
-                [bin_dir / "tandem", "bench", "--help"], [py, "-m", "tandem", "predictor", "--help"]):
+    for cmd, said in (([py, "-m", "tandem.server", "--help"], "python -m tandem.server"),
+                      ([bin_dir / "tandem", "serve", "--help"], "tandem serve"),
+                      ([bin_dir / "tandem", "bench", "--help"], "tandem bench"),
+                      ([py, "-m", "tandem", "predictor", "--help"], "tandem predictor")):
         run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=home, timeout=120)
         assert run.returncode == 0, (cmd, run.stderr[-2000:])
-        assert "--help" in run.stdout and "usage:" in run.stdout, run.stdout
+        assert "--help" in run.stdout, run.stdout
+        assert run.stdout.startswith(f"usage: {said} "), (said, run.stdout[:200])   # the command as typed
     bad = subprocess.run([bin_dir / "tandem", "launch"], capture_output=True, text=True, env=env, cwd=home)
     assert bad.returncode == 2 and "unknown command" in bad.stderr
 

