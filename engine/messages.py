@@ -67,6 +67,7 @@ class SamplingSpec:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0   # over prompt and output; the two above over the output only
     grammar: str = ""           # llguidance grammar the output must follow (engine.grammar); "": none
+    min_p: float = 0.0          # tokens below min_p x the likeliest token's probability are dropped
 
     @property
     def penalized(self) -> bool:

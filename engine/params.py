@@ -15,6 +15,7 @@ class SamplingParams:
     temperature: float = 1.0                # 0 = greedy
     top_p: float = 1.0                      # nucleus mass in (0, 1]
     top_k: int = -1                         # -1 or 0 = off
+    min_p: float = 0.0                      # tokens less likely than min_p x the likeliest's are dropped (0 = off)
     seed: int | None = None                 # per-request seed; None = random
     stop: list[str] = field(default_factory=list)          # stop strings (cut from the text, unless:)
     include_stop_str_in_output: bool = False               # the stop string that matched ends the text
@@ -48,6 +49,8 @@ class SamplingParams:
             bad("temperature", f"must be >= 0, got {self.temperature!r}")
         if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             bad("top_k", f"must be -1 (off) or a non-negative integer, got {self.top_k!r}")
         if self.seed is not None and not _is_int(self.seed):

@@ -178,13 +178,18 @@ def _mask_stops(logits: torch.Tensor, specs: list[SamplingSpec], num_generated: 
 
 
 def _filtered_probs(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
-    """[m, V] probabilities after temperature, top-k (k-th largest kept, ties included) and
+    """[m, V] probabilities after temperature, min-p (vLLM's: tokens whose probability is below
+    min_p times the likeliest token's are dropped), top-k (k-th largest kept, ties included) and
     top-p (the smallest prefix of the sorted distribution whose mass reaches top_p), per row."""
     dev, vocab = logits.device, logits.shape[1]
     # a temperature past the dtype's range would turn the suppressed stop ids' -inf into NaN
     limit = torch.finfo(logits.dtype).max
     temp = torch.tensor([min(sp.temperature, limit) for sp in specs], device=dev, dtype=logits.dtype)
     x = logits / temp[:, None]
+    if any(sp.min_p for sp in specs):
+        p = torch.softmax(x, dim=-1)
+        min_p = torch.tensor([sp.min_p for sp in specs], device=dev, dtype=p.dtype)
+        x = x.masked_fill(p < p.amax(dim=-1, keepdim=True) * min_p[:, None], float("-inf"))
     ks = [sp.top_k if 0 < sp.top_k < vocab else 0 for sp in specs]
     if any(ks):
         k = torch.tensor(ks, device=dev)

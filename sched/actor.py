@@ -537,7 +537,8 @@ class DeviceActor:
                             -1 if sp.prompt_logprobs is None else sp.prompt_logprobs,
                             tuple(sorted((sp.logit_bias or {}).items())), float(sp.presence_penalty),
                             float(sp.frequency_penalty), float(sp.repetition_penalty),
-                            compile_grammar(sp.structured_outputs) if sp.structured_outputs else "")
+                            compile_grammar(sp.structured_outputs) if sp.structured_outputs else "",
+                            float(sp.min_p))
         return NewRequest(st.req_id, st.all_token_ids(), len(st.request.prompt_token_ids),
                           st.cache_type, spec)
 
@@ -611,27 +612,30 @@ class DeviceActor:
     def _token_update(self, st: RequestState, tok: int) -> Update:
         """The new token's text and whether it ends the request. EOS and stop token ids count once
         min_tokens tokens exist; so do stop strings, searched only in text that is new. A request
-        under a grammar samples EOS below min_tokens only when its grammar is complete: it ends."""
+        under a grammar samples EOS below min_tokens only when its grammar is complete: it ends.
+        As in vLLM, the text of a token that ends the request (EOS or a stop token id) is left out
+        unless include_stop_str_in_output; its id stays among the output's."""
         sp = st.request.sampling
         n = len(st.output_token_ids)
         armed = n >= sp.min_tokens
         eos = not sp.ignore_eos and tok in self.eos_ids
+        ends = (eos and sp.structured_outputs is not None) or armed and (eos or tok in sp.stop_token_ids)
+        silent = ends and not sp.include_stop_str_in_output
         text = ""
         tracker = self._texts.get(st.req_id)
-        if tracker is not None:
+        if tracker is not None and not silent:
             text = tracker.push([tok], check_stop=armed)
-        if (eos and sp.structured_outputs is not None) or armed and (
-                eos or tok in sp.stop_token_ids or (tracker is not None and tracker.stopped)):
+        if ends or armed and tracker is not None and tracker.stopped:
             # vLLM's stop_reason: the stop string or stop token id; none for the end token
             st.stop_reason = tracker.stopped if tracker is not None and tracker.stopped else \
                 None if eos else tok
-            return self._finish(st, FinishReason.STOP, [tok], text=text)
+            return self._finish(st, FinishReason.STOP, [tok], text=text, silent_last=silent)
         if n >= sp.max_tokens or st.num_tokens >= self.max_model_len:
             return self._finish(st, FinishReason.LENGTH, [tok], text=text)
         return Update(st.req_id, [tok], text=text)
 
     def _finish(self, st: RequestState, reason: FinishReason, new: list[int] | None = None,
-                error: str | None = None, text: str = "") -> Update:
+                error: str | None = None, text: str = "", silent_last: bool = False) -> Update:
         self._drop(st)
         st.status, st.finish_reason, st.error = Status.FINISHED, reason, error
         self.states.pop(st.req_id, None)          # the caller keeps its RequestState if it wants it
@@ -640,7 +644,7 @@ class DeviceActor:
             text += tracker.finish()
             st.text_result = tracker.text()
         elif self.decode is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
-            text = st.text_result = self.decode(st.output_token_ids)
+            text = st.text_result = self.decode(st.output_token_ids[:-1] if silent_last else st.output_token_ids)
         queue_s = (st.first_scheduled_time - st.request.arrival_time
                    if st.first_scheduled_time is not None else None)
         return Update(st.req_id, new or [], reason, error, text, queue_s, cached_tokens=st.cached_tokens or 0,

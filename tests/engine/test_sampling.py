@@ -9,8 +9,10 @@ from tandem.engine.sampling import sample
 LOGITS = np.array([2.0, 1.5, 1.0, 0.2, -0.5, -3.0], dtype=np.float64)
 
 
-def expected(temperature, top_k, top_p):
+def expected(temperature, top_k, top_p, min_p=0.0):
     p = np.exp(LOGITS / temperature)
+    p /= p.sum()
+    p = np.where(p >= min_p * p.max(), p, 0)                # vLLM's min-p, before top-k and top-p
     p /= p.sum()
     keep = np.ones_like(p, dtype=bool)
     if top_k > 0:
@@ -25,17 +27,18 @@ def expected(temperature, top_k, top_p):
     return q / q.sum()
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [
-    (1.0, -1, 1.0), (0.5, -1, 1.0), (1.3, 3, 1.0), (1.0, -1, 0.7), (0.8, 4, 0.8)])
-def test_frequencies_match_softmax(temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
+    (1.0, -1, 1.0, 0), (0.5, -1, 1.0, 0), (1.3, 3, 1.0, 0), (1.0, -1, 0.7, 0), (0.8, 4, 0.8, 0),
+    (1.0, -1, 1.0, 0.3), (1.5, 4, 0.9, 0.2), (1.0, -1, 0.6, 0.5)])
+def test_frequencies_match_softmax(temperature, top_k, top_p, min_p):
     n = 6000
     counts = np.zeros(len(LOGITS))
-    specs = [SamplingSpec(temperature, top_p, top_k, seed=s, min_tokens=0, stop_token_ids=())
+    specs = [SamplingSpec(temperature, top_p, top_k, seed=s, min_tokens=0, stop_token_ids=(), min_p=min_p)
              for s in range(n)]
     logits = torch.tensor(LOGITS, dtype=torch.float32).repeat(n, 1)
     for t in sample(logits, specs, [0] * n):
         counts[t] += 1
-    want = expected(temperature, top_k, top_p)
+    want = expected(temperature, top_k, top_p, min_p)
     assert np.all(counts[want == 0] == 0), "sampled outside the allowed support"
     se = np.sqrt(want * (1 - want) / n)
     assert np.all(np.abs(counts / n - want) <= 5 * se + 1e-9), (counts / n, want)
