@@ -31,7 +31,8 @@ from tandem.server.protocol import (GenRequest, check_model, parse_chat, parse_c
                                     parse_tokenize)
 from tandem.server.tools import ContentStream, ToolPlan, finish_reason
 
-OPEN_PATHS = ("/health", "/metrics", "/status", "/dashboard", "/openapi.json")   # what /metrics shows, no request text
+# no API key needed: what /metrics shows, no request text
+OPEN_PATHS = ("/health", "/ping", "/version", "/metrics", "/status", "/dashboard", "/openapi.json")
 PAST_CAPACITY = "chats_past_capacity"      # the error code of a chat refused by --shed-chats-after
 DASHBOARD = Path(__file__).parent / "static" / "dashboard.html"
 log = logging.getLogger(__name__)
@@ -69,7 +70,9 @@ async def errors_middleware(request: web.Request, handler):
             raise
         kind = "not_found_error" if e.status == 404 else "invalid_request_error"
         allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None    # 405 must say it
-        return json_response(ApiError(e.status, e.reason, type=kind).body(), e.status, allow)
+        why = e.reason if e.status != 404 else f"{request.method} {request.path} is not an operation of " \
+            "this server (its operations: GET /openapi.json)"
+        return json_response(ApiError(e.status, why, type=kind).body(), e.status, allow)
     except ConnectionError:  # the client went away mid-response: nobody to answer
         raise
     except Exception:        # a bug: logged with an id the client can quote, never a traceback
@@ -648,6 +651,15 @@ async def health(request):
     return json_response({"status": "ok"})
 
 
+async def version(request):
+    from importlib.metadata import PackageNotFoundError, version as installed
+    try:
+        v = installed("tandem")
+    except PackageNotFoundError:          # a checkout run without installing
+        v = "unknown"
+    return json_response({"version": v})
+
+
 async def status(request):
     """The dashboard's data: per device the pool by owner and cache type, requests per class with
     why each waits (and its level under alise), tokens/s; SLO attainment over the last minutes;
@@ -709,6 +721,9 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{id}", model)
     app.router.add_get("/health", health)
+    app.router.add_get("/ping", health)                    # vLLM's health check, GET and POST
+    app.router.add_post("/ping", health)
+    app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/status", status)
     app.router.add_get("/dashboard", dashboard)

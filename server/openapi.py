@@ -181,6 +181,12 @@ def document(version: str = "0.1.0") -> dict:
             "/v1/batches/{id}/cancel": {"post": _op("cancel a batch", BATCH, params=_path_id("batch id"))},
             "/health": {"get": {"summary": "200 when a device serves, else 503", "security": [], "responses": {
                 "200": _json(status, "serving"), "503": _json(status, "loading, failed or no device")}}},
+            "/ping": {m: {"summary": "as /health (vLLM's, for load balancers)", "security": [], "responses": {
+                "200": _json(status, "serving"), "503": _json(status, "loading, failed or no device")}}
+                for m in ("get", "post")},
+            "/version": {"get": {"summary": "the server's version", "security": [], "responses": {"200": _json(
+                {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}},
+                "version")}}},
             "/status": {"get": _op("the dashboard's data", {"type": "object", "required": ["devices", "slo"]},
                                    open_=True)},
             "/metrics": {"get": {"summary": "Prometheus text", "security": [], "responses": {"200": {

@@ -8,8 +8,8 @@ from tandem.engine.params import SamplingParams, StructuredOutputs
 from tandem.sched.llm import CHAT, ChatTemplate
 from tandem.sched.request import ServiceClass
 from tandem.server.errors import ApiError, bad_request
-from tandem.server.schema import (CHAT_BODY, CHAT_UNSUPPORTED, COMPLETION_BODY, COMPLETION_UNSUPPORTED,
-                                  DETOKENIZE_BODY, STRUCTURED, TOKENIZE_BODY, validate)
+from tandem.server.schema import (ASKS_NOTHING, CHAT_BODY, CHAT_UNSUPPORTED, COMPLETION_BODY,
+                                  COMPLETION_UNSUPPORTED, DETOKENIZE_BODY, STRUCTURED, TOKENIZE_BODY, validate)
 from tandem.server.tools import ToolPlan, render_messages, tool_plan
 
 MAX_CHOICES = 64            # prompts x n in one request
@@ -42,17 +42,17 @@ def _val(body: dict, key: str, default):
 
 
 # the counts that ask for nothing extra: one candidate per choice (best_of: 1)
-HARMLESS_COUNT = {"best_of": 1}
-
-
 def reject_unsupported(body: dict, keys: tuple[str, ...]) -> None:
-    """400 naming the first of ``keys`` the body asks something of (null, false, empty, best_of 1
-    and modalities [text] ask nothing: an empty suffix is what some clients send by default)."""
+    """400 naming the first of ``keys`` the body asks something of. Null asks nothing; so do
+    false and empty values (an empty suffix is what some clients send by default), except where
+    ``ASKS_NOTHING`` names the one value that does (skip_special_tokens: true, best_of: 1)."""
     for key in keys:
         v = body.get(key)
-        harmless = v is None or v is False or v in ("", [], {}) or (key == "modalities" and v == ["text"]) or (
-            isinstance(v, int) and not isinstance(v, bool) and key in HARMLESS_COUNT
-            and v <= HARMLESS_COUNT[key])
+        if key in ASKS_NOTHING:
+            d = ASKS_NOTHING[key]
+            harmless = v is None or (v == d and isinstance(v, bool) == isinstance(d, bool))
+        else:
+            harmless = v is None or v is False or v in ("", [], {})
         if not harmless:
             raise bad_request(f"'{key}' is not supported by this server", param=key,
                               code="unsupported_parameter")
@@ -77,6 +77,7 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
     sp.temperature = float(_val(body, "temperature", 1.0))
     sp.top_p = float(_val(body, "top_p", 1.0))
     sp.top_k = _val(body, "top_k", -1)
+    sp.min_p = float(_val(body, "min_p", 0.0))
     sp.seed = _val(body, "seed", None)
     sp.stop, sp.stop_token_ids = list(stop), list(_val(body, "stop_token_ids", []))
     sp.ignore_eos = _val(body, "ignore_eos", False)
@@ -95,6 +96,10 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
     so = body.get("stream_options")
     if so is not None and not stream:
         raise bad_request("'stream_options' is only allowed with stream=true", param="stream_options")
+    if so and so.get("continuous_usage_stats"):
+        raise bad_request("'stream_options.continuous_usage_stats' is not supported by this server (the last "
+                          "chunk carries the usage with include_usage)", param="stream_options.continuous_usage_stats",
+                          code="unsupported_parameter")
     be = body.get("service_tier") == "flex"   # best-effort: no latency target unless the request sets one
     ttft, tbt = body.get("slo_ttft_ms"), body.get("slo_tbt_ms")
     extra = dict(n=_val(body, "n", 1), stream=stream, include_usage=bool(so and so.get("include_usage")),
@@ -174,7 +179,7 @@ def chat_messages(messages: list[dict], tools: ToolPlan | None = None) -> list[d
     for i, m in enumerate(messages):
         content = m.get("content")
         if isinstance(content, list):        # content parts: text only
-            content = "".join(p["text"] for p in content)
+            content = "\n".join(p["text"] for p in content)     # as vLLM joins them
         if content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
             raise bad_request(f"'messages[{i}].content' is required", param=f"messages[{i}].content")
         role = "system" if m["role"] == "developer" else m["role"]

@@ -24,7 +24,15 @@ MAX_SLO_MS = 1e9
 MAX_BIASED = 1024           # logit_bias entries per request
 
 UNSUPPORTED = ("functions", "function_call",
-               "best_of", "suffix", "prediction", "audio", "modalities")
+               "best_of", "suffix", "prediction", "audio", "modalities",
+               # vLLM's extensions this server does not implement
+               "use_beam_search", "length_penalty", "bad_words", "allowed_token_ids",
+               "truncate_prompt_tokens", "skip_special_tokens", "spaces_between_special_tokens",
+               "guided_whitespace_pattern", "logits_processors", "priority", "return_tokens_as_token_ids",
+               "prompt_embeds", "mm_processor_kwargs")
+# the value of an unsupported field that asks nothing of it (besides null, false and empty)
+ASKS_NOTHING = {"best_of": 1, "modalities": ["text"], "length_penalty": 1, "priority": 0,
+                "skip_special_tokens": True, "spaces_between_special_tokens": True}
 
 
 def _int(lo: int, hi: int, doc: str) -> dict:
@@ -50,10 +58,14 @@ SAMPLING = {
     "temperature": _num(0, 2, "0: greedy"),
     "top_p": _num(0, 1, "nucleus sampling mass", exclusive_lo=True),
     "top_k": _int(-1, MAX_TOKENS_CAP, "-1: off (vLLM's extension)"),
+    "min_p": _num(0, 1, "vLLM's extension: tokens less likely than min_p times the likeliest are dropped (0: off)"),
     "seed": _int(-INT64 - 1, INT64, "seeded sampling; choice i of n uses seed + i"),
     "n": _int(1, MAX_N, "choices per request"),
     "stream": {"type": "boolean", "description": "server-sent events"},
-    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}},
+    "stream_options": {"type": "object", "properties": {
+        "include_usage": {"type": "boolean"},
+        "continuous_usage_stats": {"type": "boolean", "description": "vLLM's usage in every chunk: not "
+                                   "supported (rejected unless false)"}},
                        "description": "only with stream=true"},
     "stop": {"anyOf": [STOP_STRING, {"type": "array", "items": STOP_STRING, "maxItems": MAX_STOPS}],
              "description": f"up to {MAX_STOPS} strings of 1 to {MAX_STOP_CHARS} characters"},
@@ -143,12 +155,13 @@ TEMPLATE = {      # vLLM's chat options: how the messages are rendered
     "continue_final_message": {"type": "boolean", "description": "vLLM's extension: the last message, an "
                                "assistant's, left open and continued by the reply (needs add_generation_prompt "
                                "false)"}}
-CHAT_UNSUPPORTED = ("echo", *UNSUPPORTED)
+CHAT_UNSUPPORTED = ("echo", "chat_template", "chat_template_kwargs", "documents", *UNSUPPORTED)
 COMPLETION_UNSUPPORTED = (*TOOLS, *UNSUPPORTED)
 
 
 def _body(extra: dict, required: list[str], refused: tuple[str, ...] = UNSUPPORTED) -> dict:
-    doc = "not supported: rejected unless null, false or empty (or best_of 1, modalities [text])"
+    doc = ("not supported: rejected unless null, false, empty or the value that asks nothing "
+           "(best_of 1, modalities [text], length_penalty 1, priority 0, *_special_tokens true)")
     unsupported = {k: {"description": doc} for k in refused}
     return {"type": "object", "required": required, "properties": {**SAMPLING, **extra, **unsupported}}
 
@@ -195,8 +208,8 @@ RESPONSES_TOOLS = {
             "type": {"enum": ["function"]}, "name": {"type": "string"}}}]},
     "parallel_tool_calls": TOOLS["parallel_tool_calls"]}
 # the chat fields a Responses request takes as they are
-RESPONSES_PASSED = ("model", "temperature", "top_p", "top_k", "seed", "stream", "service_tier", "slo_ttft_ms",
-                    "slo_tbt_ms", "user", "cache_salt", "ignore_eos", "min_tokens", "presence_penalty",
+RESPONSES_PASSED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stream", "service_tier",
+                    "slo_ttft_ms", "slo_tbt_ms", "user", "cache_salt", "ignore_eos", "min_tokens", "presence_penalty",
                     "frequency_penalty", "structured_outputs")
 RESPONSES_BODY = {"type": "object", "required": ["input"], "properties": {
     **{k: SAMPLING[k] for k in RESPONSES_PASSED},

@@ -56,6 +56,7 @@ CASES = [
     ("temperature string", "POST", CHAT, {"messages": MSG, "temperature": "hot"}, None, 400, "invalid_request_error", "temperature"),
     ("top_p zero", "POST", COMP, {"prompt": "a", "top_p": 0}, None, 400, "invalid_request_error", "top_p"),
     ("top_p above one", "POST", COMP, {"prompt": "a", "top_p": 1.2}, None, 400, "invalid_request_error", "top_p"),
+    ("min_p above one", "POST", COMP, {"prompt": "a", "min_p": 1.5}, None, 400, "invalid_request_error", "min_p"),
     ("top_k below -1", "POST", COMP, {"prompt": "a", "top_k": -3}, None, 400, "invalid_request_error", "top_k"),
     ("n zero", "POST", CHAT, {"messages": MSG, "n": 0}, None, 400, "invalid_request_error", "n"),
     ("n too large", "POST", CHAT, {"messages": MSG, "n": 1000}, None, 400, "invalid_request_error", "n"),
@@ -71,6 +72,15 @@ CASES = [
     ("stream not bool", "POST", COMP, {"prompt": "a", "stream": "yes"}, None, 400, "invalid_request_error", "stream"),
     ("stream_options without stream", "POST", COMP, {"prompt": "a", "stream_options": {"include_usage": True}},
      None, 400, "invalid_request_error", "stream_options"),
+    ("continuous usage stats", "POST", COMP, {"prompt": "a", "stream": True, "stream_options": {
+        "continuous_usage_stats": True}}, None, 400, "invalid_request_error", "stream_options.continuous_usage_stats"),
+    # vLLM's fields this server does not implement are refused, not silently ignored
+    *[(f"vLLM's {k}", "POST", path, {**body, k: v}, None, 400, "invalid_request_error", k) for path, body, k, v in [
+        (CHAT, {"messages": MSG}, "bad_words", ["x"]),
+        (COMP, {"prompt": "a"}, "allowed_token_ids", [5]), (COMP, {"prompt": "a"}, "truncate_prompt_tokens", 1),
+        (CHAT, {"messages": MSG}, "skip_special_tokens", False), (COMP, {"prompt": "a"}, "use_beam_search", True),
+        (CHAT, {"messages": MSG}, "chat_template_kwargs", {"enable_thinking": False}),
+        (CHAT, {"messages": MSG}, "chat_template", "{{ messages }}"), (COMP, {"prompt": "a"}, "priority", 3)]],
     ("min_tokens over max", "POST", COMP, {"prompt": "a", "max_tokens": 2, "min_tokens": 5}, None, 400,
      "invalid_request_error", "min_tokens"),
     ("top_logprobs without logprobs", "POST", CHAT, {"messages": MSG, "top_logprobs": 2}, None, 400,
@@ -152,6 +162,7 @@ CASES = [
     ("key not UTF-8", "POST", CHAT, {"messages": MSG}, {"Authorization": "Bearer \xff\xfe"}, 401,
      "invalid_request_error", None),
     ("unknown path", "GET", "/v1/nothing", None, None, 404, "not_found_error", None),
+    ("no embeddings API", "POST", "/v1/embeddings", {"input": "a"}, None, 404, "not_found_error", None),
     ("wrong method", "GET", CHAT, None, None, 405, "invalid_request_error", None),
     ("upload not multipart", "POST", FILES, b"purpose=batch", multipart("text/plain"), 400,
      "invalid_request_error", None),
@@ -190,6 +201,9 @@ def test_malformed_request(server, name, method, path, body, headers, status, et
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert "Traceback" not in err["message"] and ".py" not in err["message"], "no internals in errors"
     assert err["type"] == etype
+    if status == 404 and err["param"] is None:                  # a path the server does not have says so
+        assert err["message"] == f"{method} {path} is not an operation of this server (its operations: GET " \
+            "/openapi.json)"
     if param is not None:
         assert err["param"] == param
     assert call(server, "GET", "/health", None, None) == (200, {"status": "ok"}), "healthy after a bad request"
@@ -201,6 +215,9 @@ def test_malformed_request(server, name, method, path, body, headers, status, et
     (CHAT, {"messages": MSG, "logprobs": False, "top_logprobs": 0}),
     (COMP, {"prompt": "a", "best_of": 1, "logprobs": None, "echo": False, "suffix": ""}),
     (CHAT, {"messages": MSG, "modalities": ["text"]}),
+    (CHAT, {"messages": MSG, "skip_special_tokens": True, "spaces_between_special_tokens": True, "min_p": 0,
+            "length_penalty": 1.0, "priority": 0, "use_beam_search": False, "bad_words": [],
+            "chat_template_kwargs": {}, "stream_options": None}),
 ])
 def test_unsupported_fields_that_ask_for_nothing_are_accepted(server, path, body):
     """What OpenAI's SDKs and eval harnesses send as their defaults is served, not refused."""

@@ -590,9 +590,21 @@ def test_stop_reason_names_what_stopped_a_choice_and_a_stop_string_may_stay(serv
         assert chunks[-1].choices[0].model_extra["stop_reason"] == stop
     r = client.completions.create(**kw, extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
     assert (r.text, r.finish_reason, r.model_extra["stop_reason"]) == (want, "length", None)
-    at = r.model_extra["token_ids"][5]
-    r = client.completions.create(**kw, extra_body={"ignore_eos": True, "stop_token_ids": [at]}).choices[0]
-    assert (r.finish_reason, r.model_extra["stop_reason"]) == ("stop", at)
+    ids = r.model_extra["token_ids"]
+    at = ids[5]
+    first = ids.index(at)
+    # as in vLLM, the stop token's id is output, its text only with include_stop_str_in_output
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    for keep in (False, True):
+        extra = {"ignore_eos": True, "stop_token_ids": [at], "return_token_ids": True,
+                 "include_stop_str_in_output": keep}
+        text = tok.decode(ids[:first + keep], skip_special_tokens=True)
+        r = client.completions.create(**kw, extra_body=extra).choices[0]
+        assert (r.text, r.finish_reason, r.model_extra["stop_reason"]) == (text, "stop", at)
+        assert r.model_extra["token_ids"] == ids[:first + 1]
+        chunks = list(client.completions.create(**kw, stream=True, extra_body=extra))
+        assert "".join(c.choices[0].text for c in chunks) == text
     chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Hi"}],
                                           max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     said = chat.choices[0].message.content
@@ -636,3 +648,41 @@ def test_prompt_logprobs_are_hfs_with_their_ranks(server, client, tiny_chat_mode
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(**kw, stream=True, extra_body={"prompt_logprobs": 1})
     assert e.value.param == "prompt_logprobs"
+
+
+def test_text_parts_of_a_message_are_joined_by_newlines_as_vllm_does(server, client, tiny_chat_model):
+    """A message's content parts become one text with a newline between parts (vLLM's joining),
+    so a prompt split into parts is the prompt HF's chat template renders from the joined text."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    joined = [{"role": "user", "content": "Say\nhi"}]
+    want = tok(tok.apply_chat_template(joined, tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False)["input_ids"]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]}]
+    r = client.chat.completions.create(model=server.model, messages=parts, max_tokens=1,
+                                       extra_body={"return_token_ids": True})
+    assert r.model_extra["prompt_token_ids"] == want
+
+
+def test_vllms_ping_and_version_answer_without_a_key(server):
+    """Load balancers probe vLLM's /ping (GET or POST); /version names the installed package's."""
+    import urllib.request
+    from importlib.metadata import version
+    for method in ("GET", "POST"):
+        with urllib.request.urlopen(urllib.request.Request(server.url + "/ping", method=method, data=None
+                                                           if method == "GET" else b""), timeout=10) as r:
+            assert (r.status, json.loads(r.read())) == (200, {"status": "ok"})
+    with urllib.request.urlopen(server.url + "/version", timeout=10) as r:
+        assert json.loads(r.read()) == {"version": version("tandem")}
+
+
+def test_min_p_of_one_keeps_only_the_likeliest_token(server, client, tiny_chat_model):
+    """vLLM's min_p drops every token less likely than min_p times the likeliest: at 1 only the
+    likeliest is left, so sampling at temperature 1 gives HF's greedy text (the tiny model's
+    flat distribution makes 12 sampled tokens that match it by chance all but impossible)."""
+    want = hf_texts(tiny_chat_model, ["Once upon a time"], 12)[0]
+    kw = dict(model=server.model, prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=3,
+              extra_body={"ignore_eos": True})
+    assert client.completions.create(**kw).choices[0].text != want, "the case needs a flat distribution"
+    kw["extra_body"] |= {"min_p": 1.0}
+    assert client.completions.create(**kw).choices[0].text == want
