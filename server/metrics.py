@@ -234,6 +234,9 @@ class Metrics:
         for c in (self.prediction_error, self.chats_refused, self.prefix_queries, self.prefix_hits,
                   self.prefix_routed):
             c.labels(m)
+        for cls in ("rt", "be"):            # a rate() over vLLM's counters answers 0, not nothing
+            for c in (self.preemptions, self.prompt_tokens, self.generation_tokens):
+                c.labels(m, cls)
 
     def _count(self, counter: Counter, device: int, totals) -> None:
         """Bring a Prometheus counter up to one device's running totals (key -> count; a key is an

@@ -43,16 +43,13 @@ def _val(body: dict, key: str, default):
 
 # the counts that ask for nothing extra: one candidate per choice (best_of: 1)
 def reject_unsupported(body: dict, keys: tuple[str, ...]) -> None:
-    """400 naming the first of ``keys`` the body asks something of. Null asks nothing; so do
-    false and empty values (an empty suffix is what some clients send by default), except where
-    ``ASKS_NOTHING`` names the one value that does (skip_special_tokens: true, best_of: 1)."""
+    """400 naming the first of ``keys`` the body asks something of. Null, false and empty values
+    ask nothing (an empty suffix is what some clients send by default), and so does the value
+    ``ASKS_NOTHING`` names (best_of 1); where that value is true (skip_special_tokens), false asks."""
     for key in keys:
-        v = body.get(key)
-        if key in ASKS_NOTHING:
-            d = ASKS_NOTHING[key]
-            harmless = v is None or (v == d and isinstance(v, bool) == isinstance(d, bool))
-        else:
-            harmless = v is None or v is False or v in ("", [], {})
+        v, d = body.get(key), ASKS_NOTHING.get(key)
+        harmless = v is None or (d is not True and (v is False or v in ("", [], {}))) or (
+            key in ASKS_NOTHING and v == d and isinstance(v, bool) == isinstance(d, bool))
         if not harmless:
             raise bad_request(f"'{key}' is not supported by this server", param=key,
                               code="unsupported_parameter")

@@ -215,6 +215,7 @@ def test_malformed_request(server, name, method, path, body, headers, status, et
     (CHAT, {"messages": MSG, "logprobs": False, "top_logprobs": 0}),
     (COMP, {"prompt": "a", "best_of": 1, "logprobs": None, "echo": False, "suffix": ""}),
     (CHAT, {"messages": MSG, "modalities": ["text"]}),
+    (CHAT, {"messages": MSG, "modalities": [], "priority": False, "best_of": None}),
     (CHAT, {"messages": MSG, "skip_special_tokens": True, "spaces_between_special_tokens": True, "min_p": 0,
             "length_penalty": 1.0, "priority": 0, "use_beam_search": False, "bad_words": [],
             "chat_template_kwargs": {}, "stream_options": None}),

@@ -67,5 +67,7 @@ def test_counters_with_known_labels_are_there_at_zero_before_anything_happens():
     for name, labels in (("tandem:migrations_total", {"kind": "kv"}), ("tandem:migrations_total", {"kind": "token"}),
                          ("tandem:swaps_total", {"event": "evicted"}), ("tandem:swap_bytes_total", {"direction": "in"}),
                          ("tandem:length_predictions_total", {"path": "retrieval"}),
-                         ("tandem:length_prediction_abs_error_tokens_count", {}), ("tandem:chats_refused_total", {})):
+                         ("tandem:length_prediction_abs_error_tokens_count", {}), ("tandem:chats_refused_total", {}),
+                         ("vllm:num_preemptions_total", {"service_class": "be"}),
+                         ("vllm:generation_tokens_total", {"service_class": "rt"})):
         assert samples[(name, tuple(sorted({"model_name": "m", **labels}.items())))] == 0, (name, labels)
