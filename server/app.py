@@ -379,7 +379,7 @@ def choice_json(chat: bool, ch: Choice, text_of: TokenText, tools: ToolPlan | No
         content, calls = tools.parse(ch.text) if tools else (ch.text, [])
         message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
         c = {"index": ch.index, "message": message, "logprobs": None,
-             "finish_reason": finish_reason(calls, ch.finish_reason), "stop_reason": ch.stop_reason} | \
+             "finish_reason": finish_reason(calls, ch.finish_reason, tools), "stop_reason": ch.stop_reason} | \
             unsent_logprobs(chat, ch, text_of)
     else:
         c = completion_choice(ch, ch.text, ch.finish_reason, text_of)
@@ -572,7 +572,7 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
             content, calls = ch.content.final(ch.text)
             if content and len(content) > ch.content.sent:
                 await send(chunk(ch, content[ch.content.sent:], None))
-            finish = finish_reason(calls, finish)
+            finish = finish_reason(calls, finish, ch.content.plan)
             if calls:
                 rest = [c | {"index": i} for i, c in enumerate(calls) if i >= ch.content.calls_sent]
                 if rest:

@@ -273,10 +273,13 @@ def lead_length(reply: str) -> int:
     return len(lead) if lead.strip() else 0
 
 
-def finish_reason(calls: list[dict], finish: str | None) -> str | None:
-    """"tool_calls" for a reply that made calls and ended by itself; one cut off by max_tokens
-    (or aborted) keeps its own reason, so a client can tell that its calls may be unfinished."""
-    return "tool_calls" if calls and finish == "stop" else finish
+def finish_reason(calls: list[dict], finish: str | None, plan: ToolPlan | None = None) -> str | None:
+    """"tool_calls" for a reply that made calls and ended by itself, but "stop" where the request
+    named the function (OpenAI's and vLLM's: the caller, not the model, chose to call); one cut
+    off by max_tokens (or aborted) keeps its own reason, so a client can tell that its calls may
+    be unfinished."""
+    named = plan is not None and plan.choice is ToolChoice.NAMED
+    return "tool_calls" if calls and finish == "stop" and not named else finish
 
 
 def tool_call(name: str, arguments: str) -> dict:

@@ -129,7 +129,8 @@ def test_a_named_function_streams_its_arguments_from_the_first_piece():
 
 def test_calls_finish_with_tool_calls_only_when_the_reply_ended_by_itself():
     call = [tool_call("add", "{}")]
-    assert finish_reason(call, "stop") == "tool_calls"
+    assert finish_reason(call, "stop") == finish_reason(call, "stop", PLAN) == "tool_calls"
+    assert finish_reason(call, "stop", ToolPlan(({"name": "add"},), ToolChoice.NAMED, "add")) == "stop"
     assert finish_reason(call, "length") == "length" and finish_reason([], "stop") == "stop"
 
 
