@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from tandem.engine.dtype import resolve_dtype
@@ -68,12 +68,19 @@ class ChatTemplate:
     """How chat messages become a prompt (vLLM's chat options): followed by the assistant's
     turn opened (``add_generation_prompt``, the default), or with the last message, an
     assistant's, left open so that the reply continues it (``continue_final_message``: a reply
-    begun for the model, "prefilled")."""
+    begun for the model, "prefilled"). ``kwargs``: vLLM's chat_template_kwargs, more variables
+    for the template (Qwen3's ``enable_thinking``, say); a template that does not read one
+    ignores it."""
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    kwargs: dict = field(default_factory=dict)
 
     def check(self, messages: list[dict]) -> None:
         """ValueError naming the option these messages cannot be rendered with."""
+        for k in self.kwargs:
+            if not (isinstance(k, str) and k.isidentifier()) or k in RENDER_ARGUMENTS:
+                raise ValueError(f"chat_template_kwargs: {k!r} is not a template variable it may set "
+                                 f"({', '.join(sorted(RENDER_ARGUMENTS))} are set otherwise)")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: cannot be true with add_generation_prompt (set it false)")
         if self.continue_final_message and messages[-1].get("role") != "assistant":
@@ -81,10 +88,15 @@ class ChatTemplate:
 
     def render(self, tokenizer, messages: list[dict]) -> str:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=self.add_generation_prompt,
-                                             continue_final_message=self.continue_final_message)
+                                             continue_final_message=self.continue_final_message, **self.kwargs)
 
 
 CHAT = ChatTemplate()
+# apply_chat_template's own arguments and the variables it fills in: not for chat_template_kwargs
+RENDER_ARGUMENTS = frozenset({"messages", "conversation", "tools", "documents", "chat_template", "tokenize",
+                              "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+                              "padding", "truncation", "max_length", "tokenizer_kwargs",
+                              "return_assistant_tokens_mask", "bos_token", "eos_token", "raise_exception"})
 
 
 def parse_devices(devices: str) -> list[str]:
@@ -572,7 +584,7 @@ class LLM:
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              *, use_tqdm: bool = False, add_generation_prompt: bool = True,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages) or a
         list of them, each rendered by the model's chat template with the assistant's turn opened
         (or, ``continue_final_message``, its last message, an assistant's, left open for the reply
@@ -583,7 +595,8 @@ class LLM:
                 and all(isinstance(c, list) and c and all(isinstance(m, dict) for m in c) for c in messages)):
             raise ValueError("messages: give a conversation (a list of message dicts) or a list of them")
         return self.generate(list(messages), sampling_params, use_tqdm=use_tqdm,
-                             chat_template=ChatTemplate(add_generation_prompt, continue_final_message))
+                             chat_template=ChatTemplate(add_generation_prompt, continue_final_message,
+                                                        dict(chat_template_kwargs or {})))
 
     def _run(self, states: list[RequestState], bar) -> None:
         """Hand the requests to the actors and wait until every one has ended."""

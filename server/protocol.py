@@ -187,7 +187,8 @@ def chat_messages(messages: list[dict], tools: ToolPlan | None = None) -> list[d
 def chat_input(body: dict) -> tuple[ToolPlan | None, list[dict], ChatTemplate]:
     """A validated chat body's tools, its messages as the template takes them and how they are
     rendered; raises ApiError naming the field."""
-    template = ChatTemplate(_val(body, "add_generation_prompt", True), _val(body, "continue_final_message", False))
+    template = ChatTemplate(_val(body, "add_generation_prompt", True), _val(body, "continue_final_message", False),
+                            body.get("chat_template_kwargs") or {})
     try:
         plan = tool_plan(body)
         messages = chat_messages(body["messages"], plan)

@@ -154,8 +154,11 @@ TEMPLATE = {      # vLLM's chat options: how the messages are rendered
                               "after the messages (default true)"},
     "continue_final_message": {"type": "boolean", "description": "vLLM's extension: the last message, an "
                                "assistant's, left open and continued by the reply (needs add_generation_prompt "
-                               "false)"}}
-CHAT_UNSUPPORTED = ("echo", "chat_template", "chat_template_kwargs", "documents", *UNSUPPORTED)
+                               "false)"},
+    "chat_template_kwargs": {"type": "object", "maxProperties": 32, "propertyNames": {"maxLength": 64},
+                             "description": "vLLM's extension: more variables for the chat template "
+                                            "(enable_thinking, ...); one the template does not read is ignored"}}
+CHAT_UNSUPPORTED = ("echo", "chat_template", "documents", *UNSUPPORTED)
 COMPLETION_UNSUPPORTED = (*TOOLS, *UNSUPPORTED)
 
 

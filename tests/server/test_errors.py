@@ -79,7 +79,7 @@ CASES = [
         (CHAT, {"messages": MSG}, "bad_words", ["x"]),
         (COMP, {"prompt": "a"}, "allowed_token_ids", [5]), (COMP, {"prompt": "a"}, "truncate_prompt_tokens", 1),
         (CHAT, {"messages": MSG}, "skip_special_tokens", False), (COMP, {"prompt": "a"}, "use_beam_search", True),
-        (CHAT, {"messages": MSG}, "chat_template_kwargs", {"enable_thinking": False}),
+        (CHAT, {"messages": MSG}, "chat_template_kwargs", {"tokenize": True}),
         (CHAT, {"messages": MSG}, "chat_template", "{{ messages }}"), (COMP, {"prompt": "a"}, "priority", 3)]],
     ("min_tokens over max", "POST", COMP, {"prompt": "a", "max_tokens": 2, "min_tokens": 5}, None, 400,
      "invalid_request_error", "min_tokens"),

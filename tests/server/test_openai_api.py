@@ -688,3 +688,33 @@ def test_min_p_of_one_keeps_only_the_likeliest_token(server, client, tiny_chat_m
     assert client.completions.create(**kw).choices[0].text != want, "the case needs a flat distribution"
     kw["extra_body"] |= {"min_p": 1.0}
     assert client.completions.create(**kw).choices[0].text == want
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_chat_model):
+    """vLLM's chat_template_kwargs are variables of the template: a template that reads one renders
+    it (the rendering written out by hand), its own arguments cannot be set through them."""
+    from transformers import AutoTokenizer
+    from tandem.sched.llm import ChatTemplate
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    tok.chat_template = ("{% if enable_thinking is defined and not enable_thinking %}/no_think {% endif %}"
+                         "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert ChatTemplate().render(tok, msgs) == "<user>Hi<assistant>"
+    off = ChatTemplate(kwargs={"enable_thinking": False})
+    off.check(msgs)
+    assert off.render(tok, msgs) == "/no_think <user>Hi<assistant>"
+    with pytest.raises(ValueError, match="chat_template_kwargs: 'tokenize'"):
+        ChatTemplate(kwargs={"tokenize": True}).check(msgs)
+
+
+def test_chat_template_kwargs_are_accepted_over_http(server, client, tiny_chat_model):
+    """SmolLM2's template reads no such variable: the prompt is the one rendered without it."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    msgs = [{"role": "user", "content": "Hi"}]
+    want = tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False)["input_ids"]
+    r = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=1, extra_body={
+        "return_token_ids": True, "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.model_extra["prompt_token_ids"] == want
