@@ -68,6 +68,8 @@ class SamplingSpec:
     repetition_penalty: float = 1.0   # over prompt and output; the two above over the output only
     grammar: str = ""           # llguidance grammar the output must follow (engine.grammar); "": none
     min_p: float = 0.0          # tokens below min_p x the likeliest token's probability are dropped
+    allowed_token_ids: tuple[int, ...] = ()    # only these may be sampled; (): any
+    bad_words: tuple[tuple[int, ...], ...] = ()   # id sequences whose last token is banned after the rest
 
     @property
     def penalized(self) -> bool:

@@ -29,6 +29,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0          # times how often the token was output, subtracted
     repetition_penalty: float = 1.0         # tokens in the prompt or output: positive logits / p, negative * p
     structured_outputs: StructuredOutputs | None = None    # what the output must match (a JSON schema, ...)
+    allowed_token_ids: list[int] | None = None   # only these tokens may be generated (None: any)
+    bad_words: list[str] = field(default_factory=list)     # words the output never completes
+    truncate_prompt_tokens: int | None = None    # keep the prompt's last k tokens (-1: the context's worth)
+    skip_special_tokens: bool = True            # special tokens' text left out of the output text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -37,6 +41,8 @@ class SamplingParams:
             self.stop = []
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        if self.bad_words is None:
+            self.bad_words = []
         self.validate()
 
     def validate(self) -> None:
@@ -75,7 +81,15 @@ class SamplingParams:
                 bad(name, f"must be in [-2, 2], got {v!r}")
         if not _is_num(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION:
             bad("repetition_penalty", f"must be in (0, {MAX_REPETITION:g}], got {self.repetition_penalty!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        ids = self.allowed_token_ids
+        if ids is not None and (not isinstance(ids, list) or not ids or not all(_is_int(t) and t >= 0 for t in ids)):
+            bad("allowed_token_ids", "must be None or a non-empty list of token ids")
+        if not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            bad("bad_words", "must be a list of strings that are not blank")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
+            bad("truncate_prompt_tokens", f"must be None, -1 or a positive integer, got {k!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a boolean")
         if self.structured_outputs is not None:

@@ -340,7 +340,7 @@ class ModelRunner:
             t1 = time.perf_counter()
             lp_rows, lp = log_probs(logits, specs)
             counts = [self._counts(self.reqs[r], logits) for r in samplers]
-            tokens = sample(logits, specs, ngen, counts, allowed)
+            tokens = sample(logits, specs, ngen, counts, allowed, [self._recent(self.reqs[r]) for r in samplers])
             by_row = token_logprobs(lp_rows, lp, specs, tokens)
         full = []
         for s in inp.scheduled:
@@ -370,6 +370,15 @@ class ModelRunner:
         if st.counts is None and st.sampling.penalized:
             st.counts = TokenCounts.of(st.token_ids, st.num_prompt, logits.shape[-1], logits.device)
         return st.counts
+
+    @staticmethod
+    def _recent(st: ReqState) -> list[int] | None:
+        """A request with bad words: its last output tokens, as many as its longest word has
+        before its last token (the sampler compares them with each word's start)."""
+        if not st.sampling.bad_words:
+            return None
+        span = max(map(len, st.sampling.bad_words)) - 1
+        return st.token_ids[max(st.num_prompt, len(st.token_ids) - span):]
 
     def _allowed(self, samplers: list[str]) -> tuple[list[int], torch.Tensor] | None:
         """The rows sampled under a grammar and the tokens each may take next."""

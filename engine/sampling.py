@@ -1,4 +1,4 @@
-"""Token sampling: logit bias, penalties, grammars, greedy, temperature, top-k, top-p,
+"""Token sampling: logit bias, penalties, allowed tokens, bad words, grammars, greedy, temperature, top-k, top-p,
 per-request seeds, on the logits' device.
 
 Randomness for a request's n-th generated token comes from a generator seeded
@@ -59,12 +59,17 @@ class TokenCounts:
 
 def sample(logits: torch.Tensor, specs: list[SamplingSpec], num_generated: list[int],
            counts: list[TokenCounts | None] | None = None,
-           allowed: tuple[list[int], torch.Tensor] | None = None) -> list[int]:
+           allowed: tuple[list[int], torch.Tensor] | None = None,
+           recent: list[list[int] | None] | None = None) -> list[int]:
     """logits: [n, V] float32 on any device (modified in place); returns one token id per row.
     ``counts``: each row's TokenCounts (needed only where a row has penalties). ``allowed``: the
-    rows under a grammar and the tokens it allows them, [m, V] bool (engine.grammar)."""
+    rows under a grammar and the tokens it allows them, [m, V] bool (engine.grammar). ``recent``:
+    each row's last output tokens, at least as many as its longest bad word has before its last
+    (needed only where a row has bad words)."""
     _add_bias(logits, specs)
     _penalize(logits, specs, counts)
+    _keep_allowed(logits, specs)
+    _ban_words(logits, specs, recent)
     ending = _mask_grammar(logits, specs, allowed)
     _mask_stops(logits, specs, num_generated, ending)
     out = logits.argmax(dim=-1)
@@ -138,6 +143,34 @@ def _penalize(logits: torch.Tensor, specs: list[SamplingSpec], counts) -> None:
             x.copy_(torch.where(c.seen, torch.where(x > 0, x / p, x * p), x))
         if sp.presence_penalty or sp.frequency_penalty:
             x -= sp.frequency_penalty * c.out + sp.presence_penalty * (c.out > 0).to(x.dtype)
+
+
+def _keep_allowed(logits: torch.Tensor, specs: list[SamplingSpec]) -> None:
+    """vLLM's allowed_token_ids: every other token of the row gets -inf (stop ids included)."""
+    rows = [r for r, sp in enumerate(specs) if sp.allowed_token_ids]
+    if not rows:
+        return
+    dev = logits.device
+    banned = torch.ones(len(rows), logits.shape[1], dtype=torch.bool, device=dev)
+    for i, r in enumerate(rows):
+        banned[i, torch.tensor(specs[r].allowed_token_ids, device=dev)] = False
+    idx = torch.tensor(rows, device=dev)
+    logits[idx] = logits[idx].masked_fill(banned, float("-inf"))
+
+
+def _ban_words(logits: torch.Tensor, specs: list[SamplingSpec], recent: list[list[int] | None] | None) -> None:
+    """vLLM's bad_words, as token id sequences: a word's last token gets -inf where the output so
+    far ends with the word's other tokens (a one-token word: always). Only the output is read,
+    not the prompt."""
+    rows, cols = [], []
+    for row, sp in enumerate(specs):
+        for word in sp.bad_words:
+            head = list(word[:-1])
+            if not head or recent[row][len(recent[row]) - len(head):] == head:
+                rows.append(row)
+                cols.append(word[-1])
+    if rows:
+        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
 
 
 def _mask_grammar(logits: torch.Tensor, specs: list[SamplingSpec],

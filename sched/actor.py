@@ -14,6 +14,7 @@ the start-up profiles). Only the thread driving an actor may call it.
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import math
 import time
@@ -79,7 +80,7 @@ class ActorConfig:
 
 class DeviceActor:
     def __init__(self, index: int, device, cfg: ActorConfig, policy, eos_ids: tuple[int, ...],
-                 max_model_len: int, decode: Callable[[list[int]], str] | None,
+                 max_model_len: int, decode: Callable[..., str] | None,
                  clock: Callable[[], float] = time.monotonic, cost: OnlineCostModel | None = None):
         self.index = index
         self.device = device              # the worker handle (Device protocol)
@@ -88,7 +89,7 @@ class DeviceActor:
         self.cost = cost                  # refined from every measured step when given
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
-        self.decode = decode
+        self.decode = decode              # decode(ids, skip_special_tokens=True) -> text
         self.clock = clock
         self.pool = self.new_pool(PoolGeometry.of(device.pool_info))
         self.states: dict[str, RequestState] = {}
@@ -137,7 +138,11 @@ class DeviceActor:
         self.waiting.append(st.req_id)
         if self.decode is not None and (st.request.stream_text or st.request.sampling.stop):
             sp = st.request.sampling
-            self._texts[st.req_id] = TextTracker(self.decode, sp.stop, sp.include_stop_str_in_output)
+            self._texts[st.req_id] = TextTracker(self._decoder(sp), sp.stop, sp.include_stop_str_in_output)
+
+    def _decoder(self, sp) -> Callable[[list[int]], str]:
+        """Ids to text as the request asks: special tokens' text skipped, or kept."""
+        return self.decode if sp.skip_special_tokens else functools.partial(self.decode, skip_special_tokens=False)
 
     def abort(self, req_id: str) -> Update | None:
         st = self.states.get(req_id)
@@ -538,7 +543,7 @@ class DeviceActor:
                             tuple(sorted((sp.logit_bias or {}).items())), float(sp.presence_penalty),
                             float(sp.frequency_penalty), float(sp.repetition_penalty),
                             compile_grammar(sp.structured_outputs) if sp.structured_outputs else "",
-                            float(sp.min_p))
+                            float(sp.min_p), tuple(sp.allowed_token_ids or ()), st.request.bad_words_ids)
         return NewRequest(st.req_id, st.all_token_ids(), len(st.request.prompt_token_ids),
                           st.cache_type, spec)
 
@@ -644,7 +649,8 @@ class DeviceActor:
             text += tracker.finish()
             st.text_result = tracker.text()
         elif self.decode is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
-            text = st.text_result = self.decode(st.output_token_ids[:-1] if silent_last else st.output_token_ids)
+            ids = st.output_token_ids[:-1] if silent_last else st.output_token_ids
+            text = st.text_result = self._decoder(st.request.sampling)(ids)
         queue_s = (st.first_scheduled_time - st.request.arrival_time
                    if st.first_scheduled_time is not None else None)
         return Update(st.req_id, new or [], reason, error, text, queue_s, cached_tokens=st.cached_tokens or 0,

@@ -373,9 +373,9 @@ class LLM:
         self.rho = rho
         return {"rho": rho, "hybrid_cache": hybrid}, cost
 
-    def detokenize(self, ids: list[int]) -> str:
-        """Generated ids to text, special tokens skipped."""
-        return self._decode(ids, skip_special_tokens=True)
+    def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Generated ids to text, special tokens skipped unless asked for."""
+        return self._decode(ids, skip_special_tokens=skip_special_tokens)
 
     def decode_prompt(self, ids: list[int]) -> str:
         """Prompt ids to text with special tokens kept (a chat template stays recognisable)."""
@@ -410,11 +410,31 @@ class LLM:
         if sp.stop and self.tokenizer is None:
             raise ValueError("stop: this model has no tokenizer, so its output has no text to match; "
                              "use stop_token_ids")
+        if sp.allowed_token_ids is not None:
+            self.check_ids(sp.allowed_token_ids, "allowed_token_ids")
+            if sp.structured_outputs is not None:     # the grammar says which tokens may come
+                raise ValueError("allowed_token_ids: not with structured outputs, whose grammar decides "
+                                 "which tokens may come next")
+        if sp.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words: this model has no tokenizer to spell them in tokens")
+        k = sp.truncate_prompt_tokens
+        if k is not None and k > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens: {k} is more than the model context of {self.max_model_len}")
         if sp.structured_outputs is not None:
             if self._tokenizer_json is None:
                 raise ValueError("structured_outputs: this model has no (fast) tokenizer to read its "
                                  "tokens' text by")
             self._vocabulary.check(compile_grammar(sp.structured_outputs))
+
+    def bad_words_ids(self, sp: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """``sp.bad_words`` as the token id sequences the sampler bans: each word as it would be
+        spelled at the start of the text and after a space (its leading spaces dropped first),
+        the distinct ones."""
+        seqs = {}
+        for word in sp.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                seqs.setdefault(tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"]), None)
+        return tuple(seqs)
 
     @functools.cached_property
     def _tokenizer_json(self) -> str | None:
@@ -438,20 +458,34 @@ class LLM:
     def _vocabulary(self) -> Vocabulary:
         return Vocabulary(self._tokenizer_json, self.spec.vocab_size, self.spec.eos_token_ids)
 
-    def encode_prompt(self, prompt: Any, template: ChatTemplate = CHAT) -> tuple[list[int], str | None]:
+    def encode_prompt(self, prompt: Any, template: ChatTemplate = CHAT,
+                      truncate: int | None = None) -> tuple[list[int], str | None]:
         """A string, a token id list, or chat messages (rendered as ``template`` says) -> (token
-        ids, text or None)."""
+        ids, text or None). ``truncate`` (vLLM's truncate_prompt_tokens): only the last this many
+        ids are kept (-1: the model context's worth), and the text is theirs."""
+        if truncate is None:
+            return self._encode(prompt, template, check_chars=True)
+        keep = self.max_model_len if truncate == -1 else truncate
+        ids, text = self._encode(prompt, template, check_chars=False)
+        if len(ids) <= keep:
+            return ids, text
+        ids = ids[len(ids) - keep:]
+        return ids, self.decode_prompt(ids) if text is not None else None
+
+    def _encode(self, prompt: Any, template: ChatTemplate, check_chars: bool) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass token id lists")
-            self._check_chars(len(prompt))
+            if check_chars:
+                self._check_chars(len(prompt))
             return list(self.tokenizer(prompt)["input_ids"]), prompt
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer for chat messages")
             if not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt):
                 raise ValueError("prompt: chat messages need string 'role' and 'content'")
-            self._check_chars(sum(len(m["content"]) for m in prompt))
+            if check_chars:
+                self._check_chars(sum(len(m["content"]) for m in prompt))
             template.check(prompt)
             from jinja2 import TemplateError
             try:
@@ -565,13 +599,14 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise ValueError("sampling_params: must be SamplingParams")
             p.validate()
-        encoded = [self.encode_prompt(p, chat_template) for p in plist]
-        for ids, _ in encoded:
-            self._check_length(ids)
         for p in params:
             self.check_sampling(p)
+        encoded = [self.encode_prompt(p, chat_template, sp.truncate_prompt_tokens) for p, sp in zip(plist, params)]
+        for ids, _ in encoded:
+            self._check_length(ids)
         now = time.monotonic()
-        reqs = [Request(f"gen-{next(self._ids)}", ids, sp, arrival_time=now, prompt=text, cache_salt=salt)
+        reqs = [Request(f"gen-{next(self._ids)}", ids, sp, arrival_time=now, prompt=text, cache_salt=salt,
+                        bad_words_ids=self.bad_words_ids(sp))
                 for (ids, text), sp, salt in zip(encoded, params, salts)]
         states = [self.scheduler.new_state(r) for r in reqs]    # each checks it fits a pool
         if self.lengths is not None:            # recorded only for requests that will run

@@ -61,6 +61,7 @@ class Request:
     predicted_len: int | None = None   # predicted output tokens (length predictor or an oracle)
     predicted_spread: tuple[int, ...] = ()   # equally likely output lengths, ascending (empty: a point)
     cache_salt: str | None = None      # prefix caching: only requests with the same salt share blocks
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()   # sampling.bad_words as token ids (LLM.bad_words_ids)
 
 
 @dataclass(slots=True)

@@ -171,7 +171,7 @@ def make_policy(cfg: SchedConfig, cost: OnlineCostModel | None):
 
 class Scheduler:
     def __init__(self, cfg: SchedConfig, devices: list[Device], eos_ids: tuple[int, ...],
-                 max_model_len: int, detokenize: Callable[[list[int]], str] | None = None,
+                 max_model_len: int, detokenize: Callable[..., str] | None = None,
                  clock: Callable[[], float] = time.monotonic, cost: OnlineCostModel | None = None):
         _validate(cfg, devices)
         self.cfg = cfg

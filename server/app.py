@@ -176,22 +176,23 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
     gen = parse_chat(body, **defaults) if chat else parse_completion(body, **defaults)
     if force_be:                      # batch-job lines are best-effort whatever they ask
         gen.service_class = ServiceClass.BE
-    param = "messages" if chat else "prompt"
-    try:
-        encoded = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: [engine.llm.encode_prompt(prompt, gen.template) for prompt in gen.prompts])
-    except ValueError as e:
-        raise bad_request(str(e), param=param,
-                          code="context_length_exceeded" if isinstance(e, PromptTooLong) else None) from None
     sp = gen.sampling
     try:      # off the event loop: a structured output's grammar is compiled to check it
-        await asyncio.get_running_loop().run_in_executor(None, engine.llm.check_sampling, sp)
+        bad_words = await asyncio.get_running_loop().run_in_executor(None, checked_sampling, engine.llm, sp)
     except ValueError as e:
         msg = str(e)
         param = msg.split(":")[0]             # "stop: ...", "stop_token_ids: ..."
         if param.startswith("structured_outputs"):     # named as the body asked for it
             msg, param = gen.structured_param + msg[len("structured_outputs"):], gen.structured_param
         raise bad_request(msg, param=param) from None
+    param = "messages" if chat else "prompt"
+    try:
+        encoded = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: [engine.llm.encode_prompt(prompt, gen.template, sp.truncate_prompt_tokens)
+                           for prompt in gen.prompts])
+    except ValueError as e:
+        raise bad_request(str(e), param=param,
+                          code="context_length_exceeded" if isinstance(e, PromptTooLong) else None) from None
     budgets = [max_tokens_for(engine, sp, len(ids), param) for ids, _ in encoded]
     if not force_be and engine.num_waiting() >= cfg.max_waiting:
         raise ApiError(429, "too many requests are waiting; retry later", type="rate_limit_error",
@@ -207,7 +208,7 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
                     replace(sp, max_tokens=mt, seed=None if sp.seed is None else sp.seed + i, stop=list(sp.stop),
                             stop_token_ids=list(sp.stop_token_ids)),
                     gen.service_class, now, gen.slo_ttft_s, gen.slo_tbt_s, text, stream_text=gen.stream,
-                    cache_salt=gen.cache_salt)
+                    cache_salt=gen.cache_salt, bad_words_ids=bad_words)
             for j, ((ids, text), mt) in enumerate(zip(encoded, budgets)) for i in range(gen.n)]
     lengths = engine.llm.lengths
     if lengths is not None:          # embeds the prompt: off the event loop, one at a time
@@ -230,6 +231,12 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
             raise ApiError(503, str(e), type="service_unavailable", headers={"Retry-After": "5"}) from None
         raise bad_request(str(e), param=param) from None
     return p
+
+
+def checked_sampling(llm, sp) -> tuple[tuple[int, ...], ...]:
+    """``sp`` checked against the model (ValueError naming the field), and its bad words in tokens."""
+    llm.check_sampling(sp)
+    return llm.bad_words_ids(sp)
 
 
 async def predict_lengths(lengths, reqs: list[Request], texts: list[str]) -> None:

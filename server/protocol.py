@@ -45,10 +45,10 @@ def _val(body: dict, key: str, default):
 def reject_unsupported(body: dict, keys: tuple[str, ...]) -> None:
     """400 naming the first of ``keys`` the body asks something of. Null, false and empty values
     ask nothing (an empty suffix is what some clients send by default), and so does the value
-    ``ASKS_NOTHING`` names (best_of 1); where that value is true (skip_special_tokens), false asks."""
+    ``ASKS_NOTHING`` names (best_of 1)."""
     for key in keys:
         v, d = body.get(key), ASKS_NOTHING.get(key)
-        harmless = v is None or (d is not True and (v is False or v in ("", [], {}))) or (
+        harmless = v is None or v is False or v in ("", [], {}) or (
             key in ASKS_NOTHING and v == d and isinstance(v, bool) == isinstance(d, bool))
         if not harmless:
             raise bad_request(f"'{key}' is not supported by this server", param=key,
@@ -87,6 +87,10 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
     sp.frequency_penalty = float(_val(body, "frequency_penalty", 0.0))
     sp.repetition_penalty = float(_val(body, "repetition_penalty", 1.0))
     sp.structured_outputs, structured_param = _structured(body)
+    sp.allowed_token_ids = body.get("allowed_token_ids")
+    sp.bad_words = list(_val(body, "bad_words", []))
+    sp.truncate_prompt_tokens = body.get("truncate_prompt_tokens")
+    sp.skip_special_tokens = _val(body, "skip_special_tokens", True)
     stream = _val(body, "stream", False)
     if stream and sp.prompt_logprobs is not None:       # as vLLM: they come with a whole response
         raise bad_request("'prompt_logprobs' are not available with stream=true", param="prompt_logprobs")

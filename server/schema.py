@@ -22,17 +22,16 @@ INT64 = 2 ** 63 - 1
 MAX_TOKENS_CAP = 2 ** 31 - 1
 MAX_SLO_MS = 1e9
 MAX_BIASED = 1024           # logit_bias entries per request
+MAX_BAD_WORDS = 128         # bad_words per request
+MAX_ALLOWED = 1 << 20       # allowed_token_ids per request (more than any vocabulary)
 
 UNSUPPORTED = ("functions", "function_call",
                "best_of", "suffix", "prediction", "audio", "modalities",
                # vLLM's extensions this server does not implement
-               "use_beam_search", "length_penalty", "bad_words", "allowed_token_ids",
-               "truncate_prompt_tokens", "skip_special_tokens", "spaces_between_special_tokens",
-               "guided_whitespace_pattern", "logits_processors", "priority", "return_tokens_as_token_ids",
-               "prompt_embeds", "mm_processor_kwargs")
+               "use_beam_search", "length_penalty", "guided_whitespace_pattern", "logits_processors", "priority",
+               "return_tokens_as_token_ids", "prompt_embeds", "mm_processor_kwargs")
 # the value of an unsupported field that asks nothing of it (besides null, false and empty)
-ASKS_NOTHING = {"best_of": 1, "modalities": ["text"], "length_penalty": 1, "priority": 0,
-                "skip_special_tokens": True, "spaces_between_special_tokens": True}
+ASKS_NOTHING = {"best_of": 1, "modalities": ["text"], "length_penalty": 1, "priority": 0}
 
 
 def _int(lo: int, hi: int, doc: str) -> dict:
@@ -86,6 +85,22 @@ SAMPLING = {
                    "propertyNames": {"maxLength": 20, "pattern": "^[0-9]+$"},
                    "additionalProperties": _num(-MAX_BIAS, MAX_BIAS, "added to the token's logit"),
                    "description": "token id (a decimal string) -> bias; -100 bans the token"},
+    "allowed_token_ids": {"type": "array", "minItems": 1, "maxItems": MAX_ALLOWED,
+                          "items": _int(0, INT64, "a token id of the vocabulary"),
+                          "description": "vLLM's extension: only these tokens may be generated (stop ids "
+                                         "included: without them the output runs to max_tokens)"},
+    "bad_words": {"type": "array", "maxItems": MAX_BAD_WORDS, "items": STOP_STRING,
+                  "description": "vLLM's extension: words the output never completes, at its start or "
+                                 "after a space (the word's last token is banned once the output ends "
+                                 "with the ones before it)"},
+    "truncate_prompt_tokens": {"anyOf": [{"enum": [-1]}, _int(1, MAX_TOKENS_CAP, "")],
+                               "description": "vLLM's extension: only the prompt's last this many tokens are "
+                                              "kept (-1: the model context's worth); at most the context"},
+    "skip_special_tokens": {"type": "boolean", "description": "vLLM's extension: false keeps the text of "
+                            "special tokens in the output (default true; a stop token's stays out)"},
+    "spaces_between_special_tokens": {"type": "boolean", "description": "vLLM's extension, accepted: this "
+                                      "server's fast tokenizers put nothing between special tokens, as "
+                                      "vLLM's do with one"},
     "max_tokens": _int(1, MAX_TOKENS_CAP, "prompt + max_tokens must fit the context"),
     "presence_penalty": _num(-2, 2, "subtracted from the logit of every token already output"),
     "frequency_penalty": _num(-2, 2, "times how often a token was output, subtracted from its logit"),
@@ -164,7 +179,7 @@ COMPLETION_UNSUPPORTED = (*TOOLS, *UNSUPPORTED)
 
 def _body(extra: dict, required: list[str], refused: tuple[str, ...] = UNSUPPORTED) -> dict:
     doc = ("not supported: rejected unless null, false, empty or the value that asks nothing "
-           "(best_of 1, modalities [text], length_penalty 1, priority 0, *_special_tokens true)")
+           "(best_of 1, modalities [text], length_penalty 1, priority 0)")
     unsupported = {k: {"description": doc} for k in refused}
     return {"type": "object", "required": required, "properties": {**SAMPLING, **extra, **unsupported}}
 

@@ -68,8 +68,10 @@ def mixed_prompts(n: int, vocab: int, seed: int, lo: int = 2, hi: int = 60) -> l
     return [[rng.randrange(3, vocab) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
-def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int, eos: bool = False) -> list[list[int]]:
-    """Reference: HF transformers generate, one unpadded prompt at a time, fp32."""
+def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int, eos: bool = False,
+              **generate_kw) -> list[list[int]]:
+    """Reference: HF transformers generate, one unpadded prompt at a time, fp32 (``generate_kw``:
+    more of generate's arguments, e.g. bad_words_ids)."""
     import torch
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -77,7 +79,7 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int, eos: boo
     for p in prompts:
         kw = {} if eos else {"eos_token_id": None}
         g = hf.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
-                        pad_token_id=0, **kw)
+                        pad_token_id=0, **kw, **generate_kw)
         out.append(g[0, len(p):].tolist())
     return out
 

@@ -76,11 +76,20 @@ CASES = [
         "continuous_usage_stats": True}}, None, 400, "invalid_request_error", "stream_options.continuous_usage_stats"),
     # vLLM's fields this server does not implement are refused, not silently ignored
     *[(f"vLLM's {k}", "POST", path, {**body, k: v}, None, 400, "invalid_request_error", k) for path, body, k, v in [
-        (CHAT, {"messages": MSG}, "bad_words", ["x"]),
-        (COMP, {"prompt": "a"}, "allowed_token_ids", [5]), (COMP, {"prompt": "a"}, "truncate_prompt_tokens", 1),
-        (CHAT, {"messages": MSG}, "skip_special_tokens", False), (COMP, {"prompt": "a"}, "use_beam_search", True),
+        (COMP, {"prompt": "a"}, "use_beam_search", True), (COMP, {"prompt": "a"}, "logits_processors", ["x"]),
         (CHAT, {"messages": MSG}, "chat_template_kwargs", {"tokenize": True}),
         (CHAT, {"messages": MSG}, "chat_template", "{{ messages }}"), (COMP, {"prompt": "a"}, "priority", 3)]],
+    # and those it implements refuse what vLLM refuses, naming the field
+    *[(f"{k} {why}", "POST", path, {**body, k: v}, None, 400, "invalid_request_error", k) for path, body, k, v, why in [
+        (COMP, {"prompt": "a"}, "allowed_token_ids", [], "empty"),
+        (COMP, {"prompt": "a"}, "allowed_token_ids", [5, 49152], "outside the vocabulary"),
+        (CHAT, {"messages": MSG, "guided_choice": ["x"]}, "allowed_token_ids", [5], "with a grammar"),
+        (CHAT, {"messages": MSG}, "bad_words", [""], "with an empty word"),
+        (CHAT, {"messages": MSG}, "bad_words", "x", "not a list"),
+        (COMP, {"prompt": "a"}, "truncate_prompt_tokens", 0, "of zero"),
+        (COMP, {"prompt": "a"}, "truncate_prompt_tokens", -2, "below -1"),
+        (COMP, {"prompt": "a"}, "truncate_prompt_tokens", 1 << 20, "past the context"),
+        (CHAT, {"messages": MSG}, "skip_special_tokens", "no", "not a boolean")]],
     ("min_tokens over max", "POST", COMP, {"prompt": "a", "max_tokens": 2, "min_tokens": 5}, None, 400,
      "invalid_request_error", "min_tokens"),
     ("top_logprobs without logprobs", "POST", CHAT, {"messages": MSG, "top_logprobs": 2}, None, 400,
@@ -216,7 +225,7 @@ def test_malformed_request(server, name, method, path, body, headers, status, et
     (COMP, {"prompt": "a", "best_of": 1, "logprobs": None, "echo": False, "suffix": ""}),
     (CHAT, {"messages": MSG, "modalities": ["text"]}),
     (CHAT, {"messages": MSG, "modalities": [], "priority": False, "best_of": None}),
-    (CHAT, {"messages": MSG, "skip_special_tokens": True, "spaces_between_special_tokens": True, "min_p": 0,
+    (CHAT, {"messages": MSG, "skip_special_tokens": True, "spaces_between_special_tokens": False, "min_p": 0,
             "length_penalty": 1.0, "priority": 0, "use_beam_search": False, "bad_words": [],
             "chat_template_kwargs": {}, "stream_options": None}),
 ])

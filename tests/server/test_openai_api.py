@@ -718,3 +718,62 @@ def test_chat_template_kwargs_are_accepted_over_http(server, client, tiny_chat_m
     r = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=1, extra_body={
         "return_token_ids": True, "chat_template_kwargs": {"enable_thinking": False}})
     assert r.model_extra["prompt_token_ids"] == want
+
+
+def test_truncate_prompt_tokens_over_http(server, client, tiny_chat_model):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens are what is computed and counted,
+    in a completion and in a chat (whose rendered prompt loses its start)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    ids = tok("The capital of France is")["input_ids"]
+    r = client.completions.create(model=server.model, prompt="The capital of France is", max_tokens=8,
+                                  temperature=0, extra_body={"ignore_eos": True, "truncate_prompt_tokens": 3})
+    assert r.usage.prompt_tokens == 3 and r.choices[0].text == hf_texts(tiny_chat_model, [ids[-3:]], 8)[0]
+    msgs = [{"role": "user", "content": "Hi there"}]
+    chat_ids = tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False)["input_ids"]
+    r = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=1, extra_body={
+        "return_token_ids": True, "truncate_prompt_tokens": 4})
+    assert r.model_extra["prompt_token_ids"] == chat_ids[-4:] and r.usage.prompt_tokens == 4
+
+
+def test_bad_words_over_http(server, client, tiny_chat_model):
+    """A word of the greedy reply, banned: the reply is HF's with its spellings' tokens banned."""
+    from transformers import AutoTokenizer
+    from tests.conftest import hf_greedy
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    ids = tok("Once upon a time")["input_ids"]
+    kw = dict(model=server.model, prompt="Once upon a time", max_tokens=12, temperature=0)
+    plain = client.completions.create(**kw, extra_body={"ignore_eos": True, "return_token_ids": True})
+    plain_ids = plain.choices[0].model_extra["token_ids"]
+    word = tok.decode(plain_ids[3:4])
+    banned = [tok(w, add_special_tokens=False)["input_ids"] for w in (word.lstrip(), " " + word.lstrip())]
+    r = client.completions.create(**kw, extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                    "bad_words": [word]})
+    got = r.choices[0].model_extra["token_ids"]
+    assert got == hf_greedy(tiny_chat_model, [ids], 12, bad_words_ids=banned)[0] != plain_ids
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_special_tokens_kept_when_asked(server, client, tiny_chat_model, stream):
+    """skip_special_tokens false: the text of special tokens (forced here by allowed_token_ids)
+    is HF's tokenizer's with them kept, whole and streamed; by default it is left out."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    allowed = [tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<file_sep>"),
+               tok(" hello", add_special_tokens=False)["input_ids"][0]]
+    texts = {}
+    for skip in (True, False):
+        kw = dict(model=server.model, prompt="Once upon a time", max_tokens=10, temperature=1.0, seed=4,
+                  extra_body={"ignore_eos": True, "return_token_ids": True, "allowed_token_ids": allowed,
+                              "skip_special_tokens": skip})
+        if stream:
+            chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True) if c.choices]
+            text, ids = "".join(c.text for c in chunks), [t for c in chunks for t in c.model_extra["token_ids"]]
+        else:
+            choice = client.completions.create(**kw).choices[0]
+            text, ids = choice.text, choice.model_extra["token_ids"]
+        assert set(ids) <= set(allowed) and set(allowed[:2]) & set(ids)
+        texts[skip] = text
+        assert text == tok.decode(ids, skip_special_tokens=skip)
+    assert texts[False] != texts[True]
