@@ -49,10 +49,13 @@ async def test_policy_serves_mixed_work(policy, reference, tiny_chat_model, tmp_
         assert metric(text, "tandem:iteration_seconds_avg") > 0     # T_avg is exported (any speed)
         # every token is computed, counted under its cache type, or found in the prefix cache (the
         # BE prompts share their first 50 tokens): at least 4 x (5 + 9) for the completions,
-        # 4 x (5 + 11) RT and sum(50 + i + 5) BE tokens (more after preemptions)
+        # 4 x (5 + 11) RT and 50 + i + 5 for each completed BE line, line j sending prompt i = j mod 6
+        # (the six are cycled; more after preemptions). On a loaded machine the RT trace may end
+        # before the second job starts.
         computed = metric(text, "tandem:cache_tokens_total")
         cached = metric(text, "vllm:prefix_cache_hits_total")
-        assert computed + cached >= 4 * 14 + 4 * 16 + sum(55 + i for i in range(6))
+        assert be_res.completed >= 3, "the first BE job completes"
+        assert computed + cached >= 4 * 14 + 4 * 16 + sum(55 + j % 6 for j in range(be_res.completed))
         seen = server_counters(s.url)                               # what the bench scrapes
         assert seen["tokens_kv"] + seen.get("tokens_hidden", 0) >= computed
         assert seen["preemptions"] == metric(text, "vllm:num_preemptions_total")
