@@ -329,9 +329,10 @@ class Choice:
             lp, top_ids=lp.top_ids[:k], top_logprobs=lp.top_logprobs[:k]) for lp in self.prompt_logprobs]
 
 
-async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice, sink=None) -> None:
+async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice, sink=None, n: int = 1) -> None:
     """Drive one request to its end, appending text; ``sink(choice, delta)`` is called for each
-    event that brings text, token ids or the end (it sends what its stream carries).
+    event that brings text, token ids or the end (it sends what its stream carries). ``n``: the
+    choices its prompt asked for (metrics).
 
     If the caller goes away (cancellation), the request is aborted in the engine
     and counted with finish reason "abort".
@@ -341,8 +342,8 @@ async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice
     def record(reason: str, end: float) -> None:
         metrics.request_done(req.service_class.value, prompt_tokens=len(req.prompt_token_ids),
                              token_times=ch.token_times, arrival=req.arrival_time, end=end,
-                             queue_s=queue_s, finish_reason=reason,
-                             slo_ttft_s=req.slo_ttft_s, slo_tbt_s=req.slo_tbt_s)
+                             queue_s=queue_s, finish_reason=reason, slo_ttft_s=req.slo_ttft_s,
+                             slo_tbt_s=req.slo_tbt_s, max_tokens=req.sampling.max_tokens, n=n)
     try:
         async for ev in sub.events():
             now = time.monotonic()
@@ -473,7 +474,8 @@ async def run_to_end(st: AppState, p: Prepared) -> list[Choice]:
     """Run a prepared, non-streamed request to its end; its choices."""
     choices = new_choices(p, st.text_of)
     try:
-        await all_or_none(run_choice(sub, st.metrics, r, ch) for sub, r, ch in zip(p.subs, p.requests, choices))
+        await all_or_none(run_choice(sub, st.metrics, r, ch, n=p.gen.n)
+                          for sub, r, ch in zip(p.subs, p.requests, choices))
     finally:
         p.close()
     return choices
@@ -587,7 +589,7 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
         await send(chunk(ch, "", finish))
 
     try:
-        await all_or_none(run_choice(sub, st.metrics, r, ch, sink)
+        await all_or_none(run_choice(sub, st.metrics, r, ch, sink, n=p.gen.n)
                           for sub, r, ch in zip(p.subs, p.requests, choices))
         if p.gen.include_usage:
             await send({**top, "choices": [], "usage": usage(p, choices)})
@@ -635,8 +637,14 @@ async def detokenize(request):
 
 
 def _model_object(st) -> dict:
+    """OpenAI's model object with vLLM's additions: ``root`` (the model as --model named it),
+    ``parent`` (null: no adapters here), ``max_model_len``, ``permission``."""
     return {"id": st.cfg.served_model_name, "object": "model", "created": st.created, "owned_by": "tandem",
-            "max_model_len": st.engine.llm.max_model_len if st.engine else None}
+            "root": st.cfg.model, "parent": None, "max_model_len": st.engine.llm.max_model_len if st.engine else None,
+            "permission": [{"id": f"modelperm-{st.cfg.served_model_name}", "object": "model_permission",
+                            "created": st.created, "allow_create_engine": False, "allow_sampling": True,
+                            "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                            "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}]}
 
 
 async def models(request):

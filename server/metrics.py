@@ -16,6 +16,9 @@ CLASSES = ("rt", "be")
 SLO_WINDOW_S = 300.0       # the status endpoint's SLO attainment: requests finished in the last 5 minutes
 RATE_WINDOW_S = 10.0       # its tokens/s: over the last 10 seconds of steps
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)   # vLLM's
+# vLLM's 1-2-5 buckets for token counts (it stops them at the context; these reach any context)
+TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(6) for m in (1, 2, 5))
+N_BUCKETS = (1, 2, 5, 10, 20)                                       # vLLM's, for n
 STATUS_EVERY_S = 0.25      # a device's status view is rebuilt at most this often while its requests stay the same
 
 
@@ -32,6 +35,23 @@ class Metrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("vllm:request_queue_time_seconds", "Time waiting before first scheduled",
                                lab, buckets=LATENCY_BUCKETS, registry=r)
+        self.request_prompt = Histogram("vllm:request_prompt_tokens", "Prompt tokens of each finished request",
+                                        lab, buckets=TOKEN_BUCKETS, registry=r)
+        self.request_generation = Histogram("vllm:request_generation_tokens", "Tokens each finished request "
+                                            "generated", lab, buckets=TOKEN_BUCKETS, registry=r)
+        self.request_max_tokens = Histogram("vllm:request_params_max_tokens", "max_tokens of each finished "
+                                            "request (filled in from the context where it set none)", lab,
+                                            buckets=TOKEN_BUCKETS, registry=r)
+        self.request_n = Histogram("vllm:request_params_n", "n (choices per prompt) of each finished choice's "
+                                   "request", lab, buckets=N_BUCKETS, registry=r)
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "From first scheduled to the first "
+                                      "token", lab, buckets=LATENCY_BUCKETS, registry=r)
+        self.decode_time = Histogram("vllm:request_decode_time_seconds", "From the first token to the last",
+                                     lab, buckets=LATENCY_BUCKETS, registry=r)
+        self.inference_time = Histogram("vllm:request_inference_time_seconds", "From first scheduled to the "
+                                        "end", lab, buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds", "Each request's mean time between "
+                              "its tokens (decode time / (tokens - 1))", lab, buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", lab, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", lab, registry=r)
         self.requests = Counter("vllm:request_success", "Finished requests", lab + ["finished_reason"],
@@ -250,19 +270,32 @@ class Metrics:
 
     def request_done(self, cls: str, *, prompt_tokens: int, token_times: list[float], arrival: float,
                      end: float, queue_s: float | None, finish_reason: str,
-                     slo_ttft_s: float | None, slo_tbt_s: float | None) -> None:
-        """Per-request observations; token_times are the monotonic arrival times of each token."""
+                     slo_ttft_s: float | None, slo_tbt_s: float | None, max_tokens: int = 0, n: int = 1) -> None:
+        """Per-request observations; token_times are the monotonic arrival times of each token.
+        vLLM's phases: prefill from first scheduled (arrival + queue_s) to the first token, decode
+        from there to the last, inference the two together (to the end where no token came)."""
         m = (self.model, cls)
         self.prompt_tokens.labels(*m).inc(prompt_tokens)
         self.generation_tokens.labels(*m).inc(len(token_times))
+        self.request_prompt.labels(*m).observe(prompt_tokens)
+        self.request_generation.labels(*m).observe(len(token_times))
+        self.request_max_tokens.labels(*m).observe(max_tokens)
+        self.request_n.labels(*m).observe(n)
         self.e2e.labels(*m).observe(end - arrival)
         self.requests.labels(*m, finish_reason).inc()
         if queue_s is not None:
             self.queue.labels(*m).observe(queue_s)
+            started = arrival + queue_s
+            self.inference_time.labels(*m).observe((token_times[-1] if token_times else end) - started)
+            if token_times:
+                self.prefill_time.labels(*m).observe(token_times[0] - started)
         if not token_times:
             return
         ttft = token_times[0] - arrival
         self.ttft.labels(*m).observe(ttft)
+        self.decode_time.labels(*m).observe(token_times[-1] - token_times[0])
+        if len(token_times) > 1:
+            self.tpot.labels(*m).observe((token_times[-1] - token_times[0]) / (len(token_times) - 1))
         gaps = [b - a for a, b in zip(token_times, token_times[1:])]
         for g in gaps:
             self.itl.labels(*m).observe(g)

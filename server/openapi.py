@@ -82,7 +82,10 @@ RESPONSE = {"type": "object", "required": ["id", "object", "created_at", "status
     "incomplete_details": {"type": ["object", "null"]}, "usage": {"type": ["object", "null"]}}}
 MODEL = {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
     "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
-    "owned_by": {"type": "string"}, "max_model_len": {"type": ["integer", "null"]}}}
+    "owned_by": {"type": "string"}, "max_model_len": {"type": ["integer", "null"]},
+    "root": {"type": "string", "description": "vLLM's: the model as --model named it"}, "parent": {"type": "null"},
+    "permission": {"type": "array", "items": {"type": "object", "required": ["id", "object"], "properties": {
+        "id": {"type": "string"}, "object": {"const": "model_permission"}}}}}}
 FILE = {"type": "object", "required": ["id", "object", "bytes", "created_at", "filename", "purpose"], "properties": {
     "id": {"type": "string"}, "object": {"const": "file"}, "bytes": {"type": "integer"},
     "created_at": {"type": "integer"}, "filename": {"type": "string"}, "purpose": {"type": "string"}}}

@@ -18,9 +18,12 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
 
 
-def test_models_and_health(server, client):
+def test_models_and_health(server, client, tiny_chat_model):
     ids = [m.id for m in client.models.list().data]
     assert ids == [server.model]
+    card = client.models.list().data[0].model_extra      # vLLM's additions to OpenAI's model object
+    assert card["root"] == str(tiny_chat_model) and card["parent"] is None
+    assert [p["object"] for p in card["permission"]] == ["model_permission"]
     assert client.models.retrieve(server.model).model_dump() == client.models.list().data[0].model_dump()
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("no-such-model")
@@ -777,3 +780,47 @@ def test_special_tokens_kept_when_asked(server, client, tiny_chat_model, stream)
         texts[skip] = text
         assert text == tok.decode(ids, skip_special_tokens=skip)
     assert texts[False] != texts[True]
+
+
+def test_vllms_per_request_histograms(server, client):
+    """vLLM's per-request histograms, read with Prometheus' own parser: their counts and sums move
+    by what the responses say was served (tokens, n, max_tokens; one observation per choice, as
+    vLLM's engine counts each of n), and the phases' times fit inside the wall time the client
+    measured around each request."""
+    import time
+    from prometheus_client.parser import text_string_to_metric_families
+    from tests.server.test_tandem_server import scrape
+    names = ("prompt_tokens", "generation_tokens", "params_n", "params_max_tokens", "prefill_time_seconds",
+             "decode_time_seconds", "inference_time_seconds", "time_per_output_token_seconds")
+
+    def totals() -> dict:
+        out = {}
+        for fam in text_string_to_metric_families(scrape(server)):
+            for s in fam.samples:
+                if s.name.endswith(("_count", "_sum")) and s.name.startswith(("vllm:request_", "vllm:time_to")):
+                    key = s.name.removeprefix("vllm:request_")
+                    out[key] = out.get(key, 0.0) + s.value
+        return out
+    before, wall, usage = totals(), 0.0, []
+    for n, max_tokens in ((1, 5), (3, 7)):
+        t0 = time.monotonic()
+        r = client.completions.create(model=server.model, prompt="Count the hens", max_tokens=max_tokens, n=n,
+                                      temperature=0.7, seed=1, extra_body={"ignore_eos": True})
+        wall += (time.monotonic() - t0) * n
+        usage.append((n, max_tokens, r.usage))
+    after = totals()
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert all(d[f"{k}_count"] == 4 for k in names), d
+    assert d["prompt_tokens_sum"] == sum(n * u.prompt_tokens for n, _, u in usage)     # each choice's
+    assert d["generation_tokens_sum"] == sum(u.completion_tokens for _, _, u in usage) == 5 + 3 * 7
+    assert d["params_n_sum"] == 1 + 3 * 3 and d["params_max_tokens_sum"] == 5 + 3 * 7
+    assert 0 < d["prefill_time_seconds_sum"] and 0 < d["decode_time_seconds_sum"]
+    assert d["inference_time_seconds_sum"] == pytest.approx(d["prefill_time_seconds_sum"]
+                                                            + d["decode_time_seconds_sum"])
+    assert d["inference_time_seconds_sum"] < wall
+    # first scheduled = arrival + queue time: prefill and queue add up to the time to first token
+    assert d["prefill_time_seconds_sum"] + d["queue_time_seconds_sum"] == pytest.approx(
+        d["vllm:time_to_first_token_seconds_sum"], rel=1e-9)
+    # each request's mean gap is its decode time over 4 gaps (5 tokens) or 6 (7 tokens)
+    decode = d["decode_time_seconds_sum"]
+    assert decode / 6 * 0.999 <= d["time_per_output_token_seconds_sum"] <= decode / 4 * 1.001
