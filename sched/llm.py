@@ -70,10 +70,13 @@ class ChatTemplate:
     assistant's, left open so that the reply continues it (``continue_final_message``: a reply
     begun for the model, "prefilled"). ``kwargs``: vLLM's chat_template_kwargs, more variables
     for the template (Qwen3's ``enable_thinking``, say); a template that does not read one
-    ignores it."""
+    ignores it. ``source``: a Jinja template used instead of the model's (vLLM's per-request
+    chat_template); ``documents``: vLLM's documents, for a template that reads them (RAG)."""
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     kwargs: dict = field(default_factory=dict)
+    source: str | None = None
+    documents: tuple[dict, ...] | None = None
 
     def check(self, messages: list[dict]) -> None:
         """ValueError naming the option these messages cannot be rendered with."""
@@ -87,8 +90,24 @@ class ChatTemplate:
             raise ValueError("continue_final_message: the last message must be the assistant's")
 
     def render(self, tokenizer, messages: list[dict]) -> str:
+        """The prompt text; ValueError where the model has no template and none was given."""
+        if self.source is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("messages: this model has no chat template: give one (the server's --chat-template, "
+                             "LLM(chat_template=...)) or send a completion")
+        docs = {} if self.documents is None else {"documents": list(self.documents)}
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=self.add_generation_prompt,
-                                             continue_final_message=self.continue_final_message, **self.kwargs)
+                                             continue_final_message=self.continue_final_message,
+                                             chat_template=self.source, **docs, **self.kwargs)
+
+
+def template_text(given: str) -> str:
+    """vLLM's --chat-template: the path of a file holding a Jinja template, or the template."""
+    if os.path.isfile(given):
+        with open(given, encoding="utf-8") as f:
+            return f.read()
+    if not any(c in given for c in "{}%"):
+        raise ValueError(f"chat_template: {given!r} is neither a file nor a Jinja template")
+    return given
 
 
 CHAT = ChatTemplate()
@@ -198,7 +217,7 @@ class LLM:
                  triton_attention: bool | None = None, tandem_off: Sequence[str] = (),
                  slo_tbt_mean: bool = False, length_cap: bool = True, weight_blocks: bool = True,
                  enable_prefix_caching: bool = True, prefix_aware_routing: bool = True,
-                 length_learned_max: int | None = None):
+                 length_learned_max: int | None = None, chat_template: str | None = None):
         self._workers: list[WorkerHandle] = []
         self._prefix_routing = bool(prefix_aware_routing)
         self.runtime: Runtime | None = None
@@ -238,6 +257,7 @@ class LLM:
             raise ValueError(f"kv_cache_fraction: must be a number in (0, 1], got {kv_cache_fraction!r}")
         if omp_wait_policy not in (None, "ACTIVE", "PASSIVE"):
             raise ValueError(f"omp_wait_policy: {omp_wait_policy!r} is not ACTIVE or PASSIVE")
+        template = None if chat_template is None else template_text(chat_template)
         self.lengths = self._lengths(policy, length_predictor, length_cap, length_learned_max)
         dtype, why = resolve_dtype(dtype, names[0])
         log.info("dtype %s: %s", dtype, why)
@@ -253,6 +273,8 @@ class LLM:
         if not enable_chunked_prefill and max_num_batched_tokens < self.max_model_len:
             raise ValueError("max_num_batched_tokens: must be >= max_model_len without chunked prefill")
         self.tokenizer = load_tokenizer(hf_dir)
+        if template is not None:
+            self._use_template(template)
         self.chat_control_tokens = chat_control_tokens   # may message text act as template tokens?
         if self.tokenizer is not None:    # the Rust tokenizer directly: the Python wrapper costs 3x
             fast = getattr(self.tokenizer, "_tokenizer", None)
@@ -352,6 +374,18 @@ class LLM:
                  "(copy probe), TBT %.3f s", placement, n, capacity, epoch_s, bw / 1e9, tbt_s)
         return Rebalancer(Placement(placement), n, capacity, block_bytes,
                           Budgets(bw, epoch_s, cost, tbt_s, max_tokens))
+
+    def _use_template(self, template: str) -> None:
+        """Chats are rendered with ``template`` instead of the model's; it must render a turn."""
+        if self.tokenizer is None:
+            raise ValueError("chat_template: this model has no tokenizer to render chats for")
+        from jinja2 import TemplateError
+        try:
+            ChatTemplate(source=template).render(self.tokenizer, [{"role": "user", "content": "Hi"}])
+        except TemplateError as e:
+            raise ValueError(f"chat_template: does not render a chat: {e}") from None
+        self.tokenizer.chat_template = template
+        log.info("chat template: the one given (%d characters), not the model's", len(template))
 
     # ---- prompts -------------------------------------------------------------
     def _aptserve_options(self, hybrid: bool, warn: bool = True):
@@ -490,7 +524,9 @@ class LLM:
             from jinja2 import TemplateError
             try:
                 text = template.render(self.tokenizer, prompt)
-            except TemplateError as e:        # the model's template refuses these messages
+            except TemplateError as e:        # the template refuses these messages
+                if template.source is not None:
+                    raise ValueError(f"chat_template: does not render these messages: {e}") from None
                 raise ValueError(f"messages: the model's chat template rejects them: {e}") from None
             if not self.chat_control_tokens and self._holds_control_text(prompt):
                 return self._encode_chat_literally(prompt, template), text
@@ -619,11 +655,13 @@ class LLM:
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              *, use_tqdm: bool = False, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             chat_template: str | None = None, documents: list[dict] | None = None) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages) or a
-        list of them, each rendered by the model's chat template with the assistant's turn opened
-        (or, ``continue_final_message``, its last message, an assistant's, left open for the reply
-        to continue: see ``ChatTemplate``); one output per conversation, in order."""
+        list of them, each rendered by the model's chat template (or ``chat_template``, a Jinja
+        template) with the assistant's turn opened (or, ``continue_final_message``, its last
+        message, an assistant's, left open for the reply to continue: see ``ChatTemplate``); one
+        output per conversation, in order."""
         if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
             messages = [messages]
         if not (isinstance(messages, (list, tuple)) and messages
@@ -631,7 +669,8 @@ class LLM:
             raise ValueError("messages: give a conversation (a list of message dicts) or a list of them")
         return self.generate(list(messages), sampling_params, use_tqdm=use_tqdm,
                              chat_template=ChatTemplate(add_generation_prompt, continue_final_message,
-                                                        dict(chat_template_kwargs or {})))
+                                                        dict(chat_template_kwargs or {}), chat_template,
+                                                        None if documents is None else tuple(documents)))
 
     def _run(self, states: list[RequestState], bar) -> None:
         """Hand the requests to the actors and wait until every one has ended."""

@@ -124,6 +124,12 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     ap.add_argument("--chat-control-tokens", action="store_true",
                     help="let chat message text act as template tokens such as <|im_end|> (default: "
                          "such text is tokenized as plain text, so a user cannot forge a turn)")
+    ap.add_argument("--chat-template", default=None,
+                    help="a Jinja chat template, or the path of a file holding one, used instead of the "
+                         "model's (vLLM's flag)")
+    ap.add_argument("--trust-request-chat-template", action="store_true",
+                    help="let a chat request carry its own chat_template (default: refused with 400; "
+                         "the server renders it in Jinja's sandbox either way)")
     ap.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 2**20,
                     help="largest JSON request body (413 beyond, refused before it is read)")
     ap.add_argument("--max-connections", type=int, default=d.limits.max_connections,
@@ -170,6 +176,9 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
             raise ValueError(f"length-predictor: no length predictor in {a.length_predictor} (nor {MAX_TOKENS})")
         from tandem.engine.models.loader import check_model
         check_model(a.model)
+        if a.chat_template is not None:
+            from tandem.sched.llm import template_text
+            a.chat_template = template_text(a.chat_template)
         if a.max_connections < 1 or a.header_timeout <= 0 or a.body_timeout <= 0:
             raise ValueError("max-connections, header-timeout and body-timeout must be positive")
     except ValueError as e:
@@ -190,7 +199,9 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                         slo_ttft_ms=a.slo_ttft_ms, slo_tbt_ms=a.slo_tbt_ms,
                         max_waiting=a.max_waiting, shed_chats_after=a.shed_chats_after,
                         max_upload_bytes=int(a.max_upload_mb * 2**20),
-                        max_body_bytes=int(a.max_body_mb * 2**20), chat_control_tokens=a.chat_control_tokens, dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
+                        max_body_bytes=int(a.max_body_mb * 2**20), chat_control_tokens=a.chat_control_tokens,
+                        chat_template=a.chat_template, trust_request_chat_template=a.trust_request_chat_template,
+                        dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
                         weight_blocks=not a.no_weight_blocks,
                         watch_parent=a.watch_parent, threads_per_worker=a.threads_per_worker,
                         limits=Limits(a.max_connections, a.header_timeout, a.body_timeout),
@@ -266,7 +277,8 @@ def main(argv=None, prog: str = "python -m server") -> None:
                   swap_space=cfg.swap_space_gib, swap_dtype=cfg.swap_dtype,
                   kv_cache_dtype=cfg.kv_cache_dtype, tandem_off=cfg.tandem_off,
                   slo_tbt_mean=cfg.slo_tbt_mean, weight_blocks=cfg.weight_blocks,
-                  enable_prefix_caching=cfg.prefix_caching, prefix_aware_routing=cfg.prefix_routing)
+                  enable_prefix_caching=cfg.prefix_caching, prefix_aware_routing=cfg.prefix_routing,
+                  chat_template=cfg.chat_template)
         return AsyncEngine(llm)
 
     app = create_app(cfg, build_engine)

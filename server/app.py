@@ -173,7 +173,8 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
     model = check_model(body, cfg.served_model_name)
     defaults = dict(default_ttft_s=None, default_tbt_s=None) if force_be else \
         dict(default_ttft_s=cfg.slo_ttft_ms / 1000, default_tbt_s=cfg.slo_tbt_ms / 1000)  # RT targets only
-    gen = parse_chat(body, **defaults) if chat else parse_completion(body, **defaults)
+    gen = parse_chat(body, cfg.trust_request_chat_template, **defaults) if chat else \
+        parse_completion(body, **defaults)
     if force_be:                      # batch-job lines are best-effort whatever they ask
         gen.service_class = ServiceClass.BE
     sp = gen.sampling
@@ -191,7 +192,7 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
             None, lambda: [engine.llm.encode_prompt(prompt, gen.template, sp.truncate_prompt_tokens)
                            for prompt in gen.prompts])
     except ValueError as e:
-        raise bad_request(str(e), param=param,
+        raise bad_request(str(e), param=prompt_param(e, param),
                           code="context_length_exceeded" if isinstance(e, PromptTooLong) else None) from None
     budgets = [max_tokens_for(engine, sp, len(ids), param) for ids, _ in encoded]
     if not force_be and engine.num_waiting() >= cfg.max_waiting:
@@ -231,6 +232,11 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
             raise ApiError(503, str(e), type="service_unavailable", headers={"Retry-After": "5"}) from None
         raise bad_request(str(e), param=param) from None
     return p
+
+
+def prompt_param(e: ValueError, param: str) -> str:
+    """The field a prompt's encoding error names: a request's own chat template, else ``param``."""
+    return "chat_template" if str(e).startswith("chat_template:") else param
 
 
 def checked_sampling(llm, sp) -> tuple[tuple[int, ...], ...]:
@@ -615,11 +621,11 @@ async def tokenize(request):
     engine = ready_engine(request)
     body = await read_json(request)
     check_model(body, request.app[STATE].cfg.served_model_name)
-    prompt, template = parse_tokenize(body)
+    prompt, template = parse_tokenize(body, request.app[STATE].cfg.trust_request_chat_template)
     try:
         ids, _ = await asyncio.get_running_loop().run_in_executor(None, engine.llm.encode_prompt, prompt, template)
     except ValueError as e:
-        raise bad_request(str(e), param="prompt" if isinstance(prompt, str) else "messages") from None
+        raise bad_request(str(e), param=prompt_param(e, "prompt" if isinstance(prompt, str) else "messages")) from None
     return json_response({"count": len(ids), "max_model_len": engine.llm.max_model_len, "tokens": ids})
 
 

@@ -45,6 +45,8 @@ class ServerConfig:
     shed_chats_after: float = 0.0      # TTFT targets a chat waits on every device before new chats get 429 (0: never)
     max_upload_bytes: int = 200 << 20  # largest file upload
     chat_control_tokens: bool = False  # message text may spell template tokens (<|im_end|>, ...)
+    chat_template: str | None = None   # a Jinja chat template used instead of the model's
+    trust_request_chat_template: bool = False   # a chat request may carry its own template
     max_body_bytes: int = 8 << 20      # largest JSON request body (413 beyond, before reading it)
     limits: Limits = field(default_factory=Limits)   # open connections, head and body deadlines
     dtype: str = "auto"                # bfloat16 where the hardware has native bf16, else float32

@@ -188,11 +188,17 @@ def chat_messages(messages: list[dict], tools: ToolPlan | None = None) -> list[d
     return render_messages(flat, tools)
 
 
-def chat_input(body: dict) -> tuple[ToolPlan | None, list[dict], ChatTemplate]:
+def chat_input(body: dict, trust_template: bool) -> tuple[ToolPlan | None, list[dict], ChatTemplate]:
     """A validated chat body's tools, its messages as the template takes them and how they are
-    rendered; raises ApiError naming the field."""
+    rendered (with the body's own template only where ``trust_template``); raises ApiError naming
+    the field."""
+    source, docs = body.get("chat_template"), body.get("documents")
+    if source is not None and not trust_template:
+        raise bad_request("'chat_template' in a request is refused: this server renders only its own chat "
+                          "template (start it with --trust-request-chat-template to allow them)",
+                          param="chat_template")
     template = ChatTemplate(_val(body, "add_generation_prompt", True), _val(body, "continue_final_message", False),
-                            body.get("chat_template_kwargs") or {})
+                            body.get("chat_template_kwargs") or {}, source, None if docs is None else tuple(docs))
     try:
         plan = tool_plan(body)
         messages = chat_messages(body["messages"], plan)
@@ -202,10 +208,10 @@ def chat_input(body: dict) -> tuple[ToolPlan | None, list[dict], ChatTemplate]:
     return plan, messages, template
 
 
-def parse_chat(body: dict, **defaults) -> GenRequest:
+def parse_chat(body: dict, trust_template: bool = False, **defaults) -> GenRequest:
     validate(body, CHAT_BODY)
     sp, extra = parse_common(body, chat=True, **defaults)
-    plan, messages, template = chat_input(body)
+    plan, messages, template = chat_input(body, trust_template)
     constraint = plan.constraint() if plan is not None else None
     if constraint is not None:
         if sp.structured_outputs is not None:
@@ -216,7 +222,7 @@ def parse_chat(body: dict, **defaults) -> GenRequest:
                       template=template)
 
 
-def parse_tokenize(body: dict) -> tuple:
+def parse_tokenize(body: dict, trust_template: bool = False) -> tuple:
     """A /tokenize body's prompt, its text or its chat messages (exactly one of them; the
     messages with their tools, as a chat renders them), and how a chat is rendered."""
     validate(body, TOKENIZE_BODY)
@@ -225,7 +231,7 @@ def parse_tokenize(body: dict) -> tuple:
         raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
     if given == ["prompt"]:
         return body["prompt"], CHAT
-    _, messages, template = chat_input(body)
+    _, messages, template = chat_input(body, trust_template)
     return messages, template
 
 

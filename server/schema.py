@@ -172,8 +172,16 @@ TEMPLATE = {      # vLLM's chat options: how the messages are rendered
                                "false)"},
     "chat_template_kwargs": {"type": "object", "maxProperties": 32, "propertyNames": {"maxLength": 64},
                              "description": "vLLM's extension: more variables for the chat template "
-                                            "(enable_thinking, ...); one the template does not read is ignored"}}
-CHAT_UNSUPPORTED = ("echo", "chat_template", "documents", *UNSUPPORTED)
+                                            "(enable_thinking, ...); one the template does not read is ignored"},
+    "chat_template": {"type": "string", "minLength": 1, "maxLength": 1 << 16,
+                      "description": "vLLM's extension: a Jinja template rendering this chat instead of the "
+                                     "model's (only where the server trusts request templates: "
+                                     "--trust-request-chat-template)"},
+    "documents": {"type": "array", "maxItems": 64, "items": {"type": "object", "maxProperties": 16,
+                                                             "additionalProperties": {"type": "string"}},
+                  "description": "vLLM's extension: documents for a template that reads them (RAG); "
+                                 "ignored by one that does not"}}
+CHAT_UNSUPPORTED = ("echo", *UNSUPPORTED)
 COMPLETION_UNSUPPORTED = (*TOOLS, *UNSUPPORTED)
 
 

@@ -20,6 +20,7 @@ from tests.server.conftest import ROOT, free_port
     (["--policy", "alise", "--length-predictor", "/no/such/dir"], "length-predictor"),
     (["--model", "/no/such/checkpoint"], "model"),
     (["--model", "missing.gguf"], "GGUF"),
+    (["--chat-template", "/no/such/template.jinja"], "chat_template"),
 ])
 def test_bad_settings_exit_before_loading(args, says):
     run = subprocess.run([sys.executable, "-m", "server", "--port", str(free_port()), *args], cwd=ROOT,

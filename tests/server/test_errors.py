@@ -78,7 +78,7 @@ CASES = [
     *[(f"vLLM's {k}", "POST", path, {**body, k: v}, None, 400, "invalid_request_error", k) for path, body, k, v in [
         (COMP, {"prompt": "a"}, "use_beam_search", True), (COMP, {"prompt": "a"}, "logits_processors", ["x"]),
         (CHAT, {"messages": MSG}, "chat_template_kwargs", {"tokenize": True}),
-        (CHAT, {"messages": MSG}, "chat_template", "{{ messages }}"), (COMP, {"prompt": "a"}, "priority", 3)]],
+        (CHAT, {"messages": MSG}, "documents", "x"), (COMP, {"prompt": "a"}, "priority", 3)]],
     # and those it implements refuse what vLLM refuses, naming the field
     *[(f"{k} {why}", "POST", path, {**body, k: v}, None, 400, "invalid_request_error", k) for path, body, k, v, why in [
         (COMP, {"prompt": "a"}, "allowed_token_ids", [], "empty"),
@@ -89,7 +89,9 @@ CASES = [
         (COMP, {"prompt": "a"}, "truncate_prompt_tokens", 0, "of zero"),
         (COMP, {"prompt": "a"}, "truncate_prompt_tokens", -2, "below -1"),
         (COMP, {"prompt": "a"}, "truncate_prompt_tokens", 1 << 20, "past the context"),
-        (CHAT, {"messages": MSG}, "skip_special_tokens", "no", "not a boolean")]],
+        (CHAT, {"messages": MSG}, "skip_special_tokens", "no", "not a boolean"),
+        (CHAT, {"messages": MSG}, "chat_template", "{{ messages }}", "from a request the server does not trust"),
+        ("/tokenize", {"messages": MSG}, "chat_template", "{{ messages }}", "to /tokenize, not trusted")]],
     ("min_tokens over max", "POST", COMP, {"prompt": "a", "max_tokens": 2, "min_tokens": 5}, None, 400,
      "invalid_request_error", "min_tokens"),
     ("top_logprobs without logprobs", "POST", CHAT, {"messages": MSG, "top_logprobs": 2}, None, 400,

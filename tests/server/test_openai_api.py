@@ -824,3 +824,68 @@ def test_vllms_per_request_histograms(server, client):
     # each request's mean gap is its decode time over 4 gaps (5 tokens) or 6 (7 tokens)
     decode = d["decode_time_seconds_sum"]
     assert decode / 6 * 0.999 <= d["time_per_output_token_seconds_sum"] <= decode / 4 * 1.001
+
+
+TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[assistant] {% endif %}")
+RAG = ("{% for d in documents %}<doc {{ d['title'] }}>{{ d['text'] }}</doc>\n{% endfor %}"
+       "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}"
+       "assistant:{% endif %}")
+
+
+def test_a_chat_template_given_to_the_server_and_one_a_request_brings(tiny_chat_model, tmp_path):
+    """--chat-template (a file) renders every chat instead of the model's; with
+    --trust-request-chat-template a request's own template (here reading vLLM's documents)
+    renders that request. Each prompt is the tokenizer's ids of the rendering written out by
+    hand; a request template that does not compile is refused naming chat_template."""
+    from transformers import AutoTokenizer
+    from tests.server.conftest import call, start_server, stop_server
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    path = tmp_path / "chat.jinja"
+    path.write_text(TEMPLATE)
+    s = start_server(tiny_chat_model, tmp_path, "--chat-template", str(path), "--trust-request-chat-template")
+    try:
+        msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+        def prompt_ids(**extra):
+            code, r = call(s, "POST", "/v1/chat/completions", {"model": s.model, "messages": msgs, "max_tokens": 1,
+                                                               "return_token_ids": True, **extra})
+            assert code == 200, r
+            return r["prompt_token_ids"]
+        assert prompt_ids() == tok("[system] Be brief.\n[user] Hi\n[assistant] ", add_special_tokens=False)["input_ids"]
+        docs = [{"title": "Lewis", "text": "windy"}, {"title": "Skye", "text": "wet"}]
+        want = tok("<doc Lewis>windy</doc>\n<doc Skye>wet</doc>\nsystem: Be brief.\nuser: Hi\nassistant:",
+                   add_special_tokens=False)["input_ids"]
+        assert prompt_ids(chat_template=RAG, documents=docs) == want
+        assert call(s, "POST", "/tokenize", {"messages": msgs, "chat_template": RAG, "documents": docs})[1]["tokens"] \
+            == want
+        code, r = call(s, "POST", "/v1/chat/completions", {"model": s.model, "messages": msgs,
+                                                           "chat_template": "{% for m in messages %}"})
+        assert code == 400 and r["error"]["param"] == "chat_template", r
+    finally:
+        assert stop_server(s) == 0
+
+
+def test_chat_templates_in_process(tiny_chat_model, tmp_path):
+    """The same in LLM: its chat_template replaces the model's, LLM.chat's renders one call; a
+    model without a template says how to give one; a string that is neither a file nor a template
+    is refused naming the argument."""
+    from tandem import LLM, SamplingParams
+    from tandem.sched.llm import ChatTemplate, template_text
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    msgs = [{"role": "user", "content": "Hi"}]
+    with LLM(str(tiny_chat_model), "cpu:1", dtype="float32", chat_template=TEMPLATE, threads_per_worker=1) as llm:
+        sp = SamplingParams(max_tokens=1, temperature=0)
+        assert llm.chat(msgs, sp)[0].prompt_token_ids == tok("[user] Hi\n[assistant] ",
+                                                             add_special_tokens=False)["input_ids"]
+        out = llm.chat(msgs, sp, chat_template=RAG, documents=[{"title": "T", "text": "x"}])[0]
+        want = tok("<doc T>x</doc>\nuser: Hi\nassistant:", add_special_tokens=False)["input_ids"]
+        assert out.prompt_token_ids == want
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="^messages: this model has no chat template"):
+        ChatTemplate().render(tok, msgs)
+    with pytest.raises(ValueError, match="^chat_template: 'chat.jinja' is neither a file nor a Jinja template"):
+        template_text("chat.jinja")
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    assert template_text(str(tmp_path / "t.jinja")) == TEMPLATE == template_text(TEMPLATE)
