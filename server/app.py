@@ -34,6 +34,7 @@ from tandem.server.tools import ContentStream, ToolPlan, finish_reason
 # no API key needed: what /metrics shows, no request text
 OPEN_PATHS = ("/health", "/ping", "/version", "/metrics", "/status", "/dashboard", "/openapi.json")
 PAST_CAPACITY = "chats_past_capacity"      # the error code of a chat refused by --shed-chats-after
+TOKEN_IDS = TokenText(None)                 # each token as "token_id:<id>" (what a model without a tokenizer shows)
 DASHBOARD = Path(__file__).parent / "static" / "dashboard.html"
 log = logging.getLogger(__name__)
 
@@ -310,6 +311,7 @@ class Choice:
     prompt_logprobs: list | None = None     # the echoed prompt's, from the first event
     echo_sent: bool = False                 # a stream sends the echo in its first chunk
     echo_top: int = 0                       # the likeliest tokens its log probabilities list
+    tokens_as_ids: bool = False             # its log probabilities name tokens "token_id:<id>"
     content: ContentStream | None = None    # a streamed chat with tools: what goes out before the end
     cached_tokens: int = 0                  # prompt tokens found in the prefix cache
     stop_reason: str | int | None = None    # vLLM's: the stop string or stop token id that ended it
@@ -388,9 +390,11 @@ def usage(p: Prepared, choices: list[Choice]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def choice_json(chat: bool, ch: Choice, text_of: TokenText, tools: ToolPlan | None = None) -> dict:
+def choice_json(chat: bool, ch: Choice, text_of: TokenText, tools: ToolPlan | None = None, echo: str = "") -> dict:
+    """A whole response's choice; ``echo``: the text a chat's content begins with (vLLM's echo)."""
     if chat:
         content, calls = tools.parse(ch.text) if tools else (ch.text, [])
+        content = echo + (content or "") if echo else content
         message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
         c = {"index": ch.index, "message": message, "logprobs": None,
              "finish_reason": finish_reason(calls, ch.finish_reason, tools), "stop_reason": ch.stop_reason} | \
@@ -421,6 +425,8 @@ def unsent_logprobs(chat: bool, ch: Choice, text_of: TokenText, first_ids=(), fi
     lps = [*first_lps, *ch.logprobs[ch.lps_sent:]]
     ids = [*first_ids, *ch.token_ids[ch.lps_sent:len(ch.logprobs)]]
     ch.lps_sent = len(ch.logprobs)
+    if ch.tokens_as_ids:                  # vLLM's return_tokens_as_token_ids: "token_id:<id>" for each token
+        text_of = TOKEN_IDS
     if chat:
         return {"logprobs": chat_logprobs(text_of, ids, lps)}
     body, ch.text_offset = completion_logprobs(text_of, ids, lps, ch.text_offset)
@@ -438,7 +444,8 @@ def token_ids_json(chat: bool, ch: Choice, ids: list[int]) -> dict:
 def new_choices(p: Prepared, text_of: TokenText) -> list[Choice]:
     asked = p.gen.sampling.logprobs is not None
     return [Choice(i, prompt_ids=list(r.prompt_token_ids) if p.gen.return_token_ids else None,
-                   logprobs=[] if asked else None, **(echo_of(r, text_of) if p.gen.echo else {}))
+                   logprobs=[] if asked else None, tokens_as_ids=p.gen.tokens_as_ids,
+                   **(echo_of(r, text_of) if p.gen.echo else {}))
             for i, r in enumerate(p.requests)]
 
 
@@ -491,7 +498,7 @@ async def complete(engine: AsyncEngine, st: AppState, p: Prepared, chat: bool) -
     """Run a prepared, non-streamed request to its end; the OpenAI response body."""
     created = int(time.time())
     choices = await run_to_end(st, p)
-    body = [choice_json(chat, ch, st.text_of, p.gen.tools) for ch in choices]
+    body = [choice_json(chat, ch, st.text_of, p.gen.tools, p.gen.chat_echo) for ch in choices]
     top = chat_prompt_ids(p) if chat else {}
     if p.gen.prompt_logprobs is not None:   # where vLLM puts them: beside a chat's choices (one
         scored = scored_prompts(st, p, choices)     # prompt), in each completion choice
@@ -562,6 +569,9 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
     if chat:
         for i, ch in enumerate(choices):
             await send(chunk(ch, "", None, first=True) | (chat_prompt_ids(p) if i == 0 else {}))
+            if p.gen.chat_echo:
+                await send(event({"index": ch.index, "delta": {"content": p.gen.chat_echo}, "logprobs": None,
+                                  "finish_reason": None}))
 
     tools = p.gen.tools
     for ch in choices if tools is not None else ():

@@ -33,6 +33,8 @@ class GenRequest:
     cache_salt: str | None = None   # prefix caching: blocks are shared only with the same salt
     template: ChatTemplate = CHAT   # how a chat's messages are rendered
     prompt_logprobs: int | None = None    # vLLM's prompt_logprobs asked for: the likeliest this many shown
+    chat_echo: str = ""             # a chat's vLLM echo: the text its reply's content begins with
+    tokens_as_ids: bool = False     # vLLM's return_tokens_as_token_ids: log probabilities name "token_id:<id>"
 
 
 def _val(body: dict, key: str, default):
@@ -109,7 +111,8 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
                  slo_tbt_s=tbt / 1000 if tbt else None if be else default_tbt_s,
                  max_tokens_given=max_tokens is not None,
                  return_token_ids=_val(body, "return_token_ids", False), structured_param=structured_param,
-                 cache_salt=body.get("cache_salt"), prompt_logprobs=sp.prompt_logprobs)
+                 cache_salt=body.get("cache_salt"), prompt_logprobs=sp.prompt_logprobs,
+                 tokens_as_ids=_val(body, "return_tokens_as_token_ids", False))
     return sp, extra
 
 
@@ -219,7 +222,16 @@ def parse_chat(body: dict, trust_template: bool = False, **defaults) -> GenReque
                               f"'{extra['structured_param']}'", param="tool_choice")
         sp.structured_outputs, extra["structured_param"] = constraint, "tools"
     return GenRequest([messages], sp, **extra, tools=plan if plan is not None and plan.calls else None,
-                      template=template)
+                      template=template, chat_echo=chat_echo(body, messages, template))
+
+
+def chat_echo(body: dict, messages: list[dict], template: ChatTemplate) -> str:
+    """vLLM's chat ``echo``: the last message's text where it has the reply's role (the assistant's,
+    or its own where no assistant turn is opened); "" otherwise or without echo."""
+    last = messages[-1]
+    if not body.get("echo") or (template.add_generation_prompt and last["role"] != "assistant"):
+        return ""
+    return last["content"] or ""
 
 
 def parse_tokenize(body: dict, trust_template: bool = False) -> tuple:

@@ -29,7 +29,7 @@ UNSUPPORTED = ("functions", "function_call",
                "best_of", "suffix", "prediction", "audio", "modalities",
                # vLLM's extensions this server does not implement
                "use_beam_search", "length_penalty", "guided_whitespace_pattern", "logits_processors", "priority",
-               "return_tokens_as_token_ids", "prompt_embeds", "mm_processor_kwargs")
+               "prompt_embeds", "mm_processor_kwargs")
 # the value of an unsupported field that asks nothing of it (besides null, false and empty)
 ASKS_NOTHING = {"best_of": 1, "modalities": ["text"], "length_penalty": 1, "priority": 0}
 
@@ -78,6 +78,9 @@ SAMPLING = {
     "cache_salt": {"type": "string", "minLength": 1, "maxLength": 1024,
                    "description": "vLLM's extension: only requests with the same salt reuse each other's "
                    "cached prompt blocks (prefix caching), so one tenant cannot time another's prompts"},
+    "return_tokens_as_token_ids": {"type": "boolean", "description": "vLLM's extension: log probabilities "
+                                   "name each token \"token_id:<id>\" instead of its text (a token that is "
+                                   "part of a character is then still told apart)"},
     "return_token_ids": {"type": "boolean", "description": "vLLM's extension: the token ids of the output "
                          "(and of the prompt) beside its text"},
     "min_tokens": _int(0, MAX_TOKENS_CAP, "vLLM's extension; at most max_tokens"),
@@ -181,7 +184,7 @@ TEMPLATE = {      # vLLM's chat options: how the messages are rendered
                                                              "additionalProperties": {"type": "string"}},
                   "description": "vLLM's extension: documents for a template that reads them (RAG); "
                                  "ignored by one that does not"}}
-CHAT_UNSUPPORTED = ("echo", *UNSUPPORTED)
+CHAT_UNSUPPORTED = UNSUPPORTED
 COMPLETION_UNSUPPORTED = (*TOOLS, *UNSUPPORTED)
 
 
@@ -197,6 +200,9 @@ CHAT_BODY = _body({"messages": {"type": "array", "items": MESSAGE, "minItems": 1
                    "logprobs": {"type": "boolean", "description": "each output token's log probability under "
                                 "the model (before temperature, top-k/p)"},
                    "top_logprobs": _int(0, MAX_LOGPROBS, "with logprobs: the likeliest tokens at each position"),
+                   "echo": {"type": "boolean", "description": "vLLM's extension: the reply's content begins with "
+                            "the last message's where that message is the assistant's (or add_generation_prompt "
+                            "is false), e.g. a reply continued with continue_final_message"},
                    **TOOLS, **TEMPLATE},
                   ["messages"], CHAT_UNSUPPORTED)
 COMPLETION_BODY = _body({"prompt": PROMPT,

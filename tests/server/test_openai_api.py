@@ -889,3 +889,47 @@ def test_chat_templates_in_process(tiny_chat_model, tmp_path):
         template_text("chat.jinja")
     (tmp_path / "t.jinja").write_text(TEMPLATE)
     assert template_text(str(tmp_path / "t.jinja")) == TEMPLATE == template_text(TEMPLATE)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chats_echo_begins_the_reply_with_the_message_it_continues(server, client, stream):
+    """vLLM's chat echo: a reply continuing the assistant's last message (continue_final_message)
+    begins with that message's text, whole and streamed; where a new assistant turn is opened
+    after a user's message, nothing is echoed."""
+    def content(messages, **extra) -> str:
+        kw = dict(model=server.model, messages=messages, max_tokens=6, temperature=0,
+                  extra_body={"ignore_eos": True, **extra})
+        if not stream:
+            return client.chat.completions.create(**kw).choices[0].message.content
+        return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+                       if c.choices)
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    reply = content(PREFILLED, **cont)
+    assert content(PREFILLED, echo=True, **cont) == "My favourite fruit is" + reply
+    assert content(PREFILLED[:1], echo=True) == content(PREFILLED[:1])
+
+
+def test_return_tokens_as_token_ids_names_each_logprob_token_by_id(server, client):
+    """vLLM's return_tokens_as_token_ids: every token in the log probabilities (sampled and
+    alternatives, chat and completion) reads "token_id:<id>", the sampled ones' ids those of
+    return_token_ids; the values are those of the same request without it."""
+    kw = dict(model=server.model, max_tokens=5, temperature=0)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    for ids_too in (False, True):
+        c = client.completions.create(prompt="Once upon", logprobs=2, **kw,
+                                      extra_body=extra | {"return_tokens_as_token_ids": ids_too}).choices[0]
+        ch = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], logprobs=True,
+                                            top_logprobs=2, **kw,
+                                            extra_body=extra | {"return_tokens_as_token_ids": ids_too}).choices[0]
+        if not ids_too:
+            plain_c, plain_ch = c, ch
+            continue
+        want = [f"token_id:{t}" for t in c.model_extra["token_ids"]]
+        assert c.logprobs.tokens == want and c.logprobs.token_logprobs == plain_c.logprobs.token_logprobs
+        assert [sorted(d.values()) for d in c.logprobs.top_logprobs] == \
+            [sorted(d.values()) for d in plain_c.logprobs.top_logprobs]
+        assert all(k.startswith("token_id:") for d in c.logprobs.top_logprobs for k in d)
+        got = ch.logprobs.content
+        assert [e.token for e in got] == [f"token_id:{t}" for t in ch.model_extra["token_ids"]]
+        assert [e.bytes for e in got] == [list(e.token.encode()) for e in got]
+        assert [e.logprob for e in got] == [e.logprob for e in plain_ch.logprobs.content]
