@@ -136,6 +136,22 @@ def parse_devices(devices: str) -> list[str]:
     raise ValueError(f"devices: {devices!r} is not 'cpu:N' or 'cuda:i,j,...'")
 
 
+def check_devices(names: list[str]) -> None:
+    """ValueError naming a CUDA device this machine does not have (a worker would fail to start on
+    it, after the model had loaded); a warning where CPU workers outnumber the cores."""
+    cuda = sorted({int(d.split(":")[1]) for d in names if d.startswith("cuda")})
+    if cuda:
+        import torch
+        have = torch.cuda.device_count()
+        if cuda[-1] >= have:
+            there = "no CUDA device is visible here" if have == 0 else f"this machine has cuda:0 to cuda:{have - 1}"
+            raise ValueError(f"devices: cuda:{cuda[-1]} does not exist ({there}); use 'cpu:N' on the CPU")
+    ncpu, cores = names.count("cpu"), os.cpu_count() or 1
+    if ncpu > cores:
+        log.warning("devices: %d CPU workers on %d cores: each gets a share of a core, and together they "
+                    "are slower than %d", ncpu, cores, cores)
+
+
 def _triton_choice(asked: bool | None, devices: list[str], head_dim: int) -> bool:
     """Whether the workers attend with the Triton kernels (LLM's triton_attention)."""
     from tandem.engine.triton_paging import supports_head_dim, triton_available
@@ -225,6 +241,7 @@ class LLM:
         self._sinks: dict[str, Callable[[list[Update]], None]] = {}
         # every argument is checked before anything loads (the length predictor included)
         names = parse_devices(devices)
+        check_devices(names)
         _positive("block_size", block_size)
         for name, v in (("max_model_len", max_model_len), ("threads_per_worker", threads_per_worker)):
             if v is not None:
@@ -357,6 +374,8 @@ class LLM:
         placement is the same). Budgets: the link from a copy probe, the re-prefill room from the
         iteration cost model (the policy's, else profiled now: seconds)."""
         n = len(self.scheduler.actors)
+        if placement == "static" and n > 1:
+            log.info("placement static over %d devices: each request stays on the one it arrives at", n)
         if placement == "static" or n < 2:
             return None
         from tandem.engine.runner import copy_bandwidth

@@ -22,7 +22,8 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     ap.add_argument("--model", default=d.model, help="'smollm2', a HF checkpoint dir, a .gguf file, or "
                     "'opt13b-random' / 'llama8b-random' / 'smollm2-random' (random weights at the real shapes, for GPU benchmarks)")
     ap.add_argument("--served-model-name", default=None, help="name clients use (default: smollm2 or the dir name)")
-    ap.add_argument("--devices", default=d.devices, help="cpu:N or cuda:0,1,...")
+    ap.add_argument("--devices", default=d.devices, help="cpu:N (N worker processes on the CPU) or cuda:0,1,... "
+                    "(one per GPU named) (default: %(default)s)")
     ap.add_argument("--host", default=d.host)
     ap.add_argument("--port", type=int, default=d.port)
     ap.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
@@ -104,10 +105,12 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                     help="with several devices: lb: the device with the most free memory, and migrations "
                          "that even out memory use; static: each request stays on the least-loaded device at "
                          "its arrival; mell: pack requests onto as few devices as their growing caches allow, "
-                         "migrating as needed (devices left empty are idle); bf / wf: best / worst fit, no "
-                         "migration (a device that overflows restarts its newest requests elsewhere)")
+                         "migrating as needed (devices left empty are idle); bf / wf: best / worst fit, "
+                         "moving a request only when its device overflows: its newest requests restart on "
+                         "another device, counted as token migrations (default: %(default)s)")
     ap.add_argument("--rebalance-interval", type=float, default=d.rebalance_interval_s,
-                    help="seconds between the rebalancer's epochs (placements other than static)")
+                    help="seconds between the rebalancer's epochs (placements other than static; "
+                         "default: %(default)s)")
     ap.add_argument("--slo-ttft-ms", type=float, default=d.slo_ttft_ms)
     ap.add_argument("--slo-tbt-ms", type=float, default=d.slo_tbt_ms)
     ap.add_argument("--slo-tbt-mean", action="store_true",
@@ -146,7 +149,8 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                          "default, on the CPU in float32, the products read the blocks: the same tokens in a "
                          "fifth of the memory, decode steps of 1-4 requests 1.5-2x faster; in bfloat16 the "
                          "blocks stay beside the weights for products of up to six rows with AMX, twelve without)")
-    ap.add_argument("--kv-cache-bytes", type=int, default=None)
+    ap.add_argument("--kv-cache-bytes", type=int, default=None,
+                    help="each device's KV pool in bytes (default: 2 GiB, as vLLM's CPU backend)")
     ap.add_argument("--threads-per-worker", type=int, default=None,
                     help="torch threads in each worker process (default: the cores divided among the CPU workers)")
     ap.add_argument("--watch-parent", type=int, default=None, help=argparse.SUPPRESS)
@@ -160,8 +164,8 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                     mean_tbt=a.slo_tbt_mean, prefix_caching=a.enable_prefix_caching).check()
         if a.rebalance_interval <= 0:
             raise ValueError("rebalance-interval: must be positive")
-        from tandem.sched.llm import parse_devices
-        parse_devices(a.devices)
+        from tandem.sched.llm import check_devices, parse_devices
+        check_devices(parse_devices(a.devices))
         for flag, v in (("threads-per-worker", a.threads_per_worker), ("kv-cache-bytes", a.kv_cache_bytes),
                         ("max-waiting", a.max_waiting), ("max-model-len", a.max_model_len)):
             if v is not None and v < 1:

@@ -7,6 +7,7 @@ import functools
 import hmac
 import logging
 import os
+import threading
 import time
 import uuid
 import zlib
@@ -233,6 +234,38 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
             raise ApiError(503, str(e), type="service_unavailable", headers={"Retry-After": "5"}) from None
         raise bad_request(str(e), param=param) from None
     return p
+
+
+def loading(build) -> asyncio.Future:
+    """``build()`` (the engine) on a daemon thread. A server stopped while it loads exits without
+    waiting for it (a thread of the loop's executor would be waited for, for the whole load): the
+    worker processes it started are daemons and end with the server, and an engine that is built
+    once nobody waits for it is shut down."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(result, error) -> None:
+        if fut.cancelled():
+            if result is not None:
+                result.shutdown()
+        elif error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    def run() -> None:
+        result = error = None
+        try:
+            result = build()
+        except Exception as e:          # noqa: BLE001 -- handed to the waiting task
+            error = e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:            # the loop is closed: the server stopped meanwhile
+            if result is not None:
+                result.shutdown()
+    threading.Thread(target=run, name="tandem-load", daemon=True).start()
+    return fut
 
 
 def prompt_param(e: ValueError, param: str) -> str:
@@ -766,7 +799,7 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
     async def load(app_):
         t0 = time.monotonic()
         try:
-            engine = await asyncio.get_running_loop().run_in_executor(None, build_engine)
+            engine = await loading(build_engine)
         except Exception as e:     # keep serving /health with the reason
             state.load_error = f"{type(e).__name__}: {e}"
             print(f"tandem: model failed to load: {state.load_error}", flush=True)

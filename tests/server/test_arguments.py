@@ -21,6 +21,7 @@ from tests.server.conftest import ROOT, free_port
     (["--model", "/no/such/checkpoint"], "model"),
     (["--model", "missing.gguf"], "GGUF"),
     (["--chat-template", "/no/such/template.jinja"], "chat_template"),
+    (["--devices", "cuda:63"], "cuda:63 does not exist"),
 ])
 def test_bad_settings_exit_before_loading(args, says):
     run = subprocess.run([sys.executable, "-m", "server", "--port", str(free_port()), *args], cwd=ROOT,

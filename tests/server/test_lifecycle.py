@@ -1,4 +1,4 @@
-"""Start-up (503 while loading), back-pressure (429), upload limit (413), SIGTERM drain."""
+"""Start-up (503 while loading; SIGTERM while loading), back-pressure (429), upload limit (413), SIGTERM drain."""
 import asyncio
 import json
 import signal
@@ -108,3 +108,58 @@ async def test_sigterm_finishes_in_flight_stream(tiny_chat_model, tmp_path):
         assert srv.proc.wait(timeout=40) == 0
     finally:
         stop_server(srv)
+
+
+# the workers are up and the load goes on (a start-up profile, a kernel build) for 10 minutes
+SLOW_LOAD = """
+import time
+import tandem.engine.worker as w
+real = w.wait_all
+def slow(*a, **k):
+    real(*a, **k)
+    time.sleep(600)
+w.wait_all = slow
+import tandem.sched.llm as llm
+llm.wait_all = slow
+"""
+
+
+def test_a_server_stopped_while_loading_exits_at_once_with_its_workers(tiny_chat_model, tmp_path):
+    """SIGTERM while the model loads (here the workers are ready and the load is held for 10
+    minutes) stops the server within seconds, not once the load ends, and its worker processes
+    end with it."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_LOAD + "\nimport sys\nfrom tandem.server.__main__ import "
+                             "main\nmain(sys.argv[1:])", "--model", str(tiny_chat_model), "--port", str(port),
+                             "--data-dir", str(tmp_path), "--dtype", "float32"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline, workers = time.monotonic() + 120, []
+        while time.monotonic() < deadline and not workers:
+            time.sleep(0.5)
+            workers = children(proc.pid)
+        assert workers, "the workers start"
+        time.sleep(3)                      # loaded by now: the held load is under way
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+        assert e.value.code == 503
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        time.sleep(2)
+        assert not [p for p in workers if alive(p)], "the workers end with the server"
+    finally:
+        proc.kill()
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie left for the container's init to reap has ended)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except FileNotFoundError:
+        return False
