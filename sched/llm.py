@@ -434,9 +434,13 @@ class LLM:
         """Prompt ids to text with special tokens kept (a chat template stays recognisable)."""
         return self._decode(ids, skip_special_tokens=False)
 
-    def prediction_text(self, prompt: Any) -> str:
+    def prediction_text(self, prompt: Any, sp: SamplingParams | None = None,
+                        encoded: tuple[list[int], str | None] | None = None) -> str:
         """What the length predictor reads of a prompt (text, token ids or chat messages); token
-        ids of a model without a tokenizer read as no text."""
+        ids of a model without a tokenizer read as no text. A prompt ``sp`` truncated is read as
+        what it kept (``encoded``: encode_prompt's ids and text)."""
+        if sp is not None and sp.truncate_prompt_tokens is not None:
+            prompt = encoded[0] if encoded[1] is None else encoded[1]
         return prediction_text(prompt, self.decode_prompt if self.tokenizer is not None else None)
 
     def check_ids(self, ids: Sequence[int], field: str) -> None:
@@ -665,7 +669,7 @@ class LLM:
                 for (ids, text), sp, salt in zip(encoded, params, salts)]
         states = [self.scheduler.new_state(r) for r in reqs]    # each checks it fits a pool
         if self.lengths is not None:            # recorded only for requests that will run
-            self.lengths.assign(reqs, [self.prediction_text(p) for p in plist])
+            self.lengths.assign(reqs, [self.prediction_text(p, sp, e) for p, sp, e in zip(plist, params, encoded)])
         self._run(states, _progress(len(reqs)) if use_tqdm else None)
         failed = [st for st in states if st.finish_reason is FinishReason.ERROR]
         if failed:

@@ -217,8 +217,8 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
     if lengths is not None:          # embeds the prompt: off the event loop, one at a time
         engine.admitting += len(reqs)          # counted as waiting meanwhile (admission control)
         try:
-            texts = [text for prompt in gen.prompts
-                     for text in [engine.llm.prediction_text(prompt)] * gen.n]
+            texts = [text for prompt, e in zip(gen.prompts, encoded)
+                     for text in [engine.llm.prediction_text(prompt, sp, e)] * gen.n]
             await predict_lengths(lengths, reqs, texts)
         finally:
             engine.admitting -= len(reqs)

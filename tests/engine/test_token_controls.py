@@ -128,3 +128,17 @@ def test_bad_values_name_the_field(kwargs, field):
 def test_allowed_ids_outside_the_vocabulary_are_refused(llm):
     with pytest.raises(ValueError, match="allowed_token_ids: 49152 is not a token id"):
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, allowed_token_ids=[5, 49152]))
+
+
+def test_the_length_predictor_reads_what_a_truncated_prompt_kept(tiny_chat_model, hf):
+    """Predicted lengths are from the prompt the model sees: a truncated one's kept text (the
+    texts handed to the length source recorded; HF's tokenizer decodes the kept ids)."""
+    tok = hf[1]
+    with LLM(str(tiny_chat_model), "cpu:1", dtype="float32", policy="alise", length_predictor="max_tokens",
+             threads_per_worker=1) as llm:
+        seen = []
+        real = llm.lengths.assign
+        llm.lengths.assign = lambda reqs, texts: (seen.extend(texts), real(reqs, texts))
+        llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=2, truncate_prompt_tokens=3),
+                                   SamplingParams(max_tokens=2)])
+    assert seen == [tok.decode(tok(PROMPTS[0])["input_ids"][-3:]), PROMPTS[1]]
