@@ -521,13 +521,21 @@ class LLM:
         ids, text or None). ``truncate`` (vLLM's truncate_prompt_tokens): only the last this many
         ids are kept (-1: the model context's worth), and the text is theirs."""
         if truncate is None:
-            return self._encode(prompt, template, check_chars=True)
+            return self._nonempty(self._encode(prompt, template, check_chars=True), template)
         keep = self.max_model_len if truncate == -1 else truncate
         ids, text = self._encode(prompt, template, check_chars=False)
         if len(ids) <= keep:
-            return ids, text
+            return self._nonempty((ids, text), template)
         ids = ids[len(ids) - keep:]
         return ids, self.decode_prompt(ids) if text is not None else None
+
+    @staticmethod
+    def _nonempty(encoded: tuple[list[int], str | None], template: ChatTemplate) -> tuple[list[int], str | None]:
+        """ValueError for a prompt of no tokens (a chat template may render a chat as nothing)."""
+        if not encoded[0]:
+            field_name = "chat_template" if template.source is not None else "prompt"
+            raise ValueError(f"{field_name}: the prompt is empty after rendering and tokenization")
+        return encoded
 
     def _encode(self, prompt: Any, template: ChatTemplate, check_chars: bool) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -547,7 +555,8 @@ class LLM:
             from jinja2 import TemplateError
             try:
                 text = template.render(self.tokenizer, prompt)
-            except TemplateError as e:        # the template refuses these messages
+            except (TemplateError, ArithmeticError, TypeError, LookupError) as e:   # the template
+                # refuses these messages (the sandbox raises OverflowError for a range too big)
                 if template.source is not None:
                     raise ValueError(f"chat_template: does not render these messages: {e}") from None
                 raise ValueError(f"messages: the model's chat template rejects them: {e}") from None

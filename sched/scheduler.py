@@ -263,7 +263,9 @@ class Scheduler:
     # ---- intake and the dispatcher ---------------------------------------------------
     def new_state(self, req: Request) -> RequestState:
         """Check a request and give it its state (seed drawn when none was given); ValueError if
-        it can never fit a device."""
+        it can never fit a device, or has no prompt token (a step cannot compute from none)."""
+        if not req.prompt_token_ids:
+            raise ValueError("prompt: is empty after tokenization")
         self.check_fits(len(req.prompt_token_ids), req.sampling.max_tokens)
         seed = req.sampling.seed if req.sampling.seed is not None else self._rng.getrandbits(63)
         return RequestState(req, seed=seed, last_token_time=req.arrival_time, cache_type=self.cfg.cache_type)

@@ -298,7 +298,8 @@ def max_tokens_for(engine: AsyncEngine, sp, prompt_tokens: int, param: str) -> i
     limit = engine.llm.max_model_len
     if prompt_tokens >= limit:
         raise bad_request(f"This model's maximum context length is {limit} tokens; the prompt has "
-                          f"{prompt_tokens}", param=param, code="context_length_exceeded")
+                          f"{prompt_tokens}, which leaves no room for output", param=param,
+                          code="context_length_exceeded")
     room = min(limit, engine.scheduler.pool_tokens()) - prompt_tokens
     mt = (room if room > 0 else limit - prompt_tokens) if sp.max_tokens is None else sp.max_tokens
     if prompt_tokens + mt > limit:
@@ -373,7 +374,7 @@ class Choice:
 async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice, sink=None, n: int = 1) -> None:
     """Drive one request to its end, appending text; ``sink(choice, delta)`` is called for each
     event that brings text, token ids or the end (it sends what its stream carries). ``n``: the
-    choices its prompt asked for (metrics).
+    choices its prompt asked for (metrics count it at each prompt's first choice).
 
     If the caller goes away (cancellation), the request is aborted in the engine
     and counted with finish reason "abort".
@@ -384,7 +385,8 @@ async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice
         metrics.request_done(req.service_class.value, prompt_tokens=len(req.prompt_token_ids),
                              token_times=ch.token_times, arrival=req.arrival_time, end=end,
                              queue_s=queue_s, finish_reason=reason, slo_ttft_s=req.slo_ttft_s,
-                             slo_tbt_s=req.slo_tbt_s, max_tokens=req.sampling.max_tokens, n=n)
+                             slo_tbt_s=req.slo_tbt_s, max_tokens=req.sampling.max_tokens,
+                             n=n if ch.index % n == 0 else None)
     try:
         async for ev in sub.events():
             now = time.monotonic()

@@ -42,8 +42,8 @@ class Metrics:
         self.request_max_tokens = Histogram("vllm:request_params_max_tokens", "max_tokens of each finished "
                                             "request (filled in from the context where it set none)", lab,
                                             buckets=TOKEN_BUCKETS, registry=r)
-        self.request_n = Histogram("vllm:request_params_n", "n (choices per prompt) of each finished choice's "
-                                   "request", lab, buckets=N_BUCKETS, registry=r)
+        self.request_n = Histogram("vllm:request_params_n", "n (choices per prompt) of each finished request "
+                                   "(counted once for its n choices)", lab, buckets=N_BUCKETS, registry=r)
         self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "From first scheduled to the first "
                                       "token", lab, buckets=LATENCY_BUCKETS, registry=r)
         self.decode_time = Histogram("vllm:request_decode_time_seconds", "From the first token to the last",
@@ -270,17 +270,20 @@ class Metrics:
 
     def request_done(self, cls: str, *, prompt_tokens: int, token_times: list[float], arrival: float,
                      end: float, queue_s: float | None, finish_reason: str,
-                     slo_ttft_s: float | None, slo_tbt_s: float | None, max_tokens: int = 0, n: int = 1) -> None:
+                     slo_ttft_s: float | None, slo_tbt_s: float | None, max_tokens: int = 0,
+                     n: int | None = None) -> None:
         """Per-request observations; token_times are the monotonic arrival times of each token.
         vLLM's phases: prefill from first scheduled (arrival + queue_s) to the first token, decode
-        from there to the last, inference the two together (to the end where no token came)."""
+        from there to the last, inference the two together (to the end where no token came).
+        ``n``: given for one choice of each prompt (vLLM counts n once per request)."""
         m = (self.model, cls)
         self.prompt_tokens.labels(*m).inc(prompt_tokens)
         self.generation_tokens.labels(*m).inc(len(token_times))
         self.request_prompt.labels(*m).observe(prompt_tokens)
         self.request_generation.labels(*m).observe(len(token_times))
         self.request_max_tokens.labels(*m).observe(max_tokens)
-        self.request_n.labels(*m).observe(n)
+        if n is not None:
+            self.request_n.labels(*m).observe(n)
         self.e2e.labels(*m).observe(end - arrival)
         self.requests.labels(*m, finish_reason).inc()
         if queue_s is not None:

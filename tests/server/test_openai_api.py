@@ -784,9 +784,9 @@ def test_special_tokens_kept_when_asked(server, client, tiny_chat_model, stream)
 
 def test_vllms_per_request_histograms(server, client):
     """vLLM's per-request histograms, read with Prometheus' own parser: their counts and sums move
-    by what the responses say was served (tokens, n, max_tokens; one observation per choice, as
-    vLLM's engine counts each of n), and the phases' times fit inside the wall time the client
-    measured around each request."""
+    by what the responses say was served (tokens and max_tokens once per choice, as vLLM's engine
+    counts each of n; n once per request), and the phases' times fit inside the wall time the
+    client measured around each request."""
     import time
     from prometheus_client.parser import text_string_to_metric_families
     from tests.server.test_tandem_server import scrape
@@ -810,10 +810,10 @@ def test_vllms_per_request_histograms(server, client):
         usage.append((n, max_tokens, r.usage))
     after = totals()
     d = {k: after[k] - before.get(k, 0.0) for k in after}
-    assert all(d[f"{k}_count"] == 4 for k in names), d
+    assert all(d[f"{k}_count"] == (2 if k == "params_n" else 4) for k in names), d
     assert d["prompt_tokens_sum"] == sum(n * u.prompt_tokens for n, _, u in usage)     # each choice's
     assert d["generation_tokens_sum"] == sum(u.completion_tokens for _, _, u in usage) == 5 + 3 * 7
-    assert d["params_n_sum"] == 1 + 3 * 3 and d["params_max_tokens_sum"] == 5 + 3 * 7
+    assert d["params_n_sum"] == 1 + 3 and d["params_max_tokens_sum"] == 5 + 3 * 7     # n: once per request
     assert 0 < d["prefill_time_seconds_sum"] and 0 < d["decode_time_seconds_sum"]
     assert d["inference_time_seconds_sum"] == pytest.approx(d["prefill_time_seconds_sum"]
                                                             + d["decode_time_seconds_sum"])
@@ -837,7 +837,8 @@ def test_a_chat_template_given_to_the_server_and_one_a_request_brings(tiny_chat_
     """--chat-template (a file) renders every chat instead of the model's; with
     --trust-request-chat-template a request's own template (here reading vLLM's documents)
     renders that request. Each prompt is the tokenizer's ids of the rendering written out by
-    hand; a request template that does not compile is refused naming chat_template."""
+    hand; a request template that does not compile, renders nothing or fails in the sandbox is
+    refused naming chat_template, and the server goes on serving."""
     from transformers import AutoTokenizer
     from tests.server.conftest import call, start_server, stop_server
     tok = AutoTokenizer.from_pretrained(tiny_chat_model)
@@ -859,9 +860,13 @@ def test_a_chat_template_given_to_the_server_and_one_a_request_brings(tiny_chat_
         assert prompt_ids(chat_template=RAG, documents=docs) == want
         assert call(s, "POST", "/tokenize", {"messages": msgs, "chat_template": RAG, "documents": docs})[1]["tokens"] \
             == want
-        code, r = call(s, "POST", "/v1/chat/completions", {"model": s.model, "messages": msgs,
-                                                           "chat_template": "{% for m in messages %}"})
-        assert code == 400 and r["error"]["param"] == "chat_template", r
+        for bad in ("{% for m in messages %}",                      # does not compile
+                    "{% if false %}x{% endif %}",                   # renders nothing
+                    "{% for i in range(10 ** 9) %}{% endfor %}x"):  # the sandbox's range limit
+            code, r = call(s, "POST", "/v1/chat/completions", {"model": s.model, "messages": msgs,
+                                                               "chat_template": bad})
+            assert code == 400 and r["error"]["param"] == "chat_template", (bad, r)
+        assert call(s, "POST", "/v1/completions", {"model": s.model, "prompt": "a", "max_tokens": 2})[0] == 200
     finally:
         assert stop_server(s) == 0
 
