@@ -469,6 +469,9 @@ class LLM:
                              "use stop_token_ids")
         if sp.allowed_token_ids is not None:
             self.check_ids(sp.allowed_token_ids, "allowed_token_ids")
+            stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.spec.eos_token_ids))
+            if sp.min_tokens and stops >= set(sp.allowed_token_ids):
+                raise ValueError("min_tokens: allowed_token_ids allows only stop tokens, which min_tokens holds back")
             if sp.structured_outputs is not None:     # the grammar says which tokens may come
                 raise ValueError("allowed_token_ids: not with structured outputs, whose grammar decides "
                                  "which tokens may come next")
@@ -491,6 +494,10 @@ class LLM:
         for word in sp.bad_words:
             for text in (word.lstrip(), " " + word.lstrip()):
                 seqs.setdefault(tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"]), None)
+        if sp.allowed_token_ids is not None:        # no token left to sample would give token 0
+            banned = {s[0] for s in seqs if len(s) == 1}
+            if banned >= set(sp.allowed_token_ids):
+                raise ValueError("bad_words: they ban every token of allowed_token_ids")
         return tuple(seqs)
 
     @functools.cached_property

@@ -142,3 +142,20 @@ def test_the_length_predictor_reads_what_a_truncated_prompt_kept(tiny_chat_model
         llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=2, truncate_prompt_tokens=3),
                                    SamplingParams(max_tokens=2)])
     assert seen == [tok.decode(tok(PROMPTS[0])["input_ids"][-3:]), PROMPTS[1]]
+
+
+def test_controls_that_leave_no_token_to_sample_are_refused(llm, hf):
+    """Allowed tokens all banned as words, or all stop tokens while min_tokens holds stops back,
+    would leave every logit -inf (token 0 would come, allowed or not): refused, naming the field."""
+    tok = hf[1]
+    word = tok.decode([tok(" hello", add_special_tokens=False)["input_ids"][0]])
+    ids = [tok(w, add_special_tokens=False)["input_ids"][0] for w in (word.lstrip(), word)]
+    with pytest.raises(ValueError, match="^bad_words: they ban every token of allowed_token_ids"):
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, allowed_token_ids=ids, bad_words=[word]))
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    with pytest.raises(ValueError, match="^min_tokens: allowed_token_ids allows only stop tokens"):
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, min_tokens=2, allowed_token_ids=[eos, 7],
+                                                  stop_token_ids=[7]))
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, allowed_token_ids=ids[:1] + [eos],
+                                                    bad_words=[word], temperature=0))[0]
+    assert set(out.token_ids) == {eos}, "the one token left"

@@ -86,6 +86,8 @@ CASES = [
         (CHAT, {"messages": MSG, "guided_choice": ["x"]}, "allowed_token_ids", [5], "with a grammar"),
         (CHAT, {"messages": MSG}, "bad_words", [""], "with an empty word"),
         (CHAT, {"messages": MSG}, "bad_words", "x", "not a list"),
+        (COMP, {"prompt": "a", "allowed_token_ids": [2], "max_tokens": 3}, "min_tokens", 1,
+         "holding back the only allowed token, a stop"),
         (COMP, {"prompt": "a"}, "truncate_prompt_tokens", 0, "of zero"),
         (COMP, {"prompt": "a"}, "truncate_prompt_tokens", -2, "below -1"),
         (COMP, {"prompt": "a"}, "truncate_prompt_tokens", 1 << 20, "past the context"),
