@@ -90,14 +90,22 @@ class ChatTemplate:
             raise ValueError("continue_final_message: the last message must be the assistant's")
 
     def render(self, tokenizer, messages: list[dict]) -> str:
-        """The prompt text; ValueError where the model has no template and none was given."""
+        """The prompt text; ValueError where the model has no template and none was given, or
+        where the template fails on these messages (naming ``chat_template`` for one given here)."""
         if self.source is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("messages: this model has no chat template: give one (the server's --chat-template, "
                              "LLM(chat_template=...)) or send a completion")
         docs = {} if self.documents is None else {"documents": list(self.documents)}
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=self.add_generation_prompt,
-                                             continue_final_message=self.continue_final_message,
-                                             chat_template=self.source, **docs, **self.kwargs)
+        from jinja2 import TemplateError
+        try:
+            return tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=self.add_generation_prompt,
+                continue_final_message=self.continue_final_message, chat_template=self.source, **docs, **self.kwargs)
+        # the sandbox raises OverflowError for a range too big, a template's own code the others
+        except (TemplateError, ArithmeticError, TypeError, LookupError) as e:
+            if self.source is not None:
+                raise ValueError(f"chat_template: does not render these messages: {e}") from None
+            raise ValueError(f"messages: the model's chat template rejects them: {e}") from None
 
 
 def template_text(given: str) -> str:
@@ -398,11 +406,7 @@ class LLM:
         """Chats are rendered with ``template`` instead of the model's; it must render a turn."""
         if self.tokenizer is None:
             raise ValueError("chat_template: this model has no tokenizer to render chats for")
-        from jinja2 import TemplateError
-        try:
-            ChatTemplate(source=template).render(self.tokenizer, [{"role": "user", "content": "Hi"}])
-        except TemplateError as e:
-            raise ValueError(f"chat_template: does not render a chat: {e}") from None
+        ChatTemplate(source=template).render(self.tokenizer, [{"role": "user", "content": "Hi"}])
         self.tokenizer.chat_template = template
         log.info("chat template: the one given (%d characters), not the model's", len(template))
 
@@ -527,22 +531,15 @@ class LLM:
         """A string, a token id list, or chat messages (rendered as ``template`` says) -> (token
         ids, text or None). ``truncate`` (vLLM's truncate_prompt_tokens): only the last this many
         ids are kept (-1: the model context's worth), and the text is theirs."""
-        if truncate is None:
-            return self._nonempty(self._encode(prompt, template, check_chars=True), template)
-        keep = self.max_model_len if truncate == -1 else truncate
-        ids, text = self._encode(prompt, template, check_chars=False)
-        if len(ids) <= keep:
-            return self._nonempty((ids, text), template)
-        ids = ids[len(ids) - keep:]
-        return ids, self.decode_prompt(ids) if text is not None else None
-
-    @staticmethod
-    def _nonempty(encoded: tuple[list[int], str | None], template: ChatTemplate) -> tuple[list[int], str | None]:
-        """ValueError for a prompt of no tokens (a chat template may render a chat as nothing)."""
-        if not encoded[0]:
+        keep = None if truncate is None else self.max_model_len if truncate == -1 else truncate
+        ids, text = self._encode(prompt, template, check_chars=keep is None)
+        if not ids:                    # a chat template may render a chat as nothing
             field_name = "chat_template" if template.source is not None else "prompt"
             raise ValueError(f"{field_name}: the prompt is empty after rendering and tokenization")
-        return encoded
+        if keep is None or len(ids) <= keep:
+            return ids, text
+        ids = ids[len(ids) - keep:]
+        return ids, self.decode_prompt(ids) if text is not None else None
 
     def _encode(self, prompt: Any, template: ChatTemplate, check_chars: bool) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -559,14 +556,7 @@ class LLM:
             if check_chars:
                 self._check_chars(sum(len(m["content"]) for m in prompt))
             template.check(prompt)
-            from jinja2 import TemplateError
-            try:
-                text = template.render(self.tokenizer, prompt)
-            except (TemplateError, ArithmeticError, TypeError, LookupError) as e:   # the template
-                # refuses these messages (the sandbox raises OverflowError for a range too big)
-                if template.source is not None:
-                    raise ValueError(f"chat_template: does not render these messages: {e}") from None
-                raise ValueError(f"messages: the model's chat template rejects them: {e}") from None
+            text = template.render(self.tokenizer, prompt)
             if not self.chat_control_tokens and self._holds_control_text(prompt):
                 return self._encode_chat_literally(prompt, template), text
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), text
@@ -620,8 +610,7 @@ class LLM:
         return max(map(len, self.tokenizer.get_vocab()), default=0) or None
 
     def _check_length(self, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError("prompt: is empty after tokenization")
+        """ValueError for a prompt that fills the context (an empty one: encode_prompt refuses it)."""
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate in the model "
                              f"context of {self.max_model_len}")

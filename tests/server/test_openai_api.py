@@ -785,9 +785,8 @@ def test_special_tokens_kept_when_asked(server, client, tiny_chat_model, stream)
 def test_vllms_per_request_histograms(server, client):
     """vLLM's per-request histograms, read with Prometheus' own parser: their counts and sums move
     by what the responses say was served (tokens and max_tokens once per choice, as vLLM's engine
-    counts each of n; n once per request), and the phases' times fit inside the wall time the
-    client measured around each request."""
-    import time
+    counts each of n; n once per request), and each phase is observed once per choice (their
+    times are checked on hand-made timestamps in test_step_metrics)."""
     from prometheus_client.parser import text_string_to_metric_families
     from tests.server.test_tandem_server import scrape
     names = ("prompt_tokens", "generation_tokens", "params_n", "params_max_tokens", "prefill_time_seconds",
@@ -797,16 +796,14 @@ def test_vllms_per_request_histograms(server, client):
         out = {}
         for fam in text_string_to_metric_families(scrape(server)):
             for s in fam.samples:
-                if s.name.endswith(("_count", "_sum")) and s.name.startswith(("vllm:request_", "vllm:time_to")):
+                if s.name.endswith(("_count", "_sum")) and s.name.startswith("vllm:request_"):
                     key = s.name.removeprefix("vllm:request_")
                     out[key] = out.get(key, 0.0) + s.value
         return out
-    before, wall, usage = totals(), 0.0, []
+    before, usage = totals(), []
     for n, max_tokens in ((1, 5), (3, 7)):
-        t0 = time.monotonic()
         r = client.completions.create(model=server.model, prompt="Count the hens", max_tokens=max_tokens, n=n,
                                       temperature=0.7, seed=1, extra_body={"ignore_eos": True})
-        wall += (time.monotonic() - t0) * n
         usage.append((n, max_tokens, r.usage))
     after = totals()
     d = {k: after[k] - before.get(k, 0.0) for k in after}
@@ -814,16 +811,6 @@ def test_vllms_per_request_histograms(server, client):
     assert d["prompt_tokens_sum"] == sum(n * u.prompt_tokens for n, _, u in usage)     # each choice's
     assert d["generation_tokens_sum"] == sum(u.completion_tokens for _, _, u in usage) == 5 + 3 * 7
     assert d["params_n_sum"] == 1 + 3 and d["params_max_tokens_sum"] == 5 + 3 * 7     # n: once per request
-    assert 0 < d["prefill_time_seconds_sum"] and 0 < d["decode_time_seconds_sum"]
-    assert d["inference_time_seconds_sum"] == pytest.approx(d["prefill_time_seconds_sum"]
-                                                            + d["decode_time_seconds_sum"])
-    assert d["inference_time_seconds_sum"] < wall
-    # first scheduled = arrival + queue time: prefill and queue add up to the time to first token
-    assert d["prefill_time_seconds_sum"] + d["queue_time_seconds_sum"] == pytest.approx(
-        d["vllm:time_to_first_token_seconds_sum"], rel=1e-9)
-    # each request's mean gap is its decode time over 4 gaps (5 tokens) or 6 (7 tokens)
-    decode = d["decode_time_seconds_sum"]
-    assert decode / 6 * 0.999 <= d["time_per_output_token_seconds_sum"] <= decode / 4 * 1.001
 
 
 TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"

@@ -1,6 +1,6 @@
 """/metrics counts the device steps and the tokens each computed, by class and phase: checked
 against what the test itself sent (prompt ids it chose, max_tokens it fixed); step times against
-the requests' own latencies, whatever the machine's speed."""
+the requests' own latencies, whatever the machine's speed; vLLM's request phases from timestamps the test gives."""
 import json
 import urllib.request
 
@@ -71,3 +71,32 @@ def test_counters_with_known_labels_are_there_at_zero_before_anything_happens():
                          ("vllm:num_preemptions_total", {"service_class": "be"}),
                          ("vllm:generation_tokens_total", {"service_class": "rt"})):
         assert samples[(name, tuple(sorted({"model_name": "m", **labels}.items())))] == 0, (name, labels)
+
+
+def test_vllms_request_phases_from_given_timestamps():
+    """vLLM's phase histograms for requests whose times are given (no clock is read): arrival at
+    10 s, first scheduled after 0.5 s in the queue, tokens at 11.0, 11.2 and 11.6 s, the end at
+    11.7 s; and one that ended before any token. Values worked out by hand: prefill 0.5 s (first
+    scheduled to first token), decode 0.6 s (first token to last), inference 1.1 s (their sum;
+    to the end where no token came: 0.7 s), mean time per output token 0.3 s (0.6 s over 2 gaps),
+    time to first token 1.0 s (= prefill + queue)."""
+    import pytest
+    from prometheus_client.parser import text_string_to_metric_families
+    from tandem.server.metrics import Metrics
+    m = Metrics("m")
+    common = dict(prompt_tokens=4, arrival=10.0, queue_s=0.5, finish_reason="length", slo_ttft_s=None,
+                  slo_tbt_s=None, max_tokens=3)
+    m.request_done("rt", token_times=[11.0, 11.2, 11.6], end=11.7, n=1, **common)
+    m.request_done("be", token_times=[], end=11.2, **common)
+    got = {(s.name, s.labels["service_class"]): s.value for f in text_string_to_metric_families(m.render().decode())
+           for s in f.samples if s.name.endswith(("_sum", "_count")) and "service_class" in s.labels}
+    want = {"vllm:request_prefill_time_seconds": (0.5, 0), "vllm:request_decode_time_seconds": (0.6, 0),
+            "vllm:request_inference_time_seconds": (1.1, 0.7),
+            "vllm:request_time_per_output_token_seconds": (0.3, 0), "vllm:time_to_first_token_seconds": (1.0, 0),
+            "vllm:request_queue_time_seconds": (0.5, 0.5), "vllm:e2e_request_latency_seconds": (1.7, 1.2)}
+    for name, (rt, be) in want.items():
+        assert got[(name + "_sum", "rt")] == pytest.approx(rt, abs=1e-12), name
+        assert got[(name + "_count", "rt")] == 1, name
+        assert got.get((name + "_sum", "be"), 0.0) == pytest.approx(be, abs=1e-12), name   # no series: none
+        assert got.get((name + "_count", "be"), 0) == (1 if be else 0), name
+    assert got[("vllm:request_params_n_count", "rt")] == 1 and got.get(("vllm:request_params_n_count", "be"), 0) == 0
