@@ -85,22 +85,30 @@ def test_a_load_killed_midway_does_not_stop_later_loads():
     import subprocess
     import sys
     from tandem.engine.kernels import _build_dir
+    from tandem.paths import exclusive
     assert cpu_ops() is not None                       # built (once per machine) before the clock runs
-    lock = _build_dir() / "lock"
-    taker = subprocess.run([sys.executable, "-c", (
-        "import os, signal\n"
-        "from torch.utils.file_baton import FileBaton\n"
-        f"assert FileBaton({str(lock)!r}).try_acquire()\n"
-        "os.kill(os.getpid(), signal.SIGKILL)\n")], timeout=120)
+    build = _build_dir()
+    lock = build / "lock"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     try:
-        assert taker.returncode == -signal.SIGKILL and lock.exists(), "the lock was meant to be left behind"
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        # Other test workers load the kernels too and would clear the planted lock at once: hold
+        # the loaders' flock while planting it and while the fresh process starts, so that the
+        # lock it meets is the killed process's.
+        with exclusive(build / "load.flock"):
+            taker = subprocess.run([sys.executable, "-c", (
+                "import os, signal\n"
+                "from torch.utils.file_baton import FileBaton\n"
+                f"assert FileBaton({str(lock)!r}).try_acquire()\n"
+                "os.kill(os.getpid(), signal.SIGKILL)\n")], timeout=120)
+            assert taker.returncode == -signal.SIGKILL and lock.exists(), "the lock was meant to be left behind"
+            loader = subprocess.Popen([sys.executable, "-c", "from tandem.engine.kernels import cpu_ops\n"
+                                       "print(cpu_ops().__name__)"], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=env)
         try:
-            loaded = subprocess.run([sys.executable, "-c", "from tandem.engine.kernels import cpu_ops\n"
-                                     "print(cpu_ops().__name__)"], capture_output=True, text=True,
-                                    timeout=90, env=env)
+            out, err = loader.communicate(timeout=90)
         except subprocess.TimeoutExpired:
+            loader.kill()
             pytest.fail("a load waited for the lock of a killed process")
-        assert loaded.stdout.strip() == "tandem_cpu_ops", loaded.stderr
+        assert out.strip() == "tandem_cpu_ops", err
     finally:
         lock.unlink(missing_ok=True)
