@@ -7,12 +7,19 @@ engine, so the event loop wakes once per step, however many requests the step se
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from tandem.engine.messages import TokenLogprobs
 from tandem.sched.actor import Update
+from tandem.sched.beam import BeamSearch, BeamSearchParams
 from tandem.sched.llm import LLM
 from tandem.sched.request import FinishReason, Request
+
+
+class GenerationFailed(RuntimeError):
+    """A request failed on its device after it was accepted (the event's error)."""
 
 
 @dataclass(slots=True)
@@ -54,6 +61,31 @@ class AsyncEngine:
             self._forget(req.req_id, abort=False)
             raise
         return Submission(self, req.req_id, q)
+
+    async def beam_search(self, req: Request, params: BeamSearchParams) -> tuple[BeamSearch, list[float]]:
+        """``req``'s prompt searched as sched/beam.py says: each step submits one one-token request
+        per live beam, with ``req``'s class, targets and cache salt (and seed, each step's beams
+        their own); ``req``'s max_tokens bounds the steps. Returns the search and the clock at
+        each step's end. ValueError / DeviceError as ``submit``, GenerationFailed if a step fails."""
+        search = BeamSearch(req.prompt_token_ids, params, self.llm.spec.eos_token_ids, req.sampling.max_tokens)
+        seed, w, ends = req.sampling.seed, params.beam_width, []
+        while not search.done:
+            first = search.steps * w
+            steps = [Request(f"{req.req_id}-s{search.steps}-{k}", list(b.tokens),
+                             params.step_params(None if seed is None else seed + first + k), req.service_class,
+                             time.monotonic(), req.slo_ttft_s, req.slo_tbt_s, cache_salt=req.cache_salt,
+                             predicted_len=1) for k, b in enumerate(search.beams)]
+            subs: list[Submission] = []
+            try:
+                for r in steps:
+                    subs.append(self.submit(r))
+                got = await asyncio.gather(*(s.token() for s in subs))
+            finally:
+                for s in subs:
+                    s.close()
+            search.advance([lp for _, lp in got], [t for t, _ in got])
+            ends.append(time.monotonic())
+        return search, ends
 
     @property
     def dead(self) -> str | None:
@@ -109,6 +141,19 @@ class Submission:
             self.done = ev.finish_reason is not None
             yield ev
         self.engine._forget(self.req_id, abort=False)
+
+    async def token(self) -> tuple[int, TokenLogprobs]:
+        """A one-token request's token and its log probabilities (it asked for them), once it
+        ends; GenerationFailed if it failed or ended without one."""
+        ids, lps = [], []
+        async for ev in self.events():
+            ids += ev.new_token_ids
+            lps += ev.logprobs or []
+            if ev.error:
+                raise GenerationFailed(f"generation failed: {ev.error}")
+        if not ids or not lps:
+            raise GenerationFailed(f"generation failed: {self.req_id} ended without a token")
+        return ids[0], lps[0]
 
     def close(self) -> None:
         """Stop listening; abort the request if it has not ended (frees its blocks at once).

@@ -18,6 +18,7 @@ from tandem.engine.models.loader import load_spec, load_tokenizer, resolve_model
 from tandem.engine.params import SamplingParams
 from tandem.engine.worker import WorkerConfig, WorkerHandle, wait_all
 from tandem.sched.actor import Update
+from tandem.sched.beam import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from tandem.sched.lengths import LengthSource, prediction_text
 from tandem.sched.placement import Placement
 from tandem.sched.rebalancer import PLACEMENTS, Budgets, Rebalancer
@@ -672,14 +673,66 @@ class LLM:
         reqs = [Request(f"gen-{next(self._ids)}", ids, sp, arrival_time=now, prompt=text, cache_salt=salt,
                         bad_words_ids=self.bad_words_ids(sp))
                 for (ids, text), sp, salt in zip(encoded, params, salts)]
+        texts = None if self.lengths is None else [self.prediction_text(p, sp, e)
+                                                   for p, sp, e in zip(plist, params, encoded)]
+        return [self._output(st) for st in self._serve(reqs, texts, use_tqdm)]
+
+    def _serve(self, reqs: list[Request], texts: list[str] | None, use_tqdm: bool = False) -> list[RequestState]:
+        """Run the requests to their ends (``texts``: what the length predictor reads of each,
+        where it runs; None: their lengths are set already); DeviceError if any failed."""
         states = [self.scheduler.new_state(r) for r in reqs]    # each checks it fits a pool
-        if self.lengths is not None:            # recorded only for requests that will run
-            self.lengths.assign(reqs, [self.prediction_text(p, sp, e) for p, sp, e in zip(plist, params, encoded)])
+        if texts is not None:                   # recorded only for requests that will run
+            self.lengths.assign(reqs, texts)
         self._run(states, _progress(len(reqs)) if use_tqdm else None)
         failed = [st for st in states if st.finish_reason is FinishReason.ERROR]
         if failed:
             raise DeviceError(f"{len(failed)} request(s) failed: {failed[0].error}")
-        return [self._output(st) for st in states]
+        return states
+
+    def beam_search(self, prompts: Any, params: BeamSearchParams, *, use_tqdm: bool = False,
+                    chat_template: ChatTemplate = CHAT) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: for each prompt (as ``generate`` takes them), its
+        ``params.beam_width`` best sequences (sched/beam.py says how they are scored), best
+        first, each with its ``tokens`` (prompt and output), ``text`` (the output's, a final EOS
+        left out), ``cum_logprob`` and ``finish_reason``. Each step runs one one-token request per
+        live beam, all prompts' together; the prefix cache keeps their earlier tokens."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError("params: must be BeamSearchParams")
+        params.validate()
+        plist, salts = zip(*map(_unwrap, _as_prompt_list(prompts)))
+        encoded = [self.encode_prompt(p, chat_template)[0] for p in plist]
+        for ids in encoded:
+            self._check_length(ids)
+            self.scheduler.check_fits(len(ids), params.max_tokens)
+        searches = [BeamSearch(ids, params, self.spec.eos_token_ids, self.max_model_len - len(ids))
+                    for ids in encoded]
+        bar = _progress(len(searches)) if use_tqdm else None
+        while True:
+            live = [(s, salt) for s, salt in zip(searches, salts) if not s.done]
+            if not live:
+                break
+            reqs = [Request(f"beam-{next(self._ids)}", list(b.tokens), params.step_params(None),
+                            arrival_time=time.monotonic(), cache_salt=salt, predicted_len=1)
+                    for s, salt in live for b in s.beams]
+            states = iter(self._serve(reqs, None))
+            for s, _ in live:
+                got = [next(states) for _ in s.beams]
+                s.advance([st.output_logprobs[0] for st in got], [st.output_token_ids[0] for st in got])
+            if bar is not None:
+                bar.update(sum(s.done for s, _ in live))
+        if bar is not None:
+            bar.close()
+        return [BeamSearchOutput(self.beam_results(s)) for s in searches]
+
+    def beam_results(self, search: BeamSearch, skip_special_tokens: bool = True) -> list[BeamSearchSequence]:
+        """A finished search's result, each sequence with its output's text (without a final
+        EOS's; none where the model has no tokenizer)."""
+        best = search.result()
+        for seq in best:
+            ids = search.output_ids(seq)
+            seq.text = "" if self.tokenizer is None else \
+                self.detokenize(ids[:-1] if seq.finish_reason == "stop" else ids, skip_special_tokens)
+        return best
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              *, use_tqdm: bool = False, add_generation_prompt: bool = True,

@@ -19,7 +19,7 @@ import orjson
 from aiohttp import web
 
 from tandem.engine.messages import DeviceError
-from tandem.sched.async_engine import AsyncEngine, Submission
+from tandem.sched.async_engine import AsyncEngine, GenerationFailed, Submission
 from tandem.sched.llm import PromptTooLong
 from tandem.sched.request import Request, ServiceClass, error_id
 from tandem.server.config import ServerConfig
@@ -213,6 +213,9 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
                     gen.service_class, now, gen.slo_ttft_s, gen.slo_tbt_s, text, stream_text=gen.stream,
                     cache_salt=gen.cache_salt, bad_words_ids=bad_words)
             for j, ((ids, text), mt) in enumerate(zip(encoded, budgets)) for i in range(gen.n)]
+    p = Prepared(gen, model, rid, sum(len(ids) for ids, _ in encoded), reqs, [])
+    if gen.beam is not None:         # each step submits its own requests (run_beams)
+        return p
     lengths = engine.llm.lengths
     if lengths is not None:          # embeds the prompt: off the event loop, one at a time
         engine.admitting += len(reqs)          # counted as waiting meanwhile (admission control)
@@ -222,7 +225,6 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
             await predict_lengths(lengths, reqs, texts)
         finally:
             engine.admitting -= len(reqs)
-    p = Prepared(gen, model, rid, sum(len(ids) for ids, _ in encoded), reqs, [])
     try:
         for r in reqs:
             p.subs.append(engine.submit(r))
@@ -382,11 +384,7 @@ async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice
     queue_s = None
 
     def record(reason: str, end: float) -> None:
-        metrics.request_done(req.service_class.value, prompt_tokens=len(req.prompt_token_ids),
-                             token_times=ch.token_times, arrival=req.arrival_time, end=end,
-                             queue_s=queue_s, finish_reason=reason, slo_ttft_s=req.slo_ttft_s,
-                             slo_tbt_s=req.slo_tbt_s, max_tokens=req.sampling.max_tokens,
-                             n=n if ch.index % n == 0 else None)
+        record_choice(metrics, req, ch, reason, end, queue_s, n)
     try:
         async for ev in sub.events():
             now = time.monotonic()
@@ -413,6 +411,47 @@ async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice
         if ch.finish_reason is None:
             record("abort", time.monotonic())
         raise
+
+
+def record_choice(metrics: Metrics, req: Request, ch: Choice, reason: str, end: float, queue_s: float | None,
+                  n: int) -> None:
+    """One choice's end in the metrics (its prompt's n counted at its first choice)."""
+    metrics.request_done(req.service_class.value, prompt_tokens=len(req.prompt_token_ids),
+                         token_times=ch.token_times, arrival=req.arrival_time, end=end,
+                         queue_s=queue_s, finish_reason=reason, slo_ttft_s=req.slo_ttft_s,
+                         slo_tbt_s=req.slo_tbt_s, max_tokens=req.sampling.max_tokens,
+                         n=n if ch.index % n == 0 else None)
+
+
+async def run_beams(engine: AsyncEngine, st: AppState, p: Prepared, choices: list[Choice], sink=None) -> None:
+    """vLLM's use_beam_search: one search per prompt, whose n best beams are its n choices, best
+    first, each whole once the search ends (a stream gets them then, as vLLM sends them). Each
+    token's time in the metrics is the end of the step that chose it."""
+    n, skip = p.gen.n, p.gen.sampling.skip_special_tokens
+
+    async def search(j: int) -> None:
+        req = p.requests[j * n]
+        try:
+            found, ends = await engine.beam_search(req, p.gen.beam)
+        except GenerationFailed as e:
+            raise ApiError(500, str(e), type="server_error") from None
+        except DeviceError as e:
+            raise ApiError(503, str(e), type="service_unavailable", headers={"Retry-After": "5"}) from None
+        for seq, ch in zip(engine.llm.beam_results(found, skip), choices[j * n:(j + 1) * n]):
+            ch.token_ids = found.output_ids(seq)
+            ch.token_times, ch.parts, ch.finish_reason = ends[:len(ch.token_ids)], [seq.text], seq.finish_reason
+            record_choice(st.metrics, req, ch, ch.finish_reason, ends[-1], None, n)
+            if sink is not None:
+                await sink(ch, ch.text)
+    await all_or_none(search(j) for j in range(len(p.requests) // n))
+
+
+def drive(engine: AsyncEngine, st: AppState, p: Prepared, choices: list[Choice], sink=None):
+    """The coroutine that runs a prepared request's choices to their ends; ``sink`` as run_choice's."""
+    if p.gen.beam is not None:
+        return run_beams(engine, st, p, choices, sink)
+    return all_or_none(run_choice(sub, st.metrics, r, ch, sink, n=p.gen.n)
+                       for sub, r, ch in zip(p.subs, p.requests, choices))
 
 
 def usage(p: Prepared, choices: list[Choice]) -> dict:
@@ -518,12 +557,11 @@ def head(p: Prepared, obj: str, created: int) -> dict:
     return {"id": p.rid, "object": obj, "created": created, "model": p.model, "service_tier": served_tier(p)}
 
 
-async def run_to_end(st: AppState, p: Prepared) -> list[Choice]:
+async def run_to_end(engine: AsyncEngine, st: AppState, p: Prepared) -> list[Choice]:
     """Run a prepared, non-streamed request to its end; its choices."""
     choices = new_choices(p, st.text_of)
     try:
-        await all_or_none(run_choice(sub, st.metrics, r, ch, n=p.gen.n)
-                          for sub, r, ch in zip(p.subs, p.requests, choices))
+        await drive(engine, st, p, choices)
     finally:
         p.close()
     return choices
@@ -532,7 +570,7 @@ async def run_to_end(st: AppState, p: Prepared) -> list[Choice]:
 async def complete(engine: AsyncEngine, st: AppState, p: Prepared, chat: bool) -> dict:
     """Run a prepared, non-streamed request to its end; the OpenAI response body."""
     created = int(time.time())
-    choices = await run_to_end(st, p)
+    choices = await run_to_end(engine, st, p)
     body = [choice_json(chat, ch, st.text_of, p.gen.tools, p.gen.chat_echo) for ch in choices]
     top = chat_prompt_ids(p) if chat else {}
     if p.gen.prompt_logprobs is not None:   # where vLLM puts them: beside a chat's choices (one
@@ -640,8 +678,7 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
         await send(chunk(ch, "", finish))
 
     try:
-        await all_or_none(run_choice(sub, st.metrics, r, ch, sink, n=p.gen.n)
-                          for sub, r, ch in zip(p.subs, p.requests, choices))
+        await drive(engine, st, p, choices, sink)
         if p.gen.include_usage:
             await send({**top, "choices": [], "usage": usage(p, choices)})
     except ApiError as e:                 # headers are out: report in-band, as OpenAI does

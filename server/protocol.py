@@ -5,11 +5,13 @@ import re
 from dataclasses import dataclass
 
 from tandem.engine.params import SamplingParams, StructuredOutputs
+from tandem.sched.beam import MAX_BEAM_WIDTH, BeamSearchParams
 from tandem.sched.llm import CHAT, ChatTemplate
 from tandem.sched.request import ServiceClass
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.schema import (ASKS_NOTHING, CHAT_BODY, CHAT_UNSUPPORTED, COMPLETION_BODY,
-                                  COMPLETION_UNSUPPORTED, DETOKENIZE_BODY, STRUCTURED, TOKENIZE_BODY, validate)
+                                  COMPLETION_UNSUPPORTED, DETOKENIZE_BODY, MAX_TOKENS_CAP, STRUCTURED,
+                                  TOKENIZE_BODY, validate)
 from tandem.server.tools import ToolPlan, render_messages, tool_plan
 
 MAX_CHOICES = 64            # prompts x n in one request
@@ -35,6 +37,7 @@ class GenRequest:
     prompt_logprobs: int | None = None    # vLLM's prompt_logprobs asked for: the likeliest this many shown
     chat_echo: str = ""             # a chat's vLLM echo: the text its reply's content begins with
     tokens_as_ids: bool = False     # vLLM's return_tokens_as_token_ids: log probabilities name "token_id:<id>"
+    beam: BeamSearchParams | None = None  # vLLM's use_beam_search: the n choices are a search's n best beams
 
 
 def _val(body: dict, key: str, default):
@@ -113,10 +116,33 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
                  return_token_ids=_val(body, "return_token_ids", False), structured_param=structured_param,
                  cache_salt=body.get("cache_salt"), prompt_logprobs=sp.prompt_logprobs,
                  tokens_as_ids=_val(body, "return_tokens_as_token_ids", False))
+    if _val(body, "use_beam_search", False):
+        extra["beam"] = beam_params(body, sp, extra["n"])
     return sp, extra
 
 
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+# what a beam search cannot honour: each step takes the likeliest tokens as the model gives them
+BEAM_EXCLUDES = ("logprobs", "top_logprobs", "prompt_logprobs", "stop", "stop_token_ids", "logit_bias",
+                 "allowed_token_ids", "bad_words", "response_format", "structured_outputs", *GUIDED,
+                 "tools", "top_p", "top_k", "min_p", "min_tokens", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty")
+BEAM_NEUTRAL = {"top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "min_tokens": (0,), "presence_penalty": (0,),
+                "frequency_penalty": (0,), "repetition_penalty": (1,), "response_format": ({"type": "text"},)}
+
+
+def beam_params(body: dict, sp: SamplingParams, n: int) -> BeamSearchParams:
+    """vLLM's ``use_beam_search``: a search of width n; 400 naming a field it cannot honour."""
+    for key in BEAM_EXCLUDES:
+        v = body.get(key)
+        if not (v is None or v is False or v in ("", [], {}) or (
+                not isinstance(v, bool) and v in BEAM_NEUTRAL.get(key, ()))):
+            raise bad_request(f"'{key}' cannot be combined with use_beam_search", param=key)
+    if n > MAX_BEAM_WIDTH:
+        raise bad_request(f"n: a beam search keeps at most {MAX_BEAM_WIDTH} beams (n is its width), got {n}",
+                          param="n")
+    return BeamSearchParams(n, sp.max_tokens or MAX_TOKENS_CAP,    # no max_tokens: the context's room
+                            sp.ignore_eos, sp.temperature, float(_val(body, "length_penalty", 1.0)))
 
 
 def _structured(body: dict) -> tuple[StructuredOutputs | None, str | None]:

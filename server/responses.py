@@ -162,7 +162,7 @@ def _renamed(e: ApiError) -> ApiError:
 async def run_line(app: web.Application, engine, body: dict) -> dict:
     """A batch line: best-effort, never refused for the waiting queue; its response object."""
     p, keep = await _start(app, engine, body, force_be=True)
-    return await _finish(app[STATE], p, body, int(time.time()), keep)
+    return await _finish(engine, app[STATE], p, body, int(time.time()), keep)
 
 
 async def _start(app: web.Application, engine, body: dict, force_be: bool = False):
@@ -179,9 +179,9 @@ async def _start(app: web.Application, engine, body: dict, force_be: bool = Fals
     return p, functools.partial(_keep, app[STORE], body, conversation=conversation)
 
 
-async def _finish(st, p: Prepared, body: dict, created: int, keep) -> dict:
+async def _finish(engine, st, p: Prepared, body: dict, created: int, keep) -> dict:
     """Run a prepared request to its end and keep it: the response object."""
-    ch = (await run_to_end(st, p))[0]
+    ch = (await run_to_end(engine, st, p))[0]
     c = choice_json(True, ch, st.text_of, p.gen.tools)
     response = response_json(p, body, created, c["message"], c["finish_reason"], usage(p, [ch]), lead_length(ch.text))
     keep(response=response, reply=c["message"])
@@ -195,7 +195,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     p, keep = await _start(request.app, engine, body)
     created = int(time.time())
     if not body.get("stream"):
-        return json_response(await _finish(st, p, body, created, keep))
+        return json_response(await _finish(engine, st, p, body, created, keep))
     try:
         return await _stream(request, st, p, body, created, keep)
     finally:

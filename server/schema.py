@@ -28,10 +28,10 @@ MAX_ALLOWED = 1 << 20       # allowed_token_ids per request (more than any vocab
 UNSUPPORTED = ("functions", "function_call",
                "best_of", "suffix", "prediction", "audio", "modalities",
                # vLLM's extensions this server does not implement
-               "use_beam_search", "length_penalty", "guided_whitespace_pattern", "logits_processors", "priority",
+               "guided_whitespace_pattern", "logits_processors", "priority",
                "prompt_embeds", "mm_processor_kwargs")
 # the value of an unsupported field that asks nothing of it (besides null, false and empty)
-ASKS_NOTHING = {"best_of": 1, "modalities": ["text"], "length_penalty": 1, "priority": 0}
+ASKS_NOTHING = {"best_of": 1, "modalities": ["text"], "priority": 0}
 
 
 def _int(lo: int, hi: int, doc: str) -> dict:
@@ -105,6 +105,10 @@ SAMPLING = {
                                       "server's fast tokenizers put nothing between special tokens, as "
                                       "vLLM's do with one"},
     "max_tokens": _int(1, MAX_TOKENS_CAP, "prompt + max_tokens must fit the context"),
+    "use_beam_search": {"type": "boolean", "description": "vLLM's extension: the n choices are the n best "
+                        f"beams of a beam search of width n (at most {MAX_LOGPROBS // 2}), best first"},
+    "length_penalty": _num(-MAX_SLO_MS, MAX_SLO_MS, "vLLM's extension, with use_beam_search: a beam's log "
+                           "probability is divided by its length (prompt and output) to this power (default 1)"),
     "presence_penalty": _num(-2, 2, "subtracted from the logit of every token already output"),
     "frequency_penalty": _num(-2, 2, "times how often a token was output, subtracted from its logit"),
     "repetition_penalty": _num(0, MAX_REPETITION, "vLLM's extension: tokens of the prompt or output have "
@@ -190,7 +194,7 @@ COMPLETION_UNSUPPORTED = (*TOOLS, *UNSUPPORTED)
 
 def _body(extra: dict, required: list[str], refused: tuple[str, ...] = UNSUPPORTED) -> dict:
     doc = ("not supported: rejected unless null, false, empty or the value that asks nothing "
-           "(best_of 1, modalities [text], length_penalty 1, priority 0)")
+           "(best_of 1, modalities [text], priority 0)")
     unsupported = {k: {"description": doc} for k in refused}
     return {"type": "object", "required": required, "properties": {**SAMPLING, **extra, **unsupported}}
 

@@ -1,4 +1,5 @@
-"""Tandem: ``from tandem import LLM, SamplingParams`` (the offline API).
+"""Tandem: ``from tandem import LLM, SamplingParams`` (the offline API; ``BeamSearchParams``
+for ``LLM.beam_search``).
 
 The layers keep the design's top-level folders (``engine/``, ``sched/``, ``cache/``,
 ``server/``, ``predictor/``, ``bench/``) and are imported as ``tandem.engine``,
@@ -14,11 +15,14 @@ if not _os.path.isdir(_os.path.join(_HERE, "engine")):
 
 from tandem.engine.params import SamplingParams, StructuredOutputs  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "RequestOutput", "BeamSearchParams"]
 
 
 def __getattr__(name):  # load the scheduler and torch only when LLM is asked for
     if name in ("LLM", "RequestOutput"):
         from tandem.sched import llm
         return getattr(llm, name)
+    if name == "BeamSearchParams":
+        from tandem.sched.beam import BeamSearchParams
+        return BeamSearchParams
     raise AttributeError(name)

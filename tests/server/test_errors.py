@@ -76,7 +76,7 @@ CASES = [
         "continuous_usage_stats": True}}, None, 400, "invalid_request_error", "stream_options.continuous_usage_stats"),
     # vLLM's fields this server does not implement are refused, not silently ignored
     *[(f"vLLM's {k}", "POST", path, {**body, k: v}, None, 400, "invalid_request_error", k) for path, body, k, v in [
-        (COMP, {"prompt": "a"}, "use_beam_search", True), (COMP, {"prompt": "a"}, "logits_processors", ["x"]),
+        (COMP, {"prompt": "a"}, "logits_processors", ["x"]),
         (CHAT, {"messages": MSG}, "chat_template_kwargs", {"tokenize": True}),
         (CHAT, {"messages": MSG}, "documents", "x"), (COMP, {"prompt": "a"}, "priority", 3)]],
     # and those it implements refuse what vLLM refuses, naming the field
@@ -93,7 +93,17 @@ CASES = [
         (COMP, {"prompt": "a"}, "truncate_prompt_tokens", 1 << 20, "past the context"),
         (CHAT, {"messages": MSG}, "skip_special_tokens", "no", "not a boolean"),
         (CHAT, {"messages": MSG}, "chat_template", "{{ messages }}", "from a request the server does not trust"),
-        ("/tokenize", {"messages": MSG}, "chat_template", "{{ messages }}", "to /tokenize, not trusted")]],
+        ("/tokenize", {"messages": MSG}, "chat_template", "{{ messages }}", "to /tokenize, not trusted"),
+        (COMP, {"prompt": "a"}, "length_penalty", "x", "not a number")]],
+    # a beam search takes each step's likeliest tokens as the model gives them: what would change
+    # them is refused with it, naming the field
+    *[(f"beam search with {k}", "POST", path, {**body, "use_beam_search": True, k: v}, None, 400,
+       "invalid_request_error", k) for path, body, k, v in [
+        (COMP, {"prompt": "a"}, "logprobs", 0), (CHAT, {"messages": MSG}, "logprobs", True),
+        (COMP, {"prompt": "a"}, "stop", "x"), (CHAT, {"messages": MSG}, "top_p", 0.5),
+        (CHAT, {"messages": MSG}, "tools", [TOOL]), (COMP, {"prompt": "a"}, "guided_choice", ["x"]),
+        (CHAT, {"messages": MSG}, "response_format", {"type": "json_object"}),
+        (COMP, {"prompt": "a"}, "repetition_penalty", 1.2), (COMP, {"prompt": "a"}, "n", 11)]],
     ("min_tokens over max", "POST", COMP, {"prompt": "a", "max_tokens": 2, "min_tokens": 5}, None, 400,
      "invalid_request_error", "min_tokens"),
     ("top_logprobs without logprobs", "POST", CHAT, {"messages": MSG, "top_logprobs": 2}, None, 400,

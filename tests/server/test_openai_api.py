@@ -925,3 +925,59 @@ def test_return_tokens_as_token_ids_names_each_logprob_token_by_id(server, clien
         assert [e.token for e in got] == [f"token_id:{t}" for t in ch.model_extra["token_ids"]]
         assert [e.bytes for e in got] == [list(e.token.encode()) for e in got]
         assert [e.logprob for e in got] == [e.logprob for e in plain_ch.logprobs.content]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_beam_search_completions_are_hfs_beams(server, client, tiny_chat_model, stream):
+    """vLLM's use_beam_search, n = 3, for two prompts: each prompt's three choices are HF's three
+    best beams, best first, their text HF's tokenizer's of those ids; streamed, each choice's text
+    and ids come whole, as vLLM sends a search's result."""
+    from transformers import AutoTokenizer
+    from tests.engine.test_beam_search import hf_beams, hf_model
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    prompts = ["Once upon a time", "The capital of France is"]
+    kw = dict(model=server.model, prompt=prompts, n=3, max_tokens=6, temperature=0,
+              extra_body={"use_beam_search": True, "ignore_eos": True, "return_token_ids": True,
+                          "length_penalty": 0.5})
+    if stream:
+        got = {}
+        for c in client.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+            for ch in c.choices:
+                text, ids, finish = got.setdefault(ch.index, ("", [], None))
+                got[ch.index] = (text + ch.text, ids + (ch.model_extra.get("token_ids") or []),
+                                 ch.finish_reason or finish)
+            usage = c.usage or None
+        choices = [got[i] for i in sorted(got)]
+    else:
+        r = client.completions.create(**kw)
+        usage = r.usage
+        choices = [(c.text, c.model_extra["token_ids"], c.finish_reason)
+                   for c in sorted(r.choices, key=lambda c: c.index)]
+    hf = hf_model(tiny_chat_model)
+    assert len(choices) == 6
+    for j, p in enumerate(prompts):
+        want, _ = hf_beams(hf, tok(p)["input_ids"], 3, 6)
+        mine = choices[3 * j:3 * j + 3]
+        assert [ids for _, ids, _ in mine] == want
+        assert [text for text, _, _ in mine] == [tok.decode(w, skip_special_tokens=True) for w in want]
+        assert {f for _, _, f in mine} == {"length"}
+    assert usage.completion_tokens == 36
+
+
+def test_beam_search_chat_is_hfs_beams(server, client, tiny_chat_model):
+    """A chat's beams search from its rendered prompt (HF's own chat template rendering); values
+    that ask nothing of sampling are accepted with it."""
+    from transformers import AutoTokenizer
+    from tests.engine.test_beam_search import hf_beams, hf_model
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    r = client.chat.completions.create(model=server.model, messages=messages, n=2, max_tokens=5, temperature=0,
+                                       top_p=1, logprobs=False, response_format={"type": "text"},
+                                       extra_body={"use_beam_search": True, "ignore_eos": True, "top_k": -1,
+                                                   "return_token_ids": True})
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    want, _ = hf_beams(hf_model(tiny_chat_model), prompt, 2, 5)
+    got = sorted(r.choices, key=lambda c: c.index)
+    assert [c.model_extra["token_ids"] for c in got] == want
+    assert [c.message.content for c in got] == [tok.decode(w, skip_special_tokens=True) for w in want]
+    assert r.usage.completion_tokens == 10
