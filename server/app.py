@@ -73,7 +73,7 @@ async def errors_middleware(request: web.Request, handler):
         kind = "not_found_error" if e.status == 404 else "invalid_request_error"
         allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None    # 405 must say it
         why = e.reason if e.status != 404 else f"{request.method} {request.path} is not an operation of " \
-            "this server (its operations: GET /openapi.json)"
+            "this server (GET /openapi.json lists them)"
         return json_response(ApiError(e.status, why, type=kind).body(), e.status, allow)
     except ConnectionError:  # the client went away mid-response: nobody to answer
         raise

@@ -13,6 +13,8 @@ import time
 import uuid
 from typing import Awaitable, Callable
 
+import orjson
+
 from tandem.sched.request import error_id
 from tandem.server.errors import ApiError
 from tandem.server.store import Store, new_id
@@ -20,6 +22,7 @@ from tandem.server.store import Store, new_id
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 WINDOWS = {"24h": 24 * 3600}
 MAX_LINES = 50_000
+MAX_ERRORS = 1_000           # a failed batch lists at most this many of its input's errors
 MAX_LINE_ATTEMPTS = 3        # a line failing on the server's side (5xx, an exception) runs again
 LINE_RETRY_S = 1.0           # times the attempt number, before the next attempt
 
@@ -55,13 +58,16 @@ def _jsonl(rows: list[dict]) -> bytes:
 
 
 def validate_lines(raw: bytes, endpoint: str) -> tuple[list[tuple[int, str, dict]], list[dict]]:
-    """Parse a JSONL batch input; errors name 1-based line numbers, as OpenAI's do."""
+    """Parse a JSONL batch input; errors name 1-based line numbers, as OpenAI's do (the first
+    ``MAX_ERRORS``, then how many more). A line is JSON as a request body is (orjson, as the
+    server reads bodies: no lone surrogates, NaN or integers past 64 bits), and a byte order
+    mark before the first line is skipped."""
     lines, errors, seen = [], [], set()
 
     def err(n, msg, param=None):
         errors.append({"code": "invalid_request", "message": msg, "param": param, "line": n})
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError:
         return [], [{"code": "invalid_file", "message": "the input file is not UTF-8", "param": None,
                      "line": None}]
@@ -75,12 +81,9 @@ def validate_lines(raw: bytes, endpoint: str) -> tuple[list[tuple[int, str, dict
                      "line": None}]
     for n, s in rows:
         try:
-            obj = json.loads(s)
-        except json.JSONDecodeError as e:
+            obj = orjson.loads(s)
+        except orjson.JSONDecodeError as e:
             err(n, f"line is not valid JSON: {e.msg}")
-            continue
-        except RecursionError:
-            err(n, "line is not valid JSON: nested too deeply")
             continue
         if not isinstance(obj, dict):
             err(n, "line must be a JSON object")
@@ -101,6 +104,10 @@ def validate_lines(raw: bytes, endpoint: str) -> tuple[list[tuple[int, str, dict
         if isinstance(cid, str) and cid:
             seen.add(cid)
             lines.append((n, cid, obj.get("body")))
+    if len(errors) > MAX_ERRORS:
+        more = len(errors) - MAX_ERRORS
+        errors[MAX_ERRORS:] = [{"code": "too_many_errors", "message": f"{more} more errors are not listed",
+                                "param": None, "line": None}]
     return lines, errors
 
 

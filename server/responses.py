@@ -17,6 +17,7 @@ not).
 from __future__ import annotations
 
 import functools
+import json
 import time
 
 import orjson
@@ -85,15 +86,23 @@ def chat_body(body: dict, store: Store) -> tuple[dict, list[dict]]:
 
 
 def _conversation(body: dict, store: Store) -> list[dict]:
-    """The kept conversation ``previous_response_id`` names, then the input's messages."""
+    """The kept conversation ``previous_response_id`` names, then the input's messages; a call's
+    output must follow the call, in the input or the kept conversation."""
     before = body.get("previous_response_id")
     kept = store.get_response(before) if before is not None else None
     if before is not None and kept is None:
         raise bad_request(f"Previous response with id '{before}' not found.", param="previous_response_id",
                           code="previous_response_not_found")
     conversation = kept[1] if kept is not None else []
+    calls = {c["id"] for m in conversation for c in m.get("tool_calls") or ()}
     inp = body["input"]
     for item in [{"role": "user", "content": inp}] if isinstance(inp, str) else inp:
+        kind = item.get("type")
+        if kind == "function_call":
+            calls.add(item["call_id"])
+        elif kind == "function_call_output" and item["call_id"] not in calls:   # as OpenAI refuses it
+            raise bad_request(f"No tool call found for function call output with call_id {item['call_id']}.",
+                              param="input")
         m = _message_of(item, conversation[-1] if conversation else None)
         if not conversation or m is not conversation[-1]:
             conversation.append(m)
@@ -143,7 +152,9 @@ def _message_of(item: dict, last: dict | None) -> dict:
             return last
         return {"role": "assistant", "content": None, "tool_calls": [call]}
     if kind == "function_call_output":
-        return {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
+        out = item["output"]
+        return {"role": "tool", "tool_call_id": item["call_id"],
+                "content": out if isinstance(out, str) else "\n".join(p["text"] for p in out)}
     content = item["content"]
     return {"role": item["role"], "content": content if isinstance(content, str) else
             [{"type": "text", "text": p["text"]} for p in content]}
@@ -221,16 +232,27 @@ def _output(p: Prepared, message: dict, finish: str | None, lead: int) -> list[d
     """A chat reply as output items, in the order it wrote them: the text before its first call
     (its content's first ``lead`` characters), a ``function_call`` per call, and the text after
     them. A reply that makes no call is one message, also when it is empty. Cut off by
-    ``max_output_tokens``, the item it was writing is ``incomplete``."""
+    ``max_output_tokens``, the item it was writing is ``incomplete`` (none, where it was a call
+    whose name was not written yet)."""
     content, calls = message["content"] or "", message.get("tool_calls") or []
     if not calls:
         return [_text_item(p, content, finish)]
     before, after = content[:lead], content[lead:]
     items = [_call_item(c) for c in calls]
-    if finish == "length" and p.gen.tools.choice is not ToolChoice.AUTO:
+    if finish == "length" and p.gen.tools.choice is not ToolChoice.AUTO and not _whole(items[-1]["arguments"]):
         items[-1]["status"] = "incomplete"      # a constrained call cut off (an auto one's block closed)
     return ([_text_item(p, before, "stop")] if before else []) + items + (
         [_text_item(p, after, finish, after_calls=True)] if after.strip() else [])
+
+
+def _whole(arguments: str) -> bool:
+    """Whether a constrained call's arguments were written to their end: a reply cut off while it
+    began the next call (its name not written yet, so no item) leaves the last call whole."""
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return False
+    return True
 
 
 def response_json(p: Prepared, body: dict, created: int, message: dict | None, finish: str | None,

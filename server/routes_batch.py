@@ -81,6 +81,8 @@ async def upload_file(request: web.Request):
         body_read(request)
     except (ValueError, AssertionError, LookupError, RuntimeError, HttpProcessingError) as e:   # a bad body
         raise bad_request(f"malformed multipart/form-data body: {str(e) or type(e).__name__}") from None
+    if purpose is None:
+        raise bad_request(f"'purpose' is required (one of {', '.join(PURPOSES)})", param="purpose")
     if purpose not in PURPOSES:
         raise bad_request(f"'purpose' must be one of {', '.join(PURPOSES)}", param="purpose")
     if data is None:
@@ -108,9 +110,10 @@ async def _read_upload(request: web.Request, limit: int) -> tuple[str | None, by
     return purpose, data, filename
 
 
-def _found(obj: dict | None, kind: str, ident: str) -> dict:
+def _found(obj: dict | None, kind: str, ident: str, param: str | None = None) -> dict:
+    """``obj``, or 404 naming ``param`` (``<kind>_id`` unless given)."""
     if obj is None:
-        raise ApiError(404, f"No such {kind}: {ident}", param=f"{kind}_id", code="not_found")
+        raise ApiError(404, f"No such {kind}: {ident}", param=param or f"{kind}_id", code="not_found")
     return obj
 
 
@@ -118,9 +121,30 @@ def _file_or_404(request) -> dict:
     return _found(_store(request).get_file(request.match_info["id"]), "file", request.match_info["id"])
 
 
+def _page(data: list[dict], more: bool) -> dict:
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": more}
+
+
+def _limit(request, default: int, most: int) -> int:
+    try:
+        limit = int(request.query.get("limit", str(default)))
+    except ValueError:
+        raise bad_request("'limit' must be an integer", param="limit") from None
+    if not 1 <= limit <= most:
+        raise bad_request(f"'limit' must be in [1, {most}]", param="limit")
+    return limit
+
+
 async def list_files(request):
-    data = _store(request).list_files(request.query.get("purpose"))
-    return json_response({"object": "list", "data": data, "has_more": False})
+    """OpenAI's list: ``purpose``, ``limit`` (1-10,000, all by default), ``order`` (``desc``,
+    newest first, by default, or ``asc``) and ``after`` (the last id of the previous page)."""
+    order = request.query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request("'order' must be 'asc' or 'desc'", param="order")
+    data, more = _store(request).list_files(request.query.get("purpose"), _limit(request, 10_000, 10_000),
+                                            order == "desc", request.query.get("after"))
+    return json_response(_page(data, more))
 
 
 async def get_file(request):
@@ -160,7 +184,7 @@ async def create_batch(request):
     body = await read_json(request)
     validate(body, BATCH_BODY)
     fid, endpoint = body["input_file_id"], body["endpoint"]
-    f = _found(_store(request).get_file(fid), "file", fid)
+    f = _found(_store(request).get_file(fid), "file", fid, "input_file_id")
     if f["purpose"] != "batch":
         raise bad_request("the input file's purpose must be 'batch'", param="input_file_id")
     window = body.get("completion_window") or "24h"
@@ -179,15 +203,8 @@ async def get_batch(request):
 
 
 async def list_batches(request):
-    try:
-        limit = int(request.query.get("limit", "20"))
-    except ValueError:
-        raise bad_request("'limit' must be an integer", param="limit") from None
-    if not 1 <= limit <= 100:
-        raise bad_request("'limit' must be in [1, 100]", param="limit")
-    data, more = _store(request).list_batches(limit, request.query.get("after"))
-    return json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                          "last_id": data[-1]["id"] if data else None, "has_more": more})
+    data, more = _store(request).list_batches(_limit(request, 20, 100), request.query.get("after"))
+    return json_response(_page(data, more))
 
 
 async def cancel_batch(request):

@@ -230,7 +230,11 @@ FUNCTION_CALL_ITEM = {"type": "object", "required": ["type", "call_id", "name", 
     "arguments": {"type": "string", "description": "JSON text"}, "id": {"type": "string"},
     "status": {"type": "string"}}}
 FUNCTION_OUTPUT_ITEM = {"type": "object", "required": ["type", "call_id", "output"], "properties": {
-    "type": {"enum": ["function_call_output"]}, "call_id": {"type": "string"}, "output": {"type": "string"},
+    "type": {"enum": ["function_call_output"]}, "call_id": {"type": "string"},
+    "output": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {
+        "type": "object", "required": ["type", "text"], "properties": {
+            "type": {"enum": ["input_text"]}, "text": {"type": "string"}}}}],
+               "description": "the call's result: text, or text parts (joined with newlines)"},
     "id": {"type": "string"}, "status": {"type": "string"}}}
 FUNCTION_NAME = TOOLS["tools"]["items"]["properties"]["function"]["properties"]["name"]
 RESPONSES_TOOLS = {

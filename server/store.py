@@ -81,10 +81,21 @@ class Store:
                 "filename": r["filename"], "purpose": r["purpose"], "status": "processed",
                 "status_details": None}
 
-    def list_files(self, purpose: str | None = None) -> list[dict]:
-        rows = self.db.execute("SELECT id FROM files WHERE deleted=0 AND (? IS NULL OR purpose=?) "
-                               "ORDER BY created_at DESC, rowid DESC", (purpose, purpose)).fetchall()
-        return [self.get_file(r["id"]) for r in rows]
+    def list_files(self, purpose: str | None = None, limit: int = 10_000, newest_first: bool = True,
+                   after: str | None = None) -> tuple[list[dict], bool]:
+        """Up to ``limit`` files (of ``purpose``, where given) in upload order or its reverse,
+        starting after the file ``after`` (none when it is unknown), and whether more follow."""
+        mark = None
+        if after is not None:
+            row = self.db.execute("SELECT rowid FROM files WHERE id=?", (after,)).fetchone()
+            if row is None:
+                return [], False
+            mark = row[0]
+        cmp, order = ("<", "DESC") if newest_first else (">", "ASC")
+        rows = self.db.execute(f"SELECT id FROM files WHERE deleted=0 AND (? IS NULL OR purpose=?) "
+                               f"AND (? IS NULL OR rowid {cmp} ?) ORDER BY rowid {order} LIMIT ?",
+                               (purpose, purpose, mark, mark, limit + 1)).fetchall()
+        return [self.get_file(r["id"]) for r in rows[:limit]], len(rows) > limit
 
     def file_path(self, fid: str) -> Path | None:
         """Where a (not deleted) file's bytes are."""

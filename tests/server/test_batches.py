@@ -102,13 +102,53 @@ def test_batch_round_trip(server, client):
 def test_bad_lines_fail_the_batch_with_line_numbers(server, client):
     good = fix_model([chat_line(0)], server.model)[0]
     nested = b"[" * 5000 + b"]" * 5000 + b"\n"          # deeper than the JSON parser recurses
-    raw = jsonl([good]) + b"{not json}\n" + jsonl([dict(good, url="/v1/completions"), good]) + nested
+    lone = json.dumps(dict(good, custom_id="lone")).replace('"lone"', '"\\ud800"').encode() + b"\n"
+    in_body = json.dumps(dict(good, custom_id="in-body")).replace('Question 0?', 'Question \\udfff?').encode() + b"\n"
+    raw = jsonl([good]) + b"{not json}\n" + jsonl([dict(good, url="/v1/completions"), good]) + nested + lone + in_body
     f = client.files.create(file=("bad.jsonl", io.BytesIO(raw)), purpose="batch")
     b = wait_batch(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                                  completion_window="24h").id, timeout=60)
     assert b.status == "failed"
     lines = {(e.line, e.param) for e in b.errors.data}
     assert (2, None) in lines and (3, "url") in lines and (4, "custom_id") in lines and (5, None) in lines
+    # a lone surrogate's escape, which a request body may not hold either, in the id and in the body
+    assert {e.line for e in b.errors.data if "surrogate" in e.message} == {6, 7}
+
+
+def test_a_failed_batch_lists_its_first_thousand_errors(server, client):
+    """Each of 300 lines that are no requests has four errors: the first thousand are listed,
+    then how many more there were (a batch's JSON stays small)."""
+    f = client.files.create(file=("junk.jsonl", io.BytesIO(b'{"a": 1}\n' * 300)), purpose="batch")
+    b = wait_batch(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                 completion_window="24h").id, timeout=60)
+    assert b.status == "failed" and len(b.errors.data) == 1001
+    assert {e.line for e in b.errors.data[:1000]} == set(range(1, 251))
+    assert (b.errors.data[-1].code, b.errors.data[-1].message) == ("too_many_errors", "200 more errors are not listed")
+
+
+def test_a_byte_order_mark_before_the_first_line_is_skipped(server, client):
+    """Editors on Windows begin UTF-8 files with one."""
+    raw = "\ufeff".encode() + jsonl(fix_model([chat_line(0, max_tokens=2)], server.model))
+    f = client.files.create(file=("bom.jsonl", io.BytesIO(raw)), purpose="batch")
+    b = wait_batch(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                 completion_window="24h").id)
+    assert b.status == "completed" and b.request_counts.completed == 1, b.errors
+
+
+def test_files_are_listed_in_pages_either_way(server, client):
+    """OpenAI's list of files: newest first by default, ``order=asc`` the other way, ``limit``
+    pages that the openai client follows with ``after``."""
+    new = [client.files.create(file=(f"p{i}.jsonl", io.BytesIO(b"{}\n")), purpose="user_data").id
+           for i in range(3)]
+    newest_first = [f.id for f in client.files.list()]
+    assert newest_first[:3] == new[::-1]
+    assert [f.id for f in client.files.list(order="asc")] == newest_first[::-1]
+    first = client.files.list(limit=2)
+    assert [f.id for f in first.data] == new[:0:-1] and first.has_more
+    assert [f.id for f in client.files.list(limit=2)] == newest_first       # every page, in order
+    assert [f.id for f in client.files.list(purpose="user_data", after=new[2], limit=1).data] == [new[1]]
+    with pytest.raises(openai.BadRequestError):
+        client.files.list(order="sideways")
 
 
 def test_a_line_separator_inside_a_string_does_not_split_the_line(server, client):

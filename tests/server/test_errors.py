@@ -17,6 +17,7 @@ FILES = "/v1/files"
 GOOD_PART = (b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--B--\r\n')
 NESTED_PART = (b'--B\r\nContent-Disposition: form-data; name="file"\r\nContent-Type: multipart/mixed; boundary=C'
                b'\r\n\r\n--C\r\n\r\nx\r\n--C--\r\n--B--\r\n')
+FILE_ONLY_PART = (b'--B\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n{}\r\n--B--\r\n')
 CHARSET_PART = (b'--B\r\nContent-Disposition: form-data; name="purpose"\r\nContent-Type: text/plain; '
                 b'charset=no-such-charset\r\n\r\nbatch\r\n--B--\r\n')
 
@@ -187,6 +188,11 @@ CASES = [
     ("unknown path", "GET", "/v1/nothing", None, None, 404, "not_found_error", None),
     ("no embeddings API", "POST", "/v1/embeddings", {"input": "a"}, None, 404, "not_found_error", None),
     ("wrong method", "GET", CHAT, None, None, 405, "invalid_request_error", None),
+    ("upload without a purpose", "POST", FILES, FILE_ONLY_PART, multipart("multipart/form-data; boundary=B"), 400,
+     "invalid_request_error", "purpose"),
+    ("batch of a file that does not exist", "POST", "/v1/batches", {
+        "input_file_id": "file-none", "endpoint": "/v1/chat/completions", "completion_window": "24h"}, None, 404,
+     "invalid_request_error", "input_file_id"),
     ("upload not multipart", "POST", FILES, b"purpose=batch", multipart("text/plain"), 400,
      "invalid_request_error", None),
     ("multipart without boundary", "POST", FILES, GOOD_PART, multipart("multipart/form-data"), 400,
@@ -225,8 +231,8 @@ def test_malformed_request(server, name, method, path, body, headers, status, et
     assert "Traceback" not in err["message"] and ".py" not in err["message"], "no internals in errors"
     assert err["type"] == etype
     if status == 404 and err["param"] is None:                  # a path the server does not have says so
-        assert err["message"] == f"{method} {path} is not an operation of this server (its operations: GET " \
-            "/openapi.json)"
+        assert err["message"] == f"{method} {path} is not an operation of this server (GET /openapi.json " \
+            "lists them)"
     if param is not None:
         assert err["param"] == param
     assert call(server, "GET", "/health", None, None) == (200, {"status": "ok"}), "healthy after a bad request"

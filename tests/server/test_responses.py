@@ -135,6 +135,23 @@ def test_a_call_cut_off_is_incomplete(server, client):
     assert [(c.status, c.arguments) for c in done] == [("incomplete", call.arguments)]
 
 
+def test_only_the_call_being_written_is_incomplete():
+    """Required calls cut off while the next call had not written its name (so it has no item):
+    the calls written whole are completed and the response incomplete; cut off inside a call's
+    arguments, that call is incomplete."""
+    from types import SimpleNamespace
+    from tandem.server.responses import _output
+    from tandem.server.tools import ToolChoice
+    p = SimpleNamespace(rid="chatcmpl-abc", gen=SimpleNamespace(tools=SimpleNamespace(choice=ToolChoice.REQUIRED)))
+
+    def call(args):
+        return {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}
+    whole = {"content": None, "tool_calls": [call('{"city":"Paris"}'), call('{"city":"Oslo"}')]}
+    assert [i["status"] for i in _output(p, whole, "length", 0)] == ["completed", "completed"]
+    cut = {"content": None, "tool_calls": [call('{"city":"Paris"}'), call('{"city":"Os')]}
+    assert [i["status"] for i in _output(p, cut, "length", 0)] == ["completed", "incomplete"]
+
+
 def test_with_auto_tools_text_streams_as_it_is_written(server, client):
     """A reply that makes no call streams its text token by token, as without tools, and ends
     as the reply without a stream."""
@@ -234,6 +251,25 @@ def test_earlier_calls_and_their_outputs_reach_the_prompt_as_a_chats_do(server, 
     assert r.output_text == (chat.choices[0].message.content or "")
 
 
+def test_a_calls_output_may_follow_it_in_the_kept_conversation(server, client):
+    """A response that called a tool, continued with only that call's output and the response's
+    id: the call is found in the kept conversation."""
+    r = client.responses.create(model=server.model, input="Weather in Oslo?", tools=[WEATHER], temperature=0,
+                                tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40)
+    (call,) = r.output
+    assert call.type == "function_call" and call.status == "completed"
+    nxt = client.responses.create(model=server.model, previous_response_id=r.id, tools=[WEATHER],
+                                  max_output_tokens=4, temperature=0, input=[
+                                      {"type": "function_call_output", "call_id": call.call_id, "output": "21\nC"}])
+    assert nxt.status in ("completed", "incomplete") and nxt.usage.input_tokens > r.usage.input_tokens
+    texts = [{"type": "input_text", "text": "21"}, {"type": "input_text", "text": "C"}]
+    parts = client.responses.create(model=server.model, previous_response_id=r.id, tools=[WEATHER],
+                                    max_output_tokens=4, temperature=0, input=[
+                                        {"type": "function_call_output", "call_id": call.call_id, "output": texts}])
+    assert parts.usage.input_tokens == nxt.usage.input_tokens      # text parts: the text they join to
+    assert parts.output_text == nxt.output_text
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
@@ -243,6 +279,8 @@ def test_earlier_calls_and_their_outputs_reach_the_prompt_as_a_chats_do(server, 
     ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name"),
     ({"input": []}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"input": [{"role": "user", "content": "Hi"},              # an output of no call before it
+                {"type": "function_call_output", "call_id": "call_9", "output": "x"}]}, "input"),
 ])
 def test_what_it_cannot_do_is_refused_naming_the_field(server, client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
