@@ -33,6 +33,7 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)     # words the output never completes
     truncate_prompt_tokens: int | None = None    # keep the prompt's last k tokens (-1: the context's worth)
     skip_special_tokens: bool = True            # special tokens' text left out of the output text
+    n: int = 1                              # LLM.generate: choices per prompt, each its own request (seed + i)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,6 +90,8 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
             bad("truncate_prompt_tokens", f"must be None, -1 or a positive integer, got {k!r}")
+        if not _is_int(self.n) or self.n < 1:
+            bad("n", f"must be a positive integer, got {self.n!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a boolean")

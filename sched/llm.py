@@ -44,6 +44,8 @@ class RequestOutput:
     prompt_logprobs: list | None = None   # with SamplingParams.prompt_logprobs: per prompt id, None first
     num_cached_tokens: int = 0     # prompt tokens whose cache an earlier request had computed (prefix caching)
     stop_reason: str | int | None = None   # vLLM's: the stop string or stop token id that ended it (None: EOS)
+    index: int = 0                 # which of the prompt's n choices this is
+    choices: list["RequestOutput"] | None = None   # with SamplingParams.n > 1: all n, this one's fields the first's
 
     @property
     def request_id(self) -> str:
@@ -52,9 +54,18 @@ class RequestOutput:
 
     @property
     def outputs(self) -> list["RequestOutput"]:
-        """vLLM's shape: the request's completions (one here), each with ``text``, ``token_ids``
-        and ``finish_reason``, so ``out.outputs[0].text`` works as with vLLM."""
-        return [self]
+        """vLLM's shape: the prompt's n completions, each with ``index``, ``text``, ``token_ids``,
+        ``finish_reason`` and ``cumulative_logprob``, so ``out.outputs[0].text`` works as with vLLM."""
+        return self.choices if self.choices is not None else [self]
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """vLLM's: the sum of the output tokens' log probabilities, where they were asked for."""
+        return None if self.logprobs is None else sum(lp.logprob for lp in self.logprobs)
+
+    @property
+    def finished(self) -> bool:
+        return True                # generate returns finished requests only
 
 
 log = logging.getLogger(__name__)
@@ -670,12 +681,13 @@ class LLM:
         for ids, _ in encoded:
             self._check_length(ids)
         now = time.monotonic()
-        reqs = [Request(f"gen-{next(self._ids)}", ids, sp, arrival_time=now, prompt=text, cache_salt=salt,
-                        bad_words_ids=self.bad_words_ids(sp))
-                for (ids, text), sp, salt in zip(encoded, params, salts)]
+        reqs = [Request(f"gen-{next(self._ids)}", ids, _choice(sp, i), arrival_time=now, prompt=text,
+                        cache_salt=salt, bad_words_ids=self.bad_words_ids(sp))
+                for (ids, text), sp, salt in zip(encoded, params, salts) for i in range(sp.n)]
         texts = None if self.lengths is None else [self.prediction_text(p, sp, e)
-                                                   for p, sp, e in zip(plist, params, encoded)]
-        return [self._output(st) for st in self._serve(reqs, texts, use_tqdm)]
+                                                   for p, sp, e in zip(plist, params, encoded) for _ in range(sp.n)]
+        outs = iter(self._output(st) for st in self._serve(reqs, texts, use_tqdm))
+        return [_one_output([replace(next(outs), index=i) for i in range(sp.n)]) for sp in params]
 
     def _serve(self, reqs: list[Request], texts: list[str] | None, use_tqdm: bool = False) -> list[RequestState]:
         """Run the requests to their ends (``texts``: what the length predictor reads of each,
@@ -831,6 +843,16 @@ def _positive(name: str, v) -> None:
 
 
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
+
+
+def _choice(sp: SamplingParams, i: int) -> SamplingParams:
+    """What choice i of a prompt's n asks: one choice, seeded seed + i (as the server seeds them)."""
+    return sp if sp.n == 1 else replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i)
+
+
+def _one_output(choices: list[RequestOutput]) -> RequestOutput:
+    """A prompt's output: its only choice, or the first with all of them in ``choices``."""
+    return choices[0] if len(choices) == 1 else replace(choices[0], choices=choices)
 
 
 def _as_prompt_list(prompts: Any) -> list:

@@ -106,6 +106,9 @@ SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
     "data": {"type": "string", "contentMediaType": "application/json"}, "event": {"type": "string"}}}
 
 
+ID_OR_NULL = {"type": ["string", "null"]}
+
+
 def _list(item: dict, **extra) -> dict:
     return {"type": "object", "required": ["object", "data"], "properties": {
         "object": {"const": "list"}, "data": {"type": "array", "items": item}, "has_more": {"type": "boolean"},
@@ -158,6 +161,12 @@ def document(version: str = "0.1.0") -> dict:
                                    "delete": _op("forget a kept response", {"type": "object",
                                                                             "required": ["id", "deleted"]},
                                                  params=_path_id("response id"))},
+            "/v1/responses/{id}/input_items": {"get": _op(
+                "a kept response's input items", _list({"type": "object", "required": ["id", "type"]},
+                                                       first_id=ID_OR_NULL, last_id=ID_OR_NULL),
+                params=_path_id("response id") + [
+                    query("limit", {"type": "integer", "minimum": 1, "maximum": 100}),
+                    query("order", {"enum": ["asc", "desc"]}), query("after", {"type": "string"})])},
             "/tokenize": {"post": _op("a prompt's token ids (text, or chat messages through the template)",
                                       TOKENS, TOKENIZE_BODY)},
             "/detokenize": {"post": _op("token ids to text", {"type": "object", "required": ["prompt"], "properties": {
@@ -167,7 +176,10 @@ def document(version: str = "0.1.0") -> dict:
             "/v1/files": {
                 "post": {**_op("upload a file", FILE), "requestBody": {"required": True, "content": {
                     "multipart/form-data": {"schema": upload}}}},
-                "get": _op("list files", _list(FILE), params=[query("purpose", {"type": "string"})])},
+                "get": _op("list files", _list(FILE, first_id=ID_OR_NULL, last_id=ID_OR_NULL), params=[
+                    query("purpose", {"type": "string"}),
+                    query("limit", {"type": "integer", "minimum": 1, "maximum": 10_000}),
+                    query("order", {"enum": ["asc", "desc"]}), query("after", {"type": "string"})])},
             "/v1/files/{id}": {"get": _op("a file", FILE, params=_path_id("file id")),
                                "delete": _op("delete a file", {"type": "object", "required": ["id", "deleted"]},
                                              params=_path_id("file id"))},

@@ -96,6 +96,7 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
     sp.bad_words = list(_val(body, "bad_words", []))
     sp.truncate_prompt_tokens = body.get("truncate_prompt_tokens")
     sp.skip_special_tokens = _val(body, "skip_special_tokens", True)
+    sp.n = 1                                 # the server runs each of n choices as its own request
     stream = _val(body, "stream", False)
     if stream and sp.prompt_logprobs is not None:       # as vLLM: they come with a whole response
         raise bad_request("'prompt_logprobs' are not available with stream=true", param="prompt_logprobs")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+import uuid
 
 import orjson
 from aiohttp import web
@@ -27,6 +28,7 @@ from tandem.server.app import (STATE, STORE, Choice, Prepared, all_or_none, choi
                                prepare, prepare_online, read_json, ready_engine, run_choice, run_to_end, served_tier,
                                usage)
 from tandem.server.errors import ApiError, bad_request
+from tandem.server.listing import newest_first, page, query_limit
 from tandem.server.protocol import reject_unsupported
 from tandem.server.schema import RESPONSES_BODY, RESPONSES_PASSED, RESPONSES_UNSUPPORTED, validate
 from tandem.server.store import Store
@@ -45,6 +47,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/responses", create)
     app.router.add_get("/v1/responses/{id}", retrieve)
     app.router.add_delete("/v1/responses/{id}", delete)
+    app.router.add_get("/v1/responses/{id}/input_items", input_items)
 
 
 def _kept(request: web.Request) -> tuple[dict, list[dict]]:
@@ -65,11 +68,46 @@ async def delete(request: web.Request) -> web.Response:
     return json_response({"id": rid, "object": "response", "deleted": True})
 
 
+async def input_items(request: web.Request) -> web.Response:
+    """OpenAI's list of a kept response's input items (its own input, not the conversation it
+    continued), newest first unless ``order=asc``, in pages of ``limit`` after ``after``."""
+    rid = _kept(request)[0]["id"]
+    q = request.query
+    limit, items = query_limit(q, 20, 100), request.app[STORE].response_inputs(rid)
+    if newest_first(q):
+        items = items[::-1]
+    after = q.get("after")
+    if after is not None:
+        at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+        items = [] if at is None else items[at + 1:]
+    return json_response(page(items[:limit], len(items) > limit))
+
+
+def _input_item(item: dict) -> dict:
+    """An input item as OpenAI lists it back: with an id, a status, and a message's text as parts
+    (``input_text``; an assistant's ``output_text``)."""
+    kind = item.get("type", "message")
+    if kind == "message":
+        text_type = "output_text" if item["role"] == "assistant" else "input_text"
+        content = item["content"]
+        parts = [{"type": text_type, "text": content}] if isinstance(content, str) else \
+            [{"type": p["type"], "text": p["text"]} for p in content]
+        if text_type == "output_text":
+            parts = [p | {"annotations": []} for p in parts]
+        return {"id": item.get("id") or "msg_" + uuid.uuid4().hex, "type": "message", "role": item["role"],
+                "content": parts, "status": "completed"}
+    prefix = "fc_" if kind == "function_call" else "fco_"
+    return {**item, "id": item.get("id") or prefix + uuid.uuid4().hex, "status": "completed"}
+
+
 def _keep(store: Store, body: dict, response: dict, conversation: list[dict], reply: dict) -> None:
-    """Keep a finished response and its conversation, unless the request said ``store: false``."""
+    """Keep a finished response, its conversation and input items, unless the request said
+    ``store: false``."""
     if body.get("store") is False:
         return
-    store.keep_response(response, conversation + [reply], MAX_KEPT)
+    inp = body["input"]
+    items = [_input_item(i) for i in ([{"role": "user", "content": inp}] if isinstance(inp, str) else inp)]
+    store.keep_response(response, conversation + [reply], MAX_KEPT, items)
 
 
 def chat_body(body: dict, store: Store) -> tuple[dict, list[dict]]:

@@ -11,6 +11,7 @@ from tandem.server.app import STATE, STORE, complete, json_response, prepare, re
 from tandem.server.batches import WINDOWS, BatchRunner
 from tandem.server.connections import body_read
 from tandem.server.errors import ApiError, bad_request
+from tandem.server.listing import newest_first, page, query_limit
 from tandem.server.schema import BATCH_BODY, validate
 from tandem.server.store import Store
 
@@ -121,30 +122,13 @@ def _file_or_404(request) -> dict:
     return _found(_store(request).get_file(request.match_info["id"]), "file", request.match_info["id"])
 
 
-def _page(data: list[dict], more: bool) -> dict:
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": more}
-
-
-def _limit(request, default: int, most: int) -> int:
-    try:
-        limit = int(request.query.get("limit", str(default)))
-    except ValueError:
-        raise bad_request("'limit' must be an integer", param="limit") from None
-    if not 1 <= limit <= most:
-        raise bad_request(f"'limit' must be in [1, {most}]", param="limit")
-    return limit
-
-
 async def list_files(request):
     """OpenAI's list: ``purpose``, ``limit`` (1-10,000, all by default), ``order`` (``desc``,
     newest first, by default, or ``asc``) and ``after`` (the last id of the previous page)."""
-    order = request.query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise bad_request("'order' must be 'asc' or 'desc'", param="order")
-    data, more = _store(request).list_files(request.query.get("purpose"), _limit(request, 10_000, 10_000),
-                                            order == "desc", request.query.get("after"))
-    return json_response(_page(data, more))
+    q = request.query
+    data, more = _store(request).list_files(q.get("purpose"), query_limit(q, 10_000, 10_000), newest_first(q),
+                                            q.get("after"))
+    return json_response(page(data, more))
 
 
 async def get_file(request):
@@ -203,8 +187,8 @@ async def get_batch(request):
 
 
 async def list_batches(request):
-    data, more = _store(request).list_batches(_limit(request, 20, 100), request.query.get("after"))
-    return json_response(_page(data, more))
+    data, more = _store(request).list_batches(query_limit(request.query, 20, 100), request.query.get("after"))
+    return json_response(page(data, more))
 
 
 async def cancel_batch(request):

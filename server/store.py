@@ -30,6 +30,7 @@ CREATE TABLE IF NOT EXISTS batch_lines (
     PRIMARY KEY (batch_id, line_no));
 CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY, seq INTEGER NOT NULL, response TEXT NOT NULL, conversation TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS response_inputs (id TEXT PRIMARY KEY, items TEXT NOT NULL);
 """
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
@@ -197,18 +198,26 @@ class Store:
         return self.db.execute("SELECT status FROM batches WHERE id=?", (bid,)).fetchone()["status"]
 
     # ---- responses (the Responses API's store) ---------------------------------------
-    def keep_response(self, response: dict, conversation: list[dict], keep: int) -> None:
-        """Keep a response and its conversation; only the ``keep`` newest stay."""
+    def keep_response(self, response: dict, conversation: list[dict], keep: int, inputs: list[dict]) -> None:
+        """Keep a response, its conversation and its input items; only the ``keep`` newest stay."""
         seq = self.db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM responses").fetchone()[0]
         self.db.execute("INSERT OR REPLACE INTO responses VALUES (?,?,?,?)",
                         (response["id"], seq, json.dumps(response), json.dumps(conversation)))
+        self.db.execute("INSERT OR REPLACE INTO response_inputs VALUES (?,?)", (response["id"], json.dumps(inputs)))
         self.db.execute("DELETE FROM responses WHERE seq <= ?", (seq - keep,))
+        self.db.execute("DELETE FROM response_inputs WHERE id NOT IN (SELECT id FROM responses)")
+
+    def response_inputs(self, rid: str) -> list[dict]:
+        """A kept response's input items (none for one kept before they were)."""
+        r = self.db.execute("SELECT items FROM response_inputs WHERE id=?", (rid,)).fetchone()
+        return [] if r is None else json.loads(r["items"])
 
     def get_response(self, rid: str) -> tuple[dict, list[dict]] | None:
         r = self.db.execute("SELECT response, conversation FROM responses WHERE id=?", (rid,)).fetchone()
         return None if r is None else (json.loads(r["response"]), json.loads(r["conversation"]))
 
     def delete_response(self, rid: str) -> bool:
+        self.db.execute("DELETE FROM response_inputs WHERE id=?", (rid,))
         return bool(self.db.execute("DELETE FROM responses WHERE id=?", (rid,)).rowcount)
 
     def close(self) -> None:

@@ -231,3 +231,28 @@ def test_report_returns_once_every_device_ran_its_listeners(llm):
         assert seen == [(0, True)]              # on the device's own thread, before report returned
     finally:
         runtime.listeners.remove(slow)
+
+
+def test_n_choices_per_prompt(llm, tiny_llama):
+    """SamplingParams.n, as vLLM's: one output per prompt whose ``outputs`` are its n choices,
+    indexed; greedy, each is HF's reply; sampled with a seed, choice i is what seed + i gives
+    alone (as the server seeds its n); with logprobs each has its cumulative log probability."""
+    prompts = mixed_prompts(2, 512, seed=21)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, n=3, **GREEDY))
+    assert len(outs) == 2
+    for out, ref in zip(outs, hf_greedy(tiny_llama, prompts, 8)):
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        assert [c.token_ids for c in out.outputs] == [ref] * 3 and out.token_ids == ref
+    sp = dict(max_tokens=8, temperature=1.0, seed=40, ignore_eos=True, logprobs=0)
+    (both,) = llm.generate(prompts[:1], SamplingParams(n=2, **sp))
+    alone = [llm.generate(prompts[:1], SamplingParams(**(sp | {"seed": 40 + i})))[0] for i in range(2)]
+    assert [c.token_ids for c in both.outputs] == [a.token_ids for a in alone]
+    assert both.outputs[0].token_ids != both.outputs[1].token_ids
+    for c in both.outputs:
+        assert c.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in c.logprobs)) and c.finished
+    (one,) = llm.generate(prompts[:1], SamplingParams(max_tokens=4, **GREEDY))
+    assert one.outputs == [one] and one.cumulative_logprob is None
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="n:"):
+            SamplingParams(n=bad)
+    assert_pool_free(llm)

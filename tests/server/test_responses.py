@@ -372,8 +372,39 @@ def test_the_store_keeps_the_newest_responses(tmp_path):
     from tandem.server.store import Store
     store = Store(tmp_path)
     for i in range(5):
-        store.keep_response({"id": f"resp_{i}", "n": i}, [{"role": "user", "content": str(i)}], keep=3)
+        store.keep_response({"id": f"resp_{i}", "n": i}, [{"role": "user", "content": str(i)}], keep=3,
+                            inputs=[{"id": f"msg_{i}"}])
     assert [store.get_response(f"resp_{i}") is not None for i in range(5)] == [False, False, True, True, True]
+    assert [store.response_inputs(f"resp_{i}") for i in (1, 2)] == [[], [{"id": "msg_2"}]]
+    assert store.db.execute("SELECT COUNT(*) FROM response_inputs").fetchone()[0] == 3   # the forgotten's go too
     assert store.get_response("resp_4") == ({"id": "resp_4", "n": 4}, [{"role": "user", "content": "4"}])
     assert store.delete_response("resp_3") and not store.delete_response("resp_3")
+    assert store.response_inputs("resp_3") == []
     store.close()
+
+
+def test_a_kept_responses_input_items_are_listed(server, client):
+    """OpenAI's input items of a kept response, through the openai client: its own input (not the
+    turns it continues), with ids, text as parts, newest first by default, in pages."""
+    first = client.responses.create(model=server.model, input="Hi there", max_output_tokens=2, temperature=0)
+    (only,) = client.responses.input_items.list(first.id).data
+    assert (only.type, only.role, only.status) == ("message", "user", "completed")
+    assert [(c.type, c.text) for c in only.content] == [("input_text", "Hi there")] and only.id.startswith("msg_")
+    given = [{"role": "user", "content": "Weather in Oslo?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city":"Oslo"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "21 C"},
+             {"role": "user", "content": [{"type": "input_text", "text": "And"}, {"type": "input_text", "text": "?"}]}]
+    r = client.responses.create(model=server.model, tools=[WEATHER], max_output_tokens=2, temperature=0,
+                                previous_response_id=first.id, input=given)
+    asc = client.responses.input_items.list(r.id, order="asc").data
+    assert [i.type for i in asc] == ["message", "function_call", "function_call_output", "message"]
+    assert (asc[1].call_id, asc[1].name, asc[1].arguments, asc[2].output) == ("call_1", "get_weather",
+                                                                              '{"city":"Oslo"}', "21 C")
+    assert [c.text for c in asc[3].content] == ["And", "?"]
+    assert [i.id for i in client.responses.input_items.list(r.id).data] == [i.id for i in asc][::-1]
+    page = client.responses.input_items.list(r.id, order="asc", limit=3)
+    assert [i.id for i in page.data] == [i.id for i in asc[:3]] and page.has_more
+    assert [i.id for i in client.responses.input_items.list(r.id, order="asc", limit=3)] == [i.id for i in asc]
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list(r.id)
