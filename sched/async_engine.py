@@ -62,17 +62,19 @@ class AsyncEngine:
             raise
         return Submission(self, req.req_id, q)
 
-    async def beam_search(self, req: Request, params: BeamSearchParams) -> tuple[BeamSearch, list[float]]:
+    async def beam_search(self, req: Request, params: BeamSearchParams,
+                          top: int = 0) -> tuple[BeamSearch, list[float]]:
         """``req``'s prompt searched as sched/beam.py says: each step submits one one-token request
         per live beam, with ``req``'s class, targets and cache salt (and seed, each step's beams
-        their own); ``req``'s max_tokens bounds the steps. Returns the search and the clock at
+        their own); ``req``'s max_tokens bounds the steps; ``top``: alternatives to list per token
+        (each step lists at least 2·width). Returns the search and the clock at
         each step's end. ValueError / DeviceError as ``submit``, GenerationFailed if a step fails."""
         search = BeamSearch(req.prompt_token_ids, params, self.llm.spec.eos_token_ids, req.sampling.max_tokens)
         seed, w, ends = req.sampling.seed, params.beam_width, []
         while not search.done:
             first = search.steps * w
             steps = [Request(f"{req.req_id}-s{search.steps}-{k}", list(b.tokens),
-                             params.step_params(None if seed is None else seed + first + k), req.service_class,
+                             params.step_params(None if seed is None else seed + first + k, top), req.service_class,
                              time.monotonic(), req.slo_ttft_s, req.slo_tbt_s, cache_salt=req.cache_salt,
                              predicted_len=1) for k, b in enumerate(search.beams)]
             subs: list[Submission] = []

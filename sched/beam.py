@@ -6,14 +6,17 @@ the prefix cache (a beam's earlier tokens are cached blocks), placement and ever
 it like any request; nothing in the engine knows of beams. This module keeps the books of one
 prompt's search; ``LLM.beam_search`` and the server drive the steps.
 
-Scores, as vLLM's: a beam's cumulative log probability (each token's log-softmax under the
-model, before temperature) over ``L ** length_penalty``, where L counts the prompt and the
-output, less a final EOS. A candidate that ends in EOS (unless ``ignore_eos``) leaves the search
-finished; the others compete for the width places by score. After ``max_tokens`` steps, or
-when no live beam is left, the width best of the finished and the live ones are the result.
+Each step's candidates are, for every live beam, its 2·width likeliest next tokens and the token
+its step sampled (only ``temperature`` changes which). A candidate that is an end token (unless
+``ignore_eos``) finishes; of the others the width with the highest summed log probability (each
+token's log-softmax under the model, before temperature) go on. After ``max_tokens`` steps, or
+once no beam is left, the finished and the live ones are ranked by their summed log
+probability over ``G ** length_penalty``, G the tokens they generated (a final end token
+counted), as vLLM and HF transformers rank them, and the width best are the result.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from tandem.engine.messages import TokenLogprobs
@@ -24,12 +27,17 @@ MAX_BEAM_WIDTH = MAX_LOGPROBS // 2      # each step lists 2 x width alternatives
 
 @dataclass(slots=True)
 class BeamSearchParams:
-    """vLLM's names: ``beam_width`` beams kept (and returned), ``max_tokens`` steps at most."""
+    """vLLM's names: ``beam_width`` beams kept (and returned), ``max_tokens`` steps at most; the
+    output's text keeps special tokens' text unless ``skip_special_tokens``, and the server's
+    token ids keep a final end token only with ``include_stop_str_in_output``."""
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False
     temperature: float = 0.0            # only which extra token each step samples (it competes too)
     length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None    # vLLM's; not served here: refused when given
 
     def __post_init__(self) -> None:
         self.validate()
@@ -38,28 +46,36 @@ class BeamSearchParams:
         w = self.beam_width
         if not _is_int(w) or not 1 <= w <= MAX_BEAM_WIDTH:
             raise ValueError(f"beam_width: must be an integer in [1, {MAX_BEAM_WIDTH}], got {w!r}")
-        lp = self.length_penalty
-        if not _is_num(lp):
-            raise ValueError(f"length_penalty: must be a finite number, got {lp!r}")
+        if not _is_num(self.length_penalty):
+            raise ValueError(f"length_penalty: must be a finite number, got {self.length_penalty!r}")
         m = self.max_tokens
         if not _is_int(m) or m <= 0:
             raise ValueError(f"max_tokens: must be a positive integer, got {m!r}")
+        if self.allowed_token_ids is not None:
+            raise ValueError("allowed_token_ids: not supported with beam search by this server")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be a boolean")
         self.step_params(None)          # temperature, ignore_eos: as SamplingParams checks them
 
-    def step_params(self, seed: int | None) -> SamplingParams:
-        """What one step asks of the engine for one beam."""
-        return SamplingParams(max_tokens=1, temperature=self.temperature, logprobs=2 * self.beam_width,
+    def step_params(self, seed: int | None, top: int = 0) -> SamplingParams:
+        """What one step asks of the engine for one beam (``top``: alternatives the caller
+        reports per token, where more than the 2·width the search reads)."""
+        return SamplingParams(max_tokens=1, temperature=self.temperature, logprobs=max(2 * self.beam_width, top),
                               ignore_eos=self.ignore_eos, seed=seed)
 
 
 @dataclass(slots=True)
 class BeamSearchSequence:
-    """One beam: ``tokens`` holds the prompt and the output (vLLM's shape)."""
+    """One beam: ``tokens`` holds the prompt and the output, a final end token included (vLLM's
+    offline shape); ``logprobs`` one TokenLogprobs per output token (its log probability and
+    rank, and its step's likeliest tokens)."""
     tokens: list[int]
     cum_logprob: float = 0.0
-    logprobs: list[float] = field(default_factory=list)     # each output token's
-    finish_reason: str | None = None        # "stop" (ended in EOS) or "length", once it is a result
-    text: str | None = None                 # the output's text, filled in for results
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None        # "stop" (ended in an end token) or "length", once a result
+    stop_reason: int | None = None          # the end token that finished it
+    text: str | None = None                 # filled in for results
 
 
 @dataclass(slots=True)
@@ -68,9 +84,16 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
-def beam_score(seq: BeamSearchSequence, eos_ids: frozenset[int], length_penalty: float) -> float:
-    n = len(seq.tokens) - (1 if seq.tokens and seq.tokens[-1] in eos_ids else 0)
-    return seq.cum_logprob / (n ** length_penalty)
+def beam_score(cum_logprob: float, generated: int, length_penalty: float) -> float:
+    """``cum_logprob / G ** length_penalty`` (G at least 1), without overflow: where G to that
+    power passes a float's range the score is 0 (a huge positive penalty) or -inf."""
+    try:
+        scale = max(generated, 1) ** length_penalty
+    except OverflowError:
+        scale = math.inf
+    if scale == 0:
+        return -math.inf if cum_logprob < 0 else 0.0
+    return cum_logprob / scale
 
 
 class BeamSearch:
@@ -93,23 +116,24 @@ class BeamSearch:
         return not self.beams or self.steps >= self.max_steps
 
     def _key(self, seq: BeamSearchSequence) -> float:
-        return beam_score(seq, self.eos, self.params.length_penalty)
+        return beam_score(seq.cum_logprob, len(seq.logprobs), self.params.length_penalty)
 
     def advance(self, results: list[TokenLogprobs], sampled: list[int]) -> None:
         """One step: ``results[i]`` / ``sampled[i]`` are beam i's log probabilities and the
-        token its step chose (a candidate too, as vLLM lists it beside the likeliest)."""
-        grown = []
+        token its step sampled (a candidate too, as vLLM lists it beside the likeliest)."""
+        grown, k = [], 2 * self.params.beam_width
         for beam, lp, tok in zip(self.beams, results, sampled, strict=True):
-            cands = dict(zip(lp.top_ids, lp.top_logprobs))
-            cands.setdefault(tok, lp.logprob)
-            for t, v in cands.items():
-                seq = BeamSearchSequence(beam.tokens + [t], beam.cum_logprob + v, beam.logprobs + [v])
+            cands = {t: (v, r + 1) for r, (t, v) in enumerate(zip(lp.top_ids[:k], lp.top_logprobs[:k]))}
+            cands.setdefault(tok, (lp.logprob, lp.rank))
+            for t, (v, rank) in cands.items():
+                seq = BeamSearchSequence(beam.tokens + [t], beam.cum_logprob + v,
+                                         beam.logprobs + [replace(lp, logprob=v, rank=rank)])
                 if t in self.eos and not self.params.ignore_eos:
-                    seq.finish_reason = "stop"
+                    seq.finish_reason, seq.stop_reason = "stop", t
                     self.finished.append(seq)
                 else:
                     grown.append(seq)
-        grown.sort(key=self._key, reverse=True)      # stable: ties keep the order the steps listed
+        grown.sort(key=lambda b: b.cum_logprob, reverse=True)   # stable: ties keep the steps' order
         self.beams = grown[:self.params.beam_width]
         self.steps += 1
 

@@ -702,15 +702,20 @@ class LLM:
         return states
 
     def beam_search(self, prompts: Any, params: BeamSearchParams, *, use_tqdm: bool = False,
-                    chat_template: ChatTemplate = CHAT) -> list[BeamSearchOutput]:
+                    concurrency_limit: int | None = None, chat_template: ChatTemplate = CHAT) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: for each prompt (as ``generate`` takes them), its
-        ``params.beam_width`` best sequences (sched/beam.py says how they are scored), best
-        first, each with its ``tokens`` (prompt and output), ``text`` (the output's, a final EOS
-        left out), ``cum_logprob`` and ``finish_reason``. Each step runs one one-token request per
-        live beam, all prompts' together; the prefix cache keeps their earlier tokens."""
+        ``params.beam_width`` best sequences (sched/beam.py says how they are found and ranked),
+        best first, each with its ``tokens`` (prompt and output, a final end token included),
+        ``text`` (theirs, special tokens' text left out unless ``params.skip_special_tokens`` is
+        false), ``cum_logprob``, ``logprobs`` (a TokenLogprobs per output token), ``finish_reason``
+        and ``stop_reason``, as vLLM's offline search gives them. Each step runs one one-token
+        request per live beam, every prompt's together (or ``concurrency_limit`` prompts' at a
+        time); the prefix cache keeps their earlier tokens."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError("params: must be BeamSearchParams")
         params.validate()
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit: must be None or a positive integer, got {concurrency_limit!r}")
         plist, salts = zip(*map(_unwrap, _as_prompt_list(prompts)))
         encoded = [self.encode_prompt(p, chat_template)[0] for p in plist]
         for ids in encoded:
@@ -719,10 +724,16 @@ class LLM:
         searches = [BeamSearch(ids, params, self.spec.eos_token_ids, self.max_model_len - len(ids))
                     for ids in encoded]
         bar = _progress(len(searches)) if use_tqdm else None
-        while True:
-            live = [(s, salt) for s, salt in zip(searches, salts) if not s.done]
-            if not live:
-                break
+        step = concurrency_limit or len(searches)
+        for start in range(0, len(searches), step):
+            self._search(list(zip(searches, salts))[start:start + step], params, bar)
+        if bar is not None:
+            bar.close()
+        return [BeamSearchOutput(self._with_text(s.result(), params.skip_special_tokens)) for s in searches]
+
+    def _search(self, group: list[tuple[BeamSearch, str | None]], params: BeamSearchParams, bar) -> None:
+        """Run these searches to their ends, each step's beams all together."""
+        while live := [(s, salt) for s, salt in group if not s.done]:
             reqs = [Request(f"beam-{next(self._ids)}", list(b.tokens), params.step_params(None),
                             arrival_time=time.monotonic(), cache_salt=salt, predicted_len=1)
                     for s, salt in live for b in s.beams]
@@ -732,19 +743,12 @@ class LLM:
                 s.advance([st.output_logprobs[0] for st in got], [st.output_token_ids[0] for st in got])
             if bar is not None:
                 bar.update(sum(s.done for s, _ in live))
-        if bar is not None:
-            bar.close()
-        return [BeamSearchOutput(self.beam_results(s)) for s in searches]
 
-    def beam_results(self, search: BeamSearch, skip_special_tokens: bool = True) -> list[BeamSearchSequence]:
-        """A finished search's result, each sequence with its output's text (without a final
-        EOS's; none where the model has no tokenizer)."""
-        best = search.result()
-        for seq in best:
-            ids = search.output_ids(seq)
-            seq.text = "" if self.tokenizer is None else \
-                self.detokenize(ids[:-1] if seq.finish_reason == "stop" else ids, skip_special_tokens)
-        return best
+    def _with_text(self, seqs: list[BeamSearchSequence], skip_special_tokens: bool) -> list[BeamSearchSequence]:
+        """The sequences, each with its whole text (none where the model has no tokenizer)."""
+        for seq in seqs:
+            seq.text = "" if self.tokenizer is None else self.detokenize(seq.tokens, skip_special_tokens)
+        return seqs
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              *, use_tqdm: bool = False, add_generation_prompt: bool = True,

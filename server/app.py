@@ -425,25 +425,46 @@ def record_choice(metrics: Metrics, req: Request, ch: Choice, reason: str, end: 
 
 async def run_beams(engine: AsyncEngine, st: AppState, p: Prepared, choices: list[Choice], sink=None) -> None:
     """vLLM's use_beam_search: one search per prompt, whose n best beams are its n choices, best
-    first, each whole once the search ends (a stream gets them then, as vLLM sends them). Each
-    token's time in the metrics is the end of the step that chose it."""
-    n, skip = p.gen.n, p.gen.sampling.skip_special_tokens
+    first, each whole once the search ends (a stream gets them then). As vLLM answers: a beam
+    that picked an end token has ``stop_reason`` that token, which is left out of its text and
+    (unless ``include_stop_str_in_output``) of its token ids and log probabilities. Each token's
+    time in the metrics is the end of the step that chose it."""
+    n, beam, top = p.gen.n, p.gen.beam, p.gen.sampling.logprobs
 
     async def search(j: int) -> None:
-        req = p.requests[j * n]
+        req, mine = p.requests[j * n], choices[j * n:(j + 1) * n]
         try:
-            found, ends = await engine.beam_search(req, p.gen.beam)
+            found, ends = await engine.beam_search(req, beam, top or 0)
         except GenerationFailed as e:
+            _beams_ended(st, req, mine, "error", n)
             raise ApiError(500, str(e), type="server_error") from None
         except DeviceError as e:
             raise ApiError(503, str(e), type="service_unavailable", headers={"Retry-After": "5"}) from None
-        for seq, ch in zip(engine.llm.beam_results(found, skip), choices[j * n:(j + 1) * n]):
-            ch.token_ids = found.output_ids(seq)
-            ch.token_times, ch.parts, ch.finish_reason = ends[:len(ch.token_ids)], [seq.text], seq.finish_reason
+        except BaseException:             # the client went away: the search stopped where it was
+            _beams_ended(st, req, mine, "abort", n)
+            raise
+        for seq, ch in zip(found.result(), mine):
+            ids = found.output_ids(seq)
+            ended = seq.stop_reason is not None
+            kept = ids if beam.include_stop_str_in_output or not ended else ids[:-1]
+            text = engine.llm.detokenize(ids[:-1] if ended else ids, beam.skip_special_tokens) \
+                if st.text_of.tok is not None else ""
+            ch.token_ids, ch.parts, ch.token_times = kept, [text], ends[:len(kept)]
+            ch.finish_reason, ch.stop_reason = seq.finish_reason, seq.stop_reason
+            if ch.logprobs is not None:
+                ch.logprobs = [replace(lp, top_ids=lp.top_ids[:top], top_logprobs=lp.top_logprobs[:top])
+                               for lp in seq.logprobs[:len(kept)]]
             record_choice(st.metrics, req, ch, ch.finish_reason, ends[-1], None, n)
             if sink is not None:
                 await sink(ch, ch.text)
     await all_or_none(search(j) for j in range(len(p.requests) // n))
+
+
+def _beams_ended(st: AppState, req: Request, choices: list[Choice], reason: str, n: int) -> None:
+    """A search that did not finish: each of its choices counted in the metrics as ``reason``."""
+    for ch in choices:
+        if ch.finish_reason is None:
+            record_choice(st.metrics, req, ch, reason, time.monotonic(), None, n)
 
 
 def drive(engine: AsyncEngine, st: AppState, p: Prepared, choices: list[Choice], sink=None):

@@ -118,13 +118,13 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
                  cache_salt=body.get("cache_salt"), prompt_logprobs=sp.prompt_logprobs,
                  tokens_as_ids=_val(body, "return_tokens_as_token_ids", False))
     if _val(body, "use_beam_search", False):
-        extra["beam"] = beam_params(body, sp, extra["n"])
+        extra["beam"] = beam_params(body, sp, extra["n"], chat)
     return sp, extra
 
 
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 # what a beam search cannot honour: each step takes the likeliest tokens as the model gives them
-BEAM_EXCLUDES = ("logprobs", "top_logprobs", "prompt_logprobs", "stop", "stop_token_ids", "logit_bias",
+BEAM_EXCLUDES = ("prompt_logprobs", "stop", "stop_token_ids", "logit_bias",
                  "allowed_token_ids", "bad_words", "response_format", "structured_outputs", *GUIDED,
                  "tools", "top_p", "top_k", "min_p", "min_tokens", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
@@ -132,18 +132,21 @@ BEAM_NEUTRAL = {"top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "min_tokens": (0
                 "frequency_penalty": (0,), "repetition_penalty": (1,), "response_format": ({"type": "text"},)}
 
 
-def beam_params(body: dict, sp: SamplingParams, n: int) -> BeamSearchParams:
+def beam_params(body: dict, sp: SamplingParams, n: int, chat: bool) -> BeamSearchParams:
     """vLLM's ``use_beam_search``: a search of width n; 400 naming a field it cannot honour."""
     for key in BEAM_EXCLUDES:
         v = body.get(key)
         if not (v is None or v is False or v in ("", [], {}) or (
                 not isinstance(v, bool) and v in BEAM_NEUTRAL.get(key, ()))):
             raise bad_request(f"'{key}' cannot be combined with use_beam_search", param=key)
+    if not chat and body.get("echo") and sp.logprobs is not None:    # as vLLM: no prompt is scored
+        raise bad_request("'echo' with 'logprobs' cannot be combined with use_beam_search", param="echo")
     if n > MAX_BEAM_WIDTH:
         raise bad_request(f"n: a beam search keeps at most {MAX_BEAM_WIDTH} beams (n is its width), got {n}",
                           param="n")
     return BeamSearchParams(n, sp.max_tokens or MAX_TOKENS_CAP,    # no max_tokens: the context's room
-                            sp.ignore_eos, sp.temperature, float(_val(body, "length_penalty", 1.0)))
+                            sp.ignore_eos, sp.temperature, float(_val(body, "length_penalty", 1.0)),
+                            sp.include_stop_str_in_output, sp.skip_special_tokens)
 
 
 def _structured(body: dict) -> tuple[StructuredOutputs | None, str | None]:

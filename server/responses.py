@@ -30,7 +30,8 @@ from tandem.server.app import (STATE, STORE, Choice, Prepared, all_or_none, choi
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.listing import newest_first, page, query_limit
 from tandem.server.protocol import reject_unsupported
-from tandem.server.schema import RESPONSES_BODY, RESPONSES_PASSED, RESPONSES_UNSUPPORTED, validate
+from tandem.server.schema import (RESPONSES_BODY, RESPONSES_CHAT_ONLY, RESPONSES_PASSED, RESPONSES_UNSUPPORTED,
+                                  validate)
 from tandem.server.store import Store
 from tandem.server.tools import ContentStream, ToolChoice, finish_reason, lead_length
 
@@ -115,6 +116,10 @@ def chat_body(body: dict, store: Store) -> tuple[dict, list[dict]]:
     messages it continues and its input, without instructions); raises ApiError."""
     validate(body, RESPONSES_BODY)
     reject_unsupported(body, RESPONSES_UNSUPPORTED)
+    for key, instead in RESPONSES_CHAT_ONLY.items():
+        if key in body:
+            raise bad_request(f"'{key}' is a chat completion's field, not a response's" +
+                              (f": send '{instead}'" if instead else ""), param=key, code="unknown_parameter")
     conversation = _conversation(body, store)
     system = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
     chat = {k: body[k] for k in RESPONSES_PASSED if body.get(k) is not None} | {"messages": system + conversation}

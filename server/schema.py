@@ -217,6 +217,12 @@ COMPLETION_BODY = _body({"prompt": PROMPT,
                         ["prompt"], COMPLETION_UNSUPPORTED)
 METADATA = {"type": "object", "maxProperties": 16, "propertyNames": {"maxLength": 64},
                   "additionalProperties": {"type": "string", "maxLength": 512}}
+# a chat request's fields a Responses request names otherwise (or not at all): refused, naming what
+# to send instead, where they would otherwise be dropped without a word (max_tokens would not cap)
+RESPONSES_CHAT_ONLY = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+                       "messages": "input", "response_format": "text.format", "functions": "tools",
+                       "function_call": "tool_choice", "stop": None, "n": None, "logprobs": None,
+                       "logit_bias": None}
 RESPONSES_UNSUPPORTED = ("conversation", "background", "include", "prompt", "max_tool_calls", "top_logprobs",
                          "reasoning")
 INPUT_PART = {"type": "object", "required": ["type", "text"], "properties": {
@@ -273,7 +279,9 @@ RESPONSES_BODY = {"type": "object", "required": ["input"], "properties": {
     "truncation": {"enum": ["disabled"], "description": "an input past the context is refused"},
     **RESPONSES_TOOLS,
     "stream_options": {"type": "object"},
-    **{k: {"description": "not supported: rejected unless null, false or empty"} for k in RESPONSES_UNSUPPORTED}}}
+    **{k: {"description": "not supported: rejected unless null, false or empty"} for k in RESPONSES_UNSUPPORTED},
+    **{k: {"description": "a chat request's field: refused" + (f" (send {v})" if v else "")}
+       for k, v in RESPONSES_CHAT_ONLY.items()}}}
 TOKENIZE_BODY = {"type": "object", "properties": {   # vLLM's /tokenize: one of prompt and messages
     "model": SAMPLING["model"],
     "prompt": {"type": "string", "minLength": 1, "description": "text, tokenized as a completion's prompt is"},

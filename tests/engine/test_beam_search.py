@@ -35,11 +35,11 @@ def hf_beams(hf, prompt: list[int], width: int, steps: int) -> tuple[list[list[i
 
 def vllm_rule(hf, prompt: list[int], width: int, steps: int, eos: int, penalty: float) -> list[tuple[list[int], float]]:
     """vLLM's beam search from HF's logits: each beam's 2 x width likeliest next tokens; those that
-    are EOS finish, the width best others by score go on; the width best of all at the end.
-    Score: summed log probability / (prompt + output tokens, less a final EOS) ** penalty."""
+    are EOS finish, the width likeliest others go on; the width best of all at the end by score:
+    summed log probability / (output tokens, a final EOS counted) ** penalty."""
     def score(seq):
         toks, cum = seq
-        return cum / ((len(toks) - (toks[-1] == eos)) ** penalty)
+        return cum / ((len(toks) - len(prompt)) ** penalty)
     beams, finished = [(list(prompt), 0.0)], []
     with torch.no_grad():
         for _ in range(steps):
@@ -49,7 +49,7 @@ def vllm_rule(hf, prompt: list[int], width: int, steps: int, eos: int, penalty: 
                 top = torch.topk(logp, 2 * width)
                 for v, t in zip(top.values.tolist(), top.indices.tolist()):
                     (finished if t == eos else grown).append((toks + [t], cum + v))
-            beams = sorted(grown, key=score, reverse=True)[:width]
+            beams = sorted(grown, key=lambda b: b[1], reverse=True)[:width]
     best = sorted(finished + beams, key=score, reverse=True)[:width]
     return [(toks[len(prompt):], cum) for toks, cum in best]
 
@@ -67,15 +67,16 @@ def test_beams_match_hf_without_eos(llm, tiny_llama, width):
     HF's log probabilities."""
     hf = hf_model(tiny_llama)
     steps = 7
-    outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS],
-                           BeamSearchParams(beam_width=width, max_tokens=steps, ignore_eos=True))
+    params = BeamSearchParams(beam_width=width, max_tokens=steps, ignore_eos=True)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params,
+                           concurrency_limit=2 if width == 4 else None)     # two prompts, then the third
     assert len(outs) == len(PROMPTS)
     for p, out in zip(PROMPTS, outs):
         ids, sums = hf_beams(hf, p, width, steps)
         assert [s.tokens for s in out.sequences] == [p + i for i in ids]
         for seq, want in zip(out.sequences, sums):
             assert seq.cum_logprob == pytest.approx(want, abs=1e-3)
-            assert seq.cum_logprob == pytest.approx(sum(seq.logprobs), abs=1e-6)
+            assert seq.cum_logprob == pytest.approx(sum(lp.logprob for lp in seq.logprobs), abs=1e-6)
             assert seq.finish_reason == "length"
     assert_pool_free(llm)
 
@@ -104,7 +105,7 @@ def eos_model(tiny_llama, tmp_path_factory):
     return d, eos
 
 
-@pytest.mark.parametrize("penalty", [1.0, 0.0, 2.0])
+@pytest.mark.parametrize("penalty", [0.0, 0.5, -1.0, 2.0])
 def test_beams_that_end_follow_vllms_rule(eos_model, penalty):
     """A beam that picks EOS finishes (finish_reason stop, EOS last in its tokens, not in its
     text) and competes at the end by its length-penalized score."""
@@ -122,8 +123,11 @@ def test_beams_that_end_follow_vllms_rule(eos_model, penalty):
         for seq, (ids, cum) in zip(out.sequences, want):
             assert seq.cum_logprob == pytest.approx(cum, abs=1e-3)
             assert seq.finish_reason == ("stop" if ids[-1] == eos else "length")
+            assert seq.stop_reason == (eos if ids[-1] == eos else None)
             ended += ids[-1] == eos
-    assert ended, "no returned beam ended in EOS: the test exercised nothing"
+    # a penalty of 2 favours the long beams over the one that ended at its first token (it would
+    # not, were the prompt counted in the length): there the order is what is checked
+    assert ended or penalty == 2.0, "no returned beam ended in EOS: the test exercised nothing"
 
 
 def test_steps_stop_at_the_context_end(llm, tiny_llama):
@@ -151,14 +155,20 @@ def test_bad_params_are_refused_naming_the_field(llm):
         BeamSearchParams(2, 4, temperature=-1)
     with pytest.raises(ValueError, match="params"):
         llm.beam_search(PROMPTS[0], SamplingParams())
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        BeamSearchParams(2, 4, allowed_token_ids=[5])
+    with pytest.raises(ValueError, match="concurrency_limit"):
+        llm.beam_search(PROMPTS[0], BeamSearchParams(2, 4), concurrency_limit=0)
     with pytest.raises(ValueError, match="prompt"):
         llm.beam_search({"prompt_token_ids": [5] * llm.max_model_len}, BeamSearchParams(2, 4))
 
 
-def test_scores_count_the_prompt_and_not_a_final_eos():
-    """vLLM's score, by hand: -6 over 4 tokens (prompt 2, output 3, less the final EOS 7)."""
-    from tandem.sched.beam import BeamSearchSequence, beam_score
-    eos = frozenset({7})
-    assert beam_score(BeamSearchSequence([1, 2, 3, 4, 7], -6.0), eos, 1.0) == -1.5
-    assert beam_score(BeamSearchSequence([1, 2, 3, 4, 7], -6.0), eos, 0.5) == -3.0
-    assert beam_score(BeamSearchSequence([1, 2, 3, 4, 5], -6.0), eos, 1.0) == -1.2
+def test_scores_divide_by_the_generated_tokens_to_the_penalty():
+    """vLLM's and HF's score, by hand: the summed log probability over G ** length_penalty, G at
+    least 1; past a float's range the score is 0 or -inf, not an error."""
+    from tandem.sched.beam import beam_score
+    assert beam_score(-6.0, 3, 1.0) == -2.0
+    assert beam_score(-6.0, 4, 0.5) == -3.0
+    assert beam_score(-6.0, 0, 2.0) == -6.0
+    assert beam_score(-6.0, 100, 400.0) == 0.0
+    assert beam_score(-6.0, 100, -400.0) == -math.inf

@@ -100,8 +100,9 @@ CASES = [
     # them is refused with it, naming the field
     *[(f"beam search with {k}", "POST", path, {**body, "use_beam_search": True, k: v}, None, 400,
        "invalid_request_error", k) for path, body, k, v in [
-        (COMP, {"prompt": "a"}, "logprobs", 0), (CHAT, {"messages": MSG}, "logprobs", True),
-        (COMP, {"prompt": "a"}, "stop", "x"), (CHAT, {"messages": MSG}, "top_p", 0.5),
+        (COMP, {"prompt": "a", "logprobs": 1}, "echo", True), (COMP, {"prompt": "a"}, "prompt_logprobs", 1),
+        (COMP, {"prompt": "a"}, "stop", "x"), (COMP, {"prompt": "a"}, "length_penalty", 1e300),
+        (CHAT, {"messages": MSG}, "top_p", 0.5),
         (CHAT, {"messages": MSG}, "tools", [TOOL]), (COMP, {"prompt": "a"}, "guided_choice", ["x"]),
         (CHAT, {"messages": MSG}, "response_format", {"type": "json_object"}),
         (COMP, {"prompt": "a"}, "repetition_penalty", 1.2), (COMP, {"prompt": "a"}, "n", 11)]],

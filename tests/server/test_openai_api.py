@@ -9,6 +9,7 @@ import jsonschema_rs
 import openai
 import pydantic
 import pytest
+import torch
 
 from tests.server.conftest import API_KEY, hf_texts
 
@@ -962,6 +963,71 @@ def test_beam_search_completions_are_hfs_beams(server, client, tiny_chat_model, 
         assert [text for text, _, _ in mine] == [tok.decode(w, skip_special_tokens=True) for w in want]
         assert {f for _, _, f in mine} == {"length"}
     assert usage.completion_tokens == 36
+
+
+def test_beam_search_log_probabilities_are_hfs(server, client, tiny_chat_model):
+    """With logprobs, each beam's tokens carry their log probability under the model and the
+    likeliest alternatives, as HF's model gives them after the beam's own earlier tokens; a huge
+    length penalty ranks without failing."""
+    from transformers import AutoTokenizer
+    from tests.engine.test_beam_search import hf_model
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    hf = hf_model(tiny_chat_model)
+    prompt = tok("Once upon a time")["input_ids"]
+    for penalty in (1.0, 1e6):
+        r = client.completions.create(model=server.model, prompt="Once upon a time", n=2, max_tokens=4, temperature=0,
+                                      logprobs=3, extra_body={"use_beam_search": True, "ignore_eos": True,
+                                                              "return_token_ids": True, "length_penalty": penalty})
+        for c in r.choices:
+            ids = c.model_extra["token_ids"]
+            with torch.no_grad():
+                logp = torch.log_softmax(hf(torch.tensor([prompt + ids])).logits[0].double(), -1)
+            for pos, (t, got, alts) in enumerate(zip(ids, c.logprobs.token_logprobs, c.logprobs.top_logprobs)):
+                row = logp[len(prompt) + pos - 1]
+                assert got == pytest.approx(row[t].item(), abs=1e-3)
+                want = torch.topk(row, 3)
+                assert sorted(alts.values(), reverse=True) == pytest.approx(want.values.tolist(), abs=1e-3)
+            assert len(c.logprobs.tokens) == len(ids) == 4
+
+
+def test_a_beam_that_ends_leaves_its_end_token_out(tiny_chat_model, tmp_path):
+    """The tiny chat model with its end token moved to the fifth likeliest first token of the
+    prompt: a beam that picks it finishes with stop_reason that token, which is in neither its
+    text nor (unless include_stop_str_in_output) its token ids, as vLLM answers; HF's forward
+    pass gives that token's log probability."""
+    import json as _json
+    import shutil
+    from transformers import AutoTokenizer
+    from tests.engine.test_beam_search import hf_model
+    from tests.server.conftest import start_server, stop_server
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    prompt = tok("Once upon a time")["input_ids"]
+    with torch.no_grad():
+        first = torch.log_softmax(hf_model(tiny_chat_model)(torch.tensor([prompt])).logits[0, -1].double(), -1)
+    eos = int(torch.topk(first, 5).indices[4])
+    d = tmp_path / "eos-model"
+    shutil.copytree(tiny_chat_model, d)
+    for name in ("config.json", "generation_config.json"):
+        if (d / name).exists():
+            cfg = _json.loads((d / name).read_text())
+            (d / name).write_text(_json.dumps(cfg | {"eos_token_id": eos}))
+    srv = start_server(d, tmp_path)
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0)
+        for keep in (False, True):
+            r = c.completions.create(model=srv.model, prompt="Once upon a time", n=3, max_tokens=5, temperature=0,
+                                     logprobs=0, extra_body={"use_beam_search": True, "return_token_ids": True,
+                                                             "length_penalty": 0.0, "include_stop_str_in_output": keep})
+            ended = [ch for ch in r.choices if ch.finish_reason == "stop"]
+            assert [(ch.text, ch.model_extra["stop_reason"]) for ch in ended] == [("", eos)]
+            assert ended[0].model_extra["token_ids"] == ([eos] if keep else [])
+            if keep:
+                assert ended[0].logprobs.token_logprobs == pytest.approx([first[eos].item()], abs=1e-3)
+            else:                     # no token, no log probabilities (as any empty output)
+                assert ended[0].logprobs is None
+            assert r.usage.completion_tokens == sum(len(ch.model_extra["token_ids"]) for ch in r.choices)
+    finally:
+        stop_server(srv)
 
 
 def test_beam_search_chat_is_hfs_beams(server, client, tiny_chat_model):

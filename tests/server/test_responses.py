@@ -279,6 +279,9 @@ def test_a_calls_output_may_follow_it_in_the_kept_conversation(server, client):
     ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name"),
     ({"input": []}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"extra_body": {"max_tokens": 4}}, "max_tokens"),           # a chat's fields would be dropped unread
+    ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+    ({"extra_body": {"stop": ["x"]}}, "stop"),
     ({"input": [{"role": "user", "content": "Hi"},              # an output of no call before it
                 {"type": "function_call_output", "call_id": "call_9", "output": "x"}]}, "input"),
 ])
