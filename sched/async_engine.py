@@ -70,13 +70,10 @@ class AsyncEngine:
         (each step lists at least 2·width). Returns the search and the clock at
         each step's end. ValueError / DeviceError as ``submit``, GenerationFailed if a step fails."""
         search = BeamSearch(req.prompt_token_ids, params, self.llm.spec.eos_token_ids, req.sampling.max_tokens)
-        seed, w, ends = req.sampling.seed, params.beam_width, []
+        ends = []
         while not search.done:
-            first = search.steps * w
-            steps = [Request(f"{req.req_id}-s{search.steps}-{k}", list(b.tokens),
-                             params.step_params(None if seed is None else seed + first + k, top), req.service_class,
-                             time.monotonic(), req.slo_ttft_s, req.slo_tbt_s, cache_salt=req.cache_salt,
-                             predicted_len=1) for k, b in enumerate(search.beams)]
+            steps = search.step_requests(req.req_id, req.sampling.seed, top, service_class=req.service_class,
+                                         slo_ttft_s=req.slo_ttft_s, slo_tbt_s=req.slo_tbt_s, cache_salt=req.cache_salt)
             subs: list[Submission] = []
             try:
                 for r in steps:

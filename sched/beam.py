@@ -17,10 +17,12 @@ counted), as vLLM and HF transformers rank them, and the width best are the resu
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field, replace
 
 from tandem.engine.messages import TokenLogprobs
 from tandem.engine.params import MAX_LOGPROBS, SamplingParams, _is_int, _is_num
+from tandem.sched.request import Request
 
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2      # each step lists 2 x width alternatives per beam
 
@@ -144,3 +146,13 @@ class BeamSearch:
 
     def output_ids(self, seq: BeamSearchSequence) -> list[int]:
         return seq.tokens[self.prompt_len:]
+
+    def step_requests(self, rid: str, seed: int | None = None, top: int = 0, **request) -> list[Request]:
+        """The next step's requests, one per live beam, named ``rid-s<step>-<beam>``: each asks
+        one token of the beam (``params.step_params``; beam k of step t seeded seed + t·width + k)
+        and is known to make exactly one. ``request``: the rest of each Request's fields."""
+        first = self.steps * self.params.beam_width
+        return [Request(f"{rid}-s{self.steps}-{k}", list(b.tokens),
+                        self.params.step_params(None if seed is None else seed + first + k, top),
+                        arrival_time=time.monotonic(), predicted_len=1, **request)
+                for k, b in enumerate(self.beams)]

@@ -726,17 +726,15 @@ class LLM:
         bar = _progress(len(searches)) if use_tqdm else None
         step = concurrency_limit or len(searches)
         for start in range(0, len(searches), step):
-            self._search(list(zip(searches, salts))[start:start + step], params, bar)
+            self._search(list(zip(searches, salts))[start:start + step], bar)
         if bar is not None:
             bar.close()
         return [BeamSearchOutput(self._with_text(s.result(), params.skip_special_tokens)) for s in searches]
 
-    def _search(self, group: list[tuple[BeamSearch, str | None]], params: BeamSearchParams, bar) -> None:
+    def _search(self, group: list[tuple[BeamSearch, str | None]], bar) -> None:
         """Run these searches to their ends, each step's beams all together."""
         while live := [(s, salt) for s, salt in group if not s.done]:
-            reqs = [Request(f"beam-{next(self._ids)}", list(b.tokens), params.step_params(None),
-                            arrival_time=time.monotonic(), cache_salt=salt, predicted_len=1)
-                    for s, salt in live for b in s.beams]
+            reqs = [r for s, salt in live for r in s.step_requests(f"beam-{next(self._ids)}", cache_salt=salt)]
             states = iter(self._serve(reqs, None))
             for s, _ in live:
                 got = [next(states) for _ in s.beams]

@@ -440,6 +440,8 @@ async def run_beams(engine: AsyncEngine, st: AppState, p: Prepared, choices: lis
             raise ApiError(500, str(e), type="server_error") from None
         except DeviceError as e:
             raise ApiError(503, str(e), type="service_unavailable", headers={"Retry-After": "5"}) from None
+        except ValueError as e:           # a step that can never run (checked before: not expected)
+            raise bad_request(str(e)) from None
         except BaseException:             # the client went away: the search stopped where it was
             _beams_ended(st, req, mine, "abort", n)
             raise

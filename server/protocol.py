@@ -46,16 +46,17 @@ def _val(body: dict, key: str, default):
     return default if v is None else v
 
 
-# the counts that ask for nothing extra: one candidate per choice (best_of: 1)
+def asks_nothing(v, neutral: tuple = ()) -> bool:
+    """Null, false, empty, or one of a field's ``neutral`` values (which a boolean never is)."""
+    return v is None or v is False or v in ("", [], {}) or (not isinstance(v, bool) and v in neutral)
+
+
 def reject_unsupported(body: dict, keys: tuple[str, ...]) -> None:
     """400 naming the first of ``keys`` the body asks something of. Null, false and empty values
     ask nothing (an empty suffix is what some clients send by default), and so does the value
     ``ASKS_NOTHING`` names (best_of 1)."""
     for key in keys:
-        v, d = body.get(key), ASKS_NOTHING.get(key)
-        harmless = v is None or v is False or v in ("", [], {}) or (
-            key in ASKS_NOTHING and v == d and isinstance(v, bool) == isinstance(d, bool))
-        if not harmless:
+        if not asks_nothing(body.get(key), (ASKS_NOTHING[key],) if key in ASKS_NOTHING else ()):
             raise bad_request(f"'{key}' is not supported by this server", param=key,
                               code="unsupported_parameter")
 
@@ -135,9 +136,7 @@ BEAM_NEUTRAL = {"top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "min_tokens": (0
 def beam_params(body: dict, sp: SamplingParams, n: int, chat: bool) -> BeamSearchParams:
     """vLLM's ``use_beam_search``: a search of width n; 400 naming a field it cannot honour."""
     for key in BEAM_EXCLUDES:
-        v = body.get(key)
-        if not (v is None or v is False or v in ("", [], {}) or (
-                not isinstance(v, bool) and v in BEAM_NEUTRAL.get(key, ()))):
+        if not asks_nothing(body.get(key), BEAM_NEUTRAL.get(key, ())):
             raise bad_request(f"'{key}' cannot be combined with use_beam_search", param=key)
     if not chat and body.get("echo") and sp.logprobs is not None:    # as vLLM: no prompt is scored
         raise bad_request("'echo' with 'logprobs' cannot be combined with use_beam_search", param="echo")
