@@ -316,8 +316,10 @@ def problem(schema: dict, v) -> tuple[list, str] | None:
         bounded = [f for s, f in zip(schema["anyOf"], found) if not f[0] and "type" in s and _TYPES[s["type"]](v)]
         if len(bounded) == 1:
             return bounded[0]
-        fitting = [f for f in found if f[0]]       # right type, wrong inside
-        return fitting[0] if len(fitting) == 1 else ([], "has none of the accepted forms")
+        fitting = [(s, f) for s, f in zip(schema["anyOf"], found) if f[0]]       # right type, wrong inside
+        if len(fitting) > 1 and isinstance(v, dict):       # the one form that names every key given
+            fitting = [(s, f) for s, f in fitting if set(v) <= set(s.get("properties", {}))] or fitting
+        return fitting[0][1] if len(fitting) == 1 else ([], "has none of the accepted forms")
     if "enum" in schema and v not in schema["enum"]:
         return [], "must be one of " + ", ".join(map(str, schema["enum"]))
     t = schema.get("type")

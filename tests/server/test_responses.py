@@ -291,6 +291,17 @@ def test_what_it_cannot_do_is_refused_naming_the_field(server, client, extra, pa
     assert e.value.status_code == 400 and e.value.param.startswith(param), (e.value.param, e.value.message)
 
 
+def test_an_unsupported_part_is_named_where_it_is(server, client):
+    """An image part of a message: the error names the part's type and what is accepted, not
+    only that the item has none of the accepted forms."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=server.model, input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "Hi"},
+                                         {"type": "input_image", "image_url": "x"}]}])
+    assert e.value.param == "input[0].content"
+    assert "'input[0].content[1].type' must be one of input_text, output_text" in e.value.message
+
+
 def test_a_batch_of_responses(server, client, tiny_chat_model, tok):
     """The Batch API's /v1/responses endpoint: each line's body is a response object with HF's
     greedy reply, served best-effort; a bad line's error names its Responses field."""
