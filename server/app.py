@@ -487,12 +487,14 @@ def usage(p: Prepared, choices: list[Choice]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def choice_json(chat: bool, ch: Choice, text_of: TokenText, tools: ToolPlan | None = None, echo: str = "") -> dict:
-    """A whole response's choice; ``echo``: the text a chat's content begins with (vLLM's echo)."""
+def choice_json(chat: bool, ch: Choice, text_of: TokenText, tools: ToolPlan | None = None, echo: str = "",
+                role: str = "assistant") -> dict:
+    """A whole response's choice; ``echo``: the text a chat's content begins with (vLLM's echo);
+    ``role``: its message's."""
     if chat:
         content, calls = tools.parse(ch.text) if tools else (ch.text, [])
         content = echo + (content or "") if echo else content
-        message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+        message = {"role": role, "content": content} | ({"tool_calls": calls} if calls else {})
         c = {"index": ch.index, "message": message, "logprobs": None,
              "finish_reason": finish_reason(calls, ch.finish_reason, tools), "stop_reason": ch.stop_reason} | \
             unsent_logprobs(chat, ch, text_of)
@@ -594,7 +596,7 @@ async def complete(engine: AsyncEngine, st: AppState, p: Prepared, chat: bool) -
     """Run a prepared, non-streamed request to its end; the OpenAI response body."""
     created = int(time.time())
     choices = await run_to_end(engine, st, p)
-    body = [choice_json(chat, ch, st.text_of, p.gen.tools, p.gen.chat_echo) for ch in choices]
+    body = [choice_json(chat, ch, st.text_of, p.gen.tools, p.gen.chat_echo, p.gen.reply_role) for ch in choices]
     top = chat_prompt_ids(p) if chat else {}
     if p.gen.prompt_logprobs is not None:   # where vLLM puts them: beside a chat's choices (one
         scored = scored_prompts(st, p, choices)     # prompt), in each completion choice
@@ -649,7 +651,7 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
 
     def chunk(ch: Choice, delta: str, finish: str | None, first: bool = False) -> dict:
         if chat:
-            d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
+            d = {"role": p.gen.reply_role, "content": ""} if first else ({"content": delta} if delta else {})
             c = {"index": ch.index, "delta": d, "logprobs": None, "finish_reason": finish} | ended(ch, finish)
             if not first:
                 c |= unsent_logprobs(chat, ch, st.text_of)

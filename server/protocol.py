@@ -38,6 +38,7 @@ class GenRequest:
     chat_echo: str = ""             # a chat's vLLM echo: the text its reply's content begins with
     tokens_as_ids: bool = False     # vLLM's return_tokens_as_token_ids: log probabilities name "token_id:<id>"
     beam: BeamSearchParams | None = None  # vLLM's use_beam_search: the n choices are a search's n best beams
+    reply_role: str = "assistant"   # a chat reply's role: the last message's where no assistant turn is opened
 
 
 def _val(body: dict, key: str, default):
@@ -251,7 +252,8 @@ def parse_chat(body: dict, trust_template: bool = False, **defaults) -> GenReque
                               f"'{extra['structured_param']}'", param="tool_choice")
         sp.structured_outputs, extra["structured_param"] = constraint, "tools"
     return GenRequest([messages], sp, **extra, tools=plan if plan is not None and plan.calls else None,
-                      template=template, chat_echo=chat_echo(body, messages, template))
+                      template=template, chat_echo=chat_echo(body, messages, template),
+                      reply_role="assistant" if template.add_generation_prompt else messages[-1]["role"])
 
 
 def chat_echo(body: dict, messages: list[dict], template: ChatTemplate) -> str:

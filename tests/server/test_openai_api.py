@@ -902,6 +902,21 @@ def test_a_chats_echo_begins_the_reply_with_the_message_it_continues(server, cli
     assert content(PREFILLED[:1], echo=True) == content(PREFILLED[:1])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_without_an_opened_turn_has_the_last_messages_role(server, client, stream):
+    """As vLLM: with add_generation_prompt false the reply goes on in the last message's turn, and
+    its role is that message's (a user's here); with the assistant's turn opened, "assistant"."""
+    for opened, role in ((False, "user"), (True, "assistant")):
+        kw = dict(model=server.model, messages=PREFILLED[:1], max_tokens=3, temperature=0,
+                  extra_body={"add_generation_prompt": opened})
+        if stream:
+            got = [c.choices[0].delta.role for c in client.chat.completions.create(**kw, stream=True)
+                   if c.choices and c.choices[0].delta.role]
+            assert got == [role]
+        else:
+            assert client.chat.completions.create(**kw).choices[0].message.role == role
+
+
 def test_return_tokens_as_token_ids_names_each_logprob_token_by_id(server, client):
     """vLLM's return_tokens_as_token_ids: every token in the log probabilities (sampled and
     alternatives, chat and completion) reads "token_id:<id>", the sampled ones' ids those of
