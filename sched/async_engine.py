@@ -63,14 +63,15 @@ class AsyncEngine:
         return Submission(self, req.req_id, q)
 
     async def beam_search(self, req: Request, params: BeamSearchParams,
-                          top: int = 0) -> tuple[BeamSearch, list[float]]:
+                          top: int = 0) -> tuple[BeamSearch, list[float], int]:
         """``req``'s prompt searched as sched/beam.py says: each step submits one one-token request
         per live beam, with ``req``'s class, targets and cache salt (and seed, each step's beams
         their own); ``req``'s max_tokens bounds the steps; ``top``: alternatives to list per token
-        (each step lists at least 2·width). Returns the search and the clock at
-        each step's end. ValueError / DeviceError as ``submit``, GenerationFailed if a step fails."""
+        (each step lists at least 2·width). Returns the search, the clock at each step's end and
+        the prompt tokens the first step found in the prefix cache. ValueError / DeviceError as
+        ``submit``, GenerationFailed if a step fails."""
         search = BeamSearch(req.prompt_token_ids, params, self.llm.spec.eos_token_ids, req.sampling.max_tokens)
-        ends = []
+        ends, cached = [], 0
         while not search.done:
             steps = search.step_requests(req.req_id, req.sampling.seed, top, service_class=req.service_class,
                                          slo_ttft_s=req.slo_ttft_s, slo_tbt_s=req.slo_tbt_s, cache_salt=req.cache_salt)
@@ -82,9 +83,10 @@ class AsyncEngine:
             finally:
                 for s in subs:
                     s.close()
-            search.advance([lp for _, lp in got], [t for t, _ in got])
+            cached = got[0][2] if not ends else cached
+            search.advance([lp for _, lp, _ in got], [t for t, _, _ in got])
             ends.append(time.monotonic())
-        return search, ends
+        return search, ends, cached
 
     @property
     def dead(self) -> str | None:
@@ -141,18 +143,20 @@ class Submission:
             yield ev
         self.engine._forget(self.req_id, abort=False)
 
-    async def token(self) -> tuple[int, TokenLogprobs]:
-        """A one-token request's token and its log probabilities (it asked for them), once it
-        ends; GenerationFailed if it failed or ended without one."""
-        ids, lps = [], []
+    async def token(self) -> tuple[int, TokenLogprobs, int]:
+        """A one-token request's token, its log probabilities (it asked for them) and the prompt
+        tokens it found in the prefix cache, once it ends; GenerationFailed if it failed or ended
+        without a token."""
+        ids, lps, cached = [], [], 0
         async for ev in self.events():
             ids += ev.new_token_ids
             lps += ev.logprobs or []
+            cached = ev.cached_tokens
             if ev.error:
                 raise GenerationFailed(f"generation failed: {ev.error}")
         if not ids or not lps:
             raise GenerationFailed(f"generation failed: {self.req_id} ended without a token")
-        return ids[0], lps[0]
+        return ids[0], lps[0], cached
 
     def close(self) -> None:
         """Stop listening; abort the request if it has not ended (frees its blocks at once).

@@ -434,7 +434,7 @@ async def run_beams(engine: AsyncEngine, st: AppState, p: Prepared, choices: lis
     async def search(j: int) -> None:
         req, mine = p.requests[j * n], choices[j * n:(j + 1) * n]
         try:
-            found, ends = await engine.beam_search(req, beam, top or 0)
+            found, ends, cached = await engine.beam_search(req, beam, top or 0)
         except GenerationFailed as e:
             _beams_ended(st, req, mine, "error", n)
             raise ApiError(500, str(e), type="server_error") from None
@@ -452,7 +452,7 @@ async def run_beams(engine: AsyncEngine, st: AppState, p: Prepared, choices: lis
             text = engine.llm.detokenize(ids[:-1] if ended else ids, beam.skip_special_tokens) \
                 if st.text_of.tok is not None else ""
             ch.token_ids, ch.parts, ch.token_times = kept, [text], ends[:len(kept)]
-            ch.finish_reason, ch.stop_reason = seq.finish_reason, seq.stop_reason
+            ch.finish_reason, ch.stop_reason, ch.cached_tokens = seq.finish_reason, seq.stop_reason, cached
             if ch.logprobs is not None:
                 ch.logprobs = [replace(lp, top_ids=lp.top_ids[:top], top_logprobs=lp.top_logprobs[:top])
                                for lp in seq.logprobs[:len(kept)]]

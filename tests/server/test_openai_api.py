@@ -1045,6 +1045,18 @@ def test_a_beam_that_ends_leaves_its_end_token_out(tiny_chat_model, tmp_path):
         stop_server(srv)
 
 
+def test_beam_search_reports_the_prompt_it_found_cached(server, client):
+    """A search of a prompt served before finds its blocks in the prefix cache: its usage says
+    how many prompt tokens, as many as a plain completion of that prompt reports."""
+    prompt = "The quick brown fox jumps over the lazy dog " * 5
+    kw = dict(model=server.model, prompt=prompt, max_tokens=2, temperature=0)
+    plain = client.completions.create(**kw).usage       # computes the prompt's blocks
+    again = client.completions.create(**kw).usage.prompt_tokens_details.cached_tokens
+    beams = client.completions.create(**kw, n=2, extra_body={"use_beam_search": True}).usage
+    assert again > 0 and beams.prompt_tokens_details.cached_tokens == again
+    assert beams.prompt_tokens == plain.prompt_tokens
+
+
 def test_beam_search_chat_is_hfs_beams(server, client, tiny_chat_model):
     """A chat's beams search from its rendered prompt (HF's own chat template rendering); values
     that ask nothing of sampling are accepted with it."""
