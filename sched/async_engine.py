@@ -83,7 +83,8 @@ class AsyncEngine:
             finally:
                 for s in subs:
                     s.close()
-            cached = got[0][2] if not ends else cached
+            if not ends:                  # the first step's prompt is the request's
+                cached = got[0][2]
             search.advance([lp for _, lp, _ in got], [t for t, _, _ in got])
             ends.append(time.monotonic())
         return search, ends, cached

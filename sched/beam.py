@@ -98,6 +98,13 @@ def beam_score(cum_logprob: float, generated: int, length_penalty: float) -> flo
     return cum_logprob / scale
 
 
+def _grown(cum: float, beam: BeamSearchSequence, token: int, lp: TokenLogprobs,
+           stop: int | None = None) -> BeamSearchSequence:
+    """``beam`` with ``token`` after it (finished when ``stop``, the end token, is given)."""
+    return BeamSearchSequence(beam.tokens + [token], cum, beam.logprobs + [lp],
+                              None if stop is None else "stop", stop)
+
+
 class BeamSearch:
     """One prompt's search. ``beams``: the live ones, each the prompt of the next step's request
     (with ``params.step_params``); ``advance`` takes each one's TokenLogprobs; ``done`` says
@@ -122,21 +129,21 @@ class BeamSearch:
 
     def advance(self, results: list[TokenLogprobs], sampled: list[int]) -> None:
         """One step: ``results[i]`` / ``sampled[i]`` are beam i's log probabilities and the
-        token its step sampled (a candidate too, as vLLM lists it beside the likeliest)."""
+        token its step sampled (a candidate too, as vLLM lists it beside the likeliest). Only the
+        candidates kept (the finished and the width best) become sequences: copying a beam's
+        tokens for each of its 2·width candidates would cost the output's length every time."""
         grown, k = [], 2 * self.params.beam_width
         for beam, lp, tok in zip(self.beams, results, sampled, strict=True):
             cands = {t: (v, r + 1) for r, (t, v) in enumerate(zip(lp.top_ids[:k], lp.top_logprobs[:k]))}
             cands.setdefault(tok, (lp.logprob, lp.rank))
             for t, (v, rank) in cands.items():
-                seq = BeamSearchSequence(beam.tokens + [t], beam.cum_logprob + v,
-                                         beam.logprobs + [replace(lp, logprob=v, rank=rank)])
+                cand = (beam.cum_logprob + v, beam, t, replace(lp, logprob=v, rank=rank))
                 if t in self.eos and not self.params.ignore_eos:
-                    seq.finish_reason, seq.stop_reason = "stop", t
-                    self.finished.append(seq)
+                    self.finished.append(_grown(*cand, stop=t))
                 else:
-                    grown.append(seq)
-        grown.sort(key=lambda b: b.cum_logprob, reverse=True)   # stable: ties keep the steps' order
-        self.beams = grown[:self.params.beam_width]
+                    grown.append(cand)
+        grown.sort(key=lambda c: c[0], reverse=True)        # stable: ties keep the steps' order
+        self.beams = [_grown(*c) for c in grown[:self.params.beam_width]]
         self.steps += 1
 
     def result(self) -> list[BeamSearchSequence]:

@@ -687,7 +687,7 @@ class LLM:
         texts = None if self.lengths is None else [self.prediction_text(p, sp, e)
                                                    for p, sp, e in zip(plist, params, encoded) for _ in range(sp.n)]
         outs = iter(self._output(st) for st in self._serve(reqs, texts, use_tqdm))
-        return [_one_output([replace(next(outs), index=i) for i in range(sp.n)]) for sp in params]
+        return [_one_output([next(outs) for _ in range(sp.n)]) for sp in params]
 
     def _serve(self, reqs: list[Request], texts: list[str] | None, use_tqdm: bool = False) -> list[RequestState]:
         """Run the requests to their ends (``texts``: what the length predictor reads of each,
@@ -853,8 +853,11 @@ def _choice(sp: SamplingParams, i: int) -> SamplingParams:
 
 
 def _one_output(choices: list[RequestOutput]) -> RequestOutput:
-    """A prompt's output: its only choice, or the first with all of them in ``choices``."""
-    return choices[0] if len(choices) == 1 else replace(choices[0], choices=choices)
+    """A prompt's output: its only choice, or the first with all of them, indexed, in ``choices``."""
+    if len(choices) == 1:
+        return choices[0]
+    choices = [replace(c, index=i) for i, c in enumerate(choices)]
+    return replace(choices[0], choices=choices)
 
 
 def _as_prompt_list(prompts: Any) -> list:
