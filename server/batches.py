@@ -57,6 +57,21 @@ def _jsonl(rows: list[dict]) -> bytes:
     return "".join(json.dumps(x) + "\n" for x in rows).encode()
 
 
+def line_usage(code: int, body: dict) -> tuple[int, int, int, int]:
+    """A line's tokens for its batch's usage: (in, of them cached, out, of them reasoning), from a
+    chat's or completion's usage or a response's; a failed line used none."""
+    u = body.get("usage") if code == 200 else None
+    if not u:
+        return 0, 0, 0, 0
+    chat = "prompt_tokens" in u
+    tokens_in, tokens_out = (u["prompt_tokens"], u["completion_tokens"]) if chat else (u["input_tokens"],
+                                                                                      u["output_tokens"])
+    cached = (u.get("prompt_tokens_details" if chat else "input_tokens_details") or {}).get("cached_tokens", 0)
+    reasoning = (u.get("completion_tokens_details" if chat else "output_tokens_details") or {}).get(
+        "reasoning_tokens", 0)
+    return tokens_in, cached or 0, tokens_out, reasoning or 0
+
+
 def validate_lines(raw: bytes, endpoint: str) -> tuple[list[tuple[int, str, dict]], list[dict]]:
     """Parse a JSONL batch input; errors name 1-based line numbers, as OpenAI's do (the first
     ``MAX_ERRORS``, then how many more). A line is JSON as a request body is (orjson, as the
@@ -194,7 +209,7 @@ class BatchRunner:
                 if stop.is_set():
                     return
                 code, resp = await self._attempts(bid, line_no, body, endpoint)
-                self.store.finish_line(bid, line_no, code, resp)
+                self.store.finish_line(bid, line_no, code, resp, line_usage(code, resp))
 
         async def watch() -> None:
             nonlocal expired
@@ -247,12 +262,12 @@ class BatchRunner:
         The files are built and written off the event loop (50,000 lines take over a second)."""
         rows = [dict(r) for r in self.store.line_results(bid)]
         out, errs = await asyncio.to_thread(result_files, rows, final)
-        ids = []
+        ids, keep_s = [], self.store.output_expiry(bid)
         for data, kind in ((out, "output"), (errs, "error")):
             fid = None
             if data:
                 fid = new_id("file")
                 await asyncio.to_thread(self.store.write_blob, fid, data)
-                self.store.register_file(fid, len(data), f"{bid}_{kind}.jsonl", "batch_output")
+                self.store.register_file(fid, len(data), f"{bid}_{kind}.jsonl", "batch_output", keep_s)
             ids.append(fid)
         self.store.set_status(bid, final, output_file_id=ids[0], error_file_id=ids[1])

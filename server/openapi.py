@@ -2,8 +2,8 @@
 the same ones the server validates with; responses describe what the handlers return."""
 from __future__ import annotations
 
-from tandem.server.schema import (BATCH_BODY, CHAT_BODY, COMPLETION_BODY, DETOKENIZE_BODY, RESPONSES_BODY,
-                                  TOKENIZE_BODY)
+from tandem.server.schema import (BATCH_BODY, CHAT_BODY, COMPLETION_BODY, DETOKENIZE_BODY, EXPIRES_AFTER,
+                                  RESPONSES_BODY, TOKENIZE_BODY)
 
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"], "properties": {
@@ -88,7 +88,8 @@ MODEL = {"type": "object", "required": ["id", "object", "created", "owned_by"], 
         "id": {"type": "string"}, "object": {"const": "model_permission"}}}}}}
 FILE = {"type": "object", "required": ["id", "object", "bytes", "created_at", "filename", "purpose"], "properties": {
     "id": {"type": "string"}, "object": {"const": "file"}, "bytes": {"type": "integer"},
-    "created_at": {"type": "integer"}, "filename": {"type": "string"}, "purpose": {"type": "string"}}}
+    "created_at": {"type": "integer"}, "filename": {"type": "string"}, "purpose": {"type": "string"},
+    "expires_at": {"type": ["integer", "null"]}}}
 COUNTS = {"type": "object", "required": ["total", "completed", "failed"],
           "properties": {k: {"type": "integer", "minimum": 0} for k in ("total", "completed", "failed")}}
 BATCH = {"type": "object", "required": ["id", "object", "endpoint", "input_file_id", "completion_window", "status",
@@ -99,7 +100,9 @@ BATCH = {"type": "object", "required": ["id", "object", "endpoint", "input_file_
                         "cancelling", "cancelled"]},
     "output_file_id": {"type": ["string", "null"]}, "error_file_id": {"type": ["string", "null"]},
     "request_counts": COUNTS, "created_at": {"type": "integer"},
-    "metadata": {"type": ["object", "null"]}}}
+    "metadata": {"type": ["object", "null"]}, "model": {"type": ["string", "null"]},
+    "usage": {"type": ["object", "null"], "properties": {
+        k: {"type": "integer", "minimum": 0} for k in ("input_tokens", "output_tokens", "total_tokens")}}}}
 
 
 SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
@@ -141,7 +144,8 @@ def _path_id(name: str) -> list:
 
 def document(version: str = "0.1.0") -> dict:
     upload = {"type": "object", "required": ["purpose", "file"], "properties": {
-        "purpose": {"enum": ["batch", "user_data"]}, "file": {"type": "string", "format": "binary"}}}
+        "purpose": {"enum": ["batch", "user_data"]}, "file": {"type": "string", "format": "binary"},
+        "expires_after": EXPIRES_AFTER}}
     status = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
     query = lambda name, schema: {"name": name, "in": "query", "required": False, "schema": schema}  # noqa: E731
     return {

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 
+import orjson
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
@@ -12,7 +13,7 @@ from tandem.server.batches import WINDOWS, BatchRunner
 from tandem.server.connections import body_read
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.listing import newest_first, page, query_limit
-from tandem.server.schema import BATCH_BODY, validate
+from tandem.server.schema import BATCH_BODY, UPLOAD_FIELDS, validate
 from tandem.server.store import Store
 
 RUNNER = web.AppKey("runner", BatchRunner)
@@ -78,7 +79,7 @@ async def upload_file(request: web.Request):
         raise ApiError(415, "an upload's body must not be compressed (its parts may say their own encoding)",
                        code="unsupported_content_encoding")
     try:
-        purpose, data, filename = await _read_upload(request, request.app[STATE].cfg.max_upload_bytes)
+        purpose, data, filename, fields = await _read_upload(request, request.app[STATE].cfg.max_upload_bytes)
         body_read(request)
     except (ValueError, AssertionError, LookupError, RuntimeError, HttpProcessingError) as e:   # a bad body
         raise bad_request(f"malformed multipart/form-data body: {str(e) or type(e).__name__}") from None
@@ -88,18 +89,39 @@ async def upload_file(request: web.Request):
         raise bad_request(f"'purpose' must be one of {', '.join(PURPOSES)}", param="purpose")
     if data is None:
         raise bad_request("missing 'file' part", param="file")
-    return json_response(_store(request).add_file(data, filename, purpose))
+    expiry = upload_expiry(fields)
+    return json_response(_store(request).add_file(data, filename, purpose, expiry and expiry["seconds"]))
 
 
-async def _read_upload(request: web.Request, limit: int) -> tuple[str | None, bytes | None, str]:
-    """The 'purpose' and 'file' parts of a multipart upload: (purpose, file bytes, file name)."""
+def upload_expiry(fields: dict[str, str]) -> dict | None:
+    """An upload's ``expires_after``: as the openai client sends it (``expires_after[anchor]`` and
+    ``expires_after[seconds]`` parts) or as one part of JSON text; checked as a JSON body is."""
+    if "expires_after" in fields:
+        try:
+            expiry = orjson.loads(fields["expires_after"])
+        except orjson.JSONDecodeError:
+            raise bad_request("'expires_after' must be a JSON object", param="expires_after") from None
+    else:
+        expiry = {k: fields[f"expires_after[{k}]"] for k in ("anchor", "seconds") if f"expires_after[{k}]" in fields}
+        if not expiry:
+            return None
+        if expiry.get("seconds", "").strip().isdigit():      # a form's parts are text
+            expiry["seconds"] = int(expiry["seconds"])
+    validate({"expires_after": expiry}, UPLOAD_FIELDS)
+    return expiry
+
+
+async def _read_upload(request: web.Request, limit: int) -> tuple[str | None, bytes | None, str, dict[str, str]]:
+    """The parts of a multipart upload: (purpose, file bytes, file name, the other text parts)."""
     reader = await request.multipart()
-    purpose, data, filename = None, None, "upload.jsonl"
+    purpose, data, filename, fields = None, None, "upload.jsonl", {}
     async for part in reader:
         if not isinstance(part, BodyPartReader):
             raise ValueError("a part holds parts of its own (nested multipart)")
         if part.name == "purpose":
             purpose = (await part.text()).strip()
+        elif part.name and part.name.startswith("expires_after"):
+            fields[part.name] = await part.text()
         elif part.name == "file":
             filename = part.filename or filename
             buf = bytearray()
@@ -108,7 +130,7 @@ async def _read_upload(request: web.Request, limit: int) -> tuple[str | None, by
                 if len(buf) > limit:
                     raise ApiError(413, f"file larger than the {limit}-byte limit", param="file")
             data = bytes(buf)
-    return purpose, data, filename
+    return purpose, data, filename, fields
 
 
 def _found(obj: dict | None, kind: str, ident: str, param: str | None = None) -> dict:
@@ -172,7 +194,9 @@ async def create_batch(request):
     if f["purpose"] != "batch":
         raise bad_request("the input file's purpose must be 'batch'", param="input_file_id")
     window = body.get("completion_window") or "24h"
-    b = _store(request).add_batch(fid, endpoint, WINDOWS[window], window, body.get("metadata"))
+    keep = body.get("output_expires_after")
+    b = _store(request).add_batch(fid, endpoint, WINDOWS[window], window, body.get("metadata"),
+                                  request.app[STATE].cfg.served_model_name, keep and keep["seconds"])
     if request.app[STATE].engine is not None:
         request.app[RUNNER].start(b["id"])      # else it starts when the model is ready
     return json_response(b)

@@ -290,11 +290,16 @@ TOKENIZE_BODY = {"type": "object", "properties": {   # vLLM's /tokenize: one of 
     **TOOLS, **TEMPLATE}}
 DETOKENIZE_BODY = {"type": "object", "required": ["tokens"], "properties": {    # vLLM's /detokenize
     "model": SAMPLING["model"], "tokens": {"type": "array", "items": _int(0, INT64, "token id")}}}
+# a file's expiry: seconds after it is made, one hour to 30 days (OpenAI's bounds)
+EXPIRES_AFTER = {"type": "object", "required": ["anchor", "seconds"], "properties": {
+    "anchor": {"enum": ["created_at"]}, "seconds": {"type": "integer", "minimum": 3600, "maximum": 2_592_000}}}
 BATCH_BODY = {"type": "object", "required": ["input_file_id", "endpoint"], "properties": {
     "input_file_id": {"type": "string", "description": "a file uploaded with purpose 'batch'"},
     "endpoint": {"enum": list(ENDPOINTS)},
     "completion_window": {"enum": list(WINDOWS), "description": "default 24h"},
-    "metadata": METADATA}}
+    "metadata": METADATA,
+    "output_expires_after": EXPIRES_AFTER | {"description": "when the output and error files expire"}}}
+UPLOAD_FIELDS = {"type": "object", "properties": {"expires_after": EXPIRES_AFTER}}
 
 _TYPES = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
           "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),

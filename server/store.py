@@ -32,14 +32,22 @@ CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY, seq INTEGER NOT NULL, response TEXT NOT NULL, conversation TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS response_inputs (id TEXT PRIMARY KEY, items TEXT NOT NULL);
 """
+# columns added since the tables were first made: a data dir written before gets them on opening
+ADDED_COLUMNS = {
+    "files": ("expires_at INTEGER",),
+    "batches": ("model TEXT", "output_expires_s INTEGER", "input_tokens INTEGER NOT NULL DEFAULT 0",
+                "cached_tokens INTEGER NOT NULL DEFAULT 0", "output_tokens INTEGER NOT NULL DEFAULT 0",
+                "reasoning_tokens INTEGER NOT NULL DEFAULT 0")}
+USAGE = ("input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens")
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "cancelling_at",
               "cancelled_at", "expired_at")
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+def new_id(prefix: str, sep: str = "-") -> str:
+    """OpenAI's id shapes: ``file-…``, ``batch_…``."""
+    return f"{prefix}{sep}{uuid.uuid4().hex[:24]}"
 
 
 class Store:
@@ -52,12 +60,20 @@ class Store:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.executescript(SCHEMA)
+        for table, columns in ADDED_COLUMNS.items():
+            have = {r["name"] for r in self.db.execute(f"PRAGMA table_info({table})")}
+            for col in columns:
+                if col.split()[0] not in have:
+                    self.db.execute(f"ALTER TABLE {table} ADD COLUMN {col}")
+        self.sweep_expired()
 
     # ---- files ---------------------------------------------------------------
-    def add_file(self, data: bytes, filename: str, purpose: str) -> dict:
+    def add_file(self, data: bytes, filename: str, purpose: str, expires_s: int | None = None) -> dict:
+        """Keep an uploaded file; one given ``expires_s`` is gone that many seconds after now."""
+        self.sweep_expired()
         fid = new_id("file")
         self.write_blob(fid, data)
-        return self.register_file(fid, len(data), filename, purpose)
+        return self.register_file(fid, len(data), filename, purpose, expires_s)
 
     def write_blob(self, fid: str, data: bytes) -> None:
         """A file's bytes on disk, whole or not at all (touches no database: safe from a thread)."""
@@ -68,24 +84,38 @@ class Store:
             os.fsync(f.fileno())
         os.replace(tmp, self.files_dir / fid)
 
-    def register_file(self, fid: str, nbytes: int, filename: str, purpose: str) -> dict:
+    def register_file(self, fid: str, nbytes: int, filename: str, purpose: str,
+                      expires_s: int | None = None) -> dict:
         """List a file whose bytes ``write_blob`` has written."""
-        self.db.execute("INSERT INTO files (id, bytes, created_at, filename, purpose) VALUES (?,?,?,?,?)",
-                        (fid, nbytes, int(time.time()), filename, purpose))
+        now = int(time.time())
+        self.db.execute("INSERT INTO files (id, bytes, created_at, filename, purpose, expires_at) "
+                        "VALUES (?,?,?,?,?,?)",
+                        (fid, nbytes, now, filename, purpose, None if expires_s is None else now + expires_s))
         return self.get_file(fid)
 
     def get_file(self, fid: str) -> dict | None:
-        r = self.db.execute("SELECT * FROM files WHERE id=? AND deleted=0", (fid,)).fetchone()
+        """A file, unless it was deleted or has expired (an expired one is gone before the sweep
+        that removes its bytes)."""
+        r = self.db.execute("SELECT * FROM files WHERE id=? AND deleted=0 AND (expires_at IS NULL OR "
+                            "expires_at > ?)", (fid, int(time.time()))).fetchone()
         if r is None:
             return None
         return {"id": r["id"], "object": "file", "bytes": r["bytes"], "created_at": r["created_at"],
-                "filename": r["filename"], "purpose": r["purpose"], "status": "processed",
-                "status_details": None}
+                "expires_at": r["expires_at"], "filename": r["filename"], "purpose": r["purpose"],
+                "status": "processed", "status_details": None}
+
+    def sweep_expired(self) -> None:
+        """Delete the files whose time is up, bytes included."""
+        gone = self.db.execute("UPDATE files SET deleted=1 WHERE deleted=0 AND expires_at <= ? RETURNING id",
+                               (int(time.time()),)).fetchall()
+        for r in gone:
+            (self.files_dir / r["id"]).unlink(missing_ok=True)
 
     def list_files(self, purpose: str | None = None, limit: int = 10_000, newest_first: bool = True,
                    after: str | None = None) -> tuple[list[dict], bool]:
         """Up to ``limit`` files (of ``purpose``, where given) in upload order or its reverse,
         starting after the file ``after`` (none when it is unknown), and whether more follow."""
+        self.sweep_expired()
         mark = None
         if after is not None:
             row = self.db.execute("SELECT rowid FROM files WHERE id=?", (after,)).fetchone()
@@ -114,15 +144,21 @@ class Store:
 
     # ---- batches ---------------------------------------------------------------
     def add_batch(self, input_file_id: str, endpoint: str, window_s: int, window: str,
-                  metadata: dict | None) -> dict:
-        bid = new_id("batch")
+                  metadata: dict | None, model: str, output_expires_s: int | None = None) -> dict:
+        """A new batch, validating; its output and error files expire ``output_expires_s`` after
+        they are written, where given."""
+        bid = new_id("batch", "_")
         now = int(time.time())
         seq = self.db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM batches").fetchone()[0]
         self.db.execute("INSERT INTO batches (id, seq, input_file_id, endpoint, completion_window, status,"
-                        " created_at, expires_at, metadata) VALUES (?,?,?,?,?,?,?,?,?)",
+                        " created_at, expires_at, metadata, model, output_expires_s) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                         (bid, seq, input_file_id, endpoint, window, "validating", now, now + window_s,
-                         json.dumps(metadata) if metadata is not None else None))
+                         json.dumps(metadata) if metadata is not None else None, model, output_expires_s))
         return self.get_batch(bid)
+
+    def output_expiry(self, bid: str) -> int | None:
+        """Seconds a batch's output and error files are kept, or None: until deleted."""
+        return self.db.execute("SELECT output_expires_s FROM batches WHERE id=?", (bid,)).fetchone()[0]
 
     def set_status(self, bid: str, status: str, **fields) -> None:
         stamp = f"{status}_at" if f"{status}_at" in TIMESTAMPS else None
@@ -147,12 +183,19 @@ class Store:
                                "status='pending' ORDER BY line_no", (bid,)).fetchall()
         return [(r["line_no"], r["custom_id"], json.loads(r["body"])) for r in rows]
 
-    def finish_line(self, bid: str, line_no: int, status_code: int, result: dict) -> bool:
-        """Record a line's result once; False if it already had one."""
-        cur = self.db.execute("UPDATE batch_lines SET status=?, status_code=?, result=? WHERE batch_id=? "
-                              "AND line_no=? AND status='pending'",
-                              ("done" if status_code == 200 else "error", status_code,
-                               json.dumps(result), bid, line_no))
+    def finish_line(self, bid: str, line_no: int, status_code: int, result: dict,
+                    usage: tuple[int, int, int, int] = (0, 0, 0, 0)) -> bool:
+        """Record a line's result once, its ``usage`` (tokens in, of them cached, out, of them
+        reasoning) added to the batch's in the same transaction; False if it already had one."""
+        with self.db:
+            self.db.execute("BEGIN")
+            cur = self.db.execute("UPDATE batch_lines SET status=?, status_code=?, result=? WHERE batch_id=? "
+                                  "AND line_no=? AND status='pending'",
+                                  ("done" if status_code == 200 else "error", status_code,
+                                   json.dumps(result), bid, line_no))
+            if cur.rowcount:
+                self.db.execute(f"UPDATE batches SET {', '.join(f'{k} = {k} + ?' for k in USAGE)} WHERE id=?",
+                                (*usage, bid))
         return bool(cur.rowcount)
 
     def line_results(self, bid: str) -> list[sqlite3.Row]:
@@ -174,7 +217,8 @@ class Store:
                "output_file_id": r["output_file_id"], "error_file_id": r["error_file_id"],
                "created_at": r["created_at"], "expires_at": r["expires_at"],
                "request_counts": self.counts(bid),
-               "metadata": json.loads(r["metadata"]) if r["metadata"] else None}
+               "metadata": json.loads(r["metadata"]) if r["metadata"] else None,
+               "model": r["model"], "usage": None if r["model"] is None else _usage(r)}
         for k in TIMESTAMPS:
             out[k] = r[k]
         return out
@@ -222,3 +266,10 @@ class Store:
 
     def close(self) -> None:
         self.db.close()
+
+
+def _usage(r: sqlite3.Row) -> dict:
+    """A batch's usage object, as OpenAI's batch carries it."""
+    return {"input_tokens": r["input_tokens"], "input_tokens_details": {"cached_tokens": r["cached_tokens"]},
+            "output_tokens": r["output_tokens"], "output_tokens_details": {"reasoning_tokens": r["reasoning_tokens"]},
+            "total_tokens": r["input_tokens"] + r["output_tokens"]}

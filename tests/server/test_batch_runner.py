@@ -4,9 +4,12 @@ The states and error codes are OpenAI's (validating -> in_progress -> finalizing
 cancelling -> cancelled; expired, with batch_cancelled / batch_expired per line not run)."""
 import asyncio
 import json
+import sqlite3
 import threading
+import time
 
 from tandem.server import batches
+from tandem.server import store as store_module
 from tandem.server.batches import BatchRunner
 from tandem.server.store import Store
 
@@ -48,7 +51,7 @@ def test_a_cancel_while_validating_is_kept(tmp_path, monkeypatch):
 
     async def main():
         runner = BatchRunner(store, run_line, 4)
-        b = store.add_batch(input_file(store, 5), ENDPOINT, 3600, "1h", None)
+        b = store.add_batch(input_file(store, 5), ENDPOINT, 3600, "1h", None, "M")
         runner.start(b["id"])
         await asyncio.to_thread(validating.wait, 30)
         assert runner.cancel(b["id"])["status"] == "cancelling"
@@ -76,7 +79,7 @@ def test_an_expired_batch_stopped_before_its_files_resumes_and_gets_them(tmp_pat
                 await release.wait()           # never set: these run past the window
             return answer(body)
         runner = BatchRunner(store, run_line, 4)
-        b = store.add_batch(input_file(store, 3), ENDPOINT, 0, "0s", None)
+        b = store.add_batch(input_file(store, 3), ENDPOINT, 0, "0s", None, "M")
         entered = asyncio.Event()
 
         async def stuck(bid, final):
@@ -119,7 +122,7 @@ def test_stopping_aborts_the_lines_in_flight_and_keeps_them_pending(tmp_path):
                 aborted.append(body)
                 raise
         runner = BatchRunner(store, run_line, 3)
-        b = store.add_batch(input_file(store, 6), ENDPOINT, 3600, "1h", None)
+        b = store.add_batch(input_file(store, 6), ENDPOINT, 3600, "1h", None, "M")
         runner.start(b["id"])
         while len(started) < 3:
             await asyncio.sleep(0.01)
@@ -145,10 +148,76 @@ def test_result_files_are_built_off_the_event_loop(tmp_path, monkeypatch):
 
     async def main():
         runner = BatchRunner(store, run_line, 2)
-        b = store.add_batch(input_file(store, 4), ENDPOINT, 3600, "1h", None)
+        b = store.add_batch(input_file(store, 4), ENDPOINT, 3600, "1h", None, "M")
         runner.start(b["id"])
         await runner.tasks[b["id"]]
         return store.get_batch(b["id"]), threading.current_thread()
     b, loop_thread = asyncio.run(main())
     assert b["status"] == "completed" and len(lines_of(store, b["output_file_id"])) == 4
     assert threads and loop_thread not in threads
+
+
+def test_a_batch_sums_its_lines_usage_once_each(tmp_path):
+    """Chat, completion and Responses usage shapes all count; a failed line and a line recorded
+    twice (a resumed batch finishing a line another run finished) count nothing more."""
+    store = Store(tmp_path)
+    bid = store.add_batch(input_file(store, 4), ENDPOINT, 3600, "1h", None, "M")["id"]
+    store.add_lines(bid, [(n, f"c{n}", {}) for n in range(4)])
+    chat = {"usage": {"prompt_tokens": 11, "completion_tokens": 5, "total_tokens": 16,
+                      "prompt_tokens_details": {"cached_tokens": 8}}}
+    response = {"usage": {"input_tokens": 7, "output_tokens": 3, "total_tokens": 10,
+                          "input_tokens_details": {"cached_tokens": 0},
+                          "output_tokens_details": {"reasoning_tokens": 2}}}
+    plain = {"usage": {"prompt_tokens": 4, "completion_tokens": 9, "total_tokens": 13, "prompt_tokens_details": None}}
+    failed = {"error": {"message": "no", "type": "invalid_request_error", "param": None, "code": None}}
+    for n, (code, body) in enumerate([(200, chat), (200, response), (200, plain), (400, failed)]):
+        assert store.finish_line(bid, n, code, body, batches.line_usage(code, body))
+    assert not store.finish_line(bid, 0, 200, chat, batches.line_usage(200, chat))
+    assert store.get_batch(bid)["usage"] == {
+        "input_tokens": 22, "input_tokens_details": {"cached_tokens": 8}, "output_tokens": 17,
+        "output_tokens_details": {"reasoning_tokens": 2}, "total_tokens": 39}
+    assert store.get_batch(bid)["model"] == "M" and bid.startswith("batch_")
+
+
+def test_a_file_is_gone_when_its_time_is_up(tmp_path, monkeypatch):
+    """An expiring file is served until its expires_at, then neither got nor listed, and its
+    bytes are removed; a batch's output files expire as the batch asked."""
+    store = Store(tmp_path)
+    keep = store.add_file(b"{}\n", "keep.jsonl", "batch")
+    brief = store.add_file(b"{}\n", "brief.jsonl", "batch", expires_s=3600)
+    assert brief["expires_at"] == brief["created_at"] + 3600 and keep["expires_at"] is None
+
+    async def main():
+        runner = BatchRunner(store, lambda body, endpoint: asyncio.sleep(0, answer(body)), 2)
+        b = store.add_batch(input_file(store, 2), ENDPOINT, 3600, "1h", None, "M", output_expires_s=7200)
+        runner.start(b["id"])
+        await asyncio.gather(*runner.tasks.values())
+        return store.get_batch(b["id"])
+    b = asyncio.run(main())
+    out = store.get_file(b["output_file_id"])
+    assert b["status"] == "completed" and out["expires_at"] == out["created_at"] + 7200
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now + 3601)
+    assert store.get_file(brief["id"]) is None and store.get_file(out["id"]) is not None
+    listed = {f["id"] for f in store.list_files()[0]}
+    assert keep["id"] in listed and brief["id"] not in listed
+    assert not (store.files_dir / brief["id"]).exists() and (store.files_dir / keep["id"]).exists()
+    monkeypatch.setattr(time, "time", lambda: now + 7201)
+    assert store.get_file(out["id"]) is None
+
+
+def test_a_data_dir_from_before_usage_and_expiry_opens(tmp_path):
+    """A store written before batches had a model and usage, and files an expiry, gets the new
+    columns on opening; its old batch says no usage (it was not counted), as OpenAI's older ones."""
+    db = sqlite3.connect(tmp_path / "tandem.sqlite3")
+    db.executescript(store_module.SCHEMA)
+    db.execute("INSERT INTO batches (id, seq, input_file_id, endpoint, completion_window, status, created_at) "
+               "VALUES ('batch-old', 1, 'file-x', ?, '24h', 'completed', 1)", (ENDPOINT,))
+    db.execute("INSERT INTO files (id, bytes, created_at, filename, purpose) VALUES ('file-x', 3, 1, 'x', 'batch')")
+    db.commit()
+    db.close()
+    store = Store(tmp_path)
+    old = store.get_batch("batch-old")
+    assert old["status"] == "completed" and old["model"] is None and old["usage"] is None
+    assert store.get_file("file-x")["expires_at"] is None
+    assert store.add_batch("file-x", ENDPOINT, 3600, "24h", None, "M")["usage"]["total_tokens"] == 0

@@ -9,7 +9,7 @@ import jsonschema_rs
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY, start_server, stop_server
+from tests.server.conftest import API_KEY, call, start_server, stop_server
 
 
 def jsonl(rows) -> bytes:
@@ -65,6 +65,12 @@ def test_batch_round_trip(server, client):
     assert (b.request_counts.total, b.request_counts.completed, b.request_counts.failed) == (13, 12, 1)
     out = [json.loads(x) for x in client.files.content(b.output_file_id).text.splitlines()]
     assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(12))
+    assert b.id.startswith("batch_") and b.model == server.model
+    used = [o["response"]["body"]["usage"] for o in out]         # the failed line used nothing
+    assert (b.usage.input_tokens, b.usage.output_tokens, b.usage.input_tokens_details.cached_tokens) == (
+        sum(u["prompt_tokens"] for u in used), sum(u["completion_tokens"] for u in used),
+        sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in used))
+    assert b.usage.total_tokens == b.usage.input_tokens + b.usage.output_tokens and b.usage.output_tokens >= 66
     direct = client.chat.completions.create(model=server.model, max_tokens=6, temperature=0,
                                             messages=[{"role": "user", "content": "Question 3?"}],
                                             extra_body={"ignore_eos": True})
@@ -149,6 +155,35 @@ def test_files_are_listed_in_pages_either_way(server, client):
     assert [f.id for f in client.files.list(purpose="user_data", after=new[2], limit=1).data] == [new[1]]
     with pytest.raises(openai.BadRequestError):
         client.files.list(order="sideways")
+
+
+def test_files_expire_when_asked(server, client):
+    """``expires_after`` on an upload (as the openai client sends it: form parts) and
+    ``output_expires_after`` on a batch set the files' ``expires_at``; bounds outside one hour
+    to 30 days are refused naming the field."""
+    f = client.files.create(file=("e.jsonl", io.BytesIO(jsonl(fix_model([chat_line(0, 2)], server.model)))),
+                            purpose="batch", expires_after={"anchor": "created_at", "seconds": 3600})
+    assert f.expires_at == f.created_at + 3600 and client.files.retrieve(f.id).expires_at == f.expires_at
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                              output_expires_after={"anchor": "created_at", "seconds": 86_400})
+    out = client.files.retrieve(wait_batch(client, b.id).output_file_id)
+    assert out.expires_at == out.created_at + 86_400
+    for bad in ({"anchor": "created_at", "seconds": 60}, {"anchor": "last_used", "seconds": 3600}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.files.create(file=("e.jsonl", io.BytesIO(b"{}\n")), purpose="batch", expires_after=bad)
+        assert e.value.body["param"] == "expires_after"
+        with pytest.raises(openai.BadRequestError) as e:
+            client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                  output_expires_after=bad)
+        assert e.value.body["param"] == "output_expires_after"
+    form = {**server.headers(), "Content-Type": "multipart/form-data; boundary=B"}
+    for part, status in (('{"anchor": "created_at", "seconds": 7200}', 200), ("7200", 400), ("{", 400)):
+        body = ('--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nuser_data\r\n'     # as JSON text
+                f'--B\r\nContent-Disposition: form-data; name="expires_after"\r\n\r\n{part}\r\n'
+                '--B\r\nContent-Disposition: form-data; name="file"; filename="j.jsonl"\r\n\r\n{}\r\n--B--\r\n')
+        status_got, made = call(server, "POST", "/v1/files", body.encode(), form)
+        assert status_got == status, made
+        assert status == 400 or made["expires_at"] == made["created_at"] + 7200
 
 
 def test_a_line_separator_inside_a_string_does_not_split_the_line(server, client):
