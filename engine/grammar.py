@@ -13,6 +13,7 @@ request recomputed, swapped or moved to another device goes on where it was.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 
@@ -28,12 +29,46 @@ log = logging.getLogger(__name__)
 JSON_OPTIONS = {"whitespace_flexible": False}
 
 
+# a schema's keywords whose values are values, not schemas, and those that map names to schemas
+LITERAL_KEYS = ("const", "enum", "default", "examples")
+NAMED_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def map_schema(schema, fn):
+    """``schema`` with ``fn`` applied to each (sub)schema object in it, the innermost first; the
+    values of ``const``, ``enum`` and the like are left as they are, and the names of
+    ``properties`` and the like are names, not keywords."""
+    if isinstance(schema, list):
+        return [map_schema(s, fn) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in LITERAL_KEYS:
+            out[k] = v
+        elif k in NAMED_KEYS and isinstance(v, dict):
+            out[k] = {name: map_schema(sub, fn) for name, sub in v.items()}
+        else:
+            out[k] = map_schema(v, fn)
+    return fn(out)
+
+
+def closed(schema: dict) -> dict:
+    """vLLM's ``disable_additional_properties``: each object that lists its properties and says
+    nothing of others takes no others."""
+    def close(s: dict) -> dict:
+        lists = isinstance(s.get("properties"), dict) or isinstance(s.get("patternProperties"), dict)
+        return s | {"additionalProperties": False} if lists and "additionalProperties" not in s else s
+    return map_schema(schema, close)
+
+
 def compile_grammar(so: StructuredOutputs) -> str:
     """The llguidance grammar (its JSON text) of a constraint; not yet checked (``Vocabulary.check``)."""
     from llguidance import LLMatcher, grammar_from
     kind = so.kind()
+    options = JSON_OPTIONS | ({"whitespace_pattern": so.whitespace_pattern} if so.whitespace_pattern else {})
     if kind == "json_object":
-        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)
     if kind == "json":
         schema = so.json
         if isinstance(schema, str):
@@ -43,7 +78,8 @@ def compile_grammar(so: StructuredOutputs) -> str:
                 raise ValueError(f"structured_outputs.json: not JSON: {e}") from None
         if not isinstance(schema, dict):
             raise ValueError("structured_outputs.json: a JSON schema must be an object")
-        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema(closed(schema) if so.disable_additional_properties else schema,
+                                                  defaults=options)
     if kind == "regex":
         return LLMatcher.grammar_from_regex(so.regex)
     if kind == "choice":
@@ -66,12 +102,37 @@ class Vocabulary:
         self.vocab_size = vocab_size
         self.eos_ids = tuple(eos_ids)
 
-    def check(self, grammar: str) -> None:
-        """ValueError with llguidance's message unless the grammar compiles for this vocabulary."""
+    def check(self, grammar: str, text_only: bool = False) -> None:
+        """ValueError with llguidance's message unless the grammar compiles for this vocabulary;
+        ``text_only`` (all but a Lark grammar, which may name special tokens): also unless a text
+        token can begin it."""
         from llguidance import LLMatcher
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
             raise ValueError(f"structured_outputs: {messages[0].strip() if messages else 'invalid'}")
+        first = LLMatcher(self.tokenizer, grammar, log_level=0) if text_only else None
+        if first is not None and self._stuck(first, self._bits(first)):
+            raise ValueError("structured_outputs: no token of this model can begin an output that matches "
+                             "(the text of a special token, such as an end marker, cannot be written)")
+
+    def _bits(self, m) -> np.ndarray:
+        """A matcher's mask, a bit per token (llguidance's bit j of 32-bit word w is token 32 w + j:
+        little-endian bytes, low bit first); none in error."""
+        nbytes = (self.vocab_size + 7) // 8
+        if m.is_error():
+            return np.zeros(nbytes, dtype=np.uint8)
+        return np.frombuffer(m.compute_bitmask(), dtype=np.uint8)[:nbytes]
+
+    @functools.cached_property
+    def _text_bits(self) -> np.ndarray:
+        """The bits of the tokens that are text (not special tokens)."""
+        text = [not self.tokenizer.is_special_token(i) for i in range(self.vocab_size)]
+        return np.packbits(np.array(text, dtype=bool), bitorder="little")
+
+    def _stuck(self, m, bits: np.ndarray) -> bool:
+        """Whether the output cannot go on as text short of the grammar's end: the matcher is in
+        error, or only special tokens are allowed while the grammar wants more."""
+        return m.is_error() or not m.is_accepting() and not (bits & self._text_bits).any()
 
     def matcher(self, grammar: str, output: list[int]):
         """A matcher at the end of ``output`` (the tokens already generated under it)."""
@@ -82,14 +143,15 @@ class Vocabulary:
         return m
 
     def allowed(self, matchers: list) -> torch.Tensor:
-        """[m, V] bool on the CPU: the tokens each matcher allows next. A matcher in error (it
-        cannot happen to a request sampled under its own mask) allows only the end tokens."""
-        nbytes = (self.vocab_size + 7) // 8
-        packed = np.zeros((len(matchers), nbytes), dtype=np.uint8)
+        """[m, V] bool on the CPU: the tokens each matcher allows next. A matcher in error allows
+        only the end tokens. One stuck short of its grammar's end (a grammar whose text only a
+        special token spells: llguidance does not write it as text) is logged."""
+        packed = np.zeros((len(matchers), (self.vocab_size + 7) // 8), dtype=np.uint8)
         for row, m in enumerate(matchers):
-            if not m.is_error():
-                packed[row] = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)[:nbytes]
-        # llguidance's bit j of 32-bit word w is token 32 w + j: little-endian bytes, low bit first
+            packed[row] = self._bits(m)
+            if self._stuck(m, packed[row]):
+                log.warning("structured output: no text token can go on (%s); the output ends short of it",
+                            m.get_error() or "only special tokens are allowed")
         mask = torch.from_numpy(np.unpackbits(packed, axis=1, bitorder="little")[:, :self.vocab_size]).bool()
         for row in np.flatnonzero(~packed.any(axis=1)):
             mask[row, list(self.eos_ids)] = True

@@ -112,6 +112,13 @@ class StructuredOutputs:
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    # vLLM's options. JSON is written compact whatever ``disable_any_whitespace`` says (it is
+    # taken either way); ``whitespace_pattern``: a regular expression for the whitespace JSON
+    # may have between tokens instead; ``disable_additional_properties``: a schema's objects
+    # that list properties and say nothing of others take no others
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
 
     def kind(self) -> str:
         """The one field that is set; ValueError unless exactly one is."""
@@ -133,6 +140,14 @@ class StructuredOutputs:
         if not ok:
             why = {"json": "a JSON schema (an object or its JSON text)", "choice": "a list of non-empty strings"}
             raise ValueError(f"structured_outputs.{kind}: must be {why.get(kind, 'a non-empty string')}")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name}: must be a boolean")
+        if self.whitespace_pattern is not None:
+            if not isinstance(self.whitespace_pattern, str) or not self.whitespace_pattern:
+                raise ValueError("structured_outputs.whitespace_pattern: must be a non-empty string")
+            if kind not in ("json", "json_object"):
+                raise ValueError(f"structured_outputs.whitespace_pattern: only with json or json_object, not {kind}")
 
 
 def _is_int(x) -> bool:

@@ -338,7 +338,7 @@ class ModelRunner:
             if self.device.type == "cuda":      # the forward's time, not its launch's (nor a swap-out's copy)
                 torch.cuda.current_stream(self.device).synchronize()
             t1 = time.perf_counter()
-            lp_rows, lp = log_probs(logits, specs)
+            lp_rows, lp = log_probs(logits, specs, allowed)
             counts = [self._counts(self.reqs[r], logits) for r in samplers]
             tokens = sample(logits, specs, ngen, counts, allowed, [self._recent(self.reqs[r]) for r in samplers])
             by_row = token_logprobs(lp_rows, lp, specs, tokens)

@@ -84,14 +84,23 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec], num_generated: list[
     return out.tolist()
 
 
-def log_probs(logits: torch.Tensor, specs: list[SamplingSpec]) -> tuple[list[int], torch.Tensor | None]:
+def log_probs(logits: torch.Tensor, specs: list[SamplingSpec],
+              allowed: tuple[list[int], torch.Tensor] | None = None) -> tuple[list[int], torch.Tensor | None]:
     """The rows that ask for log probabilities and their log-softmax [m, V] in float32, taken from
-    the raw logits (call before ``sample``, which masks them in place)."""
+    the raw logits (call before ``sample``, which masks them in place). A row under a grammar
+    (``allowed``: the grammar rows and the tokens each allows) is over the tokens its grammar
+    allows, as vLLM applies the grammar's mask before its log probabilities."""
     rows = [r for r, sp in enumerate(specs) if sp.logprobs >= 0]
     if not rows:
         return rows, None
     sel = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
-    return rows, torch.log_softmax(sel.float(), dim=-1)
+    sel = sel.float()
+    masked = [(rows.index(r), k) for k, r in enumerate(allowed[0]) if r in rows] if allowed else []
+    if masked:
+        sel = sel.clone() if sel.data_ptr() == logits.data_ptr() else sel
+        at, ks = (torch.tensor(x, device=sel.device) for x in zip(*masked))
+        sel[at] = sel[at].masked_fill(~allowed[1][ks].to(sel.device), float("-inf"))
+    return rows, torch.log_softmax(sel, dim=-1)
 
 
 def token_logprobs(rows: list[int], lp: torch.Tensor | None, specs: list[SamplingSpec],

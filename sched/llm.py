@@ -500,7 +500,7 @@ class LLM:
             if self._tokenizer_json is None:
                 raise ValueError("structured_outputs: this model has no (fast) tokenizer to read its "
                                  "tokens' text by")
-            self._vocabulary.check(compile_grammar(sp.structured_outputs))
+            self._vocabulary.check(compile_grammar(sp.structured_outputs), sp.structured_outputs.kind() != "grammar")
 
     def bad_words_ids(self, sp: SamplingParams) -> tuple[tuple[int, ...], ...]:
         """``sp.bad_words`` as the token id sequences the sampler bans: each word as it would be

@@ -494,7 +494,7 @@ def choice_json(chat: bool, ch: Choice, text_of: TokenText, tools: ToolPlan | No
     if chat:
         content, calls = tools.parse(ch.text) if tools else (ch.text, [])
         content = echo + (content or "") if echo else content
-        message = {"role": role, "content": content} | ({"tool_calls": calls} if calls else {})
+        message = {"role": role, "content": content, "refusal": None} | ({"tool_calls": calls} if calls else {})
         c = {"index": ch.index, "message": message, "logprobs": None,
              "finish_reason": finish_reason(calls, ch.finish_reason, tools), "stop_reason": ch.stop_reason} | \
             unsent_logprobs(chat, ch, text_of)

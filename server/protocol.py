@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tandem.engine.params import SamplingParams, StructuredOutputs
 from tandem.sched.beam import MAX_BEAM_WIDTH, BeamSearchParams
@@ -156,26 +156,33 @@ def _structured(body: dict) -> tuple[StructuredOutputs | None, str | None]:
     rf = body.get("response_format")
     asked = {}
     if rf is not None and rf["type"] != "text":
-        schema = (rf.get("json_schema") or {}).get("schema")
         if rf["type"] == "json_schema" and rf.get("json_schema") is None:
             raise bad_request("'response_format' of type json_schema needs 'json_schema'", param="response_format")
+        # json_object asks for an object whatever else the format holds (a json_schema left over)
+        schema = (rf.get("json_schema") or {}).get("schema") if rf["type"] == "json_schema" else None
         asked["response_format"] = StructuredOutputs(json=schema) if schema is not None else \
             StructuredOutputs(json_object=True)
     so = body.get("structured_outputs")
     if so is not None:          # {} asks for a constraint and names none: refused below
         unknown = sorted(set(so) - set(STRUCTURED))
         if unknown:
-            raise bad_request(f"'structured_outputs.{unknown[0]}' is not supported by this server; give one "
-                              f"of {', '.join(STRUCTURED)}", param="structured_outputs")
+            raise bad_request(f"'structured_outputs.{unknown[0]}' is not supported by this server; its fields "
+                              f"are {', '.join(STRUCTURED)}", param="structured_outputs")
         asked["structured_outputs"] = StructuredOutputs(**{k: v for k, v in so.items() if v is not None})
     for key in GUIDED:
         if body.get(key) is not None:
             asked[key] = StructuredOutputs(**{key.removeprefix("guided_"): body[key]})
     if len(asked) > 1:
         raise bad_request(f"give only one of {', '.join(asked)}", param=list(asked)[1])
+    spacing = body.get("guided_whitespace_pattern")
     if not asked:
+        if spacing is not None:
+            raise bad_request("'guided_whitespace_pattern' needs a JSON constraint to apply to",
+                              param="guided_whitespace_pattern")
         return None, None
     (param, value), = asked.items()
+    if spacing is not None:         # vLLM's older spelling of structured_outputs.whitespace_pattern
+        value = replace(value, whitespace_pattern=spacing)
     try:
         value.validate()
     except ValueError as e:
@@ -216,6 +223,9 @@ def chat_messages(messages: list[dict], tools: ToolPlan | None = None) -> list[d
             content = "\n".join(p["text"] for p in content)     # as vLLM joins them
         if content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
             raise bad_request(f"'messages[{i}].content' is required", param=f"messages[{i}].content")
+        if m["role"] == "tool" and m.get("tool_call_id") is None:     # OpenAI's rule: a result answers a call
+            raise bad_request(f"'messages[{i}].tool_call_id' is required in a tool message",
+                              param=f"messages[{i}].tool_call_id")
         role = "system" if m["role"] == "developer" else m["role"]
         flat.append({"role": role, "content": content, "tool_calls": m.get("tool_calls")})
     return render_messages(flat, tools)

@@ -28,7 +28,7 @@ MAX_ALLOWED = 1 << 20       # allowed_token_ids per request (more than any vocab
 UNSUPPORTED = ("functions", "function_call",
                "best_of", "suffix", "prediction", "audio", "modalities",
                # vLLM's extensions this server does not implement
-               "guided_whitespace_pattern", "logits_processors", "priority",
+               "logits_processors", "priority",
                "prompt_embeds", "mm_processor_kwargs")
 # the value of an unsupported field that asks nothing of it (besides null, false and empty)
 ASKS_NOTHING = {"best_of": 1, "modalities": ["text"], "priority": 0}
@@ -50,7 +50,12 @@ STRUCTURED = {
     "choice": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1},
                "description": "the output is one of these strings"},
     "grammar": {"type": "string", "minLength": 1, "description": "a Lark (or GBNF) grammar"},
-    "json_object": {"type": "boolean", "description": "the output is a JSON object"}}
+    "json_object": {"type": "boolean", "description": "the output is a JSON object"},
+    "disable_any_whitespace": {"type": "boolean", "description": "taken either way: JSON is written compact"},
+    "disable_additional_properties": {
+        "type": "boolean", "description": "objects that list properties and say nothing of others take no others"},
+    "whitespace_pattern": {"type": "string", "minLength": 1,
+                           "description": "json, json_object: the whitespace allowed between tokens (a regex)"}}
 STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
 SAMPLING = {
     "model": {"type": "string", "description": "the served model's name (optional)"},
@@ -124,7 +129,7 @@ SAMPLING = {
                            "description": "vLLM's extension: exactly one of json, regex, choice, grammar, "
                                           "json_object; the output matches it whole"},
     **{f"guided_{k}": {**STRUCTURED[k], "description": f"vLLM's older spelling of structured_outputs.{k}"}
-       for k in ("json", "regex", "choice", "grammar")},
+       for k in ("json", "regex", "choice", "grammar", "whitespace_pattern")},
     "service_tier": {"enum": ["auto", "default", "flex", "priority"],
                      "description": "flex: best-effort (BE); the others: real-time (RT)"},
     "slo_ttft_ms": _num(0, MAX_SLO_MS, "time-to-first-token target (default: the server's, RT only)",

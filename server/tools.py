@@ -12,7 +12,8 @@ How the output becomes calls depends on ``tool_choice``:
   ``parallel_tool_calls``;
 - a named function: the output is constrained to its parameters schema, and is its arguments;
 - ``auto`` (the default with tools): nothing is constrained; the ``<tool_call>`` blocks of the
-  output that hold a known tool's name and JSON arguments become calls, the rest stays text;
+  output that hold a known tool's name and a JSON object of arguments become calls (only the
+  first without ``parallel_tool_calls``), the rest stays text;
 - ``none``: the tools are not shown and nothing is parsed.
 
 Streamed, a constrained call goes out as soon as its name is written and then its arguments
@@ -30,6 +31,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tandem.engine.grammar import map_schema
 from tandem.engine.params import StructuredOutputs
 
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -52,7 +54,7 @@ class ToolPlan:
     functions: tuple[dict, ...]     # each tool's ``function`` object: name, description, parameters
     choice: ToolChoice
     name: str | None = None         # the function a NAMED choice calls
-    parallel: bool = True           # REQUIRED: more than one call allowed
+    parallel: bool = True           # more than one call allowed (REQUIRED, AUTO)
 
     @property
     def calls(self) -> bool:
@@ -65,10 +67,13 @@ class ToolPlan:
             return StructuredOutputs(json=self._params(self.name))
         if self.choice is not ToolChoice.REQUIRED:
             return None
+        # each tool's parameters under the root's $defs, their own references rebased there, so a
+        # "#/$defs/..." or a recursive "#" in a tool's schema means what it meant in the tool
+        defs = {f"tool{i}": rebased(self._params(f["name"]), f"#/$defs/tool{i}") for i, f in enumerate(self.functions)}
         one = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                "properties": {"name": {"const": f["name"]}, "arguments": self._params(f["name"])}}
-               for f in self.functions]
-        calls = {"type": "array", "minItems": 1, "items": one[0] if len(one) == 1 else {"anyOf": one}}
+                "properties": {"name": {"const": f["name"]}, "arguments": {"$ref": f"#/$defs/tool{i}"}}}
+               for i, f in enumerate(self.functions)]
+        calls = {"$defs": defs, "type": "array", "minItems": 1, "items": one[0] if len(one) == 1 else {"anyOf": one}}
         return StructuredOutputs(json=calls | ({} if self.parallel else {"maxItems": 1}))
 
     def _params(self, name: str) -> dict:
@@ -108,15 +113,21 @@ class ToolPlan:
             except ValueError:
                 continue
             args = call.get("arguments", call.get("parameters")) if isinstance(call, dict) else None
-            if not isinstance(call, dict) or call.get("name") not in names or not isinstance(args, (dict, str)):
+            if isinstance(args, str):           # arguments written as JSON text
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    continue
+            if not isinstance(call, dict) or call.get("name") not in names or not isinstance(args, dict):
                 continue
             rest.append(text[pos:m.start()])
             pos = m.end()
-            calls.append(tool_call(call["name"], args if isinstance(args, str) else
-                                   json.dumps(args, ensure_ascii=False)))
+            calls.append(tool_call(call["name"], json.dumps(args, ensure_ascii=False)))
         rest.append(text[pos:])
         content = "".join(rest)
-        return (content if content.strip() else None) if calls else text, calls
+        # one call at most without parallel_tool_calls: the first (later blocks are left out
+        # of the content too, as vLLM leaves them)
+        return (content if content.strip() else None) if calls else text, calls if self.parallel else calls[:1]
 
 
 @dataclass(slots=True)
@@ -280,6 +291,16 @@ def finish_reason(calls: list[dict], finish: str | None, plan: ToolPlan | None =
     be unfinished."""
     named = plan is not None and plan.choice is ToolChoice.NAMED
     return "tool_calls" if calls and finish == "stop" and not named else finish
+
+
+def rebased(schema, base: str):
+    """``schema`` moved to ``base`` (a JSON pointer, "#/$defs/x") of a larger one: each local
+    reference ("#", "#/...") points where it pointed before the move."""
+    def rebase(s: dict) -> dict:
+        ref = s.get("$ref")
+        local = isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))
+        return s | {"$ref": base + ref[1:]} if local else s
+    return map_schema(schema, rebase)
 
 
 def tool_call(name: str, arguments: str) -> dict:

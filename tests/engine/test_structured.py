@@ -6,6 +6,7 @@ only once the output matches whole. JSON-schema outputs must pass the
 ``jsonschema_rs`` validator. All of it in batches that preempt and recompute; a request moved to
 another worker mid-output goes on in its grammar."""
 import json
+import re
 import string
 
 import jsonschema_rs
@@ -147,6 +148,70 @@ def test_a_complete_grammar_ends_the_output_before_min_tokens(llm, hf):
     check_greedy(hf, hf[1]("hi")["input_ids"], out.token_ids, lambda s: any(x.startswith(s) for x in c.choice),
                  lambda s: s in c.choice, llm.spec.eos_token_ids)
     assert out.text in c.choice and out.finish_reason == "stop" and len(out.token_ids) < 8
+
+
+def follows(llm, hf, so: StructuredOutputs, text: str) -> bool:
+    """Whether the constraint takes ``text`` whole, as the tokenizer spells it."""
+    from tandem.engine.grammar import compile_grammar
+    m = llm._vocabulary.matcher(compile_grammar(so), [])
+    return m.consume_tokens(hf[1](text, add_special_tokens=False)["input_ids"]) and m.is_accepting()
+
+
+def test_vllms_json_options_change_what_the_grammar_takes(llm, hf):
+    """``disable_additional_properties`` closes the objects that list properties (nested ones and
+    those under $defs too, not a property named like a keyword), against jsonschema_rs on the
+    schema closed by hand; ``whitespace_pattern`` lets JSON have that whitespace; without them
+    the output is compact and objects are open."""
+    schema = {"type": "object", "required": ["a"], "properties": {
+        "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        "properties": {"$ref": "#/$defs/p"}}, "$defs": {"p": {"type": "object", "properties": {"y": {"type": "integer"}}}}}
+    shut = json.loads(json.dumps(schema))
+    for obj in (shut, shut["properties"]["a"], shut["$defs"]["p"]):
+        obj["additionalProperties"] = False
+    texts = ['{"a":{"x":1}}', '{"a":{"x":1,"z":2}}', '{"a":{},"properties":{"y":2,"q":1}}', '{"a":{},"b":3}']
+    for text in texts:
+        want = jsonschema_rs.validator_for(shut).is_valid(json.loads(text))
+        assert follows(llm, hf, StructuredOutputs(json=schema, disable_additional_properties=True), text) == want
+        assert follows(llm, hf, StructuredOutputs(json=schema), text), text
+    spaced = '{"a": {"x": 1}}'
+    assert not follows(llm, hf, StructuredOutputs(json=schema), spaced)
+    assert not follows(llm, hf, StructuredOutputs(json=schema, disable_any_whitespace=True), spaced)
+    assert follows(llm, hf, StructuredOutputs(json=schema, whitespace_pattern="[ ]?"), spaced)
+    assert follows(llm, hf, StructuredOutputs(json_object=True, whitespace_pattern="[ ]?"), spaced)
+    with pytest.raises(ValueError, match="whitespace_pattern: only with json"):
+        SamplingParams(structured_outputs=StructuredOutputs(regex="a", whitespace_pattern=" "))
+
+
+def test_logprobs_under_a_grammar_are_over_the_tokens_it_allows(llm, hf):
+    """vLLM applies a grammar's mask before its log probabilities: where a choice leaves many
+    first tokens, the sampled token's log probability is HF's log-softmax over the tokens whose
+    text begins a choice (a brute force over the vocabulary), and the likeliest listed are those."""
+    model, tok, pieces = hf
+    special = set(tok.all_special_ids) | set(tok.added_tokens_decoder)
+    ok = [i for i, p in enumerate(pieces) if i not in special and p and any(c.startswith(p) for c in CHOICES)]
+    out = llm.generate(["hi"], SamplingParams(max_tokens=8, temperature=0, logprobs=5,
+                                              structured_outputs=StructuredOutputs(choice=CHOICES)))[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([tok("hi")["input_ids"]])).logits[0, -1].float()
+    ref = torch.full_like(logits, float("-inf"))
+    ref[ok] = torch.log_softmax(logits[ok], dim=-1)
+    first, top = out.logprobs[0], torch.topk(ref, 5)
+    assert len(ok) > 5 and first.logprob == pytest.approx(ref[out.token_ids[0]].item(), abs=1e-4)
+    assert list(first.top_ids) == top.indices.tolist()
+    assert list(first.top_logprobs) == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_a_literal_only_a_special_token_spells_is_refused(llm, hf):
+    """llguidance does not write a special token's text (an end marker) as text: a choice or
+    regular expression that must begin with one could only end at once, short of it, so it is
+    refused; one that may begin otherwise runs."""
+    end = hf[1].eos_token
+    for so in (StructuredOutputs(choice=[end]), StructuredOutputs(regex=re.escape(end) + "[a-z]")):
+        with pytest.raises(ValueError, match="no token of this model can begin"):
+            llm.generate(["hi"], SamplingParams(max_tokens=4, structured_outputs=so))
+    out = llm.generate(["hi"], SamplingParams(max_tokens=4, temperature=0,
+                                              structured_outputs=StructuredOutputs(choice=[end, "yes"])))[0]
+    assert out.text == "yes"
 
 
 @pytest.mark.parametrize("bad, why", [

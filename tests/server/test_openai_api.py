@@ -337,6 +337,26 @@ def test_structured_chat_parses_into_the_clients_model(server, client):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == choice.message.content
 
 
+def test_json_object_and_vllms_json_options(server, client):
+    """json_object asks for an object even with a json_schema left in the format (it is not
+    followed), in a message shaped as OpenAI's (refusal null); vLLM's JSON options are taken,
+    guided_whitespace_pattern with guided_json too."""
+    from tests.server.conftest import call
+    status, r = call(server, "POST", "/v1/chat/completions", {
+        "max_tokens": 12, "temperature": 0, "messages": [{"role": "user", "content": "A number?"}],
+        "response_format": {"type": "json_object", "json_schema": {"name": "n", "schema": {"type": "integer"}}}})
+    message = r["choices"][0]["message"]
+    assert status == 200 and message["content"].startswith("{"), r
+    assert message["refusal"] is None and message["role"] == "assistant"
+    shape = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for extra in ({"structured_outputs": {"json": shape, "disable_any_whitespace": True,
+                                          "disable_additional_properties": True}},
+                  {"guided_json": shape, "guided_whitespace_pattern": "[ ]?"}):
+        r = client.completions.create(model=server.model, prompt="JSON:", max_tokens=12, temperature=0,
+                                      extra_body=extra)
+        assert r.choices[0].text.startswith('{"a"') or r.choices[0].text.startswith('{ "a"'), r.choices[0].text
+
+
 def test_structured_completions_choice_and_regex(server, client):
     """vLLM's structured_outputs and its older guided_* fields on /v1/completions, sampled with n=3."""
     colors = ["red", "green", "blue"]

@@ -26,6 +26,13 @@ CASES = [
     ('<tool_call>{"name": "get_weather", "parameters": {"city": "Oslo"}}</tool_call>', None,
      [("get_weather", {"city": "Oslo"})]),
     ('<tool_call>{"name": "add", "arguments": "{\\"a\\": 3}"}</tool_call>', None, [("add", {"a": 3})]),
+    # arguments that are no JSON object, as text or as JSON, stay text
+    ('<tool_call>{"name": "add", "arguments": "not json"}</tool_call>',
+     '<tool_call>{"name": "add", "arguments": "not json"}</tool_call>', []),
+    ('<tool_call>{"name": "add", "arguments": "[1, 2]"}</tool_call>',
+     '<tool_call>{"name": "add", "arguments": "[1, 2]"}</tool_call>', []),
+    ('<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>',
+     '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>', []),
     ("Not a call: <tool_call", "Not a call: <tool_call", []),
 ]
 
@@ -150,3 +157,45 @@ def test_required_calls_of_a_function_without_parameters_take_no_arguments():
     assert ok([{"name": "anything", "arguments": {"tz": "UTC"}}])
     assert ok([{"name": "add", "arguments": {"a": 1}}]) and not ok([{"name": "add", "arguments": {}}])
     assert not ok([{"name": "now", "arguments": []}])
+
+
+def test_without_parallel_calls_an_auto_reply_makes_its_first_call_only():
+    """``parallel_tool_calls: false``: the first call, parsed whole or streamed; the later blocks
+    are neither calls nor content (vLLM's filtering)."""
+    one = ToolPlan(PLAN.functions, ToolChoice.AUTO, parallel=False)
+    reply = "Let me check. " + CALL_ADD + "\n" + CALL_ADD.replace("1", "5")
+    content, calls = one.parse(reply)
+    assert content == "Let me check. \n" and [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 1, "b": 2}]
+    stream, early = ContentStream(one), []
+    for n, c in enumerate(reply):
+        stream.push(c)
+        early += stream.call_deltas(c, lambda: reply[:n + 1])
+    assert [(d["index"], json.loads(d["function"]["arguments"])) for d in early] == [(0, {"a": 1, "b": 2})]
+    assert [c["id"] for c in stream.final(reply)[1]] == [early[0]["id"]]
+
+
+def test_required_calls_keep_the_references_of_each_tools_schema():
+    """A tool's ``$defs`` / ``definitions`` references and a recursive ``#`` mean in the calls'
+    constraint what they mean in the tool's own schema (a pydantic model with a nested model has
+    ``$defs``): arguments pass the constraint exactly when they pass the tool's schema alone, by
+    jsonschema_rs. A property named like a keyword holding a reference is rebased too."""
+    import jsonschema_rs
+    loc = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = {
+        "weather": {"type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
+                    "$defs": {"Loc": loc}},
+        "tree": {"type": "object", "required": ["v", "child"], "properties": {
+            "v": {"type": "integer"}, "child": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}}},
+        "old": {"type": "object", "properties": {"default": {"$ref": "#/definitions/n"}}, "required": ["default"],
+                "definitions": {"n": {"type": "integer"}}, "examples": [{"default": {"$ref": "#"}}]}}
+    plan = ToolPlan(tuple({"name": k, "parameters": v} for k, v in tools.items()), ToolChoice.REQUIRED)
+    ok = jsonschema_rs.validator_for(plan.constraint().json).is_valid
+    tries = {"weather": [{"loc": {"city": "Oslo"}}, {"loc": {"town": "Oslo"}}, {"loc": "Oslo"}],
+             "tree": [{"v": 1, "child": {"v": 2, "child": None}}, {"v": 1, "child": {"v": "x", "child": None}},
+                      {"v": 1, "child": [{"name": "tree", "arguments": {}}]}],
+             "old": [{"default": 3}, {"default": "3"}]}
+    for name, args in tries.items():
+        alone = jsonschema_rs.validator_for(tools[name]).is_valid
+        assert [ok([{"name": name, "arguments": a}]) for a in args] == [alone(a) for a in args], name
+        assert alone(args[0]) and not alone(args[1])
+    assert plan.constraint().json["$defs"]["tool2"]["examples"] == tools["old"]["examples"]
