@@ -1,6 +1,7 @@
 """SamplingParams: what a user asks of generation (vLLM's names and meanings)."""
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -11,7 +12,7 @@ MAX_BIAS = 100.0        # |logit_bias| at most this (OpenAI's range; -100 bans a
 
 @dataclass(slots=True)
 class SamplingParams:
-    max_tokens: int = 16                    # tokens to generate at most
+    max_tokens: int | None = 16             # tokens to generate at most (None: as many as the context holds)
     temperature: float = 1.0                # 0 = greedy
     top_p: float = 1.0                      # nucleus mass in (0, 1]
     top_k: int = -1                         # -1 or 0 = off
@@ -34,6 +35,11 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None    # keep the prompt's last k tokens (-1: the context's worth)
     skip_special_tokens: bool = True            # special tokens' text left out of the output text
     n: int = 1                              # LLM.generate: choices per prompt, each its own request (seed + i)
+    detokenize: bool = True                 # False: LLM.generate's outputs carry token ids and no text (vLLM's)
+
+    def clone(self) -> "SamplingParams":
+        """vLLM's: a copy to change without touching this one."""
+        return copy.deepcopy(self)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,8 +56,8 @@ class SamplingParams:
         """Raise ValueError naming the first bad field."""
         def bad(name, why):
             raise ValueError(f"{name}: {why}")
-        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
-            bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens <= 0):
+            bad("max_tokens", f"must be None or a positive integer, got {self.max_tokens!r}")
         if not _is_num(self.temperature) or self.temperature < 0:
             bad("temperature", f"must be >= 0, got {self.temperature!r}")
         if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
@@ -66,7 +72,7 @@ class SamplingParams:
             bad("stop", "must be a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative integers")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
             bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens!r}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
@@ -92,9 +98,11 @@ class SamplingParams:
             bad("truncate_prompt_tokens", f"must be None, -1 or a positive integer, got {k!r}")
         if not _is_int(self.n) or self.n < 1:
             bad("n", f"must be a positive integer, got {self.n!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a boolean")
+        if self.stop and not self.detokenize:
+            bad("stop", "stop strings are matched in the text: not with detokenize=False")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 bad("structured_outputs", "must be a StructuredOutputs")

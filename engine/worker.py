@@ -102,6 +102,26 @@ def pool_blocks(cfg: WorkerConfig, bytes_per_block: int, reserved: int = 0) -> i
     return max(0, budget - reserved) // bytes_per_block
 
 
+def sized_pool(cfg: WorkerConfig) -> tuple[int, int, int]:
+    """The pool the budget buys: (blocks, bytes per block, open blocks staged at full precision
+    for an int8 pool); ValueError naming ``kv_cache_bytes`` when it buys fewer than two.
+    Pure but for the device's memory size, so the front end checks it before any worker loads."""
+    spec = cfg.spec
+    full_block = spec.num_layers * cfg.block_size * spec.unit * torch.empty((), dtype=DTYPES[cfg.dtype]).element_size()
+    bytes_per_block, staged = full_block, 0
+    if cfg.kv_cache_dtype == "int8":
+        bytes_per_block = int8_block_bytes(spec.num_layers, spec.num_kv_heads, spec.head_dim, cfg.block_size)
+        # each request's partial token-block stays at full precision: K and V, or a hidden cache's m
+        hidden_rows = spec.d_model // spec.unit if spec.d_model % spec.unit == 0 else 0
+        staged = cfg.max_num_seqs * max(2, hidden_rows)
+    num_blocks = pool_blocks(cfg, bytes_per_block, staged * full_block)
+    if num_blocks < 2:
+        raise ValueError(f"kv_cache_bytes: the budget buys {num_blocks} blocks of {bytes_per_block} bytes"
+                         + (f" after {staged} full-precision open blocks of {full_block} bytes "
+                            f"(fewer with a smaller max_num_seqs)" if staged else "") + "; need >= 2")
+    return num_blocks, bytes_per_block, staged
+
+
 def _build_runner(cfg: WorkerConfig):
     from tandem.engine.models.loader import build_model, stored_float32
     from tandem.engine.quantpool import QuantPool
@@ -116,19 +136,8 @@ def _build_runner(cfg: WorkerConfig):
     # a bfloat16 model keeps GGUF's blocks for thin products: built in float32, where they are found
     thin = (cfg.weight_blocks and not cfg.compile and thin_blocks(cfg.device, dtype, kernel)
             and stored_float32(Path(cfg.hf_dir)))
+    num_blocks, _, staged = sized_pool(cfg)
     model = build_model(Path(cfg.hf_dir), spec, torch.float32 if thin else dtype, cfg.device)
-    full_block = spec.num_layers * cfg.block_size * spec.unit * torch.empty((), dtype=dtype).element_size()
-    bytes_per_block, staged = full_block, 0
-    if cfg.kv_cache_dtype == "int8":
-        bytes_per_block = int8_block_bytes(spec.num_layers, spec.num_kv_heads, spec.head_dim, cfg.block_size)
-        # each request's partial token-block stays at full precision: K and V, or a hidden cache's m
-        hidden_rows = spec.d_model // spec.unit if spec.d_model % spec.unit == 0 else 0
-        staged = cfg.max_num_seqs * max(2, hidden_rows)
-    num_blocks = pool_blocks(cfg, bytes_per_block, staged * full_block)
-    if num_blocks < 2:
-        raise ValueError(f"kv cache budget buys {num_blocks} blocks of {bytes_per_block} bytes"
-                         + (f" after {staged} full-precision open blocks of {full_block} bytes "
-                            f"(fewer with a smaller max_num_seqs)" if staged else "") + "; need >= 2")
     if cfg.kv_cache_dtype == "int8":
         pool = QuantPool(spec.num_layers, spec.num_kv_heads, num_blocks, cfg.block_size, spec.head_dim,
                          dtype, cfg.device, open_capacity=staged)

@@ -343,14 +343,16 @@ class DeviceActor:
     def _attach_prefixes(self, decisions) -> dict[str, Allocation]:
         """Before anything grows in this step (growing may take idle cached blocks), the requests
         scheduled from a cached prefix take its blocks and start with those tokens computed;
-        their blocks by request. Every request that starts from nothing counts its tokens as
-        queried, and the cached ones as hits."""
+        their blocks by request. Every request that starts from nothing and looks the cache up
+        counts its tokens as queried, and the cached ones as hits (one that scores its prompt
+        looks nothing up, and counts nothing, as vLLM's)."""
         if self.pool.prefix is None:
             return {}
         out = {}
         for dec in decisions:
             st = self.states[dec.req_id]
-            if st.num_computed or st.status is not Status.WAITING or st.cache_type is not CacheType.KV:
+            if (st.num_computed or st.status is not Status.WAITING or st.cache_type is not CacheType.KV
+                    or st.request.sampling.prompt_logprobs is not None):
                 continue
             n = self._hits.get(st.req_id, 0)
             self.prefix_tokens["queried"] += st.num_tokens

@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -16,7 +17,7 @@ from tandem.engine.grammar import Vocabulary, compile_grammar
 from tandem.engine.messages import DeviceError
 from tandem.engine.models.loader import load_spec, load_tokenizer, resolve_model
 from tandem.engine.params import SamplingParams
-from tandem.engine.worker import WorkerConfig, WorkerHandle, wait_all
+from tandem.engine.worker import WorkerConfig, WorkerHandle, sized_pool, wait_all
 from tandem.sched.actor import Update
 from tandem.sched.beam import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from tandem.sched.lengths import LengthSource, prediction_text
@@ -53,10 +54,10 @@ class RequestOutput:
         return self.req_id
 
     @property
-    def outputs(self) -> list["RequestOutput"]:
-        """vLLM's shape: the prompt's n completions, each with ``index``, ``text``, ``token_ids``,
-        ``finish_reason`` and ``cumulative_logprob``, so ``out.outputs[0].text`` works as with vLLM."""
-        return self.choices if self.choices is not None else [self]
+    def outputs(self) -> list["CompletionOutput"]:
+        """vLLM's shape: the prompt's n completions, so ``out.outputs[0].text`` works as with vLLM."""
+        return [CompletionOutput(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason,
+                                 c.stop_reason) for c in (self.choices if self.choices is not None else [self])]
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -66,6 +67,25 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return True                # generate returns finished requests only
+
+    # vLLM's fields of what this server has none of: no encoder, LoRA adapters, KV transfer or
+    # per-request stats (vLLM gives None too without them)
+    encoder_prompt = encoder_prompt_token_ids = lora_request = kv_transfer_params = metrics = None
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    """vLLM's: one of a prompt's completions (``RequestOutput.outputs``)."""
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list | None
+    finish_reason: str
+    stop_reason: str | int | None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 log = logging.getLogger(__name__)
@@ -324,10 +344,14 @@ class LLM:
             from tandem.engine.kernels import cpu_ops
             cpu_kernels = cpu_ops() is not None      # build once here, before the workers load it
         use_triton = _triton_choice(triton_attention, names, self.spec.head_dim)
-        for i, dev in enumerate(names):
-            wc = WorkerConfig(str(hf_dir), self.spec, dtype, dev, block_size, kv_cache_bytes, kv_cache_fraction,
-                              ncpu, threads, compile, cpu_kernels, omp_wait_policy, kv_cache_dtype, max_num_seqs,
-                              use_triton, weight_blocks=weight_blocks, tokenizer_json=self._tokenizer_json)
+        configs = [WorkerConfig(str(hf_dir), self.spec, dtype, dev, block_size, kv_cache_bytes, kv_cache_fraction,
+                                ncpu, threads, compile, cpu_kernels, omp_wait_policy, kv_cache_dtype, max_num_seqs,
+                                use_triton, weight_blocks=weight_blocks, tokenizer_json=self._tokenizer_json)
+                   for dev in names]
+        for wc in configs:          # a budget too small for a pool is refused before any worker loads
+            if wc.device == "cpu" or kv_cache_bytes is not None:    # (a GPU's free memory: read in its worker)
+                sized_pool(wc)
+        for i, (dev, wc) in enumerate(zip(names, configs)):
             shared = dev == "cpu" or names.count(dev) > 1
             self._workers.append(WorkerHandle(f"{dev}#{i}" if shared else dev, wc))
         try:
@@ -563,8 +587,10 @@ class LLM:
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer for chat messages")
-            if not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt):
-                raise ValueError("prompt: chat messages need string 'role' and 'content'")
+            prompt = [m | {"content": joined_text(m.get("content"))} for m in prompt]
+            if not all(isinstance(m.get("role"), str) and isinstance(m["content"], str) for m in prompt):
+                raise ValueError("prompt: chat messages need a string 'role' and a 'content' that is a string or "
+                                 "a list of text parts")
             if check_chars:
                 self._check_chars(sum(len(m["content"]) for m in prompt))
             template.check(prompt)
@@ -621,6 +647,13 @@ class LLM:
             return None
         return max(map(len, self.tokenizer.get_vocab()), default=0) or None
 
+    def output_room(self, prompt_tokens: int) -> int:
+        """What a request that sets no max_tokens may generate: the rest of the context, or of
+        what one request can hold in the KV pool where that is less (a pool smaller than the
+        context would otherwise refuse every such request)."""
+        room = min(self.max_model_len, self.scheduler.pool_tokens()) - prompt_tokens
+        return room if room > 0 else self.max_model_len - prompt_tokens
+
     def _check_length(self, ids: list[int]) -> None:
         """ValueError for a prompt that fills the context (an empty one: encode_prompt refuses it)."""
         if len(ids) >= self.max_model_len:
@@ -633,7 +666,7 @@ class LLM:
         if getattr(self, "_closed", False):
             raise RuntimeError("LLM: it was shut down; make a new one")
         if self.runtime is None:
-            self.runtime = Runtime(self.scheduler, self._route, self.rebalancer,
+            self.runtime = Runtime(self.scheduler, _weakly(self._route), self.rebalancer,
                                    self._prefix_routing and self.scheduler.cfg.prefix_caching)
         return self.runtime
 
@@ -680,10 +713,12 @@ class LLM:
         encoded = [self.encode_prompt(p, chat_template, sp.truncate_prompt_tokens) for p, sp in zip(plist, params)]
         for ids, _ in encoded:
             self._check_length(ids)
+        sized = [sp if sp.max_tokens is not None else replace(sp, max_tokens=self.output_room(len(ids)))
+                 for (ids, _), sp in zip(encoded, params)]
         now = time.monotonic()
         reqs = [Request(f"gen-{next(self._ids)}", ids, _choice(sp, i), arrival_time=now, prompt=text,
                         cache_salt=salt, bad_words_ids=self.bad_words_ids(sp))
-                for (ids, text), sp, salt in zip(encoded, params, salts) for i in range(sp.n)]
+                for (ids, text), sp, salt in zip(encoded, sized, salts) for i in range(sp.n)]
         texts = None if self.lengths is None else [self.prediction_text(p, sp, e)
                                                    for p, sp, e in zip(plist, params, encoded) for _ in range(sp.n)]
         outs = iter(self._output(st) for st in self._serve(reqs, texts, use_tqdm))
@@ -797,7 +832,7 @@ class LLM:
                 bar.close()
 
     def _output(self, st: RequestState) -> RequestOutput:
-        text = st.text_result or ""
+        text = st.text_result or "" if st.request.sampling.detokenize else ""
         asked = st.request.sampling.logprobs is not None
         return RequestOutput(st.req_id, st.request.prompt, st.request.prompt_token_ids,
                              list(st.output_token_ids), text, st.finish_reason.value,
@@ -811,6 +846,10 @@ class LLM:
         infos = [w.pool_info for w in self._workers]
         return infos[0].block_size, "int8" if self.kv_cache_dtype == "int8" else self.dtype, \
             sum(i.num_blocks for i in infos)
+
+    def get_tokenizer(self):
+        """vLLM's: the model's HF tokenizer (None for a model served without one)."""
+        return self.tokenizer
 
     def worker_pids(self) -> list[int]:
         """The worker processes' ids (a restarted worker has a new one)."""
@@ -837,6 +876,26 @@ class LLM:
             self.shutdown()
         except Exception:
             pass
+
+
+def joined_text(content: Any) -> Any:
+    """A message's content as text: a string as it is, a list of text parts (``{"type": "text",
+    "text": ...}``) joined by newlines, as vLLM joins them; anything else as it is."""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "\n".join(p["text"] for p in content)
+    return content
+
+
+def _weakly(method: Callable) -> Callable:
+    """``method``, called only while its object lives: the actor threads hold the LLM's router
+    this way, so an LLM its user drops is collected, and shuts its workers down, as vLLM's does."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args) -> None:
+        if (m := ref()) is not None:
+            m(*args)
+    return call
 
 
 def _positive(name: str, v) -> None:

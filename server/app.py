@@ -294,16 +294,13 @@ async def predict_lengths(lengths, reqs: list[Request], texts: list[str]) -> Non
 
 def max_tokens_for(engine: AsyncEngine, sp, prompt_tokens: int, param: str) -> int:
     """A prompt's max_tokens, once it is known to fit the context and the pool (raises
-    ApiError). When the request set none: the rest of the context, or of what one request can
-    hold in the KV pool where that is less (a pool smaller than the context would otherwise
-    refuse every request that leaves max_tokens out)."""
+    ApiError). When the request set none: ``LLM.output_room``."""
     limit = engine.llm.max_model_len
     if prompt_tokens >= limit:
         raise bad_request(f"This model's maximum context length is {limit} tokens; the prompt has "
                           f"{prompt_tokens}, which leaves no room for output", param=param,
                           code="context_length_exceeded")
-    room = min(limit, engine.scheduler.pool_tokens()) - prompt_tokens
-    mt = (room if room > 0 else limit - prompt_tokens) if sp.max_tokens is None else sp.max_tokens
+    mt = engine.llm.output_room(prompt_tokens) if sp.max_tokens is None else sp.max_tokens
     if prompt_tokens + mt > limit:
         raise bad_request(f"This model's maximum context length is {limit} tokens; the prompt has "
                           f"{prompt_tokens} and max_tokens asks for {mt}", param="max_tokens",

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 from tandem.engine.params import SamplingParams, StructuredOutputs
 from tandem.sched.beam import MAX_BEAM_WIDTH, BeamSearchParams
-from tandem.sched.llm import CHAT, ChatTemplate
+from tandem.sched.llm import CHAT, ChatTemplate, joined_text
 from tandem.sched.request import ServiceClass
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.schema import (ASKS_NOTHING, CHAT_BODY, CHAT_UNSUPPORTED, COMPLETION_BODY,
@@ -99,6 +99,7 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
     sp.truncate_prompt_tokens = body.get("truncate_prompt_tokens")
     sp.skip_special_tokens = _val(body, "skip_special_tokens", True)
     sp.n = 1                                 # the server runs each of n choices as its own request
+    sp.detokenize = True
     stream = _val(body, "stream", False)
     if stream and sp.prompt_logprobs is not None:       # as vLLM: they come with a whole response
         raise bad_request("'prompt_logprobs' are not available with stream=true", param="prompt_logprobs")
@@ -218,9 +219,7 @@ def chat_messages(messages: list[dict], tools: ToolPlan | None = None) -> list[d
     ``developer`` role as ``system``, tool calls and results as text (server.tools)."""
     flat = []
     for i, m in enumerate(messages):
-        content = m.get("content")
-        if isinstance(content, list):        # content parts: text only
-            content = "\n".join(p["text"] for p in content)     # as vLLM joins them
+        content = joined_text(m.get("content"))      # content parts: text only (the schema's)
         if content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
             raise bad_request(f"'messages[{i}].content' is required", param=f"messages[{i}].content")
         if m["role"] == "tool" and m.get("tool_call_id") is None:     # OpenAI's rule: a result answers a call

@@ -135,6 +135,26 @@ def test_bad_devices(devices, tiny_llama):
         LLM(str(tiny_llama), devices)
 
 
+def test_a_budget_too_small_for_the_pool_fails_before_a_worker_starts(tiny_llama, monkeypatch):
+    """Two pool blocks at least (a block holds a token block's K or its V): their size by hand
+    (layers x block x kv heads x head dim x 4 bytes, float32); one byte short of two is refused
+    naming kv_cache_bytes, where a worker used to load the model first and fail with its
+    traceback inside the message."""
+    import json
+    import tandem.sched.llm as llm_module
+    cfg = json.loads((tiny_llama / "config.json").read_text())
+    heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    block = cfg["num_hidden_layers"] * 8 * heads * (cfg["hidden_size"] // cfg["num_attention_heads"]) * 4
+
+    def started(*a, **k):
+        raise AssertionError("a worker was started before the budget was checked")
+    monkeypatch.setattr(llm_module, "WorkerHandle", started)
+    with pytest.raises(ValueError, match="kv_cache_bytes: the budget buys 1 blocks"):
+        LLM(str(tiny_llama), "cpu:1", dtype="float32", block_size=8, kv_cache_bytes=2 * block - 1)
+    with pytest.raises(AssertionError, match="a worker was started"):
+        LLM(str(tiny_llama), "cpu:1", dtype="float32", block_size=8, kv_cache_bytes=2 * block)
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(threads_per_worker=-1), "threads_per_worker"),
     (dict(max_model_len=-5), "max_model_len"),
@@ -166,6 +186,9 @@ def test_max_model_len_cuts_the_context_and_never_passes_the_models(tiny_llama, 
              threads_per_worker=1) as m:
         out = m.generate([list(range(5, 35))], SamplingParams(max_tokens=10, **GREEDY))[0]
         assert len(out.token_ids) == 10
+        # vLLM's max_tokens=None: as many as the context holds after the prompt (40 - 30)
+        rest = m.generate([list(range(5, 35))], SamplingParams(max_tokens=None, **GREEDY))[0]
+        assert rest.token_ids[:10] == out.token_ids and len(rest.token_ids) == 10 and rest.finish_reason == "length"
         with pytest.raises(ValueError, match="context of 40"):
             m.generate([list(range(5, 45))], SamplingParams(max_tokens=1, **GREEDY))
 
@@ -194,6 +217,22 @@ def test_a_shut_down_llm_refuses_work_instead_of_starting_again(tiny_llama):
     with pytest.raises(RuntimeError, match="shut down"):
         m.generate([[5, 6, 7]], SamplingParams(max_tokens=2, **GREEDY))
     assert not worker.proc.is_alive()
+
+
+def test_an_llm_dropped_after_generating_stops_its_worker(tiny_llama):
+    """vLLM shuts its engine down when the LLM is collected; here the actor thread's hold on the
+    LLM kept it, and its worker process, alive until the interpreter exited."""
+    import gc
+    m = LLM(str(tiny_llama), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1)
+    m.generate([[5, 6, 7]], SamplingParams(max_tokens=2, **GREEDY))
+    worker, actors = m.scheduler.actors[0].device.proc, [t._thread for t in m.runtime.threads]
+    del m
+    gc.collect()
+    worker.join(timeout=30)
+    assert not worker.is_alive()
+    for t in actors:
+        t.join(timeout=10)
+        assert not t.is_alive()
 
 
 @pytest.mark.parametrize("policy", ["bros", "alise", "tandem"])
@@ -249,9 +288,10 @@ def test_n_choices_per_prompt(llm, tiny_llama):
     assert [c.token_ids for c in both.outputs] == [a.token_ids for a in alone]
     assert both.outputs[0].token_ids != both.outputs[1].token_ids
     for c in both.outputs:
-        assert c.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in c.logprobs)) and c.finished
+        assert c.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in c.logprobs)) and c.finished()
     (one,) = llm.generate(prompts[:1], SamplingParams(max_tokens=4, **GREEDY))
-    assert one.outputs == [one] and one.cumulative_logprob is None
+    assert [(c.index, c.text, c.token_ids) for c in one.outputs] == [(0, one.text, one.token_ids)]
+    assert one.cumulative_logprob is None and one.finished and one.lora_request is None
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="n:"):
             SamplingParams(n=bad)

@@ -83,7 +83,7 @@ def test_the_same_tokens_with_and_without_the_cache(tiny_llama):
     """Seeded sampling over an int8 resident cache (whose full blocks are compressed: a cached
     block is read as its first owner wrote it) gives the same tokens whether blocks are reused
     or computed again. A request asking for its prompt's log probabilities computes every
-    prompt token, so it has all of them, the same either way."""
+    prompt token, so it has all of them, the same either way, and counts no cache lookup."""
     system, prompts = shared_prompts(9)
     sampled = SamplingParams(max_tokens=NEW, temperature=1.0, seed=7, ignore_eos=True)
     scored = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=0)
@@ -94,9 +94,12 @@ def test_the_same_tokens_with_and_without_the_cache(tiny_llama):
                  kv_cache_dtype="int8", enable_prefix_caching=caching) as llm:
             llm.generate(prompts[:1], sampled)
             outs = llm.generate(prompts, sampled)
+            before = counted(llm)
             lp = llm.generate(prompts[1:2], scored)[0]
             seen = counted(llm)
         assert (seen.get("hits", 0) > 0) == caching
+        # it looks nothing up, so it counts no query either (vLLM's hit rate counts lookups only)
+        assert seen.get("queried", 0) == before.get("queried", 0) and (before.get("queried", 0) > 0) == caching
         assert len(lp.prompt_logprobs) == len(prompts[1]) and lp.prompt_logprobs[0] is None
         assert all(x is not None for x in lp.prompt_logprobs[1:])
         results[caching] = ([o.token_ids for o in outs], [round(x.logprob, 4) for x in lp.prompt_logprobs[1:]])

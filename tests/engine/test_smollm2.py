@@ -62,6 +62,14 @@ def test_chat_takes_one_conversation_or_several_as_vllms_does(smol, hf_smol):
     for bad in ("hello", [], [[]], [CHATS[0], "hello"]):
         with pytest.raises(ValueError, match="messages"):
             smol.chat(bad, greedy)
+    # content as text parts, joined by newlines as vLLM joins them
+    parts = smol.chat([{"role": "user", "content": [{"type": "text", "text": "Name a"},
+                                                     {"type": "text", "text": "colour."}]}], greedy)[0]
+    text = smol.get_tokenizer().apply_chat_template([{"role": "user", "content": "Name a\ncolour."}],
+                                                    tokenize=False, add_generation_prompt=True)
+    assert parts.prompt_token_ids == smol.get_tokenizer()(text, add_special_tokens=False)["input_ids"]
+    with pytest.raises(ValueError, match="text parts"):
+        smol.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy)
 
 
 def test_a_chat_can_continue_a_reply_begun_for_the_model(smol, hf_smol):
@@ -91,6 +99,20 @@ def test_stop_string_cuts_text(smol):
     kept = smol.generate(CHATS[3], SamplingParams(max_tokens=MAX_NEW, temperature=0, stop=[word],
                                                   include_stop_str_in_output=True))[0]
     assert kept.text == full.text[:full.text.index(word) + len(word)] and kept.token_ids == cut.token_ids
+
+
+def test_detokenize_false_gives_the_ids_without_text(smol):
+    """vLLM's detokenize=False: the same tokens, no text; stop strings need the text. clone()
+    copies deeply: a clone's stop list is its own."""
+    sp = SamplingParams(max_tokens=6, temperature=0, stop=["zzz-never"])
+    quiet = sp.clone()
+    quiet.stop.clear()
+    quiet.detokenize = False
+    assert sp.stop == ["zzz-never"] and sp.detokenize
+    full, bare = (smol.generate(CHATS[3], p)[0] for p in (sp, quiet))
+    assert bare.token_ids == full.token_ids and full.text and bare.text == ""
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop=["x"], detokenize=False)
 
 
 def test_string_prompt(smol):
