@@ -9,6 +9,7 @@ import functools
 import itertools
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -65,7 +66,7 @@ def _cuda_pickler():
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, pool: torch.Tensor | QuantPool,
                  block_size: int, kernel: object | None = None, triton: bool = False,
-                 tokenizer_json: str | None = None):
+                 tokenizer_file: str | None = None):
         self.kernel = kernel             # compiled CPU decode attention, None = torch path
         self.triton = triton             # attention by the Triton kernels (engine.triton_attention)
         self.cuda_ipc = False            # export GPU caches as CUDA IPC handles (worker processes)
@@ -80,7 +81,7 @@ class ModelRunner:
         # a hidden-cache token takes m = d_model / unit pool rows; 0: not possible for this model
         self.hidden_rows = spec.d_model // spec.unit if spec.d_model % spec.unit == 0 else 0
         self.reqs: dict[str, ReqState] = {}
-        self.tokenizer_json = tokenizer_json   # what structured outputs read tokens by (engine.grammar)
+        self.tokenizer_file = tokenizer_file   # what structured outputs read tokens by (engine.grammar)
         L, H, _, D = pool.shape
         self.int8_block_bytes = int8_block_bytes(L, H, D, block_size)
         # bytes of one resident block over all layers
@@ -397,9 +398,10 @@ class ModelRunner:
     @functools.cached_property
     def vocabulary(self) -> Vocabulary:
         """The tokenizer as structured outputs read it, built at the first constrained request."""
-        if self.tokenizer_json is None:
+        if self.tokenizer_file is None:
             raise ValueError("structured outputs: this worker was given no tokenizer")
-        return Vocabulary(self.tokenizer_json, self.spec.vocab_size, self.spec.eos_token_ids)
+        return Vocabulary(Path(self.tokenizer_file).read_text(encoding="utf-8"), self.spec.vocab_size,
+                          self.spec.eos_token_ids)
 
     def _prompt_logprobs(self, logits: torch.Tensor, scored) -> dict:
         """req_id -> (p, the TokenLogprobs of its prompt tokens p, p+1, ...) from the logits of the

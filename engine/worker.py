@@ -84,7 +84,10 @@ class WorkerConfig:
     num_blocks: int | None = None   # the pool's size, fixed (a restarted worker's: its books stay valid)
     weight_blocks: bool = True      # with the CPU kernels: weights that are exactly a GGUF's 4- or
                                     # 8-bit blocks stay in them (engine.blocks), else float32
-    tokenizer_json: str | None = None   # the HF tokenizer's JSON, for structured outputs (engine.grammar)
+    # the HF tokenizer's JSON, for structured outputs (engine.grammar): a file's path, so that the
+    # spawn pipe carries a few KiB (the JSON is MBs: a worker that died before reading it left
+    # its parent's write blocked for ever, the pipe's read end open in the parent until it ends)
+    tokenizer_file: str | None = None
 
 
 def pool_blocks(cfg: WorkerConfig, bytes_per_block: int, reserved: int = 0) -> int:
@@ -154,7 +157,7 @@ def _build_runner(cfg: WorkerConfig):
     elif thin:
         model.pack_weights(kernel, True, dtype)         # dense bfloat16, and the blocks it was rounded from
     return ModelRunner(model, spec, pool, cfg.block_size, kernel, cfg.triton_attention,
-                       cfg.tokenizer_json), num_blocks
+                       cfg.tokenizer_file), num_blocks
 
 
 def pool_info(runner, num_blocks: int) -> PoolInfo:
@@ -241,6 +244,10 @@ class WorkerHandle:
             raise RuntimeError(f"{self.name}: worker failed to start:\n{payload}")
         self.pool_info = payload
         return self.pool_info
+
+    def alive(self) -> bool:
+        """Whether the worker process runs (one stopped by shutdown() does not)."""
+        return self.proc is not None and self.proc.is_alive()
 
     def submit(self, inp: StepInput) -> None:
         try:

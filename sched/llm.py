@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import itertools
 import logging
 import os
+import random
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from tandem.engine.dtype import resolve_dtype
@@ -346,7 +349,8 @@ class LLM:
         use_triton = _triton_choice(triton_attention, names, self.spec.head_dim)
         configs = [WorkerConfig(str(hf_dir), self.spec, dtype, dev, block_size, kv_cache_bytes, kv_cache_fraction,
                                 ncpu, threads, compile, cpu_kernels, omp_wait_policy, kv_cache_dtype, max_num_seqs,
-                                use_triton, weight_blocks=weight_blocks, tokenizer_json=self._tokenizer_json)
+                                use_triton, weight_blocks=weight_blocks,
+                                tokenizer_file=self._tokenizer_file(cache_dir or DEFAULT_CACHE_DIR))
                    for dev in names]
         for wc in configs:          # a budget too small for a pool is refused before any worker loads
             if wc.device == "cpu" or kv_cache_bytes is not None:    # (a GPU's free memory: read in its worker)
@@ -551,6 +555,20 @@ class LLM:
         backend.no_padding()
         backend.no_truncation()
         return backend.to_str()
+
+    def _tokenizer_file(self, cache: str | os.PathLike) -> str | None:
+        """The tokenizer's JSON in a file the workers read, under the cache dir and named by its
+        hash (written once, whole or not at all); None without a fast tokenizer."""
+        text = self._tokenizer_json
+        if text is None:
+            return None
+        path = Path(cache) / "tokenizers" / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, path)
+        return str(path)
 
     def _warm_vocabulary(self) -> None:
         """Read the vocabulary as structured outputs check grammars against it (0.2 s for

@@ -23,10 +23,12 @@ Failures are never silent:
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
 import traceback
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -49,6 +51,17 @@ MAX_LOOP_FAILURES = 3        # loop exceptions in a row (no good step between) b
 # work queued but nothing planned: plan again after this long (a message wakes the actor sooner);
 # only time changes such a plan then (waits grow), and re-planning at once kept a core busy for ever
 EMPTY_PLAN_RETRY_S = 0.01
+IDLE_CHECK_S = 1.0           # an idle device's worker is checked for life this often
+_LIVE: "weakref.WeakSet[Runtime]" = weakref.WeakSet()     # runtimes not stopped yet
+
+
+@atexit.register
+def _stop_all() -> None:
+    """At interpreter exit the actors stop before multiprocessing stops the worker processes (its
+    exit handler was registered first, so it runs after this one): no actor takes a worker
+    stopped then for one that died, and starts another."""
+    for rt in list(_LIVE):
+        rt.stop()
 
 
 @dataclass(slots=True)
@@ -139,10 +152,13 @@ class ActorThread:
     def _run(self) -> None:
         a = self.actor
         while True:
+            died = None
             with self._wake:           # idle means idle: sleep until a message or work arrives
                 while not self._stop and not self._inbox and not (a.dead is None and
                                                                   (a.has_work() or a.has_messages())):
-                    self._wake.wait()
+                    self._wake.wait(IDLE_CHECK_S)
+                    if (died := self._died_idle()) is not None:
+                        break
                 if self._planned_nothing and not self._stop and not self._inbox:
                     self._wake.wait(EMPTY_PLAN_RETRY_S)
                 if self._stop:
@@ -151,6 +167,8 @@ class ActorThread:
                 self._planned_nothing = False
             reports = [m for m in inbox if isinstance(m, Report)]
             updates: list[Update] = []
+            if died is not None:        # restarted now, not at the next request's step
+                updates.extend(self._recover(self._worker_died, died))
             try:
                 while inbox:
                     updates.extend(self._handle(inbox.popleft()))
@@ -173,6 +191,15 @@ class ActorThread:
                     log.exception("step listener failed")
             for r in reports:
                 r.done.set()
+
+    def _died_idle(self) -> str | None:
+        """Why this idle device's worker is gone, or None: a worker that dies between requests
+        is started again at once (a device that says it can tell), so the next request finds
+        it ready and /health does not call a device without a worker ok."""
+        alive = getattr(self.actor.device, "alive", None)
+        if alive is None or self.actor.dead is not None or self.restarting or alive():
+            return None
+        return "worker process died while idle"
 
     def _recover(self, how: Callable[[str], list[Update]], why: str) -> list[Update]:
         """Run a recovery. Should it fail as well (the books it works on are what broke), the
@@ -380,6 +407,7 @@ class Runtime:
         self.threads = [ActorThread(a, on_updates, self.listeners, self.aborted) for a in scheduler.actors]
         self._where: dict[int, ActorThread] = {id(t.actor): t for t in self.threads}
         self._stopping = threading.Event()
+        _LIVE.add(self)
         for t in self.threads:
             t.start()
         if rebalancer is not None:
@@ -513,5 +541,6 @@ class Runtime:
 
     def stop(self) -> None:
         self._stopping.set()
+        _LIVE.discard(self)
         for t in self.threads:
             t.stop()

@@ -398,10 +398,10 @@ async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice
                 record(ch.finish_reason, now)
             if delta:
                 ch.parts.append(delta)
+            if ev.finish_reason is not None and ev.error:   # an error event ends the stream, no finish chunk
+                raise ApiError(500, f"generation failed: {ev.error}", type="server_error")
             if sink is not None and (delta or ev.new_token_ids or ev.finish_reason is not None):
                 await sink(ch, delta)
-            if ev.finish_reason is not None and ev.error:
-                raise ApiError(500, f"generation failed: {ev.error}", type="server_error")
     except ApiError:
         raise
     except BaseException:           # cancelled, or the client's connection broke mid-stream

@@ -5,8 +5,10 @@ server's file descriptors or its attention.
 Every accepted connection is wrapped in a ``Guarded`` protocol in front of aiohttp's own.
 A connection is *idle* from its accept until a request's head is parsed, and again from the
 end of each response until the next head (keep-alive). An idle connection is closed after
-``head_timeout_s``. A request's body must arrive within ``body_timeout_s`` of its head;
-otherwise the client gets a 408 and the connection is closed. At the cap, a new connection
+``head_timeout_s``. A request's body must arrive within ``body_timeout_s`` of its head, plus
+the time its bytes so far take at ``BODY_RATE_FLOOR`` (a large upload that keeps coming is not
+cut; a body trickled a byte at a time is); otherwise the client gets a 408 and the connection
+is closed. At the cap, a new connection
 closes the oldest idle one in its place. Only when every open connection is serving a request
 does the new one get a 503 and close. A flood of half-open connections therefore never locks
 out a client that is really talking.
@@ -14,12 +16,14 @@ out a client that is really talking.
 from __future__ import annotations
 
 import asyncio
+import logging
 import resource
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from tandem.server.errors import ApiError
 
@@ -35,20 +39,23 @@ def default_max_connections() -> int:
 class Limits:
     max_connections: int = field(default_factory=default_max_connections)
     head_timeout_s: float = 15.0     # idle: from accept (or a response's end) to the next request head
-    body_timeout_s: float = 60.0     # from a request's head to the last byte of its body
+    body_timeout_s: float = 60.0     # from a request's head to the last byte of its body (plus BODY_RATE_FLOOR's)
 
 
-def _raw_response(status: int, reason: str, error: ApiError) -> bytes:
+BODY_RATE_FLOOR = 64 << 10           # bytes/s: each received byte of a body buys this much more time
+
+
+def _raw_response(status: int, reason: str, error: ApiError, extra: str = "") -> bytes:
     body = orjson.dumps(error.body())
-    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n{extra}"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     return head + body
 
 
 BUSY = _raw_response(503, "Service Unavailable", ApiError(
-    503, "too many open connections; retry shortly", type="service_unavailable"))
+    503, "too many open connections; retry shortly", type="service_unavailable"), "Retry-After: 1\r\n")
 BODY_TIMEOUT = _raw_response(408, "Request Timeout", ApiError(
-    408, "the request body did not arrive in time", type="invalid_request_error"))
+    408, "the request body did not arrive in time (the server's --body-timeout)", type="invalid_request_error"))
 
 
 class Guarded(asyncio.Protocol):
@@ -60,6 +67,8 @@ class Guarded(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.busy = False
+        self.body_since: float | None = None      # a body is awaited: when its head came
+        self.body_bytes = 0                       # bytes received since that head
 
     # asyncio.Protocol: forwarded to aiohttp's handler once admitted
     def connection_made(self, transport) -> None:
@@ -73,6 +82,8 @@ class Guarded(asyncio.Protocol):
         self.idle()
 
     def data_received(self, data: bytes) -> None:
+        if self.body_since is not None:
+            self.body_bytes += len(data)
         if self.inner is not None:
             self.inner.data_received(data)
 
@@ -100,14 +111,16 @@ class Guarded(asyncio.Protocol):
         self.guard.idle.pop(self, None)
         self._cancel()
         if has_body:
+            self.body_since, self.body_bytes = asyncio.get_running_loop().time(), 0
             self._arm(self.guard.limits.body_timeout_s, self._body_late)
 
     def body_read(self) -> None:
+        self.body_since = None
         self._cancel()
 
     def idle(self) -> None:
         """No request in progress: the next head must come within the head timeout."""
-        self.busy = False
+        self.busy, self.body_since = False, None
         self.guard.idle[self] = None
         self.guard.idle.move_to_end(self)
         self._arm(self.guard.limits.head_timeout_s, self._head_late)
@@ -121,6 +134,13 @@ class Guarded(asyncio.Protocol):
         self.close()
 
     def _body_late(self) -> None:
+        if self.body_since is not None:      # the body kept coming: the time its bytes bought
+            due = self.body_since + self.guard.limits.body_timeout_s + self.body_bytes / BODY_RATE_FLOOR
+            left = due - asyncio.get_running_loop().time()
+            if left > 0:
+                self._arm(left, self._body_late)
+                return
+        self.body_since = None
         self.guard.timed_out += 1
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(BODY_TIMEOUT)
@@ -203,11 +223,27 @@ async def connections_middleware(request: web.Request, handler):
             conn.idle()
 
 
+class MalformedRequests(logging.Filter):
+    """aiohttp logs each request it cannot parse (a bad Content-Length, an oversized header) as an
+    error with a traceback: any client could fill the log. One warning line instead, as uvicorn
+    (vLLM's server) writes ("Invalid HTTP request received.")."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg, record.args, record.exc_info = "invalid HTTP request from %s: %s", (
+                record.args[0] if record.args else "?", exc.message or type(exc).__name__), None
+        return True
+
+
 async def serve(app: web.Application, host: str, port: int, limits: Limits, *,
                 shutdown_timeout: float = 30.0) -> None:
     """Serve ``app`` behind a ConnectionGuard until SIGINT or SIGTERM, then shut it down as
     aiohttp's run_app does (connections closed, the app's cleanup run)."""
     import signal
+    if not any(isinstance(f, MalformedRequests) for f in logging.getLogger("aiohttp.server").filters):
+        logging.getLogger("aiohttp.server").addFilter(MalformedRequests())
     guard = ConnectionGuard(None, limits)
     app[GUARD] = guard
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout)

@@ -1,5 +1,6 @@
 """Failures are never silent and never lose work: worker deaths, step errors, scheduling-loop
 bugs, and devices that step independently of each other."""
+import json
 import os
 import signal
 import threading
@@ -355,3 +356,46 @@ def test_a_worker_not_ready_in_time_is_stopped_and_its_start_fails(tiny_llama):
         assert not h.proc.is_alive()
     finally:
         h.shutdown()
+
+
+def test_a_worker_that_dies_while_idle_is_started_again_at_once(tiny_llama):
+    """Killed between requests, the worker is replaced within seconds, with no request to find
+    it gone (the next one used to wait out the restart, and /health said ok meanwhile); the
+    next request is served as before."""
+    import time
+    with LLM(str(tiny_llama), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
+        assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **GREEDY))
+        handle, thread = llm._workers[0], llm.runtime.threads[0]
+        first = handle.proc.pid
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not (thread.restarts == 1 and handle.alive()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert thread.restarts == 1 and handle.proc.pid != first and llm.runtime.serving()
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, **GREEDY))
+    assert out[0].token_ids == hf_greedy(tiny_llama, [[5, 6, 7]], 6)[0]
+
+
+def test_a_worker_is_started_through_a_pipe_that_cannot_fill(tiny_chat_model, monkeypatch):
+    """What a spawn writes to its child (the pickled config) must fit the pipe's buffer (64 KiB
+    on Linux): the parent writes it while the pipe's read end is still open on its own side, so
+    a child that died before reading it (a worker killed again just after a restart began) left
+    the write, and the device, blocked for ever. The tokenizer's JSON (1.5 MB for SmolLM2's)
+    goes in a file the worker reads."""
+    import pickle
+    import tandem.sched.llm as llm_module
+    seen = []
+
+    def record(name, cfg):
+        seen.append(cfg)
+        raise RuntimeError("recorded")
+    monkeypatch.setattr(llm_module, "WorkerHandle", record)
+    with pytest.raises(RuntimeError, match="recorded"):
+        LLM(str(tiny_chat_model), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1)
+    (cfg,) = seen
+    assert len(pickle.dumps(cfg)) < 64 << 10
+    with open(cfg.tokenizer_file, encoding="utf-8") as f:
+        tokenizer = f.read()
+    from transformers import AutoTokenizer
+    assert json.loads(tokenizer)["model"] == json.loads(
+        AutoTokenizer.from_pretrained(tiny_chat_model).backend_tokenizer.to_str())["model"]

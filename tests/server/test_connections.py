@@ -160,9 +160,46 @@ def test_slow_body_gets_408(strict_server):
     assert complete(strict_server.url)["choices"]
 
 
+def test_a_body_that_keeps_coming_is_not_cut_at_the_body_timeout(strict_server):
+    """A 450 KB body sent over about three seconds (twice the 1.5 s body timeout, at about 150
+    KB/s, above the 64 KiB/s floor) is read whole: the server answers it (a prompt too long for
+    the model, 400), not 408."""
+    body = json.dumps({"prompt": "word " * 90_000, "max_tokens": 1}).encode()
+    with socket.create_connection(addr(strict_server)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode()
+                  + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+                  + b"\r\n\r\n")
+        step = len(body) // 30
+        for i in range(0, len(body), step):
+            s.sendall(body[i:i + step])
+            time.sleep(0.1)
+        reply = recv_all(s, timeout=10)
+    assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["param"] == "prompt"
+
+
+def test_a_request_http_cannot_parse_is_one_warning_line(strict_server):
+    """A bad Content-Length, an oversized header or a NUL in the path gets a 400 and one warning
+    line in the log, as uvicorn writes it; aiohttp logged an error with a traceback for each,
+    so any client could fill the log. Others are served meanwhile."""
+    bad = [b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+           b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
+           b"GET /he\x00alth HTTP/1.1\r\nHost: x\r\n\r\n"]
+    before = strict_server.log.read_text().count("invalid HTTP request from")
+    for raw in bad:
+        with socket.create_connection(addr(strict_server)) as s:
+            s.sendall(raw)
+            assert recv_all(s, timeout=5).startswith(b"HTTP/1.0 400"), raw[:40]
+    assert complete(strict_server.url)["choices"]
+    log = strict_server.log.read_text()
+    assert log.count("invalid HTTP request from") - before == len(bad)
+    assert "Traceback" not in log and "Error handling request" not in log
+
+
 def test_503_beyond_the_cap_only_when_every_connection_is_busy(strict_server):
     """Six connections each in the middle of a request (body still arriving) fill the cap: a
-    seventh is answered 503 with the JSON error and closed. Once they end, clients are served."""
+    seventh is answered 503 with the JSON error and a Retry-After, and closed. Once they end,
+    clients are served."""
     busy = []
     try:
         for _ in range(6):
@@ -173,7 +210,7 @@ def test_503_beyond_the_cap_only_when_every_connection_is_busy(strict_server):
         time.sleep(0.3)
         with socket.create_connection(addr(strict_server)) as s:
             reply = recv_all(s, timeout=5)
-        assert reply.startswith(b"HTTP/1.1 503"), reply[:200]
+        assert reply.startswith(b"HTTP/1.1 503") and b"\r\nRetry-After: 1\r\n" in reply, reply[:200]
         assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "service_unavailable"
     finally:
         for s in busy:

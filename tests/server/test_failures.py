@@ -63,6 +63,9 @@ async def test_a_raising_policy_ends_streams_with_an_error_and_health_turns_503(
         assert st_status == 200 and lines[-1].strip() == b"data: [DONE]"
         event = json.loads(lines[-2][6:])
         assert event["error"]["type"] == "server_error" and "error id" in event["error"]["message"]
+        # the error event says it: no chunk before it finishes with "error" (not an OpenAI reason)
+        chunks = [json.loads(ln[6:]) for ln in lines[:-2]]
+        assert all(c.get("finish_reason") != "error" for chunk in chunks for c in chunk.get("choices", []))
         assert status == 500 and body["error"]["type"] == "server_error"
         for text in (json.dumps(event), json.dumps(body)):
             assert "Traceback" not in text and ".py" not in text
