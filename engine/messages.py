@@ -79,8 +79,9 @@ class SamplingSpec:
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
     """One sampled token's log probability under the model (log-softmax of its raw logits, before
-    temperature, top-k/p and stop masking; under a grammar, of the tokens it allows), its rank (1: the likeliest; vLLM's: the tokens at
-    least as likely, itself included) and the ``len(top_ids)`` likeliest tokens', best first."""
+    temperature, top-k/p and stop masking; under a grammar, over the tokens it allows), its rank
+    (1: the likeliest; vLLM's: the tokens at least as likely, itself included) and the
+    ``len(top_ids)`` likeliest tokens', best first."""
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()

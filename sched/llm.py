@@ -106,12 +106,14 @@ class ChatTemplate:
     begun for the model, "prefilled"). ``kwargs``: vLLM's chat_template_kwargs, more variables
     for the template (Qwen3's ``enable_thinking``, say); a template that does not read one
     ignores it. ``source``: a Jinja template used instead of the model's (vLLM's per-request
-    chat_template); ``documents``: vLLM's documents, for a template that reads them (RAG)."""
+    chat_template); ``documents``: vLLM's documents, for a template that reads them (RAG);
+    ``tools``: the tools the template lists (vLLM's offline chat gives them to it)."""
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     kwargs: dict = field(default_factory=dict)
     source: str | None = None
     documents: tuple[dict, ...] | None = None
+    tools: tuple[dict, ...] | None = None
 
     def check(self, messages: list[dict]) -> None:
         """ValueError naming the option these messages cannot be rendered with."""
@@ -130,12 +132,13 @@ class ChatTemplate:
         if self.source is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("messages: this model has no chat template: give one (the server's --chat-template, "
                              "LLM(chat_template=...)) or send a completion")
-        docs = {} if self.documents is None else {"documents": list(self.documents)}
+        given = ({} if self.documents is None else {"documents": list(self.documents)}) | \
+            ({} if self.tools is None else {"tools": list(self.tools)})
         from jinja2 import TemplateError
         try:
             return tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=self.add_generation_prompt,
-                continue_final_message=self.continue_final_message, chat_template=self.source, **docs, **self.kwargs)
+                continue_final_message=self.continue_final_message, chat_template=self.source, **given, **self.kwargs)
         # the sandbox raises OverflowError for a range too big, a template's own code the others
         except (TemplateError, ArithmeticError, TypeError, LookupError) as e:
             if self.source is not None:
@@ -256,6 +259,8 @@ class LLM:
     triton_attention: attention by the Triton kernels (engine.triton_attention); None: on CUDA
     devices whenever Triton is installed. On the CPU it needs TRITON_INTERPRET=1 (tests only:
     the interpreter is hundreds of times slower than the compiled CPU kernel).
+    seed: vLLM's: each request whose SamplingParams give no seed draws one from a generator
+    seeded with it, in the order generate is called, so a script run again samples the same.
     """
 
     def __init__(self, model: str = "smollm2", devices: str = "cpu:1", *, dtype: str = "auto",
@@ -276,7 +281,8 @@ class LLM:
                  triton_attention: bool | None = None, tandem_off: Sequence[str] = (),
                  slo_tbt_mean: bool = False, length_cap: bool = True, weight_blocks: bool = True,
                  enable_prefix_caching: bool = True, prefix_aware_routing: bool = True,
-                 length_learned_max: int | None = None, chat_template: str | None = None):
+                 length_learned_max: int | None = None, chat_template: str | None = None,
+                 seed: int | None = None):
         self._workers: list[WorkerHandle] = []
         self._prefix_routing = bool(prefix_aware_routing)
         self.runtime: Runtime | None = None
@@ -293,6 +299,10 @@ class LLM:
             raise ValueError(f"swap_space: must be a non-negative number of GiB, got {swap_space!r}")
         if length_learned_max is not None and (not isinstance(length_learned_max, int) or length_learned_max < 0):
             raise ValueError(f"length_learned_max: must be 0 or more, got {length_learned_max!r}")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ValueError(f"seed: must be None or an integer, got {seed!r}")
+        # vLLM's seed: requests that give none draw theirs from it, so a script's run is repeatable
+        self._seeds = None if seed is None else random.Random(seed)
         if isinstance(tandem_off, str):
             tandem_off = (tandem_off,)
         final = SchedConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, policy, rt_budget_s,
@@ -733,6 +743,8 @@ class LLM:
             self._check_length(ids)
         sized = [sp if sp.max_tokens is not None else replace(sp, max_tokens=self.output_room(len(ids)))
                  for (ids, _), sp in zip(encoded, params)]
+        if self._seeds is not None:
+            sized = [sp if sp.seed is not None else replace(sp, seed=self._seeds.randrange(2 ** 63)) for sp in sized]
         now = time.monotonic()
         reqs = [Request(f"gen-{next(self._ids)}", ids, _choice(sp, i), arrival_time=now, prompt=text,
                         cache_salt=salt, bad_words_ids=self.bad_words_ids(sp))
@@ -804,21 +816,26 @@ class LLM:
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              *, use_tqdm: bool = False, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             chat_template: str | None = None, documents: list[dict] | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None, documents: list[dict] | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages) or a
         list of them, each rendered by the model's chat template (or ``chat_template``, a Jinja
         template) with the assistant's turn opened (or, ``continue_final_message``, its last
         message, an assistant's, left open for the reply to continue: see ``ChatTemplate``); one
-        output per conversation, in order."""
+        output per conversation, in order. ``tools`` go to the template, as vLLM gives them (the
+        reply is not parsed for calls: the server does that)."""
         if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
             messages = [messages]
         if not (isinstance(messages, (list, tuple)) and messages
                 and all(isinstance(c, list) and c and all(isinstance(m, dict) for m in c) for c in messages)):
             raise ValueError("messages: give a conversation (a list of message dicts) or a list of them")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise ValueError("tools: must be a list of tool dicts")
         return self.generate(list(messages), sampling_params, use_tqdm=use_tqdm,
                              chat_template=ChatTemplate(add_generation_prompt, continue_final_message,
                                                         dict(chat_template_kwargs or {}), chat_template,
-                                                        None if documents is None else tuple(documents)))
+                                                        None if documents is None else tuple(documents),
+                                                        None if tools is None else tuple(tools)))
 
     def _run(self, states: list[RequestState], bar) -> None:
         """Hand the requests to the actors and wait until every one has ended."""

@@ -27,6 +27,23 @@ def test_seeded_sampling_is_reproducible_across_batches(llm):
     assert_pool_free(llm)
 
 
+def test_an_llm_seed_makes_unseeded_sampling_repeatable(tiny_llama):
+    """vLLM's LLM(seed=...): unseeded sampled requests give the same tokens in a new LLM with
+    the same seed and calls, other tokens with another seed, and a request's own seed wins."""
+    prompts, sp = mixed_prompts(3, 512, seed=8), SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    runs = {}
+    for name, seed in (("a", 5), ("b", 5), ("c", 6)):
+        with LLM(str(tiny_llama), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1,
+                 seed=seed) as m:
+            calls = [o.token_ids for _ in range(2) for o in m.generate(prompts, sp)]
+            runs[name] = (calls, m.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=1.0,
+                                                                         seed=3))[0].token_ids)
+    assert runs["a"] == runs["b"] and runs["a"][0] != runs["c"][0] and runs["a"][1] == runs["c"][1]
+    assert runs["a"][0][:3] != runs["a"][0][3:], "the second call draws new seeds"
+    with pytest.raises(ValueError, match="seed"):
+        LLM(str(tiny_llama), "cpu:1", seed="5")
+
+
 def test_top_k_one_is_greedy(llm, tiny_llama):
     p = mixed_prompts(1, 512, seed=4)
     out = llm.generate(p, SamplingParams(max_tokens=10, temperature=1.5, top_k=1, seed=5, ignore_eos=True))

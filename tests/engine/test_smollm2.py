@@ -68,6 +68,16 @@ def test_chat_takes_one_conversation_or_several_as_vllms_does(smol, hf_smol):
     text = smol.get_tokenizer().apply_chat_template([{"role": "user", "content": "Name a\ncolour."}],
                                                     tokenize=False, add_generation_prompt=True)
     assert parts.prompt_token_ids == smol.get_tokenizer()(text, add_special_tokens=False)["input_ids"]
+    # tools go to the template, as vLLM's chat gives them (HF's rendering as the reference)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    tpl = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    conv = [{"role": "user", "content": "Weather?"}]
+    o = smol.chat(conv, greedy, tools=tools, chat_template=tpl)[0]
+    text = smol.get_tokenizer().apply_chat_template(conv, tools=tools, chat_template=tpl, tokenize=False,
+                                                    add_generation_prompt=True)
+    assert text.startswith("[get_weather]") and o.prompt == text
+    with pytest.raises(ValueError, match="tools"):
+        smol.chat(conv, greedy, tools={"name": "x"})
     with pytest.raises(ValueError, match="text parts"):
         smol.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy)
 

@@ -164,7 +164,8 @@ def test_vllms_json_options_change_what_the_grammar_takes(llm, hf):
     the output is compact and objects are open."""
     schema = {"type": "object", "required": ["a"], "properties": {
         "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
-        "properties": {"$ref": "#/$defs/p"}}, "$defs": {"p": {"type": "object", "properties": {"y": {"type": "integer"}}}}}
+        "properties": {"$ref": "#/$defs/p"}},
+        "$defs": {"p": {"type": "object", "properties": {"y": {"type": "integer"}}}}}
     shut = json.loads(json.dumps(schema))
     for obj in (shut, shut["properties"]["a"], shut["$defs"]["p"]):
         obj["additionalProperties"] = False
