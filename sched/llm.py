@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 from tandem.engine.dtype import resolve_dtype
 from tandem.engine.grammar import Vocabulary, compile_grammar
 from tandem.engine.messages import DeviceError
-from tandem.engine.models.loader import load_spec, load_tokenizer, resolve_model
+from tandem.engine.models.loader import load_spec, load_tokenizer, resolve_model, sampling_defaults
 from tandem.engine.params import SamplingParams
 from tandem.engine.worker import WorkerConfig, WorkerHandle, sized_pool, wait_all
 from tandem.sched.actor import Update
@@ -261,6 +261,10 @@ class LLM:
     the interpreter is hundreds of times slower than the compiled CPU kernel).
     seed: vLLM's: each request whose SamplingParams give no seed draws one from a generator
     seeded with it, in the order generate is called, so a script run again samples the same.
+    generation_config: "auto" (vLLM's default): ``generate`` without sampling_params, and the
+    server's requests for each field they leave out, take the model's generation_config.json
+    sampling defaults (temperature, top_p, top_k, min_p, the penalties, and max_new_tokens as a
+    cap on max_tokens); "vllm": neutral defaults (temperature 1, no cap).
     """
 
     def __init__(self, model: str = "smollm2", devices: str = "cpu:1", *, dtype: str = "auto",
@@ -282,7 +286,7 @@ class LLM:
                  slo_tbt_mean: bool = False, length_cap: bool = True, weight_blocks: bool = True,
                  enable_prefix_caching: bool = True, prefix_aware_routing: bool = True,
                  length_learned_max: int | None = None, chat_template: str | None = None,
-                 seed: int | None = None):
+                 seed: int | None = None, generation_config: str = "auto"):
         self._workers: list[WorkerHandle] = []
         self._prefix_routing = bool(prefix_aware_routing)
         self.runtime: Runtime | None = None
@@ -299,6 +303,9 @@ class LLM:
             raise ValueError(f"swap_space: must be a non-negative number of GiB, got {swap_space!r}")
         if length_learned_max is not None and (not isinstance(length_learned_max, int) or length_learned_max < 0):
             raise ValueError(f"length_learned_max: must be 0 or more, got {length_learned_max!r}")
+        if generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config: must be 'auto' (the model's sampling defaults) or 'vllm' "
+                             f"(neutral ones), got {generation_config!r}")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ValueError(f"seed: must be None or an integer, got {seed!r}")
         # vLLM's seed: requests that give none draw theirs from it, so a script's run is repeatable
@@ -336,6 +343,10 @@ class LLM:
         t_load = time.monotonic()
         hf_dir = resolve_model(model, cache_dir or DEFAULT_CACHE_DIR)
         self.spec = load_spec(hf_dir)
+        # what a request that sets no sampling field of its own takes (vLLM's generation_config)
+        self.sampling_defaults = sampling_defaults(hf_dir) if generation_config == "auto" else {}
+        if self.sampling_defaults:
+            log.info("the model's sampling defaults (generation_config.json): %s", self.sampling_defaults)
         self.max_model_len = min(self.spec.max_model_len, max_model_len or self.spec.max_model_len)
         if max_model_len is not None and max_model_len > self.spec.max_model_len:
             log.warning("max_model_len %d is past the model's %d positions: using %d", max_model_len,
@@ -727,7 +738,7 @@ class LLM:
         with ``"cache_salt"`` to share cached blocks only among the prompts that give the same
         salt."""
         plist, salts = zip(*map(_unwrap, _as_prompt_list(prompts)))
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None else SamplingParams(**self.sampling_defaults)
         if isinstance(params, SamplingParams):
             params = [params] * len(plist)
         if len(params) != len(plist):

@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 from pathlib import Path
 import sys
 import time
@@ -16,24 +17,90 @@ from tandem.server.config import ServerConfig
 from tandem.server.connections import Limits
 
 
+# vLLM's serve flags a ported command line may carry, and what to do here instead (None: nothing
+# to do, it is how this server always works; a flag not listed gets argparse's own error)
+VLLM_FLAGS = {
+    "--gpu-memory-utilization": "size each device's KV pool with --kv-cache-bytes",
+    "--scheduling-policy": "choose the scheduler with --policy (tandem, fcfs, rr, bros, aptserve, alise)",
+    "--tensor-parallel-size": "tensor parallelism is not supported; --devices cuda:0,1 runs one model per GPU",
+    "-tp": "tensor parallelism is not supported; --devices cuda:0,1 runs one model per GPU",
+    "--pipeline-parallel-size": "pipeline parallelism is not supported",
+    "--data-parallel-size": "--devices runs one model per device named (data parallel)",
+    "--enable-chunked-prefill": None, "--no-enable-chunked-prefill": "prompts are always chunked here",
+    "--enable-auto-tool-choice": None, "--tool-call-parser": None,
+    "--disable-log-requests": None, "--enable-log-requests": "requests are not logged (nor their prompts)",
+    "--disable-log-stats": None, "--disable-uvicorn-access-log": None,
+    "--uvicorn-log-level": "the log has warnings, and the server's own events at info",
+    "--trust-remote-code": "only Llama- and OPT-family checkpoints run here, with this server's own code",
+    "--download-dir": "nothing is downloaded: give --model a local checkpoint dir or a .gguf file",
+    "--load-format": "--model takes a HF checkpoint dir (safetensors) or a .gguf file",
+    "--block-size": "blocks are 16 tokens on the server (LLM(block_size=...) offline)",
+    "--enforce-eager": None, "--max-logprobs": "at most 20 log probabilities per token, as vLLM's default",
+}
+VALUE_FLAGS = {"--gpu-memory-utilization", "--scheduling-policy", "--tensor-parallel-size", "-tp",
+               "--pipeline-parallel-size", "--data-parallel-size", "--tool-call-parser", "--uvicorn-log-level",
+               "--download-dir", "--load-format", "--block-size", "--max-logprobs"}
+
+
+def _vllm_flags(unknown: list[str]) -> tuple[list[str], list[str]]:
+    """``unknown`` arguments split into (notes on vLLM flags taken or refused, the rest)."""
+    notes, rest, i = [], [], 0
+    while i < len(unknown):
+        flag = unknown[i].split("=", 1)[0]
+        if flag not in VLLM_FLAGS:
+            rest.append(unknown[i])
+            i += 1
+            continue
+        i += 2 if flag in VALUE_FLAGS and "=" not in unknown[i] else 1      # the flag, and its value
+        if VLLM_FLAGS[flag] is not None:
+            notes.append(f"{flag} is vLLM's: {VLLM_FLAGS[flag]}")
+    return notes, rest
+
+
+def human_int(value: str) -> int:
+    """vLLM's human-readable sizes: 4k = 4,000, 4K = 4,096 (m/M, g/G likewise)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG]?)", value.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}")
+    number, suffix = m.groups()
+    if suffix in ("", *"KMG") and "." in number:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}")
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}[suffix]
+    return int(float(number) * scale) if suffix.islower() else int(number) * scale
+
+
+def port_number(value: str) -> int:
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0-65535, got {port}")
+    return port
+
+
 def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     d = ServerConfig()
-    ap = argparse.ArgumentParser(prog=prog, description="Tandem LLM server")
-    ap.add_argument("--model", default=d.model, help="'smollm2', a HF checkpoint dir, a .gguf file, or "
-                    "'opt13b-random' / 'llama8b-random' / 'smollm2-random' (random weights at the real shapes, for GPU benchmarks)")
-    ap.add_argument("--served-model-name", default=None, help="name clients use (default: smollm2 or the dir name)")
+    ap = argparse.ArgumentParser(prog=prog, description="Tandem LLM server", allow_abbrev=False)
+    ap.add_argument("model_tag", nargs="?", default=None, help="the model, as --model (vLLM's positional)")
+    ap.add_argument("--model", default=None, help="'smollm2', a HF checkpoint dir, a .gguf file, or "
+                    "'opt13b-random' / 'llama8b-random' / 'smollm2-random' (random weights at the real shapes, "
+                    "for GPU benchmarks) (default: smollm2)")
+    ap.add_argument("--served-model-name", nargs="+", default=None,
+                    help="names clients use; the first is the one responses carry (default: smollm2 or the "
+                         "dir name; the --model path as given is taken too)")
     ap.add_argument("--devices", default=d.devices, help="cpu:N (N worker processes on the CPU) or cuda:0,1,... "
                     "(one per GPU named) (default: %(default)s)")
-    ap.add_argument("--host", default=d.host)
-    ap.add_argument("--port", type=int, default=d.port)
-    ap.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
-                    help="required bearer key (default: $TANDEM_API_KEY; none = open)")
+    ap.add_argument("--host", default=d.host, help="address to listen on (default: %(default)s, this machine only; "
+                    "0.0.0.0 for every interface, as vLLM's default)")
+    ap.add_argument("--port", type=port_number, default=d.port, help="0: any free port (the log names it)")
+    env_key = os.environ.get("TANDEM_API_KEY") or os.environ.get("VLLM_API_KEY")
+    ap.add_argument("--api-key", nargs="+", default=[env_key] if env_key else [],
+                    help="bearer keys, any of which a request may give (default: $TANDEM_API_KEY, else "
+                         "$VLLM_API_KEY; none = open)")
     ap.add_argument("--data-dir", default=d.data_dir,
                     help="batch files, their database and learned output lengths (default: the XDG data dir)")
     ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     ap.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                     help="new tokens per iteration (smaller: shorter decode stalls behind prefills)")
-    ap.add_argument("--max-model-len", type=int, default=d.max_model_len,
+    ap.add_argument("--max-model-len", type=human_int, default=d.max_model_len,
                     help="longest context, prompt plus output, in tokens (default: the model's; "
                          "a larger value is cut to it)")
     ap.add_argument("--policy", default=d.policy, choices=list(POLICIES),
@@ -127,6 +194,10 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     ap.add_argument("--chat-control-tokens", action="store_true",
                     help="let chat message text act as template tokens such as <|im_end|> (default: "
                          "such text is tokenized as plain text, so a user cannot forge a turn)")
+    ap.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+                    help="auto: requests take the model's sampling defaults (generation_config.json: "
+                         "temperature, top_p, top_k, min_p, penalties; its max_new_tokens caps max_tokens) for "
+                         "what they leave out, as vLLM's default; vllm: neutral defaults (temperature 1)")
     ap.add_argument("--chat-template", default=None,
                     help="a Jinja chat template, or the path of a file holding one, used instead of the "
                          "model's (vLLM's flag)")
@@ -154,7 +225,15 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     ap.add_argument("--threads-per-worker", type=int, default=None,
                     help="torch threads in each worker process (default: the cores divided among the CPU workers)")
     ap.add_argument("--watch-parent", type=int, default=None, help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
+    a, unknown = ap.parse_known_args(argv)
+    notes, unknown = _vllm_flags(unknown)
+    if unknown:
+        ap.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if notes:
+        ap.error("; ".join(notes))
+    if a.model_tag is not None and a.model is not None and a.model_tag != a.model:
+        ap.error(f"the model is given twice: {a.model_tag} and --model {a.model}")
+    a.model = a.model_tag or a.model or d.model
     try:                    # the scheduler's own check, before anything loads
         SchedConfig(a.max_num_seqs, a.max_num_batched_tokens, True, a.policy, None, a.bidirectional_blocks,
                     cache_type_of(a.cache_type), hybrid_cache=not a.kv_only, adaptive=not a.aptserve_fcfs,
@@ -187,9 +266,13 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
             raise ValueError("max-connections, header-timeout and body-timeout must be positive")
     except ValueError as e:
         ap.error(str(e))
-    name = a.served_model_name or (a.model if a.model == "smollm2" else os.path.basename(a.model.rstrip("/")))
-    return ServerConfig(model=a.model, served_model_name=name, devices=a.devices, host=a.host, port=a.port,
-                        api_key=a.api_key, data_dir=a.data_dir, max_num_seqs=a.max_num_seqs,
+    names = a.served_model_name or [a.model if a.model == "smollm2" else os.path.basename(a.model.rstrip("/"))]
+    # vLLM's default name is the --model string: taken too where no name was given
+    aliases = tuple(dict.fromkeys(n for n in (*names[1:], *([] if a.served_model_name else [a.model]))
+                                  if n != names[0]))
+    return ServerConfig(model=a.model, served_model_name=names[0], model_aliases=aliases, devices=a.devices,
+                        host=a.host, port=a.port, api_keys=tuple(a.api_key), data_dir=a.data_dir,
+                        max_num_seqs=a.max_num_seqs,
                         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                         policy=a.policy, tandem_off=tuple(a.tandem_off), slo_tbt_mean=a.slo_tbt_mean,
                         bidirectional_blocks=a.bidirectional_blocks, cache_type=a.cache_type,
@@ -205,6 +288,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                         max_upload_bytes=int(a.max_upload_mb * 2**20),
                         max_body_bytes=int(a.max_body_mb * 2**20), chat_control_tokens=a.chat_control_tokens,
                         chat_template=a.chat_template, trust_request_chat_template=a.trust_request_chat_template,
+                        generation_config=a.generation_config,
                         dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
                         weight_blocks=not a.no_weight_blocks,
                         watch_parent=a.watch_parent, threads_per_worker=a.threads_per_worker,
@@ -278,6 +362,7 @@ def main(argv=None, prog: str = "python -m server") -> None:
                   rebalance_interval_s=cfg.rebalance_interval_s, slo_tbt_s=cfg.slo_tbt_ms / 1000,
                   length_predictor=_length_source(cfg), length_cap=cfg.length_cap,
                   length_learned_max=cfg.length_learned_max, preemption_mode=cfg.preemption_mode,
+                  generation_config=cfg.generation_config,
                   swap_space=cfg.swap_space_gib, swap_dtype=cfg.swap_dtype,
                   kv_cache_dtype=cfg.kv_cache_dtype, tandem_off=cfg.tandem_off,
                   slo_tbt_mean=cfg.slo_tbt_mean, weight_blocks=cfg.weight_blocks,
@@ -289,9 +374,14 @@ def main(argv=None, prog: str = "python -m server") -> None:
     if cfg.watch_parent:
         app.on_startup.append(lambda app_: _watch_parent(cfg.watch_parent))
     t0 = time.monotonic()
-    print(f"tandem: listening on http://{cfg.host}:{cfg.port} (model {cfg.model!r} loading; "
-          f"/health is 503 until ready)", flush=True)
-    asyncio.run(serve(app, cfg.host, cfg.port, cfg.limits, shutdown_timeout=30))
+
+    def listening(url: str) -> None:
+        print(f"tandem: listening on {url} (model {cfg.model!r} loading; /health is 503 until ready)", flush=True)
+    try:
+        asyncio.run(serve(app, cfg.host, cfg.port, cfg.limits, shutdown_timeout=30, listening=listening))
+    except OSError as e:
+        print(f"tandem: cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}", file=sys.stderr)
+        sys.exit(1)
     print(f"tandem: stopped after {time.monotonic() - t0:.0f} s", file=sys.stderr)
 
 

@@ -93,9 +93,10 @@ def bearer_ok(header: str, key: str) -> bool:
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
-    key = request.app[STATE].cfg.api_key
-    if key and request.path not in OPEN_PATHS:
-        if not bearer_ok(request.headers.get("Authorization", ""), key):
+    keys = request.app[STATE].cfg.api_keys
+    if keys and request.path not in OPEN_PATHS:
+        given = request.headers.get("Authorization", "")
+        if not any([bearer_ok(given, key) for key in keys]):     # every key compared: no early exit
             raise ApiError(401, "Incorrect or missing API key", code="invalid_api_key")
     return await handler(request)
 
@@ -172,9 +173,10 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
                   force_be: bool = False) -> Prepared:
     """Validate a body and build its engine Requests, n per prompt (raises ApiError). Prompts are
     tokenized on a worker thread: a long one never holds up the event loop."""
-    model = check_model(body, cfg.served_model_name)
+    model = check_model(body, cfg.served_model_name, cfg.model_aliases)
     defaults = dict(default_ttft_s=None, default_tbt_s=None) if force_be else \
         dict(default_ttft_s=cfg.slo_ttft_ms / 1000, default_tbt_s=cfg.slo_tbt_ms / 1000)  # RT targets only
+    defaults["model_defaults"] = engine.llm.sampling_defaults
     gen = parse_chat(body, cfg.trust_request_chat_template, **defaults) if chat else \
         parse_completion(body, **defaults)
     if force_be:                      # batch-job lines are best-effort whatever they ask
@@ -724,7 +726,7 @@ async def tokenize(request):
     see them, on a worker thread."""
     engine = ready_engine(request)
     body = await read_json(request)
-    check_model(body, request.app[STATE].cfg.served_model_name)
+    check_model(body, request.app[STATE].cfg.served_model_name, request.app[STATE].cfg.model_aliases)
     prompt, template = parse_tokenize(body, request.app[STATE].cfg.trust_request_chat_template)
     try:
         ids, _ = await asyncio.get_running_loop().run_in_executor(None, engine.llm.encode_prompt, prompt, template)
@@ -737,7 +739,7 @@ async def detokenize(request):
     """vLLM's /detokenize: token ids to text, special tokens kept."""
     engine = ready_engine(request)
     body = await read_json(request)
-    check_model(body, request.app[STATE].cfg.served_model_name)
+    check_model(body, request.app[STATE].cfg.served_model_name, request.app[STATE].cfg.model_aliases)
     ids = parse_detokenize(body)
     try:
         text = await asyncio.get_running_loop().run_in_executor(None, engine.llm.ids_to_text, ids)
@@ -764,7 +766,7 @@ async def models(request):
 async def model(request):
     """One model by id, as ``GET /v1/models`` lists it; 404 for a model not served here."""
     st = request.app[STATE]
-    check_model({"model": request.match_info["id"]}, st.cfg.served_model_name)
+    check_model({"model": request.match_info["id"]}, st.cfg.served_model_name, st.cfg.model_aliases)
     return json_response(_model_object(st))
 
 

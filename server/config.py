@@ -11,10 +11,12 @@ from tandem.server.connections import Limits
 class ServerConfig:
     model: str = "smollm2"
     served_model_name: str = "smollm2"
+    model_aliases: tuple[str, ...] = ()     # other names requests may give (answered as served_model_name)
     devices: str = "cpu:1"
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()          # bearer keys any of which is accepted (none: open)
+    generation_config: str = "auto"         # auto: the model's sampling defaults; vllm: neutral ones
     data_dir: str = field(default_factory=lambda: str(data_dir()))   # XDG data dir, outside any checkout
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048

