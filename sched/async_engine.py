@@ -102,6 +102,10 @@ class AsyncEngine:
         """Requests waiting for a device, and those accepted on their way to one."""
         return self.runtime.num_waiting() + self.admitting
 
+    def num_requests(self) -> int:
+        """Requests accepted and not ended (each of a prompt's n choices one)."""
+        return len(self._queues) + self.admitting
+
     def chats_overdue(self, targets: float) -> bool:
         """Every device holds a chat waiting more than ``targets`` TTFT targets for its first token."""
         return self.runtime.chats_overdue(targets)

@@ -29,7 +29,7 @@ VLLM_FLAGS = {
     "--enable-chunked-prefill": None, "--no-enable-chunked-prefill": "prompts are always chunked here",
     "--enable-auto-tool-choice": None, "--tool-call-parser": None,
     "--disable-log-requests": None, "--enable-log-requests": "requests are not logged (nor their prompts)",
-    "--disable-log-stats": None, "--disable-uvicorn-access-log": None,
+    "--disable-uvicorn-access-log": None,
     "--uvicorn-log-level": "the log has warnings, and the server's own events at info",
     "--trust-remote-code": "only Llama- and OPT-family checkpoints run here, with this server's own code",
     "--download-dir": "nothing is downloaded: give --model a local checkpoint dir or a .gguf file",
@@ -194,6 +194,10 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     ap.add_argument("--chat-control-tokens", action="store_true",
                     help="let chat message text act as template tokens such as <|im_end|> (default: "
                          "such text is tokenized as plain text, so a user cannot forge a turn)")
+    ap.add_argument("--disable-log-stats", action="store_true",
+                    help="no throughput line in the log (by default one every 10 s while there is work: "
+                         "prompt and generation tokens/s, requests running and waiting, KV cache use, "
+                         "prefix-cache hit rate, as vLLM logs them)")
     ap.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
                     help="auto: requests take the model's sampling defaults (generation_config.json: "
                          "temperature, top_p, top_k, min_p, penalties; its max_new_tokens caps max_tokens) for "
@@ -288,7 +292,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                         max_upload_bytes=int(a.max_upload_mb * 2**20),
                         max_body_bytes=int(a.max_body_mb * 2**20), chat_control_tokens=a.chat_control_tokens,
                         chat_template=a.chat_template, trust_request_chat_template=a.trust_request_chat_template,
-                        generation_config=a.generation_config,
+                        generation_config=a.generation_config, log_stats=not a.disable_log_stats,
                         dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
                         weight_blocks=not a.no_weight_blocks,
                         watch_parent=a.watch_parent, threads_per_worker=a.threads_per_worker,

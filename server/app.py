@@ -33,7 +33,7 @@ from tandem.server.protocol import (GenRequest, check_model, parse_chat, parse_c
 from tandem.server.tools import ContentStream, ToolPlan, finish_reason
 
 # no API key needed: what /metrics shows, no request text
-OPEN_PATHS = ("/health", "/ping", "/version", "/metrics", "/status", "/dashboard", "/openapi.json")
+OPEN_PATHS = ("/health", "/ping", "/version", "/load", "/metrics", "/status", "/dashboard", "/openapi.json")
 PAST_CAPACITY = "chats_past_capacity"      # the error code of a chat refused by --shed-chats-after
 TOKEN_IDS = TokenText(None)                 # each token as "token_id:<id>" (what a model without a tokenizer shows)
 DASHBOARD = Path(__file__).parent / "static" / "dashboard.html"
@@ -732,7 +732,36 @@ async def tokenize(request):
         ids, _ = await asyncio.get_running_loop().run_in_executor(None, engine.llm.encode_prompt, prompt, template)
     except ValueError as e:
         raise bad_request(str(e), param=prompt_param(e, "prompt" if isinstance(prompt, str) else "messages")) from None
-    return json_response({"count": len(ids), "max_model_len": engine.llm.max_model_len, "tokens": ids})
+    out = {"count": len(ids), "max_model_len": engine.llm.max_model_len, "tokens": ids}
+    if body.get("return_token_strs"):           # vLLM's: each token as the tokenizer spells it
+        out["token_strs"] = engine.llm.tokenizer.convert_ids_to_tokens(ids)
+    return json_response(out)
+
+
+async def server_load(request):
+    """vLLM's /load: the requests in flight (accepted and not ended), for a load balancer."""
+    st = request.app[STATE]
+    return json_response({"server_load": 0 if st.engine is None else st.engine.num_requests()})
+
+
+STATS_EVERY_S = 10.0
+
+
+async def log_stats(metrics: Metrics) -> None:
+    """vLLM's periodic log line, every STATS_EVERY_S while there is work: prompt and generation
+    tokens computed per second, requests running and waiting, pool use, prefix-cache hit rate."""
+    before = metrics.activity()
+    while True:
+        await asyncio.sleep(STATS_EVERY_S)
+        now = metrics.activity()
+        rate = {k: (now[k] - before[k]) / STATS_EVERY_S for k in ("prefill", "decode")}
+        queried, hits = now["queried"] - before["queried"], now["hits"] - before["hits"]
+        if rate["prefill"] or rate["decode"] or now["running"] or now["waiting"]:
+            log.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: "
+                     "%d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+                     rate["prefill"], rate["decode"], now["running"], now["waiting"], 100 * now["kv"],
+                     100 * hits / queried if queried else 0.0)
+        before = now
 
 
 async def detokenize(request):
@@ -851,6 +880,7 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
     app.router.add_get("/ping", health)                    # vLLM's health check, GET and POST
     app.router.add_post("/ping", health)
     app.router.add_get("/version", version)
+    app.router.add_get("/load", server_load)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/status", status)
     app.router.add_get("/dashboard", dashboard)
@@ -876,6 +906,8 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
         state.text_of = TokenText(engine.llm.tokenizer)
         state.engine = engine
         routes_batch.engine_ready(app_)
+        if cfg.log_stats:
+            app_["stats"] = asyncio.create_task(log_stats(state.metrics))
         print(f"tandem: model {cfg.model!r} ready in {time.monotonic() - t0:.1f} s", flush=True)
 
     async def on_startup(app_):
@@ -883,6 +915,8 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
 
     async def on_cleanup(app_):
         app_["loader"].cancel()
+        if "stats" in app_:
+            app_["stats"].cancel()
         await routes_batch.stop(app_)
         if state.engine is not None:
             try:

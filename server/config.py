@@ -17,6 +17,7 @@ class ServerConfig:
     port: int = 8000
     api_keys: tuple[str, ...] = ()          # bearer keys any of which is accepted (none: open)
     generation_config: str = "auto"         # auto: the model's sampling defaults; vllm: neutral ones
+    log_stats: bool = True                  # a throughput line in the log every 10 s while there is work
     data_dir: str = field(default_factory=lambda: str(data_dir()))   # XDG data dir, outside any checkout
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048

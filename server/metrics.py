@@ -258,6 +258,20 @@ class Metrics:
             for c in (self.preemptions, self.prompt_tokens, self.generation_tokens):
                 c.labels(m, cls)
 
+    def activity(self) -> dict[str, float]:
+        """The totals the periodic log line reads: tokens computed by phase so far, requests
+        running and waiting, the pool's use, prefix-cache tokens looked up and found."""
+        get, m = self.registry.get_sample_value, self.model
+
+        def by_class(name: str, **labels) -> float:
+            return sum(get(name, {"model_name": m, "service_class": c, **labels}) or 0 for c in CLASSES)
+        return {"prefill": by_class("tandem:step_tokens_total", phase="prefill"),
+                "decode": by_class("tandem:step_tokens_total", phase="decode"),
+                "running": by_class("vllm:num_requests_running"), "waiting": by_class("vllm:num_requests_waiting"),
+                "kv": by_class("vllm:kv_cache_usage_perc"),
+                "queried": get("vllm:prefix_cache_queries_total", {"model_name": m}) or 0,
+                "hits": get("vllm:prefix_cache_hits_total", {"model_name": m}) or 0}
+
     def _count(self, counter: Counter, device: int, totals) -> None:
         """Bring a Prometheus counter up to one device's running totals (key -> count; a key is an
         enum, a string or a tuple of them, one per label after the model's)."""

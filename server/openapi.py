@@ -74,7 +74,8 @@ COMPLETION = _completion("text_completion", {"text": {"type": "string"}, "prompt
                                              "logprobs": COMPLETION_LOGPROBS, "prompt_logprobs": PROMPT_LOGPROBS})
 TOKENS = {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
     "count": {"type": "integer", "minimum": 0}, "max_model_len": {"type": "integer"},
-    "tokens": {"type": "array", "items": {"type": "integer"}}}}
+    "tokens": {"type": "array", "items": {"type": "integer"}},
+    "token_strs": {"type": "array", "items": {"type": "string"}, "description": "with return_token_strs"}}}
 RESPONSE = {"type": "object", "required": ["id", "object", "created_at", "status", "model", "output"], "properties": {
     "id": {"type": "string"}, "object": {"const": "response"}, "created_at": {"type": "integer"},
     "status": {"enum": ["completed", "incomplete", "in_progress"]}, "model": {"type": "string"},
@@ -206,6 +207,9 @@ def document(version: str = "0.1.0") -> dict:
             "/version": {"get": {"summary": "the server's version", "security": [], "responses": {"200": _json(
                 {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}},
                 "version")}}},
+            "/load": {"get": {"summary": "requests in flight (vLLM's, for load balancers)", "security": [],
+                              "responses": {"200": _json({"type": "object", "required": ["server_load"], "properties": {
+                                  "server_load": {"type": "integer", "minimum": 0}}}, "load")}}},
             "/status": {"get": _op("the dashboard's data", {"type": "object", "required": ["devices", "slo"]},
                                    open_=True)},
             "/metrics": {"get": {"summary": "Prometheus text", "security": [], "responses": {"200": {

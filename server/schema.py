@@ -292,6 +292,7 @@ TOKENIZE_BODY = {"type": "object", "properties": {   # vLLM's /tokenize: one of 
     "prompt": {"type": "string", "minLength": 1, "description": "text, tokenized as a completion's prompt is"},
     "messages": {"type": "array", "items": MESSAGE, "minItems": 1,
                  "description": "a chat, rendered by the model's template as a chat request's prompt is"},
+    "return_token_strs": {"type": "boolean", "description": "also each token as the tokenizer spells it"},
     **TOOLS, **TEMPLATE}}
 DETOKENIZE_BODY = {"type": "object", "required": ["tokens"], "properties": {    # vLLM's /detokenize
     "model": SAMPLING["model"], "tokens": {"type": "array", "items": _int(0, INT64, "token id")}}}

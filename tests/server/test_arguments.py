@@ -81,6 +81,7 @@ def test_a_vllm_serve_command_line_carries_over(monkeypatch):
     assert parse_args(["--max-model-len", "2.5k"]).max_model_len == 2500
     monkeypatch.setenv("TANDEM_API_KEY", "ours")
     assert parse_args([]).api_keys == ("ours",)
+    assert parse_args([]).log_stats and not parse_args(["--disable-log-stats"]).log_stats
     monkeypatch.setattr("tandem.engine.models.loader.check_model", lambda model: None)
     local = parse_args(["--model", "/models/my-llama/"])
     assert (local.served_model_name, local.model_aliases) == ("my-llama", ("/models/my-llama/",))

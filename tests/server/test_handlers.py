@@ -108,3 +108,48 @@ def test_a_client_that_leaves_during_its_prediction_leaves_nothing_pending():
     asyncio.run(main())
     lengths.go_on.set()
     assert lengths.forgotten.wait(10) and not lengths.pending
+
+
+def test_the_periodic_log_line_reads_rates_from_the_totals(monkeypatch, caplog):
+    """vLLM's throughput line: tokens computed since the last line over the period, the requests
+    and the pool as they are, the prefix cache's hits over its lookups in the period; nothing
+    while there is no work."""
+    from tandem.server import app as app_module
+    monkeypatch.setattr(app_module, "STATS_EVERY_S", 0.05)
+    quiet = dict(prefill=0, decode=0, running=0, waiting=0, kv=0.0, queried=0, hits=0)
+    totals = iter([quiet, quiet, dict(prefill=20, decode=4, running=3, waiting=1, kv=0.25, queried=40, hits=10)])
+
+    class Done(Exception):
+        pass
+
+    class Totals:
+        def activity(self):
+            if (t := next(totals, None)) is None:
+                raise Done
+            return t
+
+    async def run():
+        with pytest.raises(Done):
+            await app_module.log_stats(Totals())    # two periods, then the scripted totals run out
+    with caplog.at_level("INFO", logger="tandem.server"):
+        asyncio.run(run())
+    lines = [r.getMessage() for r in caplog.records if "throughput" in r.getMessage()]
+    assert lines == ["Avg prompt throughput: 400.0 tokens/s, Avg generation throughput: 80.0 tokens/s, "
+                     "Running: 3 reqs, Waiting: 1 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 25.0%"]
+
+
+def test_the_log_line_reads_the_metrics_the_server_exports():
+    """What the line reads is what /metrics says: the samples' names and labels as exported,
+    summed over the two classes."""
+    from tandem.server.metrics import Metrics
+    m = Metrics("m")
+    m.step_tokens.labels("m", "rt", "prefill").inc(7)
+    m.step_tokens.labels("m", "be", "prefill").inc(5)
+    m.step_tokens.labels("m", "be", "decode").inc(3)
+    m.running.labels("m", "rt").set(2)
+    m.waiting.labels("m", "be").set(4)
+    m.kv_usage.labels("m", "rt").set(0.25)
+    m.kv_usage.labels("m", "be").set(0.5)
+    m.prefix_queries.labels("m").inc(10)
+    m.prefix_hits.labels("m").inc(6)
+    assert m.activity() == dict(prefill=12, decode=3, running=2, waiting=4, kv=0.75, queried=10, hits=6)

@@ -582,6 +582,27 @@ def test_template_options_that_cannot_hold_are_refused(server, client, messages,
     assert e.value.param == "continue_final_message", e.value.message
 
 
+def test_tokenize_spells_the_tokens_and_load_counts_requests(server, tiny_chat_model):
+    """vLLM's return_token_strs: HF's own spelling of each token; vLLM's /load, open as /health
+    is: the requests in flight (none between tests)."""
+    from transformers import AutoTokenizer
+    from tests.server.conftest import call
+    status, out = call(server, "POST", "/tokenize", {"prompt": "Hello wide world", "return_token_strs": True})
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    assert status == 200 and out["tokens"] == tok("Hello wide world")["input_ids"]
+    assert out["token_strs"] == tok.convert_ids_to_tokens(out["tokens"])
+    assert "token_strs" not in call(server, "POST", "/tokenize", {"prompt": "Hello"})[1]
+    assert call(server, "GET", "/load", headers={}) == (200, {"server_load": 0})
+    import urllib.request
+    req = urllib.request.Request(server.url + "/v1/completions", headers={**server.headers(), "Content-Type":
+                                 "application/json"}, data=json.dumps({"prompt": "Hi", "max_tokens": 200,
+                                                                       "stream": True, "ignore_eos": True}).encode())
+    with urllib.request.urlopen(req, timeout=60) as stream:
+        assert stream.readline().startswith(b"data: ")          # under way
+        assert call(server, "GET", "/load", headers={}) == (200, {"server_load": 1})
+        stream.read()
+
+
 def test_tokenize_counts_a_chat_with_its_tools_as_the_chat_is_served(server, client):
     """The tools are listed in the prompt's system turn: /tokenize counts them as the chat's usage
     does, and with tool_choice none it leaves them out, as the chat does."""
