@@ -3,18 +3,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import re
-from pathlib import Path
 import sys
 import time
+from pathlib import Path
 
 from tandem.sched.rebalancer import PLACEMENTS
 from tandem.sched.scheduler import POLICIES, SchedConfig, cache_type_of
 from tandem.sched.tandem import MECHANISMS
 from tandem.server.config import ServerConfig
 from tandem.server.connections import Limits
+from tandem.server.cors import Cors
 
 
 # vLLM's serve flags a ported command line may carry, and what to do here instead (None: nothing
@@ -55,6 +57,19 @@ def _vllm_flags(unknown: list[str]) -> tuple[list[str], list[str]]:
         if VLLM_FLAGS[flag] is not None:
             notes.append(f"{flag} is vLLM's: {VLLM_FLAGS[flag]}")
     return notes, rest
+
+
+def _listed(values: list[str]) -> tuple[str, ...]:
+    """A list flag's values, vLLM's one-JSON-list form ('["a", "b"]') read as its items."""
+    if len(values) == 1 and values[0].lstrip().startswith("["):
+        try:
+            items = json.loads(values[0])
+        except ValueError:
+            raise ValueError(f"not a JSON list: {values[0]}") from None
+        if not (isinstance(items, list) and all(isinstance(x, str) for x in items)):
+            raise ValueError(f"not a JSON list of strings: {values[0]}")
+        return tuple(items)
+    return tuple(values)
 
 
 def human_int(value: str) -> int:
@@ -194,6 +209,13 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     ap.add_argument("--chat-control-tokens", action="store_true",
                     help="let chat message text act as template tokens such as <|im_end|> (default: "
                          "such text is tokenized as plain text, so a user cannot forge a turn)")
+    ap.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                    help="origins whose browser pages may call the API (CORS), or * for any (default: none, "
+                         "unlike vLLM's *: any page a user opens could otherwise read this server's answers); "
+                         "vLLM's JSON list form ('[\"*\"]') is taken too")
+    ap.add_argument("--allowed-methods", nargs="+", default=["*"], help="CORS: methods allowed (default: *)")
+    ap.add_argument("--allowed-headers", nargs="+", default=["*"], help="CORS: request headers allowed (default: *)")
+    ap.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
     ap.add_argument("--disable-log-stats", action="store_true",
                     help="no throughput line in the log (by default one every 10 s while there is work: "
                          "prompt and generation tokens/s, requests running and waiting, KV cache use, "
@@ -268,6 +290,8 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
             a.chat_template = template_text(a.chat_template)
         if a.max_connections < 1 or a.header_timeout <= 0 or a.body_timeout <= 0:
             raise ValueError("max-connections, header-timeout and body-timeout must be positive")
+        cors = Cors(_listed(a.allowed_origins), _listed(a.allowed_methods), _listed(a.allowed_headers),
+                    a.allow_credentials)
     except ValueError as e:
         ap.error(str(e))
     names = a.served_model_name or [a.model if a.model == "smollm2" else os.path.basename(a.model.rstrip("/"))]
@@ -293,6 +317,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                         max_body_bytes=int(a.max_body_mb * 2**20), chat_control_tokens=a.chat_control_tokens,
                         chat_template=a.chat_template, trust_request_chat_template=a.trust_request_chat_template,
                         generation_config=a.generation_config, log_stats=not a.disable_log_stats,
+                        cors=cors,
                         dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
                         weight_blocks=not a.no_weight_blocks,
                         watch_parent=a.watch_parent, threads_per_worker=a.threads_per_worker,

@@ -23,6 +23,7 @@ from tandem.sched.async_engine import AsyncEngine, GenerationFailed, Submission
 from tandem.sched.llm import PromptTooLong
 from tandem.sched.request import Request, ServiceClass, error_id
 from tandem.server.config import ServerConfig
+from tandem.server.cors import preflight
 from tandem.server.connections import GUARD, body_read, connections_middleware
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs_json
@@ -866,10 +867,12 @@ async def metrics(request):
 def create_app(cfg: ServerConfig, build_engine) -> web.Application:
     """``build_engine()`` runs in a thread at start-up and returns an AsyncEngine."""
     # JSON bodies are read whole and capped here; file uploads stream their parts (routes_batch)
-    app = web.Application(middlewares=[connections_middleware, errors_middleware, auth_middleware],
+    app = web.Application(middlewares=[connections_middleware, preflight(cfg.cors), errors_middleware,
+                                       auth_middleware],
                           client_max_size=cfg.max_body_bytes, handler_args={"auto_decompress": False})
     state = AppState(cfg, Metrics(cfg.served_model_name))
     app[STATE] = state
+    cfg.cors.install(app)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/tokenize", tokenize)

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from tandem.paths import data_dir
 from tandem.server.connections import Limits
+from tandem.server.cors import Cors
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +19,7 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()          # bearer keys any of which is accepted (none: open)
     generation_config: str = "auto"         # auto: the model's sampling defaults; vllm: neutral ones
     log_stats: bool = True                  # a throughput line in the log every 10 s while there is work
+    cors: Cors = field(default_factory=Cors)    # origins whose pages may call the API (none by default)
     data_dir: str = field(default_factory=lambda: str(data_dir()))   # XDG data dir, outside any checkout
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048

@@ -260,3 +260,40 @@ def test_100_mib_prompt_refused_fast_with_health_answering(strict_server):
     _, rss_after = proc_status(pid)
     assert rss_after < rss_before + 64 * 1024, f"RSS {rss_before} -> {rss_after} KiB"
     assert complete(strict_server.url)["choices"]
+
+
+def test_cross_origin_pages_are_answered_only_for_allowed_origins(tiny_chat_model, tmp_path, strict_server):
+    """--allowed-origins (vLLM's): a browser's preflight from an allowed origin is answered without
+    the API key, and every answer to that origin (a stream's too) names it; another origin, or a
+    server started without the flag, gets no CORS header."""
+    def ask(srv, method, path, headers, body=None):
+        req = urllib.request.Request(srv.url + path, method=method, headers=headers,
+                                     data=None if body is None else json.dumps(body).encode())
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.headers, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers, e.read()
+    ui, evil = "http://ui.example:3000", "http://evil.example"
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    srv = start_server(tiny_chat_model, tmp_path, "--allowed-origins", ui)
+    try:
+        status, h, _ = ask(srv, "OPTIONS", "/v1/chat/completions", {"Origin": ui} | preflight)
+        assert status == 204 and h["Access-Control-Allow-Origin"] == ui and "Origin" in h.get_all("Vary")
+        assert h["Access-Control-Allow-Headers"] == "authorization, content-type"
+        assert "POST" in h["Access-Control-Allow-Methods"]
+        for stream in (False, True):
+            status, h, body = ask(srv, "POST", "/v1/completions", AUTH | {"Origin": ui},
+                                  {"prompt": "Hello", "max_tokens": 3, "stream": stream})
+            assert status == 200 and h["Access-Control-Allow-Origin"] == ui, body[:200]
+        status, h, _ = ask(srv, "POST", "/v1/completions", {"Origin": ui, "Content-Type": "application/json"},
+                           {"prompt": "Hello"})
+        assert status == 401 and h["Access-Control-Allow-Origin"] == ui      # the page can read why
+        status, h, _ = ask(srv, "POST", "/v1/completions", AUTH | {"Origin": evil}, {"prompt": "Hi", "max_tokens": 2})
+        assert status == 200 and "Access-Control-Allow-Origin" not in h
+        assert ask(srv, "OPTIONS", "/v1/completions", {"Origin": evil} | preflight)[0] != 204
+    finally:
+        stop_server(srv)
+    status, h, _ = ask(strict_server, "OPTIONS", "/v1/completions", {"Origin": ui} | preflight)
+    assert status != 204 and "Access-Control-Allow-Origin" not in h

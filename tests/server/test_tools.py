@@ -165,7 +165,8 @@ def test_without_parallel_calls_an_auto_reply_makes_its_first_call_only():
     one = ToolPlan(PLAN.functions, ToolChoice.AUTO, parallel=False)
     reply = "Let me check. " + CALL_ADD + "\n" + CALL_ADD.replace("1", "5")
     content, calls = one.parse(reply)
-    assert content == "Let me check. \n" and [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 1, "b": 2}]
+    assert content == "Let me check. \n"
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 1, "b": 2}]
     stream, early = ContentStream(one), []
     for n, c in enumerate(reply):
         stream.push(c)
