@@ -30,6 +30,7 @@ from tandem.engine.models.spec import ModelSpec
 # count rebuilds its primitives in ~3 ms.
 PRIMITIVE_CACHE = 64
 START_TIMEOUT_S = 600.0  # a worker not ready by then (loading the model, building kernels) is stopped
+STEP_TIMEOUT_S = 600.0   # a worker that answers no step for this long (hung: stopped, deadlocked) is stopped
 TRIM_EVERY_S = 30.0     # how often a worker hands freed heap back to the system
 
 
@@ -256,16 +257,18 @@ class WorkerHandle:
             raise DeviceError(f"{self.name}: worker is gone ({e})") from e
 
     def collect(self) -> StepOutput:
-        return self._recv()
+        """A step's results; a worker silent past STEP_TIMEOUT_S is stopped (DeviceError: the
+        device restarts it and queues its requests again, as after a death)."""
+        return self._recv(time.monotonic() + STEP_TIMEOUT_S, f"answered no step in {STEP_TIMEOUT_S:.0f} s")
 
-    def _recv(self, deadline: float | None = None):
+    def _recv(self, deadline: float | None = None, late: str = "was not ready in time"):
         while not self.conn.poll(self.POLL_S):
             if not self.proc.is_alive():
                 raise DeviceError(f"{self.name}: worker process died (exit code {self.proc.exitcode})")
             if deadline is not None and time.monotonic() > deadline:
                 self.proc.kill()
                 self.proc.join(timeout=3)
-                raise DeviceError(f"{self.name}: the worker was not ready in time; it was stopped")
+                raise DeviceError(f"{self.name}: the worker {late}; it was stopped")
         try:
             return self.conn.recv()
         except (EOFError, OSError) as e:

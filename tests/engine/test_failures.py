@@ -399,3 +399,26 @@ def test_a_worker_is_started_through_a_pipe_that_cannot_fill(tiny_chat_model, mo
     from transformers import AutoTokenizer
     assert json.loads(tokenizer)["model"] == json.loads(
         AutoTokenizer.from_pretrained(tiny_chat_model).backend_tokenizer.to_str())["model"]
+
+
+def test_a_hung_worker_is_stopped_and_its_requests_finish_token_exact(tiny_llama, monkeypatch):
+    """A worker that stops answering mid-generation (SIGSTOP: a hang, a deadlock) used to hold its
+    requests for ever while /health said ok. Past the step deadline it is killed and restarted,
+    and the requests end as HF's greedy ones."""
+    from tandem.engine import worker as worker_module
+    monkeypatch.setattr(worker_module, "STEP_TIMEOUT_S", 2.0)
+    prompts = mixed_prompts(4, 512, seed=13)
+    with LLM(str(tiny_llama), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
+        handle = llm._workers[0]
+        hung, real, n = handle.proc, handle.collect, [0]
+
+        def collect():
+            n[0] += 1
+            if n[0] == 3:
+                os.kill(handle.proc.pid, signal.SIGSTOP)
+            return real()
+        handle.collect = collect
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
+        assert llm.runtime.threads[0].restarts == 1 and handle.proc is not hung and not hung.is_alive()
+        assert_pool_free(llm)
+    assert [o.token_ids for o in outs] == hf_greedy(tiny_llama, prompts, 12)
