@@ -95,7 +95,8 @@ def log_probs(logits: torch.Tensor, specs: list[SamplingSpec],
         return rows, None
     sel = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
     sel = sel.float()
-    masked = [(rows.index(r), k) for k, r in enumerate(allowed[0]) if r in rows] if allowed else []
+    where = {r: i for i, r in enumerate(rows)} if allowed else {}         # batch row -> row of sel
+    masked = [(where[r], k) for k, r in enumerate(allowed[0]) if r in where] if allowed else []
     if masked:
         sel = sel.clone() if sel.data_ptr() == logits.data_ptr() else sel
         at, ks = (torch.tensor(x, device=sel.device) for x in zip(*masked))

@@ -368,10 +368,10 @@ class LLM:
             from tandem.engine.kernels import cpu_ops
             cpu_kernels = cpu_ops() is not None      # build once here, before the workers load it
         use_triton = _triton_choice(triton_attention, names, self.spec.head_dim)
+        tokenizer_file = self._tokenizer_file(cache_dir or DEFAULT_CACHE_DIR)    # hashed and written once
         configs = [WorkerConfig(str(hf_dir), self.spec, dtype, dev, block_size, kv_cache_bytes, kv_cache_fraction,
                                 ncpu, threads, compile, cpu_kernels, omp_wait_policy, kv_cache_dtype, max_num_seqs,
-                                use_triton, weight_blocks=weight_blocks,
-                                tokenizer_file=self._tokenizer_file(cache_dir or DEFAULT_CACHE_DIR))
+                                use_triton, weight_blocks=weight_blocks, tokenizer_file=tokenizer_file)
                    for dev in names]
         for wc in configs:          # a budget too small for a pool is refused before any worker loads
             if wc.device == "cpu" or kv_cache_bytes is not None:    # (a GPU's free memory: read in its worker)

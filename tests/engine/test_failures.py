@@ -359,18 +359,21 @@ def test_a_worker_not_ready_in_time_is_stopped_and_its_start_fails(tiny_llama):
 
 
 def test_a_worker_that_dies_while_idle_is_started_again_at_once(tiny_llama):
-    """Killed between requests, the worker is replaced within seconds, with no request to find
-    it gone (the next one used to wait out the restart, and /health said ok meanwhile); the
-    next request is served as before."""
-    import time
+    """Killed between requests, the worker is replaced with no request to find it gone (the
+    next one used to wait out the restart, and /health said ok meanwhile); the next request is
+    served as before. The wait for the restart is a guard against a hang, not a speed goal."""
     with LLM(str(tiny_llama), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
         assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **GREEDY))
         handle, thread = llm._workers[0], llm.runtime.threads[0]
-        first = handle.proc.pid
+        first, real, restarted = handle.proc.pid, handle.restart, threading.Event()
+
+        def restart():
+            info = real()
+            restarted.set()
+            return info
+        handle.restart = restart
         os.kill(first, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while not (thread.restarts == 1 and handle.alive()) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        assert restarted.wait(300), "no restart without a request"
         assert thread.restarts == 1 and handle.proc.pid != first and llm.runtime.serving()
         out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, **GREEDY))
     assert out[0].token_ids == hf_greedy(tiny_llama, [[5, 6, 7]], 6)[0]
@@ -401,12 +404,12 @@ def test_a_worker_is_started_through_a_pipe_that_cannot_fill(tiny_chat_model, mo
         AutoTokenizer.from_pretrained(tiny_chat_model).backend_tokenizer.to_str())["model"]
 
 
-def test_a_hung_worker_is_stopped_and_its_requests_finish_token_exact(tiny_llama, monkeypatch):
+def test_a_hung_worker_is_stopped_and_its_requests_finish_token_exact(tiny_llama):
     """A worker that stops answering mid-generation (SIGSTOP: a hang, a deadlock) used to hold its
     requests for ever while /health said ok. Past the step deadline it is killed and restarted,
-    and the requests end as HF's greedy ones."""
+    and the requests end as HF's greedy ones. The deadline is shortened for the stopped step
+    alone, so a slow machine's healthy steps never meet it."""
     from tandem.engine import worker as worker_module
-    monkeypatch.setattr(worker_module, "STEP_TIMEOUT_S", 2.0)
     prompts = mixed_prompts(4, 512, seed=13)
     with LLM(str(tiny_llama), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
         handle = llm._workers[0]
@@ -414,9 +417,14 @@ def test_a_hung_worker_is_stopped_and_its_requests_finish_token_exact(tiny_llama
 
         def collect():
             n[0] += 1
-            if n[0] == 3:
-                os.kill(handle.proc.pid, signal.SIGSTOP)
-            return real()
+            if n[0] != 3:
+                return real()
+            os.kill(handle.proc.pid, signal.SIGSTOP)
+            usual, worker_module.STEP_TIMEOUT_S = worker_module.STEP_TIMEOUT_S, 0.5
+            try:
+                return real()
+            finally:
+                worker_module.STEP_TIMEOUT_S = usual
         handle.collect = collect
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
         assert llm.runtime.threads[0].restarts == 1 and handle.proc is not hung and not hung.is_alive()
