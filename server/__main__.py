@@ -17,6 +17,7 @@ from tandem.sched.tandem import MECHANISMS
 from tandem.server.config import ServerConfig
 from tandem.server.connections import Limits
 from tandem.server.cors import Cors
+from tandem.server.tls import Tls, cert_reqs
 
 
 # vLLM's serve flags a ported command line may carry, and what to do here instead (None: nothing
@@ -31,7 +32,6 @@ VLLM_FLAGS = {
     "--enable-chunked-prefill": None, "--no-enable-chunked-prefill": "prompts are always chunked here",
     "--enable-auto-tool-choice": None, "--tool-call-parser": None,
     "--disable-log-requests": None, "--enable-log-requests": "requests are not logged (nor their prompts)",
-    "--disable-uvicorn-access-log": None,
     "--uvicorn-log-level": "the log has warnings, and the server's own events at info",
     "--trust-remote-code": "only Llama- and OPT-family checkpoints run here, with this server's own code",
     "--download-dir": "nothing is downloaded: give --model a local checkpoint dir or a .gguf file",
@@ -216,6 +216,24 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     ap.add_argument("--allowed-methods", nargs="+", default=["*"], help="CORS: methods allowed (default: *)")
     ap.add_argument("--allowed-headers", nargs="+", default=["*"], help="CORS: request headers allowed (default: *)")
     ap.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
+    ap.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM; the chain "
+                    "after it), its key in --ssl-keyfile or in the same file")
+    ap.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM)")
+    ap.add_argument("--ssl-ca-certs", default=None, help="CA certificates (PEM) that client certificates are "
+                    "checked against, with --ssl-cert-reqs")
+    ap.add_argument("--ssl-cert-reqs", default="0", help="client certificates: 0 not asked for (default), "
+                    "1 checked when shown, 2 required (mutual TLS); or none, optional, required")
+    ap.add_argument("--ssl-ciphers", default=None, help="OpenSSL cipher list for TLS 1.2 (TLS 1.3's are fixed)")
+    ap.add_argument("--root-path", default="", help="the path prefix a proxy in front serves this server under "
+                    "(it strips the prefix before passing requests on); /openapi.json names it as the server URL")
+    ap.add_argument("--enable-request-id-headers", action="store_true",
+                    help="every response carries X-Request-Id: the request's own header, else a new id. A "
+                         "request's X-Request-Id (or its request_id field) names its completion either way: "
+                         "chatcmpl-<id>, cmpl-<id>")
+    ap.add_argument("--disable-access-log", "--disable-uvicorn-access-log", action="store_true",
+                    help="no line per request in the log (by default: client, method, path, status, seconds)")
+    ap.add_argument("--disable-access-log-for-endpoints", default="", metavar="PATHS",
+                    help="comma-separated paths left out of the access log, e.g. /health,/metrics,/ping")
     ap.add_argument("--disable-log-stats", action="store_true",
                     help="no throughput line in the log (by default one every 10 s while there is work: "
                          "prompt and generation tokens/s, requests running and waiting, KV cache use, "
@@ -292,6 +310,10 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
             raise ValueError("max-connections, header-timeout and body-timeout must be positive")
         cors = Cors(_listed(a.allowed_origins), _listed(a.allowed_methods), _listed(a.allowed_headers),
                     a.allow_credentials)
+        tls = Tls(a.ssl_certfile, a.ssl_keyfile, a.ssl_ca_certs, cert_reqs(a.ssl_cert_reqs), a.ssl_ciphers)
+        tls.check()
+        if a.root_path and not a.root_path.startswith("/"):
+            raise ValueError(f"root-path: a path beginning with /, got {a.root_path!r}")
     except ValueError as e:
         ap.error(str(e))
     names = a.served_model_name or [a.model if a.model == "smollm2" else os.path.basename(a.model.rstrip("/"))]
@@ -317,7 +339,10 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                         max_body_bytes=int(a.max_body_mb * 2**20), chat_control_tokens=a.chat_control_tokens,
                         chat_template=a.chat_template, trust_request_chat_template=a.trust_request_chat_template,
                         generation_config=a.generation_config, log_stats=not a.disable_log_stats,
-                        cors=cors,
+                        cors=cors, tls=tls, root_path=a.root_path.rstrip("/"),
+                        access_log=not a.disable_access_log, request_id_headers=a.enable_request_id_headers,
+                        access_log_quiet=tuple(p.strip() for p in a.disable_access_log_for_endpoints.split(",")
+                                               if p.strip()),
                         dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
                         weight_blocks=not a.no_weight_blocks,
                         watch_parent=a.watch_parent, threads_per_worker=a.threads_per_worker,
@@ -372,7 +397,7 @@ def main(argv=None, prog: str = "python -m server") -> None:
     from tandem.sched.async_engine import AsyncEngine
     from tandem.sched.llm import LLM
     from tandem.server.app import create_app
-    from tandem.server.connections import serve
+    from tandem.server.connections import Listen, serve
     try:
         import uvloop
         uvloop.install()
@@ -407,7 +432,8 @@ def main(argv=None, prog: str = "python -m server") -> None:
     def listening(url: str) -> None:
         print(f"tandem: listening on {url} (model {cfg.model!r} loading; /health is 503 until ready)", flush=True)
     try:
-        asyncio.run(serve(app, cfg.host, cfg.port, cfg.limits, shutdown_timeout=30, listening=listening))
+        listen = Listen(cfg.host, cfg.port, cfg.tls.context(), cfg.access_log, cfg.access_log_quiet)
+        asyncio.run(serve(app, listen, cfg.limits, shutdown_timeout=30, listening=listening))
     except OSError as e:
         print(f"tandem: cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}", file=sys.stderr)
         sys.exit(1)

@@ -84,6 +84,17 @@ async def errors_middleware(request: web.Request, handler):
         return json_response(ApiError(500, f"internal error (error id {eid})", type="server_error").body(), 500)
 
 
+REQUEST_ID_HEADER = "X-Request-Id"
+REQUEST_ID = "tandem.request_id"     # the id a completion was given (a request's own key)
+
+
+async def request_id_header(request: web.Request, response: web.StreamResponse) -> None:
+    """``--enable-request-id-headers``: every response says X-Request-Id, as vLLM's: the
+    completion's id without its prefix, else the request's own header, else a new id."""
+    response.headers[REQUEST_ID_HEADER] = request.get(REQUEST_ID) or request.headers.get(REQUEST_ID_HEADER) \
+        or uuid.uuid4().hex
+
+
 def bearer_ok(header: str, key: str) -> bool:
     """``Authorization: Bearer <key>``; the scheme is case-insensitive (RFC 7235)."""
     scheme, _, token = header.strip().partition(" ")
@@ -159,10 +170,11 @@ def decoded(raw: bytes, encoding: str, limit: int) -> bytes:
 class Prepared:
     gen: GenRequest
     model: str
-    rid: str
+    rid: str                        # its requests' ids begin with it
     prompt_tokens: int              # over all its prompts
     requests: list[Request]
     subs: list[Submission]          # already queued in the engine
+    id: str = ""                    # the completion's id (chatcmpl-..., cmpl-...)
 
     def close(self) -> None:
         """Abort whatever has not finished (client gone, or an error)."""
@@ -171,9 +183,11 @@ class Prepared:
 
 
 async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool,
-                  force_be: bool = False) -> Prepared:
+                  force_be: bool = False, request_id: str | None = None) -> Prepared:
     """Validate a body and build its engine Requests, n per prompt (raises ApiError). Prompts are
-    tokenized on a worker thread: a long one never holds up the event loop."""
+    tokenized on a worker thread: a long one never holds up the event loop. The completion is
+    named by ``request_id`` (a client's X-Request-Id), else by the body's ``request_id``, else
+    anew; its requests' ids stay unique when a client names two alike."""
     model = check_model(body, cfg.served_model_name, cfg.model_aliases)
     defaults = dict(default_ttft_s=None, default_tbt_s=None) if force_be else \
         dict(default_ttft_s=cfg.slo_ttft_ms / 1000, default_tbt_s=cfg.slo_tbt_ms / 1000)  # RT targets only
@@ -208,7 +222,9 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
         raise ApiError(429, f"chats are waiting more than {cfg.shed_chats_after:g} times their first-token "
                             "target: the server is past its capacity for chats; retry later",
                        type="rate_limit_error", code=PAST_CAPACITY, headers={"Retry-After": "5"})
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    named = request_id or body.get("request_id")
+    shown = ("chatcmpl-" if chat else "cmpl-") + (named or uuid.uuid4().hex)
+    rid = shown if named is None else f"{shown}-{uuid.uuid4().hex[:8]}"
     now = time.monotonic()
     reqs = [Request(f"{rid}-{j * gen.n + i}", ids,          # choice index: prompt j's i-th choice
                     replace(sp, max_tokens=mt, seed=None if sp.seed is None else sp.seed + i, stop=list(sp.stop),
@@ -216,7 +232,7 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
                     gen.service_class, now, gen.slo_ttft_s, gen.slo_tbt_s, text, stream_text=gen.stream,
                     cache_salt=gen.cache_salt, bad_words_ids=bad_words)
             for j, ((ids, text), mt) in enumerate(zip(encoded, budgets)) for i in range(gen.n)]
-    p = Prepared(gen, model, rid, sum(len(ids) for ids, _ in encoded), reqs, [])
+    p = Prepared(gen, model, rid, sum(len(ids) for ids, _ in encoded), reqs, [], shown)
     if gen.beam is not None:         # each step submits its own requests (run_beams)
         return p
     lengths = engine.llm.lengths
@@ -579,7 +595,7 @@ def served_tier(p: Prepared) -> str:
 
 def head(p: Prepared, obj: str, created: int) -> dict:
     """The fields a response (or each event of a stream) begins with."""
-    return {"id": p.rid, "object": obj, "created": created, "model": p.model, "service_tier": served_tier(p)}
+    return {"id": p.id, "object": obj, "created": created, "model": p.model, "service_tier": served_tier(p)}
 
 
 async def run_to_end(engine: AsyncEngine, st: AppState, p: Prepared) -> list[Choice]:
@@ -615,10 +631,17 @@ def scored_prompts(st: AppState, p: Prepared, choices: list[Choice]) -> list:
             if ch.prompt_logprobs is not None else None for r, ch in zip(p.requests, choices)]
 
 
-async def prepare_online(engine: AsyncEngine, st: AppState, body: dict, chat: bool) -> Prepared:
-    """``prepare`` for a client's request: a chat refused past capacity is counted."""
+async def prepare_online(engine: AsyncEngine, st: AppState, body: dict, chat: bool,
+                         request: web.Request | None = None) -> Prepared:
+    """``prepare`` for a client's request: a chat refused past capacity is counted. The
+    completion takes the id the request's X-Request-Id header gives, and its response's header
+    says it (``request_id_header``)."""
     try:
-        return await prepare(engine, st.cfg, body, chat)
+        p = await prepare(engine, st.cfg, body, chat,
+                          request_id=None if request is None else request.headers.get(REQUEST_ID_HEADER))
+        if request is not None:
+            request[REQUEST_ID] = p.id.split("-", 1)[1]
+        return p
     except ApiError as e:
         if e.code == PAST_CAPACITY:
             st.metrics.chats_refused.labels(st.metrics.model).inc()
@@ -628,7 +651,7 @@ async def prepare_online(engine: AsyncEngine, st: AppState, body: dict, chat: bo
 async def generate_handler(request: web.Request, chat: bool) -> web.StreamResponse:
     st = request.app[STATE]
     engine = ready_engine(request)
-    p = await prepare_online(engine, st, await read_json(request), chat)
+    p = await prepare_online(engine, st, await read_json(request), chat, request)
     if p.gen.stream:
         try:
             return await stream_handler(request, engine, st, p, new_choices(p, st.text_of), chat, int(time.time()))
@@ -850,7 +873,7 @@ def process_stats(pid: int) -> dict | None:
 
 async def openapi(request):
     from tandem.server.openapi import document
-    return json_response(document())
+    return json_response(document(root_path=request.app[STATE].cfg.root_path))
 
 
 async def dashboard(request):
@@ -873,6 +896,8 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
     state = AppState(cfg, Metrics(cfg.served_model_name))
     app[STATE] = state
     cfg.cors.install(app)
+    if cfg.request_id_headers:
+        app.on_response_prepare.append(request_id_header)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/tokenize", tokenize)

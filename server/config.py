@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from tandem.paths import data_dir
 from tandem.server.connections import Limits
 from tandem.server.cors import Cors
+from tandem.server.tls import Tls
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +21,11 @@ class ServerConfig:
     generation_config: str = "auto"         # auto: the model's sampling defaults; vllm: neutral ones
     log_stats: bool = True                  # a throughput line in the log every 10 s while there is work
     cors: Cors = field(default_factory=Cors)    # origins whose pages may call the API (none by default)
+    tls: Tls = field(default_factory=Tls)      # HTTPS where it has a certificate
+    access_log: bool = True            # a line per request answered
+    access_log_quiet: tuple[str, ...] = ()     # paths left out of it
+    request_id_headers: bool = False   # every response carries X-Request-Id (the request's, else a new one)
+    root_path: str = ""                # the path prefix of a proxy in front (published in /openapi.json)
     data_dir: str = field(default_factory=lambda: str(data_dir()))   # XDG data dir, outside any checkout
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048

@@ -24,6 +24,7 @@ from typing import Callable
 
 import orjson
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
 from aiohttp.http_exceptions import HttpProcessingError
 
 from tandem.server.errors import ApiError
@@ -238,27 +239,66 @@ class MalformedRequests(logging.Filter):
         return True
 
 
-async def serve(app: web.Application, host: str, port: int, limits: Limits, *,
+class AccessLog(AbstractAccessLogger):
+    """One line per request answered, as uvicorn (vLLM's server) writes it, with the time taken:
+    ``127.0.0.1:51234 - "POST /v1/chat/completions HTTP/1.1" 200 0.412s`` (a stream's time is
+    until its last byte). Paths in ``quiet`` are not logged (health probes, metric scrapes)."""
+    quiet: frozenset[str] = frozenset()
+
+    @classmethod
+    def without(cls, paths: tuple[str, ...]) -> type[AccessLog]:
+        return type("AccessLog", (cls,), {"quiet": frozenset(paths)})
+
+    def log(self, request, response, time: float) -> None:
+        if request.path in self.quiet:
+            return
+        peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+        who = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else request.remote or "-"
+        v = request.version
+        self.logger.info('%s - "%s %s HTTP/%d.%d" %d %.3fs', who, request.method, request.path_qs, v.major,
+                         v.minor, response.status, time)
+
+
+@dataclass(frozen=True, slots=True)
+class Listen:
+    """How the server listens: the address, TLS, the access log."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    ssl: object | None = None                 # an ssl.SSLContext: HTTPS
+    access_log: bool = True
+    access_log_quiet: tuple[str, ...] = ()    # paths not logged
+
+
+ACCESS_LOG = logging.getLogger("tandem.access")
+
+
+async def serve(app: web.Application, listen: Listen, limits: Limits, *,
                 shutdown_timeout: float = 30.0, listening: Callable[[str], None] | None = None) -> None:
     """Serve ``app`` behind a ConnectionGuard until SIGINT or SIGTERM, then shut it down as
     aiohttp's run_app does (connections closed, the app's cleanup run). ``listening`` gets the
-    address once the socket is bound; OSError where it cannot be."""
+    address once the socket is bound; OSError where it cannot be. A TLS handshake has the head
+    deadline to finish."""
     import signal
     if not any(isinstance(f, MalformedRequests) for f in logging.getLogger("aiohttp.server").filters):
         logging.getLogger("aiohttp.server").addFilter(MalformedRequests())
     guard = ConnectionGuard(None, limits)
     app[GUARD] = guard
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout)
+    logs = dict(access_log=ACCESS_LOG, access_log_class=AccessLog.without(listen.access_log_quiet)) \
+        if listen.access_log else dict(access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout, **logs)
     await runner.setup()
     guard.factory = runner.server
     loop = asyncio.get_running_loop()
+    tls = dict(ssl=listen.ssl, ssl_handshake_timeout=limits.head_timeout_s) if listen.ssl is not None else {}
     try:
-        server = await loop.create_server(guard.protocol, host, port, backlog=1024, reuse_address=True)
+        server = await loop.create_server(guard.protocol, listen.host, listen.port, backlog=1024,
+                                          reuse_address=True, **tls)
     except OSError:                 # the port is taken, the host does not resolve: nothing to serve
         await runner.cleanup()
         raise
-    if listening is not None:
-        listening(f"http://{host}:{server.sockets[0].getsockname()[1]}")     # port 0: the one given
+    if listening is not None:        # port 0: the one given
+        scheme = "https" if listen.ssl is not None else "http"
+        listening(f"{scheme}://{listen.host}:{server.sockets[0].getsockname()[1]}")
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)

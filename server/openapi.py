@@ -143,7 +143,8 @@ def _path_id(name: str) -> list:
     return [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}, "description": name}]
 
 
-def document(version: str = "0.1.0") -> dict:
+def document(version: str = "0.1.0", root_path: str = "") -> dict:
+    """The OpenAPI document; ``root_path``: the prefix a proxy serves the API under (its server URL)."""
     upload = {"type": "object", "required": ["purpose", "file"], "properties": {
         "purpose": {"enum": ["batch", "user_data"]}, "file": {"type": "string", "format": "binary"},
         "expires_after": EXPIRES_AFTER}}
@@ -153,6 +154,7 @@ def document(version: str = "0.1.0") -> dict:
         "openapi": "3.1.0",
         "info": {"title": "Tandem", "version": version,
                  "description": "OpenAI-compatible LLM server co-serving real-time chat and batch jobs"},
+        **({"servers": [{"url": root_path}]} if root_path else {}),
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "security": [{"bearer": []}],
         "paths": {

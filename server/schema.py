@@ -59,6 +59,9 @@ STRUCTURED = {
 STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
 SAMPLING = {
     "model": {"type": "string", "description": "the served model's name (optional)"},
+    "request_id": {"type": "string", "minLength": 1, "maxLength": 256,
+                   "description": "vLLM's extension: names the completion (chatcmpl-<request_id>); a request's "
+                                  "X-Request-Id header goes first"},
     "temperature": _num(0, 2, "0: greedy"),
     "top_p": _num(0, 1, "nucleus sampling mass", exclusive_lo=True),
     "top_k": _int(-1, MAX_TOKENS_CAP, "-1: off (vLLM's extension)"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import json
@@ -36,9 +37,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir: Path, tmp: Path, *extra: str, inject: str = "") -> Server:
+def start_server(model_dir: Path, tmp: Path, *extra: str, inject: str = "",
+                 tls: ssl.SSLContext | None = None) -> Server:
     """``inject``: Python run in the server process before it starts (fault injection); the
-    workers it spawns do not run it."""
+    workers it spawns do not run it. ``tls``: the client context of a server started with
+    HTTPS (its URL is https://)."""
     port = free_port()
     log = tmp / f"server-{port}.log"
     # float32: tests compare tokens with HF transformers in float32 (``auto`` is bfloat16 on a CPU
@@ -50,13 +53,13 @@ def start_server(model_dir: Path, tmp: Path, *extra: str, inject: str = "") -> S
         ["-c", inject + "\nimport sys\nfrom tandem.server.__main__ import main\nmain(sys.argv[1:])"]
     cmd = [sys.executable, *launch, *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited {proc.returncode}:\n{log.read_text()}")
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            with urllib.request.urlopen(url + "/health", timeout=2, context=tls) as r:
                 if r.status == 200:
                     return Server(url, proc, model_dir.name, log)
         except OSError:

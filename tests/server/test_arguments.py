@@ -28,6 +28,10 @@ from tests.server.conftest import ROOT, free_port
                                           "with --kv-cache-bytes"),
     (["--tensor-parallel-size=2"], "tensor parallelism is not supported"),
     (["smollm2", "--model", "other"], "the model is given twice"),
+    (["--ssl-certfile", "/no/such/cert.pem"], "ssl-certfile: cannot use /no/such/cert.pem: No such file"),
+    (["--ssl-keyfile", "key.pem"], "ssl-keyfile: needs --ssl-certfile"),
+    (["--ssl-cert-reqs", "3"], "ssl-cert-reqs: 0 (none), 1 (optional) or 2 (required)"),
+    (["--root-path", "api"], "root-path: a path beginning with /"),
 ])
 def test_bad_settings_exit_before_loading(args, says):
     run = subprocess.run([sys.executable, "-m", "server", "--port", str(free_port()), *args], cwd=ROOT,
