@@ -108,6 +108,8 @@ def _keep(store: Store, body: dict, response: dict, conversation: list[dict], re
         return
     inp = body["input"]
     items = [_input_item(i) for i in ([{"role": "user", "content": inp}] if isinstance(inp, str) else inp)]
+    if reply.get("content") is None and not reply.get("tool_calls"):
+        reply = reply | {"content": ""}         # cut off before a call's name: a turn that said nothing
     store.keep_response(response, conversation + [reply], MAX_KEPT, items)
 
 
@@ -161,6 +163,8 @@ def _tools(body: dict) -> dict:
                                                                              "strict") if t.get(k) is not None}}
                          for t in body["tools"]]
     choice = body.get("tool_choice")
+    if choice in ("auto", "none") and not body.get("tools"):
+        choice = None                   # what a response echoes back, whether it had tools or not
     if choice is not None:
         chat["tool_choice"] = choice if isinstance(choice, str) else {"type": "function",
                                                                       "function": {"name": choice["name"]}}
@@ -176,8 +180,9 @@ def _format(body: dict) -> dict:
         return {"response_format": {"type": "json_object"}}
     if fmt["type"] != "json_schema":
         return {}
-    if "name" not in fmt:
-        raise bad_request("'text.format.name' is required with type json_schema", param="text.format.name")
+    for field in ("name", "schema"):
+        if field not in fmt:
+            raise bad_request(f"'text.format.{field}' is required with type json_schema", param=f"text.format.{field}")
     return {"response_format": {"type": "json_schema", "json_schema": {
         k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}}
 
@@ -311,7 +316,8 @@ def response_json(p: Prepared, body: dict, created: int, message: dict | None, f
     fmt = (body.get("text") or {}).get("format") or {"type": "text"}
     u = None if chat_usage is None else {
         "input_tokens": chat_usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"]},
+        "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"],
+                                 "cache_write_tokens": 0},
         "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": chat_usage["total_tokens"]}
     return {"id": _ids(p)[0], "object": "response", "created_at": created, "status": status, "error": None,
@@ -355,7 +361,7 @@ class _Events:
                                                                                        "content": []}),
                      "content_index": 0}
         await self.send("response.content_part.added",
-                        {**self.text, "part": {"type": "output_text", "text": "", "annotations": []}})
+                        {**self.text, "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
 
     async def text_piece(self, delta: str) -> None:
         """A piece of the reply's text; the first opens its first message."""
@@ -380,12 +386,16 @@ class _Events:
 
     async def call_piece(self, d: dict) -> None:
         """A chat ``tool_calls`` delta: the call's item added with its first piece, then each piece
-        of its arguments."""
+        of its arguments. A call that begins closes the one before it, whose arguments are whole
+        then (each item is done before the next is added)."""
         i, piece = d["index"], d["function"].get("arguments", "")
         if i not in self.calls:
+            if i - 1 in self.calls and self.calls[i - 1][1]["id"] not in self.closed:
+                await self.call_closes(i - 1, self.calls[i - 1][1] | {"status": "completed"})
             item = _call_item(d, "in_progress") | {"arguments": ""}
             self.calls[i] = (await self._added(item), item)
         if piece:
+            self.calls[i][1]["arguments"] += piece
             await self.send("response.function_call_arguments.delta",
                             {"item_id": self.calls[i][1]["id"], "output_index": self.calls[i][0], "delta": piece})
 

@@ -152,6 +152,57 @@ def test_only_the_call_being_written_is_incomplete():
     assert [i["status"] for i in _output(p, cut, "length", 0)] == ["completed", "incomplete"]
 
 
+def test_required_calls_stream_one_item_after_another(server, client):
+    """Several required calls: each call's item is done (its arguments whole) before the next
+    one's is added, as OpenAI streams output items; the arguments streamed are the final ones."""
+    ask = dict(model=server.model, input="Weather in Oslo, Paris and Rome?", tools=[WEATHER],
+               tool_choice="required", max_output_tokens=120, temperature=0)
+    events = list(client.responses.create(**ask, stream=True))
+    final = [o for o in events[-1].response.output if o.type == "function_call"]
+    assert len(final) >= 2                  # this prompt makes the tiny model call more than once
+    opened = []
+    for e in events:
+        if e.type == "response.output_item.added":
+            assert not opened, f"{e.item.id} added while {opened} still open"
+            opened.append(e.item.id)
+        elif e.type == "response.output_item.done":
+            assert opened == [e.item.id]
+            opened.pop()
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [(d.item_id, d.arguments) for d in done] == [(c.id, c.arguments) for c in final]
+    items = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.id, i.arguments, i.status) for i in items] == [(c.id, c.arguments, c.status) for c in final]
+
+
+def test_a_response_cut_off_before_its_call_is_named_can_be_continued(server, client, tiny_chat_model, tok):
+    """A required call cut off before its name (no item at all) is kept as a turn that said
+    nothing, so previous_response_id goes on from it, as HF's reply to that chat says."""
+    first = client.responses.create(model=server.model, input="Weather?", tools=[WEATHER], tool_choice="required",
+                                    max_output_tokens=1, temperature=0)
+    assert first.status == "incomplete" and not [o for o in first.output if o.type == "function_call"]
+    nxt = client.responses.create(model=server.model, input="Go on", previous_response_id=first.id,
+                                  max_output_tokens=MAX, temperature=0)
+    text, n_in, _ = hf_reply(tiny_chat_model, tok, [{"role": "user", "content": "Weather?"},
+                                                    {"role": "assistant", "content": ""},
+                                                    {"role": "user", "content": "Go on"}], MAX)
+    assert (nxt.output_text, nxt.usage.input_tokens) == (text, n_in)
+
+
+def test_what_a_response_echoes_can_be_sent_back(server, client):
+    """A response says tool_choice auto with no tools; sent back, it is taken. Its body, as
+    sent, validates against the openai client's Response type (every required field)."""
+    from openai.types.responses import Response
+    raw = client.responses.with_raw_response.create(model=server.model, input="Hi", max_output_tokens=2,
+                                                    temperature=0).http_response.json()
+    Response.model_validate(raw)
+    assert raw["tool_choice"] == "auto" and raw["tools"] == []
+    again = client.responses.create(model=server.model, input="Hi", max_output_tokens=2, temperature=0,
+                                    tool_choice=raw["tool_choice"], tools=raw["tools"])
+    assert again.output_text == raw["output"][0]["content"][0]["text"]
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=server.model, input="Hi", tool_choice="required")
+
+
 def test_with_auto_tools_text_streams_as_it_is_written(server, client):
     """A reply that makes no call streams its text token by token, as without tools, and ends
     as the reply without a stream."""
@@ -277,6 +328,7 @@ def test_a_calls_output_may_follow_it_in_the_kept_conversation(server, client):
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"max_output_tokens": 10 ** 6}, "max_output_tokens"),
     ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"input": []}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"extra_body": {"max_tokens": 4}}, "max_tokens"),           # a chat's fields would be dropped unread
