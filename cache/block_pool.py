@@ -159,6 +159,13 @@ class BlockPool:
         requests hold: a request attaching them takes them from nobody's free count."""
         return self.prefix.held_blocks(keys) if self.prefix else 0
 
+    def held_ids(self, keys: list[Key]) -> set[int]:
+        """Blocks of these cached token-blocks that some request holds (the ones ``shared_blocks``
+        counts)."""
+        if self.prefix is None:
+            return set()
+        return {b for k in keys if k not in self.prefix.idle for b in self.prefix.blocks[k]}
+
     def attach(self, req_id: str, keys: list[Key]) -> Allocation:
         """Start req_id's (KV) table with the cached token-blocks of these keys (all cached: see
         ``cached_prefix``), as ``grow`` would have appended them."""

@@ -251,6 +251,7 @@ class DeviceActor:
     def snapshot(self) -> Snapshot:
         now = self.clock()
         pool = self.pool
+        promised = self._promised()
 
         def cand(rid):
             st = self.states[rid]
@@ -268,12 +269,30 @@ class DeviceActor:
                              None if st.first_token_time is None else now - st.first_token_time,
                              r.predicted_spread,
                              min(r.sampling.max_tokens, self.max_model_len - len(r.prompt_token_ids)),
-                             pool.foreign_slots(rid), pool.num_shared(rid) if own else blocks)
+                             pool.foreign_slots(rid), self._kept(rid, promised) if own else blocks)
         g = pool.geometry
         return Snapshot([cand(r) for r in self.running], [cand(r) for r in self.waiting],
                         pool.num_free, g.block_size, g.blocks_per_token_block(CacheType.KV),
                         self.cfg.limits, self.t_avg, pool.num_be_only, pool.preempts_blocks, g.hidden_blocks,
                         pool.num_rt_with_room)
+
+    def _promised(self) -> set[int]:
+        """Blocks a running request holds that a waiting request's cached prefix counts on at no
+        cost (``Candidate.num_blocks``)."""
+        if not self._hits:
+            return set()
+        pool = self.pool
+        return {b for rid, hit in self._hits.items() if hit and not pool.num_blocks_of(rid)
+                for b in pool.held_ids(self._keys[rid][:hit])}
+
+    def _kept(self, rid: str, promised: set[int]) -> int:
+        """Of a running request's blocks, those that preempting it would not give back as free
+        blocks for the plan: those other requests share, and those a waiting request's cached
+        prefix counts as costing it nothing. Counting the latter as freed too would count the
+        same blocks twice, once as room and once as the newcomer's own."""
+        if not promised:                # (only a whole-block pool with prefix caching promises any)
+            return self.pool.num_shared(rid)
+        return len(set(self.pool.shared_ids(rid)) | (promised & set(self.pool.table(rid))))
 
     def _apply(self, plan: Plan) -> tuple[StepInput, StepShape]:
         """Carry out the plan in the bookkeeping; describe it to the device (and its cost shape)."""

@@ -175,13 +175,15 @@ class Metrics:
                 1 - actor.pool.num_free / max(1, actor.pool.geometry.num_blocks))
             self._count_moves(actor)
             self._count_steps(actor)
+            # each block once, however many requests share it (prefix caching); one that RT and BE
+            # requests share counts as RT's, so the two add up to the pool's use
+            held = {"rt": sum(d[1]["rt"] + d[1]["shared"] for d in devices), "be": sum(d[1]["be"] for d in devices)}
             for cls in CLASSES:
                 running = sum(d[0].get(cls, (0, 0, 0))[0] for d in devices)
                 waiting = sum(d[0].get(cls, (0, 0, 0))[1] for d in devices)
-                blocks = sum(d[0].get(cls, (0, 0, 0))[2] for d in devices)
                 self.running.labels(self.model, cls).set(running)
                 self.waiting.labels(self.model, cls).set(waiting)
-                self.kv_usage.labels(self.model, cls).set(blocks / max(1, sum(d[2] for d in devices)))
+                self.kv_usage.labels(self.model, cls).set(held[cls] / max(1, sum(d[2] for d in devices)))
             for owner in devices[0][1]:
                 self.pool_blocks.labels(self.model, owner).set(sum(d[1][owner] for d in devices))
             self.t_avg.labels(self.model).set(max(d[3] for d in devices))

@@ -33,6 +33,18 @@ def block_bytes(model_dir) -> int:
     return spec.num_layers * B * spec.unit * 4
 
 
+def lockstep(model_dir, num_blocks: int):
+    """A lock-step scheduler (FCFS, prefix caching) over one in-process device of ``num_blocks``."""
+    import torch
+    from tandem.engine.worker import InProcessDevice, WorkerConfig
+    from tandem.sched.scheduler import SchedConfig, Scheduler
+    torch.set_num_threads(1)
+    spec = load_spec(model_dir)
+    dev = InProcessDevice("cpu", WorkerConfig(str(model_dir), spec, "float32", "cpu", B,
+                                              num_blocks * block_bytes(model_dir), None, 1, 1, False, False))
+    return Scheduler(SchedConfig(policy="fcfs", prefix_caching=True), [dev], spec.eos_token_ids, spec.max_model_len)
+
+
 def counted(llm) -> dict:
     return dict(llm.scheduler.counts("prefix_tokens"))
 
@@ -174,16 +186,9 @@ def test_a_prefix_that_running_requests_hold_costs_a_newcomer_nothing(tiny_llama
     """A request whose prompt starts with 40 tokens a running request computed shares those
     blocks: it starts beside that request although the pool could not hold its whole prompt
     again, and finishes first. Both match HF."""
-    import torch
     from tandem.engine.messages import CacheType
-    from tandem.engine.worker import InProcessDevice, WorkerConfig
     from tandem.sched.request import Request
-    from tandem.sched.scheduler import SchedConfig, Scheduler
-    torch.set_num_threads(1)
-    spec = load_spec(tiny_llama)
-    dev = InProcessDevice("cpu", WorkerConfig(str(tiny_llama), spec, "float32", "cpu", B, 21 * block_bytes(tiny_llama),
-                                              None, 1, 1, False, False))
-    sched = Scheduler(SchedConfig(policy="fcfs", prefix_caching=True), [dev], spec.eos_token_ids, spec.max_model_len)
+    sched = lockstep(tiny_llama, 21)
     pool = sched.actors[0].pool
     rng = random.Random(4)
     a_prompt = [rng.randrange(3, 500) for _ in range(40)]
@@ -203,3 +208,53 @@ def test_a_prefix_that_running_requests_hold_costs_a_newcomer_nothing(tiny_llama
     assert pool.num_free == pool.geometry.num_blocks
     assert [a.output_token_ids, b.output_token_ids] == [hf_greedy(tiny_llama, [a_prompt], 30)[0],
                                                         hf_greedy(tiny_llama, [b_prompt], 2)[0]]
+
+
+def test_a_plan_never_counts_a_cached_prefix_as_room_and_as_a_newcomer_s_own(tiny_llama):
+    """A running request alone holds a prompt's cached blocks; a waiting request with the same
+    prompt would reuse them at no cost. A plan that preempts the first to admit the second must
+    not also count those blocks as given back: what the snapshot says the two leave free is
+    checked against the pool itself, the first freed and the second attached and grown."""
+    from tandem.sched.request import Request
+    sched = lockstep(tiny_llama, 40)
+    actor, pool = sched.actors[0], sched.actors[0].pool
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 500) for _ in range(44)]            # five full blocks and four tokens
+    sched.add(Request("v", prompt, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)))
+    sched.step()                                                   # v's prompt computed, its blocks named
+    sched.add(Request("w", list(prompt), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)))
+    actor._hits = actor._cached_prefixes()
+    snap = actor.snapshot()
+    (v,), (w,) = snap.running, snap.waiting
+    assert w.num_blocks > 0, "the premise: w counts v's cached blocks as its own"
+    # the plan's arithmetic: v's blocks come back, w takes what its prompt needs beyond its own
+    planned = snap.num_free_blocks + v.freed() - (pool.geometry.blocks_for(w.num_tokens) - w.num_blocks)
+    pool.free("v")
+    pool.attach("w", actor._keys["w"][:actor._hits["w"]])
+    assert pool.grow("w", w.num_tokens) is not None
+    assert planned <= pool.num_free
+
+
+def test_the_kv_cache_use_counts_a_shared_block_once(tiny_llama):
+    """Three requests share a prompt's first five blocks: vLLM's kv_cache_usage_perc (RT and BE
+    together) is the share of the pool's blocks not free, as the pool counts them."""
+    from tandem.sched.request import Request, ServiceClass
+    from tandem.server.metrics import Metrics
+    sched = lockstep(tiny_llama, 60)
+    actor, pool = sched.actors[0], sched.actors[0].pool
+    rng = random.Random(6)
+    system = [rng.randrange(3, 500) for _ in range(40)]
+    sched.add(Request("first", system + [7], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)))
+    sched.step()
+    for i, cls in enumerate((ServiceClass.RT, ServiceClass.BE)):
+        sched.add(Request(f"more{i}", system + [8 + i], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+                          cls))
+    for _ in range(3):
+        sched.step()
+    assert sum(pool.num_shared(r) for r in actor.running) > 0, "the premise: blocks are shared"
+    m = Metrics("m")
+    m.engine_step(actor)
+    use = {c: m.registry.get_sample_value("vllm:kv_cache_usage_perc", {"model_name": "m", "service_class": c})
+           for c in ("rt", "be")}
+    assert use["rt"] + use["be"] == pytest.approx(1 - pool.num_free / pool.geometry.num_blocks)
+    assert use["be"] > 0
