@@ -478,12 +478,15 @@ class Runtime:
         return out
 
     def _placed(self, st: RequestState, cached: dict[int, int]) -> int:
+        """The placement's device for an arrival, unless it is down or restarting its worker while
+        another serves: then the dispatcher's (a serving device; a restart takes seconds)."""
         g = self.threads[0].actor.pool.geometry
         d = self.rebalancer.arrive(st.req_id, g.blocks_for(st.num_tokens, st.cache_type), cached)
-        if self.threads[d].actor.dead is None:
+        t = self.threads[d]
+        if t.serving or (t.actor.dead is None and not self.serving()):
             return d
         self.rebalancer.forget(st.req_id)
-        return self.dispatch().index
+        return self.dispatch(cached).index
 
     def dispatch(self, cached: dict[int, int] | None = None) -> DeviceActor:
         """The least-loaded device that is not dead, serving ones first: a device restarting its
