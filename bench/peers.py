@@ -52,12 +52,12 @@ def installed_only(systems: list[str]) -> list[str]:
 
 
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
-    """Until ``url`` answers 200. A server whose model failed to load (ours keeps answering
-    /health with status "failed"; its log says why) is not waited for."""
+    """Until ``url`` answers 200. A server whose model failed to load (ours exits with status 1;
+    one that keeps answering /health with status "failed") is not waited for; its log says why."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before {url} answered")
+            raise RuntimeError(f"server exited with {proc.returncode} before {url} answered (its log says why)")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:

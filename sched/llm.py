@@ -170,7 +170,7 @@ def parse_devices(devices: str) -> list[str]:
         raise ValueError("devices: must be a string like 'cpu:2' or 'cuda:0,1'")
     kind, _, rest = devices.partition(":")
     if kind == "cpu":
-        n = int(rest) if rest.isdigit() else (1 if rest == "" else 0)
+        n = int(rest) if rest.isdigit() else (1 if devices == "cpu" else 0)
         if n < 1:
             raise ValueError(f"devices: {devices!r}: use 'cpu:N' with N >= 1")
         return ["cpu"] * n

@@ -113,7 +113,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     ap.add_argument("--data-dir", default=d.data_dir,
                     help="batch files, their database and learned output lengths (default: the XDG data dir)")
     ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+    ap.add_argument("--max-num-batched-tokens", type=human_int, default=d.max_num_batched_tokens,
                     help="new tokens per iteration (smaller: shorter decode stalls behind prefills)")
     ap.add_argument("--max-model-len", type=human_int, default=d.max_model_len,
                     help="longest context, prompt plus output, in tokens (default: the model's; "
@@ -264,13 +264,14 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                          "default, on the CPU in float32, the products read the blocks: the same tokens in a "
                          "fifth of the memory, decode steps of 1-4 requests 1.5-2x faster; in bfloat16 the "
                          "blocks stay beside the weights for products of up to six rows with AMX, twelve without)")
-    ap.add_argument("--kv-cache-bytes", type=int, default=None,
+    ap.add_argument("--kv-cache-bytes", type=human_int, default=None,
                     help="each device's KV pool in bytes (default: 2 GiB, as vLLM's CPU backend)")
     ap.add_argument("--threads-per-worker", type=int, default=None,
                     help="torch threads in each worker process (default: the cores divided among the CPU workers)")
     ap.add_argument("--watch-parent", type=int, default=None, help=argparse.SUPPRESS)
+    # vLLM's flags go first, with their values: argparse would take a value for the model positional
+    notes, argv = _vllm_flags(list(sys.argv[1:] if argv is None else argv))
     a, unknown = ap.parse_known_args(argv)
-    notes, unknown = _vllm_flags(unknown)
     if unknown:
         ap.error(f"unrecognized arguments: {' '.join(unknown)}")
     if notes:
@@ -396,7 +397,7 @@ def main(argv=None, prog: str = "python -m server") -> None:
     logging.getLogger("tandem").setLevel(logging.INFO)    # the runtime's own events (migrations, restarts)
     from tandem.sched.async_engine import AsyncEngine
     from tandem.sched.llm import LLM
-    from tandem.server.app import create_app
+    from tandem.server.app import STATE, create_app
     from tandem.server.connections import Listen, serve
     try:
         import uvloop
@@ -438,6 +439,8 @@ def main(argv=None, prog: str = "python -m server") -> None:
         print(f"tandem: cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}", file=sys.stderr)
         sys.exit(1)
     print(f"tandem: stopped after {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    if app[STATE].load_error is not None:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

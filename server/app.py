@@ -24,7 +24,7 @@ from tandem.sched.llm import PromptTooLong
 from tandem.sched.request import Request, ServiceClass, error_id
 from tandem.server.config import ServerConfig
 from tandem.server.cors import preflight
-from tandem.server.connections import GUARD, body_read, connections_middleware
+from tandem.server.connections import GUARD, STOP, body_read, connections_middleware
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs_json
 from tandem.server.metrics import Metrics
@@ -921,9 +921,11 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
         t0 = time.monotonic()
         try:
             engine = await loading(build_engine)
-        except Exception as e:     # keep serving /health with the reason
+        except Exception as e:     # the server stops (exit status 1), as vLLM's: a supervisor sees it
             state.load_error = f"{type(e).__name__}: {e}"
             print(f"tandem: model failed to load: {state.load_error}", flush=True)
+            if STOP in app_:
+                app_[STOP]()
             return
         engine.step_listeners.append(state.metrics.engine_step)
         # /status and /metrics show every device from the start

@@ -197,6 +197,7 @@ class ConnectionGuard:
 
 
 GUARD = web.AppKey("connection_guard", ConnectionGuard)
+STOP = web.AppKey("stop", Callable)        # stops ``serve`` as SIGTERM does (the app's own reason)
 
 
 def connection(request: web.Request) -> Guarded | None:
@@ -283,6 +284,8 @@ async def serve(app: web.Application, listen: Listen, limits: Limits, *,
         logging.getLogger("aiohttp.server").addFilter(MalformedRequests())
     guard = ConnectionGuard(None, limits)
     app[GUARD] = guard
+    stop = asyncio.Event()
+    app[STOP] = stop.set
     logs = dict(access_log=ACCESS_LOG, access_log_class=AccessLog.without(listen.access_log_quiet)) \
         if listen.access_log else dict(access_log=None)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout, **logs)
@@ -299,7 +302,6 @@ async def serve(app: web.Application, listen: Listen, limits: Limits, *,
     if listening is not None:        # port 0: the one given
         scheme = "https" if listen.ssl is not None else "http"
         listening(f"{scheme}://{listen.host}:{server.sockets[0].getsockname()[1]}")
-    stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:

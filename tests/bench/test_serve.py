@@ -1,5 +1,6 @@
-"""The bench's server launcher against a real server whose model fails to load: it stops waiting
-and says the model failed to load (waiting out its start-up timeout raises "did not answer")."""
+"""A real server whose model fails to load exits with status 1, its log saying why, and the
+bench's server launcher stops waiting at once (waiting out its start-up timeout raises "did
+not answer")."""
 import os
 import shutil
 import sys
@@ -19,6 +20,7 @@ def test_a_model_that_fails_to_load_is_not_waited_for(tiny_llama, tmp_path):
     cmd = [sys.executable, "-m", "server", "--model", str(broken), "--port", str(port), "--data-dir",
            str(tmp_path / "data"), "--kv-cache-bytes", str(64 << 20), "--watch-parent", str(os.getpid()),
            "--dtype", "float32"]
-    with pytest.raises(RuntimeError, match="model failed to load"):
+    with pytest.raises(RuntimeError, match="server exited with 1 before"):
         with serve(cmd, port, start_timeout_s=240, cwd=ROOT, log_path=tmp_path / "server.log"):
             pass
+    assert "tandem: model failed to load: " in (tmp_path / "server.log").read_text()

@@ -10,6 +10,7 @@ from tests.server.conftest import ROOT, free_port
 
 @pytest.mark.parametrize("args, says", [
     (["--devices", "cpu2"], "devices"),
+    (["--devices", "cpu:"], "use 'cpu:N' with N >= 1"),
     (["--threads-per-worker", "-3"], "threads-per-worker"),
     (["--kv-cache-bytes", "-5"], "kv-cache-bytes"),
     (["--max-waiting", "0"], "max-waiting"),
@@ -80,9 +81,14 @@ def test_a_vllm_serve_command_line_carries_over(monkeypatch):
                       "--enable-chunked-prefill", "--disable-log-requests", "--enable-auto-tool-choice",
                       "--tool-call-parser", "hermes"])
     assert (cfg.model, cfg.served_model_name, cfg.model_aliases) == ("smollm2", "chat", ("small",))
+    # a taken flag's value, anywhere, is never read as the model
+    assert parse_args(["--tool-call-parser", "hermes", "--model", "smollm2"]).model == "smollm2"
+    assert parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]).model == "smollm2"
     assert cfg.api_keys == ("from-env",) and cfg.max_model_len == 4096
     assert parse_args(["--api-key", "a", "b", "--max-model-len", "2.5k"]).api_keys == ("a", "b")
     assert parse_args(["--max-model-len", "2.5k"]).max_model_len == 2500
+    assert parse_args(["--kv-cache-bytes", "24M", "--max-num-batched-tokens", "8k"]).kv_cache_bytes == 24 << 20
+    assert parse_args(["--max-num-batched-tokens", "8k"]).max_num_batched_tokens == 8000
     monkeypatch.setenv("TANDEM_API_KEY", "ours")
     assert parse_args([]).api_keys == ("ours",)
     assert parse_args([]).log_stats and not parse_args(["--disable-log-stats"]).log_stats
