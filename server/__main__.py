@@ -399,9 +399,10 @@ def main(argv=None, prog: str = "python -m server") -> None:
     from tandem.sched.llm import LLM
     from tandem.server.app import STATE, create_app
     from tandem.server.connections import Listen, serve
-    try:
+    try:        # not under HTTPS: uvloop's start_tls stalls other connections while handshakes wait
         import uvloop
-        uvloop.install()
+        if not cfg.tls.on:
+            uvloop.install()
     except ImportError:
         pass
 

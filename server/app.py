@@ -7,6 +7,7 @@ import functools
 import hmac
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -86,12 +87,20 @@ async def errors_middleware(request: web.Request, handler):
 
 REQUEST_ID_HEADER = "X-Request-Id"
 REQUEST_ID = "tandem.request_id"     # the id a completion was given (a request's own key)
+CLIENT_ID = re.compile(r"[\x21-\x7e]{1,256}")     # a client's id: printable ASCII, no spaces
+
+
+def client_request_id(request: web.Request) -> str | None:
+    """The request's X-Request-Id, where it is one to name things by (printable ASCII, at most
+    256 characters; anything else is ignored, as if not given)."""
+    given = request.headers.get(REQUEST_ID_HEADER)
+    return given if given is not None and CLIENT_ID.fullmatch(given) else None
 
 
 async def request_id_header(request: web.Request, response: web.StreamResponse) -> None:
     """``--enable-request-id-headers``: every response says X-Request-Id, as vLLM's: the
     completion's id without its prefix, else the request's own header, else a new id."""
-    response.headers[REQUEST_ID_HEADER] = request.get(REQUEST_ID) or request.headers.get(REQUEST_ID_HEADER) \
+    response.headers[REQUEST_ID_HEADER] = request.get(REQUEST_ID) or client_request_id(request) \
         or uuid.uuid4().hex
 
 
@@ -638,7 +647,7 @@ async def prepare_online(engine: AsyncEngine, st: AppState, body: dict, chat: bo
     says it (``request_id_header``)."""
     try:
         p = await prepare(engine, st.cfg, body, chat,
-                          request_id=None if request is None else request.headers.get(REQUEST_ID_HEADER))
+                          request_id=None if request is None else client_request_id(request))
         if request is not None:
             request[REQUEST_ID] = p.id.split("-", 1)[1]
         return p

@@ -71,23 +71,54 @@ class Guarded(asyncio.Protocol):
         self.busy = False
         self.body_since: float | None = None      # a body is awaited: when its head came
         self.body_bytes = 0                       # bytes received since that head
+        self.early: list[bytes] = []              # TLS: what came with the handshake's end, before aiohttp's
 
     # asyncio.Protocol: forwarded to aiohttp's handler once admitted
     def connection_made(self, transport) -> None:
         self.transport = transport
         if not self.guard.admit(self):
-            transport.write(BUSY)
+            if self.guard.ssl is None:       # a TLS client could not read it
+                transport.write(BUSY)
             transport.close()
             return
+        if self.guard.ssl is not None:
+            self.idle()                      # the handshake has the head deadline, and the cap may close it
+            asyncio.ensure_future(self._handshake())
+            return
+        self._serve(transport)
+
+    def _serve(self, transport) -> None:
         self.inner = self.guard.factory()
         self.inner.connection_made(transport)
         self.idle()
+        for data in self.early:
+            self.inner.data_received(data)
+        self.early = []
+
+    async def _handshake(self) -> None:
+        """HTTPS: TLS over the connection the guard already counts, so a client that connects and
+        never completes a handshake is held to the same cap and deadline as a silent one."""
+        raw = self.transport
+        try:
+            tls = await asyncio.get_running_loop().start_tls(raw, self, self.guard.ssl, server_side=True,
+                                                             ssl_handshake_timeout=self.guard.limits.head_timeout_s)
+        except Exception:                    # noqa: BLE001 -- refused, timed out, closed at the cap, gone
+            tls = None
+        if tls is None or raw.is_closing():  # (closed while shaking hands: no error, and no transport)
+            self._cancel()
+            self.guard.forget(self)
+            return
+        self.guard.moved(self, tls)
+        self.transport = tls
+        self._serve(tls)
 
     def data_received(self, data: bytes) -> None:
         if self.body_since is not None:
             self.body_bytes += len(data)
         if self.inner is not None:
             self.inner.data_received(data)
+        elif self.guard.ssl is not None and self.guard.of(self.transport) is self:
+            self.early.append(data)           # a request sent as the handshake ended: served next
 
     def eof_received(self):
         return self.inner.eof_received() if self.inner is not None else None
@@ -128,8 +159,13 @@ class Guarded(asyncio.Protocol):
         self._arm(self.guard.limits.head_timeout_s, self._head_late)
 
     def close(self) -> None:
+        """Close an idle connection: over TLS without waiting for the client's close_notify (up
+        to 30 s of a file held otherwise)."""
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
+            if self.guard.ssl is not None:
+                self.transport.abort()
+            else:
+                self.transport.close()
 
     def _head_late(self) -> None:
         self.guard.timed_out += 1
@@ -146,7 +182,7 @@ class Guarded(asyncio.Protocol):
         self.guard.timed_out += 1
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(BODY_TIMEOUT)
-        self.close()
+            self.transport.close()           # after the 408 goes out
 
     def _arm(self, delay: float, fn) -> None:
         self._cancel()
@@ -161,8 +197,8 @@ class Guarded(asyncio.Protocol):
 class ConnectionGuard:
     """The books over all open connections; ``protocol`` is the server's protocol factory."""
 
-    def __init__(self, factory, limits: Limits):
-        self.factory, self.limits = factory, limits
+    def __init__(self, factory, limits: Limits, ssl=None):
+        self.factory, self.limits, self.ssl = factory, limits, ssl     # ssl: an SSLContext (HTTPS)
         self.open: dict[object, Guarded] = {}           # by transport
         self.idle: OrderedDict[Guarded, None] = OrderedDict()   # oldest first
         self.refused = self.evicted = self.timed_out = 0
@@ -182,6 +218,12 @@ class ConnectionGuard:
             self.evicted += 1
         self.open[conn.transport] = conn
         return True
+
+    def moved(self, conn: Guarded, transport) -> None:
+        """``conn`` now talks over ``transport`` (TLS over its connection)."""
+        if self.open.get(conn.transport) is conn:
+            del self.open[conn.transport]
+            self.open[transport] = conn
 
     def forget(self, conn: Guarded) -> None:
         if self.open.get(conn.transport) is conn:
@@ -277,12 +319,12 @@ async def serve(app: web.Application, listen: Listen, limits: Limits, *,
                 shutdown_timeout: float = 30.0, listening: Callable[[str], None] | None = None) -> None:
     """Serve ``app`` behind a ConnectionGuard until SIGINT or SIGTERM, then shut it down as
     aiohttp's run_app does (connections closed, the app's cleanup run). ``listening`` gets the
-    address once the socket is bound; OSError where it cannot be. A TLS handshake has the head
-    deadline to finish."""
+    address once the socket is bound; OSError where it cannot be. With ``listen.ssl`` each
+    connection speaks TLS (``Guarded._handshake``)."""
     import signal
     if not any(isinstance(f, MalformedRequests) for f in logging.getLogger("aiohttp.server").filters):
         logging.getLogger("aiohttp.server").addFilter(MalformedRequests())
-    guard = ConnectionGuard(None, limits)
+    guard = ConnectionGuard(None, limits, listen.ssl)
     app[GUARD] = guard
     stop = asyncio.Event()
     app[STOP] = stop.set
@@ -292,10 +334,9 @@ async def serve(app: web.Application, listen: Listen, limits: Limits, *,
     await runner.setup()
     guard.factory = runner.server
     loop = asyncio.get_running_loop()
-    tls = dict(ssl=listen.ssl, ssl_handshake_timeout=limits.head_timeout_s) if listen.ssl is not None else {}
     try:
         server = await loop.create_server(guard.protocol, listen.host, listen.port, backlog=1024,
-                                          reuse_address=True, **tls)
+                                          reuse_address=True)
     except OSError:                 # the port is taken, the host does not resolve: nothing to serve
         await runner.cleanup()
         raise

@@ -38,7 +38,10 @@ class Tls:
             return None
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         try:
-            ctx.load_cert_chain(self.certfile, self.keyfile)
+            ctx.load_cert_chain(self.certfile, self.keyfile, password=_no_passphrase)
+        except _Encrypted:
+            raise ValueError(f"ssl-keyfile: the key in {self.keyfile or self.certfile} is encrypted; give one "
+                             "without a passphrase (openssl pkey -in KEY -out PLAIN)") from None
         except (OSError, ssl.SSLError) as e:
             raise ValueError(f"ssl-certfile: cannot use {self.certfile}"
                              f"{'' if self.keyfile is None else ' with ' + self.keyfile}: {_why(e)}") from None
@@ -64,6 +67,15 @@ def cert_reqs(value: str) -> int:
     if value in ("0", "1", "2"):
         return int(value)
     raise ValueError(f"ssl-cert-reqs: 0 (none), 1 (optional) or 2 (required), got {value!r}")
+
+
+class _Encrypted(Exception):
+    pass
+
+
+def _no_passphrase():
+    """Asked for where the key is encrypted: refused, instead of OpenSSL prompting on a terminal."""
+    raise _Encrypted
 
 
 def _why(e: OSError) -> str:

@@ -19,6 +19,7 @@ import trustme
 from tests.server.conftest import API_KEY, hf_texts, start_server, stop_server
 
 PROMPTS = ["The capital of France is", "Once upon a time"]
+MAX_CONNECTIONS = 16
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def tls_server(tiny_chat_model, tmp_path_factory, ca, certs):
                      "--ssl-certfile", str(certs / "cert.pem"), "--ssl-keyfile", str(certs / "key.pem"),
                      "--ssl-ca-certs", str(certs / "ca.pem"), "--ssl-cert-reqs", "2",
                      "--enable-request-id-headers", "--disable-access-log-for-endpoints", "/health,/metrics",
-                     "--root-path", "/api", tls=client_context(ca))
+                     "--root-path", "/api", "--max-connections", str(MAX_CONNECTIONS), tls=client_context(ca))
     yield s
     stop_server(s)
 
@@ -85,6 +86,54 @@ def test_clients_without_a_certificate_or_tls_are_refused_and_others_still_serve
     assert not answer.startswith(b"HTTP/")
     status, _, body = get(tls_server, "/v1/models", client_context(ca))
     assert status == 200 and body["data"][0]["id"] == tls_server.model
+
+
+def test_connections_that_never_finish_a_handshake_are_held_to_the_cap(tls_server, ca):
+    """Three times the cap of TCP connections that never send a TLS hello: the oldest are closed
+    to make room (counted as evicted), and a real client still gets its answer."""
+    from tests.server.test_connections import counter, recv_all
+    port = int(tls_server.url.rsplit(":", 1)[1])
+    ctx = client_context(ca)
+    metrics = urllib.request.Request(tls_server.url + "/metrics", headers=tls_server.headers())
+
+    def evicted() -> float:
+        with urllib.request.urlopen(metrics, timeout=60, context=ctx) as r:
+            text = r.read().decode()
+        m = re.search(r'^tandem:http_connections_closed_total\{reason="evicted"\} (\S+)$', text, re.M)
+        return float(m.group(1)) if m else 0.0
+    before = evicted()
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(3 * MAX_CONNECTIONS)]
+    try:
+        assert recv_all(silent[0], 30) == b""             # the oldest was closed, without a word
+        status, _, body = get(tls_server, "/v1/models", ctx)
+        assert status == 200 and body["data"][0]["id"] == tls_server.model
+        assert evicted() - before >= 2 * MAX_CONNECTIONS
+    finally:
+        for sock in silent:
+            sock.close()
+
+
+def test_an_id_that_is_not_printable_ascii_is_not_taken(tls_server, ca):
+    """X-Request-Id names things only as printable ASCII of at most 256 characters; another is
+    ignored (a new id instead), never a failure."""
+    ctx = client_context(ca)
+    chat = {"model": tls_server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for given in ("x" * 257, "two words"):
+        status, headers, body = get(tls_server, "/v1/chat/completions", ctx, chat, {"X-Request-Id": given})
+        assert status == 200 and re.fullmatch(r"chatcmpl-[0-9a-f]{32}", body["id"])
+        assert headers["X-Request-Id"] == body["id"].removeprefix("chatcmpl-")
+    port = int(tls_server.url.rsplit(":", 1)[1])
+    conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=60, context=ctx)
+    conn.putrequest("POST", "/v1/chat/completions")
+    for name, value in (("Authorization", f"Bearer {API_KEY}"), ("Content-Type", "application/json"),
+                        ("Content-Length", str(len(json.dumps(chat))))):
+        conn.putheader(name, value)
+    conn.putheader("X-Request-Id", b"caf\xe9")                # not UTF-8
+    conn.endheaders(json.dumps(chat).encode())
+    r = conn.getresponse()
+    assert r.status == 200 and json.loads(r.read())["id"].startswith("chatcmpl-")
+    conn.close()
+    assert get(tls_server, "/status", ctx)[0] == 200
 
 
 def test_request_ids_name_completions_and_come_back_as_headers(tls_server, ca, tiny_chat_model):
@@ -143,13 +192,20 @@ def test_openapi_names_the_proxy_prefix(tls_server, ca):
     assert status == 200 and doc["servers"] == [{"url": "/api"}] and "/v1/chat/completions" in doc["paths"]
 
 
-def test_a_key_that_is_not_the_certificate_s_is_refused_at_start(ca, certs, tmp_path):
+def test_a_key_that_is_not_the_certificate_s_or_is_encrypted_is_refused_at_start(ca, certs, tmp_path):
+    """One line and exit status 2, before anything loads; an encrypted key is refused rather than
+    OpenSSL asking for its passphrase on the terminal (stdin here is empty)."""
     import subprocess
     import sys
+    from cryptography.hazmat.primitives import serialization
     from tests.server.conftest import ROOT
     ca.issue_cert("127.0.0.1").private_key_pem.write_to_path(str(tmp_path / "other.pem"))
-    r = subprocess.run([sys.executable, "-m", "server", "--ssl-certfile", str(certs / "cert.pem"),
-                        "--ssl-keyfile", str(tmp_path / "other.pem")], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 2 and "ssl-certfile" in r.stderr and "mismatch" in r.stderr
-    assert "Traceback" not in r.stderr
+    key = serialization.load_pem_private_key((certs / "key.pem").read_bytes(), None)
+    (tmp_path / "locked.pem").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.BestAvailableEncryption(b"pw")))
+    for keyfile, says in (("other.pem", "mismatch"), ("locked.pem", "is encrypted")):
+        r = subprocess.run([sys.executable, "-m", "server", "--ssl-certfile", str(certs / "cert.pem"),
+                            "--ssl-keyfile", str(tmp_path / keyfile)], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120, stdin=subprocess.DEVNULL)
+        assert r.returncode == 2 and "ssl-" in r.stderr and says in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
