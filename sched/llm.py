@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 from tandem.engine.dtype import resolve_dtype
 from tandem.engine.grammar import Vocabulary, compile_grammar
-from tandem.engine.messages import DeviceError
+from tandem.engine.messages import DeviceError, TokenLogprobs
 from tandem.engine.models.loader import load_spec, load_tokenizer, resolve_model, sampling_defaults
 from tandem.engine.params import SamplingParams
 from tandem.engine.worker import WorkerConfig, WorkerHandle, sized_pool, wait_all
@@ -44,7 +44,7 @@ class RequestOutput:
     text: str                      # generated text, special tokens skipped, stop string cut (or kept:
                                    # SamplingParams.include_stop_str_in_output)
     finish_reason: str             # "stop" | "length" | "abort" | "error"
-    logprobs: list | None = None   # with SamplingParams.logprobs: a TokenLogprobs per id of token_ids
+    logprobs: list | None = None   # with SamplingParams.logprobs: a PositionLogprobs per id of token_ids
     prompt_logprobs: list | None = None   # with SamplingParams.prompt_logprobs: per prompt id, None first
     num_cached_tokens: int = 0     # prompt tokens whose cache an earlier request had computed (prefix caching)
     stop_reason: str | int | None = None   # vLLM's: the stop string or stop token id that ended it (None: EOS)
@@ -89,6 +89,31 @@ class CompletionOutput:
 
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class Logprob:
+    """vLLM's: a token's log probability, its rank in the vocabulary (1: the likeliest) and its
+    text (None where the request asked for no text)."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+class PositionLogprobs(dict):
+    """One position's log probabilities as vLLM gives them offline: token id -> ``Logprob``, for
+    the token there and the likeliest ones the request asked for. It reads as a TokenLogprobs
+    too (the token there's ``logprob`` and ``rank``; ``top_ids`` and ``top_logprobs``)."""
+    __slots__ = ("logprob", "rank", "top_ids", "top_logprobs")
+
+    @classmethod
+    def of(cls, token_id: int, lp: TokenLogprobs, text: Callable[[int], str | None]) -> PositionLogprobs:
+        out = cls({token_id: Logprob(lp.logprob, lp.rank, text(token_id))})
+        for k, (tid, value) in enumerate(zip(lp.top_ids, lp.top_logprobs)):
+            if tid not in out:
+                out[tid] = Logprob(value, k + 1, text(tid))
+        out.logprob, out.rank, out.top_ids, out.top_logprobs = lp.logprob, lp.rank, lp.top_ids, lp.top_logprobs
+        return out
 
 
 log = logging.getLogger(__name__)
@@ -360,6 +385,7 @@ class LLM:
         if self.tokenizer is not None:    # the Rust tokenizer directly: the Python wrapper costs 3x
             fast = getattr(self.tokenizer, "_tokenizer", None)
             self._decode = fast.decode if fast is not None else self.tokenizer.decode
+        self._texts: dict[int, str] = {}    # token id -> its text alone (log probabilities' decoded_token)
         ncpu = sum(n == "cpu" for n in names)
         threads = threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, ncpu))
         if kv_cache_bytes is None and kv_cache_fraction is None:
@@ -783,7 +809,7 @@ class LLM:
         ``params.beam_width`` best sequences (sched/beam.py says how they are found and ranked),
         best first, each with its ``tokens`` (prompt and output, a final end token included),
         ``text`` (theirs, special tokens' text left out unless ``params.skip_special_tokens`` is
-        false), ``cum_logprob``, ``logprobs`` (a TokenLogprobs per output token), ``finish_reason``
+        false), ``cum_logprob``, ``logprobs`` (per output token, as ``generate`` gives them), ``finish_reason``
         and ``stop_reason``, as vLLM's offline search gives them. Each step runs one one-token
         request per live beam, every prompt's together (or ``concurrency_limit`` prompts' at a
         time); the prefix cache keeps their earlier tokens."""
@@ -819,9 +845,12 @@ class LLM:
                 bar.update(sum(s.done for s, _ in live))
 
     def _with_text(self, seqs: list[BeamSearchSequence], skip_special_tokens: bool) -> list[BeamSearchSequence]:
-        """The sequences, each with its whole text (none where the model has no tokenizer)."""
+        """The sequences, each with its whole text (none where the model has no tokenizer) and
+        its output tokens' log probabilities as vLLM's dicts."""
         for seq in seqs:
             seq.text = "" if self.tokenizer is None else self.detokenize(seq.tokens, skip_special_tokens)
+            if seq.logprobs:
+                seq.logprobs = self._positions(seq.tokens[-len(seq.logprobs):], seq.logprobs, True)
         return seqs
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -878,13 +907,28 @@ class LLM:
                 bar.close()
 
     def _output(self, st: RequestState) -> RequestOutput:
-        text = st.text_result or "" if st.request.sampling.detokenize else ""
-        asked = st.request.sampling.logprobs is not None
+        sp = st.request.sampling
+        text = st.text_result or "" if sp.detokenize else ""
         return RequestOutput(st.req_id, st.request.prompt, st.request.prompt_token_ids,
                              list(st.output_token_ids), text, st.finish_reason.value,
-                             list(st.output_logprobs) if asked else None,
-                             st.scored_prompt() if st.request.sampling.prompt_logprobs is not None else None,
+                             self._positions(st.output_token_ids, st.output_logprobs, sp.detokenize)
+                             if sp.logprobs is not None else None,
+                             self._positions(st.request.prompt_token_ids, st.scored_prompt(), sp.detokenize)
+                             if sp.prompt_logprobs is not None else None,
                              st.cached_tokens or 0, st.stop_reason)
+
+    def _positions(self, ids: Sequence[int], lps: Sequence[TokenLogprobs | None], detokenize: bool) -> list:
+        """Each position's log probabilities as vLLM's dicts (None where none were computed), the
+        tokens' texts decoded one by one where the request wants text."""
+        text = self._token_text if detokenize and self.tokenizer is not None else _no_text
+        return [None if lp is None else PositionLogprobs.of(t, lp, text) for t, lp in zip(ids, lps)]
+
+    def _token_text(self, token_id: int) -> str:
+        """A token decoded alone, special tokens kept (as vLLM's ``decoded_token``)."""
+        got = self._texts.get(token_id)
+        if got is None:
+            got = self._texts[token_id] = self._decode([token_id], skip_special_tokens=False)
+        return got
 
     # ---- lifecycle --------------------------------------------------------------
     def cache_config(self) -> tuple[int, str, int]:
@@ -955,6 +999,10 @@ PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
 def _choice(sp: SamplingParams, i: int) -> SamplingParams:
     """What choice i of a prompt's n asks: one choice, seeded seed + i (as the server seeds them)."""
     return sp if sp.n == 1 else replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i)
+
+
+def _no_text(token_id: int) -> None:
+    return None
 
 
 def _one_output(choices: list[RequestOutput]) -> RequestOutput:

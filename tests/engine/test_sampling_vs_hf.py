@@ -213,3 +213,40 @@ def test_logprobs_out_of_range_is_refused():
             SamplingParams(logprobs=bad)
         with pytest.raises(ValueError, match="^prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
+
+
+def test_offline_logprobs_read_as_vllm_s_dicts(tiny_chat_model):
+    """vLLM's offline shape: per position a dict of token id -> Logprob(logprob, rank,
+    decoded_token) holding the token there and the k likeliest, the values HF's log-softmax,
+    the ranks HF's (1: the likeliest), the texts the HF tokenizer's for each token alone; the
+    prompt's too (None first), and a beam's; without text (detokenize off), no decoded_token."""
+    from transformers import AutoTokenizer
+    from tandem import BeamSearchParams
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    prompt = tok("The weather in Oslo is")["input_ids"]
+    k = 3
+    with LLM(str(tiny_chat_model), "cpu:1", dtype="float32", threads_per_worker=1) as llm:
+        out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=k,
+                                                    prompt_logprobs=2))[0]
+        bare = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, logprobs=1,
+                                                     detokenize=False))[0]
+        beam = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=2, max_tokens=3))[0]
+
+    def check(positions, ids, ref, k):
+        for i, (tid, d) in enumerate(zip(ids, positions)):
+            top = torch.topk(ref[i], k).indices.tolist()
+            assert set(d) == {tid, *top}, f"position {i}"
+            for t, lp in d.items():
+                rank = int((ref[i] >= ref[i, t] - 1e-9).sum()) if t == tid else top.index(t) + 1
+                assert (lp.logprob, lp.rank) == (pytest.approx(ref[i, t].item(), abs=2e-4), rank)
+                assert lp.decoded_token == tok.decode([t])
+    check(out.outputs[0].logprobs, out.token_ids, hf_logprobs(tiny_chat_model, prompt, out.token_ids), k)
+    assert out.prompt_logprobs[0] is None
+    check(out.prompt_logprobs[1:], prompt[1:], hf_prompt_logprobs(tiny_chat_model, prompt), 2)
+    assert out.cumulative_logprob == pytest.approx(sum(d[t].logprob for d, t in zip(out.logprobs, out.token_ids)))
+    assert all(lp.decoded_token is None for d in bare.logprobs for lp in d.values())
+    for seq in beam.sequences:
+        gen = seq.tokens[len(prompt):]
+        ref = hf_logprobs(tiny_chat_model, prompt, gen)
+        assert [d[t].logprob for d, t in zip(seq.logprobs, gen)] == pytest.approx(
+            [ref[i, t].item() for i, t in enumerate(gen)], abs=2e-4)
