@@ -72,6 +72,7 @@ class Guarded(asyncio.Protocol):
         self.body_since: float | None = None      # a body is awaited: when its head came
         self.body_bytes = 0                       # bytes received since that head
         self.early: list[bytes] = []              # TLS: what came with the handshake's end, before aiohttp's
+        self.handshake: asyncio.Task | None = None   # TLS: held here, or the loop's weak reference lets it go
 
     # asyncio.Protocol: forwarded to aiohttp's handler once admitted
     def connection_made(self, transport) -> None:
@@ -83,7 +84,7 @@ class Guarded(asyncio.Protocol):
             return
         if self.guard.ssl is not None:
             self.idle()                      # the handshake has the head deadline, and the cap may close it
-            asyncio.ensure_future(self._handshake())
+            self.handshake = asyncio.ensure_future(self._handshake())
             return
         self._serve(transport)
 
