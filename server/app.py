@@ -122,6 +122,11 @@ async def auth_middleware(request: web.Request, handler):
     return await handler(request)
 
 
+def served_model(body: dict, cfg: ServerConfig) -> str:
+    """The served model's name for a body that names it by any of its names, or none (404 else)."""
+    return check_model(body, cfg.served_model_name, cfg.model_aliases)
+
+
 def ready_engine(request: web.Request) -> AsyncEngine:
     st = request.app[STATE]
     if st.engine is None:
@@ -183,7 +188,7 @@ class Prepared:
     prompt_tokens: int              # over all its prompts
     requests: list[Request]
     subs: list[Submission]          # already queued in the engine
-    id: str = ""                    # the completion's id (chatcmpl-..., cmpl-...)
+    id: str                         # the completion's id (chatcmpl-..., cmpl-...)
 
     def close(self) -> None:
         """Abort whatever has not finished (client gone, or an error)."""
@@ -197,7 +202,7 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
     tokenized on a worker thread: a long one never holds up the event loop. The completion is
     named by ``request_id`` (a client's X-Request-Id), else by the body's ``request_id``, else
     anew; its requests' ids stay unique when a client names two alike."""
-    model = check_model(body, cfg.served_model_name, cfg.model_aliases)
+    model = served_model(body, cfg)
     defaults = dict(default_ttft_s=None, default_tbt_s=None) if force_be else \
         dict(default_ttft_s=cfg.slo_ttft_ms / 1000, default_tbt_s=cfg.slo_tbt_ms / 1000)  # RT targets only
     defaults["model_defaults"] = engine.llm.sampling_defaults
@@ -759,7 +764,7 @@ async def tokenize(request):
     see them, on a worker thread."""
     engine = ready_engine(request)
     body = await read_json(request)
-    check_model(body, request.app[STATE].cfg.served_model_name, request.app[STATE].cfg.model_aliases)
+    served_model(body, request.app[STATE].cfg)
     prompt, template = parse_tokenize(body, request.app[STATE].cfg.trust_request_chat_template)
     try:
         ids, _ = await asyncio.get_running_loop().run_in_executor(None, engine.llm.encode_prompt, prompt, template)
@@ -801,7 +806,7 @@ async def detokenize(request):
     """vLLM's /detokenize: token ids to text, special tokens kept."""
     engine = ready_engine(request)
     body = await read_json(request)
-    check_model(body, request.app[STATE].cfg.served_model_name, request.app[STATE].cfg.model_aliases)
+    served_model(body, request.app[STATE].cfg)
     ids = parse_detokenize(body)
     try:
         text = await asyncio.get_running_loop().run_in_executor(None, engine.llm.ids_to_text, ids)
@@ -828,7 +833,7 @@ async def models(request):
 async def model(request):
     """One model by id, as ``GET /v1/models`` lists it; 404 for a model not served here."""
     st = request.app[STATE]
-    check_model({"model": request.match_info["id"]}, st.cfg.served_model_name, st.cfg.model_aliases)
+    served_model({"model": request.match_info["id"]}, st.cfg)
     return json_response(_model_object(st))
 
 
