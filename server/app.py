@@ -52,6 +52,7 @@ class AppState:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+ADMISSION_POLL_S = 0.1
 STATE = web.AppKey("state", AppState)
 STORE = web.AppKey("store", Store)      # files, batches and kept responses (routes_batch opens it)
 
@@ -125,6 +126,13 @@ async def auth_middleware(request: web.Request, handler):
 def served_model(body: dict, cfg: ServerConfig) -> str:
     """The served model's name for a body that names it by any of its names, or none (404 else)."""
     return check_model(body, cfg.served_model_name, cfg.model_aliases)
+
+
+async def room_to_wait(engine: AsyncEngine, cfg: ServerConfig) -> None:
+    """Until the waiting queue has room: work the server queues by itself (a batch's line, a
+    request run again) waits for it rather than be refused."""
+    while engine.num_waiting() >= cfg.max_waiting:
+        await asyncio.sleep(ADMISSION_POLL_S)
 
 
 def ready_engine(request: web.Request) -> AsyncEngine:
@@ -950,6 +958,7 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
         state.text_of = TokenText(engine.llm.tokenizer)
         state.engine = engine
         routes_batch.engine_ready(app_)
+        responses.engine_ready(app_)
         if cfg.log_stats:
             app_["stats"] = asyncio.create_task(log_stats(state.metrics))
         print(f"tandem: model {cfg.model!r} ready in {time.monotonic() - t0:.1f} s", flush=True)
@@ -961,7 +970,8 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
         app_["loader"].cancel()
         if "stats" in app_:
             app_["stats"].cancel()
-        await routes_batch.stop(app_)
+        await responses.stop(app_)
+        await routes_batch.stop(app_)          # closes the store
         if state.engine is not None:
             try:
                 await asyncio.get_running_loop().run_in_executor(None, _save_lengths, state.engine, cfg)

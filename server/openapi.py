@@ -78,7 +78,9 @@ TOKENS = {"type": "object", "required": ["count", "max_model_len", "tokens"], "p
     "token_strs": {"type": "array", "items": {"type": "string"}, "description": "with return_token_strs"}}}
 RESPONSE = {"type": "object", "required": ["id", "object", "created_at", "status", "model", "output"], "properties": {
     "id": {"type": "string"}, "object": {"const": "response"}, "created_at": {"type": "integer"},
-    "status": {"enum": ["completed", "incomplete", "in_progress"]}, "model": {"type": "string"},
+    "status": {"enum": ["completed", "incomplete", "in_progress", "queued", "failed", "cancelled"]},
+    "model": {"type": "string"}, "background": {"type": "boolean"},
+    "error": {"type": ["object", "null"], "description": "why a background response failed"},
     "output": {"type": "array", "items": {"type": "object", "required": ["type", "role", "content"]}},
     "incomplete_details": {"type": ["object", "null"]}, "usage": {"type": ["object", "null"]}}}
 MODEL = {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
@@ -164,10 +166,16 @@ def document(version: str = "0.1.0", root_path: str = "") -> dict:
                                             COMPLETION_BODY, stream=True)},
             "/v1/responses": {"post": _op("a response (OpenAI's Responses API; stream: typed server-sent events)",
                                           RESPONSE, RESPONSES_BODY, stream=True)},
-            "/v1/responses/{id}": {"get": _op("a kept response", RESPONSE, params=_path_id("response id")),
+            "/v1/responses/{id}": {"get": _op("a kept response; with stream=true a background response's events, "
+                                              "those after starting_after", RESPONSE, stream=True,
+                                              params=_path_id("response id") + [
+                                                  query("stream", {"type": "boolean"}),
+                                                  query("starting_after", {"type": "integer", "minimum": -1})]),
                                    "delete": _op("forget a kept response", {"type": "object",
                                                                             "required": ["id", "deleted"]},
                                                  params=_path_id("response id"))},
+            "/v1/responses/{id}/cancel": {"post": _op("stop a background response that is still running",
+                                                      RESPONSE, params=_path_id("response id"))},
             "/v1/responses/{id}/input_items": {"get": _op(
                 "a kept response's input items", _list({"type": "object", "required": ["id", "type"]},
                                                        first_id=ID_OR_NULL, last_id=ID_OR_NULL),

@@ -12,7 +12,7 @@ cut off by ``max_output_tokens`` is ``incomplete``. With ``store`` (the default)
 response is kept in the data dir's database (the newest ``MAX_KEPT``) for ``GET`` and
 ``DELETE /v1/responses/{id}``, and a request naming it as ``previous_response_id`` goes on
 from its conversation: its input and reply come before the new input (its instructions do
-not).
+not). ``background: true`` runs it in a task of its own (``background.py``), answered at once.
 """
 from __future__ import annotations
 
@@ -20,13 +20,16 @@ import functools
 import json
 import time
 import uuid
+from typing import Awaitable, Callable
 
 import orjson
 from aiohttp import web
 
 from tandem.server.app import (STATE, STORE, Choice, Prepared, all_or_none, choice_json, json_response, new_choices,
-                               prepare, prepare_online, read_json, ready_engine, run_choice, run_to_end, served_tier,
+                               prepare, prepare_online, read_json, ready_engine, room_to_wait, run_choice, run_to_end,
+                               served_tier,
                                usage)
+from tandem.server.background import Background, EventLog
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.listing import newest_first, page, query_limit
 from tandem.server.protocol import reject_unsupported
@@ -41,14 +44,28 @@ RENAMED = (("response_format.json_schema", "text.format"), ("response_format", "
 
 
 MAX_KEPT = 4096         # stored responses kept, the oldest forgotten first
+BACKGROUND = web.AppKey("background", Background)
+EVENT_STREAM = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 def add_routes(app: web.Application) -> None:
     """After the batch routes, which open the store that keeps the responses too."""
+    app[BACKGROUND] = Background(app[STORE])
     app.router.add_post("/v1/responses", create)
     app.router.add_get("/v1/responses/{id}", retrieve)
     app.router.add_delete("/v1/responses/{id}", delete)
+    app.router.add_post("/v1/responses/{id}/cancel", cancel)
     app.router.add_get("/v1/responses/{id}/input_items", input_items)
+
+
+def engine_ready(app: web.Application) -> None:
+    """Background responses the server stopped before their end run again, from their start."""
+    for rid, body in app[STORE].response_jobs():
+        app[BACKGROUND].start(rid, functools.partial(_run_again, app, rid, body))
+
+
+async def stop(app: web.Application) -> None:
+    await app[BACKGROUND].stop()
 
 
 def _kept(request: web.Request) -> tuple[dict, list[dict]]:
@@ -59,14 +76,60 @@ def _kept(request: web.Request) -> tuple[dict, list[dict]]:
     return kept
 
 
-async def retrieve(request: web.Request) -> web.Response:
-    return json_response(_kept(request)[0])
+async def retrieve(request: web.Request) -> web.StreamResponse:
+    """The kept response; with ``stream=true`` a background response's events, those after
+    ``starting_after`` (a sequence number), as they come until it ends."""
+    response = _kept(request)[0]
+    stream = request.query.get("stream", "false").lower()
+    if stream not in ("true", "false"):
+        raise bad_request("'stream' must be true or false", param="stream")
+    if stream == "false":
+        return json_response(response)
+    if not response.get("background"):
+        raise bad_request("only a background response's events can be streamed again", param="stream")
+    events = request.app[BACKGROUND].logs.get(response["id"])
+    if events is None:
+        raise bad_request(f"the events of response '{response['id']}' are no longer kept (those of the "
+                          "newest background responses since the server started are); retrieve it "
+                          "without stream", param="stream")
+    return await _replay(request, events, _starting_after(request.query))
+
+
+def _starting_after(query) -> int:
+    try:
+        after = int(query.get("starting_after", "-1"))
+    except ValueError:
+        raise bad_request("'starting_after' must be an integer", param="starting_after") from None
+    if after < -1:
+        raise bad_request("'starting_after' must be a sequence number (0 or more)", param="starting_after")
+    return after
+
+
+async def _replay(request: web.Request, events: EventLog, after: int) -> web.StreamResponse:
+    """A background response's events after ``after``, to this client; the response runs on
+    whether the client stays or not."""
+    resp = web.StreamResponse(headers=EVENT_STREAM)
+    await resp.prepare(request)
+    async for data in events.read(after):
+        await resp.write(data)
+    await resp.write_eof()
+    return resp
 
 
 async def delete(request: web.Request) -> web.Response:
     rid = _kept(request)[0]["id"]
+    await request.app[BACKGROUND].cancel(rid)
     request.app[STORE].delete_response(rid)
     return json_response({"id": rid, "object": "response", "deleted": True})
+
+
+async def cancel(request: web.Request) -> web.Response:
+    """A background response stopped and kept ``cancelled``; one that has ended is returned as it
+    is (cancelling twice is no error)."""
+    if not _kept(request)[0].get("background"):
+        raise bad_request("only a response created with background: true can be cancelled", param="response_id")
+    await request.app[BACKGROUND].cancel(request.match_info["id"])
+    return json_response(_kept(request)[0])
 
 
 async def input_items(request: web.Request) -> web.Response:
@@ -101,16 +164,16 @@ def _input_item(item: dict) -> dict:
     return {**item, "id": item.get("id") or prefix + uuid.uuid4().hex, "status": "completed"}
 
 
-def _keep(store: Store, body: dict, response: dict, conversation: list[dict], reply: dict) -> None:
-    """Keep a finished response, its conversation and input items, unless the request said
-    ``store: false``."""
+def _keep(store: Store, body: dict, response: dict, conversation: list[dict], reply: dict | None = None) -> None:
+    """Keep a response, its conversation (with ``reply``, once there is one) and input items,
+    unless the request said ``store: false``."""
     if body.get("store") is False:
         return
     inp = body["input"]
     items = [_input_item(i) for i in ([{"role": "user", "content": inp}] if isinstance(inp, str) else inp)]
-    if reply.get("content") is None and not reply.get("tool_calls"):
+    if reply is not None and reply.get("content") is None and not reply.get("tool_calls"):
         reply = reply | {"content": ""}         # cut off before a call's name: a turn that said nothing
-    store.keep_response(response, conversation + [reply], MAX_KEPT, items)
+    store.keep_response(response, conversation + ([reply] if reply is not None else []), MAX_KEPT, items)
 
 
 def chat_body(body: dict, store: Store) -> tuple[dict, list[dict]]:
@@ -118,6 +181,9 @@ def chat_body(body: dict, store: Store) -> tuple[dict, list[dict]]:
     messages it continues and its input, without instructions); raises ApiError."""
     validate(body, RESPONSES_BODY)
     reject_unsupported(body, RESPONSES_UNSUPPORTED)
+    if body.get("background") and body.get("store") is False:
+        raise bad_request("a background response is kept until it is retrieved: 'store' cannot be false",
+                          param="background")
     for key, instead in RESPONSES_CHAT_ONLY.items():
         if key in body:
             raise bad_request(f"'{key}' is a chat completion's field, not a response's" +
@@ -138,6 +204,9 @@ def _conversation(body: dict, store: Store) -> list[dict]:
     if before is not None and kept is None:
         raise bad_request(f"Previous response with id '{before}' not found.", param="previous_response_id",
                           code="previous_response_not_found")
+    if kept is not None and kept[0]["status"] in ("queued", "in_progress"):
+        raise bad_request(f"Previous response with id '{before}' is still {kept[0]['status']}: go on from it "
+                          "once it has ended", param="previous_response_id")
     conversation = kept[1] if kept is not None else []
     calls = {c["id"] for m in conversation for c in m.get("tool_calls") or ()}
     inp = body["input"]
@@ -220,14 +289,20 @@ def _renamed(e: ApiError) -> ApiError:
 
 async def run_line(app: web.Application, engine, body: dict) -> dict:
     """A batch line: best-effort, never refused for the waiting queue; its response object."""
+    if body.get("background"):
+        raise bad_request("a batch's line runs in the batch: 'background' is for a request of its own",
+                          param="background")
     p, keep = await _start(app, engine, body, force_be=True)
     return await _finish(engine, app[STATE], p, body, int(time.time()), keep)
 
 
-async def _start(app: web.Application, engine, body: dict, force_be: bool = False):
+async def _start(app: web.Application, engine, body: dict, force_be: bool = False, name: str | None = None):
     """The request's chat checked and queued (raises ApiError naming the Responses fields), and
-    ``keep(response=, reply=)``, which keeps it once finished (``_keep``)."""
+    ``keep(response=, reply=)``, which keeps it (``_keep``). ``name``: the response's id after
+    ``resp_`` (else a new one)."""
     chat, conversation = chat_body(body, app[STORE])
+    if name is not None:
+        chat["request_id"] = name
     try:
         if force_be:
             p = await prepare(engine, app[STATE].cfg, chat, True, force_be=True)
@@ -251,6 +326,8 @@ async def create(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     engine = ready_engine(request)
     body = await read_json(request)
+    if isinstance(body, dict) and body.get("background") is True:
+        return await _create_in_background(request, engine, body)
     p, keep = await _start(request.app, engine, body)
     created = int(time.time())
     if not body.get("stream"):
@@ -261,9 +338,75 @@ async def create(request: web.Request) -> web.StreamResponse:
         p.close()
 
 
+async def _create_in_background(request: web.Request, engine, body: dict) -> web.StreamResponse:
+    """Checked and queued now (a bad request is refused here), kept ``queued`` with its request,
+    and run in a task of its own: the queued response, or its events as they come."""
+    app = request.app
+    p, keep = await _start(app, engine, body, name=uuid.uuid4().hex)
+    try:
+        created = int(time.time())
+        queued = response_json(p, body, created, None, None, None) | {"status": "queued"}
+        keep(response=queued)
+        app[STORE].add_response_job(queued["id"], body)
+    except BaseException:
+        p.close()
+        raise
+    events = app[BACKGROUND].start(queued["id"], functools.partial(_run_events_to, app, p, body, created, keep))
+    if body.get("stream"):
+        return await _replay(request, events, -1)
+    return json_response(queued)
+
+
+async def _run_again(app: web.Application, rid: str, body: dict, events: EventLog) -> None:
+    """A background response the server stopped before its end, from its start: queued again
+    once there is room (as a batch's line waits for it), then run."""
+    store, st = app[STORE], app[STATE]
+    kept = store.get_response(rid)
+    created = kept[0]["created_at"] if kept is not None else int(time.time())
+    while True:
+        await room_to_wait(st.engine, st.cfg)
+        try:
+            p, keep = await _start(app, st.engine, body, name=rid.removeprefix("resp_"))
+            break
+        except ApiError as e:
+            if e.status != 429:
+                return await _failed(store, rid, events, e)
+    if kept is not None:
+        store.set_response(kept[0] | {"status": "queued", "output": [], "usage": None})
+    await _run_events_to(app, p, body, created, keep, events)
+
+
+async def _run_events_to(app: web.Application, p: Prepared, body: dict, created: int, keep,
+                         events: EventLog) -> None:
+    """Run a background response, its events to ``events``; kept in progress from its first
+    token, and as it ends (failed, where the engine fails it)."""
+    store = app[STORE]
+    try:
+        await _run_events(_Events(events.write, p), app[STATE], p, body, created, keep, began=store.set_response)
+    except ApiError as e:
+        await _failed(store, _ids(p)[0], events, e)
+    finally:
+        p.close()
+
+
+async def _failed(store: Store, rid: str, events: EventLog, e: ApiError) -> None:
+    """A background response the server could not run, kept ``failed`` with why."""
+    kept = store.get_response(rid)
+    if kept is None:
+        return
+    failed = kept[0] | {"status": "failed", "error": {
+        "code": "server_error" if e.status >= 500 else "invalid_prompt", "message": e.message}}
+    store.set_response(failed)
+    await events.write(_sse("response.failed", {"sequence_number": len(events.events), "response": failed}))
+
+
+def _sse(kind: str, payload: dict) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **payload}) + b"\n\n"
+
+
 def _ids(p: Prepared) -> tuple[str, str]:
-    """The response's id and its first output message's, from the chat's."""
-    tail = p.rid.split("-", 1)[1]
+    """The response's id and its first output message's, from the completion's."""
+    tail = p.id.split("-", 1)[1]
     return "resp_" + tail, "msg_" + tail
 
 
@@ -321,6 +464,7 @@ def response_json(p: Prepared, body: dict, created: int, message: dict | None, f
         "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": chat_usage["total_tokens"]}
     return {"id": _ids(p)[0], "object": "response", "created_at": created, "status": status, "error": None,
+            "background": body.get("background") is True,
             "incomplete_details": details, "instructions": body.get("instructions"),
             "max_output_tokens": body.get("max_output_tokens"), "metadata": body.get("metadata") or {},
             "model": p.model, "output": output, "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
@@ -337,8 +481,8 @@ class _Events:
     """A stream's typed events, numbered in order, and the output items they open and close, each
     at the next output index."""
 
-    def __init__(self, resp: web.StreamResponse, p: Prepared):
-        self.resp, self.p, self.seq = resp, p, 0
+    def __init__(self, write: Callable[[bytes], Awaitable[None]], p: Prepared):
+        self.write, self.p, self.seq = write, p, 0
         self.index = 0                              # the next output item's
         self.text: dict | None = None               # the open message's place
         self.said: list[str] = []                   # and the text it was sent, in pieces
@@ -347,9 +491,8 @@ class _Events:
         self.closed: set[str] = set()               # ids of the items done
 
     async def send(self, kind: str, payload: dict) -> None:
-        data = orjson.dumps({"type": kind, "sequence_number": self.seq, **payload})
         self.seq += 1
-        await self.resp.write(b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n")
+        await self.write(_sse(kind, {"sequence_number": self.seq - 1, **payload}))
 
     async def _added(self, item: dict) -> int:
         await self.send("response.output_item.added", {"output_index": self.index, "item": item})
@@ -432,23 +575,43 @@ def _call_item(call: dict, status: str = "completed") -> dict:
 
 
 async def _stream(request, st, p: Prepared, body: dict, created: int, keep) -> web.StreamResponse:
+    """The response's events to the client that asked (``_run_events``); where generation fails
+    after the headers went out, an ``error`` event, as OpenAI sends."""
+    resp = web.StreamResponse(headers=EVENT_STREAM)
+    await resp.prepare(request)
+    ev = _Events(resp.write, p)
+    try:
+        await _run_events(ev, st, p, body, created, keep)
+    except ApiError as e:
+        await ev.send("error", {"code": e.code, "message": e.message, "param": e.param})
+    await resp.write_eof()
+    return resp
+
+
+async def _run_events(ev: _Events, st, p: Prepared, body: dict, created: int, keep, began=None) -> None:
     """The Responses API's events: the response created and in progress; per output item, it
     added, its text (a part added, deltas, the text and part done) or its call's arguments
-    (deltas and done), and it done; the response completed or incomplete (or an ``error``
-    event, when generation fails after the headers went out). Everything goes out as it is
-    generated, as a chat's stream does (``ContentStream``): text, and a constrained call's
-    arguments piece by piece; with ``auto`` tools, the text up to where a call may begin and each
-    call as its block closes; what the reply writes after its calls, at the end.
-    ``keep(response=, reply=)`` keeps the finished response (``_keep``)."""
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    ev, tools = _Events(resp, p), p.gen.tools
+    (deltas and done), and it done; the response completed or incomplete. Everything goes out
+    as it is generated, as a chat's stream does (``ContentStream``): text, and a constrained
+    call's arguments piece by piece; with ``auto`` tools, the text up to where a call may begin
+    and each call as its block closes; what the reply writes after its calls, at the end.
+    ``keep(response=, reply=)`` keeps the finished response (``_keep``). With ``began``, the
+    response is created queued and is in progress from its first token, when
+    ``began(response)`` is called. Raises ApiError where generation fails."""
+    tools = p.gen.tools
     content = ContentStream(tools) if tools is not None else None
     started = response_json(p, body, created, None, None, None)
-    await ev.send("response.created", {"response": started})
-    await ev.send("response.in_progress", {"response": started})
+    await ev.send("response.created", {"response": started | ({"status": "queued"} if began else {})})
+    waiting = began
+    if waiting is None:
+        await ev.send("response.in_progress", {"response": started})
 
     async def sink(ch: Choice, delta: str) -> None:
+        nonlocal waiting
+        if waiting is not None:
+            waiting(started)
+            waiting = None
+            await ev.send("response.in_progress", {"response": started})
         await ev.text_piece(delta if content is None else content.push(delta))
         for d in content.call_deltas(delta, lambda: ch.text) if content is not None else ():
             if tools.choice is ToolChoice.AUTO:
@@ -457,18 +620,13 @@ async def _stream(request, st, p: Prepared, body: dict, created: int, keep) -> w
                 await ev.call_piece(d)
 
     choices = new_choices(p, st.text_of)
-    try:
-        await all_or_none(run_choice(sub, st.metrics, r, ch, sink) for sub, r, ch in zip(p.subs, p.requests, choices))
-        ch = choices[0]
-        text, calls = (ch.text, []) if content is None else content.final(ch.text)
-        reply = {"role": "assistant", "content": text} | ({"tool_calls": calls} if calls else {})
-        done = response_json(p, body, created, reply, finish_reason(calls, ch.finish_reason), usage(p, choices),
-                             content.sent if content is not None else 0)
-        await ev.finish(done["output"])
-        keep(response=done, reply=reply)
-        await ev.send("response.incomplete" if done["status"] == "incomplete" else "response.completed",
-                      {"response": done})
-    except ApiError as e:                 # headers are out: report in-band, as OpenAI does
-        await ev.send("error", {"code": e.code, "message": e.message, "param": e.param})
-    await resp.write_eof()
-    return resp
+    await all_or_none(run_choice(sub, st.metrics, r, ch, sink) for sub, r, ch in zip(p.subs, p.requests, choices))
+    ch = choices[0]
+    text, calls = (ch.text, []) if content is None else content.final(ch.text)
+    reply = {"role": "assistant", "content": text} | ({"tool_calls": calls} if calls else {})
+    done = response_json(p, body, created, reply, finish_reason(calls, ch.finish_reason), usage(p, choices),
+                         content.sent if content is not None else 0)
+    await ev.finish(done["output"])
+    keep(response=done, reply=reply)
+    await ev.send("response.incomplete" if done["status"] == "incomplete" else "response.completed",
+                  {"response": done})

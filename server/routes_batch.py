@@ -8,7 +8,7 @@ from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from tandem.server import responses
-from tandem.server.app import STATE, STORE, complete, json_response, prepare, read_json
+from tandem.server.app import STATE, STORE, complete, json_response, prepare, read_json, room_to_wait
 from tandem.server.batches import WINDOWS, BatchRunner
 from tandem.server.connections import body_read
 from tandem.server.errors import ApiError, bad_request
@@ -18,7 +18,6 @@ from tandem.server.store import Store
 
 RUNNER = web.AppKey("runner", BatchRunner)
 PURPOSES = ("batch", "user_data")
-ADMISSION_POLL_S = 0.1
 
 
 def add_routes(app: web.Application) -> None:
@@ -28,8 +27,7 @@ def add_routes(app: web.Application) -> None:
 
     async def run_line(body: dict, endpoint: str):
         engine = app[STATE].engine
-        while engine.num_waiting() >= cfg.max_waiting:   # admission control: a line waits for room
-            await asyncio.sleep(ADMISSION_POLL_S)
+        await room_to_wait(engine, cfg)
         if endpoint == "/v1/responses":
             return 200, await responses.run_line(app, engine, body)
         chat = endpoint == "/v1/chat/completions"

@@ -231,7 +231,7 @@ RESPONSES_CHAT_ONLY = {"max_tokens": "max_output_tokens", "max_completion_tokens
                        "messages": "input", "response_format": "text.format", "functions": "tools",
                        "function_call": "tool_choice", "stop": None, "n": None, "logprobs": None,
                        "logit_bias": None}
-RESPONSES_UNSUPPORTED = ("conversation", "background", "include", "prompt", "max_tool_calls", "top_logprobs",
+RESPONSES_UNSUPPORTED = ("conversation", "include", "prompt", "max_tool_calls", "top_logprobs",
                          "reasoning")
 INPUT_PART = {"type": "object", "required": ["type", "text"], "properties": {
     "type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}}}
@@ -285,6 +285,9 @@ RESPONSES_BODY = {"type": "object", "required": ["input"], "properties": {
     "previous_response_id": {"type": "string", "description": "a kept response whose conversation this one "
                                                               "goes on from"},
     "truncation": {"enum": ["disabled"], "description": "an input past the context is refused"},
+    "background": {"type": "boolean", "description": "true: answered at once, queued; it runs on its own (kept, "
+                                                     "run again after a restart) and is polled, cancelled or its "
+                                                     "events streamed again by id"},
     **RESPONSES_TOOLS,
     "stream_options": {"type": "object"},
     **{k: {"description": "not supported: rejected unless null, false or empty"} for k in RESPONSES_UNSUPPORTED},

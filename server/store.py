@@ -31,6 +31,7 @@ CREATE TABLE IF NOT EXISTS batch_lines (
 CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY, seq INTEGER NOT NULL, response TEXT NOT NULL, conversation TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS response_inputs (id TEXT PRIMARY KEY, items TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS response_jobs (id TEXT PRIMARY KEY, body TEXT NOT NULL);
 """
 # columns added since the tables were first made: a data dir written before gets them on opening
 ADDED_COLUMNS = {
@@ -259,6 +260,26 @@ class Store:
     def get_response(self, rid: str) -> tuple[dict, list[dict]] | None:
         r = self.db.execute("SELECT response, conversation FROM responses WHERE id=?", (rid,)).fetchone()
         return None if r is None else (json.loads(r["response"]), json.loads(r["conversation"]))
+
+    def set_response(self, response: dict) -> None:
+        """A kept response as it is now (its conversation and place stay)."""
+        self.db.execute("UPDATE responses SET response=? WHERE id=?", (json.dumps(response), response["id"]))
+
+    def add_response_job(self, rid: str, body: dict) -> None:
+        """A background response's request, kept until it ends."""
+        self.db.execute("INSERT OR REPLACE INTO response_jobs VALUES (?,?)", (rid, json.dumps(body)))
+
+    def response_job(self, rid: str) -> dict | None:
+        r = self.db.execute("SELECT body FROM response_jobs WHERE id=?", (rid,)).fetchone()
+        return None if r is None else json.loads(r["body"])
+
+    def response_jobs(self) -> list[tuple[str, dict]]:
+        """The background responses not ended: (id, request), oldest first."""
+        return [(r["id"], json.loads(r["body"])) for r in self.db.execute("SELECT id, body FROM response_jobs "
+                                                                        "ORDER BY rowid")]
+
+    def end_response_job(self, rid: str) -> None:
+        self.db.execute("DELETE FROM response_jobs WHERE id=?", (rid,))
 
     def delete_response(self, rid: str) -> bool:
         self.db.execute("DELETE FROM response_inputs WHERE id=?", (rid,))

@@ -474,3 +474,146 @@ def test_a_kept_responses_input_items_are_listed(server, client):
     client.responses.delete(r.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.input_items.list(r.id)
+
+
+ENDED = ("completed", "incomplete", "failed", "cancelled")
+
+
+def wait_status(c, rid: str, statuses: tuple[str, ...]):
+    """Poll a response until its status is one of ``statuses`` (a hang guard, not a timing)."""
+    deadline = time.monotonic() + 120
+    while (r := c.responses.retrieve(rid)).status not in statuses:
+        assert time.monotonic() < deadline, r.status
+        time.sleep(0.05)
+    return r
+
+
+def test_a_background_response_is_queued_then_polled_to_the_greedy_reply(server, client, tiny_chat_model, tok):
+    text, n_in, n_out = hf_reply(tiny_chat_model, tok, [{"role": "user", "content": "Write a poem"}], MAX)
+    r = client.responses.create(model=server.model, input="Write a poem", max_output_tokens=MAX, temperature=0,
+                                background=True)
+    assert r.status == "queued" and r.background is True and r.output == [] and r.usage is None
+    done = wait_status(client, r.id, ("completed", "incomplete"))
+    assert done.output_text == text and (done.usage.input_tokens, done.usage.output_tokens) == (n_in, n_out)
+    assert done.background is True and done.id == r.id and done.created_at == r.created_at
+    assert client.responses.cancel(r.id).status == done.status         # ended: cancelling changes nothing
+    later = client.responses.create(model=server.model, input="Again", previous_response_id=r.id,
+                                    max_output_tokens=2, temperature=0)
+    whole = hf_reply(tiny_chat_model, tok, [{"role": "user", "content": "Write a poem"},
+                                            {"role": "assistant", "content": text},
+                                            {"role": "user", "content": "Again"}], 2)
+    assert (later.output_text, later.usage.input_tokens) == whole[:2]
+
+
+def test_a_background_stream_is_read_again_from_any_event(server, client, tiny_chat_model, tok):
+    text, _, n_out = hf_reply(tiny_chat_model, tok, [{"role": "user", "content": "Tell a tale"}], MAX)
+    events = list(client.responses.create(model=server.model, input="Tell a tale", max_output_tokens=MAX,
+                                          temperature=0, background=True, stream=True))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[0].response.status == "queued" and events[1].response.status == "in_progress"
+    assert events[-1].type == ("response.incomplete" if n_out == MAX else "response.completed")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
+    rid = events[0].response.id
+    for after in (None, 3, len(events) - 2):
+        again = list(client.responses.retrieve(rid, stream=True, **({} if after is None else
+                                                                   {"starting_after": after})))
+        tail = events if after is None else events[after + 1:]
+        assert [(e.type, e.sequence_number) for e in again] == [(e.type, e.sequence_number) for e in tail]
+        assert [getattr(e, "delta", None) for e in again] == [getattr(e, "delta", None) for e in tail]
+    assert client.responses.retrieve(rid).output_text == text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"background": True, "store": False}, "background"),
+    ({"background": "yes"}, "background")])
+def test_a_background_response_that_would_not_be_kept_is_refused(server, client, body, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=server.model, input="x", max_output_tokens=2, extra_body=body)
+    assert e.value.param == param
+
+
+def test_only_a_background_response_is_cancelled_or_streamed_again(server, client):
+    r = client.responses.create(model=server.model, input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(r.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        list(client.responses.retrieve(r.id, stream=True))
+    assert e.value.param == "stream"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_missing")
+
+
+HOLD = """
+import os, asyncio
+import tandem.server.app as app
+_run_choice = app.run_choice
+async def run_choice(sub, metrics, req, ch, sink=None, n=1):
+    async def held(c, delta):       # after each token, wait while the hold file is there
+        await sink(c, delta)
+        while os.path.exists({path!r}):
+            await asyncio.sleep(0.02)
+    return await _run_choice(sub, metrics, req, ch, held if sink is not None else None, n)
+app.run_choice = run_choice
+"""
+
+
+def test_a_background_response_is_cancelled_while_it_runs(tiny_chat_model, tmp_path):
+    """Held after its first token, so it is running when cancelled: it stays cancelled, its
+    stream ends, and the server serves the next request."""
+    from tests.server.conftest import start_server, stop_server
+    hold = tmp_path / "hold"
+    hold.touch()
+    srv = start_server(tiny_chat_model, tmp_path, inject=HOLD.format(path=str(hold)))
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0)
+        r = c.responses.create(model=srv.model, input="Count to ten", max_output_tokens=MAX, temperature=0,
+                               background=True)
+        wait_status(c, r.id, ("in_progress",))
+        stream = c.responses.retrieve(r.id, stream=True)
+        first = next(iter(stream))
+        assert first.type == "response.created"
+        cancelled = c.responses.cancel(r.id)
+        assert cancelled.status == "cancelled" and c.responses.retrieve(r.id).status == "cancelled"
+        rest = [e.type for e in stream]             # ends: no completed event after a cancel
+        assert "response.completed" not in rest and "response.incomplete" not in rest
+        assert c.responses.cancel(r.id).status == "cancelled"
+        hold.unlink()
+        assert c.responses.create(model=srv.model, input="Hi", max_output_tokens=2).status in ("completed",
+                                                                                                "incomplete")
+        assert c.responses.retrieve(r.id).status == "cancelled"
+    finally:
+        stop_server(srv)
+
+
+def test_a_background_response_outlives_a_restart(tiny_chat_model, tmp_path, tok):
+    """Stopped (SIGTERM) while they run, background responses run again once the server is back:
+    one to HF's reply; one whose previous response was forgotten meanwhile fails, saying why."""
+    import sqlite3
+    from tests.server.conftest import start_server, stop_server
+    text, _, _ = hf_reply(tiny_chat_model, tok, [{"role": "user", "content": "Name three rivers"}], MAX)
+    hold = tmp_path / "hold"
+    srv = start_server(tiny_chat_model, tmp_path, inject=HOLD.format(path=str(hold)))
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0)
+        before = c.responses.create(model=srv.model, input="Hi", max_output_tokens=2)
+        hold.touch()
+        r = c.responses.create(model=srv.model, input="Name three rivers", max_output_tokens=MAX, temperature=0,
+                               background=True)
+        orphan = c.responses.create(model=srv.model, input="And?", previous_response_id=before.id,
+                                    max_output_tokens=MAX, background=True)
+        for rid in (r.id, orphan.id):
+            wait_status(c, rid, ("in_progress",))
+    finally:
+        assert stop_server(srv) == 0
+    with sqlite3.connect(tmp_path / "data" / "tandem.sqlite3") as db:
+        db.execute("DELETE FROM responses WHERE id=?", (before.id,))
+    srv = start_server(tiny_chat_model, tmp_path)            # same data dir, nothing held
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0)
+        done = wait_status(c, r.id, ("completed", "incomplete"))
+        assert done.output_text == text and done.created_at == r.created_at
+        failed = wait_status(c, orphan.id, ENDED)
+        assert failed.status == "failed" and failed.error.code == "invalid_prompt" and before.id in failed.error.message
+    finally:
+        stop_server(srv)

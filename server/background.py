@@ -1,0 +1,120 @@
+"""Responses created with ``background: true``: each runs in a task of its own, not tied to
+the connection that asked for it. A client polls ``GET /v1/responses/{id}`` (queued,
+in_progress, then completed, incomplete, failed or cancelled), cancels it with ``POST
+/v1/responses/{id}/cancel``, or reads its stream events, from the start or after the
+``sequence_number`` it last saw, as often as it reconnects.
+
+What is accepted is not lost: the request is kept in the store until it ends, and one the
+server stopped before its end runs again from its start when the model is next loaded (its
+events then are the new run's).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from typing import AsyncIterator, Awaitable, Callable
+
+from tandem.sched.request import error_id
+from tandem.server.store import Store
+
+KEPT_LOGS = 100          # finished responses whose events stay readable, the newest
+
+log = logging.getLogger("tandem.responses")
+
+
+class EventLog:
+    """A response's stream events as they are sent, for readers that come and go."""
+
+    def __init__(self) -> None:
+        self.events: list[bytes] = []
+        self.done = False
+        self._changed = asyncio.Event()
+
+    async def write(self, data: bytes) -> None:
+        self.events.append(data)
+        self._wake()
+
+    def close(self) -> None:
+        self.done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def read(self, after: int) -> AsyncIterator[bytes]:
+        """The events numbered after ``after`` (-1: all), as they come, until the response ends."""
+        i = after + 1
+        while True:
+            while i < len(self.events):
+                yield self.events[i]
+                i += 1
+            if self.done:
+                return
+            await self._changed.wait()
+
+
+class Background:
+    """The running background responses, and the events of those running or recently ended."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.logs: OrderedDict[str, EventLog] = OrderedDict()
+        self._cancelled: set[str] = set()
+
+    def start(self, rid: str, run: Callable[[EventLog], Awaitable[None]]) -> EventLog:
+        """Run ``run(events)`` for the kept response ``rid``; its request is kept until it ends."""
+        events = self.logs[rid] = EventLog()
+        self.tasks[rid] = asyncio.get_running_loop().create_task(self._run(rid, run, events))
+        return events
+
+    async def _run(self, rid: str, run: Callable[[EventLog], Awaitable[None]], events: EventLog) -> None:
+        """``run`` keeps the response it ends with (also a failure it can name); a cancel keeps it
+        cancelled, a bug failed. A stop of the server leaves it to run again."""
+        try:
+            await run(events)
+            self.store.end_response_job(rid)
+        except asyncio.CancelledError:
+            if rid in self._cancelled:
+                self._settle(rid, "cancelled")
+            raise
+        except Exception:                # noqa: BLE001 -- the response must reach a final state
+            eid = error_id()
+            log.exception("background response %s failed (%s)", rid, eid)
+            self._settle(rid, "failed", {"code": "server_error", "message": f"internal error (error id {eid})"})
+        finally:
+            events.close()
+            self.tasks.pop(rid, None)
+            self._cancelled.discard(rid)
+            self._forget_old()
+
+    def _settle(self, rid: str, status: str, error: dict | None = None) -> None:
+        kept = self.store.get_response(rid)
+        if kept is not None:
+            self.store.set_response(kept[0] | {"status": status, "error": error})
+        self.store.end_response_job(rid)
+
+    def _forget_old(self) -> None:
+        ended = [rid for rid in self.logs if rid not in self.tasks]
+        for rid in ended[:max(0, len(ended) - KEPT_LOGS)]:
+            del self.logs[rid]
+
+    async def cancel(self, rid: str) -> None:
+        """Stop ``rid`` where it still runs (or waits to run again) and keep it cancelled; one
+        that has ended stays as it is."""
+        task = self.tasks.get(rid)
+        if task is not None:
+            self._cancelled.add(rid)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        elif self.store.response_job(rid) is not None:
+            self._settle(rid, "cancelled")
+
+    async def stop(self) -> None:
+        """The server stops: every running response is stopped and stays kept, to run again."""
+        tasks = list(self.tasks.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
