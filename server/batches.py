@@ -11,7 +11,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterator
 
 import orjson
 
@@ -23,6 +23,7 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 WINDOWS = {"24h": 24 * 3600}
 MAX_LINES = 50_000
 MAX_ERRORS = 1_000           # a failed batch lists at most this many of its input's errors
+PENDING_READ = 256           # pending lines read from the store at a time
 MAX_LINE_ATTEMPTS = 3        # a line failing on the server's side (5xx, an exception) runs again
 LINE_RETRY_S = 1.0           # times the attempt number, before the next attempt
 
@@ -174,6 +175,8 @@ class BatchRunner:
             log.exception("batch %s failed (%s)", bid, eid)
             self._fail(bid, [{"code": "server_error", "message": f"internal error (error id {eid})",
                               "param": None, "line": None}])
+        finally:
+            self.tasks.pop(bid, None)
 
     async def _steps(self, bid: str) -> None:
         b = self.store.get_batch(bid)
@@ -186,7 +189,7 @@ class BatchRunner:
             lines, errors = await asyncio.to_thread(validate_lines, raw, b["endpoint"])
             if errors:
                 return self._fail(bid, errors)
-            self.store.add_lines(bid, lines)
+            await asyncio.to_thread(self.store.add_lines, bid, lines)
         expired = False
         if self.store.status(bid) == "in_progress":
             expired = await self._run_lines(bid, b["endpoint"], b["expires_at"])
@@ -201,15 +204,23 @@ class BatchRunner:
 
     async def _run_lines(self, bid: str, endpoint: str, expires_at: int) -> bool:
         """Run the pending lines until all are done, the batch is cancelled or it expires (True).
-        Lines still running then, or when this task is cancelled (the server stops), are aborted."""
-        stop, expired = asyncio.Event(), False
+        Lines still running then, or when this task is cancelled (the server stops), are aborted.
 
-        async def one(line_no: int, body: dict) -> None:
-            async with self.slots:
-                if stop.is_set():
-                    return
-                code, resp = await self._attempts(bid, line_no, body, endpoint)
-                self.store.finish_line(bid, line_no, code, resp, line_usage(code, resp))
+        ``concurrency`` workers take the lines in order, each holding one of the slots all
+        batches share while its line runs. A worker queues for a slot again after each line, so
+        batches running together take turns (a long batch does not hold up a short one until it
+        ends), and a batch of 50,000 lines is read from the store a few hundred at a time."""
+        stop, expired = asyncio.Event(), False
+        lines = self._pending(bid)
+
+        async def worker() -> None:
+            while not stop.is_set():
+                async with self.slots:
+                    line = None if stop.is_set() else next(lines, None)
+                    if line is None:
+                        return
+                    code, resp = await self._attempts(bid, line[0], line[2], endpoint)
+                    self.store.finish_line(bid, line[0], code, resp, line_usage(code, resp))
 
         async def watch() -> None:
             nonlocal expired
@@ -222,10 +233,12 @@ class BatchRunner:
                     stop.set()
 
         watcher = asyncio.create_task(watch())
-        jobs = [asyncio.create_task(one(n, body)) for n, _cid, body in self.store.pending_lines(bid)]
+        jobs = [asyncio.create_task(worker()) for _ in range(self.concurrency)]
         try:
             while jobs and not stop.is_set():
                 done, _ = await asyncio.wait(jobs + [watcher], return_when=asyncio.FIRST_COMPLETED)
+                for j in done - {watcher}:
+                    j.result()            # a worker's bug fails the batch (``_run``)
                 jobs = [j for j in jobs if not j.done()]
         finally:
             stop.set()
@@ -234,6 +247,13 @@ class BatchRunner:
                 j.cancel()
             await asyncio.gather(*jobs, return_exceptions=True)
         return expired
+
+    def _pending(self, bid: str) -> Iterator[tuple[int, str, dict]]:
+        """The batch's pending lines in order, read ``PENDING_READ`` at a time."""
+        after = -1
+        while chunk := self.store.pending_lines(bid, after, PENDING_READ):
+            yield from chunk
+            after = chunk[-1][0]
 
     async def _attempts(self, bid: str, line_no: int, body: dict, endpoint: str) -> tuple[int, dict]:
         """Run one line. A client error (4xx) is its result at once; a failure on the server's
@@ -260,8 +280,7 @@ class BatchRunner:
     async def _finalize(self, bid: str, final: str) -> None:
         """Write the output and error files from the recorded results, then the final status.
         The files are built and written off the event loop (50,000 lines take over a second)."""
-        rows = [dict(r) for r in self.store.line_results(bid)]
-        out, errs = await asyncio.to_thread(result_files, rows, final)
+        out, errs = await asyncio.to_thread(lambda: result_files(self.store.line_results(bid), final))
         ids, keep_s = [], self.store.output_expiry(bid)
         for data, kind in ((out, "output"), (errs, "error")):
             fid = None
@@ -270,4 +289,4 @@ class BatchRunner:
                 await asyncio.to_thread(self.store.write_blob, fid, data)
                 self.store.register_file(fid, len(data), f"{bid}_{kind}.jsonl", "batch_output", keep_s)
             ids.append(fid)
-        self.store.set_status(bid, final, output_file_id=ids[0], error_file_id=ids[1])
+        await asyncio.to_thread(self.store.end_batch, bid, final, *ids)

@@ -3,7 +3,8 @@ the data dir.
 
 Every batch line's result is committed as soon as it exists, exactly once
 (``UPDATE ... WHERE status = 'pending'``), so a server killed at any point and
-restarted resumes the pending lines and the output lists each custom_id once.
+restarted resumes the pending lines and the output lists each custom_id once. Once a batch has
+ended (its output and error files written), its lines are dropped and its counts kept.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import sqlite3
 import time
 import uuid
+from contextlib import closing
 from pathlib import Path
 
 SCHEMA = """
@@ -38,7 +40,11 @@ ADDED_COLUMNS = {
     "files": ("expires_at INTEGER",),
     "batches": ("model TEXT", "output_expires_s INTEGER", "input_tokens INTEGER NOT NULL DEFAULT 0",
                 "cached_tokens INTEGER NOT NULL DEFAULT 0", "output_tokens INTEGER NOT NULL DEFAULT 0",
-                "reasoning_tokens INTEGER NOT NULL DEFAULT 0")}
+                "reasoning_tokens INTEGER NOT NULL DEFAULT 0",
+                # a batch's request_counts once it has ended (its lines are dropped then)
+                "total_lines INTEGER", "completed_lines INTEGER", "failed_lines INTEGER")}
+LINES_PER_WRITE = 2_000     # batch lines inserted per transaction
+SIDE_WAIT_S = 30.0          # how long a connection waits for another's write lock
 USAGE = ("input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens")
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
@@ -52,14 +58,16 @@ def new_id(prefix: str, sep: str = "-") -> str:
 
 
 class Store:
+    """Files, batches and kept responses in one SQLite database. Its methods run on the event
+    loop's thread, on one connection, except those that say they run on a thread of their own:
+    they take a connection of their own and do the work of a whole batch there."""
+
     def __init__(self, data_dir: str | os.PathLike):
         self.root = Path(data_dir)
         self.files_dir = self.root / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(self.root / "tandem.sqlite3", isolation_level=None)
-        self.db.row_factory = sqlite3.Row
+        self.db = self._connect()
         self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")
         self.db.executescript(SCHEMA)
         for table, columns in ADDED_COLUMNS.items():
             have = {r["name"] for r in self.db.execute(f"PRAGMA table_info({table})")}
@@ -67,6 +75,13 @@ class Store:
                 if col.split()[0] not in have:
                     self.db.execute(f"ALTER TABLE {table} ADD COLUMN {col}")
         self.sweep_expired()
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.root / "tandem.sqlite3", isolation_level=None, timeout=SIDE_WAIT_S,
+                             check_same_thread=False)
+        db.row_factory = sqlite3.Row
+        db.execute("PRAGMA synchronous=FULL")
+        return db
 
     # ---- files ---------------------------------------------------------------
     def add_file(self, data: bytes, filename: str, purpose: str, expires_s: int | None = None) -> dict:
@@ -170,18 +185,26 @@ class Store:
         self.db.execute(f"UPDATE batches SET {cols} WHERE id=?", (*sets.values(), bid))
 
     def add_lines(self, bid: str, lines: list[tuple[int, str, dict]]) -> None:
-        """Insert validated lines and move to in_progress in one transaction (unless cancelled)."""
-        with self.db:
-            self.db.execute("BEGIN")
-            self.db.executemany("INSERT OR IGNORE INTO batch_lines (batch_id, line_no, custom_id, body) "
-                                "VALUES (?,?,?,?)", [(bid, n, cid, json.dumps(b)) for n, cid, b in lines])
+        """Insert validated lines, then move to in_progress (unless cancelled meanwhile); on a
+        thread of its own. In transactions of ``LINES_PER_WRITE`` lines, so the event loop's own
+        writes never wait long for the lock; a stop in between leaves the batch validating, to
+        be validated and inserted again (a line inserted twice is kept once)."""
+        with closing(self._connect()) as db:
+            for at in range(0, len(lines), LINES_PER_WRITE):
+                with db:
+                    db.execute("BEGIN")
+                    db.executemany("INSERT OR IGNORE INTO batch_lines (batch_id, line_no, custom_id, body) "
+                                   "VALUES (?,?,?,?)", [(bid, n, cid, json.dumps(b))
+                                                        for n, cid, b in lines[at:at + LINES_PER_WRITE]])
             # a batch cancelled while it was validating stays cancelling
-            self.db.execute("UPDATE batches SET status='in_progress', in_progress_at=? WHERE id=? AND "
-                            "status='validating'", (int(time.time()), bid))
+            db.execute("UPDATE batches SET status='in_progress', in_progress_at=? WHERE id=? AND "
+                       "status='validating'", (int(time.time()), bid))
 
-    def pending_lines(self, bid: str) -> list[tuple[int, str, dict]]:
+    def pending_lines(self, bid: str, after: int = -1, limit: int = -1) -> list[tuple[int, str, dict]]:
+        """The lines with no result yet, in order: the first ``limit`` (-1: all) after ``after``."""
         rows = self.db.execute("SELECT line_no, custom_id, body FROM batch_lines WHERE batch_id=? AND "
-                               "status='pending' ORDER BY line_no", (bid,)).fetchall()
+                               "line_no > ? AND status='pending' ORDER BY line_no LIMIT ?",
+                               (bid, after, limit)).fetchall()
         return [(r["line_no"], r["custom_id"], json.loads(r["body"])) for r in rows]
 
     def finish_line(self, bid: str, line_no: int, status_code: int, result: dict,
@@ -199,13 +222,34 @@ class Store:
                                 (*usage, bid))
         return bool(cur.rowcount)
 
-    def line_results(self, bid: str) -> list[sqlite3.Row]:
-        return self.db.execute("SELECT line_no, custom_id, status, status_code, result FROM batch_lines "
-                               "WHERE batch_id=? ORDER BY line_no", (bid,)).fetchall()
+    def line_results(self, bid: str) -> list[dict]:
+        """Every line's result, in order; on a thread of its own."""
+        with closing(self._connect()) as db:
+            return [dict(r) for r in db.execute("SELECT line_no, custom_id, status, status_code, result FROM "
+                                                "batch_lines WHERE batch_id=? ORDER BY line_no", (bid,))]
 
-    def counts(self, bid: str) -> dict:
-        r = self.db.execute("SELECT COUNT(*) t, SUM(status='done') c, SUM(status='error') f FROM batch_lines "
-                            "WHERE batch_id=?", (bid,)).fetchone()
+    def end_batch(self, bid: str, final: str, output_file_id: str | None, error_file_id: str | None) -> None:
+        """A batch's final state, its files and request_counts; then its lines are dropped (their
+        results are in the files), on a thread of its own."""
+        with closing(self._connect()) as db, db:
+            db.execute("BEGIN")
+            c = self._line_counts(db, bid)
+            db.execute("UPDATE batches SET status=?, output_file_id=?, error_file_id=?, total_lines=?, "
+                       f"completed_lines=?, failed_lines=?, {final}_at=? WHERE id=?",
+                       (final, output_file_id, error_file_id, c["total"], c["completed"], c["failed"],
+                        int(time.time()), bid))
+            db.execute("DELETE FROM batch_lines WHERE batch_id=?", (bid,))
+
+    def counts(self, r: sqlite3.Row) -> dict:
+        """A batch's request_counts: kept once it ended, else counted from its lines."""
+        if r["total_lines"] is not None:
+            return {"total": r["total_lines"], "completed": r["completed_lines"], "failed": r["failed_lines"]}
+        return self._line_counts(self.db, r["id"])
+
+    @staticmethod
+    def _line_counts(db: sqlite3.Connection, bid: str) -> dict:
+        r = db.execute("SELECT COUNT(*) t, SUM(status='done') c, SUM(status='error') f FROM batch_lines "
+                       "WHERE batch_id=?", (bid,)).fetchone()
         return {"total": r["t"] or 0, "completed": r["c"] or 0, "failed": r["f"] or 0}
 
     def get_batch(self, bid: str) -> dict | None:
@@ -217,7 +261,7 @@ class Store:
                "completion_window": r["completion_window"], "status": r["status"],
                "output_file_id": r["output_file_id"], "error_file_id": r["error_file_id"],
                "created_at": r["created_at"], "expires_at": r["expires_at"],
-               "request_counts": self.counts(bid),
+               "request_counts": self.counts(r),
                "metadata": json.loads(r["metadata"]) if r["metadata"] else None,
                "model": r["model"], "usage": None if r["model"] is None else _usage(r)}
         for k in TIMESTAMPS:

@@ -157,6 +157,60 @@ def test_result_files_are_built_off_the_event_loop(tmp_path, monkeypatch):
     assert threads and loop_thread not in threads
 
 
+def test_a_batchs_lines_are_stored_and_read_back_off_the_event_loop(tmp_path, monkeypatch):
+    """Inserting a batch's lines, reading their results and dropping them (50,000 lines take
+    seconds) run on threads of their own, not on the loop that serves every stream; once the
+    batch has ended its lines are gone from the database and its counts stay."""
+    store = Store(tmp_path)
+    threads = {}
+    for name in ("add_lines", "line_results", "end_batch"):
+        real = getattr(store, name)
+
+        def recording(*args, _real=real, _name=name):
+            threads[_name] = threading.current_thread()
+            return _real(*args)
+        monkeypatch.setattr(store, name, recording)
+
+    async def main():
+        runner = BatchRunner(store, lambda body, endpoint: asyncio.sleep(0, answer(body)), 2)
+        b = store.add_batch(input_file(store, 5), ENDPOINT, 3600, "1h", None, "M")
+        runner.start(b["id"])
+        await runner.tasks[b["id"]]
+        return store.get_batch(b["id"]), threading.current_thread()
+    b, loop_thread = asyncio.run(main())
+    assert sorted(threads) == ["add_lines", "end_batch", "line_results"] and loop_thread not in threads.values()
+    assert b["status"] == "completed" and b["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
+    assert len(lines_of(store, b["output_file_id"])) == 5
+    with sqlite3.connect(tmp_path / "tandem.sqlite3") as db:
+        assert db.execute("SELECT COUNT(*) FROM batch_lines").fetchone()[0] == 0
+
+
+def test_batches_running_together_take_turns(tmp_path):
+    """A short batch created after a long one runs its lines among the long one's, not after
+    its last (one slot: each line waits for the one before it)."""
+    store = Store(tmp_path)
+    ran = []
+
+    async def main():
+        async def run_line(body, endpoint):
+            ran.append(body["messages"][0]["content"])
+            await asyncio.sleep(0)
+            return answer(body)
+        runner = BatchRunner(store, run_line, 1)
+        long = store.add_batch(input_file(store, 30), ENDPOINT, 3600, "1h", None, "M")
+        runner.start(long["id"])
+        while not ran:
+            await asyncio.sleep(0.001)
+        rows = [{"custom_id": f"s{i}", "method": "POST", "url": ENDPOINT,
+                 "body": {"messages": [{"role": "user", "content": f"short{i}"}]}} for i in range(3)]
+        short = store.add_batch(store.add_file("".join(json.dumps(r) + "\n" for r in rows).encode(), "s.jsonl",
+                                               "batch")["id"], ENDPOINT, 3600, "1h", None, "M")
+        runner.start(short["id"])
+        await asyncio.gather(*runner.tasks.values())
+    asyncio.run(main())
+    assert len(ran) == 33 and ran.index("short2") < 30, ran
+
+
 def test_a_batch_sums_its_lines_usage_once_each(tmp_path):
     """Chat, completion and Responses usage shapes all count; a failed line and a line recorded
     twice (a resumed batch finishing a line another run finished) count nothing more."""
