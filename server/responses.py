@@ -27,14 +27,14 @@ from aiohttp import web
 
 from tandem.server.app import (STATE, STORE, Choice, Prepared, all_or_none, choice_json, json_response, new_choices,
                                prepare, prepare_online, read_json, ready_engine, room_to_wait, run_choice, run_to_end,
-                               served_tier,
-                               usage)
+                               served_tier, unsent_logprobs, usage)
 from tandem.server.background import Background, EventLog
 from tandem.server.errors import ApiError, bad_request
+from tandem.server.logprobs import chat_logprobs
 from tandem.server.listing import newest_first, page, query_limit
 from tandem.server.protocol import reject_unsupported
-from tandem.server.schema import (RESPONSES_BODY, RESPONSES_CHAT_ONLY, RESPONSES_PASSED, RESPONSES_UNSUPPORTED,
-                                  validate)
+from tandem.server.schema import (OUTPUT_LOGPROBS, RESPONSES_BODY, RESPONSES_CHAT_ONLY, RESPONSES_PASSED,
+                                  RESPONSES_UNSUPPORTED, validate)
 from tandem.server.store import Store
 from tandem.server.tools import ContentStream, ToolChoice, finish_reason, lead_length
 
@@ -193,7 +193,25 @@ def chat_body(body: dict, store: Store) -> tuple[dict, list[dict]]:
     chat = {k: body[k] for k in RESPONSES_PASSED if body.get(k) is not None} | {"messages": system + conversation}
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
-    return chat | _tools(body) | _format(body), conversation
+    return chat | _tools(body) | _format(body) | _logprobs(body), conversation
+
+
+def _logprobs(body: dict) -> dict:
+    """The chat's logprobs and top_logprobs, where ``include`` asks for the output's."""
+    include = body.get("include") or []
+    for item in include:
+        if item != OUTPUT_LOGPROBS:
+            raise bad_request(f"include '{item}' is not supported by this server (only '{OUTPUT_LOGPROBS}')",
+                              param="include", code="unsupported_parameter")
+    if OUTPUT_LOGPROBS not in include:
+        if body.get("top_logprobs"):
+            raise bad_request(f"'top_logprobs' gives alternatives to the output's log probabilities: send "
+                              f"include ['{OUTPUT_LOGPROBS}'] with it", param="top_logprobs")
+        return {}
+    if body.get("tools"):
+        raise bad_request("log probabilities of a reply that may call tools are not supported", param="include",
+                          code="unsupported_parameter")
+    return {"logprobs": True, "top_logprobs": body.get("top_logprobs") or 0}
 
 
 def _conversation(body: dict, store: Store) -> list[dict]:
@@ -317,7 +335,8 @@ async def _finish(engine, st, p: Prepared, body: dict, created: int, keep) -> di
     """Run a prepared request to its end and keep it: the response object."""
     ch = (await run_to_end(engine, st, p))[0]
     c = choice_json(True, ch, st.text_of, p.gen.tools)
-    response = response_json(p, body, created, c["message"], c["finish_reason"], usage(p, [ch]), lead_length(ch.text))
+    response = response_json(p, body, created, c["message"], c["finish_reason"], usage(p, [ch]), lead_length(ch.text),
+                             (c["logprobs"] or {}).get("content"))
     keep(response=response, reply=c["message"])
     return response
 
@@ -410,24 +429,26 @@ def _ids(p: Prepared) -> tuple[str, str]:
     return "resp_" + tail, "msg_" + tail
 
 
-def _text_item(p: Prepared, text: str | None, finish: str | None, after_calls: bool = False) -> dict:
-    """An output message: in progress (no ``text`` yet), else whole. The text a reply writes
-    after its calls is a second message."""
+def _text_item(p: Prepared, text: str | None, finish: str | None, after_calls: bool = False,
+               logprobs: list | None = None) -> dict:
+    """An output message: in progress (no ``text`` yet), else whole (with its tokens' ``logprobs``,
+    where asked). The text a reply writes after its calls is a second message."""
     status = "in_progress" if text is None else "incomplete" if finish == "length" else "completed"
-    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [],
+                                        "logprobs": logprobs or []}]
     return {"id": _ids(p)[1] + ("_1" if after_calls else ""), "type": "message", "status": status,
             "role": "assistant", "content": content}
 
 
-def _output(p: Prepared, message: dict, finish: str | None, lead: int) -> list[dict]:
+def _output(p: Prepared, message: dict, finish: str | None, lead: int, logprobs: list | None = None) -> list[dict]:
     """A chat reply as output items, in the order it wrote them: the text before its first call
     (its content's first ``lead`` characters), a ``function_call`` per call, and the text after
     them. A reply that makes no call is one message, also when it is empty. Cut off by
     ``max_output_tokens``, the item it was writing is ``incomplete`` (none, where it was a call
-    whose name was not written yet)."""
+    whose name was not written yet). ``logprobs``: the reply's tokens' (asked only without tools)."""
     content, calls = message["content"] or "", message.get("tool_calls") or []
     if not calls:
-        return [_text_item(p, content, finish)]
+        return [_text_item(p, content, finish, logprobs=logprobs)]
     before, after = content[:lead], content[lead:]
     items = [_call_item(c) for c in calls]
     if finish == "length" and p.gen.tools.choice is not ToolChoice.AUTO and not _whole(items[-1]["arguments"]):
@@ -447,7 +468,7 @@ def _whole(arguments: str) -> bool:
 
 
 def response_json(p: Prepared, body: dict, created: int, message: dict | None, finish: str | None,
-                  chat_usage: dict | None, lead: int = 0) -> dict:
+                  chat_usage: dict | None, lead: int = 0, logprobs: list | None = None) -> dict:
     """The response object: in progress while ``message`` (the chat's reply) is None, else with
     its output items (``_output``) and usage."""
     if message is None:
@@ -455,7 +476,7 @@ def response_json(p: Prepared, body: dict, created: int, message: dict | None, f
     else:
         cut = finish == "length"
         status, details = ("incomplete", {"reason": "max_output_tokens"}) if cut else ("completed", None)
-        output = _output(p, message, finish, lead)
+        output = _output(p, message, finish, lead, logprobs)
     fmt = (body.get("text") or {}).get("format") or {"type": "text"}
     u = None if chat_usage is None else {
         "input_tokens": chat_usage["prompt_tokens"],
@@ -474,7 +495,8 @@ def response_json(p: Prepared, body: dict, created: int, message: dict | None, f
             "store": body.get("store") is not False, "temperature": body.get("temperature", 1.0),
             "text": {"format": fmt},
             "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
-            "top_p": body.get("top_p", 1.0), "truncation": "disabled", "usage": u, "user": body.get("user")}
+            "top_p": body.get("top_p", 1.0), "top_logprobs": body.get("top_logprobs"), "truncation": "disabled",
+            "usage": u, "user": body.get("user")}
 
 
 class _Events:
@@ -487,6 +509,7 @@ class _Events:
         self.text: dict | None = None               # the open message's place
         self.said: list[str] = []                   # and the text it was sent, in pieces
         self.said_chars = 0
+        self.said_logprobs = 0                      # and the log probabilities of its tokens
         self.calls: dict[int, tuple[int, dict]] = {}     # calls opened, by their index among the reply's calls
         self.closed: set[str] = set()               # ids of the items done
 
@@ -506,23 +529,26 @@ class _Events:
         await self.send("response.content_part.added",
                         {**self.text, "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
 
-    async def text_piece(self, delta: str) -> None:
-        """A piece of the reply's text; the first opens its first message."""
+    async def text_piece(self, delta: str, logprobs: list = ()) -> None:
+        """A piece of the reply's text (and its tokens' ``logprobs``); the first opens its first
+        message."""
         if not delta:
             return
         if self.text is None:
             await self._text_opens(_text_item(self.p, None, None))
         self.said.append(delta)
         self.said_chars += len(delta)
-        await self.send("response.output_text.delta", {**self.text, "delta": delta, "logprobs": []})
+        self.said_logprobs += len(logprobs)
+        await self.send("response.output_text.delta", {**self.text, "delta": delta, "logprobs": list(logprobs)})
 
     async def text_closes(self, item: dict) -> None:
         """A message done as ``item``: opened where it was not, and sent the text it was not yet."""
         if self.text is None:
             await self._text_opens(item)
-        await self.text_piece(item["content"][0]["text"][self.said_chars:])
-        at, self.text, self.said, self.said_chars = self.text, None, [], 0
-        await self.send("response.output_text.done", {**at, "text": item["content"][0]["text"], "logprobs": []})
+        part = item["content"][0]
+        await self.text_piece(part["text"][self.said_chars:], part["logprobs"][self.said_logprobs:])
+        at, self.text, self.said, self.said_chars, self.said_logprobs = self.text, None, [], 0, 0
+        await self.send("response.output_text.done", {**at, "text": part["text"], "logprobs": part["logprobs"]})
         await self.send("response.content_part.done", {**at, "part": item["content"][0]})
         await self.send("response.output_item.done", {"output_index": at["output_index"], "item": item})
         self.closed.add(item["id"])
@@ -566,6 +592,18 @@ class _Events:
                     await self.call_closes(calls - 1, item)
             elif item["id"] not in self.closed:
                 await self.text_closes(item)
+
+
+def _all_logprobs(ch: Choice, text_of) -> list | None:
+    """The log probabilities of every token of the reply, where asked."""
+    if ch.logprobs is None:
+        return None
+    return chat_logprobs(text_of, ch.token_ids[:len(ch.logprobs)], ch.logprobs)["content"]
+
+
+def _new_logprobs(ch: Choice, text_of) -> list:
+    """The log probabilities of the tokens generated since the last piece (none unless asked)."""
+    return unsent_logprobs(True, ch, text_of).get("logprobs", {}).get("content", [])
 
 
 def _call_item(call: dict, status: str = "completed") -> dict:
@@ -612,7 +650,8 @@ async def _run_events(ev: _Events, st, p: Prepared, body: dict, created: int, ke
             waiting(started)
             waiting = None
             await ev.send("response.in_progress", {"response": started})
-        await ev.text_piece(delta if content is None else content.push(delta))
+        piece = delta if content is None else content.push(delta)
+        await ev.text_piece(piece, _new_logprobs(ch, st.text_of) if piece else ())
         for d in content.call_deltas(delta, lambda: ch.text) if content is not None else ():
             if tools.choice is ToolChoice.AUTO:
                 await ev.call_closes(d["index"], _call_item(d))
@@ -625,7 +664,7 @@ async def _run_events(ev: _Events, st, p: Prepared, body: dict, created: int, ke
     text, calls = (ch.text, []) if content is None else content.final(ch.text)
     reply = {"role": "assistant", "content": text} | ({"tool_calls": calls} if calls else {})
     done = response_json(p, body, created, reply, finish_reason(calls, ch.finish_reason), usage(p, choices),
-                         content.sent if content is not None else 0)
+                         content.sent if content is not None else 0, _all_logprobs(ch, st.text_of))
     await ev.finish(done["output"])
     keep(response=done, reply=reply)
     await ev.send("response.incomplete" if done["status"] == "incomplete" else "response.completed",

@@ -231,8 +231,8 @@ RESPONSES_CHAT_ONLY = {"max_tokens": "max_output_tokens", "max_completion_tokens
                        "messages": "input", "response_format": "text.format", "functions": "tools",
                        "function_call": "tool_choice", "stop": None, "n": None, "logprobs": None,
                        "logit_bias": None}
-RESPONSES_UNSUPPORTED = ("conversation", "include", "prompt", "max_tool_calls", "top_logprobs",
-                         "reasoning")
+RESPONSES_UNSUPPORTED = ("conversation", "prompt", "max_tool_calls", "reasoning")
+OUTPUT_LOGPROBS = "message.output_text.logprobs"        # the one ``include`` a response can give
 INPUT_PART = {"type": "object", "required": ["type", "text"], "properties": {
     "type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}}}
 INPUT_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
@@ -285,6 +285,11 @@ RESPONSES_BODY = {"type": "object", "required": ["input"], "properties": {
     "previous_response_id": {"type": "string", "description": "a kept response whose conversation this one "
                                                               "goes on from"},
     "truncation": {"enum": ["disabled"], "description": "an input past the context is refused"},
+    "include": {"type": "array", "items": {"type": "string"},
+                "description": f"['{OUTPUT_LOGPROBS}']: each output token's log probability (and top_logprobs "
+                               "alternatives) in the output text; other values are refused"},
+    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20,
+                     "description": "with include's logprobs: the likeliest tokens given at each position"},
     "background": {"type": "boolean", "description": "true: answered at once, queued; it runs on its own (kept, "
                                                      "run again after a restart) and is polled, cancelled or its "
                                                      "events streamed again by id"},

@@ -336,6 +336,10 @@ def test_a_calls_output_may_follow_it_in_the_kept_conversation(server, client):
     ({"extra_body": {"stop": ["x"]}}, "stop"),
     ({"input": [{"role": "user", "content": "Hi"},              # an output of no call before it
                 {"type": "function_call_output", "call_id": "call_9", "output": "x"}]}, "input"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"top_logprobs": 2}, "top_logprobs"),                      # alternatives to what is not given
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
+    ({"include": ["message.output_text.logprobs"], "tools": [WEATHER]}, "include"),
 ])
 def test_what_it_cannot_do_is_refused_naming_the_field(server, client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -617,3 +621,36 @@ def test_a_background_response_outlives_a_restart(tiny_chat_model, tmp_path, tok
         assert failed.status == "failed" and failed.error.code == "invalid_prompt" and before.id in failed.error.message
     finally:
         stop_server(srv)
+
+
+def test_a_responses_log_probabilities_are_hfs(server, client, tiny_chat_model, tok):
+    """include ['message.output_text.logprobs'] with top_logprobs: each output token's log
+    probability and its likeliest alternatives are HF's, whole and streamed (the deltas' own
+    add up to the done event's and the final response's)."""
+    from tests.conftest import hf_greedy
+    from tests.server.test_openai_api import hf_logprobs
+    import torch
+    ids = tok(tok.apply_chat_template([{"role": "user", "content": "Name a colour"}], tokenize=False,
+                                      add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    out = hf_greedy(tiny_chat_model, [ids], MAX)[0]
+    ref = hf_logprobs(tiny_chat_model, ids, out)
+    args = dict(model=server.model, input="Name a colour", max_output_tokens=MAX, temperature=0,
+                include=["message.output_text.logprobs"], top_logprobs=3)
+    whole = client.responses.create(**args).output[0].content[0]
+    assert len(whole.logprobs) == len(out)
+    for i, (e, tid) in enumerate(zip(whole.logprobs, out)):
+        assert e.token == tok.decode([tid]) and e.logprob == pytest.approx(ref[i, tid].item(), abs=2e-4), i
+        top_v, top_i = torch.topk(ref[i], 3)
+        assert [a.token for a in e.top_logprobs] == [tok.decode([t]) for t in top_i.tolist()]
+        assert [a.logprob for a in e.top_logprobs] == pytest.approx(top_v.tolist(), abs=2e-4)
+    assert b"".join(bytes(e.bytes) for e in whole.logprobs).decode() == whole.text
+    events = list(client.responses.create(**args, stream=True))
+    deltas = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    final = events[-1].response.output[0].content[0]
+    for got in (deltas, done.logprobs, final.logprobs):     # the same tokens, the same values up to batching
+        assert [(d.token, d.bytes, [a.token for a in d.top_logprobs]) for d in got] == \
+            [(d.token, d.bytes, [a.token for a in d.top_logprobs]) for d in whole.logprobs]
+        assert [d.logprob for d in got] == pytest.approx([d.logprob for d in whole.logprobs], abs=2e-4)
+    plain = client.responses.create(model=server.model, input="Name a colour", max_output_tokens=MAX, temperature=0)
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == whole.text
