@@ -75,6 +75,9 @@ class Store:
                 if col.split()[0] not in have:
                     self.db.execute(f"ALTER TABLE {table} ADD COLUMN {col}")
         self.sweep_expired()
+        for r in self.db.execute("SELECT id FROM batches WHERE total_lines IS NOT NULL AND id IN "
+                                 "(SELECT DISTINCT batch_id FROM batch_lines)").fetchall():
+            self._drop_lines(self.db, r["id"])        # a stop between a batch's end and its lines' drop
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.root / "tandem.sqlite3", isolation_level=None, timeout=SIDE_WAIT_S,
@@ -230,15 +233,22 @@ class Store:
 
     def end_batch(self, bid: str, final: str, output_file_id: str | None, error_file_id: str | None) -> None:
         """A batch's final state, its files and request_counts; then its lines are dropped (their
-        results are in the files), on a thread of its own."""
-        with closing(self._connect()) as db, db:
-            db.execute("BEGIN")
-            c = self._line_counts(db, bid)
-            db.execute("UPDATE batches SET status=?, output_file_id=?, error_file_id=?, total_lines=?, "
-                       f"completed_lines=?, failed_lines=?, {final}_at=? WHERE id=?",
-                       (final, output_file_id, error_file_id, c["total"], c["completed"], c["failed"],
-                        int(time.time()), bid))
-            db.execute("DELETE FROM batch_lines WHERE batch_id=?", (bid,))
+        results are in the files), ``LINES_PER_WRITE`` at a time; on a thread of its own."""
+        with closing(self._connect()) as db:
+            with db:
+                db.execute("BEGIN IMMEDIATE")         # counted and ended with no write in between
+                c = self._line_counts(db, bid)
+                db.execute("UPDATE batches SET status=?, output_file_id=?, error_file_id=?, total_lines=?, "
+                           f"completed_lines=?, failed_lines=?, {final}_at=? WHERE id=?",
+                           (final, output_file_id, error_file_id, c["total"], c["completed"], c["failed"],
+                            int(time.time()), bid))
+            self._drop_lines(db, bid)
+
+    @staticmethod
+    def _drop_lines(db: sqlite3.Connection, bid: str) -> None:
+        while db.execute("DELETE FROM batch_lines WHERE rowid IN (SELECT rowid FROM batch_lines WHERE batch_id=? "
+                         "LIMIT ?)", (bid, LINES_PER_WRITE)).rowcount:
+            pass
 
     def counts(self, r: sqlite3.Row) -> dict:
         """A batch's request_counts: kept once it ended, else counted from its lines."""
@@ -293,7 +303,8 @@ class Store:
         self.db.execute("INSERT OR REPLACE INTO responses VALUES (?,?,?,?)",
                         (response["id"], seq, json.dumps(response), json.dumps(conversation)))
         self.db.execute("INSERT OR REPLACE INTO response_inputs VALUES (?,?)", (response["id"], json.dumps(inputs)))
-        self.db.execute("DELETE FROM responses WHERE seq <= ?", (seq - keep,))
+        self.db.execute("DELETE FROM responses WHERE seq <= ? AND id NOT IN (SELECT id FROM response_jobs)",
+                        (seq - keep,))        # a background response still running stays
         self.db.execute("DELETE FROM response_inputs WHERE id NOT IN (SELECT id FROM responses)")
 
     def response_inputs(self, rid: str) -> list[dict]:

@@ -185,30 +185,68 @@ def test_a_batchs_lines_are_stored_and_read_back_off_the_event_loop(tmp_path, mo
         assert db.execute("SELECT COUNT(*) FROM batch_lines").fetchone()[0] == 0
 
 
+class CountingSlots(asyncio.Semaphore):
+    """The runner's shared slots, counting the times a worker asked for one."""
+    asked = 0
+
+    async def acquire(self):
+        self.asked += 1
+        return await super().acquire()
+
+
 def test_batches_running_together_take_turns(tmp_path):
     """A short batch created after a long one runs its lines among the long one's, not after
-    its last (one slot: each line waits for the one before it)."""
+    its last (one slot: the long batch's first line holds it until the short batch's worker
+    waits for it too)."""
     store = Store(tmp_path)
     ran = []
 
     async def main():
+        both_wait = asyncio.Event()
+
         async def run_line(body, endpoint):
             ran.append(body["messages"][0]["content"])
-            await asyncio.sleep(0)
+            await both_wait.wait()
             return answer(body)
         runner = BatchRunner(store, run_line, 1)
+        runner._slots = slots = CountingSlots(1)
         long = store.add_batch(input_file(store, 30), ENDPOINT, 3600, "1h", None, "M")
         runner.start(long["id"])
-        while not ran:
-            await asyncio.sleep(0.001)
         rows = [{"custom_id": f"s{i}", "method": "POST", "url": ENDPOINT,
                  "body": {"messages": [{"role": "user", "content": f"short{i}"}]}} for i in range(3)]
         short = store.add_batch(store.add_file("".join(json.dumps(r) + "\n" for r in rows).encode(), "s.jsonl",
                                                "batch")["id"], ENDPOINT, 3600, "1h", None, "M")
         runner.start(short["id"])
+        while slots.asked < 2:
+            await asyncio.sleep(0.001)
+        both_wait.set()
         await asyncio.gather(*runner.tasks.values())
     asyncio.run(main())
     assert len(ran) == 33 and ran.index("short2") < 30, ran
+
+
+def test_ending_a_batch_while_the_loop_writes(tmp_path, monkeypatch):
+    """The loop's connection writes (another batch's line) while a batch is being ended on its
+    thread: both writes land, the batch ends completed."""
+    store = Store(tmp_path)
+    a, b = (store.add_batch(input_file(store, 1), ENDPOINT, 3600, "1h", None, "M")["id"] for _ in range(2))
+    store.add_lines(a, [(0, "c0", {})])
+    store.add_lines(b, [(0, "c0", {})])
+    store.finish_line(a, 0, 200, {})
+    counted = store_module.Store._line_counts
+    writer = threading.Thread(target=lambda: store.finish_line(b, 0, 200, {}))
+
+    def meanwhile(db, bid):
+        counts = counted(db, bid)
+        if db is not store.db:            # in end_batch's own transaction, counted: the loop writes now
+            writer.start()
+            writer.join(0.5)              # it waits for the batch's end (else it has written by now)
+        return counts
+    monkeypatch.setattr(store_module.Store, "_line_counts", staticmethod(meanwhile))
+    store.end_batch(a, "completed", None, None)
+    writer.join()
+    assert store.get_batch(a)["status"] == "completed" and store.get_batch(a)["request_counts"]["completed"] == 1
+    assert store.get_batch(b)["request_counts"]["completed"] == 1
 
 
 def test_a_batch_sums_its_lines_usage_once_each(tmp_path):
