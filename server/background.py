@@ -15,12 +15,20 @@ import logging
 from collections import OrderedDict
 from typing import AsyncIterator, Awaitable, Callable
 
+import orjson
+
 from tandem.sched.request import error_id
 from tandem.server.store import Store
 
-KEPT_LOGS = 100          # finished responses whose events stay readable, the newest
+KEPT_LOGS = 100                 # finished responses whose events stay readable, the newest,
+KEPT_LOG_BYTES = 64 << 20       # as long as their events take at most this much memory together
 
 log = logging.getLogger("tandem.responses")
+
+
+def sse(kind: str, payload: dict) -> bytes:
+    """One server-sent event of the Responses API: its type, and the type with ``payload`` as data."""
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **payload}) + b"\n\n"
 
 
 class EventLog:
@@ -28,11 +36,13 @@ class EventLog:
 
     def __init__(self) -> None:
         self.events: list[bytes] = []
+        self.nbytes = 0
         self.done = False
         self._changed = asyncio.Event()
 
     async def write(self, data: bytes) -> None:
         self.events.append(data)
+        self.nbytes += len(data)
         self._wake()
 
     def close(self) -> None:
@@ -83,23 +93,32 @@ class Background:
         except Exception:                # noqa: BLE001 -- the response must reach a final state
             eid = error_id()
             log.exception("background response %s failed (%s)", rid, eid)
-            self._settle(rid, "failed", {"code": "server_error", "message": f"internal error (error id {eid})"})
+            failed = self._settle(rid, "failed", {"code": "server_error",
+                                                  "message": f"internal error (error id {eid})"})
+            if failed is not None:
+                await events.write(sse("response.failed", {"sequence_number": len(events.events),
+                                                           "response": failed}))
         finally:
             events.close()
             self.tasks.pop(rid, None)
             self._cancelled.discard(rid)
             self._forget_old()
 
-    def _settle(self, rid: str, status: str, error: dict | None = None) -> None:
+    def _settle(self, rid: str, status: str, error: dict | None = None) -> dict | None:
+        """The kept response ended as ``status``: the response as kept now (None if forgotten)."""
         kept = self.store.get_response(rid)
-        if kept is not None:
-            self.store.set_response(kept[0] | {"status": status, "error": error})
+        response = None if kept is None else kept[0] | {"status": status, "error": error}
+        if response is not None:
+            self.store.set_response(response)
         self.store.end_response_job(rid)
+        return response
 
     def _forget_old(self) -> None:
+        """The oldest ended responses' events go, past ``KEPT_LOGS`` of them or ``KEPT_LOG_BYTES``."""
         ended = [rid for rid in self.logs if rid not in self.tasks]
-        for rid in ended[:max(0, len(ended) - KEPT_LOGS)]:
-            del self.logs[rid]
+        held = sum(self.logs[rid].nbytes for rid in ended)
+        while ended and (len(ended) > KEPT_LOGS or held > KEPT_LOG_BYTES):
+            held -= self.logs.pop(ended.pop(0)).nbytes
 
     async def cancel(self, rid: str) -> None:
         """Stop ``rid`` where it still runs (or waits to run again) and keep it cancelled; one

@@ -16,19 +16,19 @@ not). ``background: true`` runs it in a task of its own (``background.py``), ans
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import time
 import uuid
 from typing import Awaitable, Callable
 
-import orjson
 from aiohttp import web
 
 from tandem.server.app import (STATE, STORE, Choice, Prepared, all_or_none, choice_json, json_response, new_choices,
                                prepare, prepare_online, read_json, ready_engine, room_to_wait, run_choice, run_to_end,
                                served_tier, unsent_logprobs, usage)
-from tandem.server.background import Background, EventLog
+from tandem.server.background import Background, EventLog, sse
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.logprobs import chat_logprobs
 from tandem.server.listing import newest_first, page, query_limit
@@ -43,7 +43,8 @@ RENAMED = (("response_format.json_schema", "text.format"), ("response_format", "
            ("max_tokens", "max_output_tokens"), ("messages", "input"))
 
 
-MAX_KEPT = 4096         # stored responses kept, the oldest forgotten first
+MAX_KEPT = 4096         # stored responses kept, the oldest forgotten first (not one still running)
+RETRY_S = 1.0           # a background response run again and refused for now tries again after this
 BACKGROUND = web.AppKey("background", Background)
 EVENT_STREAM = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
@@ -204,10 +205,7 @@ def _logprobs(body: dict) -> dict:
             raise bad_request(f"include '{item}' is not supported by this server (only '{OUTPUT_LOGPROBS}')",
                               param="include", code="unsupported_parameter")
     if OUTPUT_LOGPROBS not in include:
-        if body.get("top_logprobs"):
-            raise bad_request(f"'top_logprobs' gives alternatives to the output's log probabilities: send "
-                              f"include ['{OUTPUT_LOGPROBS}'] with it", param="top_logprobs")
-        return {}
+        return {}                  # top_logprobs alone gives nothing, as OpenAI takes it
     if body.get("tools"):
         raise bad_request("log probabilities of a reply that may call tools are not supported", param="include",
                           code="unsupported_parameter")
@@ -216,7 +214,8 @@ def _logprobs(body: dict) -> dict:
 
 def _conversation(body: dict, store: Store) -> list[dict]:
     """The kept conversation ``previous_response_id`` names, then the input's messages; a call's
-    output must follow the call, in the input or the kept conversation."""
+    output must follow the call, in the input or the kept conversation, and every call must have
+    one."""
     before = body.get("previous_response_id")
     kept = store.get_response(before) if before is not None else None
     if before is not None and kept is None:
@@ -238,6 +237,10 @@ def _conversation(body: dict, store: Store) -> list[dict]:
         m = _message_of(item, conversation[-1] if conversation else None)
         if not conversation or m is not conversation[-1]:
             conversation.append(m)
+    answered = {m["tool_call_id"] for m in conversation if m["role"] == "tool"}
+    missing = sorted(calls - answered)                # as OpenAI refuses a call left without its output
+    if missing:
+        raise bad_request(f"No tool output found for function call {missing[0]}.", param="input")
     return conversation
 
 
@@ -276,14 +279,15 @@ def _format(body: dict) -> dict:
 
 def _message_of(item: dict, last: dict | None) -> dict:
     """The chat message an input item is: a message; an earlier call, an assistant's tool call
-    (``last`` itself, with this call added, when it is an assistant's turn of calls); a call's
-    output, a tool message."""
+    (``last`` itself, with this call added, when it is an assistant's turn: its calls, or the
+    text a reply wrote before its first call, so a reply's output items sent back are the one
+    turn a kept conversation has); a call's output, a tool message."""
     kind = item.get("type", "message")
     if kind == "function_call":
         call = {"id": item["call_id"], "type": "function",
                 "function": {"name": item["name"], "arguments": item["arguments"]}}
-        if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-            last["tool_calls"].append(call)
+        if last is not None and last["role"] == "assistant":
+            last.setdefault("tool_calls", []).append(call)
             return last
         return {"role": "assistant", "content": None, "tool_calls": [call]}
     if kind == "function_call_output":
@@ -336,7 +340,7 @@ async def _finish(engine, st, p: Prepared, body: dict, created: int, keep) -> di
     ch = (await run_to_end(engine, st, p))[0]
     c = choice_json(True, ch, st.text_of, p.gen.tools)
     response = response_json(p, body, created, c["message"], c["finish_reason"], usage(p, [ch]), lead_length(ch.text),
-                             (c["logprobs"] or {}).get("content"))
+                             _all_logprobs(ch, st.text_of))
     keep(response=response, reply=c["message"])
     return response
 
@@ -390,6 +394,7 @@ async def _run_again(app: web.Application, rid: str, body: dict, events: EventLo
         except ApiError as e:
             if e.status != 429:
                 return await _failed(store, rid, events, e)
+            await asyncio.sleep(RETRY_S)          # chats past capacity: not a full queue, so wait here
     if kept is not None:
         store.set_response(kept[0] | {"status": "queued", "output": [], "usage": None})
     await _run_events_to(app, p, body, created, keep, events)
@@ -416,11 +421,7 @@ async def _failed(store: Store, rid: str, events: EventLog, e: ApiError) -> None
     failed = kept[0] | {"status": "failed", "error": {
         "code": "server_error" if e.status >= 500 else "invalid_prompt", "message": e.message}}
     store.set_response(failed)
-    await events.write(_sse("response.failed", {"sequence_number": len(events.events), "response": failed}))
-
-
-def _sse(kind: str, payload: dict) -> bytes:
-    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **payload}) + b"\n\n"
+    await events.write(sse("response.failed", {"sequence_number": len(events.events), "response": failed}))
 
 
 def _ids(p: Prepared) -> tuple[str, str]:
@@ -515,7 +516,7 @@ class _Events:
 
     async def send(self, kind: str, payload: dict) -> None:
         self.seq += 1
-        await self.write(_sse(kind, {"sequence_number": self.seq - 1, **payload}))
+        await self.write(sse(kind, {"sequence_number": self.seq - 1, **payload}))
 
     async def _added(self, item: dict) -> int:
         await self.send("response.output_item.added", {"output_index": self.index, "item": item})
@@ -595,10 +596,12 @@ class _Events:
 
 
 def _all_logprobs(ch: Choice, text_of) -> list | None:
-    """The log probabilities of every token of the reply, where asked."""
+    """The log probabilities of the reply's tokens, where asked: those of its text, so not the
+    end token that stopped it (a chat's logprobs give that one too, as vLLM's)."""
     if ch.logprobs is None:
         return None
-    return chat_logprobs(text_of, ch.token_ids[:len(ch.logprobs)], ch.logprobs)["content"]
+    n = len(ch.logprobs) - (ch.finish_reason == "stop" and not isinstance(ch.stop_reason, str))
+    return chat_logprobs(text_of, ch.token_ids[:n], ch.logprobs[:n])["content"]
 
 
 def _new_logprobs(ch: Choice, text_of) -> list:
@@ -643,6 +646,8 @@ async def _run_events(ev: _Events, st, p: Prepared, body: dict, created: int, ke
     waiting = began
     if waiting is None:
         await ev.send("response.in_progress", {"response": started})
+    else:
+        await ev.send("response.queued", {"response": started | {"status": "queued"}})
 
     async def sink(ch: Choice, delta: str) -> None:
         nonlocal waiting

@@ -118,6 +118,19 @@ def test_a_required_call_is_a_function_call_item_whose_arguments_follow_the_sche
         assert [(o.name, o.arguments) for o in s.get_final_response().output] == [("get_weather", calls[0].arguments)]
 
 
+def test_a_response_that_called_goes_on_only_with_the_calls_output(server, client):
+    """As OpenAI's: continuing a response that made a call needs the call's output."""
+    r = client.responses.create(model=server.model, input="Weather in Oslo?", tools=[WEATHER], temperature=0,
+                                tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40)
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=server.model, input="And?", previous_response_id=r.id, max_output_tokens=2)
+    assert e.value.param == "input" and call.call_id in e.value.message
+    later = client.responses.create(model=server.model, previous_response_id=r.id, max_output_tokens=2, input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": "21 C"}])
+    assert later.status in ("completed", "incomplete")
+
+
 def test_a_call_cut_off_is_incomplete(server, client):
     """A named call cut off by max_output_tokens: the response and its call item are
     incomplete, with the arguments it got to (not JSON yet), whole and streamed alike."""
@@ -302,6 +315,27 @@ def test_earlier_calls_and_their_outputs_reach_the_prompt_as_a_chats_do(server, 
     assert r.output_text == (chat.choices[0].message.content or "")
 
 
+def test_a_replies_text_and_call_sent_back_are_one_assistant_turn(server, client):
+    """Output items sent back as input (an agent that keeps no server state): the text a reply
+    wrote before its call and the call are one assistant message with content and a tool call,
+    as a chat sends it and as a kept conversation holds it."""
+    args = '{"city": "Oslo"}'
+    r = client.responses.create(model=server.model, tools=[WEATHER], max_output_tokens=MAX, temperature=0, input=[
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": args},
+        {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 21 C"}])
+    chat = client.chat.completions.create(
+        model=server.model, max_tokens=MAX, temperature=0,
+        tools=[{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}],
+        messages=[{"role": "user", "content": "Weather in Oslo?"},
+                  {"role": "assistant", "content": "Let me look.", "tool_calls": [
+                      {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}])
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.output_text == (chat.choices[0].message.content or "")
+
+
 def test_a_calls_output_may_follow_it_in_the_kept_conversation(server, client):
     """A response that called a tool, continued with only that call's output and the response's
     id: the call is found in the kept conversation."""
@@ -336,8 +370,9 @@ def test_a_calls_output_may_follow_it_in_the_kept_conversation(server, client):
     ({"extra_body": {"stop": ["x"]}}, "stop"),
     ({"input": [{"role": "user", "content": "Hi"},              # an output of no call before it
                 {"type": "function_call_output", "call_id": "call_9", "output": "x"}]}, "input"),
+    ({"input": [{"role": "user", "content": "Hi"},              # a call with no output after it
+                {"type": "function_call", "call_id": "call_8", "name": "get_weather", "arguments": "{}"}]}, "input"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
-    ({"top_logprobs": 2}, "top_logprobs"),                      # alternatives to what is not given
     ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
     ({"include": ["message.output_text.logprobs"], "tools": [WEATHER]}, "include"),
 ])
@@ -450,6 +485,13 @@ def test_the_store_keeps_the_newest_responses(tmp_path):
     assert store.get_response("resp_4") == ({"id": "resp_4", "n": 4}, [{"role": "user", "content": "4"}])
     assert store.delete_response("resp_3") and not store.delete_response("resp_3")
     assert store.response_inputs("resp_3") == []
+    store.add_response_job("resp_4", {"input": "x"})      # running in the background: kept past its turn
+    for i in range(5, 9):
+        store.keep_response({"id": f"resp_{i}"}, [], keep=3, inputs=[])
+    assert [store.get_response(f"resp_{i}") is not None for i in (4, 5, 6)] == [True, False, True]
+    store.end_response_job("resp_4")
+    store.keep_response({"id": "resp_9"}, [], keep=3, inputs=[])
+    assert store.get_response("resp_4") is None
     store.close()
 
 
@@ -513,8 +555,8 @@ def test_a_background_stream_is_read_again_from_any_event(server, client, tiny_c
     text, _, n_out = hf_reply(tiny_chat_model, tok, [{"role": "user", "content": "Tell a tale"}], MAX)
     events = list(client.responses.create(model=server.model, input="Tell a tale", max_output_tokens=MAX,
                                           temperature=0, background=True, stream=True))
-    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
-    assert events[0].response.status == "queued" and events[1].response.status == "in_progress"
+    assert [e.type for e in events[:3]] == ["response.created", "response.queued", "response.in_progress"]
+    assert [e.response.status for e in events[:3]] == ["queued", "queued", "in_progress"]
     assert events[-1].type == ("response.incomplete" if n_out == MAX else "response.completed")
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
@@ -652,5 +694,48 @@ def test_a_responses_log_probabilities_are_hfs(server, client, tiny_chat_model, 
         assert [(d.token, d.bytes, [a.token for a in d.top_logprobs]) for d in got] == \
             [(d.token, d.bytes, [a.token for a in d.top_logprobs]) for d in whole.logprobs]
         assert [d.logprob for d in got] == pytest.approx([d.logprob for d in whole.logprobs], abs=2e-4)
-    plain = client.responses.create(model=server.model, input="Name a colour", max_output_tokens=MAX, temperature=0)
+    plain = client.responses.create(model=server.model, input="Name a colour", max_output_tokens=MAX, temperature=0,
+                                    top_logprobs=2)             # without include, as OpenAI's: none
     assert plain.output[0].content[0].logprobs == [] and plain.output_text == whole.text
+
+
+def test_log_probabilities_are_of_the_text_not_the_end_token(server, client):
+    """A reply a JSON schema ends (its end token stops it): the tokens' bytes join to its text,
+    whole and streamed alike."""
+    args = dict(model=server.model, input="Give a flag", max_output_tokens=40, temperature=0,
+                include=["message.output_text.logprobs"], text={"format": {
+                    "type": "json_schema", "name": "flag", "schema": {
+                        "type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"],
+                        "additionalProperties": False}}})
+    r = client.responses.create(**args)
+    part = r.output[0].content[0]
+    assert r.status == "completed" and json.loads(part.text)["on"] in (True, False)
+    assert b"".join(bytes(e.bytes) for e in part.logprobs).decode() == part.text
+    events = list(client.responses.create(**args, stream=True))
+    deltas = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [d.token for d in deltas] == [d.token for d in part.logprobs]
+    assert [d.token for d in events[-1].response.output[0].content[0].logprobs] == [d.token for d in part.logprobs]
+
+
+def test_ended_responses_events_are_forgotten_oldest_first_past_a_count_or_a_size(monkeypatch):
+    """The events of background responses that ended are kept for readers that come back, up to
+    a number of responses and a number of bytes together; those of a running one always."""
+    import asyncio
+    from tandem.server import background
+    monkeypatch.setattr(background, "KEPT_LOGS", 3)
+    monkeypatch.setattr(background, "KEPT_LOG_BYTES", 100)
+
+    async def main():
+        bg = background.Background(store=None)
+        for rid, size in (("a", 10), ("b", 10), ("c", 10), ("d", 10)):
+            bg.logs[rid] = background.EventLog()
+            await bg.logs[rid].write(b"x" * size)
+        bg._forget_old()
+        kept_by_count = list(bg.logs)
+        bg.tasks["e"] = None                              # running: never forgotten
+        for rid, size in (("e", 500), ("f", 85)):
+            bg.logs[rid] = background.EventLog()
+            await bg.logs[rid].write(b"x" * size)
+        bg._forget_old()
+        return kept_by_count, list(bg.logs)
+    assert asyncio.run(main()) == (["b", "c", "d"], ["d", "e", "f"])
