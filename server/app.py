@@ -389,6 +389,7 @@ class Choice:
     content: ContentStream | None = None    # a streamed chat with tools: what goes out before the end
     cached_tokens: int = 0                  # prompt tokens found in the prefix cache
     stop_reason: str | int | None = None    # vLLM's: the stop string or stop token id that ended it
+    tokens_counted: int = 0                 # of its tokens, those the metrics counted as they came
 
     @property
     def text(self) -> str:
@@ -428,6 +429,10 @@ async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice
             now = time.monotonic()
             ch.token_ids.extend(ev.new_token_ids)
             ch.token_times.extend([now] * len(ev.new_token_ids))
+            if ev.new_token_ids:
+                metrics.tokens_out(req.service_class.value, len(req.prompt_token_ids), len(ev.new_token_ids),
+                                   ch.tokens_counted)
+                ch.tokens_counted += len(ev.new_token_ids)
             if ch.logprobs is not None and ev.logprobs:
                 ch.logprobs.extend(ev.logprobs)
             if ev.prompt_logprobs is not None:
@@ -458,7 +463,7 @@ def record_choice(metrics: Metrics, req: Request, ch: Choice, reason: str, end: 
                          token_times=ch.token_times, arrival=req.arrival_time, end=end,
                          queue_s=queue_s, finish_reason=reason, slo_ttft_s=req.slo_ttft_s,
                          slo_tbt_s=req.slo_tbt_s, max_tokens=req.sampling.max_tokens,
-                         n=n if ch.index % n == 0 else None)
+                         n=n if ch.index % n == 0 else None, counted=ch.tokens_counted)
 
 
 async def run_beams(engine: AsyncEngine, st: AppState, p: Prepared, choices: list[Choice], sink=None) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -257,15 +258,19 @@ def body_read(request: web.Request) -> None:
 
 @web.middleware
 async def connections_middleware(request: web.Request, handler):
-    """Tell the request's connection when a request starts and ends (the head/body deadlines)."""
-    conn = connection(request)
-    if conn is None:
-        return await handler(request)
-    conn.begin(request.body_exists)
+    """Tell the request's connection when a request starts and ends (the head/body deadlines);
+    log a request whose client went away before its response ended."""
+    conn, t0 = connection(request), time.monotonic()
+    if conn is not None:
+        conn.begin(request.body_exists)
     try:
         return await handler(request)
+    except asyncio.CancelledError:
+        if (gone := request.app.get(GONE_LOG)) is not None:
+            gone.line(request, CLIENT_GONE, time.monotonic() - t0)
+        raise
     finally:
-        if not conn.transport.is_closing():
+        if conn is not None and not conn.transport.is_closing():
             conn.idle()
 
 
@@ -294,13 +299,18 @@ class AccessLog(AbstractAccessLogger):
         return type("AccessLog", (cls,), {"quiet": frozenset(paths)})
 
     def log(self, request, response, time: float) -> None:
+        self.line(request, response.status, time)
+
+    def line(self, request, status: int, time: float) -> None:
+        """The request's line: ``status`` 499 (nginx's "client closed request") for one whose
+        client went away before its response ended (a stream broken off), which aiohttp does not log."""
         if request.path in self.quiet:
             return
         peer = request.transport.get_extra_info("peername") if request.transport is not None else None
         who = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else request.remote or "-"
         v = request.version
         self.logger.info('%s - "%s %s HTTP/%d.%d" %d %.3fs', who, request.method, request.path_qs, v.major,
-                         v.minor, response.status, time)
+                         v.minor, status, time)
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,6 +324,8 @@ class Listen:
 
 
 ACCESS_LOG = logging.getLogger("tandem.access")
+CLIENT_GONE = 499
+GONE_LOG = web.AppKey("gone_log", AccessLog)      # logs the requests aiohttp does not: cancelled ones
 
 
 async def serve(app: web.Application, listen: Listen, limits: Limits, *,
@@ -331,6 +343,8 @@ async def serve(app: web.Application, listen: Listen, limits: Limits, *,
     app[STOP] = stop.set
     logs = dict(access_log=ACCESS_LOG, access_log_class=AccessLog.without(listen.access_log_quiet)) \
         if listen.access_log else dict(access_log=None)
+    if listen.access_log:
+        app[GONE_LOG] = logs["access_log_class"](ACCESS_LOG, "")
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout, **logs)
     await runner.setup()
     guard.factory = runner.server

@@ -10,8 +10,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from tandem.sched.request import Transfer
 
+# to 7680 s as vLLM's request latencies: a batch line or a chat past capacity may wait minutes
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                   7.5, 10.0, 20.0, 40.0, 80.0)
+                   7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
 CLASSES = ("rt", "be")
 SLO_WINDOW_S = 300.0       # the status endpoint's SLO attainment: requests finished in the last 5 minutes
 RATE_WINDOW_S = 10.0       # its tokens/s: over the last 10 seconds of steps
@@ -20,6 +22,17 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(6) for m in (1, 2, 5))
 N_BUCKETS = (1, 2, 5, 10, 20)                                       # vLLM's, for n
 STATUS_EVERY_S = 0.25      # a device's status view is rebuilt at most this often while its requests stay the same
+
+
+def token_rate(samples, now: float, window: float = RATE_WINDOW_S) -> float:
+    """Tokens per second over the last ``window`` seconds, from (clock, tokens computed so far)
+    samples, oldest first: the tokens after the last sample at or before the window's start
+    (none of them: all of the first sample's), over the time since. A device idle for the whole
+    window computed nothing in it."""
+    start = now - window
+    before = [s for s in samples if s[0] <= start]
+    t0, n0 = (start, before[-1][1]) if before else samples[0]
+    return (samples[-1][1] - n0) / (now - t0) if now > t0 else 0.0
 
 
 class Metrics:
@@ -58,7 +71,10 @@ class Metrics:
                                 registry=r)
         self.running = Gauge("vllm:num_requests_running", "Requests holding cache", lab, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", lab, registry=r)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of pool blocks held (0-1)", lab, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of pool blocks held (0-1), over all devices",
+                              ["model_name"], registry=r)
+        self.kv_usage_by_class = Gauge("tandem:kv_cache_usage_perc", "Fraction of pool blocks held (0-1), by "
+                                       "class (a block RT and BE requests share counts as RT's)", lab, registry=r)
         self.preemptions = Counter("vllm:num_preemptions", "Preemptions (cache discarded)", lab, registry=r)
         self.slo = Counter("tandem:slo_requests", "Finished requests by SLO outcome",
                            lab + ["slo", "met"], registry=r)
@@ -178,12 +194,14 @@ class Metrics:
             # each block once, however many requests share it (prefix caching); one that RT and BE
             # requests share counts as RT's, so the two add up to the pool's use
             held = {"rt": sum(d[1]["rt"] + d[1]["shared"] for d in devices), "be": sum(d[1]["be"] for d in devices)}
+            blocks = max(1, sum(d[2] for d in devices))
             for cls in CLASSES:
                 running = sum(d[0].get(cls, (0, 0, 0))[0] for d in devices)
                 waiting = sum(d[0].get(cls, (0, 0, 0))[1] for d in devices)
                 self.running.labels(self.model, cls).set(running)
                 self.waiting.labels(self.model, cls).set(waiting)
-                self.kv_usage.labels(self.model, cls).set(held[cls] / max(1, sum(d[2] for d in devices)))
+                self.kv_usage_by_class.labels(self.model, cls).set(held[cls] / blocks)
+            self.kv_usage.labels(self.model).set((held["rt"] + held["be"]) / blocks)
             for owner in devices[0][1]:
                 self.pool_blocks.labels(self.model, owner).set(sum(d[1][owner] for d in devices))
             self.t_avg.labels(self.model).set(max(d[3] for d in devices))
@@ -259,6 +277,11 @@ class Metrics:
         for cls in ("rt", "be"):            # a rate() over vLLM's counters answers 0, not nothing
             for c in (self.preemptions, self.prompt_tokens, self.generation_tokens):
                 c.labels(m, cls)
+            for reason in FINISH_REASONS:
+                self.requests.labels(m, cls, reason)
+            for slo in ("ttft", "tbt", "both"):
+                for met in ("true", "false"):
+                    self.slo.labels(m, cls, slo, met)
 
     def activity(self) -> dict[str, float]:
         """The totals the periodic log line reads: tokens computed by phase so far, requests
@@ -270,7 +293,7 @@ class Metrics:
         return {"prefill": by_class("tandem:step_tokens_total", phase="prefill"),
                 "decode": by_class("tandem:step_tokens_total", phase="decode"),
                 "running": by_class("vllm:num_requests_running"), "waiting": by_class("vllm:num_requests_waiting"),
-                "kv": by_class("vllm:kv_cache_usage_perc"),
+                "kv": get("vllm:kv_cache_usage_perc", {"model_name": m}) or 0,
                 "queried": get("vllm:prefix_cache_queries_total", {"model_name": m}) or 0,
                 "hits": get("vllm:prefix_cache_hits_total", {"model_name": m}) or 0}
 
@@ -284,17 +307,27 @@ class Metrics:
                 counter.labels(self.model, *(getattr(k, "value", k) for k in labels)).inc(n - seen)
                 self._seen[(counter, device, key)] = n
 
+    def tokens_out(self, cls: str, prompt_tokens: int, new_tokens: int, counted: int) -> None:
+        """Tokens a request generated as they come (vLLM counts them each step, so a long reply's
+        throughput shows while it is written): its prompt's with its first, ``counted`` before."""
+        if counted == 0 and new_tokens:
+            self.prompt_tokens.labels(self.model, cls).inc(prompt_tokens)
+        self.generation_tokens.labels(self.model, cls).inc(new_tokens)
+
     def request_done(self, cls: str, *, prompt_tokens: int, token_times: list[float], arrival: float,
                      end: float, queue_s: float | None, finish_reason: str,
                      slo_ttft_s: float | None, slo_tbt_s: float | None, max_tokens: int = 0,
-                     n: int | None = None) -> None:
+                     n: int | None = None, counted: int = 0) -> None:
         """Per-request observations; token_times are the monotonic arrival times of each token.
         vLLM's phases: prefill from first scheduled (arrival + queue_s) to the first token, decode
         from there to the last, inference the two together (to the end where no token came).
-        ``n``: given for one choice of each prompt (vLLM counts n once per request)."""
+        ``n``: given for one choice of each prompt (vLLM counts n once per request). ``counted``:
+        its tokens ``tokens_out`` counted already. A request that ended with no token past its
+        first-token target missed it (a client that gave up waiting is the worst miss)."""
         m = (self.model, cls)
-        self.prompt_tokens.labels(*m).inc(prompt_tokens)
-        self.generation_tokens.labels(*m).inc(len(token_times))
+        self.tokens_out(cls, prompt_tokens, len(token_times) - counted, counted)
+        if counted == 0 and not token_times:
+            self.prompt_tokens.labels(*m).inc(prompt_tokens)
         self.request_prompt.labels(*m).observe(prompt_tokens)
         self.request_generation.labels(*m).observe(len(token_times))
         self.request_max_tokens.labels(*m).observe(max_tokens)
@@ -309,6 +342,8 @@ class Metrics:
             if token_times:
                 self.prefill_time.labels(*m).observe(token_times[0] - started)
         if not token_times:
+            if slo_ttft_s is not None and end - arrival > slo_ttft_s:
+                self._slo_outcome(cls, False, True)
             return
         ttft = token_times[0] - arrival
         self.ttft.labels(*m).observe(ttft)
@@ -320,13 +355,14 @@ class Metrics:
             self.itl.labels(*m).observe(g)
         if slo_ttft_s is None and slo_tbt_s is None:     # best-effort work without targets
             return
-        ttft_ok = slo_ttft_s is None or ttft <= slo_ttft_s
         p99 = sorted(gaps)[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else 0.0
-        tbt_ok = slo_tbt_s is None or p99 <= slo_tbt_s
+        self._slo_outcome(cls, slo_ttft_s is None or ttft <= slo_ttft_s, slo_tbt_s is None or p99 <= slo_tbt_s)
+
+    def _slo_outcome(self, cls: str, ttft_ok: bool, tbt_ok: bool) -> None:
         with self._lock:
             self._slo_window.append((time.monotonic(), cls, ttft_ok, tbt_ok))
         for name, ok in (("ttft", ttft_ok), ("tbt", tbt_ok), ("both", ttft_ok and tbt_ok)):
-            self.slo.labels(*m, name, str(ok).lower()).inc()
+            self.slo.labels(self.model, cls, name, str(ok).lower()).inc()
 
     def _count_predictions(self) -> None:
         src = self.lengths
@@ -358,9 +394,7 @@ class Metrics:
             window = list(self._slo_window)
             devices = []
             for index in sorted(self._status):
-                samples = self._token_samples[index]
-                (t0, n0), (t1, n1) = samples[0], samples[-1]
-                rate = (n1 - n0) / (now - t0) if now > t0 and t1 > t0 else 0.0
+                rate = token_rate(self._token_samples[index], now)
                 devices.append(self._status[index] | {"tokens_per_s": round(rate, 1)})
         slo = {}
         for cls in CLASSES:

@@ -236,8 +236,9 @@ def test_a_plan_never_counts_a_cached_prefix_as_room_and_as_a_newcomer_s_own(tin
 
 
 def test_the_kv_cache_use_counts_a_shared_block_once(tiny_llama):
-    """Three requests share a prompt's first five blocks: vLLM's kv_cache_usage_perc (RT and BE
-    together) is the share of the pool's blocks not free, as the pool counts them."""
+    """Three requests share a prompt's first five blocks: vLLM's kv_cache_usage_perc is the share
+    of the pool's blocks not free, as the pool counts them, and so are its RT and BE parts
+    together."""
     from tandem.sched.request import Request, ServiceClass
     from tandem.server.metrics import Metrics
     sched = lockstep(tiny_llama, 60)
@@ -254,7 +255,9 @@ def test_the_kv_cache_use_counts_a_shared_block_once(tiny_llama):
     assert sum(pool.num_shared(r) for r in actor.running) > 0, "the premise: blocks are shared"
     m = Metrics("m")
     m.engine_step(actor)
-    use = {c: m.registry.get_sample_value("vllm:kv_cache_usage_perc", {"model_name": "m", "service_class": c})
+    use = {c: m.registry.get_sample_value("tandem:kv_cache_usage_perc", {"model_name": "m", "service_class": c})
            for c in ("rt", "be")}
-    assert use["rt"] + use["be"] == pytest.approx(1 - pool.num_free / pool.geometry.num_blocks)
+    held = 1 - pool.num_free / pool.geometry.num_blocks
+    assert use["rt"] + use["be"] == pytest.approx(held)
+    assert m.registry.get_sample_value("vllm:kv_cache_usage_perc", {"model_name": "m"}) == pytest.approx(held)
     assert use["be"] > 0

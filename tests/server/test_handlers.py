@@ -140,7 +140,7 @@ def test_the_periodic_log_line_reads_rates_from_the_totals(monkeypatch, caplog):
 
 def test_the_log_line_reads_the_metrics_the_server_exports():
     """What the line reads is what /metrics says: the samples' names and labels as exported,
-    summed over the two classes."""
+    summed over the two classes (the pool's use is one series, the whole pool's)."""
     from tandem.server.metrics import Metrics
     m = Metrics("m")
     m.step_tokens.labels("m", "rt", "prefill").inc(7)
@@ -148,8 +148,8 @@ def test_the_log_line_reads_the_metrics_the_server_exports():
     m.step_tokens.labels("m", "be", "decode").inc(3)
     m.running.labels("m", "rt").set(2)
     m.waiting.labels("m", "be").set(4)
-    m.kv_usage.labels("m", "rt").set(0.25)
-    m.kv_usage.labels("m", "be").set(0.5)
+    m.kv_usage.labels("m").set(0.75)
+    m.kv_usage_by_class.labels("m", "rt").set(0.25)
     m.prefix_queries.labels("m").inc(10)
     m.prefix_hits.labels("m").inc(6)
     assert m.activity() == dict(prefill=12, decode=3, running=2, waiting=4, kv=0.75, queried=10, hits=6)

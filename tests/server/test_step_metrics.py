@@ -52,8 +52,37 @@ def test_steps_and_their_tokens_are_counted_by_class_and_phase(tiny_chat_model, 
         assert seen["steps"] == requests * MAX_TOKENS
         assert seen["tokens_be_prefill"] == tokens["be", "prefill"]
         assert seen["tokens_rt_decode"] == tokens["rt", "decode"]
+        tokens_counted_as_they_come_and_a_broken_stream_logged(s, text)
     finally:
         assert stop_server(s) == 0
+
+
+def tokens_counted_as_they_come_and_a_broken_stream_logged(s, before: str) -> None:
+    """A stream read three chunks in: vLLM's token counters already have its prompt and the
+    tokens sent (as vLLM counts them each step, not at the end); the client then goes away, and
+    the access log says so (499, as nginx writes it)."""
+    import http.client
+    import re
+    import time
+    prompt = list(range(60, 75))
+    conn = http.client.HTTPConnection("127.0.0.1", int(s.url.rsplit(":", 1)[1]), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({
+        "model": s.model, "prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True}),
+        {"Content-Type": "application/json", **s.headers()})
+    r = conn.getresponse()
+    chunks = 0
+    while chunks < 3:
+        chunks += r.readline().startswith(b"data: {")
+    req = urllib.request.Request(s.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
+    now = urllib.request.urlopen(req).read().decode()
+    grown = {k: metric(now, f"vllm:{k}_tokens_total", service_class="rt") -
+             metric(before, f"vllm:{k}_tokens_total", service_class="rt") for k in ("prompt", "generation")}
+    assert grown["prompt"] == len(prompt) and 3 <= grown["generation"] < 200, grown
+    conn.close()
+    deadline = time.monotonic() + 60
+    while not re.search(r'"POST /v1/completions HTTP/1\.1" 499 \d+\.\d{3}s', s.log.read_text()):
+        assert time.monotonic() < deadline, "the broken stream's line"
+        time.sleep(0.05)
 
 
 def test_counters_with_known_labels_are_there_at_zero_before_anything_happens():
@@ -69,7 +98,10 @@ def test_counters_with_known_labels_are_there_at_zero_before_anything_happens():
                          ("tandem:length_predictions_total", {"path": "retrieval"}),
                          ("tandem:length_prediction_abs_error_tokens_count", {}), ("tandem:chats_refused_total", {}),
                          ("vllm:num_preemptions_total", {"service_class": "be"}),
-                         ("vllm:generation_tokens_total", {"service_class": "rt"})):
+                         ("vllm:generation_tokens_total", {"service_class": "rt"}),
+                         ("vllm:request_success_total", {"service_class": "rt", "finished_reason": "abort"}),
+                         ("vllm:request_success_total", {"service_class": "be", "finished_reason": "stop"}),
+                         ("tandem:slo_requests_total", {"service_class": "rt", "slo": "ttft", "met": "false"})):
         assert samples[(name, tuple(sorted({"model_name": "m", **labels}.items())))] == 0, (name, labels)
 
 
@@ -100,3 +132,32 @@ def test_vllms_request_phases_from_given_timestamps():
         assert got.get((name + "_sum", "be"), 0.0) == pytest.approx(be, abs=1e-12), name   # no series: none
         assert got.get((name + "_count", "be"), 0) == (1 if be else 0), name
     assert got[("vllm:request_params_n_count", "rt")] == 1 and got.get(("vllm:request_params_n_count", "be"), 0) == 0
+
+
+def test_a_request_that_got_no_token_past_its_target_missed_it():
+    """One that ended (a client that gave up waiting) with no token after its first-token target
+    counts as a TTFT miss; one that ended before its target counts nothing; a best-effort one
+    without targets, nothing."""
+    from tandem.server.metrics import Metrics
+    m = Metrics("m")
+    common = dict(prompt_tokens=4, arrival=10.0, queue_s=None, finish_reason="abort", token_times=[],
+                  slo_tbt_s=0.1)
+    m.request_done("rt", end=11.5, slo_ttft_s=1.0, **common)
+    m.request_done("rt", end=10.5, slo_ttft_s=1.0, **common)
+    m.request_done("be", end=20.0, slo_ttft_s=None, **(common | {"slo_tbt_s": None}))
+    count = lambda cls, slo, met: m.registry.get_sample_value(  # noqa: E731
+        "tandem:slo_requests_total", {"model_name": "m", "service_class": cls, "slo": slo, "met": met})
+    assert [count("rt", "ttft", "false"), count("rt", "both", "false"), count("rt", "ttft", "true")] == [1, 1, 0]
+    assert count("be", "ttft", "false") == count("be", "ttft", "true") == 0
+    assert m.registry.get_sample_value("vllm:prompt_tokens_total", {"model_name": "m", "service_class": "rt"}) == 8
+
+
+def test_tokens_per_second_is_over_the_last_window_and_zero_once_idle():
+    """Samples (clock, tokens so far) by hand, a 10 s window: at 15 s, the 300 tokens computed
+    since the 5 s sample's 100 over those 10 s; at 25 s, the last step at 14 s, 0 (before, the
+    rate shrank as 1/t after the work stopped); before a window has passed, from the first."""
+    from tandem.server.metrics import token_rate
+    samples = [(2.0, 0), (5.0, 100), (9.0, 250), (14.0, 400)]
+    assert token_rate(samples, 15.0, 10.0) == 30.0
+    assert token_rate(samples, 25.0, 10.0) == 0.0
+    assert token_rate(samples[:3], 9.5, 10.0) == 250 / 7.5
