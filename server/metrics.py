@@ -274,9 +274,10 @@ class Metrics:
         for c in (self.prediction_error, self.chats_refused, self.prefix_queries, self.prefix_hits,
                   self.prefix_routed):
             c.labels(m)
-        for cls in ("rt", "be"):            # a rate() over vLLM's counters answers 0, not nothing
-            for c in (self.preemptions, self.prompt_tokens, self.generation_tokens):
-                c.labels(m, cls)
+        self._token_counters = {cls: (self.prompt_tokens.labels(m, cls), self.generation_tokens.labels(m, cls))
+                                for cls in CLASSES}
+        for cls in CLASSES:                 # a rate() over vLLM's counters answers 0, not nothing
+            self.preemptions.labels(m, cls)
             for reason in FINISH_REASONS:
                 self.requests.labels(m, cls, reason)
             for slo in ("ttft", "tbt", "both"):
@@ -310,9 +311,10 @@ class Metrics:
     def tokens_out(self, cls: str, prompt_tokens: int, new_tokens: int, counted: int) -> None:
         """Tokens a request generated as they come (vLLM counts them each step, so a long reply's
         throughput shows while it is written): its prompt's with its first, ``counted`` before."""
+        prompt, generation = self._token_counters[cls]         # each event's: no label lookup
         if counted == 0 and new_tokens:
-            self.prompt_tokens.labels(self.model, cls).inc(prompt_tokens)
-        self.generation_tokens.labels(self.model, cls).inc(new_tokens)
+            prompt.inc(prompt_tokens)
+        generation.inc(new_tokens)
 
     def request_done(self, cls: str, *, prompt_tokens: int, token_times: list[float], arrival: float,
                      end: float, queue_s: float | None, finish_reason: str,

@@ -296,40 +296,25 @@ def test_an_auto_call_goes_out_as_its_block_closes(server, client):
     assert aborted() == before + 1
 
 
-def test_earlier_calls_and_their_outputs_reach_the_prompt_as_a_chats_do(server, client):
+@pytest.mark.parametrize("said", [None, "Let me look."])
+def test_earlier_calls_and_their_outputs_reach_the_prompt_as_a_chats_do(server, client, said):
     """The same conversation through the chat API (its tool messages checked against HF's
-    template elsewhere): the same prompt length and the same greedy reply."""
+    template elsewhere): the same prompt length and the same greedy reply. Where the reply wrote
+    text before its call (output items sent back by an agent that keeps no server state), the
+    text and the call are one assistant message, as a chat sends it and a kept conversation
+    holds it."""
     args = '{"city": "Oslo"}'
+    before = [] if said is None else [{"type": "message", "role": "assistant",
+                                       "content": [{"type": "output_text", "text": said}]}]
     r = client.responses.create(model=server.model, tools=[WEATHER], max_output_tokens=MAX, temperature=0, input=[
-        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "user", "content": "Weather in Oslo?"}, *before,
         {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": args},
         {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 21 C"}])
     chat = client.chat.completions.create(
         model=server.model, max_tokens=MAX, temperature=0,
         tools=[{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}],
         messages=[{"role": "user", "content": "Weather in Oslo?"},
-                  {"role": "assistant", "content": None, "tool_calls": [
-                      {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
-                  {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}])
-    assert r.usage.input_tokens == chat.usage.prompt_tokens
-    assert r.output_text == (chat.choices[0].message.content or "")
-
-
-def test_a_replies_text_and_call_sent_back_are_one_assistant_turn(server, client):
-    """Output items sent back as input (an agent that keeps no server state): the text a reply
-    wrote before its call and the call are one assistant message with content and a tool call,
-    as a chat sends it and as a kept conversation holds it."""
-    args = '{"city": "Oslo"}'
-    r = client.responses.create(model=server.model, tools=[WEATHER], max_output_tokens=MAX, temperature=0, input=[
-        {"role": "user", "content": "Weather in Oslo?"},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
-        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": args},
-        {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 21 C"}])
-    chat = client.chat.completions.create(
-        model=server.model, max_tokens=MAX, temperature=0,
-        tools=[{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}],
-        messages=[{"role": "user", "content": "Weather in Oslo?"},
-                  {"role": "assistant", "content": "Let me look.", "tool_calls": [
+                  {"role": "assistant", "content": said, "tool_calls": [
                       {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
                   {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}])
     assert r.usage.input_tokens == chat.usage.prompt_tokens
