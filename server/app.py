@@ -914,6 +914,15 @@ async def metrics(request):
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
+def serving_summary(engine: AsyncEngine, cfg: ServerConfig) -> str:
+    """What the server runs with, once loaded: the cache pool (as vLLM logs its blocks) and the
+    limits a request meets."""
+    block, dtype, blocks = engine.llm.cache_config()
+    return (f"{blocks:,} cache blocks of {block} tokens ({blocks * block:,} tokens, {dtype}) on "
+            f"{cfg.devices}; policy {cfg.policy}, max-model-len {engine.llm.max_model_len:,}, "
+            f"max-num-seqs {cfg.max_num_seqs}, max-waiting {cfg.max_waiting:,}")
+
+
 def create_app(cfg: ServerConfig, build_engine) -> web.Application:
     """``build_engine()`` runs in a thread at start-up and returns an AsyncEngine."""
     # JSON bodies are read whole and capped here; file uploads stream their parts (routes_batch)
@@ -967,6 +976,7 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
         if cfg.log_stats:
             app_["stats"] = asyncio.create_task(log_stats(state.metrics))
         print(f"tandem: model {cfg.model!r} ready in {time.monotonic() - t0:.1f} s", flush=True)
+        print("tandem: " + serving_summary(engine, cfg), flush=True)
 
     async def on_startup(app_):
         app_["loader"] = asyncio.create_task(load(app_))

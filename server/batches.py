@@ -190,6 +190,7 @@ class BatchRunner:
             if errors:
                 return self._fail(bid, errors)
             await asyncio.to_thread(self.store.add_lines, bid, lines)
+            log.info("batch %s: %d lines to %s", bid, len(lines), b["endpoint"])
         expired = False
         if self.store.status(bid) == "in_progress":
             expired = await self._run_lines(bid, b["endpoint"], b["expires_at"])
@@ -276,6 +277,8 @@ class BatchRunner:
 
     def _fail(self, bid: str, errors: list[dict]) -> None:
         self.store.set_status(bid, "failed", errors=json.dumps({"object": "list", "data": errors}))
+        log.info("batch %s failed: %s", bid, errors[0]["message"] + (f" (and {len(errors) - 1} more errors)"
+                                                                        if len(errors) > 1 else ""))
 
     async def _finalize(self, bid: str, final: str) -> None:
         """Write the output and error files from the recorded results, then the final status.
@@ -290,3 +293,7 @@ class BatchRunner:
                 self.store.register_file(fid, len(data), f"{bid}_{kind}.jsonl", "batch_output", keep_s)
             ids.append(fid)
         await asyncio.to_thread(self.store.end_batch, bid, final, *ids)
+        b = self.store.get_batch(bid)
+        c = b["request_counts"]
+        log.info("batch %s %s: %d of %d lines completed, %d failed, in %.0f s", bid, final, c["completed"],
+                 c["total"], c["failed"], time.time() - b["created_at"])
