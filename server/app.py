@@ -660,7 +660,8 @@ def scored_prompts(st: AppState, p: Prepared, choices: list[Choice]) -> list:
 
 async def prepare_online(engine: AsyncEngine, st: AppState, body: dict, chat: bool,
                          request: web.Request | None = None) -> Prepared:
-    """``prepare`` for a client's request: a chat refused past capacity is counted. The
+    """``prepare`` for a client's request: a refusal for the waiting queue, or of a chat past
+    capacity, is counted. The
     completion takes the id the request's X-Request-Id header gives, and its response's header
     says it (``request_id_header``)."""
     try:
@@ -672,6 +673,8 @@ async def prepare_online(engine: AsyncEngine, st: AppState, body: dict, chat: bo
     except ApiError as e:
         if e.code == PAST_CAPACITY:
             st.metrics.chats_refused.labels(st.metrics.model).inc()
+        elif e.status == 429:
+            st.metrics.queue_full.labels(st.metrics.model).inc()
         raise
 
 

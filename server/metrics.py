@@ -118,6 +118,8 @@ class Metrics:
         self.chats_refused = Counter("tandem:chats_refused", "New chats refused (429) while every device "
                                      "held a chat waiting more than --shed-chats-after TTFT targets for its "
                                      "first token", ["model_name"], registry=r)
+        self.queue_full = Counter("tandem:queue_full_refusals", "Requests refused (429) because --max-waiting "
+                                  "requests were waiting already", ["model_name"], registry=r)
         self.devices_active = Gauge("tandem:devices_active", "Devices holding at least one request "
                                     "(the others are idle)", ["model_name"], registry=r)
         self.device_pool = Gauge("tandem:device_pool_usage_perc", "Fraction of each device's pool blocks "
@@ -271,7 +273,7 @@ class Metrics:
             self.swap_bytes.labels(m, direction)
         for event in ("out", "in", "evicted"):
             self.swaps.labels(m, event)
-        for c in (self.prediction_error, self.chats_refused, self.prefix_queries, self.prefix_hits,
+        for c in (self.prediction_error, self.chats_refused, self.queue_full, self.prefix_queries, self.prefix_hits,
                   self.prefix_routed):
             c.labels(m)
         self._token_counters = {cls: (self.prompt_tokens.labels(m, cls), self.generation_tokens.labels(m, cls))

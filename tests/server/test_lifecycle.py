@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 
 from tests.server.conftest import API_KEY, ROOT, free_port, start_server, stop_server
+from tests.server.test_load import metric
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -66,6 +67,9 @@ async def test_429_and_413(tiny_chat_model, tmp_path):
         for status, retry, body in res:
             if status == 429:
                 assert retry and body["error"]["type"] == "rate_limit_error"
+        with urllib.request.urlopen(urllib.request.Request(srv.url + "/metrics", headers=AUTH), timeout=30) as r:
+            text = r.read().decode()
+        assert metric(text, "tandem:queue_full_refusals_total") == statuses.count(429)
         big = b"x" * 20_000
         boundary = "tandemboundary"
         payload = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
