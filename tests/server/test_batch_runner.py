@@ -313,3 +313,32 @@ def test_a_data_dir_from_before_usage_and_expiry_opens(tmp_path):
     assert old["status"] == "completed" and old["model"] is None and old["usage"] is None
     assert store.get_file("file-x")["expires_at"] is None
     assert store.add_batch("file-x", ENDPOINT, 3600, "24h", None, "M")["usage"]["total_tokens"] == 0
+
+
+def test_a_batchs_start_end_and_failure_are_logged_with_its_counts(tmp_path, caplog):
+    """Read once the runner's task is done (no waiting on the log): the start with its lines and
+    endpoint, the end with the counts the batch gives, and a failed one's first error."""
+    import logging
+    store = Store(tmp_path)
+
+    async def run_line(body, endpoint):
+        return (400, {"error": {"message": "no"}}) if body["messages"][0]["content"] == "q1" else answer(body)
+
+    async def main():
+        runner = BatchRunner(store, run_line, 2)
+        good = store.add_batch(input_file(store, 3), ENDPOINT, 3600, "1h", None, "M")
+        bad = store.add_batch(store.add_file(b"{not json}\n[1]\n", "bad.jsonl", "batch")["id"], ENDPOINT, 3600,
+                              "1h", None, "M")
+        for b in (good, bad):
+            runner.start(b["id"])
+            await runner.tasks[b["id"]]
+        return store.get_batch(good["id"]), store.get_batch(bad["id"])
+    with caplog.at_level(logging.INFO, logger="tandem.batches"):
+        good, bad = asyncio.run(main())
+    assert good["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+    lines = [r.getMessage() for r in caplog.records]
+    assert f"batch {good['id']}: 3 lines to {ENDPOINT}" in lines
+    assert any(line.startswith(f"batch {good['id']} completed: 2 of 3 lines completed, 1 failed, in ") for line in lines)
+    errors = bad["errors"]["data"]
+    assert bad["status"] == "failed" and \
+        f"batch {bad['id']} failed: {errors[0]['message']} (and {len(errors) - 1} more errors)" in lines

@@ -297,3 +297,45 @@ def test_cross_origin_pages_are_answered_only_for_allowed_origins(tiny_chat_mode
         stop_server(srv)
     status, h, _ = ask(strict_server, "OPTIONS", "/v1/completions", {"Origin": ui} | preflight)
     assert status != 204 and "Access-Control-Allow-Origin" not in h
+
+
+def test_a_request_whose_client_left_before_its_end_is_logged_499(caplog):
+    """aiohttp logs no line for a handler cancelled because its client went away (a stream broken
+    off); the middleware does, with nginx's 499. Read once the handler has seen the cancel: the
+    middleware writes the line as the same cancel unwinds, before the handler's task yields."""
+    import asyncio
+    import logging
+    import aiohttp
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+    from tandem.server.connections import ACCESS_LOG, GONE_LOG, AccessLog, connections_middleware
+
+    async def main():
+        left = asyncio.Event()
+
+        async def stream(request):
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            await resp.write(b"data: 1\n\n")
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                left.set()
+                raise
+        app = web.Application(middlewares=[connections_middleware])
+        app.router.add_post("/v1/completions", stream)
+        app[GONE_LOG] = AccessLog(ACCESS_LOG, "")
+        server = TestServer(app, handler_cancellation=True)
+        await server.start_server()
+        try:
+            async with aiohttp.ClientSession() as s:
+                r = await s.post(server.make_url("/v1/completions"))
+                assert await r.content.readline() == b"data: 1\n"
+                r.close()
+            await left.wait()
+        finally:
+            await server.close()
+    with caplog.at_level(logging.INFO, logger="tandem.access"):
+        asyncio.run(main())
+    assert any(re.fullmatch(r'127\.0\.0\.1(:\d+)? - "POST /v1/completions HTTP/1\.1" 499 \d+\.\d{3}s', r.getMessage())
+               for r in caplog.records), [r.getMessage() for r in caplog.records]

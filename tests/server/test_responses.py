@@ -507,16 +507,14 @@ def test_a_kept_responses_input_items_are_listed(server, client):
         client.responses.input_items.list(r.id)
 
 
-ENDED = ("completed", "incomplete", "failed", "cancelled")
-
-
-def wait_status(c, rid: str, statuses: tuple[str, ...]):
-    """Poll a response until its status is one of ``statuses`` (a hang guard, not a timing)."""
-    deadline = time.monotonic() + 120
-    while (r := c.responses.retrieve(rid)).status not in statuses:
-        assert time.monotonic() < deadline, r.status
-        time.sleep(0.05)
-    return r
+def wait_for(c, rid: str, kind: str | None = None):
+    """The background response once its events (read again from its start, as they come) reach
+    ``kind``, or once they end (None): no polling, no clock."""
+    with c.responses.retrieve(rid, stream=True) as events:
+        for e in events:
+            if e.type == kind:
+                break
+    return c.responses.retrieve(rid)
 
 
 def test_a_background_response_is_queued_then_polled_to_the_greedy_reply(server, client, tiny_chat_model, tok):
@@ -524,7 +522,8 @@ def test_a_background_response_is_queued_then_polled_to_the_greedy_reply(server,
     r = client.responses.create(model=server.model, input="Write a poem", max_output_tokens=MAX, temperature=0,
                                 background=True)
     assert r.status == "queued" and r.background is True and r.output == [] and r.usage is None
-    done = wait_status(client, r.id, ("completed", "incomplete"))
+    done = wait_for(client, r.id)
+    assert done.status in ("completed", "incomplete")
     assert done.output_text == text and (done.usage.input_tokens, done.usage.output_tokens) == (n_in, n_out)
     assert done.background is True and done.id == r.id and done.created_at == r.created_at
     assert client.responses.cancel(r.id).status == done.status         # ended: cancelling changes nothing
@@ -600,7 +599,7 @@ def test_a_background_response_is_cancelled_while_it_runs(tiny_chat_model, tmp_p
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0)
         r = c.responses.create(model=srv.model, input="Count to ten", max_output_tokens=MAX, temperature=0,
                                background=True)
-        wait_status(c, r.id, ("in_progress",))
+        assert wait_for(c, r.id, "response.in_progress").status == "in_progress"
         stream = c.responses.retrieve(r.id, stream=True)
         first = next(iter(stream))
         assert first.type == "response.created"
@@ -634,7 +633,7 @@ def test_a_background_response_outlives_a_restart(tiny_chat_model, tmp_path, tok
         orphan = c.responses.create(model=srv.model, input="And?", previous_response_id=before.id,
                                     max_output_tokens=MAX, background=True)
         for rid in (r.id, orphan.id):
-            wait_status(c, rid, ("in_progress",))
+            assert wait_for(c, rid, "response.in_progress").status == "in_progress"
     finally:
         assert stop_server(srv) == 0
     with sqlite3.connect(tmp_path / "data" / "tandem.sqlite3") as db:
@@ -642,9 +641,10 @@ def test_a_background_response_outlives_a_restart(tiny_chat_model, tmp_path, tok
     srv = start_server(tiny_chat_model, tmp_path)            # same data dir, nothing held
     try:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0)
-        done = wait_status(c, r.id, ("completed", "incomplete"))
+        done = wait_for(c, r.id)
+        assert done.status in ("completed", "incomplete")
         assert done.output_text == text and done.created_at == r.created_at
-        failed = wait_status(c, orphan.id, ENDED)
+        failed = wait_for(c, orphan.id)
         assert failed.status == "failed" and failed.error.code == "invalid_prompt" and before.id in failed.error.message
     finally:
         stop_server(srv)

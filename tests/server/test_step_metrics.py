@@ -52,18 +52,15 @@ def test_steps_and_their_tokens_are_counted_by_class_and_phase(tiny_chat_model, 
         assert seen["steps"] == requests * MAX_TOKENS
         assert seen["tokens_be_prefill"] == tokens["be", "prefill"]
         assert seen["tokens_rt_decode"] == tokens["rt", "decode"]
-        tokens_counted_as_they_come_and_a_broken_stream_logged(s, text)
+        tokens_counted_as_they_come(s, text)
     finally:
         assert stop_server(s) == 0
 
 
-def tokens_counted_as_they_come_and_a_broken_stream_logged(s, before: str) -> None:
+def tokens_counted_as_they_come(s, before: str) -> None:
     """A stream read three chunks in: vLLM's token counters already have its prompt and the
-    tokens sent (as vLLM counts them each step, not at the end); the client then goes away, and
-    the access log says so (499, as nginx writes it)."""
+    tokens sent (as vLLM counts them each step, not at the end)."""
     import http.client
-    import re
-    import time
     prompt = list(range(60, 75))
     conn = http.client.HTTPConnection("127.0.0.1", int(s.url.rsplit(":", 1)[1]), timeout=60)
     conn.request("POST", "/v1/completions", json.dumps({
@@ -79,10 +76,6 @@ def tokens_counted_as_they_come_and_a_broken_stream_logged(s, before: str) -> No
              metric(before, f"vllm:{k}_tokens_total", service_class="rt") for k in ("prompt", "generation")}
     assert grown["prompt"] == len(prompt) and 3 <= grown["generation"] < 200, grown
     conn.close()
-    deadline = time.monotonic() + 60
-    while not re.search(r'"POST /v1/completions HTTP/1\.1" 499 \d+\.\d{3}s', s.log.read_text()):
-        assert time.monotonic() < deadline, "the broken stream's line"
-        time.sleep(0.05)
 
 
 def test_counters_with_known_labels_are_there_at_zero_before_anything_happens():
