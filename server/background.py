@@ -93,11 +93,7 @@ class Background:
         except Exception:                # noqa: BLE001 -- the response must reach a final state
             eid = error_id()
             log.exception("background response %s failed (%s)", rid, eid)
-            failed = self._settle(rid, "failed", {"code": "server_error",
-                                                  "message": f"internal error (error id {eid})"})
-            if failed is not None:
-                await events.write(sse("response.failed", {"sequence_number": len(events.events),
-                                                           "response": failed}))
+            await self.failed(rid, events, {"code": "server_error", "message": f"internal error (error id {eid})"})
         finally:
             events.close()
             self.tasks.pop(rid, None)
@@ -112,6 +108,14 @@ class Background:
             self.store.set_response(response)
         self.store.end_response_job(rid)
         return response
+
+    async def failed(self, rid: str, events: EventLog, error: dict) -> None:
+        """``rid`` kept failed with ``error`` (OpenAI's code and message), and its readers told
+        (``response.failed``)."""
+        response = self._settle(rid, "failed", error)
+        if response is not None:
+            await events.write(sse("response.failed", {"sequence_number": len(events.events),
+                                                       "response": response}))
 
     def _forget_old(self) -> None:
         """The oldest ended responses' events go, past ``KEPT_LOGS`` of them or ``KEPT_LOG_BYTES``."""

@@ -329,9 +329,10 @@ class Metrics:
         its tokens ``tokens_out`` counted already. A request that ended with no token past its
         first-token target missed it (a client that gave up waiting is the worst miss)."""
         m = (self.model, cls)
-        self.tokens_out(cls, prompt_tokens, len(token_times) - counted, counted)
-        if counted == 0 and not token_times:
-            self.prompt_tokens.labels(*m).inc(prompt_tokens)
+        prompt, generation = self._token_counters[cls]
+        if counted == 0:                  # none came while it ran (no token, or a beam search's at its end)
+            prompt.inc(prompt_tokens)
+        generation.inc(len(token_times) - counted)
         self.request_prompt.labels(*m).observe(prompt_tokens)
         self.request_generation.labels(*m).observe(len(token_times))
         self.request_max_tokens.labels(*m).observe(max_tokens)

@@ -393,7 +393,7 @@ async def _run_again(app: web.Application, rid: str, body: dict, events: EventLo
             break
         except ApiError as e:
             if e.status != 429:
-                return await _failed(store, rid, events, e)
+                return await _failed(app, rid, events, e)
             await asyncio.sleep(RETRY_S)          # chats past capacity: not a full queue, so wait here
     if kept is not None:
         store.set_response(kept[0] | {"status": "queued", "output": [], "usage": None})
@@ -408,20 +408,15 @@ async def _run_events_to(app: web.Application, p: Prepared, body: dict, created:
     try:
         await _run_events(_Events(events.write, p), app[STATE], p, body, created, keep, began=store.set_response)
     except ApiError as e:
-        await _failed(store, _ids(p)[0], events, e)
+        await _failed(app, _ids(p)[0], events, e)
     finally:
         p.close()
 
 
-async def _failed(store: Store, rid: str, events: EventLog, e: ApiError) -> None:
+async def _failed(app: web.Application, rid: str, events: EventLog, e: ApiError) -> None:
     """A background response the server could not run, kept ``failed`` with why."""
-    kept = store.get_response(rid)
-    if kept is None:
-        return
-    failed = kept[0] | {"status": "failed", "error": {
-        "code": "server_error" if e.status >= 500 else "invalid_prompt", "message": e.message}}
-    store.set_response(failed)
-    await events.write(sse("response.failed", {"sequence_number": len(events.events), "response": failed}))
+    await app[BACKGROUND].failed(rid, events, {"code": "server_error" if e.status >= 500 else "invalid_prompt",
+                                               "message": e.message})
 
 
 def _ids(p: Prepared) -> tuple[str, str]:
