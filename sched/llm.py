@@ -762,13 +762,15 @@ class LLM:
         A prompt is a string, a list of token ids, a chat's messages (rendered as
         ``chat_template`` says), or a dict: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``,
         with ``"cache_salt"`` to share cached blocks only among the prompts that give the same
-        salt."""
-        plist, salts = zip(*map(_unwrap, _as_prompt_list(prompts)))
+        salt. An empty list of prompts gives an empty list, as vLLM's."""
+        plist, salts = _prompts_and_salts(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams(**self.sampling_defaults)
         if isinstance(params, SamplingParams):
             params = [params] * len(plist)
         if len(params) != len(plist):
             raise ValueError(f"sampling_params: {len(params)} given for {len(plist)} prompts")
+        if not plist:
+            return []
         for p in params:
             if not isinstance(p, SamplingParams):
                 raise ValueError("sampling_params: must be SamplingParams")
@@ -818,7 +820,9 @@ class LLM:
         params.validate()
         if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
             raise ValueError(f"concurrency_limit: must be None or a positive integer, got {concurrency_limit!r}")
-        plist, salts = zip(*map(_unwrap, _as_prompt_list(prompts)))
+        plist, salts = _prompts_and_salts(prompts)
+        if not plist:
+            return []
         encoded = [self.encode_prompt(p, chat_template)[0] for p in plist]
         for ids in encoded:
             self._check_length(ids)
@@ -1020,9 +1024,15 @@ def _as_prompt_list(prompts: Any) -> list:
         return [prompts]
     if isinstance(prompts, list) and prompts and all(isinstance(x, dict) and "role" in x for x in prompts):
         return [prompts]                    # one chat's messages
-    if isinstance(prompts, (list, tuple)) and prompts:
+    if isinstance(prompts, (list, tuple)):
         return list(prompts)
-    raise ValueError("prompts: give a prompt or a non-empty list of prompts")
+    raise ValueError("prompts: give a prompt or a list of prompts")
+
+
+def _prompts_and_salts(prompts: Any) -> tuple[list, list[str | None]]:
+    """The prompts as a list, each unwrapped from its dict, and their salts (as ``_unwrap``)."""
+    pairs = [_unwrap(p) for p in _as_prompt_list(prompts)]
+    return [p for p, _ in pairs], [salt for _, salt in pairs]
 
 
 def _unwrap(prompt: Any) -> tuple[Any, str | None]:

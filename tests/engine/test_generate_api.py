@@ -2,7 +2,7 @@
 
 import pytest
 
-from tandem import LLM, SamplingParams
+from tandem import LLM, BeamSearchParams, SamplingParams
 from tests.conftest import assert_pool_free, hf_greedy, mixed_prompts
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -115,6 +115,16 @@ def test_eos_stops_unless_ignored(llm, tiny_llama):
 def test_bad_sampling_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_no_prompts_give_no_outputs_and_leave_the_llm_serving(llm):
+    """vLLM's ``generate([])`` returns []: a pipeline's last, empty chunk is not an error."""
+    assert llm.generate([], SamplingParams(max_tokens=4)) == []
+    assert llm.beam_search([], BeamSearchParams(beam_width=2, max_tokens=2)) == []
+    with pytest.raises(ValueError, match="sampling_params: 1 given for 0 prompts"):
+        llm.generate([], [SamplingParams()])
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, **GREEDY))
+    assert len(out[0].outputs[0].token_ids) == 3
 
 
 def test_bad_prompts_fail_before_any_work(llm):
