@@ -5,8 +5,10 @@ in_progress, then completed, incomplete, failed or cancelled), cancels it with `
 ``sequence_number`` it last saw, as often as it reconnects.
 
 What is accepted is not lost: the request is kept in the store until it ends, and one the
-server stopped before its end runs again from its start when the model is next loaded (its
-events then are the new run's).
+server stopped before its end runs again from its start when the model is next loaded, with
+the seed its first run drew: its events are the first run's again (the same tokens, as far as a
+different batch's rounding leaves sampling alone; a tool call's id is new), so a reader goes on
+after the last one it saw.
 """
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import secrets
 import time
 import uuid
 from typing import Awaitable, Callable
@@ -365,6 +366,8 @@ async def _create_in_background(request: web.Request, engine, body: dict) -> web
     """Checked and queued now (a bad request is refused here), kept ``queued`` with its request,
     and run in a task of its own: the queued response, or its events as they come."""
     app = request.app
+    if body.get("seed") is None:            # kept with it: a run again after a restart samples the same tokens
+        body = {**body, "seed": secrets.randbits(63)}
     p, keep = await _start(app, engine, body, name=uuid.uuid4().hex)
     try:
         created = int(time.time())

@@ -579,9 +579,9 @@ import os, asyncio
 import tandem.server.app as app
 _run_choice = app.run_choice
 async def run_choice(sub, metrics, req, ch, sink=None, n=1):
-    async def held(c, delta):       # after each token, wait while the hold file is there
+    async def held(c, delta):       # after each token that brings text, wait while the hold file is there
         await sink(c, delta)
-        while os.path.exists({path!r}):
+        while delta and os.path.exists({path!r}):
             await asyncio.sleep(0.02)
     return await _run_choice(sub, metrics, req, ch, held if sink is not None else None, n)
 app.run_choice = run_choice
@@ -618,7 +618,8 @@ def test_a_background_response_is_cancelled_while_it_runs(tiny_chat_model, tmp_p
 
 def test_a_background_response_outlives_a_restart(tiny_chat_model, tmp_path, tok):
     """Stopped (SIGTERM) while they run, background responses run again once the server is back:
-    one to HF's reply; one whose previous response was forgotten meanwhile fails, saying why."""
+    one to HF's reply; one sampled without a seed to the events its first run sent (a reader goes
+    on after the last it saw); one whose previous response was forgotten meanwhile fails, saying why."""
     import sqlite3
     from tests.server.conftest import start_server, stop_server
     text, _, _ = hf_reply(tiny_chat_model, tok, [{"role": "user", "content": "Name three rivers"}], MAX)
@@ -632,8 +633,16 @@ def test_a_background_response_outlives_a_restart(tiny_chat_model, tmp_path, tok
                                background=True)
         orphan = c.responses.create(model=srv.model, input="And?", previous_response_id=before.id,
                                     max_output_tokens=MAX, background=True)
+        sampled = c.responses.create(model=srv.model, input="Say anything", max_output_tokens=MAX, temperature=2,
+                                     background=True)
         for rid in (r.id, orphan.id):
             assert wait_for(c, rid, "response.in_progress").status == "in_progress"
+        with c.responses.retrieve(sampled.id, stream=True) as events:
+            seen = []
+            for e in events:                # to its first text, where it is held
+                seen.append(e)
+                if e.type == "response.output_text.delta":
+                    break
     finally:
         assert stop_server(srv) == 0
     with sqlite3.connect(tmp_path / "data" / "tandem.sqlite3") as db:
@@ -646,6 +655,10 @@ def test_a_background_response_outlives_a_restart(tiny_chat_model, tmp_path, tok
         assert done.output_text == text and done.created_at == r.created_at
         failed = wait_for(c, orphan.id)
         assert failed.status == "failed" and failed.error.code == "invalid_prompt" and before.id in failed.error.message
+        again = list(c.responses.retrieve(sampled.id, stream=True))[:len(seen)]
+        assert [(e.type, e.sequence_number, getattr(e, "delta", None)) for e in again] == \
+            [(e.type, e.sequence_number, getattr(e, "delta", None)) for e in seen]
+        assert wait_for(c, sampled.id).output_text.startswith(seen[-1].delta)
     finally:
         stop_server(srv)
 
