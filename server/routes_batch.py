@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import orjson
 from aiohttp import BodyPartReader, web
@@ -103,7 +104,7 @@ def upload_expiry(fields: dict[str, str]) -> dict | None:
         expiry = {k: fields[f"expires_after[{k}]"] for k in ("anchor", "seconds") if f"expires_after[{k}]" in fields}
         if not expiry:
             return None
-        if expiry.get("seconds", "").strip().isdigit():      # a form's parts are text
+        if re.fullmatch(r"[0-9]{1,20}", expiry.get("seconds", "").strip()):      # a form's parts are text
             expiry["seconds"] = int(expiry["seconds"])
     validate({"expires_after": expiry}, UPLOAD_FIELDS)
     return expiry
@@ -122,6 +123,8 @@ async def _read_upload(request: web.Request, limit: int) -> tuple[str | None, by
             fields[part.name] = await part.text()
         elif part.name == "file":
             filename = part.filename or filename
+            if any("\ud800" <= c <= "\udfff" for c in filename):    # bytes that were not UTF-8, as aiohttp keeps them
+                raise bad_request("the file's name must be UTF-8 text", param="file")
             buf = bytearray()
             while chunk := await part.read_chunk(1 << 16):
                 buf.extend(chunk)

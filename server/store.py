@@ -92,7 +92,11 @@ class Store:
         self.sweep_expired()
         fid = new_id("file")
         self.write_blob(fid, data)
-        return self.register_file(fid, len(data), filename, purpose, expires_s)
+        try:
+            return self.register_file(fid, len(data), filename, purpose, expires_s)
+        except BaseException:
+            (self.files_dir / fid).unlink(missing_ok=True)
+            raise
 
     def write_blob(self, fid: str, data: bytes) -> None:
         """A file's bytes on disk, whole or not at all (touches no database: safe from a thread)."""

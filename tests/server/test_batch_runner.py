@@ -8,6 +8,8 @@ import sqlite3
 import threading
 import time
 
+import pytest
+
 from tandem.server import batches
 from tandem.server import store as store_module
 from tandem.server.batches import BatchRunner
@@ -342,3 +344,16 @@ def test_a_batchs_start_end_and_failure_are_logged_with_its_counts(tmp_path, cap
     errors = bad["errors"]["data"]
     assert bad["status"] == "failed" and \
         f"batch {bad['id']} failed: {errors[0]['message']} (and {len(errors) - 1} more errors)" in lines
+
+
+def test_an_upload_that_cannot_be_listed_leaves_no_bytes_behind(tmp_path, monkeypatch):
+    """The file's bytes are written before its row; when the row cannot be written, the bytes go."""
+    store = Store(tmp_path)
+
+    def refused(*args, **kwargs):
+        raise sqlite3.OperationalError("database is locked")
+    monkeypatch.setattr(store, "register_file", refused)
+    with pytest.raises(sqlite3.OperationalError):
+        store.add_file(b'{"a": 1}\n', "a.jsonl", "batch")
+    assert [p.name for p in store.files_dir.iterdir()] == []
+    store.close()
