@@ -371,7 +371,7 @@ def problem(schema: dict, v) -> tuple[list, str] | None:
         props, rest = schema.get("properties", {}), schema.get("additionalProperties")
         for key, value in v.items():
             sub = props.get(key, rest if isinstance(rest, dict) else None)
-            if sub is not None and value is not None and (p := problem(sub, value)) is not None:
+            if sub is not None and (value is not None or key not in props) and (p := problem(sub, value)) is not None:
                 return [key, *p[0]], p[1]
         for key in schema.get("required", ()):
             if v.get(key) is None:
