@@ -63,7 +63,15 @@ def closed(schema: dict) -> dict:
 
 
 def compile_grammar(so: StructuredOutputs) -> str:
-    """The llguidance grammar (its JSON text) of a constraint; not yet checked (``Vocabulary.check``)."""
+    """The llguidance grammar (its JSON text) of a constraint; not yet checked (``Vocabulary.check``).
+    ValueError naming the field for one that does not compile, or nests too deeply to be read."""
+    try:
+        return _compile(so)
+    except RecursionError:
+        raise ValueError(f"structured_outputs.{so.kind()}: nests too deeply to be read") from None
+
+
+def _compile(so: StructuredOutputs) -> str:
     from llguidance import LLMatcher, grammar_from
     kind = so.kind()
     options = JSON_OPTIONS | ({"whitespace_pattern": so.whitespace_pattern} if so.whitespace_pattern else {})

@@ -25,8 +25,8 @@ from tandem.sched.llm import PromptTooLong
 from tandem.sched.request import Request, ServiceClass, error_id
 from tandem.server.config import ServerConfig
 from tandem.server.cors import preflight
-from tandem.server.connections import GUARD, STOP, body_read, connections_middleware
-from tandem.server.errors import ApiError, bad_request
+from tandem.server.connections import CLIENT_GONE, GUARD, STOP, body_read, client_gone, connections_middleware
+from tandem.server.errors import MAX_NESTING, ApiError, bad_request, nests_deeper, too_deep
 from tandem.server.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs_json
 from tandem.server.metrics import Metrics
 from tandem.server.store import Store
@@ -78,9 +78,11 @@ async def errors_middleware(request: web.Request, handler):
         why = e.reason if e.status != 404 else f"{request.method} {request.path} is not an operation of " \
             "this server (GET /openapi.json lists them)"
         return json_response(ApiError(e.status, why, type=kind).body(), e.status, allow)
-    except ConnectionError:  # the client went away mid-response: nobody to answer
-        raise
-    except Exception:        # a bug: logged with an id the client can quote, never a traceback
+    except RecursionError:
+        return json_response(too_deep().body(), 400)
+    except Exception as e:   # a bug: logged with an id the client can quote, never a traceback
+        if isinstance(e, ConnectionError) and client_gone(request):
+            return web.Response(status=CLIENT_GONE)     # nobody to answer: its write fails, the access log says 499
         eid = error_id()
         log.exception("%s %s failed (%s)", request.method, request.path, eid)
         return json_response(ApiError(500, f"internal error (error id {eid})", type="server_error").body(), 500)
@@ -158,6 +160,8 @@ async def read_json(request: web.Request) -> dict:
         raise bad_request(f"malformed JSON body: {e}") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    if nests_deeper(body):
+        raise bad_request(f"the request body nests deeper than {MAX_NESTING} levels")
     return body
 
 

@@ -16,7 +16,7 @@ from typing import Awaitable, Callable, Iterator
 import orjson
 
 from tandem.sched.request import error_id
-from tandem.server.errors import ApiError
+from tandem.server.errors import MAX_NESTING, ApiError, nests_deeper, too_deep
 from tandem.server.store import Store, new_id
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
@@ -117,6 +117,8 @@ def validate_lines(raw: bytes, endpoint: str) -> tuple[list[tuple[int, str, dict
             err(n, "body must be an object", "body")
         elif obj["body"].get("stream"):
             err(n, "stream is not allowed in a batch", "body.stream")
+        elif nests_deeper(obj["body"]):
+            err(n, f"body nests deeper than {MAX_NESTING} levels", "body")
         if isinstance(cid, str) and cid:
             seen.add(cid)
             lines.append((n, cid, obj.get("body")))
@@ -266,6 +268,8 @@ class BatchRunner:
                 if e.status < 500:
                     return e.status, e.body()
                 code, resp = e.status, e.body()
+            except RecursionError:
+                return 400, too_deep().body()
             except Exception:                # noqa: BLE001 -- never lose a line to a bug
                 eid = error_id()
                 log.exception("batch %s line %d failed (%s)", bid, line_no, eid)

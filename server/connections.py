@@ -250,6 +250,11 @@ def connection(request: web.Request) -> Guarded | None:
     return guard.of(request.transport) if guard is not None else None
 
 
+def client_gone(request: web.Request) -> bool:
+    """Whether the request's client has closed its connection (or is closing it)."""
+    return request.transport is None or request.transport.is_closing()
+
+
 def body_read(request: web.Request) -> None:
     """The request's body has been read whole: its deadline no longer applies."""
     if (conn := connection(request)) is not None:

@@ -17,3 +17,30 @@ class ApiError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+MAX_NESTING = 128     # JSON levels in a body or a batch line: code that walks a value recursively
+                      # (templates, schemas, serializers) stays far from Python's recursion limit
+
+
+def nests_deeper(value, limit: int = MAX_NESTING) -> bool:
+    """Whether a JSON value holds objects or arrays more than ``limit`` levels deep (walked
+    without recursion)."""
+    if not isinstance(value, (dict, list)):
+        return False
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        for x in v.values() if isinstance(v, dict) else v:
+            if isinstance(x, (dict, list)):
+                if depth >= limit:
+                    return True
+                stack.append((x, depth + 1))
+    return False
+
+
+def too_deep() -> ApiError:
+    """A request whose values nest deeper than Python's recursion limit, where code walks them
+    recursively: JSON inside a string (a schema given as text, a call's arguments), which
+    ``nests_deeper`` does not see."""
+    return bad_request("a value in the request nests too deeply to be read")

@@ -67,7 +67,9 @@ TOOL_CALLS = {"type": "array", "description": "the calls a chat with tools made 
                       "name": {"type": "string"}, "arguments": {"type": "string", "description": "JSON"}}}}}}
 CHAT_COMPLETION = _completion("chat.completion", {"message": {
     "type": "object", "required": ["role", "content"],
-    "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+    "properties": {"role": {"type": "string", "description": "assistant; with add_generation_prompt false, "
+                                                             "the role of the last message, whose turn it continues"},
+                   "content": {"type": ["string", "null"]},
                    "tool_calls": TOOL_CALLS}},
     "logprobs": CHAT_LOGPROBS}, prompt_token_ids=IDS, prompt_logprobs=PROMPT_LOGPROBS)
 COMPLETION = _completion("text_completion", {"text": {"type": "string"}, "prompt_token_ids": IDS,

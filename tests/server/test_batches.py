@@ -123,7 +123,11 @@ def test_bad_lines_fail_the_batch_with_line_numbers(server, client):
     nested = b"[" * 5000 + b"]" * 5000 + b"\n"          # deeper than the JSON parser recurses
     lone = json.dumps(dict(good, custom_id="lone")).replace('"lone"', '"\\ud800"').encode() + b"\n"
     in_body = json.dumps(dict(good, custom_id="in-body")).replace('Question 0?', 'Question \\udfff?').encode() + b"\n"
-    raw = jsonl([good]) + b"{not json}\n" + jsonl([dict(good, url="/v1/completions"), good]) + nested + lone + in_body
+    # a body nested deeper than a request's may be (129 levels: the body, its chat_template_kwargs, 127 lists)
+    deep = json.dumps(dict(good, custom_id="deep", body=dict(good["body"], chat_template_kwargs={
+        "x": json.loads("[" * 127 + "]" * 127)}))).encode() + b"\n"
+    raw = jsonl([good]) + b"{not json}\n" + jsonl([dict(good, url="/v1/completions"), good]) + nested + lone + in_body \
+        + deep
     f = client.files.create(file=("bad.jsonl", io.BytesIO(raw)), purpose="batch")
     b = wait_batch(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                                  completion_window="24h").id, timeout=60)
@@ -132,6 +136,7 @@ def test_bad_lines_fail_the_batch_with_line_numbers(server, client):
     assert (2, None) in lines and (3, "url") in lines and (4, "custom_id") in lines and (5, None) in lines
     # a lone surrogate's escape, which a request body may not hold either, in the id and in the body
     assert {e.line for e in b.errors.data if "surrogate" in e.message} == {6, 7}
+    assert (8, "body") in lines
 
 
 def test_a_failed_batch_lists_its_first_thousand_errors(server, client):

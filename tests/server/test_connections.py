@@ -339,3 +339,28 @@ def test_a_request_whose_client_left_before_its_end_is_logged_499(caplog):
         asyncio.run(main())
     assert any(re.fullmatch(r'127\.0\.0\.1(:\d+)? - "POST /v1/completions HTTP/1\.1" 499 \d+\.\d{3}s', r.getMessage())
                for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+
+@pytest.mark.parametrize("closing, status", [(True, 499), (False, 500)])
+def test_a_write_that_finds_the_client_gone_is_a_499_not_an_error(closing, status, caplog):
+    """A stream whose client closed the connection fails on its next write, before any cancel
+    reaches its handler: the answer is a 499 (which nobody reads; the access log writes it), with
+    no error logged. The same ConnectionError while the client is still there (a worker's pipe)
+    is a bug: a 500 with an error id, logged with its traceback."""
+    import asyncio
+    import logging
+    from unittest import mock
+    from aiohttp.client_exceptions import ClientConnectionResetError
+    from aiohttp.test_utils import make_mocked_request
+    from tandem.server.app import errors_middleware
+
+    async def handler(request):
+        raise ClientConnectionResetError("Cannot write to closing transport") if closing else BrokenPipeError()
+    transport = mock.Mock(is_closing=mock.Mock(return_value=closing))
+    request = make_mocked_request("POST", "/v1/completions", transport=transport)
+    with caplog.at_level(logging.INFO):
+        resp = asyncio.run(errors_middleware(request, handler))
+    assert resp.status == status
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert (len(errors), bool(errors and errors[0].exc_info)) == ((0, False) if closing else (1, True))

@@ -18,6 +18,13 @@ GOOD_PART = (b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatc
 NESTED_PART = (b'--B\r\nContent-Disposition: form-data; name="file"\r\nContent-Type: multipart/mixed; boundary=C'
                b'\r\n\r\n--C\r\n\r\nx\r\n--C--\r\n--B--\r\n')
 FILE_ONLY_PART = (b'--B\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n{}\r\n--B--\r\n')
+NOT_UTF8_NAME_PART = (b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--B\r\n'
+                      b'Content-Disposition: form-data; name="file"; filename="\xff\xfe.jsonl"\r\n\r\n{}\r\n--B--\r\n')
+SUPERSCRIPT_EXPIRY_PART = ('--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--B\r\n'
+                           'Content-Disposition: form-data; name="expires_after[anchor]"\r\n\r\ncreated_at\r\n--B\r\n'
+                           'Content-Disposition: form-data; name="expires_after[seconds]"\r\n\r\n\u00b3\u2076\u2070\u2070\r\n'
+                           '--B\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n{}\r\n'
+                           '--B--\r\n').encode()
 CHARSET_PART = (b'--B\r\nContent-Disposition: form-data; name="purpose"\r\nContent-Type: text/plain; '
                 b'charset=no-such-charset\r\n\r\nbatch\r\n--B--\r\n')
 
@@ -32,6 +39,14 @@ def encoded(encoding: str, content_type: str = "application/json"):
 
 
 ASK = b'{"prompt": "a", "max_tokens": 2}'
+
+
+# values nested within the JSON parser's 1,024 levels, but past the server's 128 (written as text:
+# this process could not write them either); and JSON inside a string, past Python's recursion limit
+DEEP_SCHEMA = '{"type": "object", "properties": {"a": ' * 510 + '{"type": "object"}' + "}}" * 510
+DEEP_ITEMS = '{"items": ' * 1015 + "{}" + "}" * 1015
+DEEP_TOOLS = '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": ' \
+    '{"name": "f", "parameters": %s}}]}' % DEEP_ITEMS
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 CASES = [
     # (name, method, path, raw body or dict, headers override, status, error type, param)
@@ -223,6 +238,30 @@ CASES = [
      encoded("gzip"), 413, "invalid_request_error", None),
     ("brotli", "POST", COMP, ASK, encoded("br"), 415, "invalid_request_error", None),
     ("zstd", "POST", "/tokenize", ASK, encoded("zstd"), 415, "invalid_request_error", None),
+    ("upload named in bytes that are not UTF-8", "POST", FILES, NOT_UTF8_NAME_PART,
+     multipart("multipart/form-data; boundary=B"), 400, "invalid_request_error", "file"),
+    ("upload expiry in superscript digits", "POST", FILES, SUPERSCRIPT_EXPIRY_PART,
+     multipart("multipart/form-data; boundary=B"), 400, "invalid_request_error", "expires_after"),
+    ("logit_bias value null", "POST", CHAT, {"messages": MSG, "logit_bias": {"1": None}}, None, 400,
+     "invalid_request_error", "logit_bias"),
+    ("metadata value null", "POST", "/v1/responses", {"input": "a", "metadata": {"k": None}}, None, 400,
+     "invalid_request_error", "metadata"),
+    ("schema past the nesting limit, closed", "POST", CHAT, ('{"messages": [{"role": "user", "content": "hi"}], '
+     '"structured_outputs": {"disable_additional_properties": true, "json": %s}}' % DEEP_SCHEMA).encode(), None,
+     400, "invalid_request_error", None),
+    ("schema text past the recursion limit", "POST", COMP, {"prompt": "a", "guided_json": "[" * 5000 + "]" * 5000},
+     None, 400, "invalid_request_error", "guided_json"),
+    ("tool schema past the nesting limit", "POST", CHAT, DEEP_TOOLS.encode(), None, 400, "invalid_request_error",
+     None),
+    ("tool schema past the nesting limit, tokenized", "POST", "/tokenize", DEEP_TOOLS.encode(), None, 400,
+     "invalid_request_error", None),
+    ("template arguments past the nesting limit", "POST", CHAT, ('{"messages": [{"role": "user", "content": "hi"}], '
+     '"chat_template_kwargs": {"x": %s}}' % ("[" * 900 + "]" * 900)).encode(), None, 400, "invalid_request_error",
+     None),
+    ("call arguments past the recursion limit", "POST", CHAT, {"messages": [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}, {"role": "tool", "tool_call_id": "c1", "content": "1"},
+        {"role": "user", "content": "hi"}]}, None, 400, "invalid_request_error", None),
     ("compressed upload", "POST", FILES, gzip.compress(GOOD_PART), encoded("gzip", "multipart/form-data; boundary=B"),
      415, "invalid_request_error", None),
 ]
@@ -247,6 +286,16 @@ def test_malformed_request(server, name, method, path, body, headers, status, et
     assert call(server, "GET", "/health", None, None) == (200, {"status": "ok"}), "healthy after a bad request"
     ok, _ = call(server, "POST", COMP, {"prompt": "a", "max_tokens": 2}, None)
     assert ok == 200, "the server must keep serving after a bad request"
+
+
+def test_a_body_nests_at_most_128_levels(server):
+    """The body, its chat_template_kwargs and 126 lists are 128 levels: served; one list more is
+    refused, naming the limit."""
+    for lists, status in ((126, 200), (127, 400)):
+        body = {"messages": MSG, "max_tokens": 1, "chat_template_kwargs": {"x": json.loads("[" * lists + "]" * lists)}}
+        got, payload = call(server, "POST", CHAT, body)
+        assert got == status, payload
+    assert payload["error"]["message"] == "the request body nests deeper than 128 levels"
 
 
 @pytest.mark.parametrize("path, body", [
