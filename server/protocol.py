@@ -264,7 +264,14 @@ def parse_chat(body: dict, trust_template: bool = False, **defaults) -> GenReque
         if sp.structured_outputs is not None:
             raise bad_request("tool_choice: a required or named tool call cannot also follow "
                               f"'{extra['structured_param']}'", param="tool_choice")
+        # the call is written whole: stop strings and ids end text, they would cut it unparsable
         sp.structured_outputs, extra["structured_param"] = constraint, "tools"
+        sp.stop, sp.stop_token_ids = [], []
+    elif plan is not None and plan.calls and sp.structured_outputs is not None \
+            and sp.structured_outputs.kind() in ("json", "json_object"):     # (a grammar may write call blocks)
+        param = extra["structured_param"]
+        raise bad_request(f"'{param}' with tools the model may call (tool_choice auto): a reply held to a JSON "
+                          f"value could never call one; send tool_choice 'none', or no '{param}'", param=param)
     return GenRequest([messages], sp, **extra, tools=plan if plan is not None and plan.calls else None,
                       template=template, chat_echo=chat_echo(body, messages, template),
                       reply_role="assistant" if template.add_generation_prompt else messages[-1]["role"])

@@ -416,6 +416,29 @@ def test_required_and_named_tool_calls(server, client):
         assert chunks[-1].choices[0].finish_reason == finish
 
 
+def test_stop_strings_and_ids_do_not_cut_a_forced_call(server, client):
+    """A required or named call is written whole: a stop string found inside its arguments and
+    a stop token id that it writes end text, not the call, which parses as without them."""
+    msgs = [{"role": "user", "content": "Add two numbers."}]
+    for choice in ("required", {"type": "function", "function": {"name": "add"}}):
+        kw = dict(model=server.model, messages=msgs, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
+                  max_tokens=60, temperature=0)
+        whole = client.chat.completions.create(**kw, extra_body={"return_token_ids": True}).choices[0]
+        (call,) = whole.message.tool_calls
+        args, ids = call.function.arguments, whole.model_extra["token_ids"]
+        for stream in (False, True):
+            got = client.chat.completions.create(**kw, stop=[args[1:4]], stream=stream,
+                                                 extra_body={"stop_token_ids": ids[2:3]})
+            if stream:
+                chunks = [c for c in got if c.choices]
+                assert merged_calls(chunks) == [(call.function.name, args)]
+                assert chunks[-1].choices[0].finish_reason == ("stop" if isinstance(choice, dict) else "tool_calls")
+            else:
+                assert [(c.function.name, c.function.arguments) for c in got.choices[0].message.tool_calls] == \
+                    [(call.function.name, args)]
+        assert PARAMS[call.function.name].is_valid(json.loads(args))
+
+
 def test_a_call_cut_off_by_max_tokens_ends_with_length(server, client):
     """A named function's arguments cut off after 3 tokens: the reply is the call begun, its
     arguments unfinished, with finish_reason length (not tool_calls), whole and streamed alike."""
