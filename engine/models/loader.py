@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine.models.spec import Family, ModelSpec, spec_from_hf_config
+from tandem.engine.models.spec import Family, ModelSpec, spec_from_config_json
 from tandem.paths import exclusive
 
 SMOLLM2 = "smollm2"
@@ -130,9 +130,7 @@ def _content_key(path: Path) -> str:
 
 
 def load_spec(hf_dir: Path) -> ModelSpec:
-    from transformers import AutoConfig
-    cfg = AutoConfig.from_pretrained(hf_dir)
-    spec = spec_from_hf_config(cfg)
+    spec = spec_from_config_json(_config_json(hf_dir))
     gen = Path(hf_dir) / "generation_config.json"
     if gen.is_file():
         eos = json.loads(gen.read_text()).get("eos_token_id")
@@ -212,10 +210,29 @@ def build_model(hf_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: str =
     return model.to(device).eval()
 
 
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(hf_dir: Path):
     """The checkpoint's tokenizer, or None when it ships none (tiny test models)."""
     names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
     if not any((Path(hf_dir) / n).is_file() for n in names):
         return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(hf_dir)
+    import transformers
+    declared = Path(hf_dir) / "tokenizer_config.json"
+    named = json.loads(declared.read_text()).get("tokenizer_class") if declared.is_file() else None
+    # a generic class reads tokenizer.json as it is, which AutoTokenizer would choose too; named
+    # directly, it spares AutoTokenizer's index of every model transformers has and the model's
+    # config class (about 2 s of each start)
+    generic = getattr(transformers, named, None) if named in GENERIC_TOKENIZERS else None
+    if generic is not None:
+        return generic.from_pretrained(hf_dir)
+    return transformers.AutoTokenizer.from_pretrained(hf_dir)
+
+
+def _config_json(hf_dir: Path) -> dict:
+    """The checkpoint's config.json; ValueError naming the model where it is missing."""
+    p = Path(hf_dir) / "config.json"
+    if not p.is_file():
+        raise ValueError(f"model: {hf_dir} has no config.json")
+    return json.loads(p.read_text())

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 
 class Family(enum.Enum):
@@ -30,6 +31,27 @@ class ModelSpec:
     def unit(self) -> int:
         """Width of one pool row: num_kv_heads * head_dim elements."""
         return self.num_kv_heads * self.head_dim
+
+
+# what transformers' config classes take for the fields a config.json leaves out (LlamaConfig,
+# OPTConfig); OPT's word_embed_proj_dim defaults to its hidden_size
+HF_DEFAULTS = {
+    "llama": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+              "bos_token_id": 1, "eos_token_id": 2},
+    "opt": {"vocab_size": 50272, "hidden_size": 768, "ffn_dim": 3072, "num_hidden_layers": 12,
+            "num_attention_heads": 12, "max_position_embeddings": 2048, "do_layer_norm_before": True,
+            "bos_token_id": 2, "eos_token_id": 2},
+}
+
+
+def spec_from_config_json(cfg: dict) -> ModelSpec:
+    """A ModelSpec from a checkpoint's config.json as read, transformers' defaults filling what it
+    leaves out: building transformers' own config object imports its model-loading and
+    distributed modules, about 2 s of every start."""
+    mt = cfg.get("model_type")
+    defaults = HF_DEFAULTS.get(mt, {}) | ({"word_embed_proj_dim": cfg.get("hidden_size", 768)} if mt == "opt" else {})
+    return spec_from_hf_config(SimpleNamespace(**({"model_type": mt} | defaults | cfg)))
 
 
 def spec_from_hf_config(cfg) -> ModelSpec:

@@ -299,10 +299,33 @@ def test_the_sentence_encoder_loads_with_the_length_source_not_at_the_first_requ
     assert p._embedder is not None
 
 
-def test_loading_the_encoder_draws_no_progress_bar(capfd):
-    """It loads inside the server, whose log a "Loading weights" bar would clutter; a caller's
-    own progress bars stay on."""
-    from transformers.utils import logging as hf_logging
-    Embedder()
-    assert "Loading weights" not in capfd.readouterr().err
-    assert hf_logging.is_progress_bar_enabled()
+@pytest.mark.parametrize("max_tokens", [12, 64])
+def test_embeddings_match_transformers_bert(max_tokens):
+    """The encoder's own forward pass and tokenizer against transformers' BertModel and
+    BertTokenizerFast, the same mean pooling on top: prompts longer and shorter than the cut,
+    accents, capitals, CJK, emoji and code, in one padded batch."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+    from tandem.predictor.embed import model_dir
+    texts = SENTENCES + ["Écris un poème sur l'été, s'il te plaît — en alexandrins !", "東京の天気は？ 🌧️",
+                         "def f(x):\n    return {'a': [x ** 2 for _ in range(3)]}  # squares",
+                         "Summarize: " + " ".join(f"word{i}" for i in range(200)), "?", "HELLO World"]
+    tok, model = AutoTokenizer.from_pretrained(model_dir()), AutoModel.from_pretrained(model_dir()).eval()
+    b = tok(texts, padding=True, truncation=True, max_length=max_tokens, return_tensors="pt")
+    with torch.inference_mode():
+        h = model(**b).last_hidden_state
+    m = b["attention_mask"].unsqueeze(-1).float()
+    want = torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=-1).numpy()
+    got = Embedder(max_tokens).encode(texts)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+
+
+def test_loading_the_encoder_imports_no_transformers_model():
+    """Every server start loads the encoder: importing transformers' BERT (and with it its
+    generation and compiler modules) cost about 5 s of each start."""
+    import subprocess
+    import sys
+    code = ("import sys; from tandem.predictor.embed import Embedder; Embedder().encode(['hi']); "
+            "print(sorted(m for m in sys.modules if m.startswith(('transformers', 'torch._dynamo'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

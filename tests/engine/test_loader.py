@@ -1,0 +1,79 @@
+"""A checkpoint's geometry and tokenizer as the server reads them, without transformers' model
+config classes, against what transformers' AutoConfig and AutoTokenizer make of the same files."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tandem.engine.models.loader import load_spec, load_tokenizer, resolve_model
+from tandem.engine.models.spec import spec_from_hf_config
+from tandem.sched.llm import DEFAULT_CACHE_DIR
+
+# config.json files leaving out what transformers fills in, written the way older releases did
+# (rope_theta at the top level, num_key_value_heads and head_dim absent), and one of another kind
+WRITTEN = {
+    "llama-bare": {"model_type": "llama"},
+    "llama-old": {"model_type": "llama", "hidden_size": 256, "num_attention_heads": 8, "intermediate_size": 512,
+                  "num_hidden_layers": 2, "vocab_size": 1000, "rope_theta": 500000.0, "eos_token_id": [5, 7],
+                  "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "bos_token_id": None},
+    "llama-gqa": {"model_type": "llama", "hidden_size": 192, "num_attention_heads": 6, "num_key_value_heads": 2,
+                  "head_dim": 48, "intermediate_size": 512, "num_hidden_layers": 1, "vocab_size": 99},
+    "opt-bare": {"model_type": "opt"},
+    "opt-sized": {"model_type": "opt", "hidden_size": 512, "num_attention_heads": 8, "ffn_dim": 2048,
+                  "num_hidden_layers": 3, "vocab_size": 5000, "max_position_embeddings": 1024},
+}
+
+
+def _hf_spec(d):
+    from transformers import AutoConfig
+    return spec_from_hf_config(AutoConfig.from_pretrained(d))
+
+
+@pytest.mark.parametrize("name", sorted(WRITTEN))
+def test_written_configs_read_as_transformers_reads_them(name, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(WRITTEN[name]))
+    assert load_spec(tmp_path) == _hf_spec(tmp_path)
+
+
+def test_shipped_configs_read_as_transformers_reads_them(tiny_llama, tiny_opt, tiny_chat_model, tmp_path):
+    dirs = [tiny_llama, tiny_opt, tiny_chat_model, resolve_model("smollm2", DEFAULT_CACHE_DIR)]
+    dirs += [resolve_model(n, tmp_path) for n in ("opt13b-random", "llama8b-random")]
+    for d in dirs:
+        assert load_spec(d) == _hf_spec(d), d
+
+
+@pytest.mark.parametrize("extra, why", [({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope type"),
+                                        ({"attention_bias": True}, "bias")])
+def test_what_the_engine_cannot_run_is_refused(extra, why, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"} | extra))
+    with pytest.raises(ValueError, match=why):
+        load_spec(tmp_path)
+
+
+def test_the_tokenizer_is_the_one_autotokenizer_loads(tiny_chat_model):
+    """Same class, same ids, same text back, same chat rendering and special tokens, for the
+    real SmolLM2 tokenizer and the test models' copy of it."""
+    from transformers import AutoTokenizer
+    texts = ["Hello, world!", "  leading spaces\tand tabs\n", "Écrire — 東京 🌧️", "<|im_start|>user\nhi<|im_end|>"]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    for d in (tiny_chat_model, resolve_model("smollm2", DEFAULT_CACHE_DIR)):
+        ours, hf = load_tokenizer(d), AutoTokenizer.from_pretrained(d)
+        assert type(ours) is type(hf)
+        for t in texts:
+            ids = hf(t)["input_ids"]
+            assert ours(t)["input_ids"] == ids and ours.decode(ids) == hf.decode(ids)
+        assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+            hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        assert ours.all_special_ids == hf.all_special_ids and ours.eos_token_id == hf.eos_token_id
+
+
+def test_reading_a_model_imports_no_model_config_class(tiny_chat_model):
+    """Each server start reads the spec and tokenizer: transformers' Llama config class imports
+    its model-loading and distributed modules (about 2 s)."""
+    code = ("import sys; from pathlib import Path; from tandem.engine.models.loader import load_spec, load_tokenizer; "
+            f"d = Path({str(tiny_chat_model)!r}); load_spec(d); load_tokenizer(d); "
+            "print(sorted(m for m in sys.modules if m.startswith(('transformers.models.llama', "
+            "'torch.distributed.tensor'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
