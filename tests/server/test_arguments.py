@@ -1,5 +1,7 @@
 """The server's command line refuses bad settings at once, with argparse's message and exit
-code 2, instead of starting and answering 503 ("model failed to load") for ever."""
+code 2, instead of starting and answering 503 ("model failed to load") for ever. Every bad
+setting is read before anything loads, by ``parse_args``: the table runs it in this process,
+and one case runs ``python -m server`` itself."""
 import subprocess
 import sys
 
@@ -34,10 +36,18 @@ from tests.server.conftest import ROOT, free_port
     (["--ssl-cert-reqs", "3"], "ssl-cert-reqs: 0 (none), 1 (optional) or 2 (required)"),
     (["--root-path", "api"], "root-path: a path beginning with /"),
 ])
-def test_bad_settings_exit_before_loading(args, says):
-    run = subprocess.run([sys.executable, "-m", "server", "--port", str(free_port()), *args], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and says in run.stderr, run.stderr[-2000:]
+def test_bad_settings_exit_before_loading(args, says, capsys):
+    from tandem.server.__main__ import parse_args
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--port", str(free_port()), *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err, err[-2000:]
+
+
+def test_the_server_command_exits_on_a_bad_setting_before_loading():
+    run = subprocess.run([sys.executable, "-m", "server", "--port", str(free_port()), "--devices", "cpu:",
+                          "--model", "/no/such/checkpoint"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "use 'cpu:N' with N >= 1" in run.stderr, run.stderr[-2000:]
     assert "loading" not in run.stdout
 
 
