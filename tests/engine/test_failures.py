@@ -427,9 +427,9 @@ def test_a_worker_is_started_through_a_pipe_that_cannot_fill(tiny_chat_model, mo
 def test_a_hung_worker_is_stopped_and_its_requests_finish_token_exact(tiny_llama):
     """A worker that stops answering mid-generation (SIGSTOP: a hang, a deadlock) used to hold its
     requests for ever while /health said ok. Past the step deadline it is killed and restarted,
-    and the requests end as HF's greedy ones. The stopped step's deadline is set to have passed
-    already (no wait of any length), and only that step's: a slow machine's healthy steps keep
-    the usual one."""
+    and the requests end as HF's greedy ones. While it is stopped, its steps' deadline is set to
+    have passed already (no wait of any length): a step it answered just before the stop is
+    still read, the next one is late. A slow machine's healthy steps keep the usual deadline."""
     from tandem.engine import worker as worker_module
     prompts = mixed_prompts(4, 512, seed=13)
     with LLM(str(tiny_llama), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
@@ -438,9 +438,10 @@ def test_a_hung_worker_is_stopped_and_its_requests_finish_token_exact(tiny_llama
 
         def collect():
             n[0] += 1
-            if n[0] != 3:
+            if n[0] < 3 or handle.proc is not hung:         # before the hang, and once restarted
                 return real()
-            os.kill(handle.proc.pid, signal.SIGSTOP)
+            if n[0] == 3:
+                os.kill(hung.pid, signal.SIGSTOP)
             usual, worker_module.STEP_TIMEOUT_S = worker_module.STEP_TIMEOUT_S, 0.0
             try:
                 return real()
