@@ -62,6 +62,28 @@ def closed(schema: dict) -> dict:
     return map_schema(schema, close)
 
 
+def json_schema(so: StructuredOutputs) -> tuple[dict, dict]:
+    """A JSON constraint's schema (closed where it asks) and llguidance's options for it;
+    ValueError naming the field for a schema that is not one."""
+    options = JSON_OPTIONS | ({"whitespace_pattern": so.whitespace_pattern} if so.whitespace_pattern else {})
+    if so.kind() == "json_object":
+        return {"type": "object"}, options
+    schema = so.json
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.json: not JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError("structured_outputs.json: a JSON schema must be an object")
+    return closed(schema) if so.disable_additional_properties else schema, options
+
+
+def lark_json(schema: dict, options: dict) -> str:
+    """A JSON schema as a term of a Lark grammar (llguidance's ``%json``), its options inline."""
+    return "%json " + json.dumps(schema | {"x-guidance": options})
+
+
 def compile_grammar(so: StructuredOutputs) -> str:
     """The llguidance grammar (its JSON text) of a constraint; not yet checked (``Vocabulary.check``).
     ValueError naming the field for one that does not compile, or nests too deeply to be read."""
@@ -74,20 +96,9 @@ def compile_grammar(so: StructuredOutputs) -> str:
 def _compile(so: StructuredOutputs) -> str:
     from llguidance import LLMatcher, grammar_from
     kind = so.kind()
-    options = JSON_OPTIONS | ({"whitespace_pattern": so.whitespace_pattern} if so.whitespace_pattern else {})
-    if kind == "json_object":
-        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)
-    if kind == "json":
-        schema = so.json
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError as e:
-                raise ValueError(f"structured_outputs.json: not JSON: {e}") from None
-        if not isinstance(schema, dict):
-            raise ValueError("structured_outputs.json: a JSON schema must be an object")
-        return LLMatcher.grammar_from_json_schema(closed(schema) if so.disable_additional_properties else schema,
-                                                  defaults=options)
+    if kind in ("json", "json_object"):
+        schema, options = json_schema(so)
+        return LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if kind == "regex":
         return LLMatcher.grammar_from_regex(so.regex)
     if kind == "choice":

@@ -269,9 +269,11 @@ def parse_chat(body: dict, trust_template: bool = False, **defaults) -> GenReque
         sp.stop, sp.stop_token_ids = [], []
     elif plan is not None and plan.calls and sp.structured_outputs is not None \
             and sp.structured_outputs.kind() in ("json", "json_object"):     # (a grammar may write call blocks)
-        param = extra["structured_param"]
-        raise bad_request(f"'{param}' with tools the model may call (tool_choice auto): a reply held to a JSON "
-                          f"value could never call one; send tool_choice 'none', or no '{param}'", param=param)
+        try:        # a reply held to a JSON value could never call a tool: the format, or calls
+            sp.structured_outputs = plan.reply_or_calls(sp.structured_outputs)
+        except ValueError as e:
+            param = extra["structured_param"]
+            raise bad_request(param + str(e).removeprefix("structured_outputs"), param=param) from None
     return GenRequest([messages], sp, **extra, tools=plan if plan is not None and plan.calls else None,
                       template=template, chat_echo=chat_echo(body, messages, template),
                       reply_role="assistant" if template.add_generation_prompt else messages[-1]["role"])

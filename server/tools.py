@@ -13,7 +13,8 @@ How the output becomes calls depends on ``tool_choice``:
 - a named function: the output is constrained to its parameters schema, and is its arguments;
 - ``auto`` (the default with tools): nothing is constrained; the ``<tool_call>`` blocks of the
   output that hold a known tool's name and a JSON object of arguments become calls (only the
-  first without ``parallel_tool_calls``), the rest stays text;
+  first without ``parallel_tool_calls``), the rest stays text; beside a JSON reply format the
+  output is either a reply in that format or call blocks alone (``reply_or_calls``);
 - ``none``: the tools are not shown and nothing is parsed.
 
 Streamed, a constrained call goes out as soon as its name is written and then its arguments
@@ -31,7 +32,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tandem.engine.grammar import map_schema
+from tandem.engine.grammar import JSON_OPTIONS, json_schema, lark_json, map_schema
 from tandem.engine.params import StructuredOutputs
 
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -67,14 +68,33 @@ class ToolPlan:
             return StructuredOutputs(json=self._params(self.name))
         if self.choice is not ToolChoice.REQUIRED:
             return None
-        # each tool's parameters under the root's $defs, their own references rebased there, so a
-        # "#/$defs/..." or a recursive "#" in a tool's schema means what it meant in the tool
+        call = self._call_schema()
+        calls = {"$defs": call.pop("$defs"), "type": "array", "minItems": 1, "items": call}
+        return StructuredOutputs(json=calls | ({} if self.parallel else {"maxItems": 1}))
+
+    def reply_or_calls(self, reply: StructuredOutputs) -> StructuredOutputs:
+        """``auto`` with a JSON reply format (OpenAI's response_format beside tools): the output
+        is either a reply that follows the format, or only ``<tool_call>`` blocks (one without
+        ``parallel_tool_calls``), each holding a compact call of a listed tool, as a Lark
+        grammar. It is read as any ``auto`` reply is: JSON content, or calls. ValueError naming
+        the field where the format's schema is not one."""
+        schema, options = json_schema(reply)
+        calls = 'call ("\\n"? call)*' if self.parallel else "call"
+        return StructuredOutputs(grammar=f"start: reply | calls\nreply: {lark_json(schema, options)}\n"
+                                         f"calls: {calls}\n"
+                                         f'call: "{OPEN_TAG}" "\\n"? {lark_json(self._call_schema(), JSON_OPTIONS)} '
+                                         f'"\\n"? "{CLOSE_TAG}"\n')
+
+    def _call_schema(self) -> dict:
+        """One call, compact: ``{"name":N,"arguments":A}`` for a listed tool's name and arguments
+        that follow its parameters. Each tool's parameters lie under the root's $defs, their own
+        references rebased there, so a "#/$defs/..." or a recursive "#" in a tool's schema means
+        what it meant in the tool."""
         defs = {f"tool{i}": rebased(self._params(f["name"]), f"#/$defs/tool{i}") for i, f in enumerate(self.functions)}
         one = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                 "properties": {"name": {"const": f["name"]}, "arguments": {"$ref": f"#/$defs/tool{i}"}}}
                for i, f in enumerate(self.functions)]
-        calls = {"$defs": defs, "type": "array", "minItems": 1, "items": one[0] if len(one) == 1 else {"anyOf": one}}
-        return StructuredOutputs(json=calls | ({} if self.parallel else {"maxItems": 1}))
+        return {"$defs": defs} | (one[0] if len(one) == 1 else {"anyOf": one})
 
     def _params(self, name: str) -> dict:
         f = next(f for f in self.functions if f["name"] == name)

@@ -144,11 +144,15 @@ CASES = [
      "invalid_request_error", "tools"),
     ("tool_choice naming no tool", "POST", CHAT, {"messages": MSG, "tools": [TOOL], "tool_choice": {
         "type": "function", "function": {"name": "other"}}}, None, 400, "invalid_request_error", "tool_choice"),
-    ("response_format with tools the model may call", "POST", CHAT, {"messages": MSG, "tools": [TOOL],
-        "response_format": {"type": "json_object"}}, None, 400, "invalid_request_error", "response_format"),
-    ("text.format with tools the model may call", "POST", "/v1/responses", {"input": "a", "tools": [
+    ("guided_json that is no JSON beside tools", "POST", CHAT, {"messages": MSG, "tools": [TOOL],
+        "guided_json": "{not json"}, None, 400, "invalid_request_error", "guided_json"),
+    ("response format of no known type beside tools", "POST", CHAT, {"messages": MSG, "tools": [TOOL],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     None, 400, "invalid_request_error", "response_format"),
+    ("text.format of no known type beside tools", "POST", "/v1/responses", {"input": "a", "tools": [
         {"type": "function", "name": "f", "parameters": {"type": "object"}}], "text": {"format": {
-            "type": "json_object"}}}, None, 400, "invalid_request_error", "text.format"),
+            "type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, None, 400, "invalid_request_error",
+     "text.format"),
     ("tool_choice without tools", "POST", CHAT, {"messages": MSG, "tool_choice": "required"}, None, 400,
      "invalid_request_error", "tool_choice"),
     ("required tool call and a response format", "POST", CHAT, {

@@ -472,6 +472,29 @@ def test_auto_tool_calls_are_parsed_from_the_reply(server, client):
     assert [(t.function.name, t.function.arguments) for t in streamed] == [("add", call.function.arguments)]
 
 
+def test_a_json_format_beside_tools_is_replied_in_or_calls_are_made(server, client):
+    """A response format beside tools the model may call, as OpenAI takes both: the reply follows
+    the format, or is calls alone. The branch is forced here by a logit bias on the tokens that
+    begin each ('{' or '<'); the content is checked with jsonschema_rs, each call against its
+    tool's parameters, whole and streamed."""
+    fmt = {"type": "object", "additionalProperties": False, "required": ["answer"],
+           "properties": {"answer": {"enum": ["yes", "no"]}}}
+    kw = dict(model=server.model, messages=[{"role": "user", "content": "Is it raining in Oslo?"}], tools=TOOLS,
+              max_tokens=100, temperature=0, parallel_tool_calls=False,
+              response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": fmt}})
+    r = client.chat.completions.create(**kw, logit_bias={"107": 100, "39428": 100}).choices[0]     # '{', '{"'
+    assert r.finish_reason == "stop" and not r.message.tool_calls
+    assert jsonschema_rs.validator_for(fmt).is_valid(json.loads(r.message.content)), r.message.content
+    kw["logit_bias"] = {"44": 100}                                                                  # '<'
+    r = client.chat.completions.create(**kw).choices[0]
+    assert r.finish_reason == "tool_calls" and r.message.content is None
+    (call,) = r.message.tool_calls
+    assert PARAMS[call.function.name].is_valid(json.loads(call.function.arguments))
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    assert merged_calls(chunks) == [(call.function.name, call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 def test_a_streamed_reply_sends_each_call_as_its_block_closes(server, client):
     """Two calls in one reply (forced by a regular expression): streamed with logprobs, so every
     token's text arrives, the first call comes right after the token that closes its block and

@@ -200,3 +200,53 @@ def test_required_calls_keep_the_references_of_each_tools_schema():
         assert [ok([{"name": name, "arguments": a}]) for a in args] == [alone(a) for a in args], name
         assert alone(args[0]) and not alone(args[1])
     assert plan.constraint().json["$defs"]["tool2"]["examples"] == tools["old"]["examples"]
+
+
+def test_a_json_format_beside_auto_tools_takes_a_reply_or_calls_only():
+    """OpenAI's response_format with tools the model may call: the output follows the format or
+    is call blocks alone, each a listed tool's compact call; hand-written outputs through the
+    grammar's matcher over SmolLM2's vocabulary, and what is accepted read back as content or
+    calls."""
+    from tandem.engine.grammar import Vocabulary, compile_grammar
+    from tandem.engine.models.loader import load_tokenizer, resolve_model
+    from tandem.engine.params import StructuredOutputs
+    from tandem.sched.llm import DEFAULT_CACHE_DIR
+    d = resolve_model("smollm2", DEFAULT_CACHE_DIR)
+    tok = load_tokenizer(d)
+    vocab = Vocabulary((d / "tokenizer.json").read_text(), len(tok), (tok.eos_token_id,))
+    add = {"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}, "additionalProperties": False}
+    tools = ({"name": "add", "parameters": add}, {"name": "now"})
+    fmt = StructuredOutputs(json={"type": "object", "required": ["answer"], "additionalProperties": False,
+                                  "properties": {"answer": {"enum": ["yes", "no"]}}})
+    call = '<tool_call>\n{"name":"add","arguments":{"a":1}}\n</tool_call>'
+    now = '<tool_call>{"name":"now","arguments":{}}</tool_call>'
+    outputs = {'{"answer":"yes"}': (True, True), '{"answer": "yes"}': (False, False),
+               '{"answer":"maybe"}': (False, False), '{}': (False, False), call: (True, True),
+               call + "\n" + now: (True, False), call + now: (True, False), call + "\n\n" + now: (False, False),
+               call.replace('"a":1', '"a":"1"'): (False, False), call.replace("add", "sub"): (False, False),
+               now.replace("{}", '{"a":1}'): (False, False), "Sure. " + call: (False, False),
+               '{"answer":"no"}' + call: (False, False), '<tool_call>{"name": "now", "arguments": {}}</tool_call>':
+               (False, False)}
+
+    def accepts(grammar: str, text: str) -> bool:
+        m = vocab.matcher(grammar, [])
+        return m.consume_tokens(tok(text, add_special_tokens=False)["input_ids"]) and m.is_accepting()
+
+    for parallel in (True, False):
+        plan = ToolPlan(tools, ToolChoice.AUTO, parallel=parallel)
+        grammar = compile_grammar(plan.reply_or_calls(fmt))
+        vocab.check(grammar)
+        for text, ok in outputs.items():
+            assert accepts(grammar, text) == ok[not parallel], (parallel, text)
+    plan = ToolPlan(tools, ToolChoice.AUTO)
+    assert plan.parse('{"answer":"yes"}') == ('{"answer":"yes"}', [])
+    content, calls = plan.parse(call + "\n" + now)
+    assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("add", {"a": 1}), ("now", {})]
+    # the format's own options hold in its branch: spacing allowed by a pattern, closed objects
+    spaced = ToolPlan(tools, ToolChoice.AUTO).reply_or_calls(
+        StructuredOutputs(json={"type": "object", "properties": {"k": {"type": "integer"}}},
+                          whitespace_pattern=" ?", disable_additional_properties=True))
+    assert accepts(compile_grammar(spaced), '{ "k": 1 }') and not accepts(compile_grammar(spaced), '{"k":1,"j":2}')
+    with pytest.raises(ValueError, match="structured_outputs.json: not JSON"):
+        plan.reply_or_calls(StructuredOutputs(json="{not json"))
