@@ -974,10 +974,14 @@ class LLM:
 
 def joined_text(content: Any) -> Any:
     """A message's content as text: a string as it is, a list of text parts (``{"type": "text",
-    "text": ...}``) joined by newlines, as vLLM joins them; anything else as it is."""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "\n".join(p["text"] for p in content)
+    "text": ...}``, or an assistant's ``{"type": "refusal", "refusal": ...}``) joined by newlines,
+    as vLLM joins them; anything else as it is."""
+    def text(p) -> str | None:
+        kind = p.get("type") if isinstance(p, dict) else None
+        value = p.get(kind) if kind in ("text", "refusal") else None
+        return value if isinstance(value, str) else None
+    if isinstance(content, list) and all(text(p) is not None for p in content):
+        return "\n".join(map(text, content))
     return content
 
 

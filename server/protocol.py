@@ -28,6 +28,7 @@ class GenRequest:
     slo_ttft_s: float | None
     slo_tbt_s: float | None
     max_tokens_given: bool
+    max_tokens_param: str = "max_tokens"   # the field that gave it (a chat's max_completion_tokens)
     return_token_ids: bool = False  # token ids beside the text (streamed: each chunk's new ones)
     echo: bool = False              # a completion's prompt before its output (text, log probabilities)
     structured_param: str | None = None   # the field that asked for structured output (errors name it)
@@ -121,7 +122,7 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
                  service_class=ServiceClass.BE if be else ServiceClass.RT,
                  slo_ttft_s=ttft / 1000 if ttft else None if be else default_ttft_s,
                  slo_tbt_s=tbt / 1000 if tbt else None if be else default_tbt_s,
-                 max_tokens_given=max_tokens is not None,
+                 max_tokens_given=max_tokens is not None, max_tokens_param=mt_key,
                  return_token_ids=_val(body, "return_token_ids", False), structured_param=structured_param,
                  cache_salt=body.get("cache_salt"), prompt_logprobs=sp.prompt_logprobs,
                  tokens_as_ids=_val(body, "return_tokens_as_token_ids", False))
@@ -224,7 +225,12 @@ def chat_messages(messages: list[dict], tools: ToolPlan | None = None) -> list[d
     ``developer`` role as ``system``, tool calls and results as text (server.tools)."""
     flat = []
     for i, m in enumerate(messages):
-        content = joined_text(m.get("content"))      # content parts: text only (the schema's)
+        parts = m.get("content") if isinstance(m.get("content"), list) else []
+        refusal = next((j for j, p in enumerate(parts) if isinstance(p, dict) and p.get("type") == "refusal"), None)
+        if refusal is not None and m["role"] != "assistant":
+            raise bad_request(f"'messages[{i}].content[{refusal}]': a refusal part is an assistant's",
+                              param=f"messages[{i}].content")
+        content = joined_text(m.get("content"))      # content parts: text and refusals (the schema's)
         if content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
             raise bad_request(f"'messages[{i}].content' is required", param=f"messages[{i}].content")
         if m["role"] == "tool" and m.get("tool_call_id") is None:     # OpenAI's rule: a result answers a call

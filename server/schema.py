@@ -143,13 +143,15 @@ SAMPLING = {
 }
 TEXT_PART = {"type": "object", "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
              "required": ["type", "text"]}
+REFUSAL_PART = {"type": "object", "properties": {"type": {"enum": ["refusal"]}, "refusal": {"type": "string"}},
+                "required": ["type", "refusal"], "description": "an assistant's (its text, as written)"}
 TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
     "id": {"type": "string"}, "type": {"enum": ["function"]},
     "function": {"type": "object", "required": ["name", "arguments"], "properties": {
         "name": {"type": "string"}, "arguments": {"type": "string", "description": "JSON text"}}}}}
 MESSAGE = {"type": "object", "required": ["role"], "properties": {
     "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}],
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [TEXT_PART, REFUSAL_PART]}}],
                 "description": "required, except in an assistant message with tool_calls"},
     "name": {"type": "string"},
     "tool_calls": {"type": "array", "items": TOOL_CALL, "description": "an assistant's earlier calls"},
@@ -338,6 +340,10 @@ def problem(schema: dict, v) -> tuple[list, str] | None:
         bounded = [f for s, f in zip(schema["anyOf"], found) if not f[0] and "type" in s and _TYPES[s["type"]](v)]
         if len(bounded) == 1:
             return bounded[0]
+        kinds = [s.get("properties", {}).get("type", {}).get("enum") for s in schema["anyOf"]]
+        if isinstance(v, dict) and "type" in v and all(kinds):    # forms told apart by their "type" (parts)
+            named = [f for k, f in zip(kinds, found) if v.get("type") in k]
+            return named[0] if named else (["type"], "must be one of " + ", ".join(str(e) for k in kinds for e in k))
         fitting = [(s, f) for s, f in zip(schema["anyOf"], found) if f[0]]       # right type, wrong inside
         if len(fitting) > 1 and isinstance(v, dict):       # the one form that names every key given
             fitting = [(s, f) for s, f in fitting if set(v) <= set(s.get("properties", {}))] or fitting

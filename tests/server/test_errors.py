@@ -153,6 +153,11 @@ CASES = [
         {"type": "function", "name": "f", "parameters": {"type": "object"}}], "text": {"format": {
             "type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, None, 400, "invalid_request_error",
      "text.format"),
+    ("a user's refusal part", "POST", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "refusal", "refusal": "no"}]}]}, None, 400, "invalid_request_error", "messages[0].content"),
+    ("an image part", "POST", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, None, 400, "invalid_request_error",
+     "messages[0].content"),
     ("tool_choice without tools", "POST", CHAT, {"messages": MSG, "tool_choice": "required"}, None, 400,
      "invalid_request_error", "tool_choice"),
     ("required tool call and a response format", "POST", CHAT, {
@@ -358,6 +363,13 @@ def test_a_prompt_past_the_context_says_so_in_its_code(server, path, body):
     """Whether the prompt's tokens were counted or its characters alone tell (before tokenizing)."""
     got, payload = call(server, "POST", path, body, None)
     assert got == 400 and payload["error"]["code"] == "context_length_exceeded", payload
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_an_output_past_the_context_names_the_field_that_asked_for_it(server, field):
+    got, payload = call(server, "POST", CHAT, {"messages": MSG, field: 600}, None)
+    assert got == 400 and payload["error"]["code"] == "context_length_exceeded", payload
+    assert payload["error"]["param"] == field and f"{field} asks for 600" in payload["error"]["message"], payload
 
 
 @pytest.mark.parametrize("prompt", [["a"] * 65, [[1, 2]] * 65])

@@ -649,6 +649,28 @@ def test_tokenize_spells_the_tokens_and_load_counts_requests(server, tiny_chat_m
         stream.read()
 
 
+def test_an_assistants_refusal_part_is_its_text_in_the_prompt(server, client, tiny_chat_model):
+    """OpenAI's assistant content parts may be refusals: in the prompt they read as their text,
+    parts joined by newlines as vLLM joins text parts (HF's template over the joined string);
+    the chat is served."""
+    from transformers import AutoTokenizer
+    from tests.server.conftest import call
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    parts = [{"type": "refusal", "refusal": "I can't help with that."}, {"type": "text", "text": "Ask me another."}]
+    chat = [{"role": "user", "content": "Pick a lock."}, {"role": "assistant", "content": parts},
+            {"role": "user", "content": "Then tell me a joke."}]
+    joined = chat[:1] + [{"role": "assistant", "content": "I can't help with that.\nAsk me another."}] + chat[2:]
+    want = tok(tok.apply_chat_template(joined, tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False)["input_ids"]
+    status, out = call(server, "POST", "/tokenize", {"messages": chat})
+    assert status == 200 and out["tokens"] == want
+    r = client.chat.completions.create(model=server.model, messages=chat, max_tokens=2)
+    assert r.usage.prompt_tokens == len(want)
+    image = {"type": "image_url", "image_url": {"url": "http://x"}}        # a part of no accepted type says so
+    status, out = call(server, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [image]}]})
+    assert status == 400 and "'messages[0].content[0].type' must be one of text, refusal" in out["error"]["message"]
+
+
 def test_tokenize_counts_a_chat_with_its_tools_as_the_chat_is_served(server, client):
     """The tools are listed in the prompt's system turn: /tokenize counts them as the chat's usage
     does, and with tool_choice none it leaves them out, as the chat does."""
