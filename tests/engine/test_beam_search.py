@@ -105,17 +105,23 @@ def eos_model(tiny_llama, tmp_path_factory):
     return d, eos
 
 
+@pytest.fixture(scope="module")
+def eos_llm(eos_model):
+    with LLM(str(eos_model[0]), ONE_DEVICE, dtype="float32", threads_per_worker=1, length_predictor="max_tokens",
+             policy="fcfs") as llm:
+        yield llm
+
+
 @pytest.mark.parametrize("penalty", [0.0, 0.5, -1.0, 2.0])
-def test_beams_that_end_follow_vllms_rule(eos_model, penalty):
+def test_beams_that_end_follow_vllms_rule(eos_model, eos_llm, penalty):
     """A beam that picks EOS finishes (finish_reason stop, EOS last in its tokens, not in its
     text) and competes at the end by its length-penalized score."""
     d, eos = eos_model
     hf = hf_model(d)
     width, steps = 3, 6
-    with LLM(str(d), ONE_DEVICE, dtype="float32", threads_per_worker=1, length_predictor="max_tokens",
-             policy="fcfs") as llm:
-        outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS[:2]],
+    outs = eos_llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS[:2]],
                                BeamSearchParams(width, steps, length_penalty=penalty))
+    assert_pool_free(eos_llm)
     ended = 0
     for p, out in zip(PROMPTS, outs):
         want = vllm_rule(hf, p, width, steps, eos, penalty)
