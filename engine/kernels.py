@@ -5,6 +5,10 @@ projections over packed panels, engine/csrc/linear.cpp, and over a GGUF's blocks
 engine/csrc/qlinear.cpp), or None when no compiler is
 available (torch's paths are then used: engine.attention's reference attention, and oneDNN
 for the projections; slower, not different).
+
+The kernels include only the ATen headers they use, and the binding file torch's pybind layer,
+not ``torch/extension.h`` (the whole C++ frontend): a first build takes about 20 s of CPU
+instead of about 100 s.
 """
 from __future__ import annotations
 

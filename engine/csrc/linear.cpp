@@ -14,7 +14,8 @@
 // and 1.5-1.7x (engine/linear.py has the table). The vectors are GCC vector types,
 // lowered to whatever the compiler targets (-march=native: AVX2, AVX-512 or NEON), and the
 // accumulation is in float32 in k order. Panels are split over torch's intra-op threads.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstring>
@@ -23,14 +24,14 @@
 
 using panel_tile::NR;
 
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t n) {
+at::Tensor panel_linear(at::Tensor x, at::Tensor panels, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x [M,K] float32, contiguous");
   TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.scalar_type() == at::kFloat &&
               panels.size(2) == NR, "panels [P,K,16] float32, contiguous");
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
   TORCH_CHECK(panels.size(1) == K, "x has ", K, " features, the weight ", panels.size(1));
   TORCH_CHECK(n > (P - 1) * NR && n <= P * NR, "out_features ", n, " does not match ", P, " panels");
-  auto y = torch::empty({M, n}, x.options());
+  auto y = at::empty({M, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* pp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();

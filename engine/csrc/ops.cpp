@@ -1,15 +1,15 @@
 // The module engine.kernels builds: the CPU kernels of paged_decode.cpp, linear.cpp and qlinear.cpp.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor pool, torch::Tensor k_rows,
-                           torch::Tensor v_rows, torch::Tensor lens, double scale);
-torch::Tensor paged_decode_q8(torch::Tensor q, torch::Tensor stage, torch::Tensor qpool,
-                              torch::Tensor qscale, torch::Tensor qlow, torch::Tensor stage_of,
-                              torch::Tensor k_rows, torch::Tensor v_rows, torch::Tensor lens,
+at::Tensor paged_decode(at::Tensor q, at::Tensor pool, at::Tensor k_rows,
+                           at::Tensor v_rows, at::Tensor lens, double scale);
+at::Tensor paged_decode_q8(at::Tensor q, at::Tensor stage, at::Tensor qpool,
+                              at::Tensor qscale, at::Tensor qlow, at::Tensor stage_of,
+                              at::Tensor k_rows, at::Tensor v_rows, at::Tensor lens,
                               int64_t block_size, double scale);
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t n);
-torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor panels, int64_t n);
-torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor panels, int64_t n);
+at::Tensor panel_linear(at::Tensor x, at::Tensor panels, int64_t n);
+at::Tensor q4_1_linear(at::Tensor x, at::Tensor panels, int64_t n);
+at::Tensor q8_0_linear(at::Tensor x, at::Tensor panels, int64_t n);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");

@@ -12,7 +12,9 @@
 //
 // Work is split over (request, kv head) pairs with at::parallel_for, so it
 // uses exactly torch's intra-op threads. Accumulation is in fp32.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <vector>
@@ -146,8 +148,8 @@ static void dispatch_d(const T* q, const Rows& rows, const int64_t* k_rows, cons
   }
 }
 
-static void check_common(const torch::Tensor& q, const torch::Tensor& k_rows, const torch::Tensor& v_rows,
-                         const torch::Tensor& lens) {
+static void check_common(const at::Tensor& q, const at::Tensor& k_rows, const at::Tensor& v_rows,
+                         const at::Tensor& lens) {
   TORCH_CHECK(q.dim() == 4, "q [nd,Hkv,G,D]");
   TORCH_CHECK(q.is_contiguous() && k_rows.is_contiguous() && v_rows.is_contiguous() && lens.is_contiguous(),
               "contiguous inputs");
@@ -156,14 +158,14 @@ static void check_common(const torch::Tensor& q, const torch::Tensor& k_rows, co
   TORCH_CHECK(q.size(3) <= 256, "head_dim > 256 is not supported by the CPU kernel");
 }
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor pool, torch::Tensor k_rows,
-                           torch::Tensor v_rows, torch::Tensor lens, double scale) {
+at::Tensor paged_decode(at::Tensor q, at::Tensor pool, at::Tensor k_rows,
+                           at::Tensor v_rows, at::Tensor lens, double scale) {
   check_common(q, k_rows, v_rows, lens);
   TORCH_CHECK(pool.dim() == 3 && pool.is_contiguous(), "pool [Hkv,S,D], contiguous");
   TORCH_CHECK(q.scalar_type() == pool.scalar_type(), "q and pool dtypes differ");
   const int64_t nd = q.size(0), hkv = q.size(1), g = q.size(2), d = q.size(3);
   TORCH_CHECK(pool.size(0) == hkv && pool.size(2) == d, "pool shape");
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     FullRows<scalar_t> rows{pool.data_ptr<scalar_t>(), pool.size(1)};
     dispatch_d<scalar_t>(q.data_ptr<scalar_t>(), rows, k_rows.data_ptr<int64_t>(),
@@ -174,9 +176,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor pool, torch::Tensor k_
 }
 
 // The same attention over the int8 pool: closed blocks dequantized as they are read.
-torch::Tensor paged_decode_q8(torch::Tensor q, torch::Tensor stage, torch::Tensor qpool,
-                              torch::Tensor qscale, torch::Tensor qlow, torch::Tensor stage_of,
-                              torch::Tensor k_rows, torch::Tensor v_rows, torch::Tensor lens,
+at::Tensor paged_decode_q8(at::Tensor q, at::Tensor stage, at::Tensor qpool,
+                              at::Tensor qscale, at::Tensor qlow, at::Tensor stage_of,
+                              at::Tensor k_rows, at::Tensor v_rows, at::Tensor lens,
                               int64_t block_size, double scale) {
   check_common(q, k_rows, v_rows, lens);
   TORCH_CHECK(stage.dim() == 3 && qpool.dim() == 3 && qscale.dim() == 3 && qlow.dim() == 3,
@@ -191,7 +193,7 @@ torch::Tensor paged_decode_q8(torch::Tensor q, torch::Tensor stage, torch::Tenso
   const int64_t nb = qscale.size(1);
   TORCH_CHECK(qpool.size(0) == hkv && qpool.size(2) == d && stage.size(0) == hkv && stage.size(2) == d &&
               qpool.size(1) == nb * block_size && stage_of.size(0) == nb, "pool shape");
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_q8", [&] {
     QuantRows<scalar_t> rows{stage.data_ptr<scalar_t>(), qpool.data_ptr<uint8_t>(),
                              qscale.data_ptr<float>(), qlow.data_ptr<float>(), stage_of.data_ptr<int64_t>(),

@@ -17,7 +17,8 @@
 // Decoding streams every weight once a step, so the bytes per weight set its time: float32 panels
 // read 4 bytes a weight, these 0.75 (Q4_1) and 1.125 (Q8_0). Unpacking costs a few vector
 // instructions per 16 weights, which the tiles of several rows share.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
@@ -153,7 +154,7 @@ __attribute__((noinline)) void float_panel(const float* x, int64_t M, int64_t K,
 }
 
 template <Kind KIND>
-torch::Tensor block_linear(torch::Tensor x, torch::Tensor panels, int64_t n) {
+at::Tensor block_linear(at::Tensor x, at::Tensor panels, int64_t n) {
   constexpr int64_t BYTES = KIND == Kind::Q4_1 ? Q4_BYTES : Q8_BYTES;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x [M,K] float32, contiguous");
   TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.scalar_type() == at::kByte &&
@@ -161,7 +162,7 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor panels, int64_t n) {
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
   TORCH_CHECK(panels.size(1) * QB == K, "x has ", K, " features, the weight ", panels.size(1) * QB);
   TORCH_CHECK(n > (P - 1) * NR && n <= P * NR, "out_features ", n, " does not match ", P, " panels");
-  auto y = torch::empty({M, n}, x.options());
+  auto y = at::empty({M, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* pp = panels.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
@@ -184,10 +185,10 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor panels, int64_t n) {
 
 }  // namespace
 
-torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor panels, int64_t n) {
+at::Tensor q4_1_linear(at::Tensor x, at::Tensor panels, int64_t n) {
   return block_linear<Kind::Q4_1>(x, panels, n);
 }
 
-torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor panels, int64_t n) {
+at::Tensor q8_0_linear(at::Tensor x, at::Tensor panels, int64_t n) {
   return block_linear<Kind::Q8_0>(x, panels, n);
 }
