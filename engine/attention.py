@@ -1,6 +1,6 @@
 """Paged attention, torch reference path.
 
-Pool layout (one tensor per worker, shared memory on the CPU), head-major so
+Pool layout (one tensor per worker, in its own memory), head-major so
 that gathered keys feed batched matmuls without a transposing copy::
 
     pool[layer] : [num_kv_heads, num_blocks * block_size, head_dim]

@@ -1,8 +1,10 @@
 """One worker process per device: weights, block pool, StepInput -> StepOutput.
 
 Started with torch.multiprocessing 'spawn'. The pool is sized from a memory
-budget (bytes, or a fraction of the device's memory) and allocated in shared
-memory on the CPU.
+budget (bytes, or a fraction of the device's memory) and allocated in the
+worker's own memory: nothing else maps it (a migration's rows leave through
+shared memory of their own), so a container's small /dev/shm does not bound it,
+and a start does not copy it there.
 """
 from __future__ import annotations
 
@@ -148,8 +150,6 @@ def _build_runner(cfg: WorkerConfig):
     else:
         pool = torch.zeros(spec.num_layers, spec.num_kv_heads, num_blocks * cfg.block_size,
                            spec.head_dim, dtype=dtype, device=cfg.device)
-        if cfg.device == "cpu":
-            pool.share_memory_()
     if cfg.compile:
         from tandem.engine.compiled import compile_model
         model = compile_model(model)
