@@ -458,8 +458,10 @@ class LLM:
         except ValueError as e:
             if policy != "tandem" or source is not None:
                 raise
+            # the message, not the error: a kept log record would hold its traceback, and with it
+            # this LLM (and its workers) for as long as the record lives
             log.warning("policy tandem without output-length predictions (%s): requests are ordered by "
-                        "their prompts' cost and by aging only", e)
+                        "their prompts' cost and by aging only", str(e))
             return None
         log.info("output lengths: %s", src.name if src.predictor is None else "the length predictor")
         return src
