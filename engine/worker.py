@@ -1,6 +1,10 @@
 """One worker process per device: weights, block pool, StepInput -> StepOutput.
 
-Started with torch.multiprocessing 'spawn'. The pool is sized from a memory
+A CPU worker is forked from a server process that has torch and this module
+loaded already (multiprocessing's 'forkserver'), so a second worker, or one
+started again after it died, skips the two seconds of importing torch; a GPU
+worker, or one whose OpenMP wait policy differs from the server's, is started
+fresh ('spawn'). The pool is sized from a memory
 budget (bytes, or a fraction of the device's memory) and allocated in the
 worker's own memory: nothing else maps it (a migration's rows leave through
 shared memory of their own), so a container's small /dev/shm does not bound it,
@@ -166,10 +170,14 @@ def pool_info(runner, num_blocks: int) -> PoolInfo:
                     runner.int8_block_bytes, THIN_ROWS if holds_thin(runner.model) else 0)
 
 
-def worker_main(conn, cfg: WorkerConfig) -> None:
+def worker_main(conn, cfg: WorkerConfig, env: dict[str, str] | None = None) -> None:
     """Process entry point: load, report ready, then serve steps until SHUTDOWN. Ctrl-C in a
     terminal reaches the whole process group; the worker leaves stopping to its parent (which
-    sends SHUTDOWN), instead of dying mid-step with a traceback of its own."""
+    sends SHUTDOWN), instead of dying mid-step with a traceback of its own. ``env``: the
+    parent's environment when it started this worker (a forked worker has the fork server's)."""
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     bound_native_memory()
     trimmer = HeapTrimmer()
@@ -195,6 +203,24 @@ def worker_main(conn, cfg: WorkerConfig) -> None:
         trimmer.maybe_trim()
 
 
+_forkserver_policy: list[str | None] = []     # the OpenMP wait policy the fork server loaded torch with
+
+
+def _start_context(device: str, wait_policy: str | None):
+    """How to start a worker: forked from the fork server for a CPU worker whose OpenMP wait
+    policy is the one the server loaded torch with (the first CPU worker's, which starts it),
+    else spawned. The fork server only imports (no OpenMP thread exists in it to be forked
+    broken), and never touches CUDA."""
+    if device != "cpu" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    if not _forkserver_policy:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", __name__])
+        _forkserver_policy.append(wait_policy)
+        return ctx
+    return mp.get_context("forkserver" if _forkserver_policy[0] == wait_policy else "spawn")
+
+
 class WorkerHandle:
     """The scheduler's view of one worker process (implements sched.scheduler.Device)."""
 
@@ -208,15 +234,16 @@ class WorkerHandle:
         self._spawn()
 
     def _spawn(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=worker_main, args=(child, self.cfg), daemon=True,
-                                name=f"tandem-worker-{self.name}")
-        # libgomp reads its wait policy when torch loads in the child: set it for the spawn only
+        # libgomp reads its wait policy when torch loads: in the child, or in the fork server
+        # when it starts; set it for the start only
         saved = os.environ.get("OMP_WAIT_POLICY")
         if self.cfg.omp_wait_policy is not None:
             os.environ["OMP_WAIT_POLICY"] = self.cfg.omp_wait_policy
         try:
+            ctx = _start_context(self.cfg.device, os.environ.get("OMP_WAIT_POLICY"))
+            self.conn, child = ctx.Pipe()
+            self.proc = ctx.Process(target=worker_main, args=(child, self.cfg, dict(os.environ)), daemon=True,
+                                    name=f"tandem-worker-{self.name}")
             self.proc.start()
         finally:
             if saved is None:

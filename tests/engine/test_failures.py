@@ -363,17 +363,20 @@ def test_ctrl_c_in_the_terminal_leaves_the_worker_to_its_parent(tiny_llama):
 def test_a_worker_not_ready_in_time_is_stopped_and_its_start_fails(tiny_llama):
     """A start that hangs (a restart behind a stuck lock, a model load that never returns) must
     not hold the device for ever: past the deadline the worker is killed and the start fails."""
+    from tandem.engine.kernels import _build_dir
     from tandem.engine.models.loader import load_spec
     from tandem.engine.worker import WorkerConfig, WorkerHandle
+    from tandem.paths import exclusive
     spec = load_spec(tiny_llama)
-    h = WorkerHandle("cpu#0", WorkerConfig(str(tiny_llama), spec, "float32", "cpu", 8, 1 << 20, None, 1, 1,
-                                           False, False))
-    try:
-        with pytest.raises(DeviceError, match="not ready in time"):
-            h.wait_ready(timeout_s=0.05)                 # spawning alone takes longer
-        assert not h.proc.is_alive()
-    finally:
-        h.shutdown()
+    with exclusive(_build_dir() / "load.flock"):         # the kernels' load waits for this lock
+        h = WorkerHandle("cpu#0", WorkerConfig(str(tiny_llama), spec, "float32", "cpu", 8, 1 << 20, None, 1, 1,
+                                               False, True))
+        try:
+            with pytest.raises(DeviceError, match="not ready in time"):
+                h.wait_ready(timeout_s=2.0)
+            assert not h.proc.is_alive()
+        finally:
+            h.shutdown()
 
 
 def test_a_worker_that_dies_while_idle_is_started_again_at_once(tiny_llama):

@@ -201,6 +201,24 @@ def test_bad_llm_arguments_fail_before_anything_loads(kwargs, field, tiny_llama,
         LLM(str(tiny_llama), "cpu:1", **kwargs)
 
 
+def test_each_worker_loads_torch_under_the_wait_policy_asked_for(tiny_llama):
+    """libgomp reads OMP_WAIT_POLICY once, when torch loads: in a spawned worker, or in the fork
+    server a worker is forked from. The environment a worker's process began with (its own, or
+    its fork server's) is the one torch loaded under; each policy must find its own, whichever
+    started the fork server."""
+    def began_with(pid: int) -> dict[str, str]:
+        raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        return dict(kv.decode().split("=", 1) for kv in raw if b"=" in kv)
+
+    outs = []
+    for policy in ("ACTIVE", "PASSIVE", "ACTIVE"):
+        with LLM(str(tiny_llama), "cpu:1", policy="fcfs", kv_cache_bytes=1 << 22, threads_per_worker=1,
+                 omp_wait_policy=policy) as m:
+            assert began_with(m._workers[0].proc.pid).get("OMP_WAIT_POLICY") == policy
+            outs.append(m.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **GREEDY))[0].token_ids)
+    assert outs == hf_greedy(tiny_llama, [[5, 6, 7]], 4) * 3
+
+
 def test_max_model_len_cuts_the_context_and_never_passes_the_models(tiny_llama, caplog):
     import json
     positions = json.loads((tiny_llama / "config.json").read_text())["max_position_embeddings"]
