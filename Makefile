@@ -5,7 +5,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: serve test bench venv clean chromium gpu-wheels
+.PHONY: serve test bench venv clean chromium gpu-wheels bytecode
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -22,7 +22,7 @@ venv: $(STAMP)
 
 # the default policy predicts output lengths with the trained predictor: trained once (minutes),
 # and again where it predates the whole-prompt text head
-serve: $(STAMP)
+serve: $(STAMP) bytecode
 	$(VPY) -m predictor train --if-missing
 	$(VPY) -m server --model smollm2 --host 127.0.0.1 --port 8000
 
@@ -31,8 +31,14 @@ serve: $(STAMP)
 # which starts its module's server once. TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
 
-test: $(STAMP) chromium
+test: $(STAMP) chromium bytecode
 	OMP_WAIT_POLICY=PASSIVE $(VPY) -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadfile tests
+
+# the project's own modules compiled to bytecode (pip does not, for an editable install): where
+# PYTHONDONTWRITEBYTECODE is set, every process (a server, its workers, the tests') compiled them
+# from source again, about half a second each; changed files are compiled again, unchanged skipped
+bytecode: $(STAMP)
+	$(VPY) -m compileall -q engine sched server cache predictor bench tandem >/dev/null
 
 # the dashboard test drives a real headless browser: Debian's chromium, installed when missing
 # (as root; elsewhere the test says it was skipped and why)
