@@ -16,6 +16,7 @@ from tests.conftest import assert_pool_free, hf_greedy, mixed_prompts
 TWO = os.environ.get("TANDEM_TEST_TWO_DEVICES", "cpu:2")
 MAX_NEW = 20
 MOVE_AFTER = 7         # tokens streamed before the migration is asked for
+POOL = 16 << 20        # bytes per device (thousands of blocks): the suite checks every block after every step
 
 
 def run(llm, prompt, sp, move: Transfer | None, rid: str) -> tuple[list[int], object]:
@@ -70,7 +71,7 @@ def migrated_like_hf(llm, model_dir, kinds, n=2):
 
 @pytest.fixture(scope="module")
 def llama2(tiny_llama):
-    with LLM(str(tiny_llama), TWO, dtype="float32", block_size=8, threads_per_worker=1) as llm:
+    with LLM(str(tiny_llama), TWO, dtype="float32", block_size=8, threads_per_worker=1, kv_cache_bytes=POOL) as llm:
         yield llm
 
 
@@ -103,13 +104,14 @@ def test_a_chats_next_turn_goes_to_the_device_holding_its_first(llama2, tiny_lla
 
 def test_static_placement_routes_next_turns_by_cache_too(tiny_llama):
     with LLM(str(tiny_llama), TWO, dtype="float32", policy="fcfs", block_size=8, threads_per_worker=1,
-             placement="static") as llm:
+             placement="static", kv_cache_bytes=POOL) as llm:
         next_turns_find_their_first(llm, tiny_llama)      # the dispatcher: queue lengths
 
 
 def test_hidden_cache_migrates_as_kv(tiny_opt):
     """A hidden cache (m rows per token, multi-head model) moves by the same export and import."""
-    with LLM(str(tiny_opt), TWO, dtype="float32", policy="fcfs", block_size=8, threads_per_worker=1, cache_type="hidden") as llm:
+    with LLM(str(tiny_opt), TWO, dtype="float32", policy="fcfs", block_size=8, threads_per_worker=1, cache_type="hidden",
+             kv_cache_bytes=POOL) as llm:
         migrated_like_hf(llm, tiny_opt, [Transfer.KV, Transfer.TOKEN], n=1)
 
 
