@@ -27,6 +27,7 @@ import orjson
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
 
 from tandem.server.errors import ApiError
 
@@ -279,6 +280,29 @@ async def connections_middleware(request: web.Request, handler):
             conn.idle()
 
 
+class JsonErrors(RequestHandler):
+    """aiohttp's handler of one connection, answering a request it cannot parse (a bad
+    Content-Length, an oversized header, a NUL in the path) with OpenAI's error JSON, as every
+    other refusal is answered, instead of a text/plain page. Server errors stay aiohttp's."""
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        resp = super().handle_error(request, status, exc, message)     # logs it (MalformedRequests)
+        if status >= 500:
+            return resp
+        what = exc.message if isinstance(exc, HttpProcessingError) and exc.message else message or resp.reason
+        out = web.json_response(ApiError(status, f"invalid HTTP request: {what}").body(), status=status)
+        out.force_close()
+        return out
+
+
+def handlers(server: web.Server) -> Callable[[], JsonErrors]:
+    """The guard's factory of aiohttp handlers: aiohttp's own (``web.Server.__call__``), with
+    the server's handler arguments, as ``JsonErrors``."""
+    loop = asyncio.get_running_loop()
+    return lambda: JsonErrors(server, loop=loop, **server._kwargs)
+
+
 class MalformedRequests(logging.Filter):
     """aiohttp logs each request it cannot parse (a bad Content-Length, an oversized header) as an
     error with a traceback: any client could fill the log. One warning line instead, as uvicorn
@@ -352,7 +376,7 @@ async def serve(app: web.Application, listen: Listen, limits: Limits, *,
         app[GONE_LOG] = logs["access_log_class"](ACCESS_LOG, "")
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout, **logs)
     await runner.setup()
-    guard.factory = runner.server
+    guard.factory = handlers(runner.server)
     loop = asyncio.get_running_loop()
     try:
         server = await loop.create_server(guard.protocol, listen.host, listen.port, backlog=1024,

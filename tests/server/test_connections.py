@@ -179,9 +179,10 @@ def test_a_body_that_keeps_coming_is_not_cut_at_the_body_timeout(strict_server):
 
 
 def test_a_request_http_cannot_parse_is_one_warning_line(strict_server):
-    """A bad Content-Length, an oversized header or a NUL in the path gets a 400 and one warning
-    line in the log, as uvicorn writes it; aiohttp logged an error with a traceback for each,
-    so any client could fill the log. Others are served meanwhile."""
+    """A bad Content-Length, an oversized header or a NUL in the path gets a 400 with OpenAI's
+    error JSON (aiohttp's was a text/plain page) and one warning line in the log, as uvicorn
+    writes it; aiohttp logged an error with a traceback for each, so any client could fill the
+    log. Others are served meanwhile."""
     bad = [b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
            b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
            b"GET /he\x00alth HTTP/1.1\r\nHost: x\r\n\r\n"]
@@ -189,7 +190,12 @@ def test_a_request_http_cannot_parse_is_one_warning_line(strict_server):
     for raw in bad:
         with socket.create_connection(addr(strict_server)) as s:
             s.sendall(raw)
-            assert recv_all(s, timeout=5).startswith(b"HTTP/1.0 400"), raw[:40]
+            head, _, body = recv_all(s, timeout=5).partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.0 400"), raw[:40]
+            assert b"\r\nContent-Type: application/json" in head, head
+            error = json.loads(body)["error"]
+            assert error["type"] == "invalid_request_error" and error["message"].startswith("invalid HTTP request: ")
+            assert set(error) == {"message", "type", "param", "code"}
     assert complete(strict_server.url)["choices"]
     log = strict_server.log.read_text()
     assert log.count("invalid HTTP request from") - before == len(bad)
