@@ -2,11 +2,11 @@
 #include <torch/csrc/utils/pybind.h>
 
 at::Tensor paged_decode(at::Tensor q, at::Tensor pool, at::Tensor k_rows,
-                           at::Tensor v_rows, at::Tensor lens, double scale);
+                        at::Tensor v_rows, at::Tensor lens, double scale);
 at::Tensor paged_decode_q8(at::Tensor q, at::Tensor stage, at::Tensor qpool,
-                              at::Tensor qscale, at::Tensor qlow, at::Tensor stage_of,
-                              at::Tensor k_rows, at::Tensor v_rows, at::Tensor lens,
-                              int64_t block_size, double scale);
+                           at::Tensor qscale, at::Tensor qlow, at::Tensor stage_of,
+                           at::Tensor k_rows, at::Tensor v_rows, at::Tensor lens,
+                           int64_t block_size, double scale);
 at::Tensor panel_linear(at::Tensor x, at::Tensor panels, int64_t n);
 at::Tensor q4_1_linear(at::Tensor x, at::Tensor panels, int64_t n);
 at::Tensor q8_0_linear(at::Tensor x, at::Tensor panels, int64_t n);

@@ -159,7 +159,7 @@ static void check_common(const at::Tensor& q, const at::Tensor& k_rows, const at
 }
 
 at::Tensor paged_decode(at::Tensor q, at::Tensor pool, at::Tensor k_rows,
-                           at::Tensor v_rows, at::Tensor lens, double scale) {
+                        at::Tensor v_rows, at::Tensor lens, double scale) {
   check_common(q, k_rows, v_rows, lens);
   TORCH_CHECK(pool.dim() == 3 && pool.is_contiguous(), "pool [Hkv,S,D], contiguous");
   TORCH_CHECK(q.scalar_type() == pool.scalar_type(), "q and pool dtypes differ");
@@ -177,9 +177,9 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor pool, at::Tensor k_rows,
 
 // The same attention over the int8 pool: closed blocks dequantized as they are read.
 at::Tensor paged_decode_q8(at::Tensor q, at::Tensor stage, at::Tensor qpool,
-                              at::Tensor qscale, at::Tensor qlow, at::Tensor stage_of,
-                              at::Tensor k_rows, at::Tensor v_rows, at::Tensor lens,
-                              int64_t block_size, double scale) {
+                           at::Tensor qscale, at::Tensor qlow, at::Tensor stage_of,
+                           at::Tensor k_rows, at::Tensor v_rows, at::Tensor lens,
+                           int64_t block_size, double scale) {
   check_common(q, k_rows, v_rows, lens);
   TORCH_CHECK(stage.dim() == 3 && qpool.dim() == 3 && qscale.dim() == 3 && qlow.dim() == 3,
               "stage [Hkv,S',D], q [Hkv,S,D], scale and low [Hkv,NB,D]");
