@@ -352,6 +352,8 @@ def problem(schema: dict, v) -> tuple[list, str] | None:
         return [], "must be one of " + ", ".join(map(str, schema["enum"]))
     t = schema.get("type")
     if t is not None and not _TYPES[t](v):
+        if t == "integer" and isinstance(v, float) and abs(v) >= 2 ** 63:   # the parser reads those as floats
+            return [], f"must be an integer of at most 64 bits, got one of about {v:.3g}"
         return [], f"must be {_NAMES[t]}, got {type(v).__name__}"
     if "pattern" in schema and not re.search(schema["pattern"], v):
         return [], f"must match {schema['pattern']}"

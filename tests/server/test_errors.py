@@ -302,6 +302,18 @@ def test_malformed_request(server, name, method, path, body, headers, status, et
     assert ok == 200, "the server must keep serving after a bad request"
 
 
+def test_an_integer_past_64_bits_is_refused_as_too_large(server):
+    """JSON has no integer size; the body's parser reads one past 64 bits as a float, which the
+    error called a float."""
+    raw = b'{"prompt": "a", "max_tokens": 100000000000000000000000}'
+    got, payload = call(server, "POST", COMP, raw)
+    assert got == 400 and payload["error"]["param"] == "max_tokens", payload
+    assert "at most 64 bits" in payload["error"]["message"] and "float" not in payload["error"]["message"]
+    for other in (b"2.5", b"3.0"):
+        got, payload = call(server, "POST", COMP, b'{"prompt": "a", "max_tokens": ' + other + b"}")
+        assert got == 400 and payload["error"]["message"].endswith("got float"), payload
+
+
 def test_a_body_nests_at_most_128_levels(server):
     """The body, its chat_template_kwargs and 126 lists are 128 levels: served; one list more is
     refused, naming the limit."""
