@@ -2,9 +2,9 @@
 
 A CPU worker is forked from a server process that has torch and this module
 loaded already (multiprocessing's 'forkserver'), so a second worker, or one
-started again after it died, skips the two seconds of importing torch; a GPU
-worker, or one whose OpenMP wait policy differs from the server's, is started
-fresh ('spawn'). The pool is sized from a memory
+started again after it died, skips the two seconds of importing torch (the
+fork server holds about 150 MB of its own for that); a GPU worker, or one whose
+OpenMP wait policy differs from the server's, is started fresh ('spawn'). The pool is sized from a memory
 budget (bytes, or a fraction of the device's memory) and allocated in the
 worker's own memory: nothing else maps it (a migration's rows leave through
 shared memory of their own), so a container's small /dev/shm does not bound it,
