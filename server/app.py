@@ -26,7 +26,7 @@ from tandem.sched.request import Request, ServiceClass, error_id
 from tandem.server.config import ServerConfig
 from tandem.server.cors import preflight
 from tandem.server.connections import CLIENT_GONE, GUARD, STOP, body_read, client_gone, connections_middleware
-from tandem.server.errors import MAX_NESTING, ApiError, bad_request, nests_deeper, too_deep
+from tandem.server.errors import MAX_NESTING, ApiError, bad_request, nests_deeper, structured_error, too_deep
 from tandem.server.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs_json
 from tandem.server.metrics import Metrics
 from tandem.server.store import Store
@@ -227,10 +227,9 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
         bad_words = await asyncio.get_running_loop().run_in_executor(None, checked_sampling, engine.llm, sp)
     except ValueError as e:
         msg = str(e)
-        param = msg.split(":")[0]             # "stop: ...", "stop_token_ids: ..."
-        if param.startswith("structured_outputs"):     # named as the body asked for it
-            msg, param = gen.structured_param + msg[len("structured_outputs"):], gen.structured_param
-        raise bad_request(msg, param=param) from None
+        if msg.startswith("structured_outputs"):
+            raise structured_error(msg, gen.structured_param) from None
+        raise bad_request(msg, param=msg.split(":")[0]) from None     # "stop: ...", "stop_token_ids: ..."
     param = "messages" if chat else "prompt"
     try:
         encoded = await asyncio.get_running_loop().run_in_executor(

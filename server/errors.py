@@ -19,6 +19,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param=param, code=code)
 
 
+def structured_error(message: str, param: str) -> ApiError:
+    """A structured output's error ("structured_outputs...: why"), named as the body asked for it
+    (``param``: response_format, guided_json, text.format, ...)."""
+    return bad_request(param + message.removeprefix("structured_outputs"), param=param)
+
+
 MAX_NESTING = 128     # JSON levels in a body or a batch line: code that walks a value recursively
                       # (templates, schemas, serializers) stays far from Python's recursion limit
 

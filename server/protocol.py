@@ -8,7 +8,7 @@ from tandem.engine.params import SamplingParams, StructuredOutputs
 from tandem.sched.beam import MAX_BEAM_WIDTH, BeamSearchParams
 from tandem.sched.llm import CHAT, ChatTemplate, joined_text
 from tandem.sched.request import ServiceClass
-from tandem.server.errors import ApiError, bad_request
+from tandem.server.errors import ApiError, bad_request, structured_error
 from tandem.server.schema import (ASKS_NOTHING, CHAT_BODY, CHAT_UNSUPPORTED, COMPLETION_BODY,
                                   COMPLETION_UNSUPPORTED, DETOKENIZE_BODY, MAX_TOKENS_CAP, STRUCTURED,
                                   TOKENIZE_BODY, validate)
@@ -278,8 +278,7 @@ def parse_chat(body: dict, trust_template: bool = False, **defaults) -> GenReque
         try:        # a reply held to a JSON value could never call a tool: the format, or calls
             sp.structured_outputs = plan.reply_or_calls(sp.structured_outputs)
         except ValueError as e:
-            param = extra["structured_param"]
-            raise bad_request(param + str(e).removeprefix("structured_outputs"), param=param) from None
+            raise structured_error(str(e), extra["structured_param"]) from None
     return GenRequest([messages], sp, **extra, tools=plan if plan is not None and plan.calls else None,
                       template=template, chat_echo=chat_echo(body, messages, template),
                       reply_role="assistant" if template.add_generation_prompt else messages[-1]["role"])
