@@ -12,6 +12,7 @@ and a start does not copy it there.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -221,6 +222,32 @@ def _start_context(device: str, wait_policy: str | None):
     return mp.get_context("forkserver" if _forkserver_policy[0] == wait_policy else "spawn")
 
 
+@contextlib.contextmanager
+def _wait_policy(policy: str | None):
+    """The environment with OMP_WAIT_POLICY = ``policy`` (None: as it is) for a process start:
+    libgomp reads it when torch loads, in a spawned worker or in the fork server."""
+    saved = os.environ.get("OMP_WAIT_POLICY")
+    if policy is not None:
+        os.environ["OMP_WAIT_POLICY"] = policy
+    try:
+        yield os.environ.get("OMP_WAIT_POLICY")
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_WAIT_POLICY", None)
+        else:
+            os.environ["OMP_WAIT_POLICY"] = saved
+
+
+def prestart(device: str, omp_wait_policy: str | None) -> None:
+    """Start the fork server that a worker on ``device`` will be forked from, if it would be,
+    without waiting for it: its import of torch then overlaps whatever the caller loads before
+    it starts the worker (the length predictor, the tokenizer)."""
+    with _wait_policy(omp_wait_policy) as policy:
+        if _start_context(device, policy).get_start_method() == "forkserver":
+            from multiprocessing import forkserver
+            forkserver.ensure_running()
+
+
 class WorkerHandle:
     """The scheduler's view of one worker process (implements sched.scheduler.Device)."""
 
@@ -234,22 +261,12 @@ class WorkerHandle:
         self._spawn()
 
     def _spawn(self) -> None:
-        # libgomp reads its wait policy when torch loads: in the child, or in the fork server
-        # when it starts; set it for the start only
-        saved = os.environ.get("OMP_WAIT_POLICY")
-        if self.cfg.omp_wait_policy is not None:
-            os.environ["OMP_WAIT_POLICY"] = self.cfg.omp_wait_policy
-        try:
-            ctx = _start_context(self.cfg.device, os.environ.get("OMP_WAIT_POLICY"))
+        with _wait_policy(self.cfg.omp_wait_policy) as policy:
+            ctx = _start_context(self.cfg.device, policy)
             self.conn, child = ctx.Pipe()
             self.proc = ctx.Process(target=worker_main, args=(child, self.cfg, dict(os.environ)), daemon=True,
                                     name=f"tandem-worker-{self.name}")
             self.proc.start()
-        finally:
-            if saved is None:
-                os.environ.pop("OMP_WAIT_POLICY", None)
-            else:
-                os.environ["OMP_WAIT_POLICY"] = saved
         child.close()
 
     def restart(self) -> PoolInfo:

@@ -20,7 +20,7 @@ from tandem.engine.grammar import Vocabulary, compile_grammar
 from tandem.engine.messages import DeviceError, TokenLogprobs
 from tandem.engine.models.loader import load_spec, load_tokenizer, resolve_model, sampling_defaults
 from tandem.engine.params import SamplingParams
-from tandem.engine.worker import WorkerConfig, WorkerHandle, sized_pool, wait_all
+from tandem.engine.worker import WorkerConfig, WorkerHandle, prestart, sized_pool, wait_all
 from tandem.sched.actor import Update
 from tandem.sched.beam import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from tandem.sched.lengths import LengthSource, prediction_text
@@ -360,6 +360,8 @@ class LLM:
         if omp_wait_policy not in (None, "ACTIVE", "PASSIVE"):
             raise ValueError(f"omp_wait_policy: {omp_wait_policy!r} is not ACTIVE or PASSIVE")
         template = None if chat_template is None else template_text(chat_template)
+        if "cpu" in names:              # the CPU workers' fork server loads torch while this process loads
+            prestart("cpu", omp_wait_policy)
         self.lengths = self._lengths(policy, length_predictor, length_cap, length_learned_max)
         dtype, why = resolve_dtype(dtype, names[0])
         log.info("dtype %s: %s", dtype, why)
