@@ -1,14 +1,14 @@
 """One worker process per device: weights, block pool, StepInput -> StepOutput.
 
-A CPU worker is forked from a server process that has torch and this module
-loaded already (multiprocessing's 'forkserver'), so a second worker, or one
-started again after it died, skips the two seconds of importing torch (the
+A CPU worker is forked from a fork server, a process that has torch and this
+module loaded already (multiprocessing's 'forkserver'), so a second worker, or
+one started again after it died, skips the two seconds of importing torch (the
 fork server holds about 150 MB of its own for that); a GPU worker, or one whose
-OpenMP wait policy differs from the server's, is started fresh ('spawn'). The pool is sized from a memory
-budget (bytes, or a fraction of the device's memory) and allocated in the
-worker's own memory: nothing else maps it (a migration's rows leave through
-shared memory of their own), so a container's small /dev/shm does not bound it,
-and a start does not copy it there.
+OpenMP wait policy differs from the fork server's, is started fresh ('spawn').
+The pool is sized from a memory budget (bytes, or a fraction of the device's
+memory) and allocated in the worker's own memory: nothing else maps it (a
+migration's rows leave through shared memory of their own), so a container's
+small /dev/shm does not bound it, and a start does not copy it there.
 """
 from __future__ import annotations
 
