@@ -8,15 +8,26 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")     # /proc/cpuinfo flags of native bf16 dot products
 
 
-def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+def _cpuinfo(field: str, path: str) -> str | None:
+    """The first ``field : value`` line's value in /proc/cpuinfo (None: no such line or file)."""
     try:
         with open(path) as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                name, sep, value = line.partition(":")
+                if sep and name.strip() == field:
+                    return value.strip()
     except OSError:
         pass
-    return set()
+    return None
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    return set((_cpuinfo("flags", path) or "").split())
+
+
+def cpu_model(path: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name ("" where /proc/cpuinfo does not say)."""
+    return _cpuinfo("model name", path) or ""
 
 
 def resolve_dtype(dtype: str, device: str, flags: set[str] | None = None) -> tuple[str, str]:

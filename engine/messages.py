@@ -49,6 +49,7 @@ class PoolInfo:
     thin_rows: int = 0          # not the pool's but the engine's: steps of at most this many token rows
                                 # multiply over a GGUF's blocks (engine.linear.Thin), 0: none; the
                                 # cost model prices the steps past it apart
+    device_name: str = ""       # the hardware: a GPU's name, else the CPU's model name
 
 
 @dataclass(slots=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from tandem.engine.dtype import DTYPES
+from tandem.engine.dtype import DTYPES, cpu_model
 from tandem.engine.kvquant import int8_block_bytes
 from tandem.engine.linear import THIN_ROWS, holds_thin, packs, thin_blocks
 from tandem.engine.messages import Command, DeviceError, PoolInfo, StepInput, StepOutput
@@ -167,8 +167,10 @@ def _build_runner(cfg: WorkerConfig):
 
 
 def pool_info(runner, num_blocks: int) -> PoolInfo:
+    dev = torch.device(runner.device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model()
     return PoolInfo(num_blocks, runner.block_size, runner.hidden_rows, runner.block_bytes,
-                    runner.int8_block_bytes, THIN_ROWS if holds_thin(runner.model) else 0)
+                    runner.int8_block_bytes, THIN_ROWS if holds_thin(runner.model) else 0, name)
 
 
 def worker_main(conn, cfg: WorkerConfig, env: dict[str, str] | None = None) -> None:

@@ -1,7 +1,7 @@
 """dtype="auto": bfloat16 only where the CPU computes it natively."""
 import pytest
 
-from tandem.engine.dtype import cpu_flags, resolve_dtype
+from tandem.engine.dtype import cpu_flags, cpu_model, resolve_dtype
 
 
 @pytest.mark.parametrize("flags, expect", [
@@ -22,8 +22,9 @@ def test_explicit_dtypes_pass_and_unknown_ones_fail():
         resolve_dtype("int8", "cpu")
 
 
-def test_cpu_flags_reads_the_flags_line(tmp_path):
+def test_cpu_flags_and_model_come_from_their_lines(tmp_path):
     f = tmp_path / "cpuinfo"
     f.write_text("processor\t: 0\nmodel name\t: X\nflags\t\t: fpu avx2 avx512_bf16\n\nprocessor\t: 1\n")
     assert cpu_flags(str(f)) == {"fpu", "avx2", "avx512_bf16"}
     assert cpu_flags(str(tmp_path / "missing")) == set()
+    assert cpu_model(str(f)) == "X" and cpu_model(str(tmp_path / "missing")) == ""
