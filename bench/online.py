@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @contextlib.contextmanager
 def tandem_server(model: str, max_num_seqs: int, extra: list[str] = ()):
     """Our server (python -m server) on loopback, stopped with SIGTERM afterwards. Each start gets
-    an empty data dir, so no run's batches or learned output lengths reach the next one."""
+    an empty data dir, so no run's batches, learned output lengths or start-up profile reach the
+    next one."""
     port = free_port()
     RESULTS.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="tandem-data-", dir=RESULTS) as data_dir:

@@ -7,14 +7,17 @@ import hashlib
 import itertools
 import logging
 import os
+import platform
 import random
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import tandem.engine as engine_package
 from tandem.engine.dtype import resolve_dtype
 from tandem.engine.grammar import Vocabulary, compile_grammar
 from tandem.engine.messages import DeviceError, TokenLogprobs
@@ -24,7 +27,10 @@ from tandem.engine.worker import WorkerConfig, WorkerHandle, prestart, sized_poo
 from tandem.sched.actor import Update
 from tandem.sched.beam import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from tandem.sched.lengths import LengthSource, prediction_text
+from tandem.sched.cost_model import OnlineCostModel
 from tandem.sched.placement import Placement
+from tandem.sched.profile_store import Profile, ProfileStore
+from tandem.sched.profiling import PLAN, SHORT_PLAN, fitted, measure
 from tandem.sched.rebalancer import PLACEMENTS, Budgets, Rebalancer
 from tandem.sched.request import FinishReason, Request, RequestState
 from tandem.sched.runtime import Runtime
@@ -237,6 +243,17 @@ def _triton_choice(asked: bool | None, devices: list[str], head_dim: int) -> boo
     return bool(asked)
 
 
+def _engine_digest() -> str:
+    """A hash of the engine's sources (Python and C++): a checkout whose engine changed measures
+    its start-up profile again, where the version number stays the same."""
+    root = Path(engine_package.__file__).parent
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*")):
+        if f.suffix in (".py", ".cpp", ".h") and "__pycache__" not in f.parts:
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 class LLM:
     """Load a model onto worker processes and generate offline.
 
@@ -290,6 +307,10 @@ class LLM:
     server's requests for each field they leave out, take the model's generation_config.json
     sampling defaults (temperature, top_p, top_k, min_p, the penalties, and max_new_tokens as a
     cap on max_tokens); "vllm": neutral defaults (temperature 1, no cap).
+    profile_cache: a directory where the start-up profile a policy that prices its iterations
+    measures (seconds; sched.profiling) is kept, and read back by a later LLM on the same machine
+    with the same model files, software and step-shaping settings (sched.profile_store); None:
+    measured at every start. reprofile: measure even where one is kept, and keep the new one.
     """
 
     def __init__(self, model: str = "smollm2", devices: str = "cpu:1", *, dtype: str = "auto",
@@ -311,7 +332,8 @@ class LLM:
                  slo_tbt_mean: bool = False, length_cap: bool = True, weight_blocks: bool = True,
                  enable_prefix_caching: bool = True, prefix_aware_routing: bool = True,
                  length_learned_max: int | None = None, chat_template: str | None = None,
-                 seed: int | None = None, generation_config: str = "auto"):
+                 seed: int | None = None, generation_config: str = "auto",
+                 profile_cache: str | os.PathLike | None = None, reprofile: bool = False):
         self._workers: list[WorkerHandle] = []
         self._prefix_routing = bool(prefix_aware_routing)
         self.runtime: Runtime | None = None
@@ -415,6 +437,9 @@ class LLM:
             raise
         log.info("model %s loaded on %s in %.1f s", hf_dir.name, ", ".join(w.name for w in self._workers),
                  time.monotonic() - t_load)
+        self._profiles = (None if profile_cache is None
+                          else ProfileStore(profile_cache, self._profile_key(hf_dir, configs, final)))
+        self._reprofile = bool(reprofile)
         detok = self.detokenize if self.tokenizer is not None else None
         try:
             # FCFS over plain pools while profiling; then the configuration asked for
@@ -423,21 +448,15 @@ class LLM:
                                                tandem_off=(), mean_tbt=False),
                                        self._workers, self.spec.eos_token_ids, self.max_model_len, detok)
             if policy == "tandem":          # the knapsack's ρ where hidden caches pay, and the cost model
-                t0 = time.monotonic()
                 options, cost = self._aptserve_options(hybrid_cache and not bidirectional_blocks, warn=False)
                 if cost is None:
-                    from tandem.sched.profiling import profile_cost
-                    cost = profile_cost(self.scheduler, self.spec.vocab_size)
-                log.info("policy tandem: start-up profile (iteration cost model%s) took %.1f s",
-                         ", hidden-cache rho" if options["hybrid_cache"] else "", time.monotonic() - t0)
+                    cost, _, how = self._profiled(PLAN)
+                    log.info("policy tandem: start-up profile (iteration cost model) %s", how)
                 self.scheduler.use_config(replace(final, **options), cost)
             elif policy in PRICED:          # policies that price iterations: profile first (seconds)
-                from tandem.sched.profiling import SHORT_PLAN, profile_cost
                 # alise ranks requests by remaining time, where the short profile's rates suffice
-                plan = {"alise": SHORT_PLAN}.get(policy)
-                t0 = time.monotonic()
-                cost = profile_cost(self.scheduler, self.spec.vocab_size, **({"plan": plan} if plan else {}))
-                log.info("policy %s: iteration cost model profiled in %.1f s", policy, time.monotonic() - t0)
+                cost, _, how = self._profiled(SHORT_PLAN if policy == "alise" else PLAN)
+                log.info("policy %s: iteration cost model %s", policy, how)
                 self.scheduler.use_config(final, cost)
             elif policy == "aptserve":
                 options, cost = self._aptserve_options(hybrid_cache)
@@ -480,10 +499,8 @@ class LLM:
         from tandem.engine.runner import copy_bandwidth
         cost = self.scheduler.cost
         if cost is None and placement in ("mell", "lb"):
-            from tandem.sched.profiling import SHORT_PLAN, profile_cost
-            t0 = time.monotonic()
-            cost = profile_cost(self.scheduler, self.spec.vocab_size, plan=SHORT_PLAN)
-            log.info("placement %s: iteration cost model profiled in %.1f s", placement, time.monotonic() - t0)
+            cost, _, how = self._profiled(SHORT_PLAN)
+            log.info("placement %s: iteration cost model %s", placement, how)
         bw = copy_bandwidth()
         # Mell's devices are all of one capacity: packing to the smallest pool never overfills one
         capacity = self.scheduler.smallest_pool().num_blocks
@@ -502,6 +519,37 @@ class LLM:
         log.info("chat template: the one given (%d characters), not the model's", len(template))
 
     # ---- prompts -------------------------------------------------------------
+    def _profiled(self, plan: list, with_rho: bool = False) -> tuple[OnlineCostModel, Profile, str]:
+        """The start-up profile of ``plan`` (with ρ's paired runs: ``with_rho``), the cost model
+        fitted on it, and how it was had, for the log: read back where one is kept for this machine,
+        model and setup (unless ``reprofile``), else measured now (seconds) and kept."""
+        store = self._profiles
+        kept = None if store is None or self._reprofile else store.load(plan)
+        if kept is not None:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(kept.measured_at))
+            how = (f"read from {store.path(plan)} (measured {when} in {kept.seconds:.1f} s; "
+                   f"--startup-profile fresh measures again)")
+            return fitted(kept.samples, self.scheduler), kept, how
+        profile = measure(self.scheduler, self.spec.vocab_size, plan, with_rho)
+        where = None if store is None else store.save(plan, profile)
+        how = f"took {profile.seconds:.1f} s" + ("" if where is None else f" (kept in {where})")
+        return fitted(profile.samples, self.scheduler), profile, how
+
+    def _profile_key(self, hf_dir: Path, configs: list[WorkerConfig], sched: SchedConfig) -> dict[str, Any]:
+        """What a start-up profile's steps depend on: the hardware, the model's files, the software
+        and every setting that shapes a step (never the policy's own, which orders the steps)."""
+        files = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(hf_dir.iterdir()) if f.is_file()}
+        workers = [{k: v for k, v in asdict(wc).items() if k not in ("spec", "tokenizer_file", "num_blocks")}
+                   for wc in configs]
+        software = {name: metadata.version(name) for name in ("tandem", "torch")} | {"engine": _engine_digest()}
+        return {"model": {"dir": str(hf_dir.resolve()), "files": files},
+                "workers": workers, "pools": [asdict(w.pool_info) for w in self._workers],
+                "steps": {"max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
+                          "chunked_prefill": sched.chunked_prefill, "cache_type": sched.cache_type.value,
+                          "prefix_caching": sched.prefix_caching, "max_model_len": self.max_model_len},
+                "software": software | {"python": platform.python_version()},
+                "cores": len(os.sched_getaffinity(0))}
+
     def _aptserve_options(self, hybrid: bool, warn: bool = True):
         """Apt-Serve's options and its online cost model (None with KV caches only); ρ is profiled
         when a hidden cache saves memory on this model, then refined from measured steps."""
@@ -513,8 +561,9 @@ class LLM:
             hybrid = False
         rho, cost = 0.0, None
         if hybrid:
-            from tandem.sched.profiling import profile_aptserve
-            rho, cost = profile_aptserve(self.scheduler, self.spec.vocab_size)
+            cost, profile, how = self._profiled(PLAN, with_rho=True)
+            rho = profile.rho
+            log.info("start-up profile (iteration cost model, hidden-cache rho) %s", how)
             log.info("hidden cache at %.2fx of KV, rho = %.3g s per KV block (paired runs), "
                      "%.3g in the joint cost model, refined online", g.hidden_ratio, rho,
                      cost.model.per_hidden_block)

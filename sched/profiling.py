@@ -8,9 +8,11 @@ of several sizes at short and long contexts (decode count and decode context).
 from __future__ import annotations
 
 import random
+import time
 
 from tandem.engine.params import SamplingParams
-from tandem.sched.cost_model import CostModel, OnlineCostModel
+from tandem.sched.cost_model import CostModel, OnlineCostModel, StepShape
+from tandem.sched.profile_store import Profile
 from tandem.sched.request import Request
 
 # (requests, prompt tokens, output tokens): prefills alone, then decode batches.
@@ -40,8 +42,8 @@ def dummy_request(req_id: str, ids: list[int], max_tokens: int) -> Request:
     return Request(req_id, ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
 
 
-def profile_cost(scheduler, vocab_size: int, seed: int = 0, plan=PLAN) -> OnlineCostModel:
-    """Run ``plan`` (shapes that do not fit the pool or context are scaled down) and fit the model."""
+def profile_steps(scheduler, vocab_size: int, seed: int = 0, plan=PLAN) -> list[tuple[StepShape, float]]:
+    """Run ``plan`` (shapes that do not fit the pool or context are scaled down): its measured steps."""
     rng = random.Random(seed)
     log = scheduler.step_log = []
     n = 0
@@ -64,7 +66,28 @@ def profile_cost(scheduler, vocab_size: int, seed: int = 0, plan=PLAN) -> Online
                 log.clear()
     finally:
         scheduler.step_log = None
-    return OnlineCostModel(CostModel.fit(log, thin_rows(scheduler)), startup=log)
+    return log
+
+
+def profile_cost(scheduler, vocab_size: int, seed: int = 0, plan=PLAN) -> OnlineCostModel:
+    """Run ``plan`` and fit the model on its steps."""
+    return fitted(profile_steps(scheduler, vocab_size, seed, plan), scheduler)
+
+
+def measure(scheduler, vocab_size: int, plan=PLAN, with_rho: bool = False, seed: int = 0) -> Profile:
+    """The start-up profile: ``plan``'s steps, and with ``with_rho`` Apt-Serve's ρ from
+    profile_rho's paired runs, whose steps (KV and hidden caches) join the samples, so the
+    hidden-block coefficient -- ρ, fitted jointly -- is refined online from every measured step."""
+    t0 = time.monotonic()
+    paired: list = []
+    rho = profile_rho(scheduler, vocab_size, seed, samples=paired) if with_rho else None
+    samples = profile_steps(scheduler, vocab_size, seed, plan) + paired
+    return Profile(samples, time.monotonic() - t0, rho)
+
+
+def fitted(samples: list[tuple[StepShape, float]], scheduler) -> OnlineCostModel:
+    """The online cost model fitted on start-up ``samples``, which it keeps for every refit."""
+    return OnlineCostModel(CostModel.fit(samples, thin_rows(scheduler)), startup=samples)
 
 
 def thin_rows(scheduler) -> int:
@@ -75,16 +98,6 @@ def thin_rows(scheduler) -> int:
 def _fits(scheduler, reqs: int, tokens: int) -> bool:
     g = scheduler.queues[0].pool.geometry
     return reqs * g.blocks_for(tokens) <= g.num_blocks
-
-
-def profile_aptserve(scheduler, vocab_size: int, seed: int = 0) -> tuple[float, OnlineCostModel]:
-    """Apt-Serve's start-up profile: ρ from profile_rho's paired runs, and the iteration cost model
-    fitted on profile_cost's steps plus those runs' steps (KV and hidden caches), so its
-    hidden-block coefficient -- ρ, fitted jointly -- is refined online from every measured step."""
-    paired: list = []
-    rho = profile_rho(scheduler, vocab_size, seed, samples=paired)
-    startup = profile_cost(scheduler, vocab_size, seed).startup + paired
-    return rho, OnlineCostModel(CostModel.fit(startup, thin_rows(scheduler)), startup=startup)
 
 
 def profile_rho(scheduler, vocab_size: int, seed: int = 0, contexts: tuple[int, ...] = (64, 256, 512),

@@ -111,7 +111,8 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                     help="bearer keys, any of which a request may give (default: $TANDEM_API_KEY, else "
                          "$VLLM_API_KEY; none = open)")
     ap.add_argument("--data-dir", default=d.data_dir,
-                    help="batch files, their database and learned output lengths (default: the XDG data dir)")
+                    help="batch files, their database, learned output lengths and kept start-up profiles "
+                         "(default: the XDG data dir)")
     ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     ap.add_argument("--max-num-batched-tokens", type=human_int, default=d.max_num_batched_tokens,
                     help="new tokens per iteration (smaller: shorter decode stalls behind prefills)")
@@ -128,6 +129,11 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                          "aptserve: a knapsack over pending time picks requests and a KV or hidden cache "
                          "for each (Apt-Serve); alise: shortest predicted remaining time first, with aging "
                          "(ALISE; needs `python -m predictor train` once)")
+    ap.add_argument("--startup-profile", default=d.startup_profile, choices=["cached", "fresh"],
+                    help="cached (default): the start-up profile of a policy that profiles is kept in "
+                         "DATA_DIR/profiles and read back by a later start on the same machine with the same model "
+                         "files, software and settings that shape a step (seconds saved); fresh: measure it again "
+                         "and keep the new one")
     ap.add_argument("--length-predictor", default=None,
                     help="with --policy tandem or alise: a predictor directory, or max_tokens (each request's max_tokens "
                          "as its length). Default: DATA_DIR/predictor, started from the trained predictor and "
@@ -326,6 +332,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                         max_num_seqs=a.max_num_seqs,
                         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                         policy=a.policy, tandem_off=tuple(a.tandem_off), slo_tbt_mean=a.slo_tbt_mean,
+                        startup_profile=a.startup_profile,
                         bidirectional_blocks=a.bidirectional_blocks, cache_type=a.cache_type,
                         hybrid_cache=not a.kv_only, adaptive=not a.aptserve_fcfs, slo_decay=a.slo_decay,
                         mixed_batches=a.aptserve_mixed, placement=a.placement,
@@ -423,7 +430,8 @@ def main(argv=None, prog: str = "python -m server") -> None:
                   kv_cache_dtype=cfg.kv_cache_dtype, tandem_off=cfg.tandem_off,
                   slo_tbt_mean=cfg.slo_tbt_mean, weight_blocks=cfg.weight_blocks,
                   enable_prefix_caching=cfg.prefix_caching, prefix_aware_routing=cfg.prefix_routing,
-                  chat_template=cfg.chat_template)
+                  chat_template=cfg.chat_template, profile_cache=Path(cfg.data_dir) / "profiles",
+                  reprofile=cfg.startup_profile == "fresh")
         return AsyncEngine(llm)
 
     app = create_app(cfg, build_engine)

@@ -35,6 +35,7 @@ from tests.server.conftest import ROOT, free_port
     (["--ssl-keyfile", "key.pem"], "ssl-keyfile: needs --ssl-certfile"),
     (["--ssl-cert-reqs", "3"], "ssl-cert-reqs: 0 (none), 1 (optional) or 2 (required)"),
     (["--root-path", "api"], "root-path: a path beginning with /"),
+    (["--startup-profile", "never"], "--startup-profile: invalid choice: 'never'"),
 ])
 def test_bad_settings_exit_before_loading(args, says, capsys):
     from tandem.server.__main__ import parse_args

@@ -167,3 +167,27 @@ def alive(pid: int) -> bool:
             return "\nState:\tZ" not in f.read()
     except FileNotFoundError:
         return False
+
+
+def test_a_restarted_server_reads_its_start_up_profile_from_the_data_dir(tiny_chat_model, tmp_path):
+    """The default policy's start-up profile is kept under the data dir; the server started again
+    reads it back, and with --startup-profile fresh measures it again and keeps the new one."""
+    srv = start_server(tiny_chat_model, tmp_path)
+    stop_server(srv)
+    (kept,) = (tmp_path / "data" / "profiles").iterdir()
+    measured = json.loads(kept.read_text())["measured_at"]
+    assert "start-up profile (iteration cost model) took" in srv.log.read_text()
+    srv = start_server(tiny_chat_model, tmp_path)
+    try:
+        assert f"start-up profile (iteration cost model) read from {kept} (measured" in srv.log.read_text()
+        body = json.dumps({"prompt": "Hi", "max_tokens": 3, "ignore_eos": True}).encode()
+        req = urllib.request.Request(srv.url + "/v1/completions", method="POST",
+                                     headers=AUTH | {"Content-Type": "application/json"}, data=body)
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 3
+    finally:
+        stop_server(srv)
+    srv = start_server(tiny_chat_model, tmp_path, "--startup-profile", "fresh")
+    stop_server(srv)
+    assert "start-up profile (iteration cost model) took" in srv.log.read_text()
+    assert list(kept.parent.iterdir()) == [kept] and json.loads(kept.read_text())["measured_at"] > measured
