@@ -30,6 +30,7 @@ from dataclasses import astuple, dataclass
 import numpy as np
 
 FEATURES = ("prefill_tokens", "prefill_attn", "decode_tokens", "decode_ctx", "hidden_blocks")
+MIN_STEPS = 5       # measured steps a fit needs at least
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +86,8 @@ class CostModel:
 
         Active set: fit, drop the most negative coefficient's feature, refit, until none is negative.
         """
-        if len(samples) < 5:
-            raise ValueError("need at least 5 measured steps to fit a cost model")
+        if len(samples) < MIN_STEPS:
+            raise ValueError(f"need at least {MIN_STEPS} measured steps to fit a cost model")
         rows = [[1.0, *astuple(s)] for s, _ in samples]
         thick = [float(s.prefill_tokens + s.decode_tokens > thin_rows) for s, _ in samples] if thin_rows else []
         if 0 < sum(thick) < len(thick):         # with one kind of step only, the base covers it

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import tandem.engine as engine_package
-from tandem.engine.dtype import resolve_dtype
+from tandem.engine.dtype import cpu_flags, resolve_dtype
 from tandem.engine.grammar import Vocabulary, compile_grammar
 from tandem.engine.messages import DeviceError, TokenLogprobs
 from tandem.engine.models.loader import load_spec, load_tokenizer, resolve_model, sampling_defaults
@@ -30,6 +30,7 @@ from tandem.sched.lengths import LengthSource, prediction_text
 from tandem.sched.cost_model import OnlineCostModel
 from tandem.sched.placement import Placement
 from tandem.sched.profile_store import Profile, ProfileStore
+import tandem.sched.profiling as profiling_module
 from tandem.sched.profiling import PLAN, SHORT_PLAN, fitted, measure
 from tandem.sched.rebalancer import PLACEMENTS, Budgets, Rebalancer
 from tandem.sched.request import FinishReason, Request, RequestState
@@ -243,14 +244,15 @@ def _triton_choice(asked: bool | None, devices: list[str], head_dim: int) -> boo
     return bool(asked)
 
 
-def _engine_digest() -> str:
-    """A hash of the engine's sources (Python and C++): a checkout whose engine changed measures
-    its start-up profile again, where the version number stays the same."""
+def _code_digest() -> str:
+    """A hash of the engine's sources (Python and C++) and of the profiling plans' module: a
+    checkout where either changed measures its start-up profile again, where the version number
+    stays the same."""
     root = Path(engine_package.__file__).parent
+    files = [f for f in sorted(root.rglob("*")) if f.suffix in (".py", ".cpp", ".h") and "__pycache__" not in f.parts]
     h = hashlib.sha256()
-    for f in sorted(root.rglob("*")):
-        if f.suffix in (".py", ".cpp", ".h") and "__pycache__" not in f.parts:
-            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    for f in files + [Path(profiling_module.__file__)]:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -272,6 +274,7 @@ class LLM:
     "auto" (as the resident cache, so a swapped request's tokens stay exactly the same).
     kv_cache_dtype: "auto" (the resident cache at the model's dtype) or "int8" (every full block
     compressed channel-wise, the open one kept at the model's dtype: about 2.7x the tokens of an
+    files = [f for f in sorted(root.rglob("*")) if f.suffix in (".py", ".cpp", ".h") and "__pycache__" not in f.parts]
     fp32 pool per block, at a small accuracy cost; the budget first reserves max_num_seqs
     requests' open blocks at full precision).
     policy: "tandem" (the default: SLO-sized iterations with RT and BE classes, remaining-time order
@@ -456,7 +459,7 @@ class LLM:
             elif policy in PRICED:          # policies that price iterations: profile first (seconds)
                 # alise ranks requests by remaining time, where the short profile's rates suffice
                 cost, _, how = self._profiled(SHORT_PLAN if policy == "alise" else PLAN)
-                log.info("policy %s: iteration cost model %s", policy, how)
+                log.info("policy %s: start-up profile (iteration cost model) %s", policy, how)
                 self.scheduler.use_config(final, cost)
             elif policy == "aptserve":
                 options, cost = self._aptserve_options(hybrid_cache)
@@ -500,7 +503,7 @@ class LLM:
         cost = self.scheduler.cost
         if cost is None and placement in ("mell", "lb"):
             cost, _, how = self._profiled(SHORT_PLAN)
-            log.info("placement %s: iteration cost model %s", placement, how)
+            log.info("placement %s: start-up profile (iteration cost model) %s", placement, how)
         bw = copy_bandwidth()
         # Mell's devices are all of one capacity: packing to the smallest pool never overfills one
         capacity = self.scheduler.smallest_pool().num_blocks
@@ -524,14 +527,14 @@ class LLM:
         fitted on it, and how it was had, for the log: read back where one is kept for this machine,
         model and setup (unless ``reprofile``), else measured now (seconds) and kept."""
         store = self._profiles
-        kept = None if store is None or self._reprofile else store.load(plan)
+        kept = None if store is None or self._reprofile else store.load(plan, with_rho)
         if kept is not None:
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(kept.measured_at))
-            how = (f"read from {store.path(plan)} (measured {when} in {kept.seconds:.1f} s; "
+            how = (f"read from {store.path(plan, with_rho)} (measured {when} in {kept.seconds:.1f} s; "
                    f"--startup-profile fresh measures again)")
             return fitted(kept.samples, self.scheduler), kept, how
         profile = measure(self.scheduler, self.spec.vocab_size, plan, with_rho)
-        where = None if store is None else store.save(plan, profile)
+        where = None if store is None else store.save(plan, profile, with_rho)
         how = f"took {profile.seconds:.1f} s" + ("" if where is None else f" (kept in {where})")
         return fitted(profile.samples, self.scheduler), profile, how
 
@@ -541,14 +544,15 @@ class LLM:
         files = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(hf_dir.iterdir()) if f.is_file()}
         workers = [{k: v for k, v in asdict(wc).items() if k not in ("spec", "tokenizer_file", "num_blocks")}
                    for wc in configs]
-        software = {name: metadata.version(name) for name in ("tandem", "torch")} | {"engine": _engine_digest()}
+        software = {name: metadata.version(name) for name in ("tandem", "torch")} | {"code": _code_digest()}
         return {"model": {"dir": str(hf_dir.resolve()), "files": files},
                 "workers": workers, "pools": [asdict(w.pool_info) for w in self._workers],
                 "steps": {"max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
                           "chunked_prefill": sched.chunked_prefill, "cache_type": sched.cache_type.value,
                           "prefix_caching": sched.prefix_caching, "max_model_len": self.max_model_len},
                 "software": software | {"python": platform.python_version()},
-                "cores": len(os.sched_getaffinity(0))}
+                "machine": {"cores": len(os.sched_getaffinity(0)),
+                            "cpu_flags": hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]}}
 
     def _aptserve_options(self, hybrid: bool, warn: bool = True):
         """Apt-Serve's options and its online cost model (None with KV caches only); ρ is profiled

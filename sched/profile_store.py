@@ -10,7 +10,12 @@ refined online from served steps, as after a measurement.
 Each profile is one JSON file named by a hash of its key, and holds the key itself: a start
 whose key differs in anything (another dtype, a model file replaced) measures and keeps its
 own file beside the others. A file that cannot be read or does not match is measured again and
-replaced; one that cannot be written costs only the next start's measurement.
+replaced; one that cannot be written costs only the next start's measurement. Reading a file
+marks it used; a file no start has used for ``KEEP_DAYS`` is removed when another is written.
+
+A profile measured while the machine was busy (another server starting beside it, say) keeps
+its slow steps; the cost model's online refits weigh them beside up to 1,024 served steps, and
+measuring again on a quiet machine replaces them.
 """
 from __future__ import annotations
 
@@ -24,11 +29,12 @@ from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tandem.sched.cost_model import FEATURES, StepShape
+from tandem.sched.cost_model import FEATURES, MIN_STEPS, StepShape
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1      # the file's layout; the key holds FEATURES too, so a changed StepShape measures again
+KEEP_DAYS = 30  # a profile no start has read or written for this long is removed
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,17 +52,19 @@ class ProfileStore:
         self.root = Path(root)
         self.key = key
 
-    def _full_key(self, plan: Any) -> dict[str, Any]:
-        """The whole key of ``plan``'s profile, as JSON reads it back (tuples as lists)."""
-        return json.loads(json.dumps({"format": FORMAT, "features": FEATURES, "plan": plan, **self.key}))
+    def _full_key(self, plan: Any, rho: bool) -> dict[str, Any]:
+        """The whole key of the profile of ``plan`` (with ρ's paired runs: ``rho``), as JSON reads
+        it back (tuples as lists)."""
+        return json.loads(json.dumps({"format": FORMAT, "features": FEATURES, "plan": plan, "rho": rho, **self.key}))
 
-    def path(self, plan: Any) -> Path:
-        text = json.dumps(self._full_key(plan), sort_keys=True)
+    def path(self, plan: Any, rho: bool = False) -> Path:
+        text = json.dumps(self._full_key(plan, rho), sort_keys=True)
         return self.root / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
 
-    def load(self, plan: Any) -> Profile | None:
-        """The kept profile of ``plan`` (None: none kept, or one that cannot be used, said in the log)."""
-        path = self.path(plan)
+    def load(self, plan: Any, rho: bool = False) -> Profile | None:
+        """The kept profile of ``plan`` (and ρ, with ``rho``); None: none kept, or one that cannot
+        be used (said in the log)."""
+        path = self.path(plan, rho)
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
@@ -65,21 +73,25 @@ class ProfileStore:
             log.warning("start-up profile %s cannot be read (%s): measuring again", path, e)
             return None
         try:
-            if data["key"] != self._full_key(plan):
-                log.warning("start-up profile %s was kept for other settings: measuring again", path)
-                return None
+            if data["key"] != self._full_key(plan, rho):
+                raise ValueError("its key is not this setup's")
             samples = [(StepShape(*map(int, shape)), float(t)) for shape, t in data["samples"]]
-            rho = data["rho"]
-            return Profile(samples, float(data["seconds"]), None if rho is None else float(rho),
-                           float(data["measured_at"]))
+            if len(samples) < MIN_STEPS:
+                raise ValueError(f"{len(samples)} measured steps, fewer than a fit needs")
+            profile = Profile(samples, float(data["seconds"]), float(data["rho"]) if rho else None,
+                              float(data["measured_at"]))
         except (KeyError, TypeError, ValueError) as e:
-            log.warning("start-up profile %s is not one this version reads (%r): measuring again", path, e)
+            log.warning("start-up profile %s cannot be used (%s): measuring again", path, e)
             return None
+        with contextlib.suppress(OSError):
+            os.utime(path)                      # used: kept from pruning
+        return profile
 
-    def save(self, plan: Any, profile: Profile) -> Path | None:
-        """Keep ``profile`` for ``plan`` (written whole or not at all); None where it cannot be written."""
-        path = self.path(plan)
-        data = {"key": self._full_key(plan), "measured_at": profile.measured_at, "seconds": profile.seconds,
+    def save(self, plan: Any, profile: Profile, rho: bool = False) -> Path | None:
+        """Keep ``profile`` for ``plan`` (written whole or not at all), and remove the profiles
+        unused for KEEP_DAYS; None where it cannot be written."""
+        path = self.path(plan, rho)
+        data = {"key": self._full_key(plan, rho), "measured_at": profile.measured_at, "seconds": profile.seconds,
                 "rho": profile.rho, "samples": [[list(astuple(s)), t] for s, t in profile.samples]}
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         try:
@@ -91,4 +103,13 @@ class ProfileStore:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
             return None
+        self._prune()
         return path
+
+    def _prune(self) -> None:
+        """Remove the profiles no start has read or written for KEEP_DAYS."""
+        cutoff = time.time() - KEEP_DAYS * 86400
+        for old in self.root.glob("*.json"):
+            with contextlib.suppress(OSError):
+                if old.stat().st_mtime < cutoff:
+                    old.unlink()

@@ -130,10 +130,10 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                          "for each (Apt-Serve); alise: shortest predicted remaining time first, with aging "
                          "(ALISE; needs `python -m predictor train` once)")
     ap.add_argument("--startup-profile", default=d.startup_profile, choices=["cached", "fresh"],
-                    help="cached (default): the start-up profile of a policy that profiles is kept in "
-                         "DATA_DIR/profiles and read back by a later start on the same machine with the same model "
-                         "files, software and settings that shape a step (seconds saved); fresh: measure it again "
-                         "and keep the new one")
+                    help="cached (default): the start-up profile (the steps a policy or placement that prices "
+                         "iterations measures) is kept in DATA_DIR/profiles and read back by a later start on the "
+                         "same machine with the same model files, software and settings that shape a step (seconds "
+                         "saved); fresh: measure it again and keep the new one")
     ap.add_argument("--length-predictor", default=None,
                     help="with --policy tandem or alise: a predictor directory, or max_tokens (each request's max_tokens "
                          "as its length). Default: DATA_DIR/predictor, started from the trained predictor and "

@@ -85,13 +85,17 @@ def test_another_setting_model_file_or_reprofile_measures_again(model, tmp_path,
 
 
 @pytest.mark.parametrize("damage", ["not json {", '{"key": {}, "samples": []}', "[1, 2]",
-                                    "truncate"])
+                                    "truncate", "few steps"])
 def test_a_damaged_profile_is_measured_again_and_replaced(model, tmp_path, steps, caplog, damage):
     cache = tmp_path / "profiles"
     first, _ = start(model, cache, steps)
     (path,) = cache.iterdir()
     text = path.read_text()
-    path.write_text(text[:len(text) // 2] if damage == "truncate" else damage)
+    if damage == "few steps":          # its own key, too few steps to fit a model on
+        data = json.loads(text)
+        path.write_text(json.dumps(data | {"samples": data["samples"][:4]}))
+    else:
+        path.write_text(text[:len(text) // 2] if damage == "truncate" else damage)
     with caplog.at_level(logging.WARNING, logger="tandem"):
         measured, ran = start(model, cache, steps)
     assert ran > 20 and measured != first
@@ -108,3 +112,36 @@ def test_a_profile_that_cannot_be_kept_only_costs_the_next_start(model, tmp_path
     assert ran > 20 and "start-up profile cannot be kept in" in caplog.text
     _, ran = start(model, blocked / "profiles", steps)
     assert ran > 20
+
+
+def test_a_profile_with_rho_is_kept_apart_from_one_without(tiny_opt, tmp_path, steps):
+    """On a multi-head model a hidden cache saves memory, and aptserve's profile also measures ρ
+    (paired runs): a start that needs ρ never reads a profile kept without it, and reads back
+    its own, ρ included."""
+    cache = tmp_path / "profiles"
+    kv_only, ran = start(tiny_opt, cache, steps, policy="tandem", hybrid_cache=False, length_predictor="max_tokens")
+    assert ran > 20 and kv_only.per_hidden_block == 0
+
+    def rho_start():
+        before = steps()
+        with LLM(str(tiny_opt), "cpu:1", dtype="float32", kv_cache_bytes=4 << 20, threads_per_worker=1,
+                 policy="aptserve", profile_cache=cache) as m:
+            return m.scheduler.cfg.rho, m.scheduler.cost.model, steps() - before
+    rho, model, ran = rho_start()
+    assert ran > 20 and isinstance(rho, float) and len(list(cache.iterdir())) == 2
+    again, model_again, ran = rho_start()
+    assert ran == 0 and (again, model_again) == (rho, model)
+
+
+def test_profiles_unused_for_a_month_are_removed_when_one_is_kept(model, tmp_path, steps):
+    cache = tmp_path / "profiles"
+    start(model, cache, steps)
+    (kept,) = cache.iterdir()
+    stale, month = cache / "0123456789abcdef.json", 31 * 86400
+    stale.write_text("{}")
+    for f in (kept, stale):
+        os.utime(f, (f.stat().st_atime - month, f.stat().st_mtime - month))
+    _, ran = start(model, cache, steps)          # reading the kept profile marks it used
+    assert ran == 0 and stale.exists()
+    _, ran = start(model, cache, steps, max_num_batched_tokens=512)      # keeping another one prunes
+    assert ran > 20 and kept.exists() and not stale.exists() and len(list(cache.iterdir())) == 2
