@@ -3,11 +3,16 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20       # the most alternatives a token's log probabilities may list (vLLM's default cap)
 MAX_REPETITION = 10.0   # repetition_penalty at most this (1: off)
 MAX_BIAS = 100.0        # |logit_bias| at most this (OpenAI's range; -100 bans a token, +100 all but forces it)
+# the numeric fields, where a numpy scalar is taken as Python's
+NUMBER_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "logprobs",
+                 "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "truncate_prompt_tokens", "n")
 
 
 @dataclass(slots=True)
@@ -32,10 +37,28 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None    # what the output must match (a JSON schema, ...)
     allowed_token_ids: list[int] | None = None   # only these tokens may be generated (None: any)
     bad_words: list[str] = field(default_factory=list)     # words the output never completes
-    truncate_prompt_tokens: int | None = None    # keep the prompt's last k tokens (-1: the context's worth)
+    truncate_prompt_tokens: int | None = None    # keep the prompt's last k tokens (-1: all that leave room
+                                                 # for max_tokens, or for one token where it is None)
     skip_special_tokens: bool = True            # special tokens' text left out of the output text
     n: int = 1                              # LLM.generate: choices per prompt, each its own request (seed + i)
     detokenize: bool = True                 # False: LLM.generate's outputs carry token ids and no text (vLLM's)
+
+    def _coerce(self) -> None:
+        """What a script computed with numpy, or wrote as tuples, as the fields' own types: numpy
+        integers and floats as Python's, tuples and arrays of ids or strings as lists, logit_bias
+        keys written as decimal strings (OpenAI's form) as ids. Anything else stays as it is, for
+        ``validate`` to name."""
+        for name in NUMBER_FIELDS:
+            setattr(self, name, _plain(getattr(self, name)))
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            setattr(self, name, int_list(getattr(self, name)))
+        for name in ("stop", "bad_words"):
+            if isinstance(getattr(self, name), tuple):
+                setattr(self, name, list(getattr(self, name)))
+        lb = self.logit_bias
+        if isinstance(lb, dict):
+            self.logit_bias = {int(t) if isinstance(t, str) and t.isascii() and t.isdigit() else _plain(t): _plain(b)
+                               for t, b in lb.items()}
 
     def clone(self) -> "SamplingParams":
         """vLLM's: a copy to change without touching this one."""
@@ -53,7 +76,9 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
+        """Raise ValueError naming the first bad field (after ``_coerce``)."""
+        self._coerce()
+
         def bad(name, why):
             raise ValueError(f"{name}: {why}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens <= 0):
@@ -156,6 +181,28 @@ class StructuredOutputs:
                 raise ValueError("structured_outputs.whitespace_pattern: must be a non-empty string")
             if kind not in ("json", "json_object"):
                 raise ValueError(f"structured_outputs.whitespace_pattern: only with json or json_object, not {kind}")
+
+
+StructuredOutputsParams = StructuredOutputs     # vLLM's name for it
+
+
+def _plain(x):
+    """A numpy number as Python's (an integer as int, else float); anything else as it is."""
+    if isinstance(x, numbers.Integral) and not isinstance(x, (bool, int)):
+        return int(x)
+    if isinstance(x, numbers.Real) and not isinstance(x, (bool, int, float)):
+        return float(x)
+    return x
+
+
+def int_list(x):
+    """``x`` as a list of Python ints where it is a list, tuple or 1-D array of integers (numpy's
+    included), else ``x`` as it is."""
+    if hasattr(x, "tolist") and not isinstance(x, (list, tuple)):
+        x = x.tolist()
+    if isinstance(x, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in x):
+        return [int(t) for t in x]
+    return x
 
 
 def _is_int(x) -> bool:

@@ -22,7 +22,7 @@ from tandem.engine.dtype import cpu_flags, resolve_dtype
 from tandem.engine.grammar import Vocabulary, compile_grammar
 from tandem.engine.messages import DeviceError, TokenLogprobs
 from tandem.engine.models.loader import load_spec, load_tokenizer, resolve_model, sampling_defaults
-from tandem.engine.params import SamplingParams
+from tandem.engine.params import SamplingParams, int_list
 from tandem.engine.worker import WorkerConfig, WorkerHandle, prestart, sized_pool, wait_all
 from tandem.sched.actor import Update
 from tandem.sched.beam import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
@@ -40,6 +40,24 @@ from tandem.paths import cache_dir as user_cache_dir
 
 DEFAULT_CACHE_DIR = user_cache_dir()
 DEFAULT_KV_CACHE_BYTES = 2 << 30      # per device, when no budget is given (vLLM CPU's usual 2 GiB)
+
+# vLLM's LLM arguments a ported script may pass, and what to do here instead (None: nothing to do,
+# it is how this engine always works); a value in TAKEN asks for nothing this engine lacks either
+VLLM_OPTIONS = {
+    "gpu_memory_utilization": "size each device's KV pool with kv_cache_bytes or kv_cache_fraction",
+    "tensor_parallel_size": "tensor parallelism is not supported; devices='cuda:0,1' runs one model per GPU",
+    "pipeline_parallel_size": "pipeline parallelism is not supported",
+    "quantization": "a .gguf model's 4- and 8-bit weights are used as they are (weight_blocks); no other "
+                    "quantization is supported",
+    "download_dir": "nothing is downloaded: give model a local checkpoint dir or a .gguf file",
+    "tokenizer": "the checkpoint's own tokenizer is used",
+    "enable_lora": "LoRA adapters are not supported",
+    "speculative_config": "speculative decoding is not supported",
+    "trust_remote_code": None, "enforce_eager": None, "disable_log_stats": None,
+    "disable_custom_all_reduce": None, "max_seq_len_to_capture": None,
+}
+TAKEN = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "enable_lora": False, "quantization": None,
+         "tokenizer": None, "download_dir": None, "speculative_config": None}
 
 
 @dataclass(slots=True)
@@ -82,6 +100,11 @@ class RequestOutput:
     # per-request stats (vLLM gives None too without them)
     encoder_prompt = encoder_prompt_token_ids = lora_request = kv_transfer_params = metrics = None
 
+    @property
+    def multi_modal_placeholders(self) -> dict:
+        """vLLM's: where a prompt's images and audio sit (text prompts only here: none)."""
+        return {}
+
 
 @dataclass(frozen=True, slots=True)
 class CompletionOutput:
@@ -93,6 +116,8 @@ class CompletionOutput:
     logprobs: list | None
     finish_reason: str
     stop_reason: str | int | None
+
+    lora_request = None             # vLLM's: no LoRA adapters here
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -314,6 +339,8 @@ class LLM:
     measures (seconds; sched.profiling) is kept, and read back by a later LLM on the same machine
     with the same model files, software and step-shaping settings (sched.profile_store); None:
     measured at every start. reprofile: measure even where one is kept, and keep the new one.
+    vLLM's own arguments (VLLM_OPTIONS): those that ask for nothing this engine lacks are taken
+    (tensor_parallel_size=1, enforce_eager, ...); the others raise ValueError saying what to use.
     """
 
     def __init__(self, model: str = "smollm2", devices: str = "cpu:1", *, dtype: str = "auto",
@@ -336,13 +363,15 @@ class LLM:
                  enable_prefix_caching: bool = True, prefix_aware_routing: bool = True,
                  length_learned_max: int | None = None, chat_template: str | None = None,
                  seed: int | None = None, generation_config: str = "auto",
-                 profile_cache: str | os.PathLike | None = None, reprofile: bool = False):
+                 profile_cache: str | os.PathLike | None = None, reprofile: bool = False,
+                 **vllm_options: Any):
         self._workers: list[WorkerHandle] = []
         self._prefix_routing = bool(prefix_aware_routing)
         self.runtime: Runtime | None = None
         self.rebalancer: Rebalancer | None = None
         self._sinks: dict[str, Callable[[list[Update]], None]] = {}
         # every argument is checked before anything loads (the length predictor included)
+        _check_vllm_options(vllm_options)
         names = parse_devices(devices)
         check_devices(names)
         _positive("block_size", block_size)
@@ -684,12 +713,15 @@ class LLM:
     def _vocabulary(self) -> Vocabulary:
         return Vocabulary(self._tokenizer_json, self.spec.vocab_size, self.spec.eos_token_ids)
 
-    def encode_prompt(self, prompt: Any, template: ChatTemplate = CHAT,
-                      truncate: int | None = None) -> tuple[list[int], str | None]:
+    def encode_prompt(self, prompt: Any, template: ChatTemplate = CHAT, truncate: int | None = None,
+                      max_tokens: int | None = None) -> tuple[list[int], str | None]:
         """A string, a token id list, or chat messages (rendered as ``template`` says) -> (token
         ids, text or None). ``truncate`` (vLLM's truncate_prompt_tokens): only the last this many
-        ids are kept (-1: the model context's worth), and the text is theirs."""
-        keep = None if truncate is None else self.max_model_len if truncate == -1 else truncate
+        ids are kept, and the text is theirs; -1: as many as leave the context room for
+        ``max_tokens`` (None: for one token). vLLM's -1 keeps the whole context's worth, which
+        leaves no room to generate."""
+        room = min(max_tokens or 1, self.max_model_len - 1)
+        keep = None if truncate is None else self.max_model_len - room if truncate == -1 else truncate
         ids, text = self._encode(prompt, template, check_chars=keep is None)
         if not ids:                    # a chat template may render a chat as nothing
             field_name = "chat_template" if template.source is not None else "prompt"
@@ -709,10 +741,10 @@ class LLM:
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer for chat messages")
-            prompt = [m | {"content": joined_text(m.get("content"))} for m in prompt]
+            prompt = [m | {"content": _message_text(m)} for m in prompt]
             if not all(isinstance(m.get("role"), str) and isinstance(m["content"], str) for m in prompt):
                 raise ValueError("prompt: chat messages need a string 'role' and a 'content' that is a string or "
-                                 "a list of text parts")
+                                 "a list of text parts (or, in an assistant's turn of tool calls, null)")
             if check_chars:
                 self._check_chars(sum(len(m["content"]) for m in prompt))
             template.check(prompt)
@@ -834,7 +866,8 @@ class LLM:
             p.validate()
         for p in params:
             self.check_sampling(p)
-        encoded = [self.encode_prompt(p, chat_template, sp.truncate_prompt_tokens) for p, sp in zip(plist, params)]
+        encoded = [self.encode_prompt(p, chat_template, sp.truncate_prompt_tokens, sp.max_tokens)
+                   for p, sp in zip(plist, params)]
         for ids, _ in encoded:
             self._check_length(ids)
         sized = [sp if sp.max_tokens is not None else replace(sp, max_tokens=self.output_room(len(ids)))
@@ -1042,6 +1075,25 @@ def joined_text(content: Any) -> Any:
     return content
 
 
+def _check_vllm_options(given: dict[str, Any]) -> None:
+    """vLLM's arguments an LLM takes (VLLM_OPTIONS): TypeError for any other, as Python's own;
+    ValueError, saying what to do instead, for one asking what this engine does not do."""
+    for name, value in given.items():
+        if name not in VLLM_OPTIONS:
+            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}")
+        if VLLM_OPTIONS[name] is not None and (name not in TAKEN or TAKEN[name] != value):
+            raise ValueError(f"{name}: vLLM's; {VLLM_OPTIONS[name]}")
+
+
+def _message_text(m: dict) -> Any:
+    """A chat message's content as text (``joined_text``); an assistant's turn of tool calls alone
+    (OpenAI's ``content`` null or left out) as empty text, its calls left to the template."""
+    content = joined_text(m.get("content"))
+    if content is None and m.get("role") == "assistant" and m.get("tool_calls"):
+        return ""
+    return content
+
+
 def _weakly(method: Callable) -> Callable:
     """``method``, called only while its object lives: the actor threads hold the LLM's router
     this way, so an LLM its user drops is collected, and shuts its workers down, as vLLM's does."""
@@ -1115,7 +1167,7 @@ def _unwrap(prompt: Any) -> tuple[Any, str | None]:
         if not isinstance(prompt["prompt"], str):
             raise ValueError("prompt: 'prompt' must be a string ('prompt_token_ids' takes token ids)")
         return prompt["prompt"], salt
-    ids = prompt["prompt_token_ids"]
+    ids = int_list(prompt["prompt_token_ids"])         # a tuple or a numpy array of ids too
     if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
         raise ValueError("prompt_token_ids: must be a non-empty list of token ids")
     return ids, salt

@@ -233,7 +233,7 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
     param = "messages" if chat else "prompt"
     try:
         encoded = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: [engine.llm.encode_prompt(prompt, gen.template, sp.truncate_prompt_tokens)
+            None, lambda: [engine.llm.encode_prompt(prompt, gen.template, sp.truncate_prompt_tokens, sp.max_tokens)
                            for prompt in gen.prompts])
     except ValueError as e:
         raise bad_request(str(e), param=prompt_param(e, param),

@@ -13,9 +13,10 @@ _HERE = _os.path.dirname(_os.path.abspath(__file__))
 if not _os.path.isdir(_os.path.join(_HERE, "engine")):
     __path__.append(_os.path.dirname(_HERE))     # a checkout: the layers sit beside this folder
 
-from tandem.engine.params import SamplingParams, StructuredOutputs  # noqa: E402
+from tandem.engine.params import SamplingParams, StructuredOutputs, StructuredOutputsParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "RequestOutput", "BeamSearchParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "StructuredOutputsParams", "RequestOutput",
+           "BeamSearchParams"]
 
 
 def __getattr__(name):  # load the scheduler and torch only when LLM is asked for

@@ -190,6 +190,11 @@ def test_a_budget_too_small_for_the_pool_fails_before_a_worker_starts(tiny_llama
     (dict(kv_cache_bytes=1 << 20, kv_cache_fraction=0.5), "kv_cache_fraction"),
     (dict(omp_wait_policy="spin"), "omp_wait_policy"),
     (dict(length_learned_max=-1), "length_learned_max"),
+    (dict(gpu_memory_utilization=0.9), "^gpu_memory_utilization: vLLM's; size each device's KV pool with "
+                                       "kv_cache_bytes or kv_cache_fraction$"),
+    (dict(tensor_parallel_size=2), "^tensor_parallel_size: vLLM's; tensor parallelism is not supported"),
+    (dict(enable_lora=True), "^enable_lora: vLLM's; LoRA adapters are not supported"),
+    (dict(quantization="awq"), "^quantization: vLLM's"),
 ])
 def test_bad_llm_arguments_fail_before_anything_loads(kwargs, field, tiny_llama, monkeypatch):
     import tandem.sched.llm as llm_module
@@ -245,6 +250,42 @@ def test_outputs_read_as_vllm_users_expect(llm, tiny_llama):
     first = out.outputs[0]
     assert first.token_ids == hf_greedy(tiny_llama, p, 6)[0] and first.finish_reason == "length"
     assert first.text == out.text
+
+
+def test_vllm_arguments_that_ask_for_nothing_missing_are_taken(tiny_llama):
+    """A ported script's LLM(..., tensor_parallel_size=1, enforce_eager=True, ...) runs; an
+    argument neither engine knows is Python's TypeError."""
+    with pytest.raises(TypeError, match="unexpected keyword argument 'gpu_memory_fraction'"):
+        LLM(str(tiny_llama), "cpu:1", gpu_memory_fraction=0.9)
+    with LLM(str(tiny_llama), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1,
+             policy="fcfs", tensor_parallel_size=1, pipeline_parallel_size=1, enforce_eager=True,
+             trust_remote_code=True, disable_log_stats=True, quantization=None) as m:
+        out = m.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **GREEDY))[0]
+    assert out.token_ids == hf_greedy(tiny_llama, [[5, 6, 7]], 4)[0]
+    assert out.multi_modal_placeholders == {} and out.outputs[0].lora_request is None
+
+
+def test_numpy_numbers_and_tuples_are_taken_as_python_numbers_and_lists(llm, tiny_llama):
+    """What a script computed with numpy, or wrote as tuples, means what the Python values mean:
+    the same tokens as HF (ids and stop ids given as numpy values and tuples), and numpy values
+    that are not of a field's kind are refused as Python's would be."""
+    import numpy as np
+    prompt = mixed_prompts(1, 512, seed=12, lo=5, hi=9)[0]
+    want = hf_greedy(tiny_llama, [prompt], 6)[0]
+    sp = SamplingParams(max_tokens=np.int64(6), temperature=np.float32(0.0), top_k=np.int32(-1),
+                        ignore_eos=True, stop_token_ids=(np.int64(want[3]),),
+                        logit_bias={str(want[0]): np.float32(0.0), np.int64(7): 0})
+    assert (sp.max_tokens, sp.temperature, sp.stop_token_ids) == (6, 0.0, [want[3]])
+    assert SamplingParams(stop=("a", "b"), bad_words=("c",)).stop == ["a", "b"]
+    assert type(sp.max_tokens) is int and type(sp.temperature) is float and sp.logit_bias == {want[0]: 0.0, 7: 0}
+    outs = llm.generate([{"prompt_token_ids": tuple(prompt)}, {"prompt_token_ids": np.array(prompt)}], sp)
+    for o in outs:
+        assert o.prompt_token_ids == prompt and o.token_ids == want[:4] and o.stop_reason == want[3]
+    for bad, field in [(dict(max_tokens=np.float64(6)), "max_tokens"), (dict(top_k=np.float32(2)), "top_k"),
+                       (dict(stop_token_ids=(1.5,)), "stop_token_ids"), (dict(logit_bias={"x1": 1}), "logit_bias"),
+                       (dict(logit_bias={"-3": 1}), "logit_bias")]:
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            SamplingParams(**bad)
 
 
 def test_no_stops_given_as_none_as_vllm_accepts():

@@ -78,6 +78,19 @@ def test_chat_takes_one_conversation_or_several_as_vllms_does(smol, hf_smol):
     assert text.startswith("[get_weather]") and o.prompt == text
     with pytest.raises(ValueError, match="tools"):
         smol.chat(conv, greedy, tools={"name": "x"})
+    # an assistant's turn of tool calls alone (content null or left out) and the tool's result
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    tpl = ("{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}<call {{ c.function.name }}>"
+           "{% endfor %}{% else %}{{ m.role }}: {{ m.content }};{% endif %}{% endfor %}")
+    for turn in ({"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "assistant", "tool_calls": [call]}):
+        conv = [{"role": "user", "content": "Weather?"}, turn, {"role": "tool", "tool_call_id": "c1", "content": "sun"}]
+        o = smol.chat(conv, greedy, tools=tools, chat_template=tpl)[0]
+        text = smol.get_tokenizer().apply_chat_template(conv, tools=tools, chat_template=tpl, tokenize=False,
+                                                        add_generation_prompt=True)
+        assert o.prompt == text == "user: Weather?;<call get_weather>tool: sun;"
+    with pytest.raises(ValueError, match="text parts"):
+        smol.chat([{"role": "user", "content": None, "tool_calls": [call]}], greedy)
     with pytest.raises(ValueError, match="text parts"):
         smol.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy)
 

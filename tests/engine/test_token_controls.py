@@ -81,7 +81,8 @@ def test_bad_words_as_hf_banning_their_tokens(llm, hf):
 
 def test_truncate_prompt_tokens_keeps_the_last_ids(llm, hf):
     """The prompt's last k ids, as HF would be given them, even where the whole prompt is past
-    the context; -1 keeps a prompt that fits whole."""
+    the context; -1 keeps a prompt that fits whole, and of a longer one the ids that leave room
+    for max_tokens (for one token without it)."""
     tok = hf[1]
     long_ids = [(37 * i) % 40_000 + 100 for i in range(100)]     # past the context of 64
     with pytest.raises(ValueError, match="prompt: 100 tokens"):
@@ -96,6 +97,11 @@ def test_truncate_prompt_tokens_keeps_the_last_ids(llm, hf):
     assert outs[2].prompt_token_ids == tok(PROMPTS[2])["input_ids"] and outs[2].prompt == PROMPTS[2]
     want = [hf_generate(hf, p, 8) for p in (long_ids[-10:], text_ids[-3:], tok(PROMPTS[2])["input_ids"])]
     assert [o.token_ids for o in outs] == want
+    outs = llm.generate([long_ids, long_ids], [SamplingParams(max_tokens=8, truncate_prompt_tokens=-1, **GREEDY),
+                                               SamplingParams(max_tokens=None, truncate_prompt_tokens=-1, **GREEDY)])
+    assert outs[0].prompt_token_ids == long_ids[-(64 - 8):] and outs[1].prompt_token_ids == long_ids[-63:]
+    assert outs[0].token_ids == hf_generate(hf, long_ids[-56:], 8)
+    assert outs[1].token_ids == hf_generate(hf, long_ids[-63:], 1) and outs[1].finish_reason == "length"
     for bad, why in ((65, "more than the model context"), (0, "must be None, -1"), (-3, "must be None, -1")):
         with pytest.raises(ValueError, match=f"^truncate_prompt_tokens: .*{why}"):
             llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, truncate_prompt_tokens=bad))
@@ -117,7 +123,7 @@ def test_skip_special_tokens_false_keeps_their_text(llm, hf):
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(allowed_token_ids=[-1]), "allowed_token_ids"),
-    (dict(allowed_token_ids=(3,)), "allowed_token_ids"), (dict(bad_words=[" "]), "bad_words"),
+    (dict(allowed_token_ids=(3.5,)), "allowed_token_ids"), (dict(bad_words=[" "]), "bad_words"),
     (dict(bad_words="x"), "bad_words"), (dict(truncate_prompt_tokens=1.5), "truncate_prompt_tokens"),
     (dict(skip_special_tokens=None), "skip_special_tokens")])
 def test_bad_values_name_the_field(kwargs, field):

@@ -848,6 +848,13 @@ def test_truncate_prompt_tokens_over_http(server, client, tiny_chat_model):
     r = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=1, extra_body={
         "return_token_ids": True, "truncate_prompt_tokens": 4})
     assert r.model_extra["prompt_token_ids"] == chat_ids[-4:] and r.usage.prompt_tokens == 4
+    # -1: a prompt past the context keeps the ids that leave room for max_tokens
+    ctx = client.models.list().data[0].model_extra["max_model_len"]
+    long_ids = [(37 * i) % 1000 + 100 for i in range(ctx + 20)]
+    r = client.completions.create(model=server.model, prompt=long_ids, max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True, "truncate_prompt_tokens": -1})
+    assert r.usage.prompt_tokens == ctx - 5
+    assert r.choices[0].text == hf_texts(tiny_chat_model, [long_ids[5 - ctx:]], 5)[0]
 
 
 def test_bad_words_over_http(server, client, tiny_chat_model):
