@@ -15,6 +15,15 @@ NUMBER_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                  "truncate_prompt_tokens", "n")
 
 
+# vLLM's SamplingParams fields this one has not, and what to use instead
+VLLM_FIELDS = {
+    "best_of": "use n (each choice is its own request); vLLM's V1 engine dropped best_of too",
+    "guided_decoding": "give structured_outputs=StructuredOutputs(json=..., regex=..., choice=..., grammar=...)",
+    "logits_processors": "custom logits processors are not supported; logit_bias, allowed_token_ids, bad_words "
+                         "and structured_outputs shape the logits",
+}
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int | None = 16             # tokens to generate at most (None: as many as the context holds)
@@ -42,6 +51,14 @@ class SamplingParams:
     skip_special_tokens: bool = True            # special tokens' text left out of the output text
     n: int = 1                              # LLM.generate: choices per prompt, each its own request (seed + i)
     detokenize: bool = True                 # False: LLM.generate's outputs carry token ids and no text (vLLM's)
+
+    def __new__(cls, *args, **kwargs):
+        """ValueError saying what to use instead for a vLLM field this class has not (VLLM_FIELDS),
+        before the generated __init__ would raise a bare TypeError."""
+        for name in kwargs:
+            if name in VLLM_FIELDS:
+                raise ValueError(f"{name}: vLLM's; {VLLM_FIELDS[name]}")
+        return object.__new__(cls)          # (not super(): slots=True makes a new class)
 
     def _coerce(self) -> None:
         """What a script computed with numpy, or wrote as tuples, as the fields' own types: numpy

@@ -288,6 +288,15 @@ def test_numpy_numbers_and_tuples_are_taken_as_python_numbers_and_lists(llm, tin
             SamplingParams(**bad)
 
 
+@pytest.mark.parametrize("field, says", [("best_of", "use n"), ("guided_decoding", "structured_outputs="),
+                                         ("logits_processors", "not supported")])
+def test_vllm_sampling_fields_not_here_say_what_to_use(field, says):
+    with pytest.raises(ValueError, match=f"^{field}: vLLM's; .*{says}"):
+        SamplingParams(max_tokens=4, **{field: 2})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'best_off'"):
+        SamplingParams(best_off=2)
+
+
 def test_no_stops_given_as_none_as_vllm_accepts():
     sp = SamplingParams(stop=None, stop_token_ids=None)
     assert sp.stop == [] and sp.stop_token_ids == []
