@@ -441,9 +441,17 @@ def main(argv=None, prog: str = "python -m server") -> None:
 
     def listening(url: str) -> None:
         print(f"tandem: listening on {url} (model {cfg.model!r} loading; /health is 503 until ready)", flush=True)
+    def stopping(signal_name: str) -> None:
+        st = app[STATE]
+        if st.engine is None:
+            print(f"tandem: {signal_name}: stopping while the model loads", file=sys.stderr, flush=True)
+            return
+        print(f"tandem: {signal_name}: stopping; requests in flight: {st.engine.num_requests()}, finished first "
+              "(30 s at most); new connections are refused; a batch's unfinished lines resume at the next start",
+              file=sys.stderr, flush=True)
     try:
         listen = Listen(cfg.host, cfg.port, cfg.tls.context(), cfg.access_log, cfg.access_log_quiet)
-        asyncio.run(serve(app, listen, cfg.limits, shutdown_timeout=30, listening=listening))
+        asyncio.run(serve(app, listen, cfg.limits, shutdown_timeout=30, listening=listening, stopping=stopping))
     except OSError as e:
         print(f"tandem: cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}", file=sys.stderr)
         sys.exit(1)

@@ -358,11 +358,13 @@ GONE_LOG = web.AppKey("gone_log", AccessLog)      # logs the requests aiohttp do
 
 
 async def serve(app: web.Application, listen: Listen, limits: Limits, *,
-                shutdown_timeout: float = 30.0, listening: Callable[[str], None] | None = None) -> None:
+                shutdown_timeout: float = 30.0, listening: Callable[[str], None] | None = None,
+                stopping: Callable[[str], None] | None = None) -> None:
     """Serve ``app`` behind a ConnectionGuard until SIGINT or SIGTERM, then shut it down as
     aiohttp's run_app does (connections closed, the app's cleanup run). ``listening`` gets the
-    address once the socket is bound; OSError where it cannot be. With ``listen.ssl`` each
-    connection speaks TLS (``Guarded._handshake``)."""
+    address once the socket is bound; OSError where it cannot be. ``stopping`` gets the signal's
+    name when one stops it, before the shutdown begins. With ``listen.ssl`` each connection
+    speaks TLS (``Guarded._handshake``)."""
     import signal
     if not any(isinstance(f, MalformedRequests) for f in logging.getLogger("aiohttp.server").filters):
         logging.getLogger("aiohttp.server").addFilter(MalformedRequests())
@@ -387,10 +389,17 @@ async def serve(app: web.Application, listen: Listen, limits: Limits, *,
     if listening is not None:        # port 0: the one given
         scheme = "https" if listen.ssl is not None else "http"
         listening(f"{scheme}://{listen.host}:{server.sockets[0].getsockname()[1]}")
+    signalled: list[str] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        signalled.append(sig.name)
+        stop.set()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         await stop.wait()
+        if signalled and stopping is not None:
+            stopping(signalled[0])
     finally:
         server.close()
         await runner.cleanup()

@@ -110,6 +110,7 @@ async def test_sigterm_finishes_in_flight_stream(tiny_chat_model, tmp_path):
         done, usage = await run()
         assert done and usage["completion_tokens"] == 150, "the in-flight request finishes"
         assert srv.proc.wait(timeout=40) == 0
+        assert "tandem: SIGTERM: stopping; requests in flight: 1, finished first" in srv.log.read_text()
     finally:
         stop_server(srv)
 
@@ -136,7 +137,7 @@ def test_a_server_stopped_while_loading_exits_at_once_with_its_workers(tiny_chat
     proc = subprocess.Popen([sys.executable, "-c", SLOW_LOAD + "\nimport sys\nfrom tandem.server.__main__ import "
                              "main\nmain(sys.argv[1:])", "--model", str(tiny_chat_model), "--port", str(port),
                              "--data-dir", str(tmp_path), "--dtype", "float32"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline, workers = time.monotonic() + 120, []
         while time.monotonic() < deadline and not workers:
@@ -148,7 +149,8 @@ def test_a_server_stopped_while_loading_exits_at_once_with_its_workers(tiny_chat
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
         assert e.value.code == 503
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+        err = proc.communicate(timeout=30)[1]
+        assert "tandem: SIGTERM: stopping while the model loads" in err, err[-2000:]
         time.sleep(2)
         assert not [p for p in workers if alive(p)], "the workers end with the server"
     finally:
