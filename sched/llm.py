@@ -299,7 +299,6 @@ class LLM:
     "auto" (as the resident cache, so a swapped request's tokens stay exactly the same).
     kv_cache_dtype: "auto" (the resident cache at the model's dtype) or "int8" (every full block
     compressed channel-wise, the open one kept at the model's dtype: about 2.7x the tokens of an
-    files = [f for f in sorted(root.rglob("*")) if f.suffix in (".py", ".cpp", ".h") and "__pycache__" not in f.parts]
     fp32 pool per block, at a small accuracy cost; the budget first reserves max_num_seqs
     requests' open blocks at full precision).
     policy: "tandem" (the default: SLO-sized iterations with RT and BE classes, remaining-time order
