@@ -8,6 +8,8 @@ each other, and limits that depend on the model (vocabulary, context).
 """
 from __future__ import annotations
 
+import functools
+import logging
 import re
 
 from tandem.engine.params import MAX_BIAS, MAX_LOGPROBS, MAX_REPETITION
@@ -402,8 +404,21 @@ def param_of(path: list) -> str:
 
 def validate(body: dict, schema: dict) -> None:
     """Raise a 400 naming the parameter when ``body`` breaks ``schema``. A null field counts as
-    absent, as OpenAI's API treats it."""
+    absent, as OpenAI's API treats it. Fields the schema does not name are ignored, as vLLM
+    ignores them, and said in the log (as vLLM says them), once for each set of names."""
     if (p := problem(schema, body)) is not None:
         path, what = p
         param = param_of(path) if path else None
         raise bad_request(f"'{path_text(path)}' {what}" if path else f"the body {what}", param=param)
+    if isinstance(body, dict) and not isinstance(schema.get("additionalProperties"), dict):
+        unknown = sorted(k for k in body if k not in schema.get("properties", {}))
+        if unknown:         # a few names, each cut short: the log is not the client's to fill
+            _say_ignored(tuple(k[:64] for k in unknown[:8]) + ((f"and {len(unknown) - 8} more",) if len(unknown) > 8
+                                                                 else ()))
+
+
+@functools.lru_cache(maxsize=256)
+def _say_ignored(names: tuple[str, ...]) -> None:
+    """Log ``names`` as ignored fields; cached, so a client that always sends them is said once."""
+    logging.getLogger("tandem.server").warning("fields present in a request but ignored (not parameters of its "
+                                               "endpoint): %s", ", ".join(names))

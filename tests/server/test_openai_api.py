@@ -1190,3 +1190,20 @@ def test_beam_search_chat_is_hfs_beams(server, client, tiny_chat_model):
     assert [c.model_extra["token_ids"] for c in got] == want
     assert [c.message.content for c in got] == [tok.decode(w, skip_special_tokens=True) for w in want]
     assert r.usage.completion_tokens == 10
+
+
+def test_fields_no_endpoint_reads_are_ignored_and_said_once_in_the_log(server, client):
+    """As vLLM: a request with a field the endpoint does not take (a typo, another API's option)
+    is served, and the log names the field, once for each set of names, at most eight of them."""
+    kw = dict(model=server.model, max_tokens=2)
+    for _ in range(3):
+        client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], **kw,
+                                       extra_body={"foo_bar_field": 1})
+    r = client.completions.create(prompt="Hi", **kw, extra_body={"max_token": 5, "zz_typo": True})
+    assert r.usage.completion_tokens == 2
+    many = {f"field_{i:02d}": i for i in range(12)}
+    client.completions.create(prompt="Hi", **kw, extra_body=many)
+    lines = [line for line in server.log.read_text().splitlines() if "ignored (not parameters of its endpoint)" in line]
+    assert [line.split("endpoint): ")[1] for line in lines if "foo_bar_field" in line] == ["foo_bar_field"]
+    assert sum(line.endswith("endpoint): max_token, zz_typo") for line in lines) == 1
+    assert sum(line.endswith("field_07, and 4 more") for line in lines) == 1
