@@ -223,7 +223,7 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 def chat_messages(messages: list[dict], tools: ToolPlan | None = None) -> list[dict]:
     """Validated chat messages as the chat template takes them: text content, OpenAI's
     ``developer`` role as ``system``, tool calls and results as text (server.tools)."""
-    flat = []
+    flat, called = [], set()
     for i, m in enumerate(messages):
         parts = m.get("content") if isinstance(m.get("content"), list) else []
         refusal = next((j for j, p in enumerate(parts) if isinstance(p, dict) and p.get("type") == "refusal"), None)
@@ -236,6 +236,11 @@ def chat_messages(messages: list[dict], tools: ToolPlan | None = None) -> list[d
         if m["role"] == "tool" and m.get("tool_call_id") is None:     # OpenAI's rule: a result answers a call
             raise bad_request(f"'messages[{i}].tool_call_id' is required in a tool message",
                               param=f"messages[{i}].tool_call_id")
+        if m["role"] == "tool" and m["tool_call_id"] not in called:    # ... made earlier in the chat
+            raise bad_request(f"'messages[{i}]': a tool message answers a call in an earlier assistant message's "
+                              f"'tool_calls', and none has id {m['tool_call_id']!r}",
+                              param=f"messages[{i}].tool_call_id")
+        called.update(c.get("id") for c in m.get("tool_calls") or () if isinstance(c, dict))
         role = "system" if m["role"] == "developer" else m["role"]
         flat.append({"role": role, "content": content, "tool_calls": m.get("tool_calls")})
     return render_messages(flat, tools)

@@ -170,6 +170,12 @@ CASES = [
      "invalid_request_error", "messages[0].content"),
     ("tool result answering no call", "POST", CHAT, {"messages": [*MSG, {"role": "tool", "content": "3"}]}, None, 400,
      "invalid_request_error", "messages[1].tool_call_id"),
+    ("tool result answering a call never made", "POST", CHAT, {"messages": [
+        *MSG, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+        {"role": "tool", "tool_call_id": "c2", "content": "4"}]},
+     None, 400, "invalid_request_error", "messages[3].tool_call_id"),
     ("deprecated functions", "POST", CHAT, {"messages": MSG, "functions": [{"name": "f"}]}, None, 400,
      "invalid_request_error", "functions"),
     ("presence penalty past 2", "POST", CHAT, {"messages": MSG, "presence_penalty": 2.5}, None, 400,
