@@ -405,6 +405,7 @@ def main(argv=None, prog: str = "python -m server") -> None:
     from tandem.sched.async_engine import AsyncEngine
     from tandem.sched.llm import LLM
     from tandem.server.app import STATE, create_app
+    from tandem.server.routes_batch import RUNNER
     from tandem.server.connections import Listen, serve
     try:        # not under HTTPS: uvloop's start_tls stalls other connections while handshakes wait
         import uvloop
@@ -446,9 +447,10 @@ def main(argv=None, prog: str = "python -m server") -> None:
         if st.engine is None:
             print(f"tandem: {signal_name}: stopping while the model loads", file=sys.stderr, flush=True)
             return
-        print(f"tandem: {signal_name}: stopping; requests in flight: {st.engine.num_requests()}, finished first "
-              "(30 s at most); new connections are refused; a batch's unfinished lines resume at the next start",
-              file=sys.stderr, flush=True)
+        lines = app[RUNNER].running
+        print(f"tandem: {signal_name}: stopping; new connections are refused; requests in flight: "
+              f"{st.engine.num_requests()}, of which clients' finish first (30 s at most) and batch lines' "
+              f"({lines} lines) stop, to run again at the next start", file=sys.stderr, flush=True)
     try:
         listen = Listen(cfg.host, cfg.port, cfg.tls.context(), cfg.access_log, cfg.access_log_quiet)
         asyncio.run(serve(app, listen, cfg.limits, shutdown_timeout=30, listening=listening, stopping=stopping))

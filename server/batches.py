@@ -17,7 +17,7 @@ import orjson
 
 from tandem.sched.request import error_id
 from tandem.server.errors import MAX_NESTING, ApiError, nests_deeper, too_deep
-from tandem.server.store import Store, new_id
+from tandem.server.store import NewFile, Store, result_file_id
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 WINDOWS = {"24h": 24 * 3600}
@@ -138,6 +138,7 @@ class BatchRunner:
         self.run_line = run_line
         self.concurrency = max(1, concurrency)
         self.tasks: dict[str, asyncio.Task] = {}
+        self.running = 0            # lines whose request is in flight, over all batches
         self._slots: asyncio.Semaphore | None = None
 
     @property
@@ -222,7 +223,11 @@ class BatchRunner:
                     line = None if stop.is_set() else next(lines, None)
                     if line is None:
                         return
-                    code, resp = await self._attempts(bid, line[0], line[2], endpoint)
+                    self.running += 1
+                    try:
+                        code, resp = await self._attempts(bid, line[0], line[2], endpoint)
+                    finally:
+                        self.running -= 1
                     self.store.finish_line(bid, line[0], code, resp, line_usage(code, resp))
 
         async def watch() -> None:
@@ -288,15 +293,14 @@ class BatchRunner:
         """Write the output and error files from the recorded results, then the final status.
         The files are built and written off the event loop (50,000 lines take over a second)."""
         out, errs = await asyncio.to_thread(lambda: result_files(self.store.line_results(bid), final))
-        ids, keep_s = [], self.store.output_expiry(bid)
+        files, keep_s = [], self.store.output_expiry(bid)
         for data, kind in ((out, "output"), (errs, "error")):
-            fid = None
-            if data:
-                fid = new_id("file")
-                await asyncio.to_thread(self.store.write_blob, fid, data)
-                self.store.register_file(fid, len(data), f"{bid}_{kind}.jsonl", "batch_output", keep_s)
-            ids.append(fid)
-        await asyncio.to_thread(self.store.end_batch, bid, final, *ids)
+            f = None
+            if data:        # its id is the batch's: a finalize run again after a stop rewrites the same bytes
+                f = NewFile(result_file_id(bid, kind), len(data), f"{bid}_{kind}.jsonl", "batch_output", keep_s)
+                await asyncio.to_thread(self.store.write_blob, f.id, data)
+            files.append(f)
+        await asyncio.to_thread(self.store.end_batch, bid, final, *files)
         b = self.store.get_batch(bid)
         c = b["request_counts"]
         log.info("batch %s %s: %d of %d lines completed, %d failed, in %.0f s", bid, final, c["completed"],

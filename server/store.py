@@ -8,12 +8,14 @@ ended (its output and error files written), its lines are dropped and its counts
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sqlite3
 import time
 import uuid
 from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
 
 SCHEMA = """
@@ -52,9 +54,25 @@ TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "c
               "cancelled_at", "expired_at")
 
 
+@dataclass(frozen=True, slots=True)
+class NewFile:
+    """A file to list: its id, size, name, purpose and seconds to keep it (None: until deleted)."""
+    id: str
+    nbytes: int
+    filename: str
+    purpose: str
+    expires_s: int | None = None
+
+
 def new_id(prefix: str, sep: str = "-") -> str:
     """OpenAI's id shapes: ``file-…``, ``batch_…``."""
     return f"{prefix}{sep}{uuid.uuid4().hex[:24]}"
+
+
+def result_file_id(bid: str, kind: str) -> str:
+    """The id of a batch's ``kind`` ("output", "error") file: derived from the batch's, so
+    writing the file again (a finalize run again after a stop) gives the same one."""
+    return "file-" + hashlib.sha256(f"{bid}:{kind}".encode()).hexdigest()[:24]
 
 
 class Store:
@@ -110,11 +128,14 @@ class Store:
     def register_file(self, fid: str, nbytes: int, filename: str, purpose: str,
                       expires_s: int | None = None) -> dict:
         """List a file whose bytes ``write_blob`` has written."""
-        now = int(time.time())
-        self.db.execute("INSERT INTO files (id, bytes, created_at, filename, purpose, expires_at) "
-                        "VALUES (?,?,?,?,?,?)",
-                        (fid, nbytes, now, filename, purpose, None if expires_s is None else now + expires_s))
+        self._insert_file(self.db, NewFile(fid, nbytes, filename, purpose, expires_s))
         return self.get_file(fid)
+
+    @staticmethod
+    def _insert_file(db: sqlite3.Connection, f: NewFile) -> None:
+        now = int(time.time())
+        db.execute("INSERT INTO files (id, bytes, created_at, filename, purpose, expires_at) VALUES (?,?,?,?,?,?)",
+                   (f.id, f.nbytes, now, f.filename, f.purpose, None if f.expires_s is None else now + f.expires_s))
 
     def get_file(self, fid: str) -> dict | None:
         """A file, unless it was deleted or has expired (an expired one is gone before the sweep
@@ -235,12 +256,18 @@ class Store:
             return [dict(r) for r in db.execute("SELECT line_no, custom_id, status, status_code, result FROM "
                                                 "batch_lines WHERE batch_id=? ORDER BY line_no", (bid,))]
 
-    def end_batch(self, bid: str, final: str, output_file_id: str | None, error_file_id: str | None) -> None:
-        """A batch's final state, its files and request_counts; then its lines are dropped (their
-        results are in the files), ``LINES_PER_WRITE`` at a time; on a thread of its own."""
+    def end_batch(self, bid: str, final: str, output: NewFile | None, errors: NewFile | None) -> None:
+        """A batch's final state, its result files (whose bytes ``write_blob`` has written: listed
+        in the same transaction, so a stop before it lists none, and one after it ended the batch)
+        and request_counts; then its lines are dropped (their results are in the files),
+        ``LINES_PER_WRITE`` at a time; on a thread of its own."""
+        output_file_id, error_file_id = (None if f is None else f.id for f in (output, errors))
         with closing(self._connect()) as db:
             with db:
                 db.execute("BEGIN IMMEDIATE")         # counted and ended with no write in between
+                for f in (output, errors):
+                    if f is not None:
+                        self._insert_file(db, f)
                 c = self._line_counts(db, bid)
                 db.execute("UPDATE batches SET status=?, output_file_id=?, error_file_id=?, total_lines=?, "
                            f"completed_lines=?, failed_lines=?, {final}_at=? WHERE id=?",

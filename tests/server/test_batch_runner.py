@@ -111,6 +111,42 @@ def test_an_expired_batch_stopped_before_its_files_resumes_and_gets_them(tmp_pat
     assert {e["error"]["code"] for e in errs} == {"batch_expired"}
 
 
+def test_a_stop_between_the_result_files_and_the_batchs_end_lists_each_file_once(tmp_path, monkeypatch):
+    """The server stops after a batch's result files were written
+    and before its end was recorded. The next start finalizes again: the batch lists one output
+    file, and no other output file of it is left listed (a pipeline listing output files would
+    otherwise read its lines twice)."""
+    store = Store(tmp_path)
+
+    async def run_line(body, chat):
+        return answer(body)
+
+    def stopped(*a, **k):                # the task is cancelled there, as a stop cancels it
+        raise asyncio.CancelledError
+    monkeypatch.setattr(store, "end_batch", stopped)
+
+    async def main():
+        runner = BatchRunner(store, run_line, 2)
+        b = store.add_batch(input_file(store, 3), ENDPOINT, 3600, "1h", None, "M")
+        runner.start(b["id"])
+        await asyncio.gather(*runner.tasks.values(), return_exceptions=True)
+        return b["id"]
+    bid = asyncio.run(main())
+    monkeypatch.undo()
+    assert bid in store.active_batches()
+    assert [f for f in store.list_files("batch_output", 100, True, None)[0]] == []
+
+    async def restart():
+        runner = BatchRunner(store, run_line, 2)
+        runner.resume_all()
+        await asyncio.gather(*runner.tasks.values())
+    asyncio.run(restart())
+    b = store.get_batch(bid)
+    listed = store.list_files("batch_output", 100, True, None)[0]
+    assert b["status"] == "completed" and [f["id"] for f in listed] == [b["output_file_id"]]
+    assert sorted(x["custom_id"] for x in lines_of(store, b["output_file_id"])) == ["c0", "c1", "c2"]
+
+
 def test_stopping_aborts_the_lines_in_flight_and_keeps_them_pending(tmp_path):
     store = Store(tmp_path)
     started, aborted = [], []
@@ -128,10 +164,11 @@ def test_stopping_aborts_the_lines_in_flight_and_keeps_them_pending(tmp_path):
         runner.start(b["id"])
         while len(started) < 3:
             await asyncio.sleep(0.01)
+        in_flight = runner.running            # what the server's stop line reports
         await runner.stop()
-        return b["id"], len(aborted)          # counted before the loop closes (which cancels all)
-    bid, aborted_by_stop = asyncio.run(main())
-    assert len(started) == 3 and aborted_by_stop == 3
+        return b["id"], len(aborted), in_flight, runner.running   # counted before the loop closes (cancels all)
+    bid, aborted_by_stop, in_flight, after = asyncio.run(main())
+    assert len(started) == 3 and aborted_by_stop == 3 and (in_flight, after) == (3, 0)
     assert len(store.pending_lines(bid)) == 6 and bid in store.active_batches()
 
 

@@ -110,7 +110,8 @@ async def test_sigterm_finishes_in_flight_stream(tiny_chat_model, tmp_path):
         done, usage = await run()
         assert done and usage["completion_tokens"] == 150, "the in-flight request finishes"
         assert srv.proc.wait(timeout=40) == 0
-        assert "tandem: SIGTERM: stopping; requests in flight: 1, finished first" in srv.log.read_text()
+        assert ("tandem: SIGTERM: stopping; new connections are refused; requests in flight: 1, of which clients' "
+                "finish first (30 s at most) and batch lines' (0 lines) stop") in srv.log.read_text()
     finally:
         stop_server(srv)
 
