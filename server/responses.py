@@ -33,7 +33,7 @@ from tandem.server.background import Background, EventLog, sse
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.logprobs import chat_logprobs
 from tandem.server.listing import newest_first, page, query_limit
-from tandem.server.protocol import reject_unsupported
+from tandem.server.protocol import chat_input, reject_unsupported
 from tandem.server.schema import (OUTPUT_LOGPROBS, RESPONSES_BODY, RESPONSES_CHAT_ONLY, RESPONSES_PASSED,
                                   RESPONSES_UNSUPPORTED, validate)
 from tandem.server.store import Store
@@ -326,6 +326,9 @@ async def _start(app: web.Application, engine, body: dict, force_be: bool = Fals
     chat, conversation = chat_body(body, app[STORE])
     if name is not None:
         chat["request_id"] = name
+    if body.get("truncation") == "auto":
+        chat["messages"] = await asyncio.get_running_loop().run_in_executor(
+            None, fitted_messages, engine.llm, chat, app[STATE].cfg.trust_request_chat_template)
     try:
         if force_be:
             p = await prepare(engine, app[STATE].cfg, chat, True, force_be=True)
@@ -334,6 +337,27 @@ async def _start(app: web.Application, engine, body: dict, force_be: bool = Fals
     except ApiError as e:
         raise _renamed(e) from None
     return p, functools.partial(_keep, app[STORE], body, conversation=conversation)
+
+
+def fitted_messages(llm, chat: dict, trust_template: bool) -> list[dict]:
+    """OpenAI's ``truncation: "auto"``: the chat's messages without the fewest whole turns from
+    the start of the conversation (a turn: a user message and what answers it) that leave its
+    prompt room for ``max_tokens`` (one token where it is not given) in the context; the system
+    messages before it stay. As they are where even the last turn alone does not fit (the
+    request is then refused as any prompt past the context is)."""
+    messages = chat["messages"]
+    lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    starts = [lead] + [i for i in range(lead + 1, len(messages)) if messages[i]["role"] == "user"]
+    limit = llm.max_model_len - min(chat.get("max_tokens") or 1, llm.max_model_len - 1)
+    for start in starts:
+        kept = messages[:lead] + messages[start:]
+        try:
+            _, flat, template = chat_input(chat | {"messages": kept}, trust_template)
+            if len(llm.encode_prompt(flat, template)[0]) <= limit:
+                return kept
+        except (ApiError, ValueError):      # refused as it is, with the reason, once it is prepared
+            break
+    return messages
 
 
 async def _finish(engine, st, p: Prepared, body: dict, created: int, keep) -> dict:
@@ -494,7 +518,8 @@ def response_json(p: Prepared, body: dict, created: int, message: dict | None, f
             "store": body.get("store") is not False, "temperature": body.get("temperature", 1.0),
             "text": {"format": fmt},
             "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
-            "top_p": body.get("top_p", 1.0), "top_logprobs": body.get("top_logprobs"), "truncation": "disabled",
+            "top_p": body.get("top_p", 1.0), "top_logprobs": body.get("top_logprobs"),
+            "truncation": body.get("truncation") or "disabled",
             "usage": u, "user": body.get("user")}
 
 

@@ -288,7 +288,8 @@ RESPONSES_BODY = {"type": "object", "required": ["input"], "properties": {
                                                 "4,096, for GET /v1/responses/{id} and previous_response_id)"},
     "previous_response_id": {"type": "string", "description": "a kept response whose conversation this one "
                                                               "goes on from"},
-    "truncation": {"enum": ["disabled"], "description": "an input past the context is refused"},
+    "truncation": {"enum": ["disabled", "auto"], "description": "disabled: an input past the context is refused; "
+                   "auto: the conversation's first turns are left out until it fits"},
     "include": {"type": "array", "items": {"type": "string"},
                 "description": f"['{OUTPUT_LOGPROBS}']: each output token's log probability (and top_logprobs "
                                "alternatives) in the output text; other values are refused"},

@@ -367,6 +367,37 @@ def test_what_it_cannot_do_is_refused_naming_the_field(server, client, extra, pa
     assert e.value.status_code == 400 and e.value.param.startswith(param), (e.value.param, e.value.message)
 
 
+def test_auto_truncation_leaves_out_the_first_whole_turns_that_keep_the_input_past_the_context(
+        server, client, tiny_chat_model, tok):
+    """A conversation past the context: refused by default, and with truncation "auto" answered
+    as HF answers the instructions and the fewest last turns that fit with room for the output
+    (turns counted and fitted here with HF's tokenizer)."""
+    ctx = client.models.list().data[0].model_extra["max_model_len"]
+    words = " ".join(f"w{i}" for i in range(ctx // 12))
+    turns = []
+    for i in range(8):
+        turns += [{"role": "user", "content": f"Question {i}: {words}"}, {"role": "assistant", "content": words}]
+    turns.append({"role": "user", "content": "Last question?"})
+    system = [{"role": "system", "content": "Be brief."}]
+
+    def prompt_len(msgs):
+        return len(tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                       add_special_tokens=False)["input_ids"])
+    assert prompt_len(system + turns) > ctx - MAX
+    first = next(i for i in range(0, len(turns), 2) if prompt_len(system + turns[i:]) <= ctx - MAX)
+    assert 0 < first < len(turns) - 1
+    kw = dict(model=server.model, instructions="Be brief.", input=turns, max_output_tokens=MAX, temperature=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**kw)
+    assert e.value.code == "context_length_exceeded"
+    r = client.responses.create(**kw, truncation="auto")
+    text, n_in, _ = hf_reply(tiny_chat_model, tok, system + turns[first:], MAX)
+    assert r.truncation == "auto" and r.output_text == text and r.usage.input_tokens == n_in
+    # the kept conversation is whole: its input items are every turn sent
+    items = client.responses.input_items.list(r.id, order="asc", limit=100).data
+    assert len(items) == len(turns)
+
+
 def test_an_unsupported_part_is_named_where_it_is(server, client):
     """An image part of a message: the error names the part's type and what is accepted, not
     only that the item has none of the accepted forms."""
