@@ -215,6 +215,8 @@ def _plain(x):
 def int_list(x):
     """``x`` as a list of Python ints where it is a list, tuple or 1-D array of integers (numpy's
     included), else ``x`` as it is."""
+    if isinstance(x, list) and all(type(t) is int for t in x):
+        return x                                    # the usual case: one quick pass, no copy
     if hasattr(x, "tolist") and not isinstance(x, (list, tuple)):
         x = x.tolist()
     if isinstance(x, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in x):
