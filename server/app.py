@@ -925,7 +925,8 @@ def serving_summary(engine: AsyncEngine, cfg: ServerConfig) -> str:
     """What the server runs with, once loaded: the cache pool (as vLLM logs its blocks) and the
     limits a request meets."""
     block, dtype, blocks = engine.llm.cache_config()
-    return (f"{blocks:,} cache blocks of {block} tokens ({blocks * block:,} tokens, {dtype}) on "
+    return (f"{blocks:,} cache blocks of {block} tokens (each K or V: {blocks * block // 2:,} tokens of KV cache, "
+            f"{dtype}) on "
             f"{cfg.devices}; policy {cfg.policy}, max-model-len {engine.llm.max_model_len:,}, "
             f"max-num-seqs {cfg.max_num_seqs}, max-waiting {cfg.max_waiting:,}")
 

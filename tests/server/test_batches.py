@@ -56,8 +56,9 @@ def test_the_log_says_what_the_server_runs_with(server):
     text = urllib.request.urlopen(req, timeout=60).read().decode()
     blocks, size = re.search(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"[^}]*num_gpu_blocks="(\d+)"', text) \
         .group(2, 1)
-    assert f"{int(blocks):,} cache blocks of {size} tokens ({int(blocks) * int(size):,} tokens, float32) on " \
-           "cpu:1; policy tandem, max-model-len " in server.log.read_text()
+    # a block holds one token block's K or its V: a KV cache takes two blocks per block_size tokens
+    assert f"{int(blocks):,} cache blocks of {size} tokens (each K or V: {int(blocks) * int(size) // 2:,} tokens of " \
+           "KV cache, float32) on cpu:1; policy tandem, max-model-len " in server.log.read_text()
 
 
 def test_batch_round_trip(server, client):
