@@ -6,9 +6,11 @@ import threading
 import time
 from collections import deque
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from tandem.sched.request import Transfer
+
+disable_created_metrics()       # no *_created series beside each counter and histogram, as vLLM's /metrics
 
 # to 7680 s as vLLM's request latencies: a batch line or a chat past capacity may wait minutes
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -75,13 +77,19 @@ class Metrics:
                               ["model_name"], registry=r)
         self.kv_usage_by_class = Gauge("tandem:kv_cache_usage_perc", "Fraction of pool blocks held (0-1), by "
                                        "class (a block RT and BE requests share counts as RT's)", lab, registry=r)
-        self.preemptions = Counter("vllm:num_preemptions", "Preemptions (cache discarded)", lab, registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Preemptions (the cache swapped to host memory, or "
+                                   "discarded to be recomputed)", lab, registry=r)
+        self.swapped = Gauge("vllm:num_requests_swapped", "Requests whose cache is swapped out to host memory "
+                             "(counted among the waiting too)", ["model_name"], registry=r)
+        self.host_usage = Gauge("vllm:cpu_cache_usage_perc", "Fraction of the host memory for swapped caches in "
+                                "use (0-1; 0 where nothing swaps)", ["model_name"], registry=r)
         self.slo = Counter("tandem:slo_requests", "Finished requests by SLO outcome",
                            lab + ["slo", "met"], registry=r)
-        self.cost_error = Gauge("tandem:cost_model_error", "Iteration cost model: mean relative error "
-                                "|predicted - measured| / measured (EWMA over steps)", ["model_name"], registry=r)
-        self.cost_steps = Gauge("tandem:cost_model_observed_steps", "Steps the cost model has been checked "
-                                "against (and refitted from)", ["model_name"], registry=r)
+        self.cost_error = Gauge("tandem:cost_model_error", "Iteration cost model of the first device: mean "
+                                "relative error |predicted - measured| / measured (EWMA over steps)", ["model_name"],
+                                registry=r)
+        self.cost_steps = Gauge("tandem:cost_model_observed_steps", "Steps the first device's cost model has "
+                                "been checked against (and refitted from)", ["model_name"], registry=r)
         self.step_seconds = Histogram("tandem:step_seconds", "Wall time of each device step (plan to "
                                       "results)", ["model_name"], buckets=LATENCY_BUCKETS, registry=r)
         self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Tokens computed per device step "
@@ -90,8 +98,8 @@ class Metrics:
         self.step_tokens = Counter("tandem:step_tokens", "Tokens computed in steps, by class and phase (prefill: "
                                    "prompt tokens, recomputed ones included; decode: one per decoding request)",
                                    lab + ["phase"], registry=r)
-        self.t_avg = Gauge("tandem:iteration_seconds_avg", "Moving average of the iteration time (T_avg)",
-                           ["model_name"], registry=r)
+        self.t_avg = Gauge("tandem:iteration_seconds_avg", "Moving average of the iteration time (T_avg), of "
+                           "the device where it is longest", ["model_name"], registry=r)
         self.pool_blocks = Gauge("tandem:pool_blocks", "Pool blocks by owner: rt, be, shared, checkpointed "
                                  "(slots on the CPU), free", ["model_name", "owner"], registry=r)
         self.cache_tokens = Counter("tandem:cache_tokens", "Tokens computed into each cache type (kv, "
@@ -185,8 +193,10 @@ class Metrics:
             samples.append((now, actor.tokens_computed))
             while len(samples) > 2 and samples[1][0] < now - RATE_WINDOW_S:
                 samples.popleft()
+            host = actor.host
             self._devices[actor.index] = (load, pool_view([actor]), actor.pool.geometry.num_blocks, actor.t_avg,
-                                          bool(actor.states))
+                                          bool(actor.states), (0, 0, 0) if host is None else
+                                          (len(host), host.used, host.capacity))
             devices = list(self._devices.values())
             self.devices_active.labels(self.model).set(sum(d[4] for d in devices))
             self.device_pool.labels(self.model, actor.device.name).set(
@@ -207,6 +217,9 @@ class Metrics:
             for owner in devices[0][1]:
                 self.pool_blocks.labels(self.model, owner).set(sum(d[1][owner] for d in devices))
             self.t_avg.labels(self.model).set(max(d[3] for d in devices))
+            self.swapped.labels(self.model).set(sum(d[5][0] for d in devices))
+            host_bytes = max(1, sum(d[5][2] for d in devices))
+            self.host_usage.labels(self.model).set(sum(d[5][1] for d in devices) / host_bytes)
             cost = actor.cost
             if actor.index == 0 and cost is not None and cost.error_ewma is not None:
                 self.cost_error.labels(self.model).set(cost.error_ewma)

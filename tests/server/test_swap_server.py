@@ -33,9 +33,22 @@ async def test_swapped_requests_reply_as_if_alone(tiny_chat_model, tmp_path):
                      "--swap-dtype", "auto",
                      "--kv-cache-bytes", str(16 * block_bytes), "--max-num-batched-tokens", "64")
 
+    seen = []           # (requests swapped out, host memory in use) at each scrape while they run
+
+    async def watch(session, done):
+        while not done.is_set():
+            async with session.get(s.url + "/metrics") as r:
+                text = await r.text()
+            seen.append((metric(text, "vllm:num_requests_swapped"), metric(text, "vllm:cpu_cache_usage_perc")))
+            await asyncio.sleep(0.01)
+
     async def run():
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as session:
+            done = asyncio.Event()
+            watcher = asyncio.create_task(watch(session, done))
             together = await asyncio.gather(*(complete(session, s.url, i) for i in range(N)))
+            done.set()
+            await watcher
             # a chat whose context can never fit the small pool: refused, naming the messages
             async with session.post(s.url + "/v1/chat/completions", json={
                     "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400}) as r:
@@ -60,6 +73,11 @@ async def test_swapped_requests_reply_as_if_alone(tiny_chat_model, tmp_path):
     assert out > 0 and metric(text, "tandem:swaps_total", event="in") == out
     moved = metric(text, "tandem:swap_bytes_total", direction="out")
     assert moved > 0 and metric(text, "tandem:swap_bytes_total", direction="in") == moved
+    # vLLM's swap gauges: some request was seen swapped out, holding host memory; none at the end
+    assert any(n >= 1 and 0 < used <= 1 for n, used in seen), seen
+    assert all((n == 0) == (used == 0) for n, used in seen), seen
+    assert (metric(text, "vllm:num_requests_swapped"), metric(text, "vllm:cpu_cache_usage_perc")) == (0, 0)
+    assert "_created" not in text           # no creation-time series beside the counters, as vLLM's
     assert refused[0] == 400 and refused[1]["param"] == "messages" and "pool has" in refused[1]["message"]
     assert whole[0] == 200, whole[1]
     assert whole[1]["choices"][0]["finish_reason"] == "length" and whole[1]["usage"]["total_tokens"] == 8 * 16
