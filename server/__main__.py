@@ -447,10 +447,11 @@ def main(argv=None, prog: str = "python -m server") -> None:
         if st.engine is None:
             print(f"tandem: {signal_name}: stopping while the model loads", file=sys.stderr, flush=True)
             return
-        lines = app[RUNNER].running
-        print(f"tandem: {signal_name}: stopping; new connections are refused; requests in flight: "
-              f"{st.engine.num_requests()}, of which clients' finish first (30 s at most) and batch lines' "
-              f"({lines} lines) stop, to run again at the next start", file=sys.stderr, flush=True)
+        lines, n = app[RUNNER].running, st.engine.num_requests()
+        print(f"tandem: {signal_name}: stopping; new connections are refused; " + (
+              f"requests in flight: {n}, of which clients' finish first (30 s at most) and batch lines' "
+              f"({lines} lines) stop, to run again at the next start" if n else "no requests in flight"),
+              file=sys.stderr, flush=True)
     try:
         listen = Listen(cfg.host, cfg.port, cfg.tls.context(), cfg.access_log, cfg.access_log_quiet)
         asyncio.run(serve(app, listen, cfg.limits, shutdown_timeout=30, listening=listening, stopping=stopping))

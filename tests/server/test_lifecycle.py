@@ -177,6 +177,7 @@ def test_a_restarted_server_reads_its_start_up_profile_from_the_data_dir(tiny_ch
     reads it back, and with --startup-profile fresh measures it again and keeps the new one."""
     srv = start_server(tiny_chat_model, tmp_path)
     stop_server(srv)
+    assert "tandem: SIGTERM: stopping; new connections are refused; no requests in flight" in srv.log.read_text()
     (kept,) = (tmp_path / "data" / "profiles").iterdir()
     measured = json.loads(kept.read_text())["measured_at"]
     assert "start-up profile (iteration cost model) took" in srv.log.read_text()
