@@ -2,6 +2,22 @@
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
+import sys
+
+# what a bad setting or a missing input raises inside a command: said in one line (with
+# TANDEM_BENCH_TRACEBACK=1, the traceback too)
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError, ZeroDivisionError, statistics.StatisticsError)
+OUT_HELP = "result file name, in the results dir (bench/results in a checkout, else ./tandem-bench-results)"
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number above 0 (a rate, a burstiness)."""
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return v
 
 
 def main(argv=None, prog: str = "python -m bench") -> None:
@@ -24,7 +40,7 @@ def main(argv=None, prog: str = "python -m bench") -> None:
                             "tandem-no-slo etc.: the default with one mechanism off; -f32w: dense weights "
                             "alone, --no-weight-blocks), vllm, vllm-priority, "
                             "llamacpp, transformers")
-        p.add_argument("--rates", nargs="+", type=float, default=[1.0, 2.0])
+        p.add_argument("--rates", nargs="+", type=positive_float, default=[1.0, 2.0])
         p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
         p.add_argument("--drain", type=float, default=120.0, help="seconds to wait after the last arrival")
         p.add_argument("--seed", type=int, default=0)
@@ -34,7 +50,7 @@ def main(argv=None, prog: str = "python -m bench") -> None:
         p.add_argument("--tbt-factor", type=float, default=5.0, help="TBT SLO = factor x unloaded TBT")
         p.add_argument("--slo-ttft-ms", type=float, default=None, help="fix the SLOs instead of calibrating")
         p.add_argument("--slo-tbt-ms", type=float, default=None)
-        p.add_argument("--out", default=f"{p.prog.split()[-1]}.json", help="result file under bench/results")
+        p.add_argument("--out", default=f"{p.prog.split()[-1]}.json", help=OUT_HELP)
         p.add_argument("--model", default="smollm2",
                        choices=["smollm2", "opt125m-random", "opt13b-random", "llama8b-random", "smollm2-random"],
                        help="opt125m-random: an OPT-125m-shaped multi-head model, random weights (Apt-Serve); "
@@ -63,7 +79,7 @@ def main(argv=None, prog: str = "python -m bench") -> None:
                     help="the same N prompts at every rate (arriving over N / rate seconds instead of "
                          "--duration), each rate on a fresh server, so rates differ only in arrival times")
     tb = sub.add_parser("table", help="the whole peers table: offline + online + effective throughput")
-    tb.add_argument("--rates", nargs=2, type=float, default=[1.0, 2.0])
+    tb.add_argument("--rates", nargs=2, type=positive_float, default=[1.0, 2.0])
     tb.add_argument("--duration", type=float, default=30.0)
     tb.add_argument("--drain", type=float, default=90.0)
     tb.add_argument("--search", nargs=2, type=float, default=[0.25, 3.0], metavar=("LO", "HI"))
@@ -72,7 +88,7 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     st.add_argument("--systems", nargs="+", default=["tandem", "vllm"])
     st.add_argument("--batches", nargs="+", type=int, default=[1, 2, 5, 8, 16, 32])
     st.add_argument("--max-tokens", type=int, default=96)
-    st.add_argument("--out", default="streams.json", help="result file under bench/results")
+    st.add_argument("--out", default="streams.json", help=OUT_HELP)
     sp = sub.add_parser("step-profile", help="where a decode step's time goes: GEMMs, attention, norms, "
                         "rotary, sampling, Python, IPC, the actor's phases")
     sp.add_argument("--batch", type=int, default=64)
@@ -88,13 +104,13 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     cl.add_argument("--repeats", type=int, default=3)
     cl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="bfloat16: dense weights with and without GGUF's blocks for thin products")
-    cl.add_argument("--out", default="cpu_linear.json", help="result file under bench/results")
+    cl.add_argument("--out", default="cpu_linear.json", help=OUT_HELP)
     su = sub.add_parser("startup-profile", help="the start-up profile's time, and its cost model's error on "
                         "measured serving steps (SmolLM2, cpu:1)")
     su.add_argument("--repeats", type=int, default=2)
     su.add_argument("--no-weight-blocks", action="store_true", help="the server's --no-weight-blocks")
     su.add_argument("--steps", type=int, default=240, help="measured serving steps to score the models on")
-    su.add_argument("--out", default="startup_profile.json", help="result file under bench/results")
+    su.add_argument("--out", default="startup_profile.json", help=OUT_HELP)
     ind = sub.add_parser("independence", help="cpu:2: does a busy device slow the other's short chats? "
                          "(device actors vs lock-step)")
     ind.add_argument("--chats", type=int, default=8)
@@ -104,10 +120,10 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     pr = sub.add_parser("profile", help="fit the iteration cost model from our engine's measured steps")
     pr.add_argument("--max-num-seqs", type=int, default=64)
     sm = sub.add_parser("sim", help="simulated FCFS at paper scale (or with the fitted cost model)")
-    sm.add_argument("--rates", nargs="+", type=float, default=[1, 2, 3, 4, 5, 6, 7, 8])
+    sm.add_argument("--rates", nargs="+", type=positive_float, default=[1, 2, 3, 4, 5, 6, 7, 8])
     sx = sub.add_parser("sim-mixed", help="simulated RT + always-pending BE jobs per policy (paper scale)")
     sx.add_argument("--policies", nargs="+", default=["fcfs", "rr", "bros"])
-    sx.add_argument("--rates", nargs="+", type=float, default=[1, 2, 3, 4])
+    sx.add_argument("--rates", nargs="+", type=positive_float, default=[1, 2, 3, 4])
     sx.add_argument("--be-job-size", type=int, default=32)
     for p in (sm, sx):
         p.add_argument("--preset", default="opt13b", choices=["opt13b", "fitted"])
@@ -120,7 +136,7 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     sa = sub.add_parser("sim-apt", help="simulated Apt-Serve vs FCFS at paper scale: effective throughput, ablations")
     sa.add_argument("--systems", nargs="+", default=["fcfs", "fcfs-prefill-first", "aptserve", "aptserve-s",
                                                      "aptserve-s-kv", "aptserve-s-fcfs"])
-    sa.add_argument("--out", default="sim_aptserve.json", help="result file under bench/results")
+    sa.add_argument("--out", default="sim_aptserve.json", help=OUT_HELP)
     sa.add_argument("--datasets", nargs="+", default=["sharegpt", "long"], choices=["sharegpt", "long"])
     sa.add_argument("--num-requests", type=int, default=1000)
     sa.add_argument("--max-num-seqs", type=int, default=256)
@@ -139,14 +155,14 @@ def main(argv=None, prog: str = "python -m bench") -> None:
                                                               "aptserve-s-kv", "aptserve-s-fcfs", "aptserve-s"])
     sa.add_argument("--ablation-rates", nargs="*", type=float, default=[3.0, 6.0])
     sa.add_argument("--ablation-rates-long", nargs="*", type=float, default=[0.5, 1.0])
-    sa.add_argument("--cvs", nargs="+", type=float, default=[1.0, 5.0, 10.0])
+    sa.add_argument("--cvs", nargs="+", type=positive_float, default=[1.0, 5.0, 10.0])
     sa.add_argument("--seed", type=int, default=0)
     sa.add_argument("--samples", type=int, default=1,
                     help="traces per dataset: the first pairs, then random draws (seeds 1..) with arrival seeds seed+k")
     sl = sub.add_parser("sim-alise", help="simulated ALISE vs FCFS vs an oracle at paper scale: normalized "
                         "latency vs rate, swap vs recompute")
     sl.add_argument("--systems", nargs="+", default=["fcfs", "alise", "alise-oracle", "alise-recompute"])
-    sl.add_argument("--rates", nargs="+", type=float, default=[0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6])
+    sl.add_argument("--rates", nargs="+", type=positive_float, default=[0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6])
     sl.add_argument("--num-requests", type=int, default=1000)
     sl.add_argument("--max-num-seqs", type=int, default=256)
     sl.add_argument("--host-gbps", type=float, default=25.0, help="device-host link for swaps, GB/s")
@@ -159,13 +175,13 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     sl.add_argument("--tuning-range", action="store_true",
                     help="draw the trace from records before 15,000 (the predictor's training range: oracle and "
                          "FCFS only make sense there), to check a scheduling choice without the held-out set")
-    sl.add_argument("--out", default="sim_alise.json", help="result file under bench/results")
+    sl.add_argument("--out", default="sim_alise.json", help=OUT_HELP)
     stn = sub.add_parser("sim-tandem", help="simulated tandem vs each single policy and its ablations at paper "
                          "scale: RT attainment, effective throughput, RT normalized latency, BE requests/s")
     stn.add_argument("--systems", nargs="+", default=["fcfs", "bros", "aptserve", "alise", "tandem",
                                                       "tandem-no-slo", "tandem-no-lengths", "tandem-no-hidden",
                                                       "tandem-recompute"])
-    stn.add_argument("--rates", nargs="+", type=float, default=[1, 2, 3, 4])
+    stn.add_argument("--rates", nargs="+", type=positive_float, default=[1, 2, 3, 4])
     stn.add_argument("--num-requests", type=int, default=1000)
     stn.add_argument("--max-num-seqs", type=int, default=256)
     stn.add_argument("--be-job-size", type=int, default=32)
@@ -192,7 +208,7 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     stn.add_argument("--late-after", type=float, default=0.5,
                      help="tandem systems: the part of its TTFT target a chat's prompt waits before look-ahead "
                           "admission stops keeping it out")
-    stn.add_argument("--out", default="sim_tandem.json", help="result file under bench/results")
+    stn.add_argument("--out", default="sim_tandem.json", help=OUT_HELP)
     ia = sub.add_parser("int8-accuracy", help="perplexity and greedy agreement of SmolLM2 with int8 KV vs full "
                         "precision on held-out ShareGPT replies (HF transformers)")
     ia.add_argument("--num-pairs", type=int, default=200)
@@ -211,14 +227,14 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     ik.add_argument("--kv-cache-mib", type=float, default=128)
     ik.add_argument("--max-num-seqs", type=int, default=32)
     ik.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    ik.add_argument("--out", default="int8_kv.json", help="result file under bench/results")
+    ik.add_argument("--out", default="int8_kv.json", help=OUT_HELP)
     stk = sub.add_parser("same-tokens", help="greedy replies of held-out ShareGPT prompts run together and each "
                          "alone, and alone again with the prompt cached, per dtype: how many change")
     stk.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     stk.add_argument("--num-prompts", type=int, default=20)
     stk.add_argument("--max-prompt", type=int, default=256)
     stk.add_argument("--max-tokens", type=int, default=60)
-    stk.add_argument("--out", default="same_tokens.json", help="result file under bench/results")
+    stk.add_argument("--out", default="same_tokens.json", help=OUT_HELP)
     pc = sub.add_parser("prefix-cache", help="prefix caching off vs on, SmolLM2: chats about one document "
                         "(held-out ShareGPT), time to first token one by one and a batch's throughput")
     pc.add_argument("--num-questions", type=int, default=8, help="chats one by one, and as many in the batch")
@@ -229,7 +245,7 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     pc.add_argument("--threads", type=int, default=None, help="torch threads in the worker (default: all cores)")
     pc.add_argument("--kv-cache-tokens", type=int, default=None,
                     help="a KV pool of this many tokens (default: the engine's default pool)")
-    pc.add_argument("--out", default="prefix_cache.json", help="result file under bench/results")
+    pc.add_argument("--out", default="prefix_cache.json", help=OUT_HELP)
     pr = sub.add_parser("prefix-routing", help="multi-turn chats on cpu:2, SmolLM2: prefix caching off, on with "
                         "placement by load, on with cache-aware routing")
     pr.add_argument("--num-chats", type=int, default=12, help="held-out ShareGPT conversations")
@@ -237,7 +253,7 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     pr.add_argument("--max-prompt", type=int, default=1200, help="the last turn's prompt tokens, at most")
     pr.add_argument("--max-tokens", type=int, default=1, help="output tokens per turn")
     pr.add_argument("--repeats", type=int, default=2, help="runs of each setting, in turn")
-    pr.add_argument("--out", default="prefix_routing.json", help="result file under bench/results")
+    pr.add_argument("--out", default="prefix_routing.json", help=OUT_HELP)
     ov = sub.add_parser("overhead", help="time per scheduling decision on random snapshots (no model)")
     ov.add_argument("--candidates", nargs="+", type=int, default=[50, 400, 1600])
     ov.add_argument("--repeats", type=int, default=50)
@@ -254,13 +270,15 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     ml = sub.add_parser("sim-mell", help="multi-device placement at paper scale: Mell vs BF / WF / LB")
     ml.add_argument("--policies", nargs="+", default=["mell", "lb", "bf", "wf"], choices=["mell", "lb", "bf", "wf"])
     ml.add_argument("--traces", nargs="+", default=["sharegpt", "long"], choices=["sharegpt", "long"])
-    ml.add_argument("--rates", nargs="+", type=float, default=[0.5, 0.8, 1.1], help="ShareGPT x10 arrivals (req/s)")
+    ml.add_argument("--rates", nargs="+", type=positive_float, default=[0.5, 0.8, 1.1],
+                    help="ShareGPT x10 arrivals (req/s)")
     ml.add_argument("--rates-long", nargs="+", type=float, default=[0.1, 0.2], help="long-prompt arrivals (req/s)")
-    ml.add_argument("--cvs", nargs="+", type=float, default=[1.0, 3.0], help="1: Poisson; >1: bursty Gamma gaps")
+    ml.add_argument("--cvs", nargs="+", type=positive_float, default=[1.0, 3.0],
+                    help="1: Poisson; >1: bursty Gamma gaps")
     ml.add_argument("--duration", type=float, default=1200.0, help="seconds of arrivals")
     ml.add_argument("--tbt-ms", type=float, default=50.0, help="time per output token of every request")
     ml.add_argument("--seed", type=int, default=0)
-    ml.add_argument("--out", default="sim_mell.json", help="result file under bench/results")
+    ml.add_argument("--out", default="sim_mell.json", help=OUT_HELP)
     sk = sub.add_parser("skew", help="two devices: static placement vs migrating ones as request sizes diverge")
     sk.add_argument("--placements", nargs="*", default=["static", "lb", "mell"], choices=["static", "mell", "lb", "bf", "wf"],
                     help="none: the migration sweep alone")
@@ -279,7 +297,7 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     sk.add_argument("--sweep", nargs="*", type=int, default=[64, 256, 1024, 1792],
                     help="context lengths for the pause-per-migration table (none: skip it)")
     sk.add_argument("--seed", type=int, default=0)
-    sk.add_argument("--out", default="skew.json", help="result file under bench/results")
+    sk.add_argument("--out", default="skew.json", help=OUT_HELP)
     cub = sub.add_parser("chat-under-batch", help="chat TTFT while a large batch job runs, per policy "
                          "(default: the server's default policy against fcfs)")
     cub.add_argument("--policies", nargs="+", default=["default", "fcfs"],
@@ -336,6 +354,16 @@ def main(argv=None, prog: str = "python -m bench") -> None:
                         "for traces where the dataset cannot go)")
     ln.add_argument("--n", type=int, default=4000)
     args = ap.parse_args(argv)
+    try:
+        _run(args)
+    except USER_ERRORS as e:
+        if os.environ.get("TANDEM_BENCH_TRACEBACK"):
+            raise
+        sys.exit(f"{prog} {args.cmd}: {type(e).__name__}: {e}")
+
+
+def _run(args) -> None:
+    """Run the subcommand ``args.cmd`` names."""
     if args.cmd == "offline":
         from tandem.bench.offline import main as offline
         offline(args)
@@ -412,6 +440,9 @@ def main(argv=None, prog: str = "python -m bench") -> None:
         from tandem.bench.kernels import run as kernels
         kernels(args)
     elif args.cmd == "lengths":
+        from tandem.bench.output import IN_CHECKOUT
+        if not IN_CHECKOUT:
+            raise ValueError("it rewrites the data file the package ships (bench/data): run it in a checkout")
         from tandem.bench.workloads import write_lengths
         from tandem.engine.models.loader import load_tokenizer, resolve_model
         from tandem.sched.llm import DEFAULT_CACHE_DIR

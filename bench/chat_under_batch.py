@@ -89,7 +89,7 @@ def run(args) -> None:
             res = asyncio.run(measure(url, "smollm2", chat, job, args.idle, args.every))
         idle = [r.ttft for r in res["idle"] if r.ok]
         busy = [r.ttft for r in res["busy"] if r.ok]
-        q = statistics.quantiles(busy, n=10) if len(busy) >= 2 else busy * 9
+        q = statistics.quantiles(busy, n=10, method="inclusive") if len(busy) >= 2 else busy * 9
         rows.append({"policy": policy, "idle_ttft_p50_s": statistics.median(idle),
                      "ttft_p50_s": statistics.median(busy), "ttft_p90_s": q[8], "ttft_max_s": max(busy),
                      "slo_ttft_s": res["target"], "within_slo": sum(t <= res["target"] for t in busy) / len(busy),

@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
-RESULTS = _HERE / "results" if (_HERE.parent / "pyproject.toml").is_file() else Path.cwd() / "tandem-bench-results"
+IN_CHECKOUT = (_HERE.parent / "pyproject.toml").is_file()      # an editable install included
+RESULTS = _HERE / "results" if IN_CHECKOUT else Path.cwd() / "tandem-bench-results"
 
 
 def save_json(name: str, obj) -> Path:

@@ -31,9 +31,16 @@ def main(argv=None, prog: str = "python -m predictor") -> int:
     p.add_argument("prompts", nargs="+")
     p.add_argument("--path", type=Path, default=None)
     a = ap.parse_args(argv)
+    for name in ("limit", "threads", "epochs", "text_epochs"):
+        if (v := getattr(a, name, None)) is not None and v < 1:
+            ap.error(f"--{name.replace('_', '-')}: must be 1 or more, got {v}")
     import torch
     torch.set_num_threads(getattr(a, "threads", 1))
-    return {"train": _train, "eval": _eval, "predict": _predict}[a.cmd](a)
+    try:
+        return {"train": _train, "eval": _eval, "predict": _predict}[a.cmd](a)
+    except FileNotFoundError as e:          # no trained predictor where one was looked for: say so, no traceback
+        print(f"{prog} {a.cmd}: {e}", file=sys.stderr)
+        return 1
 
 
 def _train(a) -> int:

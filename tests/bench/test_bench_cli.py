@@ -141,3 +141,30 @@ def test_a_figure_without_matplotlib_is_left_out_with_a_line(monkeypatch, tmp_pa
                              tmp_path / "a.png", "t")
     assert not (tmp_path / "a.png").exists()
     assert "no attainment_vs_rate plot: matplotlib is not installed" in capsys.readouterr().out
+
+
+def test_a_bad_setting_is_one_line_not_a_traceback(capsys, monkeypatch):
+    """A rate of 0 is refused as argparse refuses a bad flag; an error a command meets before any
+    work (an unknown system) ends it with one line naming the command (the traceback only with
+    TANDEM_BENCH_TRACEBACK=1)."""
+    from tandem.bench.__main__ import main
+    with pytest.raises(SystemExit) as e:
+        main(["sim", "--rates", "1", "0"])
+    assert e.value.code == 2 and "argument --rates: must be above 0, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["overhead", "--repeats", "0"])
+    assert e.value.code == "python -m bench overhead: StatisticsError: no median for empty data"
+    monkeypatch.setenv("TANDEM_BENCH_TRACEBACK", "1")
+    with pytest.raises(Exception) as e:
+        main(["overhead", "--repeats", "0"])
+    assert type(e.value).__name__ == "StatisticsError"
+
+
+def test_a_missing_predictor_is_one_line_and_status_1(tmp_path, capsys):
+    from tandem.predictor.__main__ import main
+    assert main(["predict", "hello", "--path", str(tmp_path / "none")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("python -m predictor predict: no length predictor in") and "Traceback" not in err
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--limit", "0"])
+    assert e.value.code == 2 and "--limit: must be 1 or more, got 0" in capsys.readouterr().err
