@@ -14,13 +14,12 @@ Reported: perplexity of the replies under each, its relative change, and greedy-
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 
 import torch
 
-from tandem.bench.sim_cli import RESULTS
+from tandem.bench.output import save_json
 from tandem.engine.kvquant import dequantize, quantize
 
 BLOCK = 16
@@ -86,6 +85,5 @@ def run(args) -> dict:
           f"| full precision | {ppl_f:.3f} | 100% |\n"
           f"| int8 (channel-wise per {BLOCK}-token block, open block full) | {ppl_q:.3f} ({ppl_q / ppl_f - 1:+.2%}) "
           f"| {agree / n:.2%} |")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "int8_accuracy.json").write_text(json.dumps(res, indent=2))
+    save_json("int8_accuracy.json", res)
     return res

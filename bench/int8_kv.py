@@ -12,13 +12,12 @@ Both configurations run in this process (one engine, no server), on the same pro
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 
 import torch
 
-from tandem.bench.sim_cli import RESULTS
+from tandem.bench.output import save_json
 
 DTYPES = ("auto", "int8")
 
@@ -152,6 +151,5 @@ def run(args) -> dict:
 
 
 def _save(res: dict, name: str) -> dict:
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / name).write_text(json.dumps(res, indent=2))
+    save_json(name, res)
     return res

@@ -165,6 +165,9 @@ def sim_validate(args) -> None:
     """Replay the traces of a `bench online` run (its tandem-fcfs rows) in the simulator with the fitted cost
     model, with and without the measured step-time spread, and compare attainment with the real one."""
     real = json.loads((RESULTS / args.real).read_text())
+    if not any(x.get("system") == "tandem-fcfs" for x in real.get("rows", ())):
+        raise ValueError(f"{args.real} holds no tandem-fcfs rows: the simulator is checked against FCFS runs "
+                         "(`bench online --systems tandem-fcfs ...`)")
     tok = _tokenizer()
     cost, ratios, ratios_prefill = load_fitted()
     slo, tr = real["slo"], real["trace"]

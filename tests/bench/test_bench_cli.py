@@ -168,3 +168,16 @@ def test_a_missing_predictor_is_one_line_and_status_1(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["eval", "--limit", "0"])
     assert e.value.code == 2 and "--limit: must be 1 or more, got 0" in capsys.readouterr().err
+
+
+def test_validating_the_simulator_against_a_run_without_fcfs_rows_says_so(tmp_path, monkeypatch):
+    """sim-validate replays a run's FCFS rows: a results file without any is an error naming
+    what it needs, not an empty table."""
+    import json
+    from tandem.bench import sim_cli
+    from tandem.bench.__main__ import main
+    monkeypatch.setattr(sim_cli, "RESULTS", tmp_path)
+    (tmp_path / "run.json").write_text(json.dumps({"rows": [{"system": "tandem", "rate": 1.0}]}))
+    with pytest.raises(SystemExit) as e:
+        main(["sim-validate", "--real", "run.json"])
+    assert str(e.value.code).startswith("python -m bench sim-validate: ValueError: run.json holds no tandem-fcfs rows")
