@@ -569,7 +569,8 @@ class LLM:
     def _profile_key(self, hf_dir: Path, configs: list[WorkerConfig], sched: SchedConfig) -> dict[str, Any]:
         """What a start-up profile's steps depend on: the hardware, the model's files, the software
         and every setting that shapes a step (never the policy's own, which orders the steps)."""
-        files = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(hf_dir.iterdir()) if f.is_file()}
+        files = {f.name: [st.st_size, st.st_mtime_ns] for f in sorted(hf_dir.iterdir()) if f.is_file()
+                 for st in [f.stat()]}
         workers = [{k: v for k, v in asdict(wc).items() if k not in ("spec", "tokenizer_file", "num_blocks")}
                    for wc in configs]
         software = {name: metadata.version(name) for name in ("tandem", "torch")} | {"code": _code_digest()}
@@ -740,7 +741,7 @@ class LLM:
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer for chat messages")
-            prompt = [m | {"content": _message_text(m)} for m in prompt]
+            prompt = [m | {"content": message_text(m)} for m in prompt]
             if not all(isinstance(m.get("role"), str) and isinstance(m["content"], str) for m in prompt):
                 raise ValueError("prompt: chat messages need a string 'role' and a 'content' that is a string or "
                                  "a list of text parts (or, in an assistant's turn of tool calls, null)")
@@ -1084,7 +1085,7 @@ def _check_vllm_options(given: dict[str, Any]) -> None:
             raise ValueError(f"{name}: vLLM's; {VLLM_OPTIONS[name]}")
 
 
-def _message_text(m: dict) -> Any:
+def message_text(m: dict) -> Any:
     """A chat message's content as text (``joined_text``); an assistant's turn of tool calls alone
     (OpenAI's ``content`` null or left out) as empty text, its calls left to the template."""
     content = joined_text(m.get("content"))

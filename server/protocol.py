@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 from tandem.engine.params import SamplingParams, StructuredOutputs
 from tandem.sched.beam import MAX_BEAM_WIDTH, BeamSearchParams
-from tandem.sched.llm import CHAT, ChatTemplate, joined_text
+from tandem.sched.llm import CHAT, ChatTemplate, message_text
 from tandem.sched.request import ServiceClass
 from tandem.server.errors import ApiError, bad_request, structured_error
 from tandem.server.schema import (ASKS_NOTHING, CHAT_BODY, CHAT_UNSUPPORTED, COMPLETION_BODY,
@@ -230,8 +230,8 @@ def chat_messages(messages: list[dict], tools: ToolPlan | None = None) -> list[d
         if refusal is not None and m["role"] != "assistant":
             raise bad_request(f"'messages[{i}].content[{refusal}]': a refusal part is an assistant's",
                               param=f"messages[{i}].content")
-        content = joined_text(m.get("content"))      # content parts: text and refusals (the schema's)
-        if content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
+        content = message_text(m)          # content parts: text and refusals (the schema's); "" for a
+        if content is None:                # turn of tool calls alone
             raise bad_request(f"'messages[{i}].content' is required", param=f"messages[{i}].content")
         if m["role"] == "tool" and m.get("tool_call_id") is None:     # OpenAI's rule: a result answers a call
             raise bad_request(f"'messages[{i}].tool_call_id' is required in a tool message",
