@@ -344,20 +344,29 @@ def fitted_messages(llm, chat: dict, trust_template: bool) -> list[dict]:
     the start of the conversation (a turn: a user message and what answers it) that leave its
     prompt room for ``max_tokens`` (one token where it is not given) in the context; the system
     messages before it stay. As they are where even the last turn alone does not fit (the
-    request is then refused as any prompt past the context is)."""
+    request is then refused as any prompt past the context is). Leaving out more turns never
+    lengthens the prompt, so the first start that fits is searched by halving."""
     messages = chat["messages"]
     lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
     starts = [lead] + [i for i in range(lead + 1, len(messages)) if messages[i]["role"] == "user"]
     limit = llm.max_model_len - min(chat.get("max_tokens") or 1, llm.max_model_len - 1)
-    for start in starts:
-        kept = messages[:lead] + messages[start:]
-        try:
-            _, flat, template = chat_input(chat | {"messages": kept}, trust_template)
-            if len(llm.encode_prompt(flat, template)[0]) <= limit:
-                return kept
-        except (ApiError, ValueError):      # refused as it is, with the reason, once it is prepared
-            break
-    return messages
+
+    def kept(k: int) -> list[dict]:
+        return messages[:lead] + messages[starts[k]:]
+
+    def fits(k: int) -> bool:
+        _, flat, template = chat_input(chat | {"messages": kept(k)}, trust_template)
+        return len(llm.encode_prompt(flat, template)[0]) <= limit
+    try:
+        lo, hi = 0, len(starts) - 1
+        if not fits(hi):
+            return messages
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+    except (ApiError, ValueError):      # refused as it is, with the reason, once it is prepared
+        return messages
+    return kept(lo)
 
 
 async def _finish(engine, st, p: Prepared, body: dict, created: int, keep) -> dict:
