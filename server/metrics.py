@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from typing import NamedTuple
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
@@ -35,6 +36,18 @@ def token_rate(samples, now: float, window: float = RATE_WINDOW_S) -> float:
     before = [s for s in samples if s[0] <= start]
     t0, n0 = (start, before[-1][1]) if before else samples[0]
     return (samples[-1][1] - n0) / (now - t0) if now > t0 else 0.0
+
+
+class DeviceSample(NamedTuple):
+    """One device's books after its last step, summed over devices into the gauges."""
+    load: dict              # service class value -> (running, waiting, blocks held)
+    pool: dict              # pool blocks by owner (sched.scheduler.pool_view)
+    blocks: int             # the pool's size
+    t_avg: float            # its moving average step time
+    busy: bool              # it holds requests
+    swapped: int            # requests whose cache is in its host pool
+    host_used: int          # bytes of that pool in use
+    host_capacity: int      # and its size (0: none)
 
 
 class Metrics:
@@ -162,7 +175,7 @@ class Metrics:
         self.lengths = None                      # the engine's LengthSource, when it predicts
         self._zeros()
         self._seen: dict = {}
-        self._devices: dict[int, tuple] = {}     # device index -> its last load, pool, size, T_avg
+        self._devices: dict[int, DeviceSample] = {}     # device index -> its books after its last step
         self._status: dict[int, dict] = {}       # device index -> sched.status.device_status after its step
         self._status_at: dict[int, tuple] = {}   # device index -> (when that view was built, its request count)
         self._token_samples: dict[int, deque] = {}   # device index -> (clock, tokens computed) samples
@@ -194,32 +207,33 @@ class Metrics:
             while len(samples) > 2 and samples[1][0] < now - RATE_WINDOW_S:
                 samples.popleft()
             host = actor.host
-            self._devices[actor.index] = (load, pool_view([actor]), actor.pool.geometry.num_blocks, actor.t_avg,
-                                          bool(actor.states), (0, 0, 0) if host is None else
-                                          (len(host), host.used, host.capacity))
+            self._devices[actor.index] = DeviceSample(
+                load, pool_view([actor]), actor.pool.geometry.num_blocks, actor.t_avg, bool(actor.states),
+                *((0, 0, 0) if host is None else (len(host), host.used, host.capacity)))
             devices = list(self._devices.values())
-            self.devices_active.labels(self.model).set(sum(d[4] for d in devices))
+            self.devices_active.labels(self.model).set(sum(d.busy for d in devices))
             self.device_pool.labels(self.model, actor.device.name).set(
                 1 - actor.pool.num_free / max(1, actor.pool.geometry.num_blocks))
             self._count_moves(actor)
             self._count_steps(actor)
             # each block once, however many requests share it (prefix caching); one that RT and BE
             # requests share counts as RT's, so the two add up to the pool's use
-            held = {"rt": sum(d[1]["rt"] + d[1]["shared"] for d in devices), "be": sum(d[1]["be"] for d in devices)}
-            blocks = max(1, sum(d[2] for d in devices))
+            held = {"rt": sum(d.pool["rt"] + d.pool["shared"] for d in devices),
+                    "be": sum(d.pool["be"] for d in devices)}
+            blocks = max(1, sum(d.blocks for d in devices))
             for cls in CLASSES:
-                running = sum(d[0].get(cls, (0, 0, 0))[0] for d in devices)
-                waiting = sum(d[0].get(cls, (0, 0, 0))[1] for d in devices)
+                running = sum(d.load.get(cls, (0, 0, 0))[0] for d in devices)
+                waiting = sum(d.load.get(cls, (0, 0, 0))[1] for d in devices)
                 self.running.labels(self.model, cls).set(running)
                 self.waiting.labels(self.model, cls).set(waiting)
                 self.kv_usage_by_class.labels(self.model, cls).set(held[cls] / blocks)
             self.kv_usage.labels(self.model).set((held["rt"] + held["be"]) / blocks)
-            for owner in devices[0][1]:
-                self.pool_blocks.labels(self.model, owner).set(sum(d[1][owner] for d in devices))
-            self.t_avg.labels(self.model).set(max(d[3] for d in devices))
-            self.swapped.labels(self.model).set(sum(d[5][0] for d in devices))
-            host_bytes = max(1, sum(d[5][2] for d in devices))
-            self.host_usage.labels(self.model).set(sum(d[5][1] for d in devices) / host_bytes)
+            for owner in devices[0].pool:
+                self.pool_blocks.labels(self.model, owner).set(sum(d.pool[owner] for d in devices))
+            self.t_avg.labels(self.model).set(max(d.t_avg for d in devices))
+            self.swapped.labels(self.model).set(sum(d.swapped for d in devices))
+            host_bytes = max(1, sum(d.host_capacity for d in devices))
+            self.host_usage.labels(self.model).set(sum(d.host_used for d in devices) / host_bytes)
             cost = actor.cost
             if actor.index == 0 and cost is not None and cost.error_ewma is not None:
                 self.cost_error.labels(self.model).set(cost.error_ewma)
