@@ -1,4 +1,5 @@
-"""Llama family forward (RMSNorm, rotary embeddings, grouped-query attention, SiLU MLP)."""
+"""Llama family forward (RMSNorm, rotary embeddings, grouped-query attention, SiLU MLP): Llama,
+Mistral and Qwen2 checkpoints (Qwen2's Q/K/V projections carry biases)."""
 from __future__ import annotations
 
 import torch
@@ -20,9 +21,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_tables(spec: ModelSpec, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [max_model_len, head_dim], HF's 'default' rotary layout (halves duplicated)."""
+    """cos, sin: [max_model_len, head_dim], HF's rotary layout (halves duplicated), the
+    frequencies scaled as the model's config says (``ModelSpec.rope_scaling``)."""
     hd = spec.head_dim
     inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    scaling = getattr(spec, "rope_scaling", None)
+    if scaling is not None:
+        inv_freq = torch.tensor(scaling.apply(inv_freq.tolist()), dtype=torch.float32)
     pos = torch.arange(spec.max_model_len, dtype=torch.float32)
     freqs = pos[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
@@ -36,20 +41,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rot * sin[:, None, :]
 
 
-def attn_in(h, in_norm, qkv_w, cos, sin, eps: float, nh: int, nkv: int, hd: int):
-    """Pre-attention: RMSNorm, fused QKV projection, rotary embeddings. h: [T, d].
-    Returns q, k, v and the post-norm input x (what a hidden cache stores)."""
+def attn_in(h, in_norm, qkv_w, qkv_b, cos, sin, eps: float, nh: int, nkv: int, hd: int):
+    """Pre-attention: RMSNorm, fused QKV projection (``qkv_b``: its bias or None), rotary
+    embeddings. h: [T, d]. Returns q, k, v and the post-norm input x (what a hidden cache stores)."""
     x = rms_norm(h, in_norm, eps)
-    qkv = linear(x, qkv_w)
+    qkv = linear(x, qkv_w, qkv_b)
     t = qkv.shape[0]
     qk = apply_rope(qkv[:, :(nh + nkv) * hd].view(t, nh + nkv, hd), cos, sin)   # Q and K heads at once
     q, k = qk.reshape(t, -1).split([nh * hd, nkv * hd], dim=-1)
     return q, k.contiguous(), qkv[:, (nh + nkv) * hd:].contiguous(), x
 
 
-def attn_out_mlp(h, a, o_w, post_norm, gate_up_w, down_w, eps: float):
-    """Post-attention: output projection + residual, RMSNorm, SiLU MLP + residual."""
-    h = h + linear(a, o_w)
+def attn_out_mlp(h, a, o_w, o_b, post_norm, gate_up_w, down_w, eps: float):
+    """Post-attention: output projection (``o_b``: its bias or None) + residual, RMSNorm, SiLU MLP
+    + residual."""
+    h = h + linear(a, o_w, o_b)
     x = rms_norm(h, post_norm, eps)
     gate, up = linear(x, gate_up_w).chunk(2, dim=-1)
     return h + linear(F.silu(gate) * up, down_w)
@@ -62,8 +68,10 @@ class LlamaLayer(nn.Module):
         qkv_out = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         self.in_norm = nn.Parameter(torch.empty(s.d_model, dtype=dtype), requires_grad=False)
         self.qkv = nn.Parameter(torch.empty(qkv_out, s.d_model, dtype=dtype), requires_grad=False)
+        self.qkv_b = nn.Parameter(torch.empty(qkv_out, dtype=dtype), requires_grad=False) if s.qkv_bias else None
         self.o = nn.Parameter(torch.empty(s.d_model, s.num_heads * s.head_dim, dtype=dtype),
                               requires_grad=False)
+        self.o_b = nn.Parameter(torch.empty(s.d_model, dtype=dtype), requires_grad=False) if s.o_bias else None
         self.post_norm = nn.Parameter(torch.empty(s.d_model, dtype=dtype), requires_grad=False)
         self.gate_up = nn.Parameter(torch.empty(2 * s.intermediate_size, s.d_model, dtype=dtype),
                                     requires_grad=False)
@@ -103,6 +111,10 @@ class LlamaModel(nn.Module):
                 layer.post_norm.copy_(g(p + "post_attention_layernorm.weight"))
                 layer.qkv.copy_(torch.cat([g(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
                 layer.o.copy_(g(p + "self_attn.o_proj.weight"))
+                if layer.qkv_b is not None:
+                    layer.qkv_b.copy_(torch.cat([g(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+                if layer.o_b is not None:
+                    layer.o_b.copy_(g(p + "self_attn.o_proj.bias"))
                 layer.gate_up.copy_(torch.cat([g(p + "mlp.gate_proj.weight"), g(p + "mlp.up_proj.weight")]))
                 layer.down.copy_(g(p + "mlp.down_proj.weight"))
 
@@ -121,15 +133,17 @@ class LlamaModel(nn.Module):
     def _kv_from_hidden(self, layer: LlamaLayer):
         """K (rotated at the given positions) and V of stored post-norm inputs x: [n, d]."""
         s = self.spec
-        w = layer.kv if layer.kv is not None else layer.qkv[s.num_heads * s.head_dim:]
+        q_rows = s.num_heads * s.head_dim
+        w = layer.kv if layer.kv is not None else layer.qkv[q_rows:]
+        b = layer.qkv_b[q_rows:] if layer.qkv_b is not None else None
         width = s.num_kv_heads * s.head_dim
 
         def kv(x: torch.Tensor, pos: torch.Tensor):
-            k, v = linear(x, w).split([width, width], dim=-1)
+            k, v = linear(x, w, b).split([width, width], dim=-1)
             k = apply_rope(k.reshape(-1, s.num_kv_heads, s.head_dim), self.cos[pos], self.sin[pos])
             return k.reshape(-1, width), v.contiguous()
         dense = None if is_packed(w) else w          # packed weights serve the CPU path only
-        return HiddenProjection(kv, dense, None, self.cos, self.sin)
+        return HiddenProjection(kv, dense, b, self.cos, self.sin)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
                 batch: AttnBatch, logit_rows: torch.Tensor) -> torch.Tensor:
@@ -139,12 +153,12 @@ class LlamaModel(nn.Module):
         cos, sin = self.cos[positions], self.sin[positions]         # [T, hd]
         scale = s.head_dim ** -0.5
         for li, layer in enumerate(self.layers):
-            q, k, v, x = self.attn_in(h, layer.in_norm, layer.qkv, cos, sin, s.norm_eps,
+            q, k, v, x = self.attn_in(h, layer.in_norm, layer.qkv, layer.qkv_b, cos, sin, s.norm_eps,
                                       s.num_heads, s.num_kv_heads, s.head_dim)
             kv = self._kv_from_hidden(layer) if batch.hidden is not None else None
             a = paged_attention(q, k, v, pool[li], batch, s.num_heads, s.num_kv_heads,
                                 s.head_dim, scale, x, kv)
-            h = self.attn_out_mlp(h, a, layer.o, layer.post_norm, layer.gate_up, layer.down,
+            h = self.attn_out_mlp(h, a, layer.o, layer.o_b, layer.post_norm, layer.gate_up, layer.down,
                                   s.norm_eps)
         h = rms_norm(h[logit_rows], self.norm, s.norm_eps)
         return linear(h, self.lm_head).float()

@@ -113,7 +113,8 @@ def _name_architecture(hf_dir: Path) -> None:
     """Add `architectures` to a directory converted before it was written (transformers serve needs it)."""
     p = hf_dir / "config.json"
     cfg = json.loads(p.read_text())
-    arch = {"llama": "LlamaForCausalLM", "opt": "OPTForCausalLM"}.get(cfg.get("model_type"))
+    arch = {"llama": "LlamaForCausalLM", "opt": "OPTForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM"}.get(cfg.get("model_type"))
     if not cfg.get("architectures") and arch:
         cfg["architectures"] = [arch]
         p.write_text(json.dumps(cfg, indent=2) + "\n")

@@ -2,13 +2,54 @@
 from __future__ import annotations
 
 import enum
+import logging
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 
+log = logging.getLogger("tandem.engine")
+
+
 class Family(enum.Enum):
-    LLAMA = "llama"
+    LLAMA = "llama"      # Llama, Mistral and Qwen2 checkpoints: one forward
     OPT = "opt"
+
+
+# the model types read as the Llama family: the same layer, up to Qwen2's Q/K/V biases and a
+# sliding window this engine does not apply (so the context stops at the window)
+LLAMA_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Rotary frequencies stretched for a longer context than the model was trained on.
+    ``linear`` divides every frequency by ``factor``. ``llama3`` (Llama 3.1 on) divides only the
+    low ones, whose wavelength 2π/f exceeds original_max / low_freq_factor, keeps the high ones,
+    whose wavelength is under original_max / high_freq_factor, and between the two blends
+    (1 - s) f/factor + s f with s = (original_max / wavelength - low) / (high - low)."""
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max: float = 8192
+
+    def apply(self, inv_freq: list[float]) -> list[float]:
+        if self.kind == "linear":
+            return [f / self.factor for f in inv_freq]
+        low_wl = self.original_max / self.low_freq_factor
+        high_wl = self.original_max / self.high_freq_factor
+        out = []
+        for f in inv_freq:
+            wl = 2 * math.pi / f
+            if wl > low_wl:
+                out.append(f / self.factor)
+            elif wl < high_wl:
+                out.append(f)
+            else:
+                s = (self.original_max / wl - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+                out.append((1 - s) * f / self.factor + s * f)
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +67,9 @@ class ModelSpec:
     rope_theta: float           # Llama only
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    rope_scaling: RopeScaling | None = None    # Llama only: None keeps the trained frequencies
+    qkv_bias: bool = False     # Q, K and V projections carry a bias (Qwen2; Llama's attention_bias)
+    o_bias: bool = False       # the output projection does too (Llama's attention_bias)
 
     @property
     def unit(self) -> int:
@@ -42,6 +86,12 @@ HF_DEFAULTS = {
     "opt": {"vocab_size": 50272, "hidden_size": 768, "ffn_dim": 3072, "num_hidden_layers": 12,
             "num_attention_heads": 12, "max_position_embeddings": 2048, "do_layer_norm_before": True,
             "bos_token_id": 2, "eos_token_id": 2},
+    "mistral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 4096},
+    "qwen2": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768,
+              "rms_norm_eps": 1e-6, "bos_token_id": None, "eos_token_id": None},
 }
 
 
@@ -57,26 +107,25 @@ def spec_from_config_json(cfg: dict) -> ModelSpec:
 def spec_from_hf_config(cfg) -> ModelSpec:
     """Build a ModelSpec from a transformers config, rejecting what we do not implement."""
     mt = cfg.model_type
-    eos = cfg.eos_token_id
+    eos = getattr(cfg, "eos_token_id", None)
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-    if mt == "llama":
-        rope = getattr(cfg, "rope_parameters", None) or {}
-        scaling = getattr(cfg, "rope_scaling", None) or {}
-        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-        if rope_type != "default":
-            raise ValueError(f"model: rope type {rope_type!r} is not supported")
-        if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
-            raise ValueError("model: Llama with attention/MLP bias is not supported")
+    if mt in LLAMA_TYPES:
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"model: {mt} with activation {cfg.hidden_act!r} is not supported (silu)")
+        if getattr(cfg, "mlp_bias", False):
+            raise ValueError(f"model: {mt} with MLP biases is not supported")
         heads = cfg.num_attention_heads
+        attention_bias = mt == "llama" and bool(getattr(cfg, "attention_bias", False))
         return ModelSpec(
             family=Family.LLAMA, vocab_size=cfg.vocab_size, d_model=cfg.hidden_size,
             num_layers=cfg.num_hidden_layers, num_heads=heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             intermediate_size=cfg.intermediate_size,
-            max_model_len=cfg.max_position_embeddings, norm_eps=cfg.rms_norm_eps,
-            rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
-            bos_token_id=cfg.bos_token_id, eos_token_ids=eos_ids)
+            max_model_len=_windowed(cfg, cfg.max_position_embeddings), norm_eps=cfg.rms_norm_eps,
+            rope_theta=float(_rope(cfg).get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
+            bos_token_id=cfg.bos_token_id, eos_token_ids=eos_ids, rope_scaling=rope_scaling(cfg),
+            qkv_bias=mt == "qwen2" or attention_bias, o_bias=attention_bias)
     if mt == "opt":
         if cfg.word_embed_proj_dim != cfg.hidden_size:
             raise ValueError("model: OPT with word_embed_proj_dim != hidden_size is not supported")
@@ -89,4 +138,46 @@ def spec_from_hf_config(cfg) -> ModelSpec:
             head_dim=cfg.hidden_size // heads, intermediate_size=cfg.ffn_dim,
             max_model_len=cfg.max_position_embeddings, norm_eps=1e-5, rope_theta=0.0,
             bos_token_id=cfg.bos_token_id, eos_token_ids=eos_ids)
-    raise ValueError(f"model: architecture {mt!r} is not supported (llama, opt)")
+    raise ValueError(f"model: architecture {mt!r} is not supported ({', '.join((*LLAMA_TYPES, 'opt'))})")
+
+
+def _rope(cfg) -> dict:
+    """The config's rotary settings: transformers 5's ``rope_parameters`` or the older
+    ``rope_scaling`` (beside a top-level ``rope_theta``)."""
+    return getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+
+
+def rope_scaling(cfg) -> RopeScaling | None:
+    """The config's frequency scaling; ValueError for a kind this engine does not compute."""
+    rope = _rope(cfg)
+    if float(rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))) != 1.0:
+        raise ValueError("model: rotary embeddings over part of each head are not supported")
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind == "default":
+        return None
+    needs = {"linear": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    if kind in needs:
+        missing = [k for k in needs[kind] if rope.get(k) is None]
+        if missing:
+            raise ValueError(f"model: {kind} rotary scaling needs {', '.join(missing)} in the config")
+        return RopeScaling(kind, *(float(rope[k]) for k in needs[kind]))
+    raise ValueError(f"model: rope type {kind!r} is not supported (default, linear, llama3)")
+
+
+def _windowed(cfg, max_len: int) -> int:
+    """The context a model with sliding-window attention keeps here: up to its window every
+    token sees every earlier one, as full attention does, so the context stops at the window
+    (Mistral 7B v0.1's 4,096; Qwen2 with use_sliding_window)."""
+    if cfg.model_type == "qwen2":
+        types = getattr(cfg, "layer_types", None)      # transformers 5's; else the layers it would make
+        windowed = getattr(cfg, "max_window_layers", 28) < cfg.num_hidden_layers
+        on = "sliding_attention" in types if types else getattr(cfg, "use_sliding_window", False) and windowed
+    else:
+        on = cfg.model_type == "mistral"
+    window = getattr(cfg, "sliding_window", None) if on else None
+    if window is None or window >= max_len:
+        return max_len
+    log.warning("model: %s attends within a sliding window of %d tokens, which this engine does not "
+                "apply: the context is %d tokens, not %d", cfg.model_type, window, window, max_len)
+    return int(window)

@@ -182,10 +182,11 @@ def test_paged_prefill_chunked(kernels, dtype, hkv, g):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rope, bias, hkv, g", [(True, False, 2, 2), (False, True, 2, 1)])
+@pytest.mark.parametrize("rope, bias, hkv, g", [(True, False, 2, 2), (False, True, 2, 1), (True, True, 2, 2)])
 def test_hidden_decode(kernels, dtype, rope, bias, hkv, g):
-    """K and V rebuilt from stored layer inputs (Llama: rotary; OPT: bias, no rotary), then
-    attention; the reference projects in float64 from the same stored inputs."""
+    """K and V rebuilt from stored layer inputs (Llama: rotary; OPT: bias, no rotary; Qwen2:
+    both, the bias added before the rotation), then attention; the reference projects in float64
+    from the same stored inputs."""
     torch.manual_seed(3)
     B, nb, hd, m, scale = 8, 96, 32, 2, 0.2
     dm = m * hkv * hd

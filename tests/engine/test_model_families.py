@@ -1,0 +1,112 @@
+"""Llama-shaped checkpoints beyond Llama itself -- Qwen2 (Q/K/V biases), Mistral (a sliding
+window), Llama 3.1's and linear rotary scaling, Llama with attention biases -- generate exactly
+HF transformers' greedy tokens; configs this engine cannot compute are refused by name."""
+import json
+import logging
+
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.engine.models.loader import load_spec
+from tandem.engine.models.spec import RopeScaling
+from tandem.engine.models.tiny import write_tiny_model
+from tests.conftest import ONE_DEVICE, assert_pool_free, hf_greedy, mixed_prompts
+
+MAX_NEW = 16
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+# family, extra config fields; Llama 3.1's scaling with a 64-token original context touches the
+# tiny heads' low, blended and kept frequency bands alike
+CASES = {
+    "qwen2": ("qwen2", {}),
+    "mistral-window": ("mistral", {"sliding_window": 160}),
+    "llama3-rope": ("llama", {"rope_parameters": LLAMA3}),
+    "linear-rope": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
+    "llama-attention-bias": ("llama", {"attention_bias": True}),
+}
+
+
+def _generate(model_dir, prompts, **kw):
+    with LLM(str(model_dir), ONE_DEVICE, dtype="float32", policy="fcfs", block_size=8,
+             max_num_batched_tokens=32, threads_per_worker=1, **kw) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
+        assert_pool_free(llm)
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_llama_shaped_checkpoints_match_hf(case, tmp_path):
+    family, config = CASES[case]
+    model_dir = write_tiny_model(tmp_path, family, seed=5, config=config)
+    prompts = mixed_prompts(6, 512, seed=3, hi=120)      # prefilled in 32-token chunks
+    outs = _generate(model_dir, prompts)
+    for i, (o, r) in enumerate(zip(outs, hf_greedy(model_dir, prompts, MAX_NEW), strict=True)):
+        assert o == r, f"prompt {i} differs"
+
+
+def test_hidden_cache_recomputes_biased_kv(tmp_path):
+    """A hidden cache keeps each layer's input and projects K and V again at every step: Qwen2's
+    K and V biases must come with them."""
+    model_dir = write_tiny_model(tmp_path, "qwen2", seed=6, num_kv_heads=4)
+    prompts = mixed_prompts(6, 512, seed=4, hi=90)
+    outs = _generate(model_dir, prompts, cache_type="hidden")
+    assert outs == hf_greedy(model_dir, prompts, MAX_NEW)
+
+
+@pytest.mark.parametrize("rope", [
+    LLAMA3, LLAMA3 | {"factor": 32.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0, "rope_theta": 500000.0,
+                      "original_max_position_embeddings": 8192},
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.5}])
+def test_scaled_frequencies_match_transformers(rope):
+    """The engine's scaled rotary frequencies against transformers' own initialisers."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from tandem.engine.models.llama import rope_tables
+    from tandem.engine.models.spec import spec_from_config_json
+    cfg = LlamaConfig(hidden_size=512, num_attention_heads=4, max_position_embeddings=4096, rope_parameters=rope)
+    ref, attention_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](cfg, "cpu")
+    assert attention_factor == 1.0
+    spec = spec_from_config_json(cfg.to_dict())
+    assert isinstance(spec.rope_scaling, RopeScaling)
+    got = torch.tensor(spec.rope_scaling.apply((1.0 / rope["rope_theta"] ** (torch.arange(0, 128, 2) / 128)).tolist()))
+    torch.testing.assert_close(got, ref.double().float(), rtol=1e-6, atol=0)
+    cos, sin = rope_tables(spec, torch.float32)          # position 1: cos and sin of each frequency
+    torch.testing.assert_close(cos[1, :64], ref.cos(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(sin[1, 64:], ref.sin(), rtol=1e-6, atol=1e-7)
+
+
+def test_sliding_window_bounds_the_context(tmp_path, caplog):
+    """Up to its window a sliding-window model attends as a full one does: the context stops there,
+    the log says why, and a longer prompt is refused. Qwen2 without use_sliding_window keeps its
+    positions."""
+    with caplog.at_level(logging.WARNING, logger="tandem.engine"):
+        spec = load_spec(write_tiny_model(tmp_path / "m", "mistral", config={"sliding_window": 160}))
+    assert spec.max_model_len == 160
+    assert "sliding window of 160 tokens" in caplog.text
+    nowin = write_tiny_model(tmp_path / "nowin", "mistral", config={"sliding_window": None})
+    assert load_spec(nowin).max_model_len == 512
+    assert load_spec(write_tiny_model(tmp_path / "q", "qwen2", config={"sliding_window": 64})).max_model_len == 512
+    on = write_tiny_model(tmp_path / "qw", "qwen2", config={"sliding_window": 64, "use_sliding_window": True,
+                                                             "max_window_layers": 0})
+    assert load_spec(on).max_model_len == 64
+    with LLM(str(tmp_path / "m"), ONE_DEVICE, dtype="float32", threads_per_worker=1) as llm:
+        with pytest.raises(ValueError, match="context of 160"):
+            llm.generate([list(range(3, 200))], SamplingParams(max_tokens=4))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}, "rope type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+     "part of each head"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3 rotary scaling needs low_freq_factor"),
+    ({"hidden_act": "gelu"}, "activation 'gelu'"),
+    ({"mlp_bias": True}, "MLP biases"),
+    ({"model_type": "gemma"}, "architecture 'gemma' is not supported"),
+])
+def test_configs_not_computed_are_refused(tmp_path, change, message):
+    cfg = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1,
+           "intermediate_size": 128, "vocab_size": 128} | change
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
+        load_spec(tmp_path)
