@@ -490,7 +490,7 @@ class ModelRunner:
             meta.seg_start = [0] + list(itertools.accumulate(meta.seg_n))[:-1]
             meta.seg_ctx = ctx
         single = [i for i, s in enumerate(hidden) if s.num_new_tokens == 1] if hb is not None else []
-        if single and not self.int8:
+        if single and not self.int8 and not self.spec.qk_norm:    # the kernel has no per-head norm of K
             sts = [self.reqs[hidden[i].req_id] for i in single]
             ctx = [st.num_computed + 1 for st in sts]
             lens = torch.tensor(ctx)

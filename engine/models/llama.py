@@ -1,5 +1,6 @@
 """Llama family forward (RMSNorm, rotary embeddings, grouped-query attention, SiLU MLP): Llama,
-Mistral and Qwen2 checkpoints (Qwen2's Q/K/V projections carry biases)."""
+Mistral, Qwen2 (its Q/K/V projections carry biases) and Qwen3 (each Q and K head RMS-normalised
+before its rotation) checkpoints."""
 from __future__ import annotations
 
 import torch
@@ -41,13 +42,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rot * sin[:, None, :]
 
 
-def attn_in(h, in_norm, qkv_w, qkv_b, cos, sin, eps: float, nh: int, nkv: int, hd: int):
-    """Pre-attention: RMSNorm, fused QKV projection (``qkv_b``: its bias or None), rotary
-    embeddings. h: [T, d]. Returns q, k, v and the post-norm input x (what a hidden cache stores)."""
+def attn_in(h, in_norm, qkv_w, qkv_b, qk_norm, cos, sin, eps: float, nh: int, nkv: int, hd: int):
+    """Pre-attention: RMSNorm, fused QKV projection (``qkv_b``: its bias or None), the Q and K
+    heads' own RMSNorm (``qk_norm``: their weights [2, hd], or None), rotary embeddings.
+    h: [T, d]. Returns q, k, v and the post-norm input x (what a hidden cache stores)."""
     x = rms_norm(h, in_norm, eps)
     qkv = linear(x, qkv_w, qkv_b)
     t = qkv.shape[0]
-    qk = apply_rope(qkv[:, :(nh + nkv) * hd].view(t, nh + nkv, hd), cos, sin)   # Q and K heads at once
+    qk = qkv[:, :(nh + nkv) * hd].view(t, nh + nkv, hd)
+    if qk_norm is not None:
+        qk = torch.cat([rms_norm(qk[:, :nh], qk_norm[0], eps), rms_norm(qk[:, nh:], qk_norm[1], eps)], dim=1)
+    qk = apply_rope(qk, cos, sin)                                               # Q and K heads at once
     q, k = qk.reshape(t, -1).split([nh * hd, nkv * hd], dim=-1)
     return q, k.contiguous(), qkv[:, (nh + nkv) * hd:].contiguous(), x
 
@@ -72,6 +77,7 @@ class LlamaLayer(nn.Module):
         self.o = nn.Parameter(torch.empty(s.d_model, s.num_heads * s.head_dim, dtype=dtype),
                               requires_grad=False)
         self.o_b = nn.Parameter(torch.empty(s.d_model, dtype=dtype), requires_grad=False) if s.o_bias else None
+        self.qk_norm = nn.Parameter(torch.empty(2, s.head_dim, dtype=dtype), requires_grad=False) if s.qk_norm else None
         self.post_norm = nn.Parameter(torch.empty(s.d_model, dtype=dtype), requires_grad=False)
         self.gate_up = nn.Parameter(torch.empty(2 * s.intermediate_size, s.d_model, dtype=dtype),
                                     requires_grad=False)
@@ -115,6 +121,8 @@ class LlamaModel(nn.Module):
                     layer.qkv_b.copy_(torch.cat([g(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
                 if layer.o_b is not None:
                     layer.o_b.copy_(g(p + "self_attn.o_proj.bias"))
+                if layer.qk_norm is not None:
+                    layer.qk_norm.copy_(torch.stack([g(p + f"self_attn.{n}_norm.weight") for n in "qk"]))
                 layer.gate_up.copy_(torch.cat([g(p + "mlp.gate_proj.weight"), g(p + "mlp.up_proj.weight")]))
                 layer.down.copy_(g(p + "mlp.down_proj.weight"))
 
@@ -140,9 +148,13 @@ class LlamaModel(nn.Module):
 
         def kv(x: torch.Tensor, pos: torch.Tensor):
             k, v = linear(x, w, b).split([width, width], dim=-1)
-            k = apply_rope(k.reshape(-1, s.num_kv_heads, s.head_dim), self.cos[pos], self.sin[pos])
+            k = k.reshape(-1, s.num_kv_heads, s.head_dim)
+            if layer.qk_norm is not None:
+                k = rms_norm(k, layer.qk_norm[1], s.norm_eps)
+            k = apply_rope(k, self.cos[pos], self.sin[pos])
             return k.reshape(-1, width), v.contiguous()
-        dense = None if is_packed(w) else w          # packed weights serve the CPU path only
+        # packed weights serve the CPU path only; the Triton kernel has no per-head norm of K
+        dense = None if is_packed(w) or layer.qk_norm is not None else w
         return HiddenProjection(kv, dense, b, self.cos, self.sin)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
@@ -153,8 +165,8 @@ class LlamaModel(nn.Module):
         cos, sin = self.cos[positions], self.sin[positions]         # [T, hd]
         scale = s.head_dim ** -0.5
         for li, layer in enumerate(self.layers):
-            q, k, v, x = self.attn_in(h, layer.in_norm, layer.qkv, layer.qkv_b, cos, sin, s.norm_eps,
-                                      s.num_heads, s.num_kv_heads, s.head_dim)
+            q, k, v, x = self.attn_in(h, layer.in_norm, layer.qkv, layer.qkv_b, layer.qk_norm, cos, sin,
+                                      s.norm_eps, s.num_heads, s.num_kv_heads, s.head_dim)
             kv = self._kv_from_hidden(layer) if batch.hidden is not None else None
             a = paged_attention(q, k, v, pool[li], batch, s.num_heads, s.num_kv_heads,
                                 s.head_dim, scale, x, kv)

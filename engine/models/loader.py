@@ -114,7 +114,7 @@ def _name_architecture(hf_dir: Path) -> None:
     p = hf_dir / "config.json"
     cfg = json.loads(p.read_text())
     arch = {"llama": "LlamaForCausalLM", "opt": "OPTForCausalLM", "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM"}.get(cfg.get("model_type"))
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(cfg.get("model_type"))
     if not cfg.get("architectures") and arch:
         cfg["architectures"] = [arch]
         p.write_text(json.dumps(cfg, indent=2) + "\n")

@@ -93,9 +93,9 @@ def init_random(model: torch.nn.Module, hf_dir: str | os.PathLike) -> None:
         return
     gen = torch.Generator(device=device).manual_seed(int(meta["seed"]))
     for name, p in params:
-        if p.dim() >= 2:
-            p.normal_(0.0, float(meta["std"]), generator=gen)
-        elif name.endswith(("norm", "ln1_w", "ln2_w", "lnf_w")):
+        if name.endswith(("norm", "ln1_w", "ln2_w", "lnf_w")):     # scales (Qwen3's Q/K norms: [2, hd])
             p.fill_(1.0)
+        elif p.dim() >= 2:
+            p.normal_(0.0, float(meta["std"]), generator=gen)
         else:
             p.zero_()

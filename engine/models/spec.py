@@ -12,13 +12,14 @@ log = logging.getLogger("tandem.engine")
 
 
 class Family(enum.Enum):
-    LLAMA = "llama"      # Llama, Mistral and Qwen2 checkpoints: one forward
+    LLAMA = "llama"      # Llama, Mistral, Qwen2 and Qwen3 checkpoints: one forward
     OPT = "opt"
 
 
-# the model types read as the Llama family: the same layer, up to Qwen2's Q/K/V biases and a
-# sliding window this engine does not apply (so the context stops at the window)
-LLAMA_TYPES = ("llama", "mistral", "qwen2")
+# the model types read as the Llama family: the same layer, up to Qwen2's Q/K/V biases, Qwen3's
+# per-head norms of Q and K, and a sliding window this engine does not apply (so the context
+# stops at the window)
+LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +70,8 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     rope_scaling: RopeScaling | None = None    # Llama only: None keeps the trained frequencies
     qkv_bias: bool = False     # Q, K and V projections carry a bias (Qwen2; Llama's attention_bias)
-    o_bias: bool = False       # the output projection does too (Llama's attention_bias)
+    o_bias: bool = False       # the output projection does too (Llama's and Qwen3's attention_bias)
+    qk_norm: bool = False      # each Q and K head is RMS-normalised (its own weights) before rotation: Qwen3
 
     @property
     def unit(self) -> int:
@@ -91,6 +93,9 @@ HF_DEFAULTS = {
                 "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 4096},
     "qwen2": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
               "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768,
+              "rms_norm_eps": 1e-6, "bos_token_id": None, "eos_token_id": None},
+    "qwen3": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768,
               "rms_norm_eps": 1e-6, "bos_token_id": None, "eos_token_id": None},
 }
 
@@ -115,7 +120,7 @@ def spec_from_hf_config(cfg) -> ModelSpec:
         if getattr(cfg, "mlp_bias", False):
             raise ValueError(f"model: {mt} with MLP biases is not supported")
         heads = cfg.num_attention_heads
-        attention_bias = mt == "llama" and bool(getattr(cfg, "attention_bias", False))
+        attention_bias = mt in ("llama", "qwen3") and bool(getattr(cfg, "attention_bias", False))
         return ModelSpec(
             family=Family.LLAMA, vocab_size=cfg.vocab_size, d_model=cfg.hidden_size,
             num_layers=cfg.num_hidden_layers, num_heads=heads,
@@ -125,7 +130,7 @@ def spec_from_hf_config(cfg) -> ModelSpec:
             max_model_len=_windowed(cfg, cfg.max_position_embeddings), norm_eps=cfg.rms_norm_eps,
             rope_theta=float(_rope(cfg).get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
             bos_token_id=cfg.bos_token_id, eos_token_ids=eos_ids, rope_scaling=rope_scaling(cfg),
-            qkv_bias=mt == "qwen2" or attention_bias, o_bias=attention_bias)
+            qkv_bias=mt == "qwen2" or attention_bias, o_bias=attention_bias, qk_norm=mt == "qwen3")
     if mt == "opt":
         if cfg.word_embed_proj_dim != cfg.hidden_size:
             raise ValueError("model: OPT with word_embed_proj_dim != hidden_size is not supported")
@@ -168,8 +173,8 @@ def rope_scaling(cfg) -> RopeScaling | None:
 def _windowed(cfg, max_len: int) -> int:
     """The context a model with sliding-window attention keeps here: up to its window every
     token sees every earlier one, as full attention does, so the context stops at the window
-    (Mistral 7B v0.1's 4,096; Qwen2 with use_sliding_window)."""
-    if cfg.model_type == "qwen2":
+    (Mistral 7B v0.1's 4,096; Qwen2 and Qwen3 with use_sliding_window)."""
+    if cfg.model_type in ("qwen2", "qwen3"):
         types = getattr(cfg, "layer_types", None)      # transformers 5's; else the layers it would make
         windowed = getattr(cfg, "max_window_layers", 28) < cfg.num_hidden_layers
         on = "sliding_attention" in types if types else getattr(cfg, "use_sliding_window", False) and windowed

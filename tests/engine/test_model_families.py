@@ -1,5 +1,6 @@
-"""Llama-shaped checkpoints beyond Llama itself -- Qwen2 (Q/K/V biases), Mistral (a sliding
-window), Llama 3.1's and linear rotary scaling, Llama with attention biases -- generate exactly
+"""Llama-shaped checkpoints beyond Llama itself -- Qwen2 (Q/K/V biases), Qwen3 (per-head Q/K
+norms), Mistral (a sliding window), Llama 3.1's and linear rotary scaling, Llama with attention
+biases -- generate exactly
 HF transformers' greedy tokens; configs this engine cannot compute are refused by name."""
 import json
 import logging
@@ -19,6 +20,8 @@ LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq
 # tiny heads' low, blended and kept frequency bands alike
 CASES = {
     "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "qwen3-attention-bias": ("qwen3", {"attention_bias": True}),
     "mistral-window": ("mistral", {"sliding_window": 160}),
     "llama3-rope": ("llama", {"rope_parameters": LLAMA3}),
     "linear-rope": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
@@ -44,10 +47,11 @@ def test_llama_shaped_checkpoints_match_hf(case, tmp_path):
         assert o == r, f"prompt {i} differs"
 
 
-def test_hidden_cache_recomputes_biased_kv(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_hidden_cache_recomputes_kv_with_biases_and_norms(family, tmp_path):
     """A hidden cache keeps each layer's input and projects K and V again at every step: Qwen2's
-    K and V biases must come with them."""
-    model_dir = write_tiny_model(tmp_path, "qwen2", seed=6, num_kv_heads=4)
+    K and V biases, and Qwen3's norm of each K head, must come with them."""
+    model_dir = write_tiny_model(tmp_path, family, seed=6, num_kv_heads=4)
     prompts = mixed_prompts(6, 512, seed=4, hi=90)
     outs = _generate(model_dir, prompts, cache_type="hidden")
     assert outs == hf_greedy(model_dir, prompts, MAX_NEW)

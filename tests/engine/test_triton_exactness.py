@@ -9,15 +9,18 @@ from tandem.engine.models.loader import load_spec
 from tests.conftest import ONE_DEVICE, assert_pool_free, hf_greedy, mixed_prompts
 
 MAX_NEW = 6
+FAMILIES = ("llama", "opt", "qwen2", "qwen3")
 
 
 @pytest.fixture(scope="module")
 def wide_models(tmp_path_factory):
     """Tiny checkpoints with head_dim 32 (the kernels' smallest): Llama with 2 KV heads for 4
-    query heads (a hidden-cache token takes 2 blocks), OPT multi-head (1 block)."""
+    query heads (a hidden-cache token takes 2 blocks), OPT multi-head (1 block), and the
+    Llama-shaped Qwen2 (K/V biases, which the fused hidden-cache kernel adds before rotating) and
+    Qwen3 (per-head K norms, which it lacks: its hidden caches take the projection in torch)."""
     from tandem.engine.models.tiny import write_tiny_model
     return {f: write_tiny_model(tmp_path_factory.mktemp(f"wide-{f}"), f, seed=5, d_model=128, num_heads=4,
-                                num_kv_heads=2) for f in ("llama", "opt")}
+                                num_kv_heads=2) for f in FAMILIES}
 
 
 def _run(model_dir, prompts, blocks, **kw):
@@ -32,7 +35,7 @@ def _run(model_dir, prompts, blocks, **kw):
     return outs, preempted, swaps
 
 
-@pytest.mark.parametrize("family", ["llama", "opt"])
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("cache_type", ["kv", "hidden"])
 def test_triton_attention_matches_hf(family, cache_type, wide_models):
     model_dir = wide_models[family]
@@ -40,7 +43,7 @@ def test_triton_attention_matches_hf(family, cache_type, wide_models):
     # 24-token steps split a prompt that does not fit whole (chunked prefill); a pool of 7
     # token-blocks of 8, fewer than the 13 the five requests reach (5-18 prompt tokens and 6 more
     # each), forces preemption. A token-block is K + V blocks, or a hidden cache's m.
-    per_token_block = 2 if cache_type == "kv" or family == "llama" else 1
+    per_token_block = 2 if cache_type == "kv" or family != "opt" else 1
     mode = "swap" if cache_type == "kv" else "recompute"
     outs, preempted, swaps = _run(model_dir, prompts, 7 * per_token_block, cache_type=cache_type,
                                   preemption_mode=mode, swap_dtype="auto")
