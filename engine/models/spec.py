@@ -93,10 +93,10 @@ HF_DEFAULTS = {
                 "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 4096},
     "qwen2": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
               "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768,
-              "rms_norm_eps": 1e-6, "bos_token_id": None, "eos_token_id": None},
+              "rms_norm_eps": 1e-6, "bos_token_id": None, "eos_token_id": None, "sliding_window": 4096},
     "qwen3": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
               "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768,
-              "rms_norm_eps": 1e-6, "bos_token_id": None, "eos_token_id": None},
+              "rms_norm_eps": 1e-6, "bos_token_id": None, "eos_token_id": None, "sliding_window": 4096},
 }
 
 
@@ -128,7 +128,7 @@ def spec_from_hf_config(cfg) -> ModelSpec:
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             intermediate_size=cfg.intermediate_size,
             max_model_len=_windowed(cfg, cfg.max_position_embeddings), norm_eps=cfg.rms_norm_eps,
-            rope_theta=float(_rope(cfg).get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
+            rope_theta=float(_rope(cfg)["rope_theta"]),
             bos_token_id=cfg.bos_token_id, eos_token_ids=eos_ids, rope_scaling=rope_scaling(cfg),
             qkv_bias=mt == "qwen2" or attention_bias, o_bias=attention_bias, qk_norm=mt == "qwen3")
     if mt == "opt":
@@ -147,9 +147,15 @@ def spec_from_hf_config(cfg) -> ModelSpec:
 
 
 def _rope(cfg) -> dict:
-    """The config's rotary settings: transformers 5's ``rope_parameters`` or the older
-    ``rope_scaling`` (beside a top-level ``rope_theta``)."""
-    return getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    """The config's rotary settings as transformers reads them: transformers 5's
+    ``rope_parameters`` overridden by an older ``rope_scaling`` where there is one (a model card
+    may say to add it to a config saved with the former), ``rope_theta`` from either, else from
+    the top level."""
+    scaling = dict(getattr(cfg, "rope_scaling", None) or {})
+    if "type" in scaling:                               # the older name of rope_type
+        scaling.setdefault("rope_type", scaling.pop("type"))
+    rope = (getattr(cfg, "rope_parameters", None) or {}) | scaling
+    return rope | {"rope_theta": rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))}
 
 
 def rope_scaling(cfg) -> RopeScaling | None:
@@ -157,7 +163,9 @@ def rope_scaling(cfg) -> RopeScaling | None:
     rope = _rope(cfg)
     if float(rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))) != 1.0:
         raise ValueError("model: rotary embeddings over part of each head are not supported")
-    kind = rope.get("rope_type") or rope.get("type") or "default"
+    kind = rope.get("rope_type") or "default"
+    if kind == "llama3":                      # transformers' default for the trained context
+        rope.setdefault("original_max_position_embeddings", cfg.max_position_embeddings)
     if kind == "default":
         return None
     needs = {"linear": ("factor",),
@@ -176,8 +184,8 @@ def _windowed(cfg, max_len: int) -> int:
     (Mistral 7B v0.1's 4,096; Qwen2 and Qwen3 with use_sliding_window)."""
     if cfg.model_type in ("qwen2", "qwen3"):
         types = getattr(cfg, "layer_types", None)      # transformers 5's; else the layers it would make
-        windowed = getattr(cfg, "max_window_layers", 28) < cfg.num_hidden_layers
-        on = "sliding_attention" in types if types else getattr(cfg, "use_sliding_window", False) and windowed
+        some = "sliding_attention" in types if types else getattr(cfg, "max_window_layers", 28) < cfg.num_hidden_layers
+        on = getattr(cfg, "use_sliding_window", False) and some
     else:
         on = cfg.model_type == "mistral"
     window = getattr(cfg, "sliding_window", None) if on else None

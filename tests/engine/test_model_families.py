@@ -42,6 +42,9 @@ def test_llama_shaped_checkpoints_match_hf(case, tmp_path):
     family, config = CASES[case]
     model_dir = write_tiny_model(tmp_path, family, seed=5, config=config)
     prompts = mixed_prompts(6, 512, seed=3, hi=120)      # prefilled in 32-token chunks
+    window = config.get("sliding_window")
+    if window:                                           # one request fills the whole window
+        prompts.append(mixed_prompts(1, 512, seed=8, lo=window - MAX_NEW, hi=window - MAX_NEW + 1)[0])
     outs = _generate(model_dir, prompts)
     for i, (o, r) in enumerate(zip(outs, hf_greedy(model_dir, prompts, MAX_NEW), strict=True)):
         assert o == r, f"prompt {i} differs"
@@ -80,6 +83,16 @@ def test_scaled_frequencies_match_transformers(rope):
     torch.testing.assert_close(sin[1, 64:], ref.sin(), rtol=1e-6, atol=1e-7)
 
 
+def test_rope_scaling_beside_rope_parameters_is_applied(tmp_path):
+    """As transformers reads it: the older ``rope_scaling`` wins over ``rope_parameters``, whose
+    rope_theta it keeps."""
+    cfg = {"model_type": "llama", "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+           "rope_scaling": {"type": "linear", "factor": 2.0}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = load_spec(tmp_path)
+    assert (spec.rope_scaling, spec.rope_theta) == (RopeScaling("linear", 2.0), 5e5)
+
+
 def test_sliding_window_bounds_the_context(tmp_path, caplog):
     """Up to its window a sliding-window model attends as a full one does: the context stops there,
     the log says why, and a longer prompt is refused. Qwen2 without use_sliding_window keeps its
@@ -104,6 +117,10 @@ def test_sliding_window_bounds_the_context(tmp_path, caplog):
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
      "part of each head"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3 rotary scaling needs low_freq_factor"),
+    # a model card's rope_scaling added to a config saved with rope_parameters: transformers applies it
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+      "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+     "rope type 'yarn'"),
     ({"hidden_act": "gelu"}, "activation 'gelu'"),
     ({"mlp_bias": True}, "MLP biases"),
     ({"model_type": "gemma"}, "architecture 'gemma' is not supported"),
