@@ -355,9 +355,11 @@ class Scheduler:
 
 
 def load_by_class(actors: list[DeviceActor]) -> dict:
-    """{ServiceClass: (running, waiting, blocks held)} over the given devices."""
+    """{ServiceClass: (running, waiting, blocks held)} over the given devices; a block that
+    several of a class's requests hold (a cached prompt start) counts once."""
     out: dict = {}
     for a in actors:
+        shared: dict = {}                           # class -> block ids, with prefix caching
         for ids, k in ((a.running, 0), (a.waiting, 1)):
             for r in list(ids):
                 st = a.states.get(r)
@@ -365,7 +367,12 @@ def load_by_class(actors: list[DeviceActor]) -> dict:
                     continue
                 row = out.setdefault(st.request.service_class, [0, 0, 0])
                 row[k] += 1
-                row[2] += a.pool.num_blocks_of(r)
+                if a.pool.prefix is None:
+                    row[2] += a.pool.num_blocks_of(r)
+                else:
+                    shared.setdefault(st.request.service_class, set()).update(a.pool.table(r))
+        for c, blocks in shared.items():
+            out[c][2] += len(blocks)
     return {c: tuple(v) for c, v in out.items()}
 
 

@@ -5,7 +5,7 @@ from tandem.cache import BlockPool, PoolGeometry
 from tandem.cache.prefix import block_keys
 from tandem.engine.messages import CacheType
 from tandem.sched.request import ServiceClass
-from tandem.sched.scheduler import pool_view
+from tandem.sched.scheduler import load_by_class, pool_view
 
 B = 4
 
@@ -28,3 +28,6 @@ def test_blocks_shared_by_rt_and_be_requests_count_once_as_shared():
                             states={r: SimpleNamespace(request=SimpleNamespace(service_class=c)) for r, c in cls.items()})
     pool.check_invariants()
     assert pool_view([actor]) == {"rt": 6, "be": 2, "shared": 4, "checkpointed": 0, "free": 40 - 12}
+    # blocks each class holds (the metrics' and status's per-class count), each once: RT 6 + 4
+    actor.waiting = []
+    assert load_by_class([actor]) == {ServiceClass.RT: (2, 0, 10), ServiceClass.BE: (1, 0, 6)}
