@@ -113,12 +113,43 @@ def pool_blocks(cfg: WorkerConfig, bytes_per_block: int, reserved: int = 0) -> i
     return max(0, budget - reserved) // bytes_per_block
 
 
+# what a CPU worker holds beside its weights and pool: the interpreter, torch, the compiled
+# kernels and a step's activations (about 150-200 MB measured with SmolLM2)
+WORKER_OVERHEAD_BYTES = 200 << 20
+
+
+def cpu_worker_bytes(cfg: WorkerConfig) -> int:
+    """About the memory a CPU worker takes once loaded: its weights at its dtype (an
+    overestimate where GGUF blocks stand in for them), its pool and the process itself."""
+    from tandem.engine.models.loader import weight_bytes
+    blocks, per_block, staged = sized_pool(cfg)
+    weights = weight_bytes(Path(cfg.hf_dir), cfg.spec, DTYPES[cfg.dtype].itemsize)
+    return weights + blocks * per_block + staged * _full_block(cfg) + WORKER_OVERHEAD_BYTES
+
+
+def _full_block(cfg: WorkerConfig) -> int:
+    """Bytes of one block at the model's dtype (every layer's rows of it)."""
+    return cfg.spec.num_layers * cfg.block_size * cfg.spec.unit * DTYPES[cfg.dtype].itemsize
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel can give without swapping (MemAvailable), where /proc says."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def sized_pool(cfg: WorkerConfig) -> tuple[int, int, int]:
     """The pool the budget buys: (blocks, bytes per block, open blocks staged at full precision
     for an int8 pool); ValueError naming ``kv_cache_bytes`` when it buys fewer than two.
     Pure but for the device's memory size, so the front end checks it before any worker loads."""
     spec = cfg.spec
-    full_block = spec.num_layers * cfg.block_size * spec.unit * torch.empty((), dtype=DTYPES[cfg.dtype]).element_size()
+    full_block = _full_block(cfg)
     bytes_per_block, staged = full_block, 0
     if cfg.kv_cache_dtype == "int8":
         bytes_per_block = int8_block_bytes(spec.num_layers, spec.num_kv_heads, spec.head_dim, cfg.block_size)
@@ -300,7 +331,9 @@ class WorkerHandle:
         try:
             self.conn.send(inp)
         except (BrokenPipeError, OSError) as e:
-            raise DeviceError(f"{self.name}: worker is gone ({e})") from e
+            self.proc.join(timeout=self.POLL_S)
+            gone = self.death() if not self.proc.is_alive() else f"{self.name}: worker is gone ({e})"
+            raise DeviceError(gone) from e
 
     def collect(self) -> StepOutput:
         """A step's results; a worker silent past STEP_TIMEOUT_S is stopped (DeviceError: the
@@ -310,7 +343,7 @@ class WorkerHandle:
     def _recv(self, deadline: float | None = None, late: str = "was not ready in time"):
         while not self.conn.poll(self.POLL_S):
             if not self.proc.is_alive():
-                raise DeviceError(f"{self.name}: worker process died (exit code {self.proc.exitcode})")
+                raise DeviceError(self.death())
             if deadline is not None and time.monotonic() > deadline:
                 self.proc.kill()
                 self.proc.join(timeout=3)
@@ -319,7 +352,21 @@ class WorkerHandle:
             return self.conn.recv()
         except (EOFError, OSError) as e:
             self.proc.join(timeout=self.POLL_S)
-            raise DeviceError(f"{self.name}: worker process died (exit code {self.proc.exitcode})") from e
+            raise DeviceError(self.death()) from e
+
+    def death(self, idle: bool = False) -> str:
+        """How the worker ended: its exit code, or the signal that killed it. SIGKILL, which no
+        code here sends a live worker, is most often the kernel's out-of-memory killer."""
+        code, who = self.proc.exitcode, f"{self.name}: {'idle ' if idle else ''}worker process"
+        if code is None or code >= 0:
+            return f"{who} died (exit code {code})"
+        try:
+            sig = signal.Signals(-code)
+        except ValueError:
+            return f"{who} killed by signal {-code}"
+        hint = (" (most often the kernel's out-of-memory killer, which the kernel log names: fewer devices, "
+                "a smaller kv_cache_bytes or a smaller model need less memory)" if sig is signal.SIGKILL else "")
+        return f"{who} killed by {sig.name}{hint}"
 
     def shutdown(self) -> None:
         if self.proc.is_alive():

@@ -23,7 +23,8 @@ from tandem.engine.grammar import Vocabulary, compile_grammar
 from tandem.engine.messages import DeviceError, TokenLogprobs
 from tandem.engine.models.loader import load_spec, load_tokenizer, resolve_model, sampling_defaults
 from tandem.engine.params import SamplingParams, int_list
-from tandem.engine.worker import WorkerConfig, WorkerHandle, prestart, sized_pool, wait_all
+from tandem.engine.worker import (WorkerConfig, WorkerHandle, available_memory, cpu_worker_bytes, prestart,
+                                  sized_pool, wait_all)
 from tandem.sched.actor import Update
 from tandem.sched.beam import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from tandem.sched.lengths import LengthSource, prediction_text
@@ -255,6 +256,22 @@ def check_devices(names: list[str]) -> None:
                     "are slower than %d", ncpu, cores, cores)
 
 
+def warn_if_memory_short(cpu_workers: list[WorkerConfig], available: int | None = None) -> bool:
+    """Log a warning when the CPU workers, loaded, would take more memory than the machine has
+    available (the kernel then kills one: a restart loop rather than a server); True if so."""
+    available = available_memory() if available is None else available
+    if not cpu_workers or available is None:
+        return False
+    each = cpu_worker_bytes(cpu_workers[0])
+    if each * len(cpu_workers) <= available:
+        return False
+    log.warning("%d CPU worker(s) need about %.1f GiB (%.1f GiB each: weights, KV pool and process), more "
+                "than the %.1f GiB available: the kernel may kill them; use fewer devices, a smaller "
+                "kv_cache_bytes or a smaller model", len(cpu_workers), each * len(cpu_workers) / 2**30,
+                each / 2**30, available / 2**30)
+    return True
+
+
 def _triton_choice(asked: bool | None, devices: list[str], head_dim: int) -> bool:
     """Whether the workers attend with the Triton kernels (LLM's triton_attention)."""
     from tandem.engine.triton_paging import supports_head_dim, triton_available
@@ -457,6 +474,7 @@ class LLM:
         for wc in configs:          # a budget too small for a pool is refused before any worker loads
             if wc.device == "cpu" or kv_cache_bytes is not None:    # (a GPU's free memory: read in its worker)
                 sized_pool(wc)
+        warn_if_memory_short([wc for wc in configs if wc.device == "cpu"])
         for i, (dev, wc) in enumerate(zip(names, configs)):
             shared = dev == "cpu" or names.count(dev) > 1
             self._workers.append(WorkerHandle(f"{dev}#{i}" if shared else dev, wc))

@@ -199,7 +199,7 @@ class ActorThread:
         alive = getattr(self.actor.device, "alive", None)
         if alive is None or self.actor.dead is not None or self.restarting or alive():
             return None
-        return "worker process died while idle"
+        return self.actor.device.death(idle=True)
 
     def _recover(self, how: Callable[[str], list[Update]], why: str) -> list[Update]:
         """Run a recovery. Should it fail as well (the books it works on are what broke), the

@@ -195,6 +195,23 @@ def load_state_dict(hf_dir: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
+def weight_bytes(hf_dir: Path, spec: ModelSpec, element_size: int) -> int:
+    """About the bytes of a model's weights at ``element_size`` bytes each: its matrices and
+    embeddings (norms and biases are a rounding error), the LM head apart when not tied."""
+    s = spec
+    if s.family is Family.LLAMA:
+        layer = s.d_model * (2 * s.num_heads + 2 * s.num_kv_heads) * s.head_dim + 3 * s.d_model * s.intermediate_size
+        tied_default = False
+    else:                        # OPT, with its learned positions' table
+        layer = 4 * s.d_model * s.d_model + 2 * s.d_model * s.intermediate_size
+        tied_default = True
+    tied = _config_json(hf_dir).get("tie_word_embeddings", tied_default)
+    embeddings = s.vocab_size * s.d_model * (1 if tied else 2)
+    if s.family is Family.OPT:
+        embeddings += (s.max_model_len + 2) * s.d_model
+    return (s.num_layers * layer + embeddings) * element_size
+
+
 def build_model(hf_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: str = "cpu"):
     """Instantiate our forward for ``spec`` and fill it from the checkpoint."""
     from tandem.engine.models.llama import LlamaModel

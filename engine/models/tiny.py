@@ -33,17 +33,17 @@ def write_tiny_model(path: str | Path, family: str = "llama", *, seed: int = 0,
     torch.manual_seed(seed)
     ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if family in LLAMA_LIKE:
-        cfg = getattr(transformers, f"{LLAMA_LIKE[family]}Config")(
+        cfg = getattr(transformers, f"{LLAMA_LIKE[family]}Config")(**dict(
             vocab_size=vocab_size, hidden_size=d_model, intermediate_size=2 * d_model,
             num_hidden_layers=num_layers, num_attention_heads=num_heads, head_dim=d_model // num_heads,
             num_key_value_heads=num_kv_heads, max_position_embeddings=max_len,
-            tie_word_embeddings=True, initializer_range=init_std, **ids, **(config or {}))
+            tie_word_embeddings=True, initializer_range=init_std, **ids) | (config or {}))
         model = getattr(transformers, f"{LLAMA_LIKE[family]}ForCausalLM")(cfg)
     elif family == "opt":
-        cfg = transformers.OPTConfig(vocab_size=vocab_size, hidden_size=d_model, ffn_dim=4 * d_model,
-                                     num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                                     max_position_embeddings=max_len, word_embed_proj_dim=d_model,
-                                     do_layer_norm_before=True, init_std=init_std, **ids, **(config or {}))
+        cfg = transformers.OPTConfig(**dict(vocab_size=vocab_size, hidden_size=d_model, ffn_dim=4 * d_model,
+                                            num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                                            max_position_embeddings=max_len, word_embed_proj_dim=d_model,
+                                            do_layer_norm_before=True, init_std=init_std, **ids) | (config or {}))
         model = transformers.OPTForCausalLM(cfg)
     else:
         raise ValueError(f"family: {family!r} is not one of {', '.join((*LLAMA_LIKE, 'opt'))}")

@@ -54,9 +54,10 @@ def generate_bounded(llm, prompts, max_tokens: int) -> list[str]:
 
 
 @pytest.mark.parametrize("pool", ["blocks", "bidirectional, odd"])
-def test_killed_worker_is_restarted_and_its_requests_finish_token_exact(pool, tiny_llama):
+def test_killed_worker_is_restarted_and_its_requests_finish_token_exact(pool, tiny_llama, caplog):
     """Also with bidirectional blocks on an odd block count, whose last block the pool leaves out
-    of its geometry: the new worker's pool is the same pool."""
+    of its geometry: the new worker's pool is the same pool. The log names the signal and what
+    usually sends it."""
     from tandem.engine.models.loader import load_spec
     spec = load_spec(tiny_llama)
     prompts = mixed_prompts(8, 512, seed=11)
@@ -69,6 +70,7 @@ def test_killed_worker_is_restarted_and_its_requests_finish_token_exact(pool, ti
         outs = llm.generate(prompts, SamplingParams(max_tokens=30, **GREEDY))
         assert killed == [3], "the worker was meant to die mid-generation"
         assert handle.proc.pid != first_pid and llm.runtime.threads[0].restarts == 1
+        assert "worker process killed by SIGKILL (most often the kernel's out-of-memory killer" in caplog.text
         assert llm.runtime.serving()
         assert_pool_free(llm)
     assert [o.token_ids for o in outs] == hf_greedy(tiny_llama, prompts, 30)
@@ -379,10 +381,11 @@ def test_a_worker_not_ready_in_time_is_stopped_and_its_start_fails(tiny_llama):
             h.shutdown()
 
 
-def test_a_worker_that_dies_while_idle_is_started_again_at_once(tiny_llama):
+def test_a_worker_that_dies_while_idle_is_started_again_at_once(tiny_llama, caplog):
     """Killed between requests, the worker is replaced with no request to find it gone (the
     next one used to wait out the restart, and /health said ok meanwhile); the next request is
-    served as before. The wait for the restart is a guard against a hang, not a speed goal."""
+    served as before, and the log names the signal. The wait for the restart is a guard
+    against a hang, not a speed goal."""
     with LLM(str(tiny_llama), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1) as llm:
         assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **GREEDY))
         handle, thread = llm._workers[0], llm.runtime.threads[0]
@@ -399,6 +402,7 @@ def test_a_worker_that_dies_while_idle_is_started_again_at_once(tiny_llama):
         out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, **GREEDY))
         # read after a request was served: the thread marks the restart done once it returns
         assert thread.restarts == 1 and llm.runtime.serving()
+    assert "worker process killed by SIGKILL (most often" in caplog.text     # idle, or found at the next send
     assert out[0].token_ids == hf_greedy(tiny_llama, [[5, 6, 7]], 6)[0]
 
 
@@ -455,3 +459,18 @@ def test_a_hung_worker_is_stopped_and_its_requests_finish_token_exact(tiny_llama
         assert llm.runtime.threads[0].restarts == 1 and handle.proc is not hung and not hung.is_alive()
         assert_pool_free(llm)
     assert [o.token_ids for o in outs] == hf_greedy(tiny_llama, prompts, 12)
+
+
+def test_workers_that_would_not_fit_in_memory_are_warned_of(tiny_llama, monkeypatch, caplog):
+    """Two CPU workers, each about its weights, its pool and the process: the start warns when
+    that is more than the machine has available, and says nothing when it fits."""
+    import tandem.sched.llm as llm_module
+    from tandem.engine.worker import WORKER_OVERHEAD_BYTES
+    pool = 1 << 22
+    need = 2 * (WORKER_OVERHEAD_BYTES + pool)          # the tiny model's weights are a few hundred KB
+    for available, warned in ((need, True), (need + (64 << 20), False)):
+        monkeypatch.setattr(llm_module, "available_memory", lambda: available)
+        caplog.clear()
+        with LLM(str(tiny_llama), "cpu:2", dtype="float32", threads_per_worker=1, kv_cache_bytes=pool) as llm:
+            assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].token_ids
+        assert ("2 CPU worker(s) need about" in caplog.text) is warned, caplog.text

@@ -98,3 +98,18 @@ def test_reading_a_model_imports_no_model_config_class(tiny_chat_model):
             "'torch.distributed.tensor'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+@pytest.mark.parametrize("family, config", [("llama", {}), ("llama", {"tie_word_embeddings": False}),
+                                            ("opt", {}), ("qwen2", {"tie_word_embeddings": False}), ("qwen3", {})])
+def test_weight_bytes_count_what_transformers_holds(family, config, tmp_path):
+    """The memory estimate's weights: every matrix and embedding table of HF's model (a tied head
+    once), at the given element size."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from tandem.engine.models.loader import weight_bytes
+    from tandem.engine.models.tiny import write_tiny_model
+    d = write_tiny_model(tmp_path, family, config=config)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    matrices = sum(p.numel() for p in hf.parameters() if p.dim() == 2)
+    assert weight_bytes(d, load_spec(d), 2) == 2 * matrices
