@@ -75,3 +75,77 @@ def _through_gguf(model) -> None:
             kind = Q.Q8_0 if "embed" in name else Q.Q4_1
             w = p.detach().float().numpy()
             p.copy_(torch.from_numpy(dequantize(quantize(w, kind), kind).astype(np.float32).reshape(w.shape)))
+
+
+def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str) -> Path:
+    """Write a checkpoint of ``write_tiny_model`` (``arch`` llama, qwen2 or qwen3, with a
+    tokenizer copied in) as a GGUF file as llama.cpp's converter lays it out, every tensor in
+    float32: gguf-py's tensor names, Llama's Q and K rows permuted to llama.cpp's rotary layout,
+    no output tensor where the head is tied, the tokenizer as byte-level BPE ("gpt2"). What
+    transformers reads back holds exactly the checkpoint's weights. Its GGUF reader takes no
+    head_dim for qwen3 (Qwen3Config's 128 stands), no rotary scaling and no sliding window:
+    such checkpoints are refused."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+    hf_dir, out = Path(hf_dir), Path(out)
+    cfg, tok = AutoConfig.from_pretrained(hf_dir), AutoTokenizer.from_pretrained(hf_dir)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if arch not in ("llama", "qwen2", "qwen3") or (arch == "qwen3" and head_dim != 128) \
+            or rope.get("rope_type", "default") != "default" or getattr(cfg, "sliding_window", None):
+        raise ValueError(f"{arch} with this config does not come back from transformers' GGUF reader")
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name(hf_dir.name)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for add, value in ((w.add_vocab_size, cfg.vocab_size), (w.add_context_length, cfg.max_position_embeddings),
+                       (w.add_embedding_length, cfg.hidden_size), (w.add_block_count, cfg.num_hidden_layers),
+                       (w.add_feed_forward_length, cfg.intermediate_size), (w.add_head_count, heads),
+                       (w.add_head_count_kv, kv_heads), (w.add_key_length, head_dim),
+                       (w.add_value_length, head_dim), (w.add_rope_dimension_count, head_dim)):
+        add(value)
+    w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    _gguf_tokenizer(w, tok, json.loads((hf_dir / "tokenizer.json").read_text()), cfg.vocab_size)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    for name, t in load_file(str(hf_dir / "model.safetensors")).items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        stem, suffix = name.rsplit(".", 1)
+        a = t.float().numpy()
+        if arch == "llama" and suffix == "weight" and stem.endswith(("q_proj", "k_proj")):
+            n = heads if stem.endswith("q_proj") else kv_heads     # each head's halves -> interleaved pairs
+            a = a.reshape(n, 2, a.shape[0] // n // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+        w.add_tensor(f"{names.get_name(stem)}.{suffix}", a.copy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _gguf_tokenizer(w, tok, tokenizer_json: dict, vocab_size: int) -> None:
+    """The tokenizer's vocabulary (padded with unused entries to the model's), merges, special
+    ids and chat template, as GGUF's tokenizer keys."""
+    import gguf
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    types = [gguf.TokenType.UNUSED] * vocab_size
+    special = {t.content for t in tok.added_tokens_decoder.values() if t.special}
+    for text, i in tok.get_vocab().items():
+        tokens[i] = text
+        types[i] = gguf.TokenType.CONTROL if text in special else gguf.TokenType.NORMAL
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")            # SmolLM2's pre-tokenizer: GPT-2's split
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer_json["model"]["merges"]])
+    for name, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id), ("pad", w.add_pad_token_id),
+                      ("unk", w.add_unk_token_id)):
+        if getattr(tok, f"{name}_token_id", None) is not None:
+            add(int(getattr(tok, f"{name}_token_id")))
+    w.add_add_bos_token(bool(getattr(tok, "add_bos_token", False)))
+    if tok.chat_template:
+        w.add_chat_template(tok.chat_template)

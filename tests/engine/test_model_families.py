@@ -10,7 +10,7 @@ import pytest
 from tandem import LLM, SamplingParams
 from tandem.engine.models.loader import load_spec
 from tandem.engine.models.spec import RopeScaling
-from tandem.engine.models.tiny import write_tiny_model
+from tandem.engine.models.tiny import write_tiny_gguf, write_tiny_model
 from tests.conftest import ONE_DEVICE, assert_pool_free, hf_greedy, mixed_prompts
 
 MAX_NEW = 16
@@ -48,6 +48,32 @@ def test_llama_shaped_checkpoints_match_hf(case, tmp_path):
     outs = _generate(model_dir, prompts)
     for i, (o, r) in enumerate(zip(outs, hf_greedy(model_dir, prompts, MAX_NEW), strict=True)):
         assert o == r, f"prompt {i} differs"
+
+
+@pytest.mark.parametrize("arch, config", [("llama", {}), ("qwen2", {}), ("qwen3", {"head_dim": 128})])
+def test_gguf_files_generate_the_checkpoint_s_tokens(arch, config, tmp_path):
+    """A GGUF of each architecture, laid out as llama.cpp's converter does (Llama's Q/K rows
+    permuted, a tied head left out, the tokenizer as GGUF keys), served by its path: it
+    generates the original checkpoint's greedy tokens, and tokenizes and renders a chat as the
+    original's tokenizer does."""
+    from transformers import AutoTokenizer
+    from tandem.engine.models.loader import resolve_model
+    from tandem.sched.llm import DEFAULT_CACHE_DIR
+    hf = write_tiny_model(tmp_path / "hf", arch, seed=7, config=config,
+                          tokenizer_from=resolve_model("smollm2", DEFAULT_CACHE_DIR))
+    (tmp_path / "gguf").mkdir()                 # alone: beside a tokenizer.json, transformers reads that
+    gguf = write_tiny_gguf(hf, tmp_path / "gguf" / f"tiny-{arch}.gguf", arch)
+    prompts = mixed_prompts(4, 49152, seed=9, hi=40)
+    chat = [{"role": "user", "content": "Write one line about the sea."}]
+    with LLM(str(gguf), ONE_DEVICE, dtype="float32", threads_per_worker=1, cache_dir=str(tmp_path / "cache")) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
+        said = llm.chat(chat, SamplingParams(max_tokens=2))[0]
+        text = llm.generate("Hello, world! 12345", SamplingParams(max_tokens=1))[0]
+    assert [o.token_ids for o in outs] == hf_greedy(hf, prompts, MAX_NEW)
+    tok = AutoTokenizer.from_pretrained(hf)
+    assert said.prompt_token_ids == tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                                            return_dict=False)
+    assert text.prompt_token_ids == tok("Hello, world! 12345").input_ids
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
