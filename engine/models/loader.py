@@ -79,7 +79,45 @@ def convert_gguf(path: Path, cache_dir: Path) -> Path:
             if not (out / "model.safetensors").is_file():
                 _write_converted(path, out)
     _name_architecture(out)
+    if not (out / ROPE_CHECKED).is_file():          # converted before llama.cpp's rope_freqs were read
+        with exclusive(cache_dir / f".{out.name}.lock"):
+            _apply_rope_freqs(path, out)
     return out
+
+
+# written beside a converted GGUF's config once its rotary scaling has been read back
+ROPE_CHECKED = "gguf_rope_freqs.json"
+
+
+def _apply_rope_freqs(path: Path, hf_dir: Path) -> None:
+    """llama.cpp keeps Llama 3.1-3.3's rotary scaling as a tensor of per-frequency divisors
+    (``rope_freqs``), which transformers' GGUF reader drops: the model would run with its
+    unscaled frequencies. Write the llama3 scaling those divisors give into the converted
+    config (ValueError where none gives them), and mark the directory checked."""
+    if (hf_dir / ROPE_CHECKED).is_file():
+        return
+    from gguf import GGUFReader
+    import numpy as np
+    from tandem.engine.models.spec import RopeScaling
+    found = next((t for t in GGUFReader(path).tensors if t.name == "rope_freqs.weight"), None)
+    scaling = None
+    if found is not None:
+        cfg = _config_json(hf_dir)
+        spec = spec_from_config_json(cfg)
+        divisors = np.asarray(found.data, dtype=np.float64).reshape(-1).tolist()
+        hd = spec.head_dim
+        inv_freq = [1.0 / spec.rope_theta ** (i / hd) for i in range(0, hd, 2)]
+        rope = RopeScaling.from_divisors(divisors, inv_freq) if len(divisors) == len(inv_freq) else None
+        if rope is None:
+            raise ValueError(f"model: {path.name}'s rope_freqs are no llama3 rotary scaling this engine computes")
+        scaling = {"rope_type": "llama3", "rope_theta": spec.rope_theta, "factor": rope.factor,
+                   "low_freq_factor": rope.low_freq_factor, "high_freq_factor": rope.high_freq_factor,
+                   "original_max_position_embeddings": int(rope.original_max) if rope.original_max.is_integer()
+                   else rope.original_max}
+        cfg["rope_parameters"] = scaling
+        cfg.pop("rope_scaling", None)
+        (hf_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (hf_dir / ROPE_CHECKED).write_text(json.dumps({"rope_freqs": found is not None, "rope_parameters": scaling}) + "\n")
 
 
 def _write_converted(path: Path, out: Path) -> None:
@@ -101,6 +139,7 @@ def _write_converted(path: Path, out: Path) -> None:
         hf.generation_config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        _apply_rope_freqs(path, tmp)
         if out.exists():                 # an earlier, interrupted layout: replace it whole
             shutil.rmtree(out)
         os.replace(tmp, out)

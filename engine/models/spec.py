@@ -52,6 +52,27 @@ class RopeScaling:
                 out.append((1 - s) * f / self.factor + s * f)
         return out
 
+    @classmethod
+    def from_divisors(cls, divisors: list[float], inv_freq: list[float]) -> RopeScaling | None:
+        """The llama3 scaling that divides ``inv_freq`` by ``divisors`` (llama.cpp keeps Llama
+        3.1's scaling as such a list, its rope_freqs), or None if none does. Only the scaled
+        frequencies matter, and the blend's weight s is linear in 1/wavelength, so two blended
+        frequencies fix it (with low_freq_factor 1); without two, Llama 3.1's own settings."""
+        factor = max(divisors)
+        mid = [(2 * math.pi / f, d) for f, d in zip(inv_freq, divisors) if 1 + 1e-6 < d < factor * (1 - 1e-6)]
+        found = [cls("llama3", factor, 1.0, 4.0, 8192)]
+        if len(mid) >= 2:
+            (w1, d1), (w2, d2) = mid[0], mid[-1]
+            s1, s2 = ((1 / d - 1 / factor) / (1 - 1 / factor) for d in (d1, d2))
+            a = (s1 - s2) / (1 / w1 - 1 / w2)        # s = a / wavelength + b
+            b = s1 - a / w1
+            if a > 0 and b < 0:
+                found.append(cls("llama3", factor, 1.0, round(1 - 1 / b, 6), round(-a / b, 6)))
+        for c in found:
+            if all(abs(f / g / d - 1) < 1e-4 for f, g, d in zip(inv_freq, c.apply(inv_freq), divisors)):
+                return c
+        return None
+
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:

@@ -81,10 +81,11 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str) -> Path:
     """Write a checkpoint of ``write_tiny_model`` (``arch`` llama, qwen2 or qwen3, with a
     tokenizer copied in) as a GGUF file as llama.cpp's converter lays it out, every tensor in
     float32: gguf-py's tensor names, Llama's Q and K rows permuted to llama.cpp's rotary layout,
-    no output tensor where the head is tied, the tokenizer as byte-level BPE ("gpt2"). What
-    transformers reads back holds exactly the checkpoint's weights. Its GGUF reader takes no
-    head_dim for qwen3 (Qwen3Config's 128 stands), no rotary scaling and no sliding window:
-    such checkpoints are refused."""
+    no output tensor where the head is tied, the tokenizer as byte-level BPE ("gpt2"), Llama
+    3.1's rotary scaling as per-frequency divisors (``rope_freqs``, from transformers' own
+    frequencies). What transformers reads back holds exactly the checkpoint's weights. Its GGUF
+    reader takes no head_dim for qwen3 (Qwen3Config's 128 stands), no other rotary scaling and
+    no sliding window: such checkpoints are refused."""
     import json
 
     import gguf
@@ -95,8 +96,10 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str) -> Path:
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     rope = getattr(cfg, "rope_parameters", None) or {}
+    kind = rope.get("rope_type", "default")
     if arch not in ("llama", "qwen2", "qwen3") or (arch == "qwen3" and head_dim != 128) \
-            or rope.get("rope_type", "default") != "default" or getattr(cfg, "sliding_window", None):
+            or kind not in ("default", "llama3") or (kind == "llama3" and arch != "llama") \
+            or getattr(cfg, "sliding_window", None):
         raise ValueError(f"{arch} with this config does not come back from transformers' GGUF reader")
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(hf_dir.name)
@@ -110,6 +113,11 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str) -> Path:
     w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     _gguf_tokenizer(w, tok, json.loads((hf_dir / "tokenizer.json").read_text()), cfg.vocab_size)
+    if kind == "llama3":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+        plain = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        w.add_tensor("rope_freqs.weight", (plain / scaled).float().numpy())
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
     for name, t in load_file(str(hf_dir / "model.safetensors")).items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:

@@ -50,12 +50,14 @@ def test_llama_shaped_checkpoints_match_hf(case, tmp_path):
         assert o == r, f"prompt {i} differs"
 
 
-@pytest.mark.parametrize("arch, config", [("llama", {}), ("qwen2", {}), ("qwen3", {"head_dim": 128})])
+@pytest.mark.parametrize("arch, config", [("llama", {}), ("llama", {"rope_parameters": LLAMA3}), ("qwen2", {}),
+                                          ("qwen3", {"head_dim": 128})])
 def test_gguf_files_generate_the_checkpoint_s_tokens(arch, config, tmp_path):
     """A GGUF of each architecture, laid out as llama.cpp's converter does (Llama's Q/K rows
-    permuted, a tied head left out, the tokenizer as GGUF keys), served by its path: it
-    generates the original checkpoint's greedy tokens, and tokenizes and renders a chat as the
-    original's tokenizer does."""
+    permuted, a tied head left out, the tokenizer as GGUF keys, Llama 3.1's rotary scaling as
+    per-frequency divisors, which transformers' reader drops), served by its path: it generates
+    the original checkpoint's greedy tokens, and tokenizes and renders a chat as the original's
+    tokenizer does."""
     from transformers import AutoTokenizer
     from tandem.engine.models.loader import resolve_model
     from tandem.sched.llm import DEFAULT_CACHE_DIR
@@ -107,6 +109,26 @@ def test_scaled_frequencies_match_transformers(rope):
     cos, sin = rope_tables(spec, torch.float32)          # position 1: cos and sin of each frequency
     torch.testing.assert_close(cos[1, :64], ref.cos(), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(sin[1, 64:], ref.sin(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("head_dim, factor", [(128, 8.0), (64, 32.0)])     # Llama 3.1 8B, Llama 3.2 1B
+def test_llama3_scaling_comes_back_from_llama_cpp_s_divisors(head_dim, factor):
+    """llama.cpp keeps the scaling as each frequency's divisor; the scaling read back from them
+    gives transformers' scaled frequencies. Divisors of no llama3 scaling give None."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": factor, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    cfg = LlamaConfig(hidden_size=head_dim * 8, num_attention_heads=8, rope_parameters=rope)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    plain = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    found = RopeScaling.from_divisors((plain / scaled.double()).float().tolist(), plain.tolist())
+    torch.testing.assert_close(torch.tensor(found.apply(plain.tolist()), dtype=torch.float64), scaled.double(),
+                               rtol=1e-6, atol=0)
+    bumpy = (plain / scaled.double()).tolist()
+    bumpy[len(bumpy) // 2] *= 1.5
+    assert RopeScaling.from_divisors(bumpy, plain.tolist()) is None
 
 
 def test_rope_scaling_beside_rope_parameters_is_applied(tmp_path):
