@@ -28,11 +28,14 @@ def rope_tables(spec: ModelSpec, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     scaling = getattr(spec, "rope_scaling", None)
     if scaling is not None:
-        inv_freq = torch.tensor(scaling.apply(inv_freq.tolist()), dtype=torch.float32)
+        inv_freq = torch.tensor(scaling.apply(inv_freq.tolist(), spec.rope_theta), dtype=torch.float32)
     pos = torch.arange(spec.max_model_len, dtype=torch.float32)
     freqs = pos[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scaling is not None and scaling.attention != 1.0:          # YaRN's attention scale
+        cos, sin = cos * scaling.attention, sin * scaling.attention
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

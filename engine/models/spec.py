@@ -28,16 +28,28 @@ class RopeScaling:
     ``linear`` divides every frequency by ``factor``. ``llama3`` (Llama 3.1 on) divides only the
     low ones, whose wavelength 2π/f exceeds original_max / low_freq_factor, keeps the high ones,
     whose wavelength is under original_max / high_freq_factor, and between the two blends
-    (1 - s) f/factor + s f with s = (original_max / wavelength - low) / (high - low)."""
+    (1 - s) f/factor + s f with s = (original_max / wavelength - low) / (high - low).
+    ``yarn`` (YaRN; Qwen's long contexts) blends by dimension instead: pair i of a head of d
+    dimensions turns original_max / (2π) · f_i times over the trained context, and the pairs
+    between the one turning beta_fast times and the one turning beta_slow times (rounded out
+    when ``truncate``) ramp linearly from f (kept) to f/factor; cos and sin are then scaled by
+    ``attention`` (0.1 ln(factor) + 1 unless the config says)."""
     kind: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max: float = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention: float = 1.0
 
-    def apply(self, inv_freq: list[float]) -> list[float]:
+    def apply(self, inv_freq: list[float], theta: float | None = None) -> list[float]:
+        """The scaled frequencies; ``theta``, the rotary base, for ``yarn``."""
         if self.kind == "linear":
             return [f / self.factor for f in inv_freq]
+        if self.kind == "yarn":
+            return self._yarn(inv_freq, theta)
         low_wl = self.original_max / self.low_freq_factor
         high_wl = self.original_max / self.high_freq_factor
         out = []
@@ -51,6 +63,19 @@ class RopeScaling:
                 s = (self.original_max / wl - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
                 out.append((1 - s) * f / self.factor + s * f)
         return out
+
+    def _yarn(self, inv_freq: list[float], theta: float) -> list[float]:
+        dim = 2 * len(inv_freq)
+
+        def pair(turns: float) -> float:          # the (fractional) dimension turning so many times
+            return dim * math.log(self.original_max / (turns * 2 * math.pi)) / (2 * math.log(theta))
+        lo, hi = pair(self.beta_fast), pair(self.beta_slow)
+        if self.truncate:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dim - 1)
+        hi = hi + 0.001 if hi == lo else hi
+        ramp = [min(1.0, max(0.0, (i - lo) / (hi - lo))) for i in range(len(inv_freq))]
+        return [f / self.factor * r + f * (1 - r) for f, r in zip(inv_freq, ramp)]
 
     @classmethod
     def from_divisors(cls, divisors: list[float], inv_freq: list[float]) -> RopeScaling | None:
@@ -148,7 +173,7 @@ def spec_from_hf_config(cfg) -> ModelSpec:
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             intermediate_size=cfg.intermediate_size,
-            max_model_len=_windowed(cfg, cfg.max_position_embeddings), norm_eps=cfg.rms_norm_eps,
+            max_model_len=_windowed(cfg, _stretched(cfg)), norm_eps=cfg.rms_norm_eps,
             rope_theta=float(_rope(cfg)["rope_theta"]),
             bos_token_id=cfg.bos_token_id, eos_token_ids=eos_ids, rope_scaling=rope_scaling(cfg),
             qkv_bias=mt == "qwen2" or attention_bias, o_bias=attention_bias, qk_norm=mt == "qwen3")
@@ -185,18 +210,49 @@ def rope_scaling(cfg) -> RopeScaling | None:
     if float(rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))) != 1.0:
         raise ValueError("model: rotary embeddings over part of each head are not supported")
     kind = rope.get("rope_type") or "default"
-    if kind == "llama3":                      # transformers' default for the trained context
+    if kind in ("llama3", "yarn"):              # transformers' default for the trained context
         rope.setdefault("original_max_position_embeddings", cfg.max_position_embeddings)
     if kind == "default":
         return None
     needs = {"linear": ("factor",),
-             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-    if kind in needs:
-        missing = [k for k in needs[kind] if rope.get(k) is None]
-        if missing:
-            raise ValueError(f"model: {kind} rotary scaling needs {', '.join(missing)} in the config")
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+             "yarn": ("original_max_position_embeddings",)}
+    if kind not in needs:
+        raise ValueError(f"model: rope type {kind!r} is not supported (default, linear, llama3, yarn)")
+    missing = [k for k in needs[kind] if rope.get(k) is None]
+    if missing:
+        raise ValueError(f"model: {kind} rotary scaling needs {', '.join(missing)} in the config")
+    if kind != "yarn":
         return RopeScaling(kind, *(float(rope[k]) for k in needs[kind]))
-    raise ValueError(f"model: rope type {kind!r} is not supported (default, linear, llama3)")
+    original = float(rope["original_max_position_embeddings"])
+    factor = float(rope.get("factor") or cfg.max_position_embeddings / original)
+    return RopeScaling("yarn", factor, original_max=original, beta_fast=float(rope.get("beta_fast") or 32),
+                       beta_slow=float(rope.get("beta_slow") or 1), truncate=bool(rope.get("truncate", True)),
+                       attention=_yarn_attention(rope, factor))
+
+
+def _stretched(cfg) -> int:
+    """The context: max_position_embeddings, or with YaRN the trained context times the
+    factor where that is longer (Qwen's cards add YaRN to a config for 4x the context, as vLLM
+    derives it)."""
+    scaling = rope_scaling(cfg)
+    if scaling is not None and scaling.kind == "yarn":
+        return max(cfg.max_position_embeddings, int(scaling.original_max * scaling.factor))
+    return cfg.max_position_embeddings
+
+
+def _yarn_attention(rope: dict, factor: float) -> float:
+    """YaRN's scale of cos and sin: the config's attention_factor, else 0.1 m ln(factor) + 1 with
+    m = mscale (DeepSeek's ratio of two such terms where mscale_all_dim is given too), 1 when
+    the factor does not stretch."""
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+
+    def m(scale: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+    if rope.get("mscale") and rope.get("mscale_all_dim"):
+        return m(float(rope["mscale"])) / m(float(rope["mscale_all_dim"]))
+    return m(1.0)
 
 
 def _windowed(cfg, max_len: int) -> int:

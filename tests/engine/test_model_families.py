@@ -14,6 +14,7 @@ from tandem.engine.models.tiny import write_tiny_gguf, write_tiny_model
 from tests.conftest import ONE_DEVICE, assert_pool_free, hf_greedy, mixed_prompts
 
 MAX_NEW = 16
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 # family, extra config fields; Llama 3.1's scaling with a 64-token original context touches the
@@ -24,6 +25,7 @@ CASES = {
     "qwen3-attention-bias": ("qwen3", {"attention_bias": True}),
     "mistral-window": ("mistral", {"sliding_window": 160}),
     "llama3-rope": ("llama", {"rope_parameters": LLAMA3}),
+    "qwen3-yarn": ("qwen3", {"rope_parameters": YARN}),
     "linear-rope": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
     "llama-attention-bias": ("llama", {"attention_bias": True}),
 }
@@ -91,24 +93,28 @@ def test_hidden_cache_recomputes_kv_with_biases_and_norms(family, tmp_path):
 @pytest.mark.parametrize("rope", [
     LLAMA3, LLAMA3 | {"factor": 32.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0, "rope_theta": 500000.0,
                       "original_max_position_embeddings": 8192},
-    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.5}])
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.5},
+    YARN | {"rope_theta": 1e6, "original_max_position_embeddings": 1024},                 # Qwen's card's
+    YARN | {"factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 16.0},   # DeepSeek's kind
+    YARN | {"attention_factor": 1.25, "truncate": False, "beta_slow": 2.0}])
 def test_scaled_frequencies_match_transformers(rope):
-    """The engine's scaled rotary frequencies against transformers' own initialisers."""
+    """The engine's scaled rotary frequencies, and YaRN's scale of cos and sin, against
+    transformers' own initialisers."""
     import torch
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from tandem.engine.models.llama import rope_tables
     from tandem.engine.models.spec import spec_from_config_json
     cfg = LlamaConfig(hidden_size=512, num_attention_heads=4, max_position_embeddings=4096, rope_parameters=rope)
-    ref, attention_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](cfg, "cpu")
-    assert attention_factor == 1.0
+    ref, attention = ROPE_INIT_FUNCTIONS[rope["rope_type"]](cfg, "cpu")
     spec = spec_from_config_json(cfg.to_dict())
     assert isinstance(spec.rope_scaling, RopeScaling)
-    got = torch.tensor(spec.rope_scaling.apply((1.0 / rope["rope_theta"] ** (torch.arange(0, 128, 2) / 128)).tolist()))
+    plain = (1.0 / rope["rope_theta"] ** (torch.arange(0, 128, 2) / 128)).tolist()
+    got = torch.tensor(spec.rope_scaling.apply(plain, rope["rope_theta"]))
     torch.testing.assert_close(got, ref.double().float(), rtol=1e-6, atol=0)
     cos, sin = rope_tables(spec, torch.float32)          # position 1: cos and sin of each frequency
-    torch.testing.assert_close(cos[1, :64], ref.cos(), rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(sin[1, 64:], ref.sin(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(cos[1, :64], ref.cos() * attention, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(sin[1, 64:], ref.sin() * attention, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("head_dim, factor", [(128, 8.0), (64, 32.0)])     # Llama 3.1 8B, Llama 3.2 1B
@@ -129,6 +135,16 @@ def test_llama3_scaling_comes_back_from_llama_cpp_s_divisors(head_dim, factor):
     bumpy = (plain / scaled.double()).tolist()
     bumpy[len(bumpy) // 2] *= 1.5
     assert RopeScaling.from_divisors(bumpy, plain.tolist()) is None
+
+
+def test_yarn_stretches_the_context(tmp_path):
+    """Qwen3's card adds YaRN (4x over 32,768 trained positions) for 131,072 tokens of context, as
+    vLLM derives it; a factor that stretches less than max_position_embeddings keeps that."""
+    base = {"model_type": "qwen3", "max_position_embeddings": 40960}
+    for rope, context in (({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, 131072),
+                          ({"rope_type": "yarn", "factor": 1.0, "original_max_position_embeddings": 32768}, 40960)):
+        (tmp_path / "config.json").write_text(json.dumps(base | {"rope_scaling": rope}))
+        assert load_spec(tmp_path).max_model_len == context
 
 
 def test_rope_scaling_beside_rope_parameters_is_applied(tmp_path):
@@ -161,14 +177,13 @@ def test_sliding_window_bounds_the_context(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}, "rope type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}}, "rope type 'dynamic'"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
      "part of each head"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3 rotary scaling needs low_freq_factor"),
     # a model card's rope_scaling added to a config saved with rope_parameters: transformers applies it
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
-      "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
-     "rope type 'yarn'"),
+      "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope type 'dynamic'"),
     ({"hidden_act": "gelu"}, "activation 'gelu'"),
     ({"mlp_bias": True}, "MLP biases"),
     ({"model_type": "gemma"}, "architecture 'gemma' is not supported"),
