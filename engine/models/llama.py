@@ -1,6 +1,7 @@
 """Llama family forward (RMSNorm, rotary embeddings, grouped-query attention, SiLU MLP): Llama,
-Mistral, Qwen2 (its Q/K/V projections carry biases) and Qwen3 (each Q and K head RMS-normalised
-before its rotation) checkpoints."""
+Mistral, Qwen2 (its Q/K/V projections carry biases), Qwen3 (each Q and K head RMS-normalised
+before its rotation) and Phi-3 (its projections stored fused, as these layers keep them)
+checkpoints."""
 from __future__ import annotations
 
 import torch
@@ -89,6 +90,13 @@ class LlamaLayer(nn.Module):
         self.register_buffer("kv", None, persistent=False)   # the K/V rows of qkv, once packed
 
 
+def _fused(sd, g, prefix: str, name: str, parts: tuple[str, ...]) -> torch.Tensor:
+    """The weight of the fused projection ``name``: stored so (Phi-3's qkv_proj and
+    gate_up_proj), else its parts' stacked in order."""
+    fused = f"{prefix}{name}_proj.weight"
+    return g(fused) if fused in sd else torch.cat([g(f"{prefix}{n}_proj.weight") for n in parts])
+
+
 class LlamaModel(nn.Module):
     """Weights as fused parameters; ``forward`` runs one engine step over the paged pool."""
 
@@ -118,7 +126,7 @@ class LlamaModel(nn.Module):
                 p = f"model.layers.{i}."
                 layer.in_norm.copy_(g(p + "input_layernorm.weight"))
                 layer.post_norm.copy_(g(p + "post_attention_layernorm.weight"))
-                layer.qkv.copy_(torch.cat([g(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+                layer.qkv.copy_(_fused(sd, g, p + "self_attn.", "qkv", ("q", "k", "v")))
                 layer.o.copy_(g(p + "self_attn.o_proj.weight"))
                 if layer.qkv_b is not None:
                     layer.qkv_b.copy_(torch.cat([g(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
@@ -126,7 +134,7 @@ class LlamaModel(nn.Module):
                     layer.o_b.copy_(g(p + "self_attn.o_proj.bias"))
                 if layer.qk_norm is not None:
                     layer.qk_norm.copy_(torch.stack([g(p + f"self_attn.{n}_norm.weight") for n in "qk"]))
-                layer.gate_up.copy_(torch.cat([g(p + "mlp.gate_proj.weight"), g(p + "mlp.up_proj.weight")]))
+                layer.gate_up.copy_(_fused(sd, g, p + "mlp.", "gate_up", ("gate", "up")))
                 layer.down.copy_(g(p + "mlp.down_proj.weight"))
 
     def pack_weights(self, ops=None, blocks: bool = True, dtype: torch.dtype = torch.float32) -> None:

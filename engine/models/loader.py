@@ -153,7 +153,8 @@ def _name_architecture(hf_dir: Path) -> None:
     p = hf_dir / "config.json"
     cfg = json.loads(p.read_text())
     arch = {"llama": "LlamaForCausalLM", "opt": "OPTForCausalLM", "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(cfg.get("model_type"))
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "phi3": "Phi3ForCausalLM"}.get(cfg.get("model_type"))
     if not cfg.get("architectures") and arch:
         cfg["architectures"] = [arch]
         p.write_text(json.dumps(cfg, indent=2) + "\n")

@@ -12,14 +12,14 @@ log = logging.getLogger("tandem.engine")
 
 
 class Family(enum.Enum):
-    LLAMA = "llama"      # Llama, Mistral, Qwen2 and Qwen3 checkpoints: one forward
+    LLAMA = "llama"      # Llama, Mistral, Qwen2, Qwen3 and Phi-3 checkpoints: one forward
     OPT = "opt"
 
 
 # the model types read as the Llama family: the same layer, up to Qwen2's Q/K/V biases, Qwen3's
-# per-head norms of Q and K, and a sliding window this engine does not apply (so the context
-# stops at the window)
-LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# per-head norms of Q and K, Phi-3's projections stored fused, and a sliding window this engine
+# does not apply (so the context stops at the window)
+LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +140,9 @@ HF_DEFAULTS = {
     "qwen2": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
               "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768,
               "rms_norm_eps": 1e-6, "bos_token_id": None, "eos_token_id": None, "sliding_window": 4096},
+    "phi3": {"vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+             "bos_token_id": 1, "eos_token_id": 32000},
     "qwen3": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
               "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768,
               "rms_norm_eps": 1e-6, "bos_token_id": None, "eos_token_id": None, "sliding_window": 4096},
@@ -258,13 +261,13 @@ def _yarn_attention(rope: dict, factor: float) -> float:
 def _windowed(cfg, max_len: int) -> int:
     """The context a model with sliding-window attention keeps here: up to its window every
     token sees every earlier one, as full attention does, so the context stops at the window
-    (Mistral 7B v0.1's 4,096; Qwen2 and Qwen3 with use_sliding_window)."""
+    (Mistral 7B v0.1's 4,096, Phi-3 mini's 2,047; Qwen2 and Qwen3 with use_sliding_window)."""
     if cfg.model_type in ("qwen2", "qwen3"):
         types = getattr(cfg, "layer_types", None)      # transformers 5's; else the layers it would make
         some = "sliding_attention" in types if types else getattr(cfg, "max_window_layers", 28) < cfg.num_hidden_layers
         on = getattr(cfg, "use_sliding_window", False) and some
     else:
-        on = cfg.model_type == "mistral"
+        on = cfg.model_type in ("mistral", "phi3")
     window = getattr(cfg, "sliding_window", None) if on else None
     if window is None or window >= max_len:
         return max_len

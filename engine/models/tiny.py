@@ -12,8 +12,8 @@ def write_tiny_model(path: str | Path, family: str = "llama", *, seed: int = 0,
                      init_std: float = 0.2, tokenizer_from: str | Path | None = None,
                      gguf_blocks: bool = False, config: dict | None = None) -> Path:
     """Save a random LlamaForCausalLM (grouped-query), OPTForCausalLM (multi-head),
-    Qwen2ForCausalLM (grouped-query, with Q/K/V biases), Qwen3ForCausalLM (per-head Q/K norms) or
-    MistralForCausalLM.
+    Qwen2ForCausalLM (grouped-query, with Q/K/V biases), Qwen3ForCausalLM (per-head Q/K norms),
+    MistralForCausalLM or Phi3ForCausalLM (fused projections).
 
     ``init_std`` is larger than HF's default so that logits are well separated and
     greedy decoding is not decided by round-off. ``tokenizer_from``: a checkpoint
@@ -60,7 +60,7 @@ def write_tiny_model(path: str | Path, family: str = "llama", *, seed: int = 0,
 
 
 # the Llama-shaped families and their transformers class names' stem
-LLAMA_LIKE = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+LLAMA_LIKE = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3"}
 
 
 def _through_gguf(model) -> None:

@@ -1,6 +1,6 @@
 """Llama-shaped checkpoints beyond Llama itself -- Qwen2 (Q/K/V biases), Qwen3 (per-head Q/K
-norms), Mistral (a sliding window), Llama 3.1's and linear rotary scaling, Llama with attention
-biases -- generate exactly
+norms), Mistral and Phi-3 (a sliding window; Phi-3's projections stored fused), Llama 3.1's,
+linear and YaRN rotary scaling, Llama with attention biases -- generate exactly
 HF transformers' greedy tokens; configs this engine cannot compute are refused by name."""
 import json
 import logging
@@ -26,6 +26,8 @@ CASES = {
     "mistral-window": ("mistral", {"sliding_window": 160}),
     "llama3-rope": ("llama", {"rope_parameters": LLAMA3}),
     "qwen3-yarn": ("qwen3", {"rope_parameters": YARN}),
+    "phi3-window": ("phi3", {"sliding_window": 160}),
+    "phi3": ("phi3", {}),
     "linear-rope": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
     "llama-attention-bias": ("llama", {"attention_bias": True}),
 }
