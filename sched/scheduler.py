@@ -359,7 +359,7 @@ def load_by_class(actors: list[DeviceActor]) -> dict:
     several of a class's requests hold (a cached prompt start) counts once."""
     out: dict = {}
     for a in actors:
-        shared: dict = {}                           # class -> block ids, with prefix caching
+        shared: dict = {}          # class -> ids of its requests' blocks that others hold too
         for ids, k in ((a.running, 0), (a.waiting, 1)):
             for r in list(ids):
                 st = a.states.get(r)
@@ -367,10 +367,10 @@ def load_by_class(actors: list[DeviceActor]) -> dict:
                     continue
                 row = out.setdefault(st.request.service_class, [0, 0, 0])
                 row[k] += 1
-                if a.pool.prefix is None:
-                    row[2] += a.pool.num_blocks_of(r)
-                else:
-                    shared.setdefault(st.request.service_class, set()).update(a.pool.table(r))
+                row[2] += a.pool.num_blocks_of(r)
+                if a.pool.prefix is not None and (both := a.pool.shared_ids(r)):   # a few named blocks at most
+                    row[2] -= len(both)
+                    shared.setdefault(st.request.service_class, set()).update(both)
         for c, blocks in shared.items():
             out[c][2] += len(blocks)
     return {c: tuple(v) for c, v in out.items()}
