@@ -20,12 +20,37 @@ def positive_float(text: str) -> float:
     return v
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number above 0 (a count, a size, a number of tokens)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return v
+
+
+# the --search-like ranges: (LO, HI) of rates or sizes, 0 < LO < HI
+RANGES = ("search", "search_long")
+
+
+def check_ranges(ap: argparse.ArgumentParser, args) -> None:
+    """Refuse a search range that is empty or reaches 0, and --requests with --search (online)."""
+    for name in RANGES:
+        lo_hi = getattr(args, name, None)
+        if lo_hi is not None and not 0 < lo_hi[0] < lo_hi[1]:
+            ap.error(f"--{name.replace('_', '-')}: LO and HI must be 0 < LO < HI, got {lo_hi[0]:g} {lo_hi[1]:g}")
+    if args.cmd == "online" and args.requests and args.search:
+        ap.error("--requests runs each rate on a fresh server; --search probes one server")
+
+
 def main(argv=None, prog: str = "python -m bench") -> None:
     ap = argparse.ArgumentParser(prog=prog)
     sub = ap.add_subparsers(dest="cmd", required=True)
     off = sub.add_parser("offline", help="offline throughput vs HF transformers and vLLM")
-    off.add_argument("--num-prompts", type=int, default=64)
-    off.add_argument("--max-tokens", type=int, default=128)
+    off.add_argument("--num-prompts", type=positive_int, default=64)
+    off.add_argument("--max-tokens", type=positive_int, default=128)
     off.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                      help="auto: bfloat16 where the CPU has AVX-512 BF16 or AMX, else float32")
     off.add_argument("--devices", default="cpu:1")
@@ -44,8 +69,8 @@ def main(argv=None, prog: str = "python -m bench") -> None:
         p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
         p.add_argument("--drain", type=float, default=120.0, help="seconds to wait after the last arrival")
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--max-output", type=int, default=512, help="cap on a request's output tokens")
-        p.add_argument("--max-num-seqs", type=int, default=64)
+        p.add_argument("--max-output", type=positive_int, default=512, help="cap on a request's output tokens")
+        p.add_argument("--max-num-seqs", type=positive_int, default=64)
         p.add_argument("--ttft-factor", type=float, default=10.0, help="TTFT SLO = factor x unloaded TTFT")
         p.add_argument("--tbt-factor", type=float, default=5.0, help="TBT SLO = factor x unloaded TBT")
         p.add_argument("--slo-ttft-ms", type=float, default=None, help="fix the SLOs instead of calibrating")
@@ -63,8 +88,8 @@ def main(argv=None, prog: str = "python -m bench") -> None:
                        help="KV cache size for our server and vLLM alike, may be a fraction (default: 2 GiB each)")
     mx.add_argument("--be-mode", default="auto", choices=["auto", "batches", "online"],
                     help="auto: Batch API jobs for tandem*, online low-priority requests for the others")
-    mx.add_argument("--be-job-size", type=int, default=16, help="requests per batch job")
-    mx.add_argument("--be-concurrency", type=int, default=16, help="BE requests outstanding (online mode)")
+    mx.add_argument("--be-job-size", type=positive_int, default=16, help="requests per batch job")
+    mx.add_argument("--be-concurrency", type=positive_int, default=16, help="BE requests outstanding (online mode)")
     mx.add_argument("--be-scale", type=float, default=1.0, help="scale of BROS's 512-1024 in / 32-128 out")
     mx.add_argument("--trace-status", action="store_true",
                     help="our server: poll /status each second and say why chats waited past their TTFT target "
@@ -75,7 +100,7 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     on.add_argument("--search", nargs=2, type=float, metavar=("LO", "HI"), default=None,
                     help="also search the effective throughput (90%% attainment) between these rates")
     on.add_argument("--search-metric", default="bros", choices=["apt", "bros"])
-    on.add_argument("--requests", type=int, default=None,
+    on.add_argument("--requests", type=positive_int, default=None,
                     help="the same N prompts at every rate (arriving over N / rate seconds instead of "
                          "--duration), each rate on a fresh server, so rates differ only in arrival times")
     tb = sub.add_parser("table", help="the whole peers table: offline + online + effective throughput")
@@ -86,50 +111,50 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     tb.add_argument("--skip-offline", action="store_true", help="reuse results/offline.json")
     st = sub.add_parser("streams", help="decode time per token at B concurrent streams, per system")
     st.add_argument("--systems", nargs="+", default=["tandem", "vllm"])
-    st.add_argument("--batches", nargs="+", type=int, default=[1, 2, 5, 8, 16, 32])
-    st.add_argument("--max-tokens", type=int, default=96)
+    st.add_argument("--batches", nargs="+", type=positive_int, default=[1, 2, 5, 8, 16, 32])
+    st.add_argument("--max-tokens", type=positive_int, default=96)
     st.add_argument("--out", default="streams.json", help=OUT_HELP)
     sp = sub.add_parser("step-profile", help="where a decode step's time goes: GEMMs, attention, norms, "
                         "rotary, sampling, Python, IPC, the actor's phases")
-    sp.add_argument("--batch", type=int, default=64)
-    sp.add_argument("--max-tokens", type=int, default=64)
+    sp.add_argument("--batch", type=positive_int, default=64)
+    sp.add_argument("--max-tokens", type=positive_int, default=64)
     sp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     cl = sub.add_parser("cpu-linear", help="the CPU projections over GGUF blocks and float32 panels (the compiled "
                         "kernels) against oneDNN's layout: SmolLM2's products by row count, and its decode steps "
                         "by batch (one thread)")
-    cl.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 512])
-    cl.add_argument("--batches", type=int, nargs="*", default=[1, 4, 8, 16, 32],
+    cl.add_argument("--rows", type=positive_int, nargs="+", default=[1, 4, 8, 16, 32, 64, 512])
+    cl.add_argument("--batches", type=positive_int, nargs="*", default=[1, 4, 8, 16, 32],
                     help="decode batches to time (none: the products only)")
-    cl.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the worker's)")
-    cl.add_argument("--repeats", type=int, default=3)
+    cl.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads (the worker's)")
+    cl.add_argument("--repeats", type=positive_int, default=3)
     cl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="bfloat16: dense weights with and without GGUF's blocks for thin products")
     cl.add_argument("--out", default="cpu_linear.json", help=OUT_HELP)
     su = sub.add_parser("startup-profile", help="the start-up profile's time, and its cost model's error on "
                         "measured serving steps (SmolLM2, cpu:1)")
-    su.add_argument("--repeats", type=int, default=2)
+    su.add_argument("--repeats", type=positive_int, default=2)
     su.add_argument("--no-weight-blocks", action="store_true", help="the server's --no-weight-blocks")
-    su.add_argument("--steps", type=int, default=240, help="measured serving steps to score the models on")
+    su.add_argument("--steps", type=positive_int, default=240, help="measured serving steps to score the models on")
     su.add_argument("--out", default="startup_profile.json", help=OUT_HELP)
     ind = sub.add_parser("independence", help="cpu:2: does a busy device slow the other's short chats? "
                          "(device actors vs lock-step)")
-    ind.add_argument("--chats", type=int, default=8)
-    ind.add_argument("--max-tokens", type=int, default=64)
-    ind.add_argument("--longs", type=int, default=8)
-    ind.add_argument("--long-tokens", type=int, default=512)
+    ind.add_argument("--chats", type=positive_int, default=8)
+    ind.add_argument("--max-tokens", type=positive_int, default=64)
+    ind.add_argument("--longs", type=positive_int, default=8)
+    ind.add_argument("--long-tokens", type=positive_int, default=512)
     pr = sub.add_parser("profile", help="fit the iteration cost model from our engine's measured steps")
-    pr.add_argument("--max-num-seqs", type=int, default=64)
+    pr.add_argument("--max-num-seqs", type=positive_int, default=64)
     sm = sub.add_parser("sim", help="simulated FCFS at paper scale (or with the fitted cost model)")
     sm.add_argument("--rates", nargs="+", type=positive_float, default=[1, 2, 3, 4, 5, 6, 7, 8])
     sx = sub.add_parser("sim-mixed", help="simulated RT + always-pending BE jobs per policy (paper scale)")
     sx.add_argument("--policies", nargs="+", default=["fcfs", "rr", "bros"])
     sx.add_argument("--rates", nargs="+", type=positive_float, default=[1, 2, 3, 4])
-    sx.add_argument("--be-job-size", type=int, default=32)
+    sx.add_argument("--be-job-size", type=positive_int, default=32)
     for p in (sm, sx):
         p.add_argument("--preset", default="opt13b", choices=["opt13b", "fitted"])
-        p.add_argument("--num-requests", type=int, default=1000)
-        p.add_argument("--kv-tokens", type=int, default=40000, help="pool size in tokens (fitted preset)")
-        p.add_argument("--max-num-seqs", type=int, default=256)
+        p.add_argument("--num-requests", type=positive_int, default=1000)
+        p.add_argument("--kv-tokens", type=positive_int, default=40000, help="pool size in tokens (fitted preset)")
+        p.add_argument("--max-num-seqs", type=positive_int, default=256)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--ttft-factor", type=float, default=10.0)
         p.add_argument("--tbt-factor", type=float, default=5.0)
@@ -138,9 +163,9 @@ def main(argv=None, prog: str = "python -m bench") -> None:
                                                      "aptserve-s-kv", "aptserve-s-fcfs"])
     sa.add_argument("--out", default="sim_aptserve.json", help=OUT_HELP)
     sa.add_argument("--datasets", nargs="+", default=["sharegpt", "long"], choices=["sharegpt", "long"])
-    sa.add_argument("--num-requests", type=int, default=1000)
-    sa.add_argument("--max-num-seqs", type=int, default=256)
-    sa.add_argument("--max-num-batched-tokens", type=int, default=512)
+    sa.add_argument("--num-requests", type=positive_int, default=1000)
+    sa.add_argument("--max-num-seqs", type=positive_int, default=256)
+    sa.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
     sa.add_argument("--slo-ttft-s", type=float, default=1.0,
                     help="ShareGPT TTFT SLO in seconds (the paper's Table 3 for OPT-13B: 1.0; long prompts 4x)")
     sa.add_argument("--slo-tbt-s", type=float, default=1.0, help="P99 TBT SLO in seconds (Table 3: 1.0)")
@@ -157,14 +182,14 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     sa.add_argument("--ablation-rates-long", nargs="*", type=float, default=[0.5, 1.0])
     sa.add_argument("--cvs", nargs="+", type=positive_float, default=[1.0, 5.0, 10.0])
     sa.add_argument("--seed", type=int, default=0)
-    sa.add_argument("--samples", type=int, default=1,
+    sa.add_argument("--samples", type=positive_int, default=1,
                     help="traces per dataset: the first pairs, then random draws (seeds 1..) with arrival seeds seed+k")
     sl = sub.add_parser("sim-alise", help="simulated ALISE vs FCFS vs an oracle at paper scale: normalized "
                         "latency vs rate, swap vs recompute")
     sl.add_argument("--systems", nargs="+", default=["fcfs", "alise", "alise-oracle", "alise-recompute"])
     sl.add_argument("--rates", nargs="+", type=positive_float, default=[0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6])
-    sl.add_argument("--num-requests", type=int, default=1000)
-    sl.add_argument("--max-num-seqs", type=int, default=256)
+    sl.add_argument("--num-requests", type=positive_int, default=1000)
+    sl.add_argument("--max-num-seqs", type=positive_int, default=256)
     sl.add_argument("--host-gbps", type=float, default=25.0, help="device-host link for swaps, GB/s")
     sl.add_argument("--swap-gib", type=float, default=64.0, help="host memory for swapped caches")
     sl.add_argument("--bar", type=float, default=2.0,
@@ -182,9 +207,9 @@ def main(argv=None, prog: str = "python -m bench") -> None:
                                                       "tandem-no-slo", "tandem-no-lengths", "tandem-no-hidden",
                                                       "tandem-recompute"])
     stn.add_argument("--rates", nargs="+", type=positive_float, default=[1, 2, 3, 4])
-    stn.add_argument("--num-requests", type=int, default=1000)
-    stn.add_argument("--max-num-seqs", type=int, default=256)
-    stn.add_argument("--be-job-size", type=int, default=32)
+    stn.add_argument("--num-requests", type=positive_int, default=1000)
+    stn.add_argument("--max-num-seqs", type=positive_int, default=256)
+    stn.add_argument("--be-job-size", type=positive_int, default=32)
     stn.add_argument("--ttft-factor", type=float, default=10.0)
     stn.add_argument("--tbt-factor", type=float, default=5.0)
     stn.add_argument("--host-gbps", type=float, default=None,
@@ -197,75 +222,76 @@ def main(argv=None, prog: str = "python -m bench") -> None:
                           "`python -m bench profile` fitted (its pool, KV bytes and slower host copies)")
     stn.add_argument("--be-scale", type=float, default=1.0,
                      help="BE prompt and output lengths scaled by this (the mixed bench's --be-scale)")
-    stn.add_argument("--kv-tokens", type=int, default=None,
+    stn.add_argument("--kv-tokens", type=positive_int, default=None,
                      help="the device's KV pool in tokens (default: an A100-40GB's for OPT-13B, 12k)")
     stn.add_argument("--slower", type=float, default=1.0,
                      help="every step takes this many times its cost model's time (a machine slower than its "
                           "profile; the policies learn it only from the steps they see)")
     stn.add_argument("--slo-ttft-s", type=float, default=None, help="TTFT target in seconds (default: --ttft-factor)")
     stn.add_argument("--slo-tbt-s", type=float, default=None, help="TBT target in seconds (default: --tbt-factor)")
-    stn.add_argument("--max-output", type=int, default=1024, help="RT replies are cut to this many tokens")
+    stn.add_argument("--max-output", type=positive_int, default=1024, help="RT replies are cut to this many tokens")
     stn.add_argument("--late-after", type=float, default=0.5,
                      help="tandem systems: the part of its TTFT target a chat's prompt waits before look-ahead "
                           "admission stops keeping it out")
     stn.add_argument("--out", default="sim_tandem.json", help=OUT_HELP)
     ia = sub.add_parser("int8-accuracy", help="perplexity and greedy agreement of SmolLM2 with int8 KV vs full "
                         "precision on held-out ShareGPT replies (HF transformers)")
-    ia.add_argument("--num-pairs", type=int, default=200)
-    ia.add_argument("--max-prompt", type=int, default=512)
-    ia.add_argument("--max-reply", type=int, default=256)
-    ia.add_argument("--threads", type=int, default=1)
+    ia.add_argument("--num-pairs", type=positive_int, default=200)
+    ia.add_argument("--max-prompt", type=positive_int, default=512)
+    ia.add_argument("--max-reply", type=positive_int, default=256)
+    ia.add_argument("--threads", type=positive_int, default=1)
     ik = sub.add_parser("int8-kv", help="the resident int8 cache vs the model's dtype on SmolLM2: bytes per token, "
                         "decode step time, throughput of held-out ShareGPT prompts in a small pool")
-    ik.add_argument("--batches", nargs="+", type=int, default=[1, 16, 32])
-    ik.add_argument("--contexts", nargs="+", type=int, default=[256, 1024])
-    ik.add_argument("--rounds", type=int, default=6, help="alternating timed rounds per point")
-    ik.add_argument("--steps", type=int, default=5, help="decode steps per round")
-    ik.add_argument("--num-prompts", type=int, default=64, help="0: skip the memory-pressure run")
-    ik.add_argument("--max-prompt", type=int, default=512)
-    ik.add_argument("--max-output", type=int, default=256)
+    ik.add_argument("--batches", nargs="+", type=positive_int, default=[1, 16, 32])
+    ik.add_argument("--contexts", nargs="+", type=positive_int, default=[256, 1024])
+    ik.add_argument("--rounds", type=positive_int, default=6, help="alternating timed rounds per point")
+    ik.add_argument("--steps", type=positive_int, default=5, help="decode steps per round")
+    ik.add_argument("--num-prompts", type=positive_int, default=64, help="0: skip the memory-pressure run")
+    ik.add_argument("--max-prompt", type=positive_int, default=512)
+    ik.add_argument("--max-output", type=positive_int, default=256)
     ik.add_argument("--kv-cache-mib", type=float, default=128)
-    ik.add_argument("--max-num-seqs", type=int, default=32)
-    ik.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    ik.add_argument("--max-num-seqs", type=positive_int, default=32)
+    ik.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: all cores)")
     ik.add_argument("--out", default="int8_kv.json", help=OUT_HELP)
     stk = sub.add_parser("same-tokens", help="greedy replies of held-out ShareGPT prompts run together and each "
                          "alone, and alone again with the prompt cached, per dtype: how many change")
     stk.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
-    stk.add_argument("--num-prompts", type=int, default=20)
-    stk.add_argument("--max-prompt", type=int, default=256)
-    stk.add_argument("--max-tokens", type=int, default=60)
+    stk.add_argument("--num-prompts", type=positive_int, default=20)
+    stk.add_argument("--max-prompt", type=positive_int, default=256)
+    stk.add_argument("--max-tokens", type=positive_int, default=60)
     stk.add_argument("--out", default="same_tokens.json", help=OUT_HELP)
     pc = sub.add_parser("prefix-cache", help="prefix caching off vs on, SmolLM2: chats about one document "
                         "(held-out ShareGPT), time to first token one by one and a batch's throughput")
-    pc.add_argument("--num-questions", type=int, default=8, help="chats one by one, and as many in the batch")
-    pc.add_argument("--doc-min", type=int, default=600, help="the document's tokens, at least")
-    pc.add_argument("--doc-max", type=int, default=900, help="the document's tokens, at most")
-    pc.add_argument("--max-question", type=int, default=64, help="a question's tokens, at most")
-    pc.add_argument("--max-tokens", type=int, default=32, help="output tokens per chat in the batch")
-    pc.add_argument("--threads", type=int, default=None, help="torch threads in the worker (default: all cores)")
-    pc.add_argument("--kv-cache-tokens", type=int, default=None,
+    pc.add_argument("--num-questions", type=positive_int, default=8, help="chats one by one, and as many in the batch")
+    pc.add_argument("--doc-min", type=positive_int, default=600, help="the document's tokens, at least")
+    pc.add_argument("--doc-max", type=positive_int, default=900, help="the document's tokens, at most")
+    pc.add_argument("--max-question", type=positive_int, default=64, help="a question's tokens, at most")
+    pc.add_argument("--max-tokens", type=positive_int, default=32, help="output tokens per chat in the batch")
+    pc.add_argument("--threads", type=positive_int, default=None,
+                    help="torch threads in the worker (default: all cores)")
+    pc.add_argument("--kv-cache-tokens", type=positive_int, default=None,
                     help="a KV pool of this many tokens (default: the engine's default pool)")
     pc.add_argument("--out", default="prefix_cache.json", help=OUT_HELP)
     pr = sub.add_parser("prefix-routing", help="multi-turn chats on cpu:2, SmolLM2: prefix caching off, on with "
                         "placement by load, on with cache-aware routing")
-    pr.add_argument("--num-chats", type=int, default=12, help="held-out ShareGPT conversations")
-    pr.add_argument("--turns", type=int, default=4, help="user turns replayed per conversation")
-    pr.add_argument("--max-prompt", type=int, default=1200, help="the last turn's prompt tokens, at most")
-    pr.add_argument("--max-tokens", type=int, default=1, help="output tokens per turn")
-    pr.add_argument("--repeats", type=int, default=2, help="runs of each setting, in turn")
+    pr.add_argument("--num-chats", type=positive_int, default=12, help="held-out ShareGPT conversations")
+    pr.add_argument("--turns", type=positive_int, default=4, help="user turns replayed per conversation")
+    pr.add_argument("--max-prompt", type=positive_int, default=1200, help="the last turn's prompt tokens, at most")
+    pr.add_argument("--max-tokens", type=positive_int, default=1, help="output tokens per turn")
+    pr.add_argument("--repeats", type=positive_int, default=2, help="runs of each setting, in turn")
     pr.add_argument("--out", default="prefix_routing.json", help=OUT_HELP)
     ov = sub.add_parser("overhead", help="time per scheduling decision on random snapshots (no model)")
-    ov.add_argument("--candidates", nargs="+", type=int, default=[50, 400, 1600])
-    ov.add_argument("--repeats", type=int, default=50)
+    ov.add_argument("--candidates", nargs="+", type=positive_int, default=[50, 400, 1600])
+    ov.add_argument("--repeats", type=positive_int, default=50)
     sv = sub.add_parser("sim-validate", help="simulate the trace of the last `online` run and compare")
-    sv.add_argument("--max-num-seqs", type=int, default=64)
-    sv.add_argument("--max-output", type=int, default=512)
+    sv.add_argument("--max-num-seqs", type=positive_int, default=64)
+    sv.add_argument("--max-output", type=positive_int, default=512)
     sv.add_argument("--real", default="online.json", help="result file of the real run under bench/results")
     bb = sub.add_parser("bros-bound", help="the most BE throughput the cost model allows at an RT latency target")
     bb.add_argument("--real", default="mixed.json", help="a `mixed` result file under bench/results")
     bb.add_argument("--duration", type=float, default=90.0, help="the mixed run's --duration")
-    bb.add_argument("--max-output", type=int, default=512)
-    bb.add_argument("--be-pool", type=int, default=256)
+    bb.add_argument("--max-output", type=positive_int, default=512)
+    bb.add_argument("--be-pool", type=positive_int, default=256)
     bb.add_argument("--seed", type=int, default=0)
     ml = sub.add_parser("sim-mell", help="multi-device placement at paper scale: Mell vs BF / WF / LB")
     ml.add_argument("--policies", nargs="+", default=["mell", "lb", "bf", "wf"], choices=["mell", "lb", "bf", "wf"])
@@ -288,13 +314,13 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     sk.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
     sk.add_argument("--drain", type=float, default=180.0, help="seconds to wait after the last arrival")
     sk.add_argument("--long-share", type=float, default=0.35, help="fraction of requests with long outputs")
-    sk.add_argument("--long", type=int, default=320, help="output tokens of a long request")
-    sk.add_argument("--short", type=int, default=16, help="output tokens of a short request")
-    sk.add_argument("--pool-tokens", type=int, default=1536, help="KV cache per device, in tokens")
+    sk.add_argument("--long", type=positive_int, default=320, help="output tokens of a long request")
+    sk.add_argument("--short", type=positive_int, default=16, help="output tokens of a short request")
+    sk.add_argument("--pool-tokens", type=positive_int, default=1536, help="KV cache per device, in tokens")
     sk.add_argument("--interval", type=float, default=0.5, help="rebalancer epoch, seconds")
     sk.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     sk.add_argument("--slo-tbt-ms", type=float, default=200.0, help="the re-prefill budget keeps decodes within it")
-    sk.add_argument("--sweep", nargs="*", type=int, default=[64, 256, 1024, 1792],
+    sk.add_argument("--sweep", nargs="*", type=positive_int, default=[64, 256, 1024, 1792],
                     help="context lengths for the pause-per-migration table (none: skip it)")
     sk.add_argument("--seed", type=int, default=0)
     sk.add_argument("--out", default="skew.json", help=OUT_HELP)
@@ -302,23 +328,24 @@ def main(argv=None, prog: str = "python -m bench") -> None:
                          "(default: the server's default policy against fcfs)")
     cub.add_argument("--policies", nargs="+", default=["default", "fcfs"],
                      help="'default' starts the server with no --policy")
-    cub.add_argument("--lines", type=int, default=2000, help="batch job lines (ShareGPT prompts)")
-    cub.add_argument("--line-tokens", type=int, default=128, help="cap on a line's output tokens (its reply length)")
+    cub.add_argument("--lines", type=positive_int, default=2000, help="batch job lines (ShareGPT prompts)")
+    cub.add_argument("--line-tokens", type=positive_int, default=128,
+                     help="cap on a line's output tokens (its reply length)")
     cub.add_argument("--idle", type=int, default=5, help="chats on the idle server first")
-    cub.add_argument("--chats", type=int, default=20, help="chats while the job runs")
+    cub.add_argument("--chats", type=positive_int, default=20, help="chats while the job runs")
     cub.add_argument("--every", type=float, default=3.0, help="seconds between those chats")
-    cub.add_argument("--chat-tokens", type=int, default=8)
-    cub.add_argument("--max-num-seqs", type=int, default=64)
+    cub.add_argument("--chat-tokens", type=positive_int, default=8)
+    cub.add_argument("--max-num-seqs", type=positive_int, default=64)
     cub.add_argument("--seed", type=int, default=0)
     cub.add_argument("--out", default="chat_under_batch.json")
     sk = sub.add_parser("soak", help="mixed load (streams, disconnects, batch jobs) for minutes: memory, "
                         "open files, pool and errors at the start and the end")
     sk.add_argument("--minutes", type=float, default=10.0)
     sk.add_argument("--rate", type=float, default=0.5, help="chat streams per second (Poisson)")
-    sk.add_argument("--leave-every", type=int, default=5, help="every n-th chat client leaves mid-stream")
-    sk.add_argument("--job-lines", type=int, default=20, help="lines per batch job (jobs run back to back)")
-    sk.add_argument("--max-output", type=int, default=128)
-    sk.add_argument("--max-num-seqs", type=int, default=64)
+    sk.add_argument("--leave-every", type=positive_int, default=5, help="every n-th chat client leaves mid-stream")
+    sk.add_argument("--job-lines", type=positive_int, default=20, help="lines per batch job (jobs run back to back)")
+    sk.add_argument("--max-output", type=positive_int, default=128)
+    sk.add_argument("--max-num-seqs", type=positive_int, default=64)
     sk.add_argument("--sample-s", type=float, default=30.0)
     sk.add_argument("--warmup-s", type=float, default=30.0)
     sk.add_argument("--seed", type=int, default=0)
@@ -326,34 +353,35 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     kn = sub.add_parser("kernels", help="the paged decode attention's GB/s against the device's copy (CUDA: Triton; "
                                         "--cpu: the compiled CPU kernel)")
     kn.add_argument("--shapes", nargs="+", default=["llama8b", "opt13b", "smollm2"])
-    kn.add_argument("--batch", type=int, default=64)
-    kn.add_argument("--ctx", type=int, default=2048)
-    kn.add_argument("--block-size", type=int, default=16)
+    kn.add_argument("--batch", type=positive_int, default=64)
+    kn.add_argument("--ctx", type=positive_int, default=2048)
+    kn.add_argument("--block-size", type=positive_int, default=16)
     kn.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     kn.add_argument("--cpu", action="store_true",
                     help="the compiled CPU kernel on one thread against one core's copy bandwidth instead (float32 and int8)")
     kn.add_argument("--accuracy", action="store_true",
                     help="max abs error per kernel and dtype against float64 instead (CPU: under Triton's interpreter)")
-    kn.add_argument("--hidden-batch", type=int, default=8, help="requests of the hidden-cache decode case")
-    kn.add_argument("--hidden-ctx", type=int, default=1024, help="context of the hidden-cache decode case")
+    kn.add_argument("--hidden-batch", type=positive_int, default=8, help="requests of the hidden-cache decode case")
+    kn.add_argument("--hidden-ctx", type=positive_int, default=1024, help="context of the hidden-cache decode case")
     kn.add_argument("--sweep", action="store_true",
                     help="time every launch setting of the decode kernel (tile, warps, context parts) instead")
-    kn.add_argument("--sweep-batch", type=int, default=16,
+    kn.add_argument("--sweep-batch", type=positive_int, default=16,
                     help="--sweep: the batch at which the parts are tried again with each shape's best tile")
     kn.add_argument("--out", default="kernels.json")
     go = sub.add_parser("gpu-offline", help="our engine vs HF generate on one device, random weights at real shapes")
     go.add_argument("--models", nargs="+", default=["smollm2-random", "llama8b-random"])
     go.add_argument("--devices", default="cuda:0")
     go.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    go.add_argument("--batch", type=int, default=64)
-    go.add_argument("--prompt-len", type=int, default=128)
-    go.add_argument("--max-tokens", type=int, default=128)
+    go.add_argument("--batch", type=positive_int, default=64)
+    go.add_argument("--prompt-len", type=positive_int, default=128)
+    go.add_argument("--max-tokens", type=positive_int, default=128)
     go.add_argument("--seed", type=int, default=0)
     go.add_argument("--out", default="gpu_offline.json")
     ln = sub.add_parser("lengths", help="write bench/data/sharegpt_lengths.json (ShareGPT's token lengths, "
                         "for traces where the dataset cannot go)")
-    ln.add_argument("--n", type=int, default=4000)
+    ln.add_argument("--n", type=positive_int, default=4000)
     args = ap.parse_args(argv)
+    check_ranges(ap, args)
     try:
         _run(args)
     except USER_ERRORS as e:
@@ -372,8 +400,6 @@ def _run(args) -> None:
         {"profile": sim_cli.profile, "sim": sim_cli.sim, "sim-validate": sim_cli.sim_validate,
          "sim-mixed": sim_cli.sim_mixed}[args.cmd](args)
     elif args.cmd == "online":
-        if args.requests and args.search:
-            ap.error("--requests runs each rate on a fresh server; --search probes one server")
         from tandem.bench.online import main as online
         online(args)
     elif args.cmd == "table":

@@ -143,21 +143,36 @@ def test_a_figure_without_matplotlib_is_left_out_with_a_line(monkeypatch, tmp_pa
     assert "no attainment_vs_rate plot: matplotlib is not installed" in capsys.readouterr().out
 
 
-def test_a_bad_setting_is_one_line_not_a_traceback(capsys, monkeypatch):
-    """A rate of 0 is refused as argparse refuses a bad flag; an error a command meets before any
-    work (an unknown system) ends it with one line naming the command (the traceback only with
-    TANDEM_BENCH_TRACEBACK=1)."""
+@pytest.mark.parametrize("argv, said", [
+    (["sim", "--rates", "1", "0"], "argument --rates: must be above 0, got 0"),
+    (["sim", "--num-requests", "0"], "argument --num-requests: must be at least 1, got 0"),
+    (["overhead", "--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
+    (["offline", "--max-tokens", "1.5"], "argument --max-tokens: must be a whole number, got 1.5"),
+    (["sim-apt", "--search", "2", "1"], "--search: LO and HI must be 0 < LO < HI, got 2 1"),
+    (["sim-apt", "--search-long", "0", "1"], "--search-long: LO and HI must be 0 < LO < HI, got 0 1"),
+    (["online", "--requests", "3", "--search", "1", "2"], "--requests runs each rate on a fresh server")])
+def test_nonsense_sizes_are_refused_before_any_work(argv, said, capsys):
+    """Counts, sizes and search ranges that cannot mean anything are refused as argparse refuses
+    a bad flag (exit 2, the reason on stderr), where they used to run silently (a simulation of
+    no requests, a search whose HI is below its LO) or raise (a NameError)."""
     from tandem.bench.__main__ import main
     with pytest.raises(SystemExit) as e:
-        main(["sim", "--rates", "1", "0"])
-    assert e.value.code == 2 and "argument --rates: must be above 0, got 0" in capsys.readouterr().err
+        main(argv)
+    assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_a_missing_input_is_one_line_not_a_traceback(monkeypatch, tmp_path):
+    """An error a command meets before any work (its input file missing) ends it with one line
+    naming the command; the traceback only with TANDEM_BENCH_TRACEBACK=1."""
+    from tandem.bench.__main__ import main
+    missing = str(tmp_path / "online.json")
     with pytest.raises(SystemExit) as e:
-        main(["overhead", "--repeats", "0"])
-    assert e.value.code == "python -m bench overhead: StatisticsError: no median for empty data"
+        main(["sim-validate", "--real", missing])
+    assert e.value.code == f"python -m bench sim-validate: FileNotFoundError: [Errno 2] No such file or directory: " \
+                          f"'{missing}'"
     monkeypatch.setenv("TANDEM_BENCH_TRACEBACK", "1")
-    with pytest.raises(Exception) as e:
-        main(["overhead", "--repeats", "0"])
-    assert type(e.value).__name__ == "StatisticsError"
+    with pytest.raises(FileNotFoundError):
+        main(["sim-validate", "--real", missing])
 
 
 def test_a_missing_predictor_is_one_line_and_status_1(tmp_path, capsys):
