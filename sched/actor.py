@@ -37,6 +37,11 @@ from tandem.sched.request import FinishReason, Migration, RequestState, ServiceC
 log = logging.getLogger("tandem.actor")
 
 
+def _queued(st: RequestState) -> float | None:
+    """Seconds from the request's arrival to its first being scheduled, once it was."""
+    return st.first_scheduled_time - st.request.arrival_time if st.first_scheduled_time is not None else None
+
+
 @dataclass(slots=True)
 class Update:
     """What happened to one request in a step (new tokens and/or its end)."""
@@ -45,7 +50,7 @@ class Update:
     finish_reason: FinishReason | None = None
     error: str | None = None
     text: str = ""                    # new text safe to show (held back: a possible stop string start)
-    queue_s: float | None = None      # at the end: seconds from arrival to first being scheduled
+    queue_s: float | None = None      # with the first token and at the end: seconds from arrival to first scheduled
     logprobs: list | None = None      # TokenLogprobs of new_token_ids, when the request asked for them
     prompt_logprobs: list | None = None   # with the first token: each prompt token's (None first), if asked
     cached_tokens: int = 0            # at the end: prompt tokens it found in the prefix cache when it started
@@ -658,7 +663,7 @@ class DeviceActor:
             return self._finish(st, FinishReason.STOP, [tok], text=text, silent_last=silent)
         if n >= sp.max_tokens or st.num_tokens >= self.max_model_len:
             return self._finish(st, FinishReason.LENGTH, [tok], text=text)
-        return Update(st.req_id, [tok], text=text)
+        return Update(st.req_id, [tok], text=text, queue_s=_queued(st) if n == 1 else None)
 
     def _finish(self, st: RequestState, reason: FinishReason, new: list[int] | None = None,
                 error: str | None = None, text: str = "", silent_last: bool = False) -> Update:
@@ -672,9 +677,7 @@ class DeviceActor:
         elif self.decode is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
             ids = st.output_token_ids[:-1] if silent_last else st.output_token_ids
             text = st.text_result = self._decoder(st.request.sampling)(ids)
-        queue_s = (st.first_scheduled_time - st.request.arrival_time
-                   if st.first_scheduled_time is not None else None)
-        return Update(st.req_id, new or [], reason, error, text, queue_s, cached_tokens=st.cached_tokens or 0,
+        return Update(st.req_id, new or [], reason, error, text, _queued(st), cached_tokens=st.cached_tokens or 0,
                       stop_reason=st.stop_reason)
 
     def _drop(self, st: RequestState) -> None:

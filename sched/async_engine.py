@@ -29,7 +29,7 @@ class Event:
     text: str = ""                    # new text (a possible stop-string start is held back)
     finish_reason: FinishReason | None = None
     error: str | None = None          # set when the request failed (finish_reason ERROR)
-    queue_s: float | None = None      # at the end: seconds waiting before first scheduled
+    queue_s: float | None = None      # with the first token and at the end: seconds waiting before first scheduled
     logprobs: list | None = None      # TokenLogprobs of new_token_ids, when the request asked for them
     prompt_logprobs: list | None = None   # with the first token, when asked: per prompt token (None first)
     cached_tokens: int = 0            # at the end: prompt tokens found in the prefix cache

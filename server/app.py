@@ -442,8 +442,10 @@ async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice
             if ev.prompt_logprobs is not None:
                 ch.prompt_logprobs = ev.prompt_logprobs
             delta = ev.text
+            if ev.queue_s is not None:      # with the first token: a request aborted later still has it
+                queue_s = ev.queue_s
             if ev.finish_reason is not None:
-                ch.finish_reason, queue_s = ev.finish_reason.value, ev.queue_s
+                ch.finish_reason = ev.finish_reason.value
                 ch.cached_tokens, ch.stop_reason = ev.cached_tokens, ev.stop_reason
                 record(ch.finish_reason, now)
             if delta:

@@ -84,7 +84,11 @@ async def test_200_concurrent_streams_with_disconnects(server):
 
 @pytest.mark.asyncio
 async def test_disconnect_mid_stream_frees_blocks(server):
+    """The blocks come back, and the aborted request's phases that happened are in vLLM's
+    histograms: its wait in the queue and its prefill (it had its first token)."""
+    phases = ("vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count")
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as s:
+        before = await settled(s, server.url)
         body = {"prompt": "Tell me everything", "max_tokens": 400, "ignore_eos": True, "stream": True}
         r = await s.post(server.url + "/v1/completions", json=body)
         await r.content.readline()          # the stream has started
@@ -95,3 +99,4 @@ async def test_disconnect_mid_stream_frees_blocks(server):
     assert metric(m, "vllm:num_requests_running") == 0
     assert metric(m, "tandem:pool_blocks", owner="free") == pool_size(m)
     assert metric(m, "vllm:request_success_total", finished_reason="abort") >= 1
+    assert [metric(m, n, service_class="rt") - metric(before, n, service_class="rt") for n in phases] == [1, 1]
