@@ -33,7 +33,7 @@ VLLM_FLAGS = {
     "--enable-auto-tool-choice": None, "--tool-call-parser": None,
     "--disable-log-requests": None, "--enable-log-requests": "requests are not logged (nor their prompts)",
     "--uvicorn-log-level": "the log has warnings, and the server's own events at info",
-    "--trust-remote-code": "only Llama- and OPT-family checkpoints run here, with this server's own code",
+    "--trust-remote-code": None,          # harmless: only this server's own code ever runs (as LLM takes it)
     "--download-dir": "nothing is downloaded: give --model a local checkpoint dir or a .gguf file",
     "--load-format": "--model takes a HF checkpoint dir (safetensors) or a .gguf file",
     "--block-size": "blocks are 16 tokens on the server (LLM(block_size=...) offline)",
@@ -327,7 +327,8 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     # vLLM's default name is the --model string: taken too where no name was given
     aliases = tuple(dict.fromkeys(n for n in (*names[1:], *([] if a.served_model_name else [a.model]))
                                   if n != names[0]))
-    return ServerConfig(model=a.model, served_model_name=names[0], model_aliases=aliases, devices=a.devices,
+    return ServerConfig(model=a.model, served_model_name=names[0], model_aliases=aliases,
+                        listed_names=tuple(dict.fromkeys(names)), devices=a.devices,
                         host=a.host, port=a.port, api_keys=tuple(a.api_key), data_dir=a.data_dir,
                         max_num_seqs=a.max_num_seqs,
                         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,

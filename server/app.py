@@ -837,26 +837,35 @@ async def detokenize(request):
     return json_response({"prompt": text})
 
 
-def _model_object(st) -> dict:
-    """OpenAI's model object with vLLM's additions: ``root`` (the model as --model named it),
-    ``parent`` (null: no adapters here), ``max_model_len``, ``permission``."""
-    return {"id": st.cfg.served_model_name, "object": "model", "created": st.created, "owned_by": "tandem",
+def _model_object(st, name: str | None = None) -> dict:
+    """OpenAI's model object for a served name (the first by default) with vLLM's additions:
+    ``root`` (the model as --model named it), ``parent`` (null: no adapters here),
+    ``max_model_len``, ``permission``."""
+    name = name or st.cfg.served_model_name
+    return {"id": name, "object": "model", "created": st.created, "owned_by": "tandem",
             "root": st.cfg.model, "parent": None, "max_model_len": st.engine.llm.max_model_len if st.engine else None,
-            "permission": [{"id": f"modelperm-{st.cfg.served_model_name}", "object": "model_permission",
+            "permission": [{"id": f"modelperm-{name}", "object": "model_permission",
                             "created": st.created, "allow_create_engine": False, "allow_sampling": True,
                             "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
                             "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}]}
 
 
 async def models(request):
-    return json_response({"object": "list", "data": [_model_object(request.app[STATE])]})
+    """Every name --served-model-name gives, as vLLM lists them (each answers requests)."""
+    st = request.app[STATE]
+    return json_response({"object": "list", "data": [_model_object(st, n) for n in _listed(st.cfg)]})
+
+
+def _listed(cfg) -> tuple[str, ...]:
+    return cfg.listed_names or (cfg.served_model_name,)
 
 
 async def model(request):
     """One model by id, as ``GET /v1/models`` lists it; 404 for a model not served here."""
     st = request.app[STATE]
     served_model({"model": request.match_info["id"]}, st.cfg)
-    return json_response(_model_object(st))
+    name = request.match_info["id"]
+    return json_response(_model_object(st, name if name in _listed(st.cfg) else None))
 
 
 async def health(request):

@@ -14,6 +14,7 @@ class ServerConfig:
     model: str = "smollm2"
     served_model_name: str = "smollm2"
     model_aliases: tuple[str, ...] = ()     # other names requests may give (answered as served_model_name)
+    listed_names: tuple[str, ...] = ()      # what /v1/models lists: --served-model-name's names (default: the first)
     devices: str = "cpu:1"
     host: str = "127.0.0.1"
     port: int = 8000

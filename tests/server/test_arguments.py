@@ -90,7 +90,7 @@ def test_a_vllm_serve_command_line_carries_over(monkeypatch):
     monkeypatch.setenv("VLLM_API_KEY", "from-env")
     cfg = parse_args(["smollm2", "--served-model-name", "chat", "small", "--max-model-len", "4K",
                       "--enable-chunked-prefill", "--disable-log-requests", "--enable-auto-tool-choice",
-                      "--tool-call-parser", "hermes"])
+                      "--tool-call-parser", "hermes", "--trust-remote-code"])
     assert (cfg.model, cfg.served_model_name, cfg.model_aliases) == ("smollm2", "chat", ("small",))
     # a taken flag's value, anywhere, is never read as the model
     assert parse_args(["--tool-call-parser", "hermes", "--model", "smollm2"]).model == "smollm2"
@@ -131,6 +131,9 @@ def test_a_model_s_sampling_defaults_and_names_are_served(tiny_chat_model, tmp_p
             return json.loads(r.read())
     srv = start_server(model, tmp_path, "--served-model-name", "chat", "small", "--api-key", "k1", "k2")
     try:
+        listed = urllib.request.Request(srv.url + "/v1/models", headers={"Authorization": "Bearer k1"})
+        with urllib.request.urlopen(listed, timeout=60) as r:
+            assert [m["id"] for m in json.loads(r.read())["data"]] == ["chat", "small"]     # as vLLM lists them
         plain = chat(srv, "k2", model="small")
         greedy = chat(srv, "k1", temperature=0, max_tokens=5)
         capped = chat(srv, "k1", max_tokens=50, temperature=0)
