@@ -516,6 +516,7 @@ class LLM:
         except BaseException:
             self.shutdown()
             raise
+        self._say_what_cannot_run(hf_dir)
         self._ids = itertools.count()
 
     def _lengths(self, policy: str, source: Any, cap: bool, max_learned: int | None) -> LengthSource | None:
@@ -706,6 +707,18 @@ class LLM:
         backend.no_padding()
         backend.no_truncation()
         return backend.to_str()
+
+    def _say_what_cannot_run(self, hf_dir: Path) -> None:
+        """Warn at start of what the setup refuses later: text where the checkpoint ships no
+        tokenizer, contexts past what the (smallest) pool holds."""
+        if self.tokenizer is None:
+            log.warning("%s has no tokenizer (tokenizer.json, tokenizer_config.json, vocab.json or "
+                        "tokenizer.model): only prompts of token ids can be served", hf_dir)
+        holds = self.scheduler.pool_tokens()
+        if holds < self.max_model_len:
+            log.warning("the KV pool holds %d tokens of one request's context, fewer than max_model_len %d: "
+                        "longer requests are refused; a larger kv_cache_bytes (or a smaller max_model_len) "
+                        "makes them agree", holds, self.max_model_len)
 
     def _tokenizer_file(self, cache: str | os.PathLike) -> str | None:
         """The tokenizer's JSON in a file the workers read, under the cache dir and named by its

@@ -13,6 +13,7 @@ import glob
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -22,6 +23,8 @@ import torch
 
 from tandem.engine.models.spec import Family, ModelSpec, spec_from_config_json
 from tandem.paths import exclusive
+
+log = logging.getLogger("tandem.engine")
 
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -77,6 +80,8 @@ def convert_gguf(path: Path, cache_dir: Path) -> Path:
     if not (out / "model.safetensors").is_file():
         with exclusive(cache_dir / f".{out.name}.lock"):
             if not (out / "model.safetensors").is_file():
+                log.info("converting %s (%.0f MB) once to float32 safetensors in %s (several times its size; "
+                         "later starts read it)", path.name, path.stat().st_size / 1e6, out)
                 _write_converted(path, out)
     _name_architecture(out)
     if not (out / ROPE_CHECKED).is_file():          # converted before llama.cpp's rope_freqs were read

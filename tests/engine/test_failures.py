@@ -474,3 +474,20 @@ def test_workers_that_would_not_fit_in_memory_are_warned_of(tiny_llama, monkeypa
         with LLM(str(tiny_llama), "cpu:2", dtype="float32", threads_per_worker=1, kv_cache_bytes=pool) as llm:
             assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].token_ids
         assert ("2 CPU worker(s) need about" in caplog.text) is warned, caplog.text
+
+
+def test_the_start_warns_of_what_the_setup_will_refuse(tiny_llama, tiny_chat_model, caplog):
+    """A checkpoint without a tokenizer serves token ids only, and a pool that holds less of one
+    request's context than max_model_len refuses the longer ones: both said at start, neither
+    where they do not hold. The tiny pool: 16 blocks of 16 rows, K and V, hold 128 tokens."""
+    from tandem.engine.models.loader import load_spec
+    spec = load_spec(tiny_llama)
+    block = spec.num_layers * 16 * spec.unit * 4
+    with LLM(str(tiny_llama), "cpu:1", dtype="float32", threads_per_worker=1, kv_cache_bytes=16 * block):
+        pass
+    assert "has no tokenizer" in caplog.text
+    assert "the KV pool holds 128 tokens of one request's context, fewer than max_model_len 512" in caplog.text
+    caplog.clear()
+    with LLM(str(tiny_chat_model), "cpu:1", dtype="float32", threads_per_worker=1, kv_cache_bytes=1 << 22):
+        pass
+    assert "has no tokenizer" not in caplog.text and "the KV pool holds" not in caplog.text

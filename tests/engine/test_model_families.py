@@ -56,7 +56,7 @@ def test_llama_shaped_checkpoints_match_hf(case, tmp_path):
 
 @pytest.mark.parametrize("arch, config", [("llama", {}), ("llama", {"rope_parameters": LLAMA3}), ("qwen2", {}),
                                           ("qwen3", {"head_dim": 128})])
-def test_gguf_files_generate_the_checkpoint_s_tokens(arch, config, tmp_path):
+def test_gguf_files_generate_the_checkpoint_s_tokens(arch, config, tmp_path, caplog):
     """A GGUF of each architecture, laid out as llama.cpp's converter does (Llama's Q/K rows
     permuted, a tied head left out, the tokenizer as GGUF keys, Llama 3.1's rotary scaling as
     per-frequency divisors, which transformers' reader drops), served by its path: it generates
@@ -65,6 +65,7 @@ def test_gguf_files_generate_the_checkpoint_s_tokens(arch, config, tmp_path):
     from transformers import AutoTokenizer
     from tandem.engine.models.loader import resolve_model
     from tandem.sched.llm import DEFAULT_CACHE_DIR
+    caplog.set_level(logging.INFO, logger="tandem.engine")
     hf = write_tiny_model(tmp_path / "hf", arch, seed=7, config=config,
                           tokenizer_from=resolve_model("smollm2", DEFAULT_CACHE_DIR))
     (tmp_path / "gguf").mkdir()                 # alone: beside a tokenizer.json, transformers reads that
@@ -76,6 +77,7 @@ def test_gguf_files_generate_the_checkpoint_s_tokens(arch, config, tmp_path):
         said = llm.chat(chat, SamplingParams(max_tokens=2))[0]
         text = llm.generate("Hello, world! 12345", SamplingParams(max_tokens=1))[0]
     assert [o.token_ids for o in outs] == hf_greedy(hf, prompts, MAX_NEW)
+    assert f"converting tiny-{arch}.gguf" in caplog.text          # once, saying where and what it costs
     tok = AutoTokenizer.from_pretrained(hf)
     assert said.prompt_token_ids == tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
                                                             return_dict=False)
