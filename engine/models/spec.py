@@ -92,11 +92,16 @@ class RopeScaling:
             a = (s1 - s2) / (1 / w1 - 1 / w2)        # s = a / wavelength + b
             b = s1 - a / w1
             if a > 0 and b < 0:
-                found.append(cls("llama3", factor, 1.0, round(1 - 1 / b, 6), round(-a / b, 6)))
+                found.append(cls("llama3", factor, 1.0, _whole(1 - 1 / b), _whole(-a / b)))
         for c in found:
             if all(abs(f / g / d - 1) < 1e-4 for f, g, d in zip(inv_freq, c.apply(inv_freq), divisors)):
                 return c
         return None
+
+
+def _whole(x: float) -> float:
+    """``x``, as the whole number it is within float32 divisors' round-off (64.000006: 64)."""
+    return float(round(x)) if abs(x - round(x)) < 1e-4 * max(1.0, abs(x)) else round(x, 6)
 
 
 @dataclass(frozen=True, slots=True)
