@@ -30,6 +30,9 @@ from tests.server.conftest import ROOT, free_port
     (["--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization is vLLM's: size each device's KV pool "
                                           "with --kv-cache-bytes"),
     (["--tensor-parallel-size=2"], "tensor parallelism is not supported"),
+    (["--tokenizer", "/some/dir"], "--tokenizer is vLLM's: the tokenizer is the --model directory's"),
+    (["--seed", "0"], "--seed is vLLM's: there is no server-wide seed"),
+    (["--quantization=awq"], "--quantization is vLLM's: weights run as the checkpoint stores them"),
     (["smollm2", "--model", "other"], "the model is given twice"),
     (["--ssl-certfile", "/no/such/cert.pem"], "ssl-certfile: cannot use /no/such/cert.pem: No such file"),
     (["--ssl-keyfile", "key.pem"], "ssl-keyfile: needs --ssl-certfile"),
