@@ -853,10 +853,10 @@ def _model_object(st, name: str | None = None) -> dict:
 async def models(request):
     """Every name --served-model-name gives, as vLLM lists them (each answers requests)."""
     st = request.app[STATE]
-    return json_response({"object": "list", "data": [_model_object(st, n) for n in _listed(st.cfg)]})
+    return json_response({"object": "list", "data": [_model_object(st, n) for n in _served_names(st.cfg)]})
 
 
-def _listed(cfg) -> tuple[str, ...]:
+def _served_names(cfg) -> tuple[str, ...]:
     return cfg.listed_names or (cfg.served_model_name,)
 
 
@@ -865,7 +865,7 @@ async def model(request):
     st = request.app[STATE]
     served_model({"model": request.match_info["id"]}, st.cfg)
     name = request.match_info["id"]
-    return json_response(_model_object(st, name if name in _listed(st.cfg) else None))
+    return json_response(_model_object(st, name if name in _served_names(st.cfg) else None))
 
 
 async def health(request):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine.models.spec import Family, ModelSpec, spec_from_config_json
+from tandem.engine.models.spec import ARCHITECTURES, Family, ModelSpec, spec_from_config_json
 from tandem.paths import exclusive
 
 log = logging.getLogger("tandem.engine")
@@ -157,9 +157,7 @@ def _name_architecture(hf_dir: Path) -> None:
     """Add `architectures` to a directory converted before it was written (transformers serve needs it)."""
     p = hf_dir / "config.json"
     cfg = json.loads(p.read_text())
-    arch = {"llama": "LlamaForCausalLM", "opt": "OPTForCausalLM", "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "phi3": "Phi3ForCausalLM"}.get(cfg.get("model_type"))
+    arch = ARCHITECTURES.get(cfg.get("model_type"))
     if not cfg.get("architectures") and arch:
         cfg["architectures"] = [arch]
         p.write_text(json.dumps(cfg, indent=2) + "\n")

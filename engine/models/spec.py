@@ -16,10 +16,13 @@ class Family(enum.Enum):
     OPT = "opt"
 
 
-# the model types read as the Llama family: the same layer, up to Qwen2's Q/K/V biases, Qwen3's
-# per-head norms of Q and K, Phi-3's projections stored fused, and a sliding window this engine
-# does not apply (so the context stops at the window)
-LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# the model types this engine runs, with transformers' class for each (a converted GGUF's config
+# is given it). All but OPT are read as the Llama family: the same layer, up to Qwen2's Q/K/V
+# biases, Qwen3's per-head norms of Q and K, Phi-3's projections stored fused, and a sliding
+# window this engine does not apply (so the context stops at the window)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "opt": "OPTForCausalLM"}
+LLAMA_TYPES = tuple(t for t in ARCHITECTURES if t != "opt")
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +200,7 @@ def spec_from_hf_config(cfg) -> ModelSpec:
             head_dim=cfg.hidden_size // heads, intermediate_size=cfg.ffn_dim,
             max_model_len=cfg.max_position_embeddings, norm_eps=1e-5, rope_theta=0.0,
             bos_token_id=cfg.bos_token_id, eos_token_ids=eos_ids)
-    raise ValueError(f"model: architecture {mt!r} is not supported ({', '.join((*LLAMA_TYPES, 'opt'))})")
+    raise ValueError(f"model: architecture {mt!r} is not supported ({', '.join(ARCHITECTURES)})")
 
 
 def _rope(cfg) -> dict:

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import torch
 
+from tandem.engine.models.spec import ARCHITECTURES, LLAMA_TYPES
+
 
 def write_tiny_model(path: str | Path, family: str = "llama", *, seed: int = 0,
                      vocab_size: int = 512, d_model: int = 64, num_layers: int = 2,
@@ -32,13 +34,14 @@ def write_tiny_model(path: str | Path, family: str = "llama", *, seed: int = 0,
         vocab_size = max(vocab_size, len(tok))
     torch.manual_seed(seed)
     ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if family in LLAMA_LIKE:
-        cfg = getattr(transformers, f"{LLAMA_LIKE[family]}Config")(**dict(
+    if family in LLAMA_TYPES:
+        model_class = getattr(transformers, ARCHITECTURES[family])
+        cfg = model_class.config_class(**dict(
             vocab_size=vocab_size, hidden_size=d_model, intermediate_size=2 * d_model,
             num_hidden_layers=num_layers, num_attention_heads=num_heads, head_dim=d_model // num_heads,
             num_key_value_heads=num_kv_heads, max_position_embeddings=max_len,
             tie_word_embeddings=True, initializer_range=init_std, **ids) | (config or {}))
-        model = getattr(transformers, f"{LLAMA_LIKE[family]}ForCausalLM")(cfg)
+        model = model_class(cfg)
     elif family == "opt":
         cfg = transformers.OPTConfig(**dict(vocab_size=vocab_size, hidden_size=d_model, ffn_dim=4 * d_model,
                                             num_hidden_layers=num_layers, num_attention_heads=num_heads,
@@ -46,7 +49,7 @@ def write_tiny_model(path: str | Path, family: str = "llama", *, seed: int = 0,
                                             do_layer_norm_before=True, init_std=init_std, **ids) | (config or {}))
         model = transformers.OPTForCausalLM(cfg)
     else:
-        raise ValueError(f"family: {family!r} is not one of {', '.join((*LLAMA_LIKE, 'opt'))}")
+        raise ValueError(f"family: {family!r} is not one of {', '.join(ARCHITECTURES)}")
     with torch.no_grad():   # HF zero-inits norms' bias and ones their weight; perturb for coverage
         for name, p in model.named_parameters():
             if "norm" in name or (family != "opt" and name.endswith(".bias")):   # zero-init biases too
@@ -57,10 +60,6 @@ def write_tiny_model(path: str | Path, family: str = "llama", *, seed: int = 0,
     if tok is not None:
         tok.save_pretrained(path)
     return path
-
-
-# the Llama-shaped families and their transformers class names' stem
-LLAMA_LIKE = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3"}
 
 
 def _through_gguf(model) -> None:
