@@ -26,6 +26,11 @@ Each step writes the new tokens' inputs, then takes the context's stored inputs
 followed by the new ones, projects K and V from them (rotary embeddings at each token's own position) and
 attends, so a context never mixes fresh and stale K/V.
 
+With a sliding window W (``AttnBatch.window``) the token at position p attends to keys
+p - W + 1 .. p only. The runner hands each request only the rows that window can reach (a
+decode's last W, a prefill chunk's prefix from its first query's window on), so the decode
+kernels need no change; prefill queries, which sit at different positions, take a band mask.
+
 Decode attention reads each request's context through its per-token rows,
 so a block filled right to left, or shared with another owner, reads
 correctly. On the CPU a compiled kernel (engine/csrc/paged_decode.cpp) reads
@@ -61,6 +66,7 @@ class HiddenSegment:
     start: int
     end: int
     ctx_rows: torch.Tensor           # [ctx * m] long: pool rows of every context token, token-major
+    first: int = 0                   # position of ctx_rows' first token (0 unless a sliding window cut it)
 
 
 @dataclass(slots=True)
@@ -85,6 +91,7 @@ class AttnBatch:
     kernel: object | None = None     # compiled CPU ops module, or None for the torch path
     hidden: HiddenBatch | None = None  # hidden-cache requests of this step, if any
     triton: object | None = None     # engine.triton_attention.TritonMeta: the Triton kernels serve
+    window: int | None = None        # the model's sliding window; the context rows given are already cut to it
 
 
 Pool = torch.Tensor | QuantLayer     # one layer's store: full precision, or int8 (engine.quantpool)
@@ -144,7 +151,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kv_end = q.shape[0] if hb is None else hb.start
     if hb is not None:
         out[hb.start:] = hidden_attention(q[hb.start:], x[hb.start:], pool, hb, kv_from_hidden,
-                                          num_heads, num_kv_heads, head_dim, scale, batch.triton)
+                                          num_heads, num_kv_heads, head_dim, scale, batch.triton, batch.window)
         if hb.start == 0:
             return out
         q, k, v = q[:hb.start], k[:hb.start], v[:hb.start]
@@ -179,10 +186,10 @@ def _prefills(q, k, v, out, pool, batch: AttnBatch, num_heads, num_kv_heads, hea
     for seg in batch.prefills:
         out[seg.start:seg.end] = _prefill(q[seg.start:seg.end], k[seg.start:seg.end],
                                           v[seg.start:seg.end], pool, seg,
-                                          num_heads, num_kv_heads, head_dim, scale)
+                                          num_heads, num_kv_heads, head_dim, scale, batch.window)
 
 
-def _prefill(q, k, v, pool, seg: PrefillSegment, num_heads, num_kv_heads, head_dim, scale):
+def _prefill(q, k, v, pool, seg: PrefillSegment, num_heads, num_kv_heads, head_dim, scale, window=None):
     """Causal attention of n new tokens over (cached prefix + themselves): the prefix as the
     pool holds it, the new tokens as computed (an int8 pool may already hold them compressed).
 
@@ -197,18 +204,22 @@ def _prefill(q, k, v, pool, seg: PrefillSegment, num_heads, num_kv_heads, head_d
         ctx += seg.k_ctx.shape[0]
         kh = torch.cat([pool_gather(pool, seg.k_ctx), kh], dim=1)     # [Hkv, ctx, hd]
         vh = torch.cat([pool_gather(pool, seg.v_ctx), vh], dim=1)
-    return _dense(q, kh, vh, n, ctx, num_heads, num_kv_heads, head_dim, scale)
+    return _dense(q, kh, vh, n, ctx, num_heads, num_kv_heads, head_dim, scale, window)
 
 
-def _dense(q, kh, vh, n, ctx, num_heads, num_kv_heads, head_dim, scale):
-    """n queries (the last n of ctx positions) over kh, vh [Hkv, ctx, hd], causal."""
+def _dense(q, kh, vh, n, ctx, num_heads, num_kv_heads, head_dim, scale, window=None):
+    """n queries (the last n of ctx positions) over kh, vh [Hkv, ctx, hd], causal; with a
+    sliding ``window`` W, query i sees only the W keys ending at its own position."""
     group = num_heads // num_kv_heads
     qh = q.view(n, num_heads, head_dim).transpose(0, 1)[None]        # [1, H, n, hd]
-    if ctx == n:
+    banded = window is not None and window < ctx
+    if ctx == n and not banded:
         mask, causal = None, True
     else:
-        # query i sits at position ctx-n+i and sees keys 0..ctx-n+i
+        # query i sits at position ctx-n+i and sees keys 0..ctx-n+i (window: from ctx-n+i-W+1)
         mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(diagonal=ctx - n)
+        if banded:
+            mask &= ~torch.ones_like(mask).tril(diagonal=ctx - n - window)
         causal = False
     if group > 1:
         kh, vh = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
@@ -229,10 +240,11 @@ def read_hidden(pool: Pool, rows: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def hidden_attention(q, x, pool, hb: HiddenBatch, kv_from_hidden: KvFromHidden,
-                     num_heads, num_kv_heads, head_dim, scale, triton=None) -> torch.Tensor:
+                     num_heads, num_kv_heads, head_dim, scale, triton=None, window=None) -> torch.Tensor:
     """Attention of hidden-cache requests: store the new inputs, rebuild each context's K and V
-    from the stored prefix and the new inputs (positions 0..ctx-1), attend causally. q, x: the
-    hidden rows only. With Triton metadata, its single-token segments go to the fused kernel."""
+    from the stored prefix and the new inputs (positions first..first+ctx-1), attend causally.
+    q, x: the hidden rows only. With Triton metadata, its single-token segments go to the fused
+    kernel."""
     write_hidden(pool, hb.write_rows, x)
     out = torch.empty_like(q)
     segs = hb.segs
@@ -248,11 +260,11 @@ def hidden_attention(q, x, pool, hb: HiddenBatch, kv_from_hidden: KvFromHidden,
         xs = x[seg.start:seg.end]
         if ctx > n:
             xs = torch.cat([read_hidden(pool, seg.ctx_rows[:(ctx - n) * hb.m], ctx - n), xs])
-        k, v = kv_from_hidden(xs, torch.arange(ctx, device=q.device))
+        k, v = kv_from_hidden(xs, torch.arange(seg.first, seg.first + ctx, device=q.device))
         kh = k.reshape(ctx, num_kv_heads, head_dim).transpose(0, 1)     # [Hkv, ctx, hd]
         vh = v.reshape(ctx, num_kv_heads, head_dim).transpose(0, 1)
         out[seg.start:seg.end] = _dense(q[seg.start:seg.end], kh, vh, n, ctx, num_heads,
-                                        num_kv_heads, head_dim, scale)
+                                        num_kv_heads, head_dim, scale, window)
     return out
 
 

@@ -445,7 +445,8 @@ class ModelRunner:
             extra += self._scored_rows(s, st, row, a, b, scored)
             k_w.append(st.slots[0, a:b])
             v_w.append(st.slots[1, a:b])
-            ctx = (st.slots[0, :a], st.slots[1, :a]) if a > 0 else (None, None)
+            lo = self._reach(a)
+            ctx = (st.slots[0, lo:a], st.slots[1, lo:a]) if lo < a else (None, None)
             segs.append(PrefillSegment(row, row + b - a, *ctx))
             row += b - a
             if s.sample:
@@ -466,7 +467,8 @@ class ModelRunner:
         segs = [PrefillSegment(g.start, g.end, ctx_to(g.k_ctx), ctx_to(g.v_ctx)) for g in segs]
         empty = torch.empty(0, dtype=torch.long)
         batch = AttnBatch(to(torch.cat(k_w) if k_w else empty), to(torch.cat(v_w) if v_w else empty),
-                          segs, decode_start, *(dec_to(t) for t in dec), self.kernel, hb)
+                          segs, decode_start, *(dec_to(t) for t in dec), self.kernel, hb,
+                          window=self.spec.sliding_window)
         if self.triton:
             batch.triton = self._triton_meta(prefills, dec, hidden, hb, to)
         return (to(torch.tensor(ids, dtype=torch.long)), to(torch.cat(pos)), batch,
@@ -476,7 +478,7 @@ class ModelRunner:
         """Tables for the Triton kernels (engine.triton_attention), built after ``_build``'s
         bookkeeping: the requests' computed counts are still those before this step."""
         B = self.block_size
-        meta = TritonMeta(B)
+        meta = TritonMeta(B, window=self.spec.sliding_window or 0)
         if dec[0] is not None:
             meta.decode = tables([dec[0], dec[1]], dec[2], B, to)
             meta.decode_lens = to(dec[2])
@@ -490,7 +492,8 @@ class ModelRunner:
             meta.seg_start = [0] + list(itertools.accumulate(meta.seg_n))[:-1]
             meta.seg_ctx = ctx
         single = [i for i, s in enumerate(hidden) if s.num_new_tokens == 1] if hb is not None else []
-        if single and not self.int8 and not self.spec.qk_norm:    # the kernel has no per-head norm of K
+        # the kernel has no per-head norm of K, and numbers its context's positions from 0
+        if single and not self.int8 and not self.spec.qk_norm and not self.spec.sliding_window:
             sts = [self.reqs[hidden[i].req_id] for i in single]
             ctx = [st.num_computed + 1 for st in sts]
             lens = torch.tensor(ctx)
@@ -515,7 +518,8 @@ class ModelRunner:
             if s.phase is Phase.PREFILL:
                 extra += self._scored_rows(s, st, row, a, b, scored)
             write.append(st.slots[:, a:b].T.reshape(-1))          # token-major: token i's m rows
-            segs.append(HiddenSegment(row - start, row - start + b - a, to(st.slots[:, :b].T.reshape(-1))))
+            lo = self._reach(a)
+            segs.append(HiddenSegment(row - start, row - start + b - a, to(st.slots[:, lo:b].T.reshape(-1)), lo))
             row += b - a
             if s.sample or s.phase is Phase.DECODE:
                 rows.append(row - 1)
@@ -530,14 +534,23 @@ class ModelRunner:
             self._check(s.req_id, st, st.num_computed + 1)
             ids.append(st.token_ids[st.num_computed])
             lens.append(st.num_computed + 1)
-        lens_t = torch.tensor(lens)
-        pos.append(lens_t - 1)
-        k_rows = torch.nn.utils.rnn.pad_sequence([st.slots[0, :n] for st, n in zip(sts, lens)], batch_first=True)
-        v_rows = torch.nn.utils.rnn.pad_sequence([st.slots[1, :n] for st, n in zip(sts, lens)], batch_first=True)
+        pos.append(torch.tensor(lens) - 1)
+        firsts = [self._reach(n - 1) for n in lens]
+        k_rows = torch.nn.utils.rnn.pad_sequence([st.slots[0, a:n] for st, a, n in zip(sts, firsts, lens)],
+                                                 batch_first=True)
+        v_rows = torch.nn.utils.rnn.pad_sequence([st.slots[1, a:n] for st, a, n in zip(sts, firsts, lens)],
+                                                 batch_first=True)
+        lens_t = torch.tensor([n - a for a, n in zip(firsts, lens)])
         last = lens_t - 1
         k_w.append(k_rows.gather(1, last[:, None]).view(-1))
         v_w.append(v_rows.gather(1, last[:, None]).view(-1))
         return k_rows, v_rows, lens_t
+
+    def _reach(self, p: int) -> int:
+        """The first position a query at position ``p`` attends to: 0, or with a sliding window W,
+        p - W + 1."""
+        w = self.spec.sliding_window
+        return 0 if w is None else max(0, p - w + 1)
 
     @staticmethod
     def _check(rid: str, st: ReqState, need: int) -> None:

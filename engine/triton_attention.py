@@ -4,7 +4,8 @@ engine.attention makes instead of the torch reference when a step carries it.
 Each part of a step gets its tables once per step (engine.triton_paging): the block table
 with directions when every request's rows follow its blocks, else the row table.
 
-* decodes of KV-cache requests: engine.triton_decode (full-precision or int8 pool);
+* decodes of KV-cache requests: engine.triton_decode (full-precision or int8 pool; with a
+  sliding window the runner hands it only the rows the window reaches);
 * prefills of KV-cache requests: engine.triton_prefill, after the paged write (full-precision
   pools; an int8 pool's new tokens must attend to each other as computed: torch path);
 * single-token steps of hidden-cache requests: engine.triton_hidden (prefill chunks of
@@ -39,6 +40,7 @@ class TritonMeta:
     hidden: Tables | None = None         # hidden-cache single-token segments
     hidden_segs: list[int] | None = None  # their indices in HiddenBatch.segs
     hidden_lens: torch.Tensor | None = None
+    window: int = 0                      # the model's sliding window (prefills mask by it), 0: none
 
     # ---- the calls engine.attention makes ----------------------------------------------
     def attend_decode(self, qg, pool, scale: float) -> torch.Tensor:
@@ -51,7 +53,7 @@ class TritonMeta:
         from tandem.engine.triton_prefill import paged_prefill
         t = self.prefill
         return paged_prefill(q, pool, t.tabs[0], t.tabs[1], self.seg_start, self.seg_n, self.seg_ctx,
-                             num_heads, scale, self.block_size, t.paging, *t.dirs)
+                             num_heads, scale, self.block_size, t.paging, *t.dirs, window=self.window)
 
     def attend_hidden(self, qg, pool, proj, scale: float) -> torch.Tensor:
         from tandem.engine.triton_hidden import hidden_decode

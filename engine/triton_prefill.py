@@ -8,8 +8,9 @@ table, engine.triton_paging). A chunk of a long prompt is just a segment whose c
 
 Grid: one program per (query tile of ``BLOCK_M`` rows of one segment, query head)::
 
-    for each key tile up to the tile's last position:
+    for each key tile from the tile's first query's window start up to its last position:
         s = q @ K^T * scale, masked where key position > query position
+                            (or, with a sliding window W, <= query position - W)
         online softmax (fp32), acc += p @ V
     out = acc / l
 
@@ -29,10 +30,13 @@ from tandem.engine.triton_paging import Paging
 from tandem.engine.triton_rows import interpreted, token_rows
 
 
+NO_WINDOW = 1 << 30           # a window no context reaches: plain causal attention
+
+
 @triton.jit
 def _paged_prefill(q_ptr, o_ptr, pool_ptr, kt_ptr, kd_ptr, vt_ptr, vd_ptr,
                    tile_seg_ptr, tile_m0_ptr, seg_start_ptr, seg_n_ptr, seg_ctx_ptr,
-                   s_q_t, s_pool_h, s_tab, s_dir, scale,
+                   s_q_t, s_pool_h, s_tab, s_dir, scale, window,
                    G: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
                    IEEE: tl.constexpr):
@@ -54,7 +58,8 @@ def _paged_prefill(q_ptr, o_ptr, pool_ptr, kt_ptr, kd_ptr, vt_ptr, vd_ptr,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     end = tl.minimum(ctx, ctx - n + m0 + BLOCK_M)           # keys past the tile's last query: unseen
-    for k0 in range(0, end, BLOCK_N):
+    lo = tl.maximum(ctx - n + m0 - window + 1, 0) // BLOCK_N * BLOCK_N     # before the first query's window
+    for k0 in range(lo, end, BLOCK_N):
         t = k0 + tl.arange(0, BLOCK_N)
         valid = t < ctx
         krows = token_rows(kt_ptr, kd_ptr, seg, t, valid, s_tab, s_dir, B, ROWS)
@@ -66,7 +71,7 @@ def _paged_prefill(q_ptr, o_ptr, pool_ptr, kt_ptr, kd_ptr, vt_ptr, vd_ptr,
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * scale
-        see = (t[None, :] <= qpos[:, None]) & valid[None, :]
+        see = (t[None, :] <= qpos[:, None]) & (t[None, :] > qpos[:, None] - window) & valid[None, :]
         s = tl.where(see, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)      # padded query rows see nothing
@@ -86,11 +91,12 @@ def paged_prefill(q: torch.Tensor, pool: torch.Tensor, k_table: torch.Tensor, v_
                   seg_start: list[int], seg_n: list[int], seg_ctx: list[int], num_heads: int,
                   scale: float, block_size: int, paging: Paging = Paging.BLOCKS,
                   k_dirs: torch.Tensor | None = None, v_dirs: torch.Tensor | None = None,
-                  block_m: int = 16, block_n: int = 32) -> torch.Tensor:
+                  block_m: int = 16, block_n: int = 32, window: int = 0) -> torch.Tensor:
     """q [T, num_heads * D]: the prefill rows of a step (segment i: rows seg_start[i] ..
     + seg_n[i]), whose K/V are already in ``pool`` [Hkv, S, D]. Segment i's context is
     seg_ctx[i] tokens (its cached prefix, then its seg_n[i] new tokens), addressed by row i of
-    the tables (engine.triton_paging). Returns [T, num_heads * D]."""
+    the tables (engine.triton_paging). With a sliding ``window`` W > 0 the query at position p
+    sees keys p - W + 1 .. p. Returns [T, num_heads * D]."""
     hkv, _, d = pool.shape
     if d & (d - 1) or d < 16:
         raise ValueError(f"head_dim {d} must be a power of two >= 16 for the Triton prefill")
@@ -108,7 +114,7 @@ def paged_prefill(q: torch.Tensor, pool: torch.Tensor, k_table: torch.Tensor, v_
     q = q.contiguous()
     _paged_prefill[(len(tiles), num_heads)](
         q, out, pool, k_table, kd, v_table, vd, tile_seg, tile_m0, *segs,
-        q.stride(0), pool.stride(0), k_table.stride(0), kd.stride(0), scale,
+        q.stride(0), pool.stride(0), k_table.stride(0), kd.stride(0), scale, window or NO_WINDOW,
         G=num_heads // hkv, D=d, B=block_size, BLOCK_M=block_m, BLOCK_N=block_n, ROWS=rows,
         IEEE=q.dtype == torch.float32 or interpreted(_paged_prefill))
     return out

@@ -18,8 +18,8 @@ class Family(enum.Enum):
 
 # the model types this engine runs, with transformers' class for each (a converted GGUF's config
 # is given it). All but OPT are read as the Llama family: the same layer, up to Qwen2's Q/K/V
-# biases, Qwen3's per-head norms of Q and K, Phi-3's projections stored fused, and a sliding
-# window this engine does not apply (so the context stops at the window)
+# biases, Qwen3's per-head norms of Q and K, Phi-3's projections stored fused, and Mistral's and
+# Phi-3's sliding window
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "opt": "OPTForCausalLM"}
 LLAMA_TYPES = tuple(t for t in ARCHITECTURES if t != "opt")
@@ -126,6 +126,7 @@ class ModelSpec:
     qkv_bias: bool = False     # Q, K and V projections carry a bias (Qwen2; Llama's attention_bias)
     o_bias: bool = False       # the output projection does too (Llama's and Qwen3's attention_bias)
     qk_norm: bool = False      # each Q and K head is RMS-normalised (its own weights) before rotation: Qwen3
+    sliding_window: int | None = None   # every layer's token p attends to keys p - window + 1 .. p only
 
     @property
     def unit(self) -> int:
@@ -178,13 +179,14 @@ def spec_from_hf_config(cfg) -> ModelSpec:
             raise ValueError(f"model: {mt} with MLP biases is not supported")
         heads = cfg.num_attention_heads
         attention_bias = mt in ("llama", "qwen3") and bool(getattr(cfg, "attention_bias", False))
+        context, window = _windowed(cfg, _stretched(cfg))
         return ModelSpec(
             family=Family.LLAMA, vocab_size=cfg.vocab_size, d_model=cfg.hidden_size,
             num_layers=cfg.num_hidden_layers, num_heads=heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             intermediate_size=cfg.intermediate_size,
-            max_model_len=_windowed(cfg, _stretched(cfg)), norm_eps=cfg.rms_norm_eps,
+            max_model_len=context, sliding_window=window, norm_eps=cfg.rms_norm_eps,
             rope_theta=float(_rope(cfg)["rope_theta"]),
             bos_token_id=cfg.bos_token_id, eos_token_ids=eos_ids, rope_scaling=rope_scaling(cfg),
             qkv_bias=mt == "qwen2" or attention_bias, o_bias=attention_bias, qk_norm=mt == "qwen3")
@@ -266,19 +268,27 @@ def _yarn_attention(rope: dict, factor: float) -> float:
     return m(1.0)
 
 
-def _windowed(cfg, max_len: int) -> int:
-    """The context a model with sliding-window attention keeps here: up to its window every
-    token sees every earlier one, as full attention does, so the context stops at the window
-    (Mistral 7B v0.1's 4,096, Phi-3 mini's 2,047; Qwen2 and Qwen3 with use_sliding_window)."""
+def _windowed(cfg, max_len: int) -> tuple[int, int | None]:
+    """The context and the sliding window of a model whose layers attend within one: Mistral 7B
+    v0.1's 4,096 tokens, Phi-3 mini's 2,047, Qwen2 and Qwen3 with use_sliding_window. Where every
+    layer slides (Mistral, Phi-3, Qwen with max_window_layers 0) the engine applies the window and
+    the context stays whole. Where only Qwen's upper layers slide, one step would need two
+    attention layouts, so the context stops at the window instead: up to it every token sees
+    every earlier one, in both kinds of layer."""
     if cfg.model_type in ("qwen2", "qwen3"):
         types = getattr(cfg, "layer_types", None)      # transformers 5's; else the layers it would make
-        some = "sliding_attention" in types if types else getattr(cfg, "max_window_layers", 28) < cfg.num_hidden_layers
-        on = getattr(cfg, "use_sliding_window", False) and some
+        if not types:
+            first = getattr(cfg, "max_window_layers", 28)
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(cfg.num_hidden_layers)]
+        on = getattr(cfg, "use_sliding_window", False) and "sliding_attention" in types
+        every = on and "full_attention" not in types
     else:
-        on = cfg.model_type in ("mistral", "phi3")
+        on = every = cfg.model_type in ("mistral", "phi3")
     window = getattr(cfg, "sliding_window", None) if on else None
     if window is None or window >= max_len:
-        return max_len
-    log.warning("model: %s attends within a sliding window of %d tokens, which this engine does not "
-                "apply: the context is %d tokens, not %d", cfg.model_type, window, window, max_len)
-    return int(window)
+        return max_len, None
+    if every:
+        return max_len, int(window)
+    log.warning("model: %s attends within a sliding window of %d tokens in some layers only, which this engine "
+                "does not apply: the context is %d tokens, not %d", cfg.model_type, window, window, max_len)
+    return int(window), None

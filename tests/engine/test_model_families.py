@@ -1,5 +1,6 @@
 """Llama-shaped checkpoints beyond Llama itself -- Qwen2 (Q/K/V biases), Qwen3 (per-head Q/K
-norms), Mistral and Phi-3 (a sliding window; Phi-3's projections stored fused), Llama 3.1's,
+norms), Mistral and Phi-3 (a sliding window, which the engine applies; Phi-3's projections stored
+fused), Llama 3.1's,
 linear and YaRN rotary scaling, Llama with attention biases -- generate exactly
 HF transformers' greedy tokens; configs this engine cannot compute are refused by name."""
 import json
@@ -14,6 +15,7 @@ from tandem.engine.models.tiny import write_tiny_gguf, write_tiny_model
 from tests.conftest import ONE_DEVICE, assert_pool_free, hf_greedy, mixed_prompts
 
 MAX_NEW = 16
+WINDOW = 40          # shorter than most prompts here, and than the 32-token chunks plus their prefix
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -23,10 +25,11 @@ CASES = {
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
     "qwen3-attention-bias": ("qwen3", {"attention_bias": True}),
-    "mistral-window": ("mistral", {"sliding_window": 160}),
+    "mistral-window": ("mistral", {"sliding_window": WINDOW}),
+    "qwen2-window": ("qwen2", {"sliding_window": WINDOW, "use_sliding_window": True, "max_window_layers": 0}),
     "llama3-rope": ("llama", {"rope_parameters": LLAMA3}),
     "qwen3-yarn": ("qwen3", {"rope_parameters": YARN}),
-    "phi3-window": ("phi3", {"sliding_window": 160}),
+    "phi3-window": ("phi3", {"sliding_window": WINDOW}),
     "phi3": ("phi3", {}),
     "linear-rope": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
     "llama-attention-bias": ("llama", {"attention_bias": True}),
@@ -46,9 +49,8 @@ def test_llama_shaped_checkpoints_match_hf(case, tmp_path):
     family, config = CASES[case]
     model_dir = write_tiny_model(tmp_path, family, seed=5, config=config)
     prompts = mixed_prompts(6, 512, seed=3, hi=120)      # prefilled in 32-token chunks
-    window = config.get("sliding_window")
-    if window:                                           # one request fills the whole window
-        prompts.append(mixed_prompts(1, 512, seed=8, lo=window - MAX_NEW, hi=window - MAX_NEW + 1)[0])
+    if config.get("sliding_window"):                     # and one many windows long
+        prompts.append(mixed_prompts(1, 512, seed=8, lo=300, hi=301)[0])
     outs = _generate(model_dir, prompts)
     for i, (o, r) in enumerate(zip(outs, hf_greedy(model_dir, prompts, MAX_NEW), strict=True)):
         assert o == r, f"prompt {i} differs"
@@ -161,23 +163,47 @@ def test_rope_scaling_beside_rope_parameters_is_applied(tmp_path):
     assert (spec.rope_scaling, spec.rope_theta) == (RopeScaling("linear", 2.0), 5e5)
 
 
-def test_sliding_window_bounds_the_context(tmp_path, caplog):
-    """Up to its window a sliding-window model attends as a full one does: the context stops there,
-    the log says why, and a longer prompt is refused. Qwen2 without use_sliding_window keeps its
-    positions."""
+@pytest.mark.parametrize("family, kw", [("phi3", {"cache_type": "hidden"}), ("mistral", {"cpu_kernels": False}),
+                                        ("mistral", {"preemption_mode": "recompute"})])
+def test_sliding_window_in_every_attention_path(family, kw, tmp_path):
+    """The window holds where K and V are projected again from stored layer inputs (a hidden
+    cache), on torch's reference attention instead of the compiled kernel, and for requests
+    preempted and computed again (a pool of 24 token-blocks of 8 for prompts of up to 120)."""
+    model_dir = write_tiny_model(tmp_path, family, seed=4, config={"sliding_window": WINDOW})
+    prompts = mixed_prompts(6, 512, seed=5, lo=30, hi=120)
+    recompute = "preemption_mode" in kw
+    if recompute:
+        spec = load_spec(model_dir)
+        kw = kw | {"kv_cache_bytes": 24 * 2 * spec.num_layers * 8 * spec.unit * 4}
+    with LLM(str(model_dir), ONE_DEVICE, dtype="float32", policy="fcfs", block_size=8,
+             max_num_batched_tokens=32, threads_per_worker=1, **kw) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
+        preempted = sum(q.num_preemptions for q in llm.scheduler.queues)
+    assert [o.token_ids for o in outs] == hf_greedy(model_dir, prompts, MAX_NEW)
+    assert (preempted > 0) == recompute, preempted
+
+
+def test_sliding_window_keeps_the_context(tmp_path, caplog):
+    """A model whose every layer slides keeps its whole context, the window applied; a Qwen whose
+    lower layers attend fully stops at the window (one step has one attention layout), and the log
+    says why. Qwen2 without use_sliding_window has no window."""
+    spec = load_spec(write_tiny_model(tmp_path / "m", "mistral", config={"sliding_window": 160}))
+    assert (spec.max_model_len, spec.sliding_window) == (512, 160)
+    nowin = load_spec(write_tiny_model(tmp_path / "nowin", "mistral", config={"sliding_window": None}))
+    assert (nowin.max_model_len, nowin.sliding_window) == (512, None)
+    q = load_spec(write_tiny_model(tmp_path / "q", "qwen2", config={"sliding_window": 64}))
+    assert (q.max_model_len, q.sliding_window) == (512, None)
+    every = write_tiny_model(tmp_path / "qw", "qwen2", config={"sliding_window": 64, "use_sliding_window": True,
+                                                                "max_window_layers": 0})
+    assert (load_spec(every).max_model_len, load_spec(every).sliding_window) == (512, 64)
     with caplog.at_level(logging.WARNING, logger="tandem.engine"):
-        spec = load_spec(write_tiny_model(tmp_path / "m", "mistral", config={"sliding_window": 160}))
-    assert spec.max_model_len == 160
-    assert "sliding window of 160 tokens" in caplog.text
-    nowin = write_tiny_model(tmp_path / "nowin", "mistral", config={"sliding_window": None})
-    assert load_spec(nowin).max_model_len == 512
-    assert load_spec(write_tiny_model(tmp_path / "q", "qwen2", config={"sliding_window": 64})).max_model_len == 512
-    on = write_tiny_model(tmp_path / "qw", "qwen2", config={"sliding_window": 64, "use_sliding_window": True,
-                                                             "max_window_layers": 0})
-    assert load_spec(on).max_model_len == 64
-    with LLM(str(tmp_path / "m"), ONE_DEVICE, dtype="float32", threads_per_worker=1) as llm:
-        with pytest.raises(ValueError, match="context of 160"):
-            llm.generate([list(range(3, 200))], SamplingParams(max_tokens=4))
+        upper = load_spec(write_tiny_model(tmp_path / "qu", "qwen2", config={
+            "sliding_window": 64, "use_sliding_window": True, "max_window_layers": 1}))
+    assert (upper.max_model_len, upper.sliding_window) == (64, None)
+    assert "sliding window of 64 tokens in some layers only" in caplog.text
+    with LLM(str(tmp_path / "qu"), ONE_DEVICE, dtype="float32", threads_per_worker=1) as llm:
+        with pytest.raises(ValueError, match="context of 64"):
+            llm.generate([list(range(3, 100))], SamplingParams(max_tokens=4))
 
 
 @pytest.mark.parametrize("change, message", [

@@ -9,7 +9,7 @@ from tandem.engine.models.loader import load_spec
 from tests.conftest import ONE_DEVICE, assert_pool_free, hf_greedy, mixed_prompts
 
 MAX_NEW = 6
-FAMILIES = ("llama", "opt", "qwen2", "qwen3")
+FAMILIES = ("llama", "opt", "qwen2", "qwen3", "mistral")
 
 
 @pytest.fixture(scope="module")
@@ -17,10 +17,13 @@ def wide_models(tmp_path_factory):
     """Tiny checkpoints with head_dim 32 (the kernels' smallest): Llama with 2 KV heads for 4
     query heads (a hidden-cache token takes 2 blocks), OPT multi-head (1 block), and the
     Llama-shaped Qwen2 (K/V biases, which the fused hidden-cache kernel adds before rotating) and
-    Qwen3 (per-head K norms, which it lacks: its hidden caches take the projection in torch)."""
+    Qwen3 (per-head K norms, which it lacks: its hidden caches take the projection in torch), and
+    Mistral with a 12-token sliding window (the prefill kernel masks by it, the decode kernel is
+    given the window's rows; hidden caches take the torch path)."""
     from tandem.engine.models.tiny import write_tiny_model
     return {f: write_tiny_model(tmp_path_factory.mktemp(f"wide-{f}"), f, seed=5, d_model=128, num_heads=4,
-                                num_kv_heads=2) for f in FAMILIES}
+                                num_kv_heads=2, config={"sliding_window": 12} if f == "mistral" else None)
+            for f in FAMILIES}
 
 
 def _run(model_dir, prompts, blocks, **kw):

@@ -149,9 +149,11 @@ def test_paged_decode_int8_pool(kernels, dtype, wide, paging, launch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hkv, g", [(2, 2), (4, 1)])
-def test_paged_prefill_chunked(kernels, dtype, hkv, g):
-    """Three segments: a whole prompt, and two chunks whose prefix came from earlier steps."""
+@pytest.mark.parametrize("hkv, g, window", [(2, 2, 0), (4, 1, 0), (2, 2, 6)])
+def test_paged_prefill_chunked(kernels, dtype, hkv, g, window):
+    """Three segments: a whole prompt, and two chunks whose prefix came from earlier steps;
+    with a sliding window, each query sees the ``window`` keys ending at its position (key tiles
+    of 8, so whole tiles before a chunk's first window are skipped)."""
     torch.manual_seed(2)
     B, nb, hd, scale = 8, 64, 16, 0.25
     ctx, new = [5, 20, 37], [5, 7, 18]
@@ -167,17 +169,20 @@ def test_paged_prefill_chunked(kernels, dtype, hkv, g):
                        (P.Paging.ROWS, (P.row_table(k_rows), P.row_table(v_rows), None, None))):
         k_t, v_t, k_d, v_d = (None if t is None else t.to(DEV) for t in tabs)
         got = kernels.triton_prefill.paged_prefill(q.to(DEV), pool.to(DEV), k_t, v_t, starts, new, ctx,
-                                                   H, scale, B, mode, k_d, v_d).cpu()
+                                                   H, scale, B, mode, k_d, v_d, block_n=8 if window else 32,
+                                                   window=window).cpu()
         for s, n, c, kr, vr in zip(starts, new, ctx, k_rows, v_rows):
             for hq in range(H):
                 h = hq // g
                 qh = q[s:s + n, hq * hd:(hq + 1) * hd].double()
                 scores = qh @ pool[h, kr].double().T * scale
-                scores = scores.masked_fill(~torch.ones(n, c, dtype=torch.bool).tril(c - n), float("-inf"))
+                qpos, kpos = torch.arange(c - n, c)[:, None], torch.arange(c)[None, :]
+                seen = (kpos <= qpos) & ((kpos > qpos - window) if window else True)
+                scores = scores.masked_fill(~seen, float("-inf"))
                 ref = torch.softmax(scores, -1) @ pool[h, vr].double()
                 torch.testing.assert_close(got[s:s + n, hq * hd:(hq + 1) * hd].double(), ref,
                                            atol=TOL[dtype], rtol=TOL[dtype])
-            ref = _dense(q[s:s + n], pool[:, kr], pool[:, vr], n, c, H, hkv, hd, scale)
+            ref = _dense(q[s:s + n], pool[:, kr], pool[:, vr], n, c, H, hkv, hd, scale, window or None)
             torch.testing.assert_close(got[s:s + n].float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
