@@ -30,6 +30,7 @@ With a sliding window W (``AttnBatch.window``) the token at position p attends t
 p - W + 1 .. p only. The runner hands each request only the rows that window can reach (a
 decode's last W, a prefill chunk's prefix from its first query's window on), so the decode
 kernels need no change; prefill queries, which sit at different positions, take a band mask.
+Where only some layers slide, a step carries both layouts (``AttnBatch.windowed``).
 
 Decode attention reads each request's context through its per-token rows,
 so a block filled right to left, or shared with another owner, reads
@@ -92,6 +93,8 @@ class AttnBatch:
     hidden: HiddenBatch | None = None  # hidden-cache requests of this step, if any
     triton: object | None = None     # engine.triton_attention.TritonMeta: the Triton kernels serve
     window: int | None = None        # the model's sliding window; the context rows given are already cut to it
+    windowed: AttnBatch | None = None  # the same step cut to the window, for the sliding layers of a model
+                                       # whose other layers attend fully (ModelSpec.full_layers)
 
 
 Pool = torch.Tensor | QuantLayer     # one layer's store: full precision, or int8 (engine.quantpool)

@@ -445,8 +445,7 @@ class ModelRunner:
             extra += self._scored_rows(s, st, row, a, b, scored)
             k_w.append(st.slots[0, a:b])
             v_w.append(st.slots[1, a:b])
-            lo = self._reach(a)
-            ctx = (st.slots[0, lo:a], st.slots[1, lo:a]) if lo < a else (None, None)
+            ctx = (st.slots[0, :a], st.slots[1, :a]) if a > 0 else (None, None)
             segs.append(PrefillSegment(row, row + b - a, *ctx))
             row += b - a
             if s.sample:
@@ -460,25 +459,42 @@ class ModelRunner:
             row += 1
         dev = self.device
         to = (lambda t: t if t is None or dev.type == "cpu" else t.to(dev, non_blocking=True))  # noqa: E731
-        hb = self._hidden_meta(hidden, row, ids, pos, rows, samplers, to, scored, extra) if hidden else None
+        hb = self._hidden_meta(hidden, row, ids, pos, rows, samplers, scored, extra) if hidden else None
+        empty = torch.empty(0, dtype=torch.long)
+        slots = (to(torch.cat(k_w) if k_w else empty), to(torch.cat(v_w) if v_w else empty))
+        parts = (prefills, hidden, decode_start, to)
+        w, full = self.spec.sliding_window, self.spec.full_layers
+        batch = self._assemble(slots, segs, dec, hb, parts) if not w or full else None
+        if w:
+            windowed = self._assemble(slots, *window_cut(segs, dec, hb, w), parts, w)
+            if batch is None:
+                batch = windowed
+            else:
+                batch.windowed = windowed
+        return (to(torch.tensor(ids, dtype=torch.long)), to(torch.cat(pos)), batch,
+                to(torch.tensor(rows + extra, dtype=torch.long)), samplers, scored)
+
+    def _assemble(self, slots, segs, dec, hb, parts, window: int | None = None) -> AttnBatch:
+        """One layout of a step's attention metadata, on the device: every context whole, or
+        (``window``) cut to what a sliding window reaches."""
+        prefills, hidden, decode_start, to = parts
         # rows the Triton kernels read through their own tables stay on the host
         dec_to = (lambda t: t) if self.triton else to  # noqa: E731
         ctx_to = dec_to if not self.int8 else to        # an int8 pool's prefills keep the torch path
         segs = [PrefillSegment(g.start, g.end, ctx_to(g.k_ctx), ctx_to(g.v_ctx)) for g in segs]
-        empty = torch.empty(0, dtype=torch.long)
-        batch = AttnBatch(to(torch.cat(k_w) if k_w else empty), to(torch.cat(v_w) if v_w else empty),
-                          segs, decode_start, *(dec_to(t) for t in dec), self.kernel, hb,
-                          window=self.spec.sliding_window)
+        if hb is not None:
+            hb = HiddenBatch(hb.start, hb.m, to(hb.write_rows),
+                             [HiddenSegment(g.start, g.end, to(g.ctx_rows), g.first) for g in hb.segs])
+        batch = AttnBatch(*slots, segs, decode_start, *(dec_to(t) for t in dec), self.kernel, hb, window=window)
         if self.triton:
-            batch.triton = self._triton_meta(prefills, dec, hidden, hb, to)
-        return (to(torch.tensor(ids, dtype=torch.long)), to(torch.cat(pos)), batch,
-                to(torch.tensor(rows + extra, dtype=torch.long)), samplers, scored)
+            batch.triton = self._triton_meta(prefills, dec, hidden, hb, to, window)
+        return batch
 
-    def _triton_meta(self, prefills, dec, hidden, hb: HiddenBatch | None, to) -> TritonMeta:
+    def _triton_meta(self, prefills, dec, hidden, hb: HiddenBatch | None, to, window: int | None) -> TritonMeta:
         """Tables for the Triton kernels (engine.triton_attention), built after ``_build``'s
         bookkeeping: the requests' computed counts are still those before this step."""
         B = self.block_size
-        meta = TritonMeta(B, window=self.spec.sliding_window or 0)
+        meta = TritonMeta(B, window=window or 0)
         if dec[0] is not None:
             meta.decode = tables([dec[0], dec[1]], dec[2], B, to)
             meta.decode_lens = to(dec[2])
@@ -493,7 +509,7 @@ class ModelRunner:
             meta.seg_ctx = ctx
         single = [i for i, s in enumerate(hidden) if s.num_new_tokens == 1] if hb is not None else []
         # the kernel has no per-head norm of K, and numbers its context's positions from 0
-        if single and not self.int8 and not self.spec.qk_norm and not self.spec.sliding_window:
+        if single and not self.int8 and not self.spec.qk_norm and not window:
             sts = [self.reqs[hidden[i].req_id] for i in single]
             ctx = [st.num_computed + 1 for st in sts]
             lens = torch.tensor(ctx)
@@ -510,21 +526,20 @@ class ModelRunner:
         pos.append(torch.arange(a, b))
         return st, a, b
 
-    def _hidden_meta(self, hidden, row, ids, pos, rows, samplers, to, scored, extra) -> HiddenBatch:
-        """Rows to store the new tokens' layer inputs and each request's context rows."""
+    def _hidden_meta(self, hidden, row, ids, pos, rows, samplers, scored, extra) -> HiddenBatch:
+        """Rows to store the new tokens' layer inputs and each request's context rows (on the host)."""
         start, write, segs = row, [], []
         for s in hidden:
             st, a, b = self._take(s, ids, pos)
             if s.phase is Phase.PREFILL:
                 extra += self._scored_rows(s, st, row, a, b, scored)
             write.append(st.slots[:, a:b].T.reshape(-1))          # token-major: token i's m rows
-            lo = self._reach(a)
-            segs.append(HiddenSegment(row - start, row - start + b - a, to(st.slots[:, lo:b].T.reshape(-1)), lo))
+            segs.append(HiddenSegment(row - start, row - start + b - a, st.slots[:, :b].T.reshape(-1)))
             row += b - a
             if s.sample or s.phase is Phase.DECODE:
                 rows.append(row - 1)
                 samplers.append(s.req_id)
-        return HiddenBatch(start, self.hidden_rows, to(torch.cat(write)), segs)
+        return HiddenBatch(start, self.hidden_rows, torch.cat(write), segs)
 
     def _decode_meta(self, decodes, ids, pos, k_w, v_w):
         """Padded per-token K/V rows and context lengths of the decode requests."""
@@ -534,23 +549,14 @@ class ModelRunner:
             self._check(s.req_id, st, st.num_computed + 1)
             ids.append(st.token_ids[st.num_computed])
             lens.append(st.num_computed + 1)
-        pos.append(torch.tensor(lens) - 1)
-        firsts = [self._reach(n - 1) for n in lens]
-        k_rows = torch.nn.utils.rnn.pad_sequence([st.slots[0, a:n] for st, a, n in zip(sts, firsts, lens)],
-                                                 batch_first=True)
-        v_rows = torch.nn.utils.rnn.pad_sequence([st.slots[1, a:n] for st, a, n in zip(sts, firsts, lens)],
-                                                 batch_first=True)
-        lens_t = torch.tensor([n - a for a, n in zip(firsts, lens)])
+        lens_t = torch.tensor(lens)
+        pos.append(lens_t - 1)
+        k_rows = torch.nn.utils.rnn.pad_sequence([st.slots[0, :n] for st, n in zip(sts, lens)], batch_first=True)
+        v_rows = torch.nn.utils.rnn.pad_sequence([st.slots[1, :n] for st, n in zip(sts, lens)], batch_first=True)
         last = lens_t - 1
         k_w.append(k_rows.gather(1, last[:, None]).view(-1))
         v_w.append(v_rows.gather(1, last[:, None]).view(-1))
         return k_rows, v_rows, lens_t
-
-    def _reach(self, p: int) -> int:
-        """The first position a query at position ``p`` attends to: 0, or with a sliding window W,
-        p - W + 1."""
-        w = self.spec.sliding_window
-        return 0 if w is None else max(0, p - w + 1)
 
     @staticmethod
     def _check(rid: str, st: ReqState, need: int) -> None:
@@ -562,6 +568,31 @@ class ModelRunner:
             raise RuntimeError(f"request {rid}: block table holds {st.capacity} tokens, step needs {need}")
         if need > len(st.token_ids):
             raise RuntimeError(f"request {rid}: step asks for {need} tokens, only {len(st.token_ids)} known")
+
+
+def window_cut(segs: list[PrefillSegment], dec, hb: HiddenBatch | None, w: int):
+    """A step's host-side attention metadata cut to a sliding window of ``w`` tokens: a query at
+    position p attends to p - w + 1 .. p, so a prefill chunk whose first query sits at a keeps its
+    prefix from a - w + 1 on, a decode at position n - 1 its last w rows, and a hidden-cache
+    request its stored inputs from its first query's window on (``first`` numbering them)."""
+    cut = []
+    for g in segs:
+        a = 0 if g.k_ctx is None else g.k_ctx.shape[0]
+        lo = max(0, a - w + 1)
+        cut.append(PrefillSegment(g.start, g.end, *((g.k_ctx[lo:], g.v_ctx[lo:]) if lo < a else (None, None))))
+    if dec[0] is not None:
+        k_rows, v_rows, lens = dec
+        kept = lens.clamp(max=w)
+        idx = ((lens - kept)[:, None] + torch.arange(int(kept.max()))[None, :]).clamp(max=k_rows.shape[1] - 1)
+        dec = (k_rows.gather(1, idx), v_rows.gather(1, idx), kept)
+    if hb is not None:
+        hsegs = []
+        for g in hb.segs:
+            a = g.ctx_rows.shape[0] // hb.m - (g.end - g.start)
+            lo = max(0, a - w + 1)
+            hsegs.append(HiddenSegment(g.start, g.end, g.ctx_rows[lo * hb.m:], g.first + lo))
+        hb = HiddenBatch(hb.start, hb.m, hb.write_rows, hsegs)
+    return cut, dec, hb
 
 
 def copy_bandwidth(nbytes: int = 32 << 20, repeats: int = 3) -> float:

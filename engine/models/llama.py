@@ -179,8 +179,8 @@ class LlamaModel(nn.Module):
             q, k, v, x = self.attn_in(h, layer.in_norm, layer.qkv, layer.qkv_b, layer.qk_norm, cos, sin,
                                       s.norm_eps, s.num_heads, s.num_kv_heads, s.head_dim)
             kv = self._kv_from_hidden(layer) if batch.hidden is not None else None
-            a = paged_attention(q, k, v, pool[li], batch, s.num_heads, s.num_kv_heads,
-                                s.head_dim, scale, x, kv)
+            lb = batch if batch.windowed is None or li in s.full_layers else batch.windowed
+            a = paged_attention(q, k, v, pool[li], lb, s.num_heads, s.num_kv_heads, s.head_dim, scale, x, kv)
             h = self.attn_out_mlp(h, a, layer.o, layer.o_b, layer.post_norm, layer.gate_up, layer.down,
                                   s.norm_eps)
         h = rms_norm(h[logit_rows], self.norm, s.norm_eps)

@@ -2,13 +2,10 @@
 from __future__ import annotations
 
 import enum
-import logging
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-
-log = logging.getLogger("tandem.engine")
 
 
 class Family(enum.Enum):
@@ -18,8 +15,8 @@ class Family(enum.Enum):
 
 # the model types this engine runs, with transformers' class for each (a converted GGUF's config
 # is given it). All but OPT are read as the Llama family: the same layer, up to Qwen2's Q/K/V
-# biases, Qwen3's per-head norms of Q and K, Phi-3's projections stored fused, and Mistral's and
-# Phi-3's sliding window
+# biases, Qwen3's per-head norms of Q and K, Phi-3's projections stored fused, and Mistral's,
+# Phi-3's and Qwen's sliding windows
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "opt": "OPTForCausalLM"}
 LLAMA_TYPES = tuple(t for t in ARCHITECTURES if t != "opt")
@@ -126,7 +123,8 @@ class ModelSpec:
     qkv_bias: bool = False     # Q, K and V projections carry a bias (Qwen2; Llama's attention_bias)
     o_bias: bool = False       # the output projection does too (Llama's and Qwen3's attention_bias)
     qk_norm: bool = False      # each Q and K head is RMS-normalised (its own weights) before rotation: Qwen3
-    sliding_window: int | None = None   # every layer's token p attends to keys p - window + 1 .. p only
+    sliding_window: int | None = None   # a layer's token p attends to keys p - window + 1 .. p only,
+    full_layers: tuple[int, ...] = ()   # except in these layers, which attend to every earlier key
 
     @property
     def unit(self) -> int:
@@ -179,14 +177,14 @@ def spec_from_hf_config(cfg) -> ModelSpec:
             raise ValueError(f"model: {mt} with MLP biases is not supported")
         heads = cfg.num_attention_heads
         attention_bias = mt in ("llama", "qwen3") and bool(getattr(cfg, "attention_bias", False))
-        context, window = _windowed(cfg, _stretched(cfg))
+        context, window, full = _windowed(cfg, _stretched(cfg))
         return ModelSpec(
             family=Family.LLAMA, vocab_size=cfg.vocab_size, d_model=cfg.hidden_size,
             num_layers=cfg.num_hidden_layers, num_heads=heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             intermediate_size=cfg.intermediate_size,
-            max_model_len=context, sliding_window=window, norm_eps=cfg.rms_norm_eps,
+            max_model_len=context, sliding_window=window, full_layers=full, norm_eps=cfg.rms_norm_eps,
             rope_theta=float(_rope(cfg)["rope_theta"]),
             bos_token_id=cfg.bos_token_id, eos_token_ids=eos_ids, rope_scaling=rope_scaling(cfg),
             qkv_bias=mt == "qwen2" or attention_bias, o_bias=attention_bias, qk_norm=mt == "qwen3")
@@ -268,27 +266,20 @@ def _yarn_attention(rope: dict, factor: float) -> float:
     return m(1.0)
 
 
-def _windowed(cfg, max_len: int) -> tuple[int, int | None]:
-    """The context and the sliding window of a model whose layers attend within one: Mistral 7B
-    v0.1's 4,096 tokens, Phi-3 mini's 2,047, Qwen2 and Qwen3 with use_sliding_window. Where every
-    layer slides (Mistral, Phi-3, Qwen with max_window_layers 0) the engine applies the window and
-    the context stays whole. Where only Qwen's upper layers slide, one step would need two
-    attention layouts, so the context stops at the window instead: up to it every token sees
-    every earlier one, in both kinds of layer."""
+def _windowed(cfg, max_len: int) -> tuple[int, int | None, tuple[int, ...]]:
+    """The context, the sliding window and the layers that attend fully instead, of a model whose
+    layers attend within a window: Mistral 7B v0.1's 4,096 tokens and Phi-3 mini's 2,047 in every
+    layer; Qwen2 and Qwen3 with use_sliding_window from layer max_window_layers on."""
     if cfg.model_type in ("qwen2", "qwen3"):
         types = getattr(cfg, "layer_types", None)      # transformers 5's; else the layers it would make
         if not types:
             first = getattr(cfg, "max_window_layers", 28)
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(cfg.num_hidden_layers)]
         on = getattr(cfg, "use_sliding_window", False) and "sliding_attention" in types
-        every = on and "full_attention" not in types
     else:
-        on = every = cfg.model_type in ("mistral", "phi3")
+        on = cfg.model_type in ("mistral", "phi3")
+        types = []
     window = getattr(cfg, "sliding_window", None) if on else None
     if window is None or window >= max_len:
-        return max_len, None
-    if every:
-        return max_len, int(window)
-    log.warning("model: %s attends within a sliding window of %d tokens in some layers only, which this engine "
-                "does not apply: the context is %d tokens, not %d", cfg.model_type, window, window, max_len)
-    return int(window), None
+        return max_len, None, ()
+    return max_len, int(window), tuple(i for i, t in enumerate(types) if t == "full_attention")

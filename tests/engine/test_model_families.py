@@ -27,6 +27,8 @@ CASES = {
     "qwen3-attention-bias": ("qwen3", {"attention_bias": True}),
     "mistral-window": ("mistral", {"sliding_window": WINDOW}),
     "qwen2-window": ("qwen2", {"sliding_window": WINDOW, "use_sliding_window": True, "max_window_layers": 0}),
+    # layer 0 attends fully, layer 1 within the window: a step carries both layouts
+    "qwen3-upper-window": ("qwen3", {"sliding_window": WINDOW, "use_sliding_window": True, "max_window_layers": 1}),
     "llama3-rope": ("llama", {"rope_parameters": LLAMA3}),
     "qwen3-yarn": ("qwen3", {"rope_parameters": YARN}),
     "phi3-window": ("phi3", {"sliding_window": WINDOW}),
@@ -183,27 +185,19 @@ def test_sliding_window_in_every_attention_path(family, kw, tmp_path):
     assert (preempted > 0) == recompute, preempted
 
 
-def test_sliding_window_keeps_the_context(tmp_path, caplog):
-    """A model whose every layer slides keeps its whole context, the window applied; a Qwen whose
-    lower layers attend fully stops at the window (one step has one attention layout), and the log
-    says why. Qwen2 without use_sliding_window has no window."""
+def test_sliding_window_keeps_the_context(tmp_path):
+    """A sliding-window model keeps its whole context, the window applied in the layers that
+    slide: all of Mistral's, Qwen's from max_window_layers on. Qwen2 without use_sliding_window
+    has no window."""
     spec = load_spec(write_tiny_model(tmp_path / "m", "mistral", config={"sliding_window": 160}))
-    assert (spec.max_model_len, spec.sliding_window) == (512, 160)
+    assert (spec.max_model_len, spec.sliding_window, spec.full_layers) == (512, 160, ())
     nowin = load_spec(write_tiny_model(tmp_path / "nowin", "mistral", config={"sliding_window": None}))
     assert (nowin.max_model_len, nowin.sliding_window) == (512, None)
     q = load_spec(write_tiny_model(tmp_path / "q", "qwen2", config={"sliding_window": 64}))
     assert (q.max_model_len, q.sliding_window) == (512, None)
-    every = write_tiny_model(tmp_path / "qw", "qwen2", config={"sliding_window": 64, "use_sliding_window": True,
-                                                                "max_window_layers": 0})
-    assert (load_spec(every).max_model_len, load_spec(every).sliding_window) == (512, 64)
-    with caplog.at_level(logging.WARNING, logger="tandem.engine"):
-        upper = load_spec(write_tiny_model(tmp_path / "qu", "qwen2", config={
-            "sliding_window": 64, "use_sliding_window": True, "max_window_layers": 1}))
-    assert (upper.max_model_len, upper.sliding_window) == (64, None)
-    assert "sliding window of 64 tokens in some layers only" in caplog.text
-    with LLM(str(tmp_path / "qu"), ONE_DEVICE, dtype="float32", threads_per_worker=1) as llm:
-        with pytest.raises(ValueError, match="context of 64"):
-            llm.generate([list(range(3, 100))], SamplingParams(max_tokens=4))
+    upper = load_spec(write_tiny_model(tmp_path / "qu", "qwen2", config={
+        "sliding_window": 64, "use_sliding_window": True, "max_window_layers": 1}))
+    assert (upper.max_model_len, upper.sliding_window, upper.full_layers) == (512, 64, (0,))
 
 
 @pytest.mark.parametrize("change, message", [

@@ -10,20 +10,22 @@ from tests.conftest import ONE_DEVICE, assert_pool_free, hf_greedy, mixed_prompt
 
 MAX_NEW = 6
 FAMILIES = ("llama", "opt", "qwen2", "qwen3", "mistral")
+WINDOWS = {"mistral": {"sliding_window": 12},
+           "qwen2": {"sliding_window": 12, "use_sliding_window": True, "max_window_layers": 1}}
 
 
 @pytest.fixture(scope="module")
 def wide_models(tmp_path_factory):
     """Tiny checkpoints with head_dim 32 (the kernels' smallest): Llama with 2 KV heads for 4
     query heads (a hidden-cache token takes 2 blocks), OPT multi-head (1 block), and the
-    Llama-shaped Qwen2 (K/V biases, which the fused hidden-cache kernel adds before rotating) and
+    Llama-shaped Qwen2 (K/V biases, which the fused hidden-cache kernel adds before rotating; its
+    second layer within a 12-token sliding window, its first over the whole context) and
     Qwen3 (per-head K norms, which it lacks: its hidden caches take the projection in torch), and
     Mistral with a 12-token sliding window (the prefill kernel masks by it, the decode kernel is
     given the window's rows; hidden caches take the torch path)."""
     from tandem.engine.models.tiny import write_tiny_model
     return {f: write_tiny_model(tmp_path_factory.mktemp(f"wide-{f}"), f, seed=5, d_model=128, num_heads=4,
-                                num_kv_heads=2, config={"sliding_window": 12} if f == "mistral" else None)
-            for f in FAMILIES}
+                                num_kv_heads=2, config=WINDOWS.get(f)) for f in FAMILIES}
 
 
 def _run(model_dir, prompts, blocks, **kw):
