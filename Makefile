@@ -54,9 +54,11 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-# wheels that bench/gpu_run.sh needs and a GPU machine without network lacks (its Python is 3.12)
+# wheels that bench/gpu_run.sh needs and a GPU machine without network lacks, for that machine's
+# Python (GPU_PYTHON, major.minor)
 GPU_WHEELS := gguf orjson pytest-asyncio llguidance
+GPU_PYTHON ?= 3.12
 gpu-wheels:
-	mkdir -p .whl && $(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	mkdir -p .whl && $(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
 	  --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
 	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)

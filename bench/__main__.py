@@ -6,9 +6,12 @@ import os
 import statistics
 import sys
 
+from tandem.bench.peers import ServerStartError
+
 # what a bad setting or a missing input raises inside a command: said in one line (with
 # TANDEM_BENCH_TRACEBACK=1, the traceback too)
-USER_ERRORS = (ValueError, KeyError, FileNotFoundError, ZeroDivisionError, statistics.StatisticsError)
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError, ZeroDivisionError, statistics.StatisticsError,
+               ServerStartError)
 OUT_HELP = "result file name, in the results dir (bench/results in a checkout, else ./tandem-bench-results)"
 
 

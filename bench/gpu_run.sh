@@ -16,23 +16,29 @@
 #      with batch jobs always pending (bench mixed). Rates: APT_RATES and BROS_RATES; seconds of
 #      arrivals: DURATION, of drain: DRAIN; the KV pool: KV_GIB (8 GiB, ~10,000 tokens of OPT-13B,
 #      was not filled at 4 req/s on an H100: a smaller pool or higher rates make memory bind).
-# Python packages the machine lacks travel as wheels in ./.whl (make gpu-wheels, on a machine
-# with network access); they are installed into /tmp/site, nothing else is touched.
-#   STEPS="tests migration" runs some of them (tests migration placement sweep kernels offline apt bros bound).
-#   All of them take longer than a 10-minute call: on an H200, "tests migration kernels offline"
-#   took 3.5 minutes; run "placement", "apt" and "bros" in calls of their own (or shorten them:
-#   SKEW_DURATION and SKEW_DRAIN for placement, DURATION and DRAIN for apt and bros).
+# The machine needs torch with CUDA, Triton, transformers, accelerate, aiohttp, prometheus-client,
+# numpy and pytest; the few packages it lacks travel as wheels in ./.whl (make gpu-wheels
+# GPU_PYTHON=<its python's major.minor>, on a machine with network access), installed into
+# /tmp/site, nothing else is touched. PYTHON names its interpreter (default: python3).
+#   STEPS="tests migration" runs some of them (tests migration placement kernels offline apt bros
+#   by default; sweep and bound on request).
+#   All of them take longer than a 10-minute call: run "placement", "apt" and "bros" in calls of
+#   their own (or shorten them: SKEW_DURATION and SKEW_DRAIN for placement, DURATION and DRAIN
+#   for apt and bros).
 # Results: bench/results/ (JSON, copied to $OUT where that is set) and the log on standard output.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if compgen -G ".whl/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} \
+    || echo "!! the wheels in .whl did not install (made for another Python? make gpu-wheels GPU_PYTHON=...)"
 fi
 export PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE
-$PY - <<'PY'
-import torch, triton
+$PY - <<'PY' || { echo "!! no CUDA device or no Triton for $PY: nothing to check here"; exit 2; }
+import sys, torch, triton
+if not torch.cuda.is_available():
+    sys.exit(f"torch {torch.__version__} sees no CUDA device")
 print("device:", torch.cuda.get_device_name(), "| torch", torch.__version__, "| triton", triton.__version__)
 PY
 status=0
@@ -48,7 +54,7 @@ step() {
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 if want tests; then
   step 150 $PY -m pytest -q -p no:cacheprovider tests/engine/test_triton_kernels.py
-  step 150 env TANDEM_TEST_DEVICE=cuda:0 $PY -m pytest -q -p no:cacheprovider tests/engine/test_triton_exactness.py \
+  step 300 env TANDEM_TEST_DEVICE=cuda:0 $PY -m pytest -q -p no:cacheprovider tests/engine/test_triton_exactness.py \
     "tests/engine/test_bidir_exactness.py::test_scheduler_with_bidirectional_blocks_matches_hf"
   # swapping (page-locked memory, a side stream), int8 and hidden caches, prefix caching and the
   # default policy on CUDA, against HF (about 5 minutes on an H100: each test starts a worker)
@@ -57,7 +63,7 @@ if want tests; then
     "tests/engine/test_exactness.py::test_swapped_requests_match_hf"
 fi
 if want migration; then
-  step 150 env TANDEM_TEST_TWO_DEVICES=cuda:0,0 $PY -m pytest -q -p no:cacheprovider tests/engine/test_migration.py
+  step 240 env TANDEM_TEST_TWO_DEVICES=cuda:0,0 $PY -m pytest -q -p no:cacheprovider tests/engine/test_migration.py
   # the pause of one KV (CUDA IPC) and one token migration against the request's size
   step 120 $PY -m bench skew --devices cuda:0,0 --model smollm2-random --placements --sweep 64 256 1024 4096 \
     --out gpu_skew.json

@@ -51,6 +51,18 @@ def installed_only(systems: list[str]) -> list[str]:
     return [s for s in systems if s not in missing]
 
 
+class ServerStartError(RuntimeError):
+    """A server the bench started did not come up; the message ends with its log's last line."""
+
+
+def _log_says(log_path: Path | None) -> str:
+    """The last line of a server's log and where the log is, or nothing without one."""
+    if log_path is None:
+        return ""
+    lines = [ln for ln in Path(log_path).read_text(errors="replace").splitlines() if ln.strip()]
+    return f": {lines[-1].strip()} (the whole log: {log_path})" if lines else f" (log: {log_path}, empty)"
+
+
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
     """Until ``url`` answers 200. A server whose model failed to load (ours exits with status 1;
     one that keeps answering /health with status "failed") is not waited for; its log says why."""
@@ -83,7 +95,11 @@ def serve(cmd: list[str], port: int, *, env: dict | None = None, log_path: Path 
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
-        wait_http(f"http://127.0.0.1:{port}{health}", start_timeout_s, proc)
+        try:
+            wait_http(f"http://127.0.0.1:{port}{health}", start_timeout_s, proc)
+        except RuntimeError as e:
+            log.flush()
+            raise ServerStartError(f"{e}{_log_says(log_path)}") from None
         yield f"http://127.0.0.1:{port}"
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -276,8 +276,13 @@ def _triton_choice(asked: bool | None, devices: list[str], head_dim: int) -> boo
     """Whether the workers attend with the Triton kernels (LLM's triton_attention)."""
     from tandem.engine.triton_paging import supports_head_dim, triton_available
     if asked is None:
-        return (all(d.startswith("cuda") for d in devices) and triton_available()
-                and supports_head_dim(head_dim))
+        if not all(d.startswith("cuda") for d in devices):
+            return False
+        why = ("Triton is not installed" if not triton_available() else
+               None if supports_head_dim(head_dim) else f"head_dim {head_dim} is not a power of two >= 32")
+        if why:
+            log.warning("attention on CUDA takes torch's path, not the Triton kernels: %s", why)
+        return why is None
     if asked and not triton_available():
         raise ValueError("triton_attention: Triton is not installed, or there is no CUDA device "
                          "(on the CPU it runs only under TRITON_INTERPRET=1)")

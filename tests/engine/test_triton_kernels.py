@@ -235,6 +235,19 @@ def test_tables_from_rows_refuses_irregular_rows(kernels):
     assert P.tables_from_rows([moved], B) is None
 
 
+def test_cuda_devices_say_when_attention_leaves_the_kernels(caplog):
+    """On CUDA devices the Triton kernels serve by default; a head the kernels cannot take keeps
+    torch's attention, and the log says why. CPU devices keep theirs without a word."""
+    import logging
+    from tandem.sched.llm import _triton_choice
+    with caplog.at_level(logging.WARNING, logger="tandem.sched.llm"):
+        assert _triton_choice(None, ["cuda:0", "cuda:1"], 64) is True
+        assert _triton_choice(None, ["cpu:0"], 96) is False
+        assert not caplog.records
+        assert _triton_choice(None, ["cuda:0"], 96) is False      # Phi-3 mini's heads
+    assert "head_dim 96 is not a power of two" in caplog.text
+
+
 # Compiles a kernel for a Hopper GPU (sm_90) without one: Triton's own compiler and its bundled
 # ptxas, outside the interpreter. Prints the shared memory one block needs and the bytes of
 # local memory (register spills) each thread uses, as cuobjdump reads them off the binary.
