@@ -1,8 +1,11 @@
 """Llama family forward (RMSNorm, rotary embeddings, grouped-query attention, SiLU MLP): Llama,
 Mistral, Qwen2 (its Q/K/V projections carry biases), Qwen3 (each Q and K head RMS-normalised
-before its rotation) and Phi-3 (its projections stored fused, as these layers keep them)
-checkpoints."""
+before its rotation), Phi-3 (its projections stored fused, as these layers keep them) and
+Gemma 3 (text: the outputs of attention and MLP normalised too, a GELU gate, scaled
+embeddings, another rotary base in its sliding layers) checkpoints."""
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -61,13 +64,16 @@ def attn_in(h, in_norm, qkv_w, qkv_b, qk_norm, cos, sin, eps: float, nh: int, nk
     return q, k.contiguous(), qkv[:, (nh + nkv) * hd:].contiguous(), x
 
 
-def attn_out_mlp(h, a, o_w, o_b, post_norm, gate_up_w, down_w, eps: float):
+def attn_out_mlp(h, a, o_w, o_b, post_norm, gate_up_w, down_w, eps: float, out_norm=None, gelu: bool = False):
     """Post-attention: output projection (``o_b``: its bias or None) + residual, RMSNorm, SiLU MLP
-    + residual."""
-    h = h + linear(a, o_w, o_b)
+    + residual. ``out_norm``: Gemma's RMSNorm weights [2, d] of the attention's and the MLP's
+    outputs, applied before each residual add; ``gelu``: the gate is a GELU (tanh approximation)."""
+    o = linear(a, o_w, o_b)
+    h = h + (o if out_norm is None else rms_norm(o, out_norm[0], eps))
     x = rms_norm(h, post_norm, eps)
     gate, up = linear(x, gate_up_w).chunk(2, dim=-1)
-    return h + linear(F.silu(gate) * up, down_w)
+    m = linear((F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up, down_w)
+    return h + (m if out_norm is None else rms_norm(m, out_norm[1], eps))
 
 
 class LlamaLayer(nn.Module):
@@ -83,6 +89,7 @@ class LlamaLayer(nn.Module):
         self.o_b = nn.Parameter(torch.empty(s.d_model, dtype=dtype), requires_grad=False) if s.o_bias else None
         self.qk_norm = nn.Parameter(torch.empty(2, s.head_dim, dtype=dtype), requires_grad=False) if s.qk_norm else None
         self.post_norm = nn.Parameter(torch.empty(s.d_model, dtype=dtype), requires_grad=False)
+        self.out_norm = nn.Parameter(torch.empty(2, s.d_model, dtype=dtype), requires_grad=False) if s.out_norms else None
         self.gate_up = nn.Parameter(torch.empty(2 * s.intermediate_size, s.d_model, dtype=dtype),
                                     requires_grad=False)
         self.down = nn.Parameter(torch.empty(s.d_model, s.intermediate_size, dtype=dtype),
@@ -112,20 +119,33 @@ class LlamaModel(nn.Module):
         cos, sin = rope_tables(spec, dtype)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        local = (rope_tables(dataclasses.replace(spec, rope_theta=spec.local_rope_theta, rope_scaling=None), dtype)
+                 if spec.local_rope_theta is not None else (None, None))
+        self.register_buffer("cos_local", local[0], persistent=False)   # Gemma 3's sliding layers
+        self.register_buffer("sin_local", local[1], persistent=False)
+        self.register_buffer("embed_scale", torch.tensor(spec.embed_scale, dtype=dtype), persistent=False)
 
     def load_hf(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy a HF LlamaForCausalLM state dict into the fused parameters."""
         def g(name):
             return sd[name].to(self.embed.dtype)
+
+        def norm(name):          # Gemma scales by 1 + the stored weight, added in float32 as HF does
+            return (sd[name].float() + self.spec.norm_offset).to(self.embed.dtype)
         with torch.no_grad():
             self.embed.copy_(g("model.embed_tokens.weight"))
-            self.norm.copy_(g("model.norm.weight"))
+            self.norm.copy_(norm("model.norm.weight"))
             if "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"]):
                 self.lm_head = nn.Parameter(g("lm_head.weight"), requires_grad=False)
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
-                layer.in_norm.copy_(g(p + "input_layernorm.weight"))
-                layer.post_norm.copy_(g(p + "post_attention_layernorm.weight"))
+                layer.in_norm.copy_(norm(p + "input_layernorm.weight"))
+                if layer.out_norm is None:
+                    layer.post_norm.copy_(norm(p + "post_attention_layernorm.weight"))
+                else:            # Gemma: that one normalises the attention's output; the MLP's input has its own
+                    layer.post_norm.copy_(norm(p + "pre_feedforward_layernorm.weight"))
+                    layer.out_norm.copy_(torch.stack([norm(p + f"{n}.weight") for n in
+                                                      ("post_attention_layernorm", "post_feedforward_layernorm")]))
                 layer.qkv.copy_(_fused(sd, g, p + "self_attn.", "qkv", ("q", "k", "v")))
                 layer.o.copy_(g(p + "self_attn.o_proj.weight"))
                 if layer.qkv_b is not None:
@@ -133,7 +153,7 @@ class LlamaModel(nn.Module):
                 if layer.o_b is not None:
                     layer.o_b.copy_(g(p + "self_attn.o_proj.bias"))
                 if layer.qk_norm is not None:
-                    layer.qk_norm.copy_(torch.stack([g(p + f"self_attn.{n}_norm.weight") for n in "qk"]))
+                    layer.qk_norm.copy_(torch.stack([norm(p + f"self_attn.{n}_norm.weight") for n in "qk"]))
                 layer.gate_up.copy_(_fused(sd, g, p + "mlp.", "gate_up", ("gate", "up")))
                 layer.down.copy_(g(p + "mlp.down_proj.weight"))
 
@@ -149,9 +169,16 @@ class LlamaModel(nn.Module):
                 pack_into(layer, name, getattr(layer, name), ops, blocks, dtype)
         pack_head(self, ops, blocks, dtype)
 
-    def _kv_from_hidden(self, layer: LlamaLayer):
+    def _tables(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer li's rotary tables: a Gemma 3 sliding layer's own, else the model's."""
+        if self.cos_local is None or li in self.spec.full_layers:
+            return self.cos, self.sin
+        return self.cos_local, self.sin_local
+
+    def _kv_from_hidden(self, layer: LlamaLayer, li: int):
         """K (rotated at the given positions) and V of stored post-norm inputs x: [n, d]."""
         s = self.spec
+        cos_t, sin_t = self._tables(li)
         q_rows = s.num_heads * s.head_dim
         w = layer.kv if layer.kv is not None else layer.qkv[q_rows:]
         b = layer.qkv_b[q_rows:] if layer.qkv_b is not None else None
@@ -162,26 +189,29 @@ class LlamaModel(nn.Module):
             k = k.reshape(-1, s.num_kv_heads, s.head_dim)
             if layer.qk_norm is not None:
                 k = rms_norm(k, layer.qk_norm[1], s.norm_eps)
-            k = apply_rope(k, self.cos[pos], self.sin[pos])
+            k = apply_rope(k, cos_t[pos], sin_t[pos])
             return k.reshape(-1, width), v.contiguous()
         # packed weights serve the CPU path only; the Triton kernel has no per-head norm of K
         dense = None if is_packed(w) or layer.qk_norm is not None else w
-        return HiddenProjection(kv, dense, b, self.cos, self.sin)
+        return HiddenProjection(kv, dense, b, cos_t, sin_t)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
                 batch: AttnBatch, logit_rows: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]; pool: [layers, kv_heads, slots, head_dim]; returns logits [len(logit_rows), V]."""
         s = self.spec
         h = embedding(input_ids, self.embed)                         # [T, d]
-        cos, sin = self.cos[positions], self.sin[positions]         # [T, hd]
-        scale = s.head_dim ** -0.5
+        if s.embed_scale != 1.0:
+            h = h * self.embed_scale
+        rot = {id(t): t[positions] for t in (self.cos, self.sin, self.cos_local, self.sin_local) if t is not None}
+        scale = s.attn_scale or s.head_dim ** -0.5
         for li, layer in enumerate(self.layers):
+            cos, sin = (rot[id(t)] for t in self._tables(li))        # [T, hd]
             q, k, v, x = self.attn_in(h, layer.in_norm, layer.qkv, layer.qkv_b, layer.qk_norm, cos, sin,
                                       s.norm_eps, s.num_heads, s.num_kv_heads, s.head_dim)
-            kv = self._kv_from_hidden(layer) if batch.hidden is not None else None
+            kv = self._kv_from_hidden(layer, li) if batch.hidden is not None else None
             lb = batch if batch.windowed is None or li in s.full_layers else batch.windowed
             a = paged_attention(q, k, v, pool[li], lb, s.num_heads, s.num_kv_heads, s.head_dim, scale, x, kv)
             h = self.attn_out_mlp(h, a, layer.o, layer.o_b, layer.post_norm, layer.gate_up, layer.down,
-                                  s.norm_eps)
+                                  s.norm_eps, layer.out_norm, s.gelu)
         h = rms_norm(h[logit_rows], self.norm, s.norm_eps)
         return linear(h, self.lm_head).float()

@@ -78,6 +78,7 @@ def convert_gguf(path: Path, cache_dir: Path) -> Path:
     Processes converting the same file at once take turns: the later ones find it done."""
     out = cache_dir / f"{path.stem}-{_content_key(path)}"
     if not (out / "model.safetensors").is_file():
+        _refuse_unread(path)
         with exclusive(cache_dir / f".{out.name}.lock"):
             if not (out / "model.safetensors").is_file():
                 log.info("converting %s (%.0f MB) once to float32 safetensors in %s (several times its size; "
@@ -88,6 +89,17 @@ def convert_gguf(path: Path, cache_dir: Path) -> Path:
         with exclusive(cache_dir / f".{out.name}.lock"):
             _apply_rope_freqs(path, out)
     return out
+
+
+def _refuse_unread(path: Path) -> None:
+    """ValueError for a Gemma GGUF: llama.cpp keeps Gemma 3's rotary scaling (4B and up) where
+    transformers' reader does not look, and no such file is checked here against its checkpoint."""
+    from gguf import GGUFReader
+    field = GGUFReader(path).fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+    if arch.startswith("gemma"):
+        raise ValueError(f"model: {path.name} is a {arch} GGUF, which this engine does not read; serve the "
+                         "checkpoint directory")
 
 
 # written beside a converted GGUF's config once its rotary scaling has been read back

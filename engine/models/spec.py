@@ -9,16 +9,17 @@ from types import SimpleNamespace
 
 
 class Family(enum.Enum):
-    LLAMA = "llama"      # Llama, Mistral, Qwen2, Qwen3 and Phi-3 checkpoints: one forward
+    LLAMA = "llama"      # Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 3 checkpoints: one forward
     OPT = "opt"
 
 
 # the model types this engine runs, with transformers' class for each (a converted GGUF's config
 # is given it). All but OPT are read as the Llama family: the same layer, up to Qwen2's Q/K/V
-# biases, Qwen3's per-head norms of Q and K, Phi-3's projections stored fused, and Mistral's,
-# Phi-3's and Qwen's sliding windows
+# biases, Qwen3's per-head norms of Q and K, Phi-3's projections stored fused, Mistral's,
+# Phi-3's and Qwen's sliding windows, and Gemma 3's (text) norms, GELU and two rotary bases
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "opt": "OPTForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                 "opt": "OPTForCausalLM"}
 LLAMA_TYPES = tuple(t for t in ARCHITECTURES if t != "opt")
 
 
@@ -125,6 +126,15 @@ class ModelSpec:
     qk_norm: bool = False      # each Q and K head is RMS-normalised (its own weights) before rotation: Qwen3
     sliding_window: int | None = None   # a layer's token p attends to keys p - window + 1 .. p only,
     full_layers: tuple[int, ...] = ()   # except in these layers, which attend to every earlier key
+    # Gemma 3: embeddings times sqrt(d_model); scores scaled by query_pre_attn_scalar ** -0.5; a
+    # GELU (tanh) gate; the attention's and the MLP's outputs RMS-normalised before their residual
+    # adds; every RMSNorm scaling by 1 + its stored weight; the sliding layers' own rotary base
+    embed_scale: float = 1.0
+    attn_scale: float | None = None    # None: head_dim ** -0.5
+    gelu: bool = False                 # the MLP's gate: GELU, tanh approximation (else SiLU)
+    out_norms: bool = False
+    norm_offset: float = 0.0           # added to every RMSNorm weight as stored
+    local_rope_theta: float | None = None   # rotary base of the layers not in full_layers, unscaled
 
     @property
     def unit(self) -> int:
@@ -150,6 +160,11 @@ HF_DEFAULTS = {
     "phi3": {"vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
              "num_attention_heads": 32, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
              "bos_token_id": 1, "eos_token_id": 32000},
+    "gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1,
+                    "sliding_window": 4096, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
+                    "rope_theta": 1e6, "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6},
     "qwen3": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
               "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768,
               "rms_norm_eps": 1e-6, "bos_token_id": None, "eos_token_id": None, "sliding_window": 4096},
@@ -171,13 +186,20 @@ def spec_from_hf_config(cfg) -> ModelSpec:
     eos = getattr(cfg, "eos_token_id", None)
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
     if mt in LLAMA_TYPES:
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise ValueError(f"model: {mt} with activation {cfg.hidden_act!r} is not supported (silu)")
+        gemma = mt == "gemma3_text"
+        act = (getattr(cfg, "hidden_activation", None) or "gelu_pytorch_tanh") if gemma else getattr(cfg, "hidden_act", "silu")
+        if act != ("gelu_pytorch_tanh" if gemma else "silu"):
+            raise ValueError(f"model: {mt} with activation {act!r} is not supported "
+                             f"({'gelu_pytorch_tanh' if gemma else 'silu'})")
         if getattr(cfg, "mlp_bias", False):
             raise ValueError(f"model: {mt} with MLP biases is not supported")
+        if gemma:
+            _gemma_refusals(cfg)
         heads = cfg.num_attention_heads
-        attention_bias = mt in ("llama", "qwen3") and bool(getattr(cfg, "attention_bias", False))
+        attention_bias = mt in ("llama", "qwen3", "gemma3_text") and bool(getattr(cfg, "attention_bias", False))
         context, window, full = _windowed(cfg, _stretched(cfg))
+        extra = dict(embed_scale=cfg.hidden_size ** 0.5, attn_scale=float(cfg.query_pre_attn_scalar) ** -0.5,
+                     gelu=True, out_norms=True, norm_offset=1.0, local_rope_theta=_local_theta(cfg)) if gemma else {}
         return ModelSpec(
             family=Family.LLAMA, vocab_size=cfg.vocab_size, d_model=cfg.hidden_size,
             num_layers=cfg.num_hidden_layers, num_heads=heads,
@@ -187,7 +209,8 @@ def spec_from_hf_config(cfg) -> ModelSpec:
             max_model_len=context, sliding_window=window, full_layers=full, norm_eps=cfg.rms_norm_eps,
             rope_theta=float(_rope(cfg)["rope_theta"]),
             bos_token_id=cfg.bos_token_id, eos_token_ids=eos_ids, rope_scaling=rope_scaling(cfg),
-            qkv_bias=mt == "qwen2" or attention_bias, o_bias=attention_bias, qk_norm=mt == "qwen3")
+            qkv_bias=mt == "qwen2" or attention_bias, o_bias=attention_bias, qk_norm=mt in ("qwen3", "gemma3_text"),
+            **extra)
     if mt == "opt":
         if cfg.word_embed_proj_dim != cfg.hidden_size:
             raise ValueError("model: OPT with word_embed_proj_dim != hidden_size is not supported")
@@ -203,15 +226,42 @@ def spec_from_hf_config(cfg) -> ModelSpec:
     raise ValueError(f"model: architecture {mt!r} is not supported ({', '.join(ARCHITECTURES)})")
 
 
+def _gemma_refusals(cfg) -> None:
+    """What of Gemma's this engine does not compute: Gemma 2's soft-capped scores and logits,
+    attention both ways within the window (EmbeddingGemma)."""
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(cfg, name, None) is not None:
+            raise ValueError(f"model: {cfg.model_type} with {name} is not supported")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise ValueError(f"model: {cfg.model_type} with use_bidirectional_attention is not supported")
+
+
+def _by_layer_type(cfg) -> dict:
+    """transformers 5's rope_parameters of Gemma 3, one set per layer type; else {}."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    return params if "full_attention" in params or "sliding_attention" in params else {}
+
+
+def _local_theta(cfg) -> float:
+    """Gemma 3's rotary base of its sliding layers (rope_local_base_freq before transformers 5);
+    their frequencies are never scaled."""
+    local = _by_layer_type(cfg).get("sliding_attention") or {}
+    if (local.get("rope_type") or "default") != "default":
+        raise ValueError(f"model: rope type {local['rope_type']!r} in sliding layers is not supported")
+    return float(local.get("rope_theta") or getattr(cfg, "rope_local_base_freq", 10000.0))
+
+
 def _rope(cfg) -> dict:
     """The config's rotary settings as transformers reads them: transformers 5's
-    ``rope_parameters`` overridden by an older ``rope_scaling`` where there is one (a model card
-    may say to add it to a config saved with the former), ``rope_theta`` from either, else from
-    the top level."""
+    ``rope_parameters`` (Gemma 3's of its full-attention layers) overridden by an older
+    ``rope_scaling`` where there is one (a model card may say to add it to a config saved with
+    the former), ``rope_theta`` from either, else from the top level."""
     scaling = dict(getattr(cfg, "rope_scaling", None) or {})
     if "type" in scaling:                               # the older name of rope_type
         scaling.setdefault("rope_type", scaling.pop("type"))
-    rope = (getattr(cfg, "rope_parameters", None) or {}) | scaling
+    layered = _by_layer_type(cfg)
+    rope = dict(layered.get("full_attention") or {}) if layered else (getattr(cfg, "rope_parameters", None) or {})
+    rope = rope | scaling
     return rope | {"rope_theta": rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))}
 
 
@@ -269,7 +319,16 @@ def _yarn_attention(rope: dict, factor: float) -> float:
 def _windowed(cfg, max_len: int) -> tuple[int, int | None, tuple[int, ...]]:
     """The context, the sliding window and the layers that attend fully instead, of a model whose
     layers attend within a window: Mistral 7B v0.1's 4,096 tokens and Phi-3 mini's 2,047 in every
-    layer; Qwen2 and Qwen3 with use_sliding_window from layer max_window_layers on."""
+    layer; Qwen2 and Qwen3 with use_sliding_window from layer max_window_layers on; Gemma 3 in
+    five layers of every six (its full-attention ones are listed even where the window spans the
+    whole context: they take the other rotary base)."""
+    if cfg.model_type == "gemma3_text":
+        types = getattr(cfg, "layer_types", None) or [
+            "sliding_attention" if (i + 1) % getattr(cfg, "sliding_window_pattern", 6) else "full_attention"
+            for i in range(cfg.num_hidden_layers)]
+        full = tuple(i for i, t in enumerate(types) if t == "full_attention")
+        window = getattr(cfg, "sliding_window", None)
+        return max_len, (int(window) if window and window < max_len else None), full
     if cfg.model_type in ("qwen2", "qwen3"):
         types = getattr(cfg, "layer_types", None)      # transformers 5's; else the layers it would make
         if not types:

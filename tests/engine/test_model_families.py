@@ -1,6 +1,7 @@
 """Llama-shaped checkpoints beyond Llama itself -- Qwen2 (Q/K/V biases), Qwen3 (per-head Q/K
 norms), Mistral and Phi-3 (a sliding window, which the engine applies; Phi-3's projections stored
-fused), Llama 3.1's,
+fused), Gemma 3 (text: output norms, GELU, scaled embeddings, a rotary base per layer type),
+Llama 3.1's,
 linear and YaRN rotary scaling, Llama with attention biases -- generate exactly
 HF transformers' greedy tokens; configs this engine cannot compute are refused by name."""
 import json
@@ -16,6 +17,9 @@ from tests.conftest import ONE_DEVICE, assert_pool_free, hf_greedy, mixed_prompt
 
 MAX_NEW = 16
 WINDOW = 40          # shorter than most prompts here, and than the 32-token chunks plus their prefix
+GEMMA_LAYERS = ["sliding_attention", "full_attention"]
+# a tied head would read back mostly the last token's embedding, which Gemma scales by sqrt(d_model)
+GEMMA = {"sliding_window": WINDOW, "layer_types": GEMMA_LAYERS, "tie_word_embeddings": False}
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -33,6 +37,12 @@ CASES = {
     "qwen3-yarn": ("qwen3", {"rope_parameters": YARN}),
     "phi3-window": ("phi3", {"sliding_window": WINDOW}),
     "phi3": ("phi3", {}),
+    # a sliding layer (rotary base 10,000) under a full one (1,000,000)
+    "gemma3": ("gemma3_text", GEMMA),
+    # Gemma 3 4B's: the full layers' frequencies divided by 8, the sliding ones' kept
+    "gemma3-linear": ("gemma3_text", GEMMA | {"rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}),
     "linear-rope": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
     "llama-attention-bias": ("llama", {"attention_bias": True}),
 }
@@ -166,12 +176,14 @@ def test_rope_scaling_beside_rope_parameters_is_applied(tmp_path):
 
 
 @pytest.mark.parametrize("family, kw", [("phi3", {"cache_type": "hidden"}), ("mistral", {"cpu_kernels": False}),
+                                        ("gemma3_text", {"cache_type": "hidden"}),
                                         ("mistral", {"preemption_mode": "recompute"})])
 def test_sliding_window_in_every_attention_path(family, kw, tmp_path):
     """The window holds where K and V are projected again from stored layer inputs (a hidden
     cache), on torch's reference attention instead of the compiled kernel, and for requests
     preempted and computed again (a pool of 24 token-blocks of 8 for prompts of up to 120)."""
-    model_dir = write_tiny_model(tmp_path, family, seed=4, config={"sliding_window": WINDOW})
+    model_dir = write_tiny_model(tmp_path, family, seed=4, config=GEMMA if family == "gemma3_text" else
+                                 {"sliding_window": WINDOW})
     prompts = mixed_prompts(6, 512, seed=5, lo=30, hi=120)
     recompute = "preemption_mode" in kw
     if recompute:
@@ -211,6 +223,10 @@ def test_sliding_window_keeps_the_context(tmp_path):
     ({"hidden_act": "gelu"}, "activation 'gelu'"),
     ({"mlp_bias": True}, "MLP biases"),
     ({"model_type": "gemma"}, "architecture 'gemma' is not supported"),
+    ({"model_type": "gemma2"}, "architecture 'gemma2' is not supported"),
+    ({"model_type": "gemma3_text", "attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported"),
+    ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "final_logit_softcapping is not supported"),
+    ({"model_type": "gemma3_text", "hidden_activation": "gelu"}, "activation 'gelu'"),
 ])
 def test_configs_not_computed_are_refused(tmp_path, change, message):
     cfg = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1,
@@ -218,3 +234,20 @@ def test_configs_not_computed_are_refused(tmp_path, change, message):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=message):
         load_spec(tmp_path)
+
+
+def test_gemma_gguf_files_are_refused_before_any_conversion(tmp_path):
+    """transformers' GGUF reader drops Gemma 3's rotary scaling: such a file is refused by its
+    architecture, before the float32 conversion is written."""
+    import gguf
+    import numpy as np
+    from tandem.engine.models.loader import resolve_model
+    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma3")
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="g.gguf is a gemma3 GGUF, which this engine does not read"):
+        resolve_model(str(tmp_path / "g.gguf"), tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
