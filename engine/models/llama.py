@@ -89,7 +89,8 @@ class LlamaLayer(nn.Module):
         self.o_b = nn.Parameter(torch.empty(s.d_model, dtype=dtype), requires_grad=False) if s.o_bias else None
         self.qk_norm = nn.Parameter(torch.empty(2, s.head_dim, dtype=dtype), requires_grad=False) if s.qk_norm else None
         self.post_norm = nn.Parameter(torch.empty(s.d_model, dtype=dtype), requires_grad=False)
-        self.out_norm = nn.Parameter(torch.empty(2, s.d_model, dtype=dtype), requires_grad=False) if s.out_norms else None
+        self.out_norm = (nn.Parameter(torch.empty(2, s.d_model, dtype=dtype), requires_grad=False)
+                         if s.out_norms else None)
         self.gate_up = nn.Parameter(torch.empty(2 * s.intermediate_size, s.d_model, dtype=dtype),
                                     requires_grad=False)
         self.down = nn.Parameter(torch.empty(s.d_model, s.intermediate_size, dtype=dtype),

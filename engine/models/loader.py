@@ -233,20 +233,40 @@ def stored_float32(hf_dir: Path) -> bool:
     return True
 
 
+# a multimodal checkpoint's language model under its causal-LM names (transformers 5 saves the
+# first layout, earlier versions the second), and the parts a text model leaves unread
+LANGUAGE_MODEL = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def text_weight(name: str) -> str | None:
+    """A weight's name in the language model, or None for an image encoder's."""
+    for old, new in LANGUAGE_MODEL:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return None if name.startswith(NOT_TEXT) else name
+
+
 def load_state_dict(hf_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    """The checkpoint's language-model weights (a multimodal one's image encoder is not read)."""
+    from safetensors import safe_open
     files = sorted(glob.glob(str(Path(hf_dir) / "*.safetensors")))
     if files:
         sd = {}
         for f in files:
-            sd.update(load_file(f))
+            with safe_open(f, "pt") as g:
+                for k in g.keys():
+                    if (name := text_weight(k)) is not None:
+                        sd[name] = g.get_tensor(k)
         return sd
     bins = sorted(glob.glob(str(Path(hf_dir) / "pytorch_model*.bin")))
     if not bins:
         raise ValueError(f"model: no weights (*.safetensors or pytorch_model*.bin) in {hf_dir}")
     sd = {}
     for f in bins:
-        sd.update(torch.load(f, map_location="cpu", weights_only=True))
+        loaded = torch.load(f, map_location="cpu", weights_only=True)
+        sd.update({name: t for k, t in loaded.items() if (name := text_weight(k)) is not None})
     return sd
 
 

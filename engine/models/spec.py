@@ -176,6 +176,10 @@ def spec_from_config_json(cfg: dict) -> ModelSpec:
     leaves out: building transformers' own config object imports its model-loading and
     distributed modules, about 2 s of every start."""
     mt = cfg.get("model_type")
+    if mt == "gemma3":                   # Gemma 3 4B and up, multimodal: its language model serves text
+        text = cfg.get("text_config") or {}
+        ids = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if cfg.get(k) is not None and k not in text}
+        return spec_from_config_json(text | ids | {"model_type": "gemma3_text"})
     defaults = HF_DEFAULTS.get(mt, {}) | ({"word_embed_proj_dim": cfg.get("hidden_size", 768)} if mt == "opt" else {})
     return spec_from_hf_config(SimpleNamespace(**({"model_type": mt} | defaults | cfg)))
 
@@ -187,7 +191,8 @@ def spec_from_hf_config(cfg) -> ModelSpec:
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
     if mt in LLAMA_TYPES:
         gemma = mt == "gemma3_text"
-        act = (getattr(cfg, "hidden_activation", None) or "gelu_pytorch_tanh") if gemma else getattr(cfg, "hidden_act", "silu")
+        act = ((getattr(cfg, "hidden_activation", None) or "gelu_pytorch_tanh") if gemma
+               else getattr(cfg, "hidden_act", "silu"))
         if act != ("gelu_pytorch_tanh" if gemma else "silu"):
             raise ValueError(f"model: {mt} with activation {act!r} is not supported "
                              f"({'gelu_pytorch_tanh' if gemma else 'silu'})")

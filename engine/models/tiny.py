@@ -15,7 +15,8 @@ def write_tiny_model(path: str | Path, family: str = "llama", *, seed: int = 0,
                      gguf_blocks: bool = False, config: dict | None = None) -> Path:
     """Save a random LlamaForCausalLM (grouped-query), OPTForCausalLM (multi-head),
     Qwen2ForCausalLM (grouped-query, with Q/K/V biases), Qwen3ForCausalLM (per-head Q/K norms),
-    MistralForCausalLM, Phi3ForCausalLM (fused projections) or Gemma3ForCausalLM (``gemma3_text``).
+    MistralForCausalLM, Phi3ForCausalLM (fused projections), Gemma3ForCausalLM (``gemma3_text``) or
+    Gemma3ForConditionalGeneration (``gemma3``: an image encoder beside that language model).
 
     ``init_std`` is larger than HF's default so that logits are well separated and
     greedy decoding is not decided by round-off. ``tokenizer_from``: a checkpoint
@@ -42,6 +43,17 @@ def write_tiny_model(path: str | Path, family: str = "llama", *, seed: int = 0,
             num_key_value_heads=num_kv_heads, max_position_embeddings=max_len,
             tie_word_embeddings=True, initializer_range=init_std, **ids) | (config or {}))
         model = model_class(cfg)
+    elif family == "gemma3":             # multimodal: a tiny image encoder beside the language model
+        text = dict(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=2 * d_model,
+                    num_hidden_layers=num_layers, num_attention_heads=num_heads, head_dim=d_model // num_heads,
+                    num_key_value_heads=num_kv_heads, max_position_embeddings=max_len,
+                    initializer_range=init_std, **ids) | (config or {})
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      image_size=28, patch_size=14)
+        cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                        initializer_range=init_std, **ids,
+                                        tie_word_embeddings=text.get("tie_word_embeddings", True))
+        model = transformers.Gemma3ForConditionalGeneration(cfg)
     elif family == "opt":
         cfg = transformers.OPTConfig(**dict(vocab_size=vocab_size, hidden_size=d_model, ffn_dim=4 * d_model,
                                             num_hidden_layers=num_layers, num_attention_heads=num_heads,

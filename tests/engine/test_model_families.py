@@ -40,6 +40,8 @@ CASES = {
     # a sliding layer (rotary base 10,000) under a full one (1,000,000)
     "gemma3": ("gemma3_text", GEMMA),
     # Gemma 3 4B's: the full layers' frequencies divided by 8, the sliding ones' kept
+    # Gemma 3 4B and up: the language model of a multimodal checkpoint
+    "gemma3-multimodal": ("gemma3", GEMMA),
     "gemma3-linear": ("gemma3_text", GEMMA | {"rope_parameters": {
         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}),
