@@ -98,11 +98,11 @@ class Metrics:
                                 "use (0-1; 0 where nothing swaps)", ["model_name"], registry=r)
         self.slo = Counter("tandem:slo_requests", "Finished requests by SLO outcome",
                            lab + ["slo", "met"], registry=r)
-        self.cost_error = Gauge("tandem:cost_model_error", "Iteration cost model of the first device: mean "
-                                "relative error |predicted - measured| / measured (EWMA over steps)", ["model_name"],
+        self.cost_error = Gauge("tandem:cost_model_error", "Each device's iteration cost model: mean relative "
+                                "error |predicted - measured| / measured (EWMA over steps)", ["model_name", "device"],
                                 registry=r)
-        self.cost_steps = Gauge("tandem:cost_model_observed_steps", "Steps the first device's cost model has "
-                                "been checked against (and refitted from)", ["model_name"], registry=r)
+        self.cost_steps = Gauge("tandem:cost_model_observed_steps", "Steps each device's cost model has "
+                                "been checked against (and refitted from)", ["model_name", "device"], registry=r)
         self.step_seconds = Histogram("tandem:step_seconds", "Wall time of each device step (plan to "
                                       "results)", ["model_name"], buckets=LATENCY_BUCKETS, registry=r)
         self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Tokens computed per device step "
@@ -120,9 +120,9 @@ class Metrics:
         self.cache_switches = Counter("tandem:cache_switches", "Cache-type changes that discarded a "
                                       "request's cache to recompute it in the new type, by new type",
                                       ["model_name", "cache_type"], registry=r)
-        self.rho = Gauge("tandem:aptserve_rho_seconds", "Apt-Serve's rho in use: extra seconds per KV block "
-                         "of context a hidden-cache request re-projects (profiled, refined online)",
-                         ["model_name"], registry=r)
+        self.rho = Gauge("tandem:aptserve_rho_seconds", "Apt-Serve's rho in use on each device: extra seconds "
+                         "per KV block of context a hidden-cache request re-projects (profiled, refined online)",
+                         ["model_name", "device"], registry=r)
         self.migrations = Counter("tandem:migrations", "Requests migrated between devices, by how they "
                                   "travelled: kv (cache copied) or token (prefilled again)",
                                   ["model_name", "kind"], registry=r)
@@ -234,12 +234,12 @@ class Metrics:
             self.swapped.labels(self.model).set(sum(d.swapped for d in devices))
             host_bytes = max(1, sum(d.host_capacity for d in devices))
             self.host_usage.labels(self.model).set(sum(d.host_used for d in devices) / host_bytes)
-            cost = actor.cost
-            if actor.index == 0 and cost is not None and cost.error_ewma is not None:
-                self.cost_error.labels(self.model).set(cost.error_ewma)
-                self.cost_steps.labels(self.model).set(cost.observed)
-            if actor.index == 0 and (rho := getattr(actor.policy, "rho", None)) is not None:
-                self.rho.labels(self.model).set(rho)
+            cost, name = actor.cost, actor.device.name
+            if cost is not None and cost.error_ewma is not None:
+                self.cost_error.labels(self.model, name).set(cost.error_ewma)
+                self.cost_steps.labels(self.model, name).set(cost.observed)
+            if (rho := getattr(actor.policy, "rho", None)) is not None:
+                self.rho.labels(self.model, name).set(rho)
             self._count(self.preemptions, actor.index, actor.preemptions_by_class)
             self._count(self.cache_tokens, actor.index, actor.tokens_by_cache_type)
             self._count(self.cache_switches, actor.index, actor.cache_switches)

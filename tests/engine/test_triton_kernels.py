@@ -286,6 +286,7 @@ def compile_for_hopper(module: str, kernel: str, const: dict, **options) -> dict
 @pytest.mark.parametrize("shape, quant", [
     (dict(G=4, D=128), False),          # Llama-3-8B's heads
     (dict(G=3, D=64), False),           # SmolLM2's
+    (dict(G=4, D=256), False),          # Gemma 3 1B's
     (dict(G=4, D=128), True),           # the int8 pool
 ])
 def test_decode_launch_keeps_registers_on_hopper(shape, quant):

@@ -154,3 +154,24 @@ def test_tokens_per_second_is_over_the_last_window_and_zero_once_idle():
     assert token_rate(samples, 15.0, 10.0) == 30.0
     assert token_rate(samples, 25.0, 10.0) == 0.0
     assert token_rate(samples[:3], 9.5, 10.0) == 250 / 7.5
+
+
+def test_each_device_reports_its_own_cost_model(tiny_llama):
+    """Two devices, each refining its own iteration cost model from its own steps: /metrics gives
+    each one's, labelled by device (not the first device's alone)."""
+    from tandem import LLM, SamplingParams
+    from tandem.server.metrics import Metrics
+    with LLM(str(tiny_llama), "cpu:2", dtype="float32", policy="bros", threads_per_worker=1) as llm:
+        llm.generate([[3 + i] * (10 + 7 * i) for i in range(8)],
+                     SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        m = Metrics("m")
+        actors = llm.scheduler.actors
+        for a in actors:
+            m.engine_step(a)
+        for a in actors:
+            got = {name: m.registry.get_sample_value(name, {"model_name": "m", "device": a.device.name})
+                   for name in ("tandem:cost_model_observed_steps", "tandem:cost_model_error")}
+            assert a.cost.observed > 0, "the premise: each device stepped"
+            assert got == {"tandem:cost_model_observed_steps": a.cost.observed,
+                           "tandem:cost_model_error": a.cost.error_ewma}, a.device.name
+        assert actors[0].cost is not actors[1].cost
