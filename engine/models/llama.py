@@ -2,7 +2,8 @@
 Mistral, Qwen2 (its Q/K/V projections carry biases), Qwen3 (each Q and K head RMS-normalised
 before its rotation), Phi-3 (its projections stored fused, as these layers keep them) and
 Gemma 3 (text: the outputs of attention and MLP normalised too, a GELU gate, scaled
-embeddings, another rotary base in its sliding layers) checkpoints."""
+embeddings, another rotary base in its sliding layers) and SmolLM3 (some layers without
+rotary embeddings) checkpoints."""
 from __future__ import annotations
 
 import dataclasses
@@ -51,7 +52,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def attn_in(h, in_norm, qkv_w, qkv_b, qk_norm, cos, sin, eps: float, nh: int, nkv: int, hd: int):
     """Pre-attention: RMSNorm, fused QKV projection (``qkv_b``: its bias or None), the Q and K
-    heads' own RMSNorm (``qk_norm``: their weights [2, hd], or None), rotary embeddings.
+    heads' own RMSNorm (``qk_norm``: their weights [2, hd], or None), rotary embeddings (none
+    where ``cos`` is None).
     h: [T, d]. Returns q, k, v and the post-norm input x (what a hidden cache stores)."""
     x = rms_norm(h, in_norm, eps)
     qkv = linear(x, qkv_w, qkv_b)
@@ -59,7 +61,8 @@ def attn_in(h, in_norm, qkv_w, qkv_b, qk_norm, cos, sin, eps: float, nh: int, nk
     qk = qkv[:, :(nh + nkv) * hd].view(t, nh + nkv, hd)
     if qk_norm is not None:
         qk = torch.cat([rms_norm(qk[:, :nh], qk_norm[0], eps), rms_norm(qk[:, nh:], qk_norm[1], eps)], dim=1)
-    qk = apply_rope(qk, cos, sin)                                               # Q and K heads at once
+    if cos is not None:
+        qk = apply_rope(qk, cos, sin)                                           # Q and K heads at once
     q, k = qk.reshape(t, -1).split([nh * hd, nkv * hd], dim=-1)
     return q, k.contiguous(), qkv[:, (nh + nkv) * hd:].contiguous(), x
 
@@ -170,8 +173,11 @@ class LlamaModel(nn.Module):
                 pack_into(layer, name, getattr(layer, name), ops, blocks, dtype)
         pack_head(self, ops, blocks, dtype)
 
-    def _tables(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer li's rotary tables: a Gemma 3 sliding layer's own, else the model's."""
+    def _tables(self, li: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Layer li's rotary tables: a Gemma 3 sliding layer's own, none for a SmolLM3 layer that
+        does not rotate, else the model's."""
+        if li in self.spec.nope_layers:
+            return None, None
         if self.cos_local is None or li in self.spec.full_layers:
             return self.cos, self.sin
         return self.cos_local, self.sin_local
@@ -190,7 +196,8 @@ class LlamaModel(nn.Module):
             k = k.reshape(-1, s.num_kv_heads, s.head_dim)
             if layer.qk_norm is not None:
                 k = rms_norm(k, layer.qk_norm[1], s.norm_eps)
-            k = apply_rope(k, cos_t[pos], sin_t[pos])
+            if cos_t is not None:
+                k = apply_rope(k, cos_t[pos], sin_t[pos])
             return k.reshape(-1, width), v.contiguous()
         # packed weights serve the CPU path only; the Triton kernel has no per-head norm of K
         dense = None if is_packed(w) or layer.qk_norm is not None else w
@@ -206,7 +213,7 @@ class LlamaModel(nn.Module):
         rot = {id(t): t[positions] for t in (self.cos, self.sin, self.cos_local, self.sin_local) if t is not None}
         scale = s.attn_scale or s.head_dim ** -0.5
         for li, layer in enumerate(self.layers):
-            cos, sin = (rot[id(t)] for t in self._tables(li))        # [T, hd]
+            cos, sin = (None if t is None else rot[id(t)] for t in self._tables(li))   # [T, hd]
             q, k, v, x = self.attn_in(h, layer.in_norm, layer.qkv, layer.qkv_b, layer.qk_norm, cos, sin,
                                       s.norm_eps, s.num_heads, s.num_kv_heads, s.head_dim)
             kv = self._kv_from_hidden(layer, li) if batch.hidden is not None else None

@@ -9,17 +9,18 @@ from types import SimpleNamespace
 
 
 class Family(enum.Enum):
-    LLAMA = "llama"      # Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 3 checkpoints: one forward
+    LLAMA = "llama"      # Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3 and SmolLM3 checkpoints: one forward
     OPT = "opt"
 
 
 # the model types this engine runs, with transformers' class for each (a converted GGUF's config
 # is given it). All but OPT are read as the Llama family: the same layer, up to Qwen2's Q/K/V
 # biases, Qwen3's per-head norms of Q and K, Phi-3's projections stored fused, Mistral's,
-# Phi-3's and Qwen's sliding windows, and Gemma 3's (text) norms, GELU and two rotary bases
+# Phi-3's and Qwen's sliding windows, Gemma 3's (text) norms, GELU and two rotary bases, and
+# SmolLM3's layers without rotary embeddings
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                 "opt": "OPTForCausalLM"}
+                 "smollm3": "SmolLM3ForCausalLM", "opt": "OPTForCausalLM"}
 LLAMA_TYPES = tuple(t for t in ARCHITECTURES if t != "opt")
 
 
@@ -135,6 +136,7 @@ class ModelSpec:
     out_norms: bool = False
     norm_offset: float = 0.0           # added to every RMSNorm weight as stored
     local_rope_theta: float | None = None   # rotary base of the layers not in full_layers, unscaled
+    nope_layers: tuple[int, ...] = ()  # layers that rotate neither Q nor K (SmolLM3's every fourth)
 
     @property
     def unit(self) -> int:
@@ -165,6 +167,10 @@ HF_DEFAULTS = {
                     "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1,
                     "sliding_window": 4096, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
                     "rope_theta": 1e6, "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6},
+    "smollm3": {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
+                "num_attention_heads": 16, "num_key_value_heads": 4, "max_position_embeddings": 32768,
+                "rms_norm_eps": 1e-6, "bos_token_id": 128000, "eos_token_id": 128001, "rope_theta": 2e6,
+                "no_rope_layer_interval": 4},
     "qwen3": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
               "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768,
               "rms_norm_eps": 1e-6, "bos_token_id": None, "eos_token_id": None, "sliding_window": 4096},
@@ -205,6 +211,8 @@ def spec_from_hf_config(cfg) -> ModelSpec:
         context, window, full = _windowed(cfg, _stretched(cfg))
         extra = dict(embed_scale=cfg.hidden_size ** 0.5, attn_scale=float(cfg.query_pre_attn_scalar) ** -0.5,
                      gelu=True, out_norms=True, norm_offset=1.0, local_rope_theta=_local_theta(cfg)) if gemma else {}
+        if mt == "smollm3":
+            extra["nope_layers"] = tuple(i for i, rotates in enumerate(_rotating(cfg)) if not rotates)
         return ModelSpec(
             family=Family.LLAMA, vocab_size=cfg.vocab_size, d_model=cfg.hidden_size,
             num_layers=cfg.num_hidden_layers, num_heads=heads,
@@ -228,7 +236,7 @@ def spec_from_hf_config(cfg) -> ModelSpec:
             head_dim=cfg.hidden_size // heads, intermediate_size=cfg.ffn_dim,
             max_model_len=cfg.max_position_embeddings, norm_eps=1e-5, rope_theta=0.0,
             bos_token_id=cfg.bos_token_id, eos_token_ids=eos_ids)
-    raise ValueError(f"model: architecture {mt!r} is not supported ({', '.join(ARCHITECTURES)})")
+    raise ValueError(f"model: architecture {mt!r} is not supported ({', '.join([*ARCHITECTURES, 'gemma3'])})")
 
 
 def _gemma_refusals(cfg) -> None:
@@ -239,6 +247,13 @@ def _gemma_refusals(cfg) -> None:
             raise ValueError(f"model: {cfg.model_type} with {name} is not supported")
     if getattr(cfg, "use_bidirectional_attention", False):
         raise ValueError(f"model: {cfg.model_type} with use_bidirectional_attention is not supported")
+
+
+def _rotating(cfg) -> list[int]:
+    """SmolLM3's no_rope_layers: 1 where a layer rotates Q and K (despite the name), 0 where it
+    does not; by default every no_rope_layer_interval-th layer does not."""
+    every = getattr(cfg, "no_rope_layer_interval", 4)
+    return getattr(cfg, "no_rope_layers", None) or [int((i + 1) % every != 0) for i in range(cfg.num_hidden_layers)]
 
 
 def _by_layer_type(cfg) -> dict:
@@ -334,9 +349,11 @@ def _windowed(cfg, max_len: int) -> tuple[int, int | None, tuple[int, ...]]:
         full = tuple(i for i, t in enumerate(types) if t == "full_attention")
         window = getattr(cfg, "sliding_window", None)
         return max_len, (int(window) if window and window < max_len else None), full
-    if cfg.model_type in ("qwen2", "qwen3"):
+    if cfg.model_type in ("qwen2", "qwen3", "smollm3"):
         types = getattr(cfg, "layer_types", None)      # transformers 5's; else the layers it would make
-        if not types:
+        if not types and cfg.model_type == "smollm3":  # its layers without rotary embeddings slide
+            types = ["full_attention" if r else "sliding_attention" for r in _rotating(cfg)]
+        elif not types:
             first = getattr(cfg, "max_window_layers", 28)
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(cfg.num_hidden_layers)]
         on = getattr(cfg, "use_sliding_window", False) and "sliding_attention" in types

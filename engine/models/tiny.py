@@ -15,8 +15,9 @@ def write_tiny_model(path: str | Path, family: str = "llama", *, seed: int = 0,
                      gguf_blocks: bool = False, config: dict | None = None) -> Path:
     """Save a random LlamaForCausalLM (grouped-query), OPTForCausalLM (multi-head),
     Qwen2ForCausalLM (grouped-query, with Q/K/V biases), Qwen3ForCausalLM (per-head Q/K norms),
-    MistralForCausalLM, Phi3ForCausalLM (fused projections), Gemma3ForCausalLM (``gemma3_text``) or
-    Gemma3ForConditionalGeneration (``gemma3``: an image encoder beside that language model).
+    MistralForCausalLM, Phi3ForCausalLM (fused projections), SmolLM3ForCausalLM, Gemma3ForCausalLM
+    (``gemma3_text``) or Gemma3ForConditionalGeneration (``gemma3``: an image encoder beside that
+    language model).
 
     ``init_std`` is larger than HF's default so that logits are well separated and
     greedy decoding is not decided by round-off. ``tokenizer_from``: a checkpoint

@@ -1,6 +1,7 @@
 """Llama-shaped checkpoints beyond Llama itself -- Qwen2 (Q/K/V biases), Qwen3 (per-head Q/K
 norms), Mistral and Phi-3 (a sliding window, which the engine applies; Phi-3's projections stored
 fused), Gemma 3 (text: output norms, GELU, scaled embeddings, a rotary base per layer type),
+SmolLM3 (layers without rotary embeddings),
 Llama 3.1's,
 linear and YaRN rotary scaling, Llama with attention biases -- generate exactly
 HF transformers' greedy tokens; configs this engine cannot compute are refused by name."""
@@ -20,6 +21,9 @@ WINDOW = 40          # shorter than most prompts here, and than the 32-token chu
 GEMMA_LAYERS = ["sliding_attention", "full_attention"]
 # a tied head would read back mostly the last token's embedding, which Gemma scales by sqrt(d_model)
 GEMMA = {"sliding_window": WINDOW, "layer_types": GEMMA_LAYERS, "tie_word_embeddings": False}
+# SmolLM3's second layer rotates neither Q nor K ("no_rope_layers" flags the layers that do)
+NOPE = {"no_rope_layers": [1, 0]}
+WINDOWED = {"gemma3_text": GEMMA, "smollm3": NOPE | {"use_sliding_window": True, "sliding_window": WINDOW}}
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -42,6 +46,9 @@ CASES = {
     # Gemma 3 4B's: the full layers' frequencies divided by 8, the sliding ones' kept
     # Gemma 3 4B and up: the language model of a multimodal checkpoint
     "gemma3-multimodal": ("gemma3", GEMMA),
+    "smollm3": ("smollm3", NOPE),
+    # with use_sliding_window, the layers without rotary embeddings slide
+    "smollm3-window": ("smollm3", WINDOWED["smollm3"]),
     "gemma3-linear": ("gemma3_text", GEMMA | {"rope_parameters": {
         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}),
@@ -178,14 +185,13 @@ def test_rope_scaling_beside_rope_parameters_is_applied(tmp_path):
 
 
 @pytest.mark.parametrize("family, kw", [("phi3", {"cache_type": "hidden"}), ("mistral", {"cpu_kernels": False}),
-                                        ("gemma3_text", {"cache_type": "hidden"}),
+                                        ("gemma3_text", {"cache_type": "hidden"}), ("smollm3", {"cache_type": "hidden"}),
                                         ("mistral", {"preemption_mode": "recompute"})])
 def test_sliding_window_in_every_attention_path(family, kw, tmp_path):
     """The window holds where K and V are projected again from stored layer inputs (a hidden
     cache), on torch's reference attention instead of the compiled kernel, and for requests
     preempted and computed again (a pool of 24 token-blocks of 8 for prompts of up to 120)."""
-    model_dir = write_tiny_model(tmp_path, family, seed=4, config=GEMMA if family == "gemma3_text" else
-                                 {"sliding_window": WINDOW})
+    model_dir = write_tiny_model(tmp_path, family, seed=4, config=WINDOWED.get(family, {"sliding_window": WINDOW}))
     prompts = mixed_prompts(6, 512, seed=5, lo=30, hi=120)
     recompute = "preemption_mode" in kw
     if recompute:
@@ -225,7 +231,7 @@ def test_sliding_window_keeps_the_context(tmp_path):
     ({"hidden_act": "gelu"}, "activation 'gelu'"),
     ({"mlp_bias": True}, "MLP biases"),
     ({"model_type": "gemma"}, "architecture 'gemma' is not supported"),
-    ({"model_type": "gemma2"}, "architecture 'gemma2' is not supported"),
+    ({"model_type": "gemma2"}, r"architecture 'gemma2' is not supported \(.*gemma3_text, .*, gemma3\)"),
     ({"model_type": "gemma3_text", "attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported"),
     ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "final_logit_softcapping is not supported"),
     ({"model_type": "gemma3_text", "hidden_activation": "gelu"}, "activation 'gelu'"),

@@ -9,11 +9,12 @@ from tandem.engine.models.loader import load_spec
 from tests.conftest import ONE_DEVICE, assert_pool_free, hf_greedy, mixed_prompts
 
 MAX_NEW = 6
-FAMILIES = ("llama", "opt", "qwen2", "qwen3", "mistral", "gemma3_text")
+FAMILIES = ("llama", "opt", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3")
 WINDOWS = {"mistral": {"sliding_window": 12},
            "qwen2": {"sliding_window": 12, "use_sliding_window": True, "max_window_layers": 1},
            "gemma3_text": {"sliding_window": 12, "layer_types": ["sliding_attention", "full_attention"],
-                           "tie_word_embeddings": False}}
+                           "tie_word_embeddings": False},
+           "smollm3": {"no_rope_layers": [1, 0]}}
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +25,9 @@ def wide_models(tmp_path_factory):
     second layer within a 12-token sliding window, its first over the whole context) and
     Qwen3 (per-head K norms, which it lacks: its hidden caches take the projection in torch), and
     Mistral with a 12-token sliding window (the prefill kernel masks by it, the decode kernel is
-    given the window's rows; hidden caches take the torch path), and Gemma 3 (its own score scale;
-    a sliding layer under a full one)."""
+    given the window's rows; hidden caches take the torch path), Gemma 3 (its own score scale;
+    a sliding layer under a full one), and SmolLM3 (its second layer without rotary embeddings:
+    the fused hidden-cache kernel rotates K in one layer and not in the other)."""
     from tandem.engine.models.tiny import write_tiny_model
     return {f: write_tiny_model(tmp_path_factory.mktemp(f"wide-{f}"), f, seed=5, d_model=128, num_heads=4,
                                 num_kv_heads=2, config=WINDOWS.get(f)) for f in FAMILIES}
