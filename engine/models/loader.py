@@ -85,38 +85,57 @@ def convert_gguf(path: Path, cache_dir: Path) -> Path:
                          "later starts read it)", path.name, path.stat().st_size / 1e6, out)
                 _write_converted(path, out)
     _name_architecture(out)
-    if not (out / ROPE_CHECKED).is_file():          # converted before llama.cpp's rope_freqs were read
+    if not (out / GGUF_CHECKED).is_file():          # converted before what transformers drops was read back
         with exclusive(cache_dir / f".{out.name}.lock"):
-            _apply_rope_freqs(path, out)
+            _read_back(path, out)
     return out
 
 
 def _refuse_unread(path: Path) -> None:
-    """ValueError for a Gemma GGUF: llama.cpp keeps Gemma 3's rotary scaling (4B and up) where
-    transformers' reader does not look, and no such file is checked here against its checkpoint."""
+    """ValueError, before any conversion, for a Gemma GGUF (llama.cpp keeps Gemma 3's rotary
+    scaling, 4B and up, where transformers' reader does not look, and no such file is checked
+    here against its checkpoint) and for Phi-3's longrope factors (128k, Phi-3.5), refused as
+    from a checkpoint."""
     from gguf import GGUFReader
-    field = GGUFReader(path).fields.get("general.architecture")
+    reader = GGUFReader(path)
+    field = reader.fields.get("general.architecture")
     arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
     if arch.startswith("gemma"):
         raise ValueError(f"model: {path.name} is a {arch} GGUF, which this engine does not read; serve the "
                          "checkpoint directory")
+    if any(t.name == "rope_factors_long.weight" for t in reader.tensors):
+        raise ValueError(f"model: {path.name} has longrope rotary scaling, which is not supported")
 
 
-# written beside a converted GGUF's config once its rotary scaling has been read back
-ROPE_CHECKED = "gguf_rope_freqs.json"
+# written beside a converted GGUF's config once what transformers' reader drops has been read back
+GGUF_CHECKED = "gguf_checked.json"
 
 
-def _apply_rope_freqs(path: Path, hf_dir: Path) -> None:
-    """llama.cpp keeps Llama 3.1-3.3's rotary scaling as a tensor of per-frequency divisors
-    (``rope_freqs``), which transformers' GGUF reader drops: the model would run with its
-    unscaled frequencies. Write the llama3 scaling those divisors give into the converted
-    config (ValueError where none gives them), and mark the directory checked."""
-    if (hf_dir / ROPE_CHECKED).is_file():
+def _read_back(path: Path, hf_dir: Path) -> None:
+    """What transformers' GGUF reader drops, written into the converted config; then the
+    directory is marked checked. llama.cpp keeps Llama 3.1-3.3's rotary scaling as a tensor of
+    per-frequency divisors (``rope_freqs``: the llama3 scaling they give, ValueError where none
+    does) and Phi-3's sliding window as a key (``phi3.attention.sliding_window``)."""
+    if (hf_dir / GGUF_CHECKED).is_file():
         return
     from gguf import GGUFReader
+    reader = GGUFReader(path)
+    scaling = _llama3_from_divisors(path, reader, hf_dir)
+    field = reader.fields.get("phi3.attention.sliding_window")
+    window = int(field.parts[field.data[0]][0]) if field is not None else None
+    if window is not None:
+        cfg = _config_json(hf_dir)
+        cfg["sliding_window"] = window
+        (hf_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (hf_dir / GGUF_CHECKED).write_text(json.dumps({"rope_parameters": scaling, "sliding_window": window}) + "\n")
+
+
+def _llama3_from_divisors(path: Path, reader, hf_dir: Path) -> dict | None:
+    """The llama3 scaling that a GGUF's ``rope_freqs`` divisors give, written into the converted
+    config; None without them."""
     import numpy as np
     from tandem.engine.models.spec import RopeScaling
-    found = next((t for t in GGUFReader(path).tensors if t.name == "rope_freqs.weight"), None)
+    found = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     scaling = None
     if found is not None:
         cfg = _config_json(hf_dir)
@@ -134,7 +153,7 @@ def _apply_rope_freqs(path: Path, hf_dir: Path) -> None:
         cfg["rope_parameters"] = scaling
         cfg.pop("rope_scaling", None)
         (hf_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (hf_dir / ROPE_CHECKED).write_text(json.dumps({"rope_freqs": found is not None, "rope_parameters": scaling}) + "\n")
+    return scaling
 
 
 def _write_converted(path: Path, out: Path) -> None:
@@ -156,7 +175,7 @@ def _write_converted(path: Path, out: Path) -> None:
         hf.generation_config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        _apply_rope_freqs(path, tmp)
+        _read_back(path, tmp)
         if out.exists():                 # an earlier, interrupted layout: replace it whole
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -90,14 +90,15 @@ def _through_gguf(model) -> None:
 
 
 def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str) -> Path:
-    """Write a checkpoint of ``write_tiny_model`` (``arch`` llama, qwen2 or qwen3, with a
+    """Write a checkpoint of ``write_tiny_model`` (``arch`` llama, qwen2, qwen3 or phi3, with a
     tokenizer copied in) as a GGUF file as llama.cpp's converter lays it out, every tensor in
-    float32: gguf-py's tensor names, Llama's Q and K rows permuted to llama.cpp's rotary layout,
+    float32: gguf-py's tensor names (Phi-3's projections fused as stored), Llama's Q and K rows
+    permuted to llama.cpp's rotary layout,
     no output tensor where the head is tied, the tokenizer as byte-level BPE ("gpt2"), Llama
     3.1's rotary scaling as per-frequency divisors (``rope_freqs``, from transformers' own
-    frequencies). What transformers reads back holds exactly the checkpoint's weights. Its GGUF
-    reader takes no head_dim for qwen3 (Qwen3Config's 128 stands), no other rotary scaling and
-    no sliding window: such checkpoints are refused."""
+    frequencies), Phi-3's sliding window as a key. What transformers reads back holds exactly the
+    checkpoint's weights. Its GGUF reader takes no head_dim for qwen3 (Qwen3Config's 128 stands),
+    no other rotary scaling and no other sliding window: such checkpoints are refused."""
     import json
 
     import gguf
@@ -109,9 +110,10 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str) -> Path:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     rope = getattr(cfg, "rope_parameters", None) or {}
     kind = rope.get("rope_type", "default")
-    if arch not in ("llama", "qwen2", "qwen3") or (arch == "qwen3" and head_dim != 128) \
+    window = getattr(cfg, "sliding_window", None)
+    if arch not in ("llama", "qwen2", "qwen3", "phi3") or (arch == "qwen3" and head_dim != 128) \
             or kind not in ("default", "llama3") or (kind == "llama3" and arch != "llama") \
-            or getattr(cfg, "sliding_window", None):
+            or (window and arch != "phi3"):
         raise ValueError(f"{arch} with this config does not come back from transformers' GGUF reader")
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(hf_dir.name)
@@ -123,6 +125,8 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str) -> Path:
                        (w.add_value_length, head_dim), (w.add_rope_dimension_count, head_dim)):
         add(value)
     w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+    if window:                                  # Phi-3's, which llama.cpp keeps and transformers' reader drops
+        w.add_sliding_window(window)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     _gguf_tokenizer(w, tok, json.loads((hf_dir / "tokenizer.json").read_text()), cfg.vocab_size)
     if kind == "llama3":

@@ -78,11 +78,12 @@ def test_llama_shaped_checkpoints_match_hf(case, tmp_path):
 
 
 @pytest.mark.parametrize("arch, config", [("llama", {}), ("llama", {"rope_parameters": LLAMA3}), ("qwen2", {}),
-                                          ("qwen3", {"head_dim": 128})])
+                                          ("qwen3", {"head_dim": 128}), ("phi3", {"sliding_window": WINDOW})])
 def test_gguf_files_generate_the_checkpoint_s_tokens(arch, config, tmp_path, caplog):
     """A GGUF of each architecture, laid out as llama.cpp's converter does (Llama's Q/K rows
     permuted, a tied head left out, the tokenizer as GGUF keys, Llama 3.1's rotary scaling as
-    per-frequency divisors, which transformers' reader drops), served by its path: it generates
+    per-frequency divisors and Phi-3's sliding window as a key, both of which transformers' reader
+    drops), served by its path: it generates
     the original checkpoint's greedy tokens, and tokenizes and renders a chat as the original's
     tokenizer does."""
     from transformers import AutoTokenizer
@@ -244,18 +245,22 @@ def test_configs_not_computed_are_refused(tmp_path, change, message):
         load_spec(tmp_path)
 
 
-def test_gemma_gguf_files_are_refused_before_any_conversion(tmp_path):
-    """transformers' GGUF reader drops Gemma 3's rotary scaling: such a file is refused by its
-    architecture, before the float32 conversion is written."""
+@pytest.mark.parametrize("arch, tensor, message", [
+    ("gemma3", "token_embd.weight", "g.gguf is a gemma3 GGUF, which this engine does not read"),
+    ("phi3", "rope_factors_long.weight", "g.gguf has longrope rotary scaling, which is not supported")])
+def test_gguf_files_not_read_back_are_refused_before_any_conversion(arch, tensor, message, tmp_path):
+    """transformers' GGUF reader drops Gemma 3's rotary scaling, and Phi-3's longrope factors are
+    refused from a checkpoint too: such a file is refused, before the float32 conversion is
+    written."""
     import gguf
     import numpy as np
     from tandem.engine.models.loader import resolve_model
-    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma3")
-    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), arch)
+    w.add_tensor(tensor, np.ones((4, 4), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match="g.gguf is a gemma3 GGUF, which this engine does not read"):
+    with pytest.raises(ValueError, match=message):
         resolve_model(str(tmp_path / "g.gguf"), tmp_path / "cache")
     assert not (tmp_path / "cache").exists()
