@@ -1,6 +1,6 @@
 """Llama family forward (RMSNorm, rotary embeddings, grouped-query attention, SiLU MLP): Llama,
 Mistral, Qwen2 (its Q/K/V projections carry biases), Qwen3 (each Q and K head RMS-normalised
-before its rotation), Phi-3 (its projections stored fused, as these layers keep them) and
+before its rotation), Phi-3 (its projections stored fused, as these layers keep them),
 Gemma 3 (text: the outputs of attention and MLP normalised too, a GELU gate, scaled
 embeddings, another rotary base in its sliding layers) and SmolLM3 (some layers without
 rotary embeddings) checkpoints."""
