@@ -117,6 +117,14 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     st.add_argument("--batches", nargs="+", type=positive_int, default=[1, 2, 5, 8, 16, 32])
     st.add_argument("--max-tokens", type=positive_int, default=96)
     st.add_argument("--out", default="streams.json", help=OUT_HELP)
+    sw = sub.add_parser("sliding-window", help="decode step time with full attention against sliding windows "
+                        "(a random Mistral-shaped model at SmolLM2's width, long prompts)")
+    sw.add_argument("--windows", type=positive_int, nargs="+", default=[256, 1024])
+    sw.add_argument("--context", type=positive_int, default=3000)
+    sw.add_argument("--requests", type=positive_int, default=4)
+    sw.add_argument("--layers", type=positive_int, default=8)
+    sw.add_argument("--steps", type=positive_int, default=64)
+    sw.add_argument("--out", default="sliding_window.json", help=OUT_HELP)
     sp = sub.add_parser("step-profile", help="where a decode step's time goes: GEMMs, attention, norms, "
                         "rotary, sampling, Python, IPC, the actor's phases")
     sp.add_argument("--batch", type=positive_int, default=64)
@@ -444,6 +452,9 @@ def _run(args) -> None:
     elif args.cmd == "cpu-linear":
         from tandem.bench import cpu_linear
         cpu_linear.main(args)
+    elif args.cmd == "sliding-window":
+        from tandem.bench import sliding_window
+        sliding_window.main(args)
     elif args.cmd == "step-profile":
         from tandem.bench import step_profile
         step_profile.main(args)
