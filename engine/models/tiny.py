@@ -36,24 +36,20 @@ def write_tiny_model(path: str | Path, family: str = "llama", *, seed: int = 0,
         vocab_size = max(vocab_size, len(tok))
     torch.manual_seed(seed)
     ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    # the Llama-shaped language model (Gemma 3's multimodal one's too)
+    text = dict(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=2 * d_model,
+                num_hidden_layers=num_layers, num_attention_heads=num_heads, head_dim=d_model // num_heads,
+                num_key_value_heads=num_kv_heads, max_position_embeddings=max_len,
+                tie_word_embeddings=True, initializer_range=init_std, **ids) | (config or {})
     if family in LLAMA_TYPES:
         model_class = getattr(transformers, ARCHITECTURES[family])
-        cfg = model_class.config_class(**dict(
-            vocab_size=vocab_size, hidden_size=d_model, intermediate_size=2 * d_model,
-            num_hidden_layers=num_layers, num_attention_heads=num_heads, head_dim=d_model // num_heads,
-            num_key_value_heads=num_kv_heads, max_position_embeddings=max_len,
-            tie_word_embeddings=True, initializer_range=init_std, **ids) | (config or {}))
-        model = model_class(cfg)
+        model = model_class(model_class.config_class(**text))
     elif family == "gemma3":             # multimodal: a tiny image encoder beside the language model
-        text = dict(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=2 * d_model,
-                    num_hidden_layers=num_layers, num_attention_heads=num_heads, head_dim=d_model // num_heads,
-                    num_key_value_heads=num_kv_heads, max_position_embeddings=max_len,
-                    initializer_range=init_std, **ids) | (config or {})
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                       image_size=28, patch_size=14)
         cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
                                         initializer_range=init_std, **ids,
-                                        tie_word_embeddings=text.get("tie_word_embeddings", True))
+                                        tie_word_embeddings=text["tie_word_embeddings"])
         model = transformers.Gemma3ForConditionalGeneration(cfg)
     elif family == "opt":
         cfg = transformers.OPTConfig(**dict(vocab_size=vocab_size, hidden_size=d_model, ffn_dim=4 * d_model,
@@ -93,10 +89,9 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str) -> Path:
     """Write a checkpoint of ``write_tiny_model`` (``arch`` llama, qwen2, qwen3 or phi3, with a
     tokenizer copied in) as a GGUF file as llama.cpp's converter lays it out, every tensor in
     float32: gguf-py's tensor names (Phi-3's projections fused as stored), Llama's Q and K rows
-    permuted to llama.cpp's rotary layout,
-    no output tensor where the head is tied, the tokenizer as byte-level BPE ("gpt2"), Llama
-    3.1's rotary scaling as per-frequency divisors (``rope_freqs``, from transformers' own
-    frequencies), Phi-3's sliding window as a key. What transformers reads back holds exactly the
+    permuted to llama.cpp's rotary layout, no output tensor where the head is tied, the tokenizer
+    as byte-level BPE ("gpt2"), Llama 3.1's rotary scaling as per-frequency divisors
+    (``rope_freqs``, from transformers' own frequencies), Phi-3's sliding window as a key. What transformers reads back holds exactly the
     checkpoint's weights. Its GGUF reader takes no head_dim for qwen3 (Qwen3Config's 128 stands),
     no other rotary scaling and no other sliding window: such checkpoints are refused."""
     import json
