@@ -125,6 +125,14 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     sw.add_argument("--layers", type=positive_int, default=8)
     sw.add_argument("--steps", type=positive_int, default=64)
     sw.add_argument("--out", default="sliding_window.json", help=OUT_HELP)
+    lo = sub.add_parser("lora", help="decode step time with requests on LoRA adapters against the base model "
+                        "(SmolLM2, one worker)")
+    lo.add_argument("--requests", type=positive_int, default=8)
+    lo.add_argument("--adapters", type=positive_int, default=4)
+    lo.add_argument("--rank", type=positive_int, default=16)
+    lo.add_argument("--context", type=positive_int, default=64)
+    lo.add_argument("--steps", type=positive_int, default=48)
+    lo.add_argument("--out", default="lora.json", help=OUT_HELP)
     sp = sub.add_parser("step-profile", help="where a decode step's time goes: GEMMs, attention, norms, "
                         "rotary, sampling, Python, IPC, the actor's phases")
     sp.add_argument("--batch", type=positive_int, default=64)
@@ -455,6 +463,9 @@ def _run(args) -> None:
     elif args.cmd == "sliding-window":
         from tandem.bench import sliding_window
         sliding_window.main(args)
+    elif args.cmd == "lora":
+        from tandem.bench import lora
+        lora.main(args)
     elif args.cmd == "step-profile":
         from tandem.bench import step_profile
         step_profile.main(args)

@@ -68,6 +68,7 @@ class HiddenSegment:
     end: int
     ctx_rows: torch.Tensor           # [ctx * m] long: pool rows of every context token, token-major
     first: int = 0                   # position of ctx_rows' first token (0 unless a sliding window cut it)
+    adapter: object | None = None    # the request's LoRA adapter (engine.lora.Adapter): its K/V updates
 
 
 @dataclass(slots=True)
@@ -130,8 +131,9 @@ class HiddenProjection:
     cos: torch.Tensor | None = None  # [max_len, D] rotary tables (HF layout), None: no rotary
     sin: torch.Tensor | None = None
 
-    def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.project(x, pos)
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor, adapter=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``adapter``: the request's LoRA adapter (engine.lora.Adapter), or None."""
+        return self.project(x, pos) if adapter is None else self.project(x, pos, adapter)
 
 
 KvFromHidden = HiddenProjection
@@ -263,7 +265,7 @@ def hidden_attention(q, x, pool, hb: HiddenBatch, kv_from_hidden: KvFromHidden,
         xs = x[seg.start:seg.end]
         if ctx > n:
             xs = torch.cat([read_hidden(pool, seg.ctx_rows[:(ctx - n) * hb.m], ctx - n), xs])
-        k, v = kv_from_hidden(xs, torch.arange(seg.first, seg.first + ctx, device=q.device))
+        k, v = kv_from_hidden(xs, torch.arange(seg.first, seg.first + ctx, device=q.device), seg.adapter)
         kh = k.reshape(ctx, num_kv_heads, head_dim).transpose(0, 1)     # [Hkv, ctx, hd]
         vh = v.reshape(ctx, num_kv_heads, head_dim).transpose(0, 1)
         out[seg.start:seg.end] = _dense(q[seg.start:seg.end], kh, vh, n, ctx, num_heads,

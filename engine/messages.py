@@ -26,6 +26,14 @@ class Direction(enum.Enum):
     RIGHT = 1   # offsets B-1, B-2, ... (BE owners sharing a block)
 
 
+@dataclass(frozen=True, slots=True)
+class LoraRef:
+    """The LoRA adapter a request runs with: its name (what the request's ``model`` says) and the
+    directory PEFT saved it to (engine.lora loads it)."""
+    name: str
+    path: str
+
+
 class Phase(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
@@ -97,6 +105,7 @@ class NewRequest:
     num_prompt_tokens: int      # how many of token_ids are the prompt
     cache_type: CacheType
     sampling: SamplingSpec
+    lora: LoraRef | None = None     # the adapter it runs with (None: the base model)
 
 
 @dataclass(frozen=True, slots=True)

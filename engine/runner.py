@@ -16,14 +16,18 @@ import torch
 from tandem.engine.attention import AttnBatch, HiddenBatch, HiddenSegment, PrefillSegment
 from tandem.engine.grammar import Vocabulary
 from tandem.engine.kvquant import Int8Rows, dequantize, int8_block_bytes, quantize
-from tandem.engine.messages import (CacheImport, CacheType, Command, DeviceRows, Direction, NewRequest, Offload,
-                             Phase, SamplingSpec, StepInput, StepOutput)
+from tandem.engine.lora import Adapter, StepLora, read_adapter
+from tandem.engine.messages import (CacheImport, CacheType, Command, DeviceRows, Direction, LoraRef, NewRequest,
+                                    Offload, Phase, SamplingSpec, StepInput, StepOutput)
 from tandem.engine.models.spec import ModelSpec
 from tandem.engine.hostcopy import HostCopier
 from tandem.engine.quantpool import QuantPool
 from tandem.engine.sampling import TokenCounts, log_probs, pick_logprobs, sample, token_logprobs
 from tandem.engine.triton_attention import TritonMeta, tables
 from tandem.engine.triton_paging import row_table
+
+
+KEPT_ADAPTERS = 8     # LoRA adapters kept loaded, unused ones included, before unused ones are dropped
 
 
 @dataclass(slots=True)
@@ -40,6 +44,7 @@ class ReqState:
     host: torch.Tensor | Int8Rows | None = None   # swapped out whole: its rows in the host pool
     counts: TokenCounts | None = None   # a penalized request's token counts, from its first sample
     matcher: object | None = None       # a constrained request's grammar matcher, from its first sample
+    adapter: Adapter | None = None      # the LoRA adapter it runs with
 
     def clear_cache(self, rows_per_token: int = 2) -> None:
         self.num_computed = self.capacity = 0
@@ -81,6 +86,7 @@ class ModelRunner:
         # a hidden-cache token takes m = d_model / unit pool rows; 0: not possible for this model
         self.hidden_rows = spec.d_model // spec.unit if spec.d_model % spec.unit == 0 else 0
         self.reqs: dict[str, ReqState] = {}
+        self.adapters: dict[LoraRef, Adapter] = {}   # LoRA adapters loaded, as requests first name them
         self.tokenizer_file = tokenizer_file   # what structured outputs read tokens by (engine.grammar)
         L, H, _, D = pool.shape
         self.int8_block_bytes = int8_block_bytes(L, H, D, block_size)
@@ -100,7 +106,19 @@ class ModelRunner:
         g = self._rows_per_token(nr.cache_type)
         st = ReqState(list(nr.token_ids), nr.num_prompt_tokens, 0, None, 0, nr.sampling, nr.cache_type)
         st.clear_cache(g)
+        if nr.lora is not None:
+            st.adapter = self._adapter(nr.lora)
         self.reqs[nr.req_id] = st
+
+    def _adapter(self, ref: LoraRef) -> Adapter:
+        """The adapter, loaded on first use; once more than KEPT_ADAPTERS are loaded, those no
+        request here runs with are dropped first."""
+        if ref not in self.adapters:
+            if len(self.adapters) >= KEPT_ADAPTERS:
+                used = {st.adapter.ref for st in self.reqs.values() if st.adapter is not None}
+                self.adapters = {r: a for r, a in self.adapters.items() if r in used}
+            self.adapters[ref] = read_adapter(ref, self.spec, self.pool.dtype, self.device)
+        return self.adapters[ref]
 
     def _append_blocks(self, st: ReqState, block_ids: list[int], dirs: list[Direction]) -> None:
         """Blocks arrive in groups of g per block_size tokens: (K, V) pairs for a KV cache,
@@ -328,11 +346,12 @@ class ModelRunner:
             sts = [self.reqs[s.req_id] for s in inp.scheduled]
             self._prepare_writes([(st, st.num_computed, st.num_computed + s.num_new_tokens)
                                   for st, s in zip(sts, inp.scheduled)])
-        ids, pos, batch, rows, samplers, scored = self._build(prefills, decodes)
+        ids, pos, batch, rows, samplers, scored, lora = self._build(prefills, decodes)
         specs = [self.reqs[r].sampling for r in samplers]
         ngen = [len(self.reqs[r].token_ids) - self.reqs[r].num_prompt for r in samplers]
         with torch.inference_mode():
-            logits = self.model(ids, pos, self.pool, batch, rows)      # sampled where it lies
+            logits = (self.model(ids, pos, self.pool, batch, rows) if lora is None      # sampled where it lies
+                      else self.model(ids, pos, self.pool, batch, rows, lora))
             allowed = self._allowed(samplers)      # grammar masks on the CPU while a GPU runs the forward
             prompt_lps = self._prompt_logprobs(logits[len(samplers):], scored)
             logits = logits[:len(samplers)]
@@ -433,7 +452,7 @@ class ModelRunner:
     def _build(self, prefills, decodes):
         """Token ids, positions, attention metadata and logit rows for one step (rows: the
         sampled ones of KV prefills, KV decodes, hidden-cache prefills and decodes; then the
-        prompt-scoring ones, as ``scored`` lists them)."""
+        prompt-scoring ones, as ``scored`` lists them), and the rows that run with adapters."""
         hidden = [s for s in prefills + decodes if self.reqs[s.req_id].cache_type is CacheType.HIDDEN]
         if hidden:
             prefills = [s for s in prefills if self.reqs[s.req_id].cache_type is CacheType.KV]
@@ -472,7 +491,23 @@ class ModelRunner:
             else:
                 batch.windowed = windowed
         return (to(torch.tensor(ids, dtype=torch.long)), to(torch.cat(pos)), batch,
-                to(torch.tensor(rows + extra, dtype=torch.long)), samplers, scored)
+                to(torch.tensor(rows + extra, dtype=torch.long)), samplers, scored,
+                self._step_lora(prefills + decodes + hidden, to))
+
+    def _step_lora(self, order, to) -> StepLora | None:
+        """The step's rows grouped by the adapter they run with (the scheduled requests in their
+        rows' order); None when none has one."""
+        groups: dict[LoraRef, list[range]] = {}
+        row = 0
+        for s in order:
+            adapter = self.reqs[s.req_id].adapter
+            if adapter is not None:
+                groups.setdefault(adapter.ref, []).append(range(row, row + s.num_new_tokens))
+            row += s.num_new_tokens
+        if not groups:
+            return None
+        return StepLora([(self.adapters[ref], to(torch.tensor([i for r in rs for i in r], dtype=torch.long)))
+                         for ref, rs in groups.items()])
 
     def _assemble(self, slots, segs, dec, hb, parts, window: int | None = None) -> AttnBatch:
         """One layout of a step's attention metadata, on the device: every context whole, or
@@ -484,7 +519,7 @@ class ModelRunner:
         segs = [PrefillSegment(g.start, g.end, ctx_to(g.k_ctx), ctx_to(g.v_ctx)) for g in segs]
         if hb is not None:
             hb = HiddenBatch(hb.start, hb.m, to(hb.write_rows),
-                             [HiddenSegment(g.start, g.end, to(g.ctx_rows), g.first) for g in hb.segs])
+                             [HiddenSegment(g.start, g.end, to(g.ctx_rows), g.first, g.adapter) for g in hb.segs])
         batch = AttnBatch(*slots, segs, decode_start, *(dec_to(t) for t in dec), self.kernel, hb, window=window)
         if self.triton:
             batch.triton = self._triton_meta(prefills, dec, hidden, hb, to, window)
@@ -507,7 +542,9 @@ class ModelRunner:
             meta.seg_n = [s.num_new_tokens for s in prefills]
             meta.seg_start = [0] + list(itertools.accumulate(meta.seg_n))[:-1]
             meta.seg_ctx = ctx
-        single = [i for i, s in enumerate(hidden) if s.num_new_tokens == 1] if hb is not None else []
+        # the fused kernel projects with the base weights only: a request with an adapter takes the torch path
+        single = ([i for i, s in enumerate(hidden) if s.num_new_tokens == 1 and self.reqs[s.req_id].adapter is None]
+                  if hb is not None else [])
         # the kernel has no per-head norm of K, and numbers its context's positions from 0
         if single and not self.int8 and not self.spec.qk_norm and not window:
             sts = [self.reqs[hidden[i].req_id] for i in single]
@@ -534,7 +571,8 @@ class ModelRunner:
             if s.phase is Phase.PREFILL:
                 extra += self._scored_rows(s, st, row, a, b, scored)
             write.append(st.slots[:, a:b].T.reshape(-1))          # token-major: token i's m rows
-            segs.append(HiddenSegment(row - start, row - start + b - a, st.slots[:, :b].T.reshape(-1)))
+            segs.append(HiddenSegment(row - start, row - start + b - a, st.slots[:, :b].T.reshape(-1),
+                                      adapter=st.adapter))
             row += b - a
             if s.sample or s.phase is Phase.DECODE:
                 rows.append(row - 1)
@@ -590,7 +628,7 @@ def window_cut(segs: list[PrefillSegment], dec, hb: HiddenBatch | None, w: int):
         for g in hb.segs:
             a = g.ctx_rows.shape[0] // hb.m - (g.end - g.start)
             lo = max(0, a - w + 1)
-            hsegs.append(HiddenSegment(g.start, g.end, g.ctx_rows[lo * hb.m:], g.first + lo))
+            hsegs.append(HiddenSegment(g.start, g.end, g.ctx_rows[lo * hb.m:], g.first + lo, g.adapter))
         hb = HiddenBatch(hb.start, hb.m, hb.write_rows, hsegs)
     return cut, dec, hb
 

@@ -342,7 +342,7 @@ class DeviceActor:
         num_tokens tokens (computed once, extended as its tokens grow)."""
         keys = self._keys.setdefault(st.req_id, [])
         if len(keys) < num_tokens // self.pool.geometry.block_size:
-            block_keys(st.all_token_ids(), self.pool.geometry.block_size, keys, num_tokens, st.request.cache_salt)
+            block_keys(st.all_token_ids(), self.pool.geometry.block_size, keys, num_tokens, st.request.prefix_salt)
         return keys
 
     def _cached_prefixes(self) -> dict[str, int]:
@@ -571,7 +571,7 @@ class DeviceActor:
                             compile_grammar(sp.structured_outputs) if sp.structured_outputs else "",
                             float(sp.min_p), tuple(sp.allowed_token_ids or ()), st.request.bad_words_ids)
         return NewRequest(st.req_id, st.all_token_ids(), len(st.request.prompt_token_ids),
-                          st.cache_type, spec)
+                          st.cache_type, spec, st.request.lora)
 
     # ---- account -----------------------------------------------------------------
     def account(self, p: Pending, out: StepOutput) -> list[Update]:

@@ -74,7 +74,8 @@ class AsyncEngine:
         ends, cached = [], 0
         while not search.done:
             steps = search.step_requests(req.req_id, req.sampling.seed, top, service_class=req.service_class,
-                                         slo_ttft_s=req.slo_ttft_s, slo_tbt_s=req.slo_tbt_s, cache_salt=req.cache_salt)
+                                         slo_ttft_s=req.slo_ttft_s, slo_tbt_s=req.slo_tbt_s, cache_salt=req.cache_salt,
+                                         lora=req.lora)
             subs: list[Submission] = []
             try:
                 for r in steps:

@@ -20,7 +20,8 @@ from typing import Any, Callable, Sequence
 import tandem.engine as engine_package
 from tandem.engine.dtype import cpu_flags, resolve_dtype
 from tandem.engine.grammar import Vocabulary, compile_grammar
-from tandem.engine.messages import DeviceError, TokenLogprobs
+from tandem.engine.lora import LoraError, read_adapter
+from tandem.engine.messages import DeviceError, LoraRef, TokenLogprobs
 from tandem.engine.models.loader import load_spec, load_tokenizer, resolve_model, sampling_defaults
 from tandem.engine.params import SamplingParams, int_list
 from tandem.engine.worker import (WorkerConfig, WorkerHandle, available_memory, cpu_worker_bytes, prestart,
@@ -52,12 +53,12 @@ VLLM_OPTIONS = {
                     "quantization is supported",
     "download_dir": "nothing is downloaded: give model a local checkpoint dir or a .gguf file",
     "tokenizer": "the checkpoint's own tokenizer is used",
-    "enable_lora": "LoRA adapters are not supported",
+    "enable_lora": None, "max_lora_rank": None, "max_loras": None, "max_cpu_loras": None,   # adapters: lora_request
     "speculative_config": "speculative decoding is not supported",
     "trust_remote_code": None, "enforce_eager": None, "disable_log_stats": None,
     "disable_custom_all_reduce": None, "max_seq_len_to_capture": None,
 }
-TAKEN = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "enable_lora": False, "quantization": None,
+TAKEN = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "quantization": None,
          "tokenizer": None, "download_dir": None, "speculative_config": None}
 
 
@@ -76,6 +77,7 @@ class RequestOutput:
     stop_reason: str | int | None = None   # vLLM's: the stop string or stop token id that ended it (None: EOS)
     index: int = 0                 # which of the prompt's n choices this is
     choices: list["RequestOutput"] | None = None   # with SamplingParams.n > 1: all n, this one's fields the first's
+    lora_request: "LoRARequest | None" = None     # the adapter it ran with, as given
 
     @property
     def request_id(self) -> str:
@@ -86,7 +88,8 @@ class RequestOutput:
     def outputs(self) -> list["CompletionOutput"]:
         """vLLM's shape: the prompt's n completions, so ``out.outputs[0].text`` works as with vLLM."""
         return [CompletionOutput(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason,
-                                 c.stop_reason) for c in (self.choices if self.choices is not None else [self])]
+                                 c.stop_reason, c.lora_request)
+                for c in (self.choices if self.choices is not None else [self])]
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -97,9 +100,9 @@ class RequestOutput:
     def finished(self) -> bool:
         return True                # generate returns finished requests only
 
-    # vLLM's fields of what this server has none of: no encoder, LoRA adapters, KV transfer or
-    # per-request stats (vLLM gives None too without them)
-    encoder_prompt = encoder_prompt_token_ids = lora_request = kv_transfer_params = metrics = None
+    # vLLM's fields of what this server has none of: no encoder, KV transfer or per-request
+    # stats (vLLM gives None too without them)
+    encoder_prompt = encoder_prompt_token_ids = kv_transfer_params = metrics = None
 
     @property
     def multi_modal_placeholders(self) -> dict:
@@ -117,11 +120,20 @@ class CompletionOutput:
     logprobs: list | None
     finish_reason: str
     stop_reason: str | int | None
-
-    lora_request = None             # vLLM's: no LoRA adapters here
+    lora_request: "LoRARequest | None" = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """vLLM's: a LoRA adapter to generate with (``generate(..., lora_request=...)``): its name,
+    vLLM's integer id for it (kept, unused: the name identifies it here) and the directory PEFT's
+    ``save_pretrained`` wrote it to."""
+    lora_name: str
+    lora_int_id: int = 1
+    lora_path: str = ""
 
 
 @dataclass(slots=True)
@@ -445,6 +457,7 @@ class LLM:
         t_load = time.monotonic()
         hf_dir = resolve_model(model, cache_dir or DEFAULT_CACHE_DIR)
         self.spec = load_spec(hf_dir)
+        self.adapters: dict[str, LoraRef] = {}     # LoRA adapters by name, as load_lora checked them
         # what a request that sets no sampling field of its own takes (vLLM's generation_config)
         self.sampling_defaults = sampling_defaults(hf_dir) if generation_config == "auto" else {}
         if self.sampling_defaults:
@@ -880,14 +893,48 @@ class LLM:
         for sink, ups in groups.values():
             sink(ups)
 
+    def load_lora(self, name: str, path: str | os.PathLike) -> LoraRef:
+        """Check that the LoRA adapter PEFT saved at ``path`` fits this model (ValueError saying
+        why not) and serve it as ``name``; a name given again takes the new directory."""
+        if not isinstance(name, str) or not name:
+            raise ValueError("lora_name: must be a non-empty string")
+        ref = LoraRef(name, os.path.abspath(os.fspath(path)))
+        if self.adapters.get(name) != ref:
+            try:
+                read_adapter(ref, self.spec)
+            except LoraError as e:
+                raise ValueError(f"LoRA adapter {name!r}: {e}") from None
+            self.adapters[name] = ref
+        return ref
+
+    def unload_lora(self, name: str) -> bool:
+        """Serve ``name`` no more (requests already running on it finish); False if unknown."""
+        return self.adapters.pop(name, None) is not None
+
+    def _adapter_refs(self, lora_request: Any, n: int) -> list[LoraRef | None]:
+        """Each of n prompts' adapter: one LoRARequest (or None) for all, or a list of them."""
+        given = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * n
+        if len(given) != n:
+            raise ValueError(f"lora_request: {len(given)} given for {n} prompts")
+        refs = []
+        for lr in given:
+            if lr is not None and not isinstance(lr, LoRARequest):
+                raise ValueError("lora_request: must be a LoRARequest, a list of them, or None")
+            refs.append(None if lr is None else self.load_lora(lr.lora_name, lr.lora_path))
+        return refs
+
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = False, chat_template: ChatTemplate = CHAT) -> list[RequestOutput]:
+                 *, use_tqdm: bool = False, chat_template: ChatTemplate = CHAT,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for each prompt; outputs in prompt order. Validates everything before queueing.
 
         A prompt is a string, a list of token ids, a chat's messages (rendered as
         ``chat_template`` says), or a dict: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``,
         with ``"cache_salt"`` to share cached blocks only among the prompts that give the same
-        salt. An empty list of prompts gives an empty list, as vLLM's."""
+        salt. ``lora_request``: the LoRA adapter to generate with (``LoRARequest``), for every
+        prompt or one per prompt (None: the base model); prompts on different adapters and on
+        the base model run in the same steps. An empty list of prompts gives an empty list, as
+        vLLM's."""
         plist, salts = _prompts_and_salts(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams(**self.sampling_defaults)
         if isinstance(params, SamplingParams):
@@ -896,6 +943,7 @@ class LLM:
             raise ValueError(f"sampling_params: {len(params)} given for {len(plist)} prompts")
         if not plist:
             return []
+        loras = self._adapter_refs(lora_request, len(plist))
         for p in params:
             if not isinstance(p, SamplingParams):
                 raise ValueError("sampling_params: must be SamplingParams")
@@ -912,12 +960,14 @@ class LLM:
             sized = [sp if sp.seed is not None else replace(sp, seed=self._seeds.randrange(2 ** 63)) for sp in sized]
         now = time.monotonic()
         reqs = [Request(f"gen-{next(self._ids)}", ids, _choice(sp, i), arrival_time=now, prompt=text,
-                        cache_salt=salt, bad_words_ids=self.bad_words_ids(sp))
-                for (ids, text), sp, salt in zip(encoded, sized, salts) for i in range(sp.n)]
+                        cache_salt=salt, bad_words_ids=self.bad_words_ids(sp), lora=lora)
+                for (ids, text), sp, salt, lora in zip(encoded, sized, salts, loras) for i in range(sp.n)]
         texts = None if self.lengths is None else [self.prediction_text(p, sp, e)
                                                    for p, sp, e in zip(plist, params, encoded) for _ in range(sp.n)]
         outs = iter(self._output(st) for st in self._serve(reqs, texts, use_tqdm))
-        return [_one_output([next(outs) for _ in range(sp.n)]) for sp in params]
+        given = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(plist)
+        return [_one_output([replace(next(outs), lora_request=lr) for _ in range(sp.n)])
+                for sp, lr in zip(params, given)]
 
     def _serve(self, reqs: list[Request], texts: list[str] | None, use_tqdm: bool = False) -> list[RequestState]:
         """Run the requests to their ends (``texts``: what the length predictor reads of each,
@@ -932,7 +982,8 @@ class LLM:
         return states
 
     def beam_search(self, prompts: Any, params: BeamSearchParams, *, use_tqdm: bool = False,
-                    concurrency_limit: int | None = None, chat_template: ChatTemplate = CHAT) -> list[BeamSearchOutput]:
+                    concurrency_limit: int | None = None, chat_template: ChatTemplate = CHAT,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: for each prompt (as ``generate`` takes them), its
         ``params.beam_width`` best sequences (sched/beam.py says how they are found and ranked),
         best first, each with its ``tokens`` (prompt and output, a final end token included),
@@ -940,7 +991,7 @@ class LLM:
         false), ``cum_logprob``, ``logprobs`` (per output token, as ``generate`` gives them), ``finish_reason``
         and ``stop_reason``, as vLLM's offline search gives them. Each step runs one one-token
         request per live beam, every prompt's together (or ``concurrency_limit`` prompts' at a
-        time); the prefix cache keeps their earlier tokens."""
+        time); the prefix cache keeps their earlier tokens. ``lora_request``: as ``generate``'s."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError("params: must be BeamSearchParams")
         params.validate()
@@ -949,6 +1000,7 @@ class LLM:
         plist, salts = _prompts_and_salts(prompts)
         if not plist:
             return []
+        loras = self._adapter_refs(lora_request, len(plist))
         encoded = [self.encode_prompt(p, chat_template)[0] for p in plist]
         for ids in encoded:
             self._check_length(ids)
@@ -958,21 +1010,22 @@ class LLM:
         bar = _progress(len(searches)) if use_tqdm else None
         step = concurrency_limit or len(searches)
         for start in range(0, len(searches), step):
-            self._search(list(zip(searches, salts))[start:start + step], bar)
+            self._search(list(zip(searches, salts, loras))[start:start + step], bar)
         if bar is not None:
             bar.close()
         return [BeamSearchOutput(self._with_text(s.result(), params.skip_special_tokens)) for s in searches]
 
-    def _search(self, group: list[tuple[BeamSearch, str | None]], bar) -> None:
+    def _search(self, group: list[tuple[BeamSearch, str | None, LoraRef | None]], bar) -> None:
         """Run these searches to their ends, each step's beams all together."""
-        while live := [(s, salt) for s, salt in group if not s.done]:
-            reqs = [r for s, salt in live for r in s.step_requests(f"beam-{next(self._ids)}", cache_salt=salt)]
+        while live := [g for g in group if not g[0].done]:
+            reqs = [r for s, salt, lora in live
+                    for r in s.step_requests(f"beam-{next(self._ids)}", cache_salt=salt, lora=lora)]
             states = iter(self._serve(reqs, None))
-            for s, _ in live:
+            for s, _, _ in live:
                 got = [next(states) for _ in s.beams]
                 s.advance([st.output_logprobs[0] for st in got], [st.output_token_ids[0] for st in got])
             if bar is not None:
-                bar.update(sum(s.done for s, _ in live))
+                bar.update(sum(s.done for s, _, _ in live))
 
     def _with_text(self, seqs: list[BeamSearchSequence], skip_special_tokens: bool) -> list[BeamSearchSequence]:
         """The sequences, each with its whole text (none where the model has no tokenizer) and
@@ -987,13 +1040,14 @@ class LLM:
              *, use_tqdm: bool = False, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
              chat_template: str | None = None, documents: list[dict] | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages) or a
         list of them, each rendered by the model's chat template (or ``chat_template``, a Jinja
         template) with the assistant's turn opened (or, ``continue_final_message``, its last
         message, an assistant's, left open for the reply to continue: see ``ChatTemplate``); one
         output per conversation, in order. ``tools`` go to the template, as vLLM gives them (the
-        reply is not parsed for calls: the server does that)."""
+        reply is not parsed for calls: the server does that). ``lora_request``: as ``generate``'s."""
         if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
             messages = [messages]
         if not (isinstance(messages, (list, tuple)) and messages
@@ -1001,7 +1055,7 @@ class LLM:
             raise ValueError("messages: give a conversation (a list of message dicts) or a list of them")
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise ValueError("tools: must be a list of tool dicts")
-        return self.generate(list(messages), sampling_params, use_tqdm=use_tqdm,
+        return self.generate(list(messages), sampling_params, use_tqdm=use_tqdm, lora_request=lora_request,
                              chat_template=ChatTemplate(add_generation_prompt, continue_final_message,
                                                         dict(chat_template_kwargs or {}), chat_template,
                                                         None if documents is None else tuple(documents),

@@ -5,7 +5,7 @@ import enum
 import uuid
 from dataclasses import dataclass, field
 
-from tandem.engine.messages import CacheType
+from tandem.engine.messages import CacheType, LoraRef
 from tandem.engine.params import SamplingParams
 
 
@@ -62,6 +62,15 @@ class Request:
     predicted_spread: tuple[int, ...] = ()   # equally likely output lengths, ascending (empty: a point)
     cache_salt: str | None = None      # prefix caching: only requests with the same salt share blocks
     bad_words_ids: tuple[tuple[int, ...], ...] = ()   # sampling.bad_words as token ids (LLM.bad_words_ids)
+    lora: LoraRef | None = None        # the LoRA adapter it runs with (None: the base model)
+
+    @property
+    def prefix_salt(self) -> str | None:
+        """What prefix caching keys its blocks by beside their tokens: its cache salt, and its
+        adapter (whose K and V differ from the base model's and from another adapter's)."""
+        if self.lora is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\0lora\0{self.lora.name}\0{self.lora.path}"
 
 
 @dataclass(slots=True)

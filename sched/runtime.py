@@ -471,7 +471,7 @@ class Runtime:
             limit = (len(prompt) - 1) // pool.geometry.block_size
             if not keys:
                 block_keys(prompt, pool.geometry.block_size, keys, limit * pool.geometry.block_size,
-                           st.request.cache_salt)
+                           st.request.prefix_salt)
             n = pool.cached_prefix(keys, limit)
             if n:
                 out[t.actor.index] = n

@@ -77,6 +77,34 @@ def _listed(values: list[str]) -> tuple[str, ...]:
     return tuple(values)
 
 
+def lora_modules(values: list[str], cfg: ServerConfig) -> tuple[tuple[str, str], ...]:
+    """--lora-modules: (name, directory) pairs from name=path or vLLM's JSON objects
+    ({"name", "path", "base_model_name"}); each name once, none a served model's name, each
+    directory holding an adapter_config.json (ValueError else)."""
+    from tandem.server.adapters import check_name
+    out: dict[str, str] = {}
+    for v in values:
+        if v.lstrip().startswith("{"):
+            try:
+                obj = json.loads(v)
+            except ValueError:
+                raise ValueError(f"lora-modules: not JSON: {v}") from None
+            if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("path"), str)):
+                raise ValueError(f"lora-modules: a JSON module needs string 'name' and 'path': {v}")
+            name, path = obj["name"], obj["path"]
+        else:
+            name, sep, path = v.partition("=")
+            if not sep:
+                raise ValueError(f"lora-modules: {v!r} is not name=path")
+        if not name or not path or name in out:
+            raise ValueError(f"lora-modules: {v!r}: " + ("a name given twice" if name in out else "empty name or path"))
+        check_name(name, cfg)
+        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            raise ValueError(f"lora-modules: {path}: no adapter_config.json (PEFT's save_pretrained writes one)")
+        out[name] = path
+    return tuple(out.items())
+
+
 def human_int(value: str) -> int:
     """vLLM's human-readable sizes: 4k = 4,000, 4K = 4,096 (m/M, g/G likewise)."""
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG]?)", value.strip())
@@ -167,6 +195,17 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                          "system prompt, a chat's earlier turns) instead of computing them again; the same "
                          "outputs either way in float32, up to rounding in bfloat16 (default: on; not with "
                          "--bidirectional-blocks)")
+    ap.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                    help="LoRA adapters to serve, each as name=path (a directory PEFT's save_pretrained wrote) "
+                         "or vLLM's JSON '{\"name\": ..., \"path\": ...}': a request whose model is the name "
+                         "runs with the adapter, in the same steps as requests on the base model")
+    ap.add_argument("--enable-lora", action="store_true",
+                    help="vLLM's: adapters are always served here; it takes the flag")
+    ap.add_argument("--allow-runtime-lora-updating", action="store_true",
+                    default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+                    help="clients may load adapters from directories on this machine and unload them "
+                         "(POST /v1/load_lora_adapter, /v1/unload_lora_adapter) (default: "
+                         "$VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     ap.add_argument("--prefix-aware-routing", action=argparse.BooleanOptionalAction, default=d.prefix_routing,
                     help="several devices with prefix caching: send a request to the device whose cache holds "
                          "the most of its prompt's start (a chat's earlier turns), while that device holds at "
@@ -332,8 +371,14 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     # vLLM's default name is the --model string: taken too where no name was given
     aliases = tuple(dict.fromkeys(n for n in (*names[1:], *([] if a.served_model_name else [a.model]))
                                   if n != names[0]))
+    named = ServerConfig(served_model_name=names[0], model_aliases=aliases)
+    try:
+        loras = lora_modules(a.lora_modules, named)
+    except ValueError as e:
+        ap.error(str(e))
     return ServerConfig(model=a.model, served_model_name=names[0], model_aliases=aliases,
                         listed_names=tuple(dict.fromkeys(names)), devices=a.devices,
+                        lora_modules=loras, runtime_lora=a.allow_runtime_lora_updating,
                         host=a.host, port=a.port, api_keys=tuple(a.api_key), data_dir=a.data_dir,
                         max_num_seqs=a.max_num_seqs,
                         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
@@ -439,6 +484,12 @@ def main(argv=None, prog: str = "python -m server") -> None:
                   enable_prefix_caching=cfg.prefix_caching, prefix_aware_routing=cfg.prefix_routing,
                   chat_template=cfg.chat_template, profile_cache=Path(cfg.data_dir) / "profiles",
                   reprofile=cfg.startup_profile == "fresh")
+        try:
+            for name, path in cfg.lora_modules:
+                llm.load_lora(name, path)
+        except ValueError:
+            llm.shutdown()
+            raise
         return AsyncEngine(llm)
 
     app = create_app(cfg, build_engine)

@@ -125,9 +125,10 @@ async def auth_middleware(request: web.Request, handler):
     return await handler(request)
 
 
-def served_model(body: dict, cfg: ServerConfig) -> str:
-    """The served model's name for a body that names it by any of its names, or none (404 else)."""
-    return check_model(body, cfg.served_model_name, cfg.model_aliases)
+def served_model(body: dict, cfg: ServerConfig, engine: AsyncEngine | None = None) -> str:
+    """The served model's name for a body that names it by any of its names, or none; the LoRA
+    adapter's for one that names an adapter the engine serves (404 else)."""
+    return check_model(body, cfg.served_model_name, cfg.model_aliases, {} if engine is None else engine.llm.adapters)
 
 
 async def room_to_wait(engine: AsyncEngine, cfg: ServerConfig) -> None:
@@ -214,7 +215,8 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
     tokenized on a worker thread: a long one never holds up the event loop. The completion is
     named by ``request_id`` (a client's X-Request-Id), else by the body's ``request_id``, else
     anew; its requests' ids stay unique when a client names two alike."""
-    model = served_model(body, cfg)
+    model = served_model(body, cfg, engine)
+    lora = engine.llm.adapters.get(model)
     defaults = dict(default_ttft_s=None, default_tbt_s=None) if force_be else \
         dict(default_ttft_s=cfg.slo_ttft_ms / 1000, default_tbt_s=cfg.slo_tbt_ms / 1000)  # RT targets only
     defaults["model_defaults"] = engine.llm.sampling_defaults
@@ -255,7 +257,7 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
                     replace(sp, max_tokens=mt, seed=None if sp.seed is None else sp.seed + i, stop=list(sp.stop),
                             stop_token_ids=list(sp.stop_token_ids)),
                     gen.service_class, now, gen.slo_ttft_s, gen.slo_tbt_s, text, stream_text=gen.stream,
-                    cache_salt=gen.cache_salt, bad_words_ids=bad_words)
+                    cache_salt=gen.cache_salt, bad_words_ids=bad_words, lora=lora)
             for j, ((ids, text), mt) in enumerate(zip(encoded, budgets)) for i in range(gen.n)]
     p = Prepared(gen, model, rid, sum(len(ids) for ids, _ in encoded), reqs, [], shown)
     if gen.beam is not None:         # each step submits its own requests (run_beams)
@@ -786,7 +788,7 @@ async def tokenize(request):
     see them, on a worker thread."""
     engine = ready_engine(request)
     body = await read_json(request)
-    served_model(body, request.app[STATE].cfg)
+    served_model(body, request.app[STATE].cfg, engine)
     prompt, template = parse_tokenize(body, request.app[STATE].cfg.trust_request_chat_template)
     try:
         ids, _ = await asyncio.get_running_loop().run_in_executor(None, engine.llm.encode_prompt, prompt, template)
@@ -828,7 +830,7 @@ async def detokenize(request):
     """vLLM's /detokenize: token ids to text, special tokens kept."""
     engine = ready_engine(request)
     body = await read_json(request)
-    served_model(body, request.app[STATE].cfg)
+    served_model(body, request.app[STATE].cfg, engine)
     ids = parse_detokenize(body)
     try:
         text = await asyncio.get_running_loop().run_in_executor(None, engine.llm.ids_to_text, ids)
@@ -837,13 +839,14 @@ async def detokenize(request):
     return json_response({"prompt": text})
 
 
-def _model_object(st, name: str | None = None) -> dict:
+def _model_object(st, name: str | None = None, adapter=None) -> dict:
     """OpenAI's model object for a served name (the first by default) with vLLM's additions:
-    ``root`` (the model as --model named it), ``parent`` (null: no adapters here),
-    ``max_model_len``, ``permission``."""
+    ``root`` (the model as --model named it; an adapter's directory), ``parent`` (null; an
+    adapter's: the served model's name), ``max_model_len``, ``permission``."""
     name = name or st.cfg.served_model_name
+    root, parent = (st.cfg.model, None) if adapter is None else (adapter.path, st.cfg.served_model_name)
     return {"id": name, "object": "model", "created": st.created, "owned_by": "tandem",
-            "root": st.cfg.model, "parent": None, "max_model_len": st.engine.llm.max_model_len if st.engine else None,
+            "root": root, "parent": parent, "max_model_len": st.engine.llm.max_model_len if st.engine else None,
             "permission": [{"id": f"modelperm-{name}", "object": "model_permission",
                             "created": st.created, "allow_create_engine": False, "allow_sampling": True,
                             "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
@@ -851,9 +854,12 @@ def _model_object(st, name: str | None = None) -> dict:
 
 
 async def models(request):
-    """Every name --served-model-name gives, as vLLM lists them (each answers requests)."""
+    """Every name --served-model-name gives, as vLLM lists them (each answers requests), then the
+    LoRA adapters served."""
     st = request.app[STATE]
-    return json_response({"object": "list", "data": [_model_object(st, n) for n in _served_names(st.cfg)]})
+    adapters = {} if st.engine is None else st.engine.llm.adapters
+    return json_response({"object": "list", "data": [_model_object(st, n) for n in _served_names(st.cfg)]
+                          + [_model_object(st, n, a) for n, a in list(adapters.items())]})
 
 
 def _served_names(cfg) -> tuple[str, ...]:
@@ -863,9 +869,10 @@ def _served_names(cfg) -> tuple[str, ...]:
 async def model(request):
     """One model by id, as ``GET /v1/models`` lists it; 404 for a model not served here."""
     st = request.app[STATE]
-    served_model({"model": request.match_info["id"]}, st.cfg)
     name = request.match_info["id"]
-    return json_response(_model_object(st, name if name in _served_names(st.cfg) else None))
+    served_model({"model": name}, st.cfg, st.engine)
+    adapter = None if st.engine is None else st.engine.llm.adapters.get(name)
+    return json_response(_model_object(st, name if name in _served_names(st.cfg) or adapter else None, adapter))
 
 
 async def health(request):
@@ -918,7 +925,8 @@ def process_stats(pid: int) -> dict | None:
 
 async def openapi(request):
     from tandem.server.openapi import document
-    return json_response(document(root_path=request.app[STATE].cfg.root_path))
+    cfg = request.app[STATE].cfg
+    return json_response(document(root_path=cfg.root_path, runtime_lora=cfg.runtime_lora))
 
 
 async def dashboard(request):
@@ -971,6 +979,9 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
     from tandem.server import responses, routes_batch
     routes_batch.add_routes(app)
     responses.add_routes(app)
+    if cfg.runtime_lora:
+        from tandem.server import adapters
+        adapters.add_routes(app)
 
     async def load(app_):
         t0 = time.monotonic()

@@ -14,6 +14,8 @@ class ServerConfig:
     model: str = "smollm2"
     served_model_name: str = "smollm2"
     model_aliases: tuple[str, ...] = ()     # other names requests may give (answered as served_model_name)
+    lora_modules: tuple[tuple[str, str], ...] = ()   # LoRA adapters served from the start: (name, directory)
+    runtime_lora: bool = False              # clients may load and unload adapters (vLLM's runtime LoRA routes)
     listed_names: tuple[str, ...] = ()      # what /v1/models lists: --served-model-name's names (default: the first)
     devices: str = "cpu:1"
     host: str = "127.0.0.1"

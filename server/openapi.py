@@ -147,8 +147,26 @@ def _path_id(name: str) -> list:
     return [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}, "description": name}]
 
 
-def document(version: str = "0.1.0", root_path: str = "") -> dict:
-    """The OpenAPI document; ``root_path``: the prefix a proxy serves the API under (its server URL)."""
+def _text_op(summary: str, body: dict) -> dict:
+    """An operation answering plain text (vLLM's runtime LoRA routes), errors as OpenAI's."""
+    return {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": {"200": {"description": "success", "content": {"text/plain": {"schema": {"type": "string"}}}},
+                          "default": _json(ERROR, "an error")}}
+
+
+def _lora_paths() -> dict:
+    name = {"type": "string", "minLength": 1}
+    return {"/v1/load_lora_adapter": {"post": _text_op(
+                "serve a LoRA adapter from a directory on the server's machine", {
+                    "type": "object", "required": ["lora_name", "lora_path"],
+                    "properties": {"lora_name": name, "lora_path": name}})},
+            "/v1/unload_lora_adapter": {"post": _text_op("serve a LoRA adapter no more", {
+                "type": "object", "required": ["lora_name"], "properties": {"lora_name": name}})}}
+
+
+def document(version: str = "0.1.0", root_path: str = "", runtime_lora: bool = False) -> dict:
+    """The OpenAPI document; ``root_path``: the prefix a proxy serves the API under (its server URL);
+    ``runtime_lora``: with the routes that load and unload LoRA adapters."""
     upload = {"type": "object", "required": ["purpose", "file"], "properties": {
         "purpose": {"enum": ["batch", "user_data"]}, "file": {"type": "string", "format": "binary"},
         "expires_after": EXPIRES_AFTER}}
@@ -188,7 +206,7 @@ def document(version: str = "0.1.0", root_path: str = "") -> dict:
                                       TOKENS, TOKENIZE_BODY)},
             "/detokenize": {"post": _op("token ids to text", {"type": "object", "required": ["prompt"], "properties": {
                 "prompt": {"type": "string"}}}, DETOKENIZE_BODY)},
-            "/v1/models": {"get": _op("the served model", _list(MODEL))},
+            "/v1/models": {"get": _op("the served model, then its LoRA adapters", _list(MODEL))},
             "/v1/models/{id}": {"get": _op("a model by id", MODEL, params=_path_id("model id"))},
             "/v1/files": {
                 "post": {**_op("upload a file", FILE), "requestBody": {"required": True, "content": {
@@ -230,5 +248,6 @@ def document(version: str = "0.1.0", root_path: str = "") -> dict:
                 "description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}}}}},
             "/openapi.json": {"get": {"summary": "this document", "security": [], "responses": {
                 "200": _json({"type": "object"}, "OpenAPI 3.1")}}},
+            **(_lora_paths() if runtime_lora else {}),
         },
     }

@@ -331,14 +331,17 @@ def parse_completion(body: dict, **defaults) -> GenRequest:
     return GenRequest(prompts, sp, **extra)
 
 
-def check_model(body: dict, served: str, aliases: tuple[str, ...] = ()) -> str:
+def check_model(body: dict, served: str, aliases: tuple[str, ...] = (), adapters=()) -> str:
     """The served model's name, for a request that names it, one of its ``aliases`` (vLLM's
-    further served names, the --model path as given) or nothing; 404 for any other."""
+    further served names, the --model path as given) or nothing; a LoRA adapter's name, for one
+    that names one of ``adapters``; 404 for any other."""
     model = body.get("model", served)
     if model is None:
         model = served
     if not isinstance(model, str):
         raise bad_request("'model' must be a string", param="model")
+    if model in adapters:
+        return model
     if model != served and model not in aliases:
         raise ApiError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
     return served

@@ -1,5 +1,5 @@
 """Tandem: ``from tandem import LLM, SamplingParams`` (the offline API; ``BeamSearchParams``
-for ``LLM.beam_search``).
+for ``LLM.beam_search``, ``LoRARequest`` for generating with a LoRA adapter).
 
 The layers keep the design's top-level folders (``engine/``, ``sched/``, ``cache/``,
 ``server/``, ``predictor/``, ``bench/``) and are imported as ``tandem.engine``,
@@ -16,11 +16,11 @@ if not _os.path.isdir(_os.path.join(_HERE, "engine")):
 from tandem.engine.params import SamplingParams, StructuredOutputs, StructuredOutputsParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputs", "StructuredOutputsParams", "RequestOutput",
-           "BeamSearchParams"]
+           "BeamSearchParams", "LoRARequest"]
 
 
 def __getattr__(name):  # load the scheduler and torch only when LLM is asked for
-    if name in ("LLM", "RequestOutput"):
+    if name in ("LLM", "RequestOutput", "LoRARequest"):
         from tandem.sched import llm
         return getattr(llm, name)
     if name == "BeamSearchParams":

@@ -69,18 +69,42 @@ def mixed_prompts(n: int, vocab: int, seed: int, lo: int = 2, hi: int = 60) -> l
 
 
 def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int, eos: bool = False,
-              **generate_kw) -> list[list[int]]:
-    """Reference: HF transformers generate, one unpadded prompt at a time, fp32 (``generate_kw``:
-    more of generate's arguments, e.g. bad_words_ids)."""
+              adapter=None, **generate_kw) -> list[list[int]]:
+    """Reference: HF transformers generate, one unpadded prompt at a time, fp32 (``adapter``: a
+    LoRA adapter's directory, applied by PEFT; ``generate_kw``: more of generate's arguments,
+    e.g. bad_words_ids)."""
     import torch
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if adapter is not None:
+        from peft import PeftModel
+        hf = PeftModel.from_pretrained(hf, str(adapter)).eval()
     out = []
     for p in prompts:
         kw = {} if eos else {"eos_token_id": None}
         g = hf.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
                         pad_token_id=0, **kw, **generate_kw)
         out.append(g[0, len(p):].tolist())
+    return out
+
+
+def write_adapter(model_dir, out, targets: list[str], r: int = 8, alpha: float = 16, seed: int = 0,
+                  **config):
+    """A random LoRA adapter for the checkpoint at ``model_dir``, saved by PEFT to ``out``: A and B
+    both random (B three times PEFT's non-default init, so that the adapter changes the
+    model's greedy tokens). ``config``: more of LoraConfig's fields (use_rslora, use_dora, ...)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                           LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False,
+                                      **config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(3.0)
+    model.save_pretrained(str(out))
     return out
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from tandem.engine.attention import AttnBatch, HiddenProjection, paged_attention
 from tandem.engine.linear import embedding, is_packed, linear, pack_head, pack_into
+from tandem.engine.lora import StepLora, lora_linear
 from tandem.engine.models.spec import ModelSpec
 
 
@@ -50,13 +51,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rot * sin[:, None, :]
 
 
-def attn_in(h, in_norm, qkv_w, qkv_b, qk_norm, cos, sin, eps: float, nh: int, nkv: int, hd: int):
+def attn_in(h, in_norm, qkv_w, qkv_b, qk_norm, cos, sin, eps: float, nh: int, nkv: int, hd: int, lora=None):
     """Pre-attention: RMSNorm, fused QKV projection (``qkv_b``: its bias or None), the Q and K
     heads' own RMSNorm (``qk_norm``: their weights [2, hd], or None), rotary embeddings (none
-    where ``cos`` is None).
+    where ``cos`` is None). ``lora``: the step's adapters at this layer (engine.lora.StepLora.at).
     h: [T, d]. Returns q, k, v and the post-norm input x (what a hidden cache stores)."""
     x = rms_norm(h, in_norm, eps)
-    qkv = linear(x, qkv_w, qkv_b)
+    qkv = lora_linear(lora, "qkv", x, qkv_w, qkv_b)
     t = qkv.shape[0]
     qk = qkv[:, :(nh + nkv) * hd].view(t, nh + nkv, hd)
     if qk_norm is not None:
@@ -67,15 +68,16 @@ def attn_in(h, in_norm, qkv_w, qkv_b, qk_norm, cos, sin, eps: float, nh: int, nk
     return q, k.contiguous(), qkv[:, (nh + nkv) * hd:].contiguous(), x
 
 
-def attn_out_mlp(h, a, o_w, o_b, post_norm, gate_up_w, down_w, eps: float, out_norm=None, gelu: bool = False):
+def attn_out_mlp(h, a, o_w, o_b, post_norm, gate_up_w, down_w, eps: float, out_norm=None, gelu: bool = False,
+                 lora=None):
     """Post-attention: output projection (``o_b``: its bias or None) + residual, RMSNorm, SiLU MLP
     + residual. ``out_norm``: Gemma's RMSNorm weights [2, d] of the attention's and the MLP's
     outputs, applied before each residual add; ``gelu``: the gate is a GELU (tanh approximation)."""
-    o = linear(a, o_w, o_b)
+    o = lora_linear(lora, "o", a, o_w, o_b)
     h = h + (o if out_norm is None else rms_norm(o, out_norm[0], eps))
     x = rms_norm(h, post_norm, eps)
-    gate, up = linear(x, gate_up_w).chunk(2, dim=-1)
-    m = linear((F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up, down_w)
+    gate, up = lora_linear(lora, "up", x, gate_up_w).chunk(2, dim=-1)
+    m = lora_linear(lora, "down", (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up, down_w)
     return h + (m if out_norm is None else rms_norm(m, out_norm[1], eps))
 
 
@@ -191,8 +193,11 @@ class LlamaModel(nn.Module):
         b = layer.qkv_b[q_rows:] if layer.qkv_b is not None else None
         width = s.num_kv_heads * s.head_dim
 
-        def kv(x: torch.Tensor, pos: torch.Tensor):
-            k, v = linear(x, w, b).split([width, width], dim=-1)
+        def kv(x: torch.Tensor, pos: torch.Tensor, adapter=None):
+            y = linear(x, w, b)
+            if adapter is not None:           # the adapter's updates of the K and V rows
+                y = adapter.add(li, "qkv", x, y, first=q_rows)
+            k, v = y.split([width, width], dim=-1)
             k = k.reshape(-1, s.num_kv_heads, s.head_dim)
             if layer.qk_norm is not None:
                 k = rms_norm(k, layer.qk_norm[1], s.norm_eps)
@@ -204,22 +209,26 @@ class LlamaModel(nn.Module):
         return HiddenProjection(kv, dense, b, cos_t, sin_t)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
-                batch: AttnBatch, logit_rows: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T]; pool: [layers, kv_heads, slots, head_dim]; returns logits [len(logit_rows), V]."""
+                batch: AttnBatch, logit_rows: torch.Tensor, lora: StepLora | None = None) -> torch.Tensor:
+        """input_ids, positions: [T]; pool: [layers, kv_heads, slots, head_dim]; returns logits
+        [len(logit_rows), V]. ``lora``: the step's rows that run with adapters."""
         s = self.spec
         h = embedding(input_ids, self.embed)                         # [T, d]
         if s.embed_scale != 1.0:
             h = h * self.embed_scale
         rot = {id(t): t[positions] for t in (self.cos, self.sin, self.cos_local, self.sin_local) if t is not None}
         scale = s.attn_scale or s.head_dim ** -0.5
+        # a step with adapters takes the eager functions (engine.compiled compiles those without)
+        fn_in, fn_out = (self.attn_in, self.attn_out_mlp) if lora is None else (attn_in, attn_out_mlp)
         for li, layer in enumerate(self.layers):
             cos, sin = (None if t is None else rot[id(t)] for t in self._tables(li))   # [T, hd]
-            q, k, v, x = self.attn_in(h, layer.in_norm, layer.qkv, layer.qkv_b, layer.qk_norm, cos, sin,
-                                      s.norm_eps, s.num_heads, s.num_kv_heads, s.head_dim)
+            ll = None if lora is None else lora.at(li)
+            q, k, v, x = fn_in(h, layer.in_norm, layer.qkv, layer.qkv_b, layer.qk_norm, cos, sin,
+                               s.norm_eps, s.num_heads, s.num_kv_heads, s.head_dim, ll)
             kv = self._kv_from_hidden(layer, li) if batch.hidden is not None else None
             lb = batch if batch.windowed is None or li in s.full_layers else batch.windowed
             a = paged_attention(q, k, v, pool[li], lb, s.num_heads, s.num_kv_heads, s.head_dim, scale, x, kv)
-            h = self.attn_out_mlp(h, a, layer.o, layer.o_b, layer.post_norm, layer.gate_up, layer.down,
-                                  s.norm_eps, layer.out_norm, s.gelu)
+            h = fn_out(h, a, layer.o, layer.o_b, layer.post_norm, layer.gate_up, layer.down,
+                       s.norm_eps, layer.out_norm, s.gelu, ll)
         h = rms_norm(h[logit_rows], self.norm, s.norm_eps)
         return linear(h, self.lm_head).float()

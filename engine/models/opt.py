@@ -1,12 +1,15 @@
 """OPT family forward (pre-LayerNorm, learned positions, multi-head attention, ReLU)."""
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.attention import AttnBatch, HiddenProjection, paged_attention
 from tandem.engine.linear import embedding, is_packed, linear, pack_head, pack_into
+from tandem.engine.lora import StepLora, lora_linear
 from tandem.engine.models.spec import ModelSpec
 
 POS_OFFSET = 2   # OPT's learned position table is shifted by two rows
@@ -79,25 +82,35 @@ class OPTModel(nn.Module):
                 pack_into(L, name, getattr(L, name), ops, blocks, dtype)
         pack_head(self, ops, blocks, dtype)
 
+    def _kv(self, li: int, w, b, xs: torch.Tensor, pos: torch.Tensor, adapter=None):
+        """K and V of stored post-norm inputs (OPT's attention has no positions), with a
+        request's adapter's updates of the K and V rows."""
+        y = linear(xs, w, b)
+        if adapter is not None:
+            y = adapter.add(li, "qkv", xs, y, first=self.spec.d_model)
+        return y.split([self.spec.d_model] * 2, dim=-1)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
-                batch: AttnBatch, logit_rows: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T]; pool: [layers, heads, slots, head_dim]; returns logits [len(logit_rows), V]."""
+                batch: AttnBatch, logit_rows: torch.Tensor, lora: StepLora | None = None) -> torch.Tensor:
+        """input_ids, positions: [T]; pool: [layers, heads, slots, head_dim]; returns logits
+        [len(logit_rows), V]. ``lora``: the step's rows that run with adapters."""
         s = self.spec
         d = s.d_model
         h = embedding(input_ids, self.embed) + self.pos[positions + POS_OFFSET]
         scale = s.head_dim ** -0.5
         for li, L in enumerate(self.layers):
+            ll = None if lora is None else lora.at(li)
             x = F.layer_norm(h, (d,), L.ln1_w, L.ln1_b, s.norm_eps)
-            q, k, v = linear(x, L.qkv_w, L.qkv_b).split([d, d, d], dim=-1)
+            q, k, v = lora_linear(ll, "qkv", x, L.qkv_w, L.qkv_b).split([d, d, d], dim=-1)
             kv = None
             if batch.hidden is not None:   # K and V of stored post-norm inputs (no positions in OPT attention)
                 kv_w = L.kv_w if L.kv_w is not None else L.qkv_w[d:]
-                fn = (lambda xs, pos, L=L, w=kv_w: linear(xs, w, L.qkv_b[d:]).split([d, d], dim=-1))  # noqa: E731
-                kv = HiddenProjection(fn, None if is_packed(kv_w) else kv_w, L.qkv_b[d:])
+                kv = HiddenProjection(partial(self._kv, li, kv_w, L.qkv_b[d:]), None if is_packed(kv_w) else kv_w,
+                                      L.qkv_b[d:])
             a = paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), pool[li], batch,
                                 s.num_heads, s.num_kv_heads, s.head_dim, scale, x, kv)
-            h = h + linear(a, L.out_w, L.out_b)
+            h = h + lora_linear(ll, "o", a, L.out_w, L.out_b)
             x = F.layer_norm(h, (d,), L.ln2_w, L.ln2_b, s.norm_eps)
-            h = h + linear(F.relu(linear(x, L.fc1_w, L.fc1_b)), L.fc2_w, L.fc2_b)
+            h = h + lora_linear(ll, "down", F.relu(lora_linear(ll, "up", x, L.fc1_w, L.fc1_b)), L.fc2_w, L.fc2_b)
         h = F.layer_norm(h[logit_rows], (d,), self.lnf_w, self.lnf_b, s.norm_eps)
         return linear(h, self.lm_head).float()

@@ -193,7 +193,6 @@ def test_a_budget_too_small_for_the_pool_fails_before_a_worker_starts(tiny_llama
     (dict(gpu_memory_utilization=0.9), "^gpu_memory_utilization: vLLM's; size each device's KV pool with "
                                        "kv_cache_bytes or kv_cache_fraction$"),
     (dict(tensor_parallel_size=2), "^tensor_parallel_size: vLLM's; tensor parallelism is not supported"),
-    (dict(enable_lora=True), "^enable_lora: vLLM's; LoRA adapters are not supported"),
     (dict(quantization="awq"), "^quantization: vLLM's"),
 ])
 def test_bad_llm_arguments_fail_before_anything_loads(kwargs, field, tiny_llama, monkeypatch):
@@ -259,7 +258,8 @@ def test_vllm_arguments_that_ask_for_nothing_missing_are_taken(tiny_llama):
         LLM(str(tiny_llama), "cpu:1", gpu_memory_fraction=0.9)
     with LLM(str(tiny_llama), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1,
              policy="fcfs", tensor_parallel_size=1, pipeline_parallel_size=1, enforce_eager=True,
-             trust_remote_code=True, disable_log_stats=True, quantization=None) as m:
+             trust_remote_code=True, disable_log_stats=True, quantization=None, enable_lora=True,
+             max_lora_rank=64) as m:
         out = m.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **GREEDY))[0]
     assert out.token_ids == hf_greedy(tiny_llama, [[5, 6, 7]], 4)[0]
     assert out.multi_modal_placeholders == {} and out.outputs[0].lora_request is None

@@ -100,12 +100,13 @@ def server(tiny_chat_model, tmp_path_factory):
     stop_server(s)
 
 
-def hf_texts(model_dir: Path, prompts: list, max_new_tokens: int) -> list[str]:
+def hf_texts(model_dir: Path, prompts: list, max_new_tokens: int, adapter=None) -> list[str]:
     """What a greedy completion of each prompt (text, or token ids) must say: HF transformers'
-    tokens, the prompt tokenized and the reply decoded by the model's own tokenizer (special
-    tokens skipped)."""
+    tokens (``adapter``: with this LoRA adapter), the prompt tokenized and the reply decoded by
+    the model's own tokenizer (special tokens skipped)."""
     from transformers import AutoTokenizer
     from tests.conftest import hf_greedy
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = [tok(p)["input_ids"] if isinstance(p, str) else p for p in prompts]
-    return [tok._tokenizer.decode(r, skip_special_tokens=True) for r in hf_greedy(model_dir, ids, max_new_tokens)]
+    return [tok._tokenizer.decode(r, skip_special_tokens=True)
+            for r in hf_greedy(model_dir, ids, max_new_tokens, adapter=adapter)]

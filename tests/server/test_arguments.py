@@ -39,6 +39,10 @@ from tests.server.conftest import ROOT, free_port
     (["--ssl-cert-reqs", "3"], "ssl-cert-reqs: 0 (none), 1 (optional) or 2 (required)"),
     (["--root-path", "api"], "root-path: a path beginning with /"),
     (["--startup-profile", "never"], "--startup-profile: invalid choice: 'never'"),
+    (["--lora-modules", "sql"], "lora-modules: 'sql' is not name=path"),
+    (["--lora-modules", "sql=/no/such/adapter"], "lora-modules: /no/such/adapter: no adapter_config.json"),
+    (["--lora-modules", '{"name": "sql"}'], "lora-modules: a JSON module needs string 'name' and 'path'"),
+    (["--served-model-name", "m", "--lora-modules", "m=/tmp"], "lora_name: 'm' is the served model's name"),
 ])
 def test_bad_settings_exit_before_loading(args, says, capsys):
     from tandem.server.__main__ import parse_args

@@ -1,0 +1,201 @@
+"""LoRA adapters, PEFT's format, applied per request inside a shared step.
+
+An adapter adds to a projection y = x W^T the low-rank product s * (x A^T) B^T, with A [r, in],
+B [out, r] and s = lora_alpha / r (lora_alpha / sqrt(r) with ``use_rslora``). The base weights
+stay as they are (packed, GGUF blocks, any dtype): each step's rows that run with an adapter
+get its product added after the base projection, so requests on different adapters and on the
+base model share one step (vLLM's multi-LoRA batching, here by gathering each adapter's rows).
+
+The models fuse projections (Q, K and V in one; the gate and up projections in one), so an
+adapter's modules are fused alike at load: for a fused projection with parts targeted,
+A_cat = [A_q; A_v; ...] stacks their A matrices and B_cat [out_total, r_total] places each
+part's s * B in its output rows and its own rank columns (zero elsewhere), so one product
+x A_cat^T B_cat^T adds every part's update to its slice of the fused output. A hidden-cache
+request's K and V, projected again from stored inputs, take the K and V rows of B_cat.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.linear import linear
+from tandem.engine.messages import LoraRef
+from tandem.engine.models.spec import Family, ModelSpec
+
+CONFIG = "adapter_config.json"
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+# PEFT's options that change what an adapter computes, beyond A, B and the scale: refused when set
+UNSUPPORTED = {"use_dora": "DoRA", "lora_bias": "lora_bias", "modules_to_save": "modules_to_save",
+               "trainable_token_indices": "trainable_token_indices", "layer_replication": "layer_replication",
+               "target_parameters": "target_parameters", "alora_invocation_tokens": "activated LoRA",
+               "use_qalora": "QALoRA", "use_bdlora": "block-diagonal LoRA", "arrow_config": "Arrow routing",
+               "fan_in_fan_out": "fan_in_fan_out", "alpha_pattern": "alpha_pattern"}
+_KEY = re.compile(r"layers\.(\d+)\.(?:[A-Za-z_]+\.)*?([A-Za-z0-9_]+)\.lora_([AB])\.weight$")
+
+
+class LoraError(ValueError):
+    """An adapter this model cannot run: the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where a PEFT module's update lands: output rows [lo, hi) of the model's fused projection
+    ``proj``, whose input has ``in_features`` columns."""
+    proj: str
+    lo: int
+    hi: int
+    in_features: int
+
+
+def lora_targets(spec: ModelSpec) -> dict[str, Target]:
+    """The modules an adapter may target, by PEFT's module name, for a model of this spec."""
+    d, i = spec.d_model, spec.intermediate_size
+    if spec.family is Family.OPT:
+        return {"q_proj": Target("qkv", 0, d, d), "k_proj": Target("qkv", d, 2 * d, d),
+                "v_proj": Target("qkv", 2 * d, 3 * d, d), "out_proj": Target("o", 0, d, d),
+                "fc1": Target("up", 0, i, d), "fc2": Target("down", 0, d, i)}
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    return {"q_proj": Target("qkv", 0, q, d), "k_proj": Target("qkv", q, q + kv, d),
+            "v_proj": Target("qkv", q + kv, q + 2 * kv, d), "qkv_proj": Target("qkv", 0, q + 2 * kv, d),
+            "o_proj": Target("o", 0, d, q), "gate_proj": Target("up", 0, i, d), "up_proj": Target("up", i, 2 * i, d),
+            "gate_up_proj": Target("up", 0, 2 * i, d), "down_proj": Target("down", 0, d, i)}
+
+
+def _fused_width(targets: dict[str, Target], proj: str) -> int:
+    return max(t.hi for t in targets.values() if t.proj == proj)
+
+
+@dataclass(eq=False)
+class Adapter:
+    """A loaded adapter, fused to the model's projections: ``weights[(layer, proj)] = (A_cat
+    [r_total, in], B_cat [out_total, r_total])``, the scale folded into B_cat."""
+    ref: LoraRef
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    rank: int                                   # the largest module's rank
+    modules: tuple[str, ...]                    # PEFT's target modules it holds
+
+    def add(self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None = None,
+            first: int = 0) -> torch.Tensor:
+        """out[rows] += x[rows] A^T B[first:]^T for this layer's ``proj`` (all rows when ``rows``
+        is None; ``first``: the first output row of the fused projection that ``out`` holds)."""
+        w = self.weights.get((layer, proj))
+        if w is None:
+            return out
+        a, b = w
+        if a.dtype != x.dtype:           # a model whose activations are not the pool's type: kept converted
+            a, b = self.weights[(layer, proj)] = a.to(x.dtype), b.to(x.dtype)
+        if rows is None:
+            return out.add_((x @ a.T) @ b[first:].T)
+        return out.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b[first:].T)
+
+
+@dataclass(slots=True)
+class StepLora:
+    """A step's rows that run with an adapter, grouped by it. ``at(layer)`` gives the callable
+    the model applies after each projection: ``fn(proj, x, out) -> out`` with the updates added."""
+    groups: list[tuple[Adapter, torch.Tensor]]      # (adapter, its rows in the step)
+
+    def at(self, layer: int):
+        def add(proj: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+            for adapter, rows in self.groups:
+                out = adapter.add(layer, proj, x, out, rows)
+            return out
+        return add
+
+
+def lora_linear(lora, name: str, x: torch.Tensor, w, b=None) -> torch.Tensor:
+    """x W^T + b, and the step's adapters' updates of projection ``name`` (``lora``: what
+    StepLora.at gives for this layer, or None)."""
+    y = linear(x, w, b)
+    return y if lora is None else lora(name, x, y)
+
+
+def _config(path: str) -> dict:
+    file = os.path.join(path, CONFIG)
+    if not os.path.isfile(file):
+        raise LoraError(f"{path}: no {CONFIG} (a directory PEFT's save_pretrained wrote is expected)")
+    try:
+        with open(file) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise LoraError(f"{file}: not readable JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise LoraError(f"{file}: not a JSON object")
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise LoraError(f"{path}: a {cfg.get('peft_type')} adapter; only LoRA adapters are served")
+    for key, what in UNSUPPORTED.items():
+        if cfg.get(key):
+            raise LoraError(f"{path}: {what} ({key}) is not supported")
+    if cfg.get("bias", "none") != "none":
+        raise LoraError(f"{path}: bias={cfg['bias']!r} (trained base biases) is not supported")
+    if not isinstance(cfg.get("lora_alpha", 8), (int, float)):
+        raise LoraError(f"{path}: lora_alpha must be a number")
+    return cfg
+
+
+def _tensors(path: str) -> dict[str, torch.Tensor]:
+    for name in WEIGHT_FILES:
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            try:
+                if name.endswith(".safetensors"):
+                    from safetensors.torch import load_file
+                    return load_file(file)
+                return torch.load(file, map_location="cpu", weights_only=True)
+            except Exception as e:   # a truncated or foreign file: say which
+                raise LoraError(f"{file}: not readable ({type(e).__name__}: {e})") from None
+    raise LoraError(f"{path}: no {' or '.join(WEIGHT_FILES)}")
+
+
+def read_adapter(ref: LoraRef, spec: ModelSpec, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> Adapter:
+    """Load and check an adapter for a model of ``spec`` (LoraError if it does not fit it)."""
+    path = ref.path
+    if not os.path.isdir(path):
+        raise LoraError(f"{path}: no such directory")
+    cfg = _config(path)
+    alpha, rslora = cfg.get("lora_alpha", 8), bool(cfg.get("use_rslora"))
+    targets = lora_targets(spec)
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in _tensors(path).items():
+        m = _KEY.search(key)
+        if m is None or "vision" in key:
+            raise LoraError(f"{path}: {key} is not a LoRA matrix of a decoder layer's projection "
+                            "(adapters on embeddings, the LM head or an image encoder are not supported)")
+        layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+        if module not in targets:
+            raise LoraError(f"{path}: module {module} is not one of this model's projections "
+                            f"({', '.join(targets)})")
+        if layer >= spec.num_layers:
+            raise LoraError(f"{path}: {key}: the model has {spec.num_layers} layers")
+        parts.setdefault((layer, module), {})[ab] = t
+    if not parts:
+        raise LoraError(f"{path}: the adapter holds no LoRA matrices")
+    pieces: dict[tuple[int, str], list[tuple[Target, torch.Tensor, torch.Tensor]]] = {}
+    rank = 0
+    for (layer, module), ab in sorted(parts.items()):
+        a, b, tg = ab.get("A"), ab.get("B"), targets[module]
+        if a is None or b is None:
+            raise LoraError(f"{path}: layer {layer} {module} lacks its lora_{'A' if a is None else 'B'} matrix")
+        r = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != tg.in_features or b.shape != (tg.hi - tg.lo, r):
+            raise LoraError(f"{path}: layer {layer} {module}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit "
+                            f"a projection {tg.in_features} -> {tg.hi - tg.lo} (an adapter for another model?)")
+        scale = alpha / (math.sqrt(r) if rslora else r)
+        pieces.setdefault((layer, tg.proj), []).append((tg, a.float(), b.float() * scale))
+        rank = max(rank, r)
+    weights = {}
+    for (layer, proj), ps in pieces.items():
+        a_cat = torch.cat([a for _, a, _ in ps])
+        b_cat = torch.zeros(_fused_width(targets, proj), a_cat.shape[0])
+        col = 0
+        for tg, a, b in ps:
+            b_cat[tg.lo:tg.hi, col:col + a.shape[0]] += b
+            col += a.shape[0]
+        weights[(layer, proj)] = (a_cat.to(device, dtype).contiguous(), b_cat.to(device, dtype).contiguous())
+    return Adapter(ref, weights, rank, tuple(sorted({m for _, m in parts})))
