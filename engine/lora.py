@@ -79,31 +79,30 @@ class Adapter:
     rank: int                                   # the largest module's rank
     modules: tuple[str, ...]                    # PEFT's target modules it holds
 
-    def add(self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None = None,
-            first: int = 0) -> torch.Tensor:
-        """out[rows] += x[rows] A^T B[first:]^T for this layer's ``proj`` (all rows when ``rows``
-        is None; ``first``: the first output row of the fused projection that ``out`` holds)."""
+    def add(self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """out += x A^T B[first:]^T for this layer's ``proj``, in place (``first``: the first
+        output row of the fused projection that ``out`` holds)."""
         w = self.weights.get((layer, proj))
         if w is None:
             return out
         a, b = w
         if a.dtype != x.dtype:           # a model whose activations are not the pool's type: kept converted
             a, b = self.weights[(layer, proj)] = a.to(x.dtype), b.to(x.dtype)
-        if rows is None:
-            return out.add_((x @ a.T) @ b[first:].T)
-        return out.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b[first:].T)
+        return out.addmm_(x @ a.T, b[first:].T)
 
 
 @dataclass(slots=True)
 class StepLora:
-    """A step's rows that run with an adapter, grouped by it. ``at(layer)`` gives the callable
-    the model applies after each projection: ``fn(proj, x, out) -> out`` with the updates added."""
-    groups: list[tuple[Adapter, torch.Tensor]]      # (adapter, its rows in the step)
+    """A step's rows that run with an adapter: each adapter's rows lie together (the runner
+    orders a step's requests so), so its update is two products over a slice of the rows.
+    ``at(layer)`` gives the callable the model applies after each projection: ``fn(proj, x,
+    out) -> out`` with the updates added."""
+    groups: list[tuple[Adapter, int, int]]      # (adapter, its rows [start, end) in the step)
 
     def at(self, layer: int):
         def add(proj: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-            for adapter, rows in self.groups:
-                out = adapter.add(layer, proj, x, out, rows)
+            for adapter, start, end in self.groups:
+                adapter.add(layer, proj, x[start:end], out[start:end])
             return out
         return add
 

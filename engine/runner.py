@@ -335,6 +335,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         prefills = [s for s in inp.scheduled if s.phase is Phase.PREFILL]
         decodes = [s for s in inp.scheduled if s.phase is Phase.DECODE]
+        if self.adapters:              # each adapter's requests side by side: its rows are one slice
+            prefills, decodes = self._by_adapter(prefills), self._by_adapter(decodes)
         for s in inp.scheduled:
             self._append_blocks(self.reqs[s.req_id], s.new_block_ids, s.new_directions)
             self._append_slots(self.reqs[s.req_id], s.new_slots)
@@ -492,22 +494,29 @@ class ModelRunner:
                 batch.windowed = windowed
         return (to(torch.tensor(ids, dtype=torch.long)), to(torch.cat(pos)), batch,
                 to(torch.tensor(rows + extra, dtype=torch.long)), samplers, scored,
-                self._step_lora(prefills + decodes + hidden, to))
+                self._step_lora(prefills + decodes + hidden))
 
-    def _step_lora(self, order, to) -> StepLora | None:
-        """The step's rows grouped by the adapter they run with (the scheduled requests in their
-        rows' order); None when none has one."""
-        groups: dict[LoraRef, list[range]] = {}
+    def _by_adapter(self, scheduled: list) -> list:
+        """The requests in a stable order that puts those on the same adapter side by side."""
+        def key(s) -> tuple[str, str]:
+            a = self.reqs[s.req_id].adapter
+            return ("", "") if a is None else (a.ref.name, a.ref.path)
+        return sorted(scheduled, key=key)
+
+    def _step_lora(self, order) -> StepLora | None:
+        """The step's slices of rows that run with an adapter (the scheduled requests in their
+        rows' order, each adapter's side by side); None when none has one."""
+        groups: list[list] = []
         row = 0
         for s in order:
             adapter = self.reqs[s.req_id].adapter
             if adapter is not None:
-                groups.setdefault(adapter.ref, []).append(range(row, row + s.num_new_tokens))
+                if groups and groups[-1][0] is adapter and groups[-1][2] == row:
+                    groups[-1][2] += s.num_new_tokens
+                else:
+                    groups.append([adapter, row, row + s.num_new_tokens])
             row += s.num_new_tokens
-        if not groups:
-            return None
-        return StepLora([(self.adapters[ref], to(torch.tensor([i for r in rs for i in r], dtype=torch.long)))
-                         for ref, rs in groups.items()])
+        return StepLora([tuple(g) for g in groups]) if groups else None
 
     def _assemble(self, slots, segs, dec, hb, parts, window: int | None = None) -> AttnBatch:
         """One layout of a step's attention metadata, on the device: every context whole, or

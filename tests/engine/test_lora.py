@@ -87,6 +87,23 @@ def test_prefix_cache_keeps_adapters_apart(tiny_llama, tmp_path):
     assert again.token_ids == want
 
 
+def test_a_request_migrates_with_its_adapter(tiny_llama, tmp_path):
+    """Moved to another device mid-generation, by copying its cache or by its tokens (the
+    destination computes their cache again, with the adapter), a request goes on with its
+    adapter."""
+    from tandem.sched.request import Transfer
+    from tests.engine.test_migration import MAX_NEW as N, POOL, TWO, run
+    adapter = write_adapter(tiny_llama, tmp_path / "a", LLAMA_ALL, seed=8)
+    prompts = mixed_prompts(2, 512, seed=14, lo=20, hi=40)
+    want = hf_greedy(tiny_llama, prompts, N, adapter=adapter)
+    with LLM(str(tiny_llama), TWO, dtype="float32", block_size=8, threads_per_worker=1, kv_cache_bytes=POOL) as llm:
+        ref = llm.load_lora("a", adapter)
+        for kind, prompt, expected in zip((Transfer.KV, Transfer.TOKEN), prompts, want):
+            seen, st = run(llm, prompt, _greedy(N), kind, f"m-{kind.value}", lora=ref)
+            assert st.device == 1 and [m.kind for m in llm.scheduler.actors[1].moves][-1] is kind
+            assert seen == expected, kind
+
+
 @pytest.fixture(scope="module")
 def llama_llm(tiny_llama):
     with _llm(tiny_llama) as llm:
