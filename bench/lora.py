@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import tempfile
-import time
 from pathlib import Path
 
 from tandem.bench.output import save_json
+from tandem.bench.sliding_window import decode_step_ms
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -40,18 +40,6 @@ def write_adapter(out: Path, spec, rank: int, seed: int) -> Path:
     return out
 
 
-def _step_ms(llm, prompts, lora, steps: int) -> float:
-    from tandem import SamplingParams
-
-    def run(n: int) -> float:
-        t0 = time.perf_counter()
-        llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), lora_request=lora)
-        return time.perf_counter() - t0
-    run(2)                                          # prefill once: later runs find the prompts cached
-    first = run(2)
-    return (run(steps + 2) - first) / steps * 1000
-
-
 def main(args) -> None:
     from tandem import LLM, LoRARequest
     n = args.requests
@@ -64,7 +52,7 @@ def main(args) -> None:
         cases = [("base model", None), ("one adapter", [refs[0]] * n),
                  (f"{len(refs)} adapters", [refs[i % len(refs)] for i in range(n)])]
         for name, lora in cases:
-            ms = _step_ms(llm, prompts, lora, args.steps)
+            ms = decode_step_ms(llm, prompts, args.steps, lora_request=lora)
             rows.append({"case": name, "step_ms": ms})
             print(f"{name}: {ms:.1f} ms per decode step", flush=True)
     base = rows[0]["step_ms"]

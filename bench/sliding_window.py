@@ -15,18 +15,27 @@ from pathlib import Path
 from tandem.bench.output import save_json
 
 
+def decode_step_ms(llm, prompts: list[list[int]], steps: int, **generate_kw) -> float:
+    """Mean ms of a decode step of ``prompts`` together: generated once first, so the timed runs
+    find them in the prefix cache, then the time of ``steps`` more tokens beyond the first two
+    (``generate_kw``: more of generate's arguments)."""
+    from tandem import SamplingParams
+
+    def run(n: int) -> float:
+        t0 = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), **generate_kw)
+        return time.perf_counter() - t0
+    run(2)                                          # prefill once: later runs find the prompts cached
+    first = run(2)
+    return (run(steps + 2) - first) / steps * 1000
+
+
 def _step_ms(model_dir: Path, requests: int, context: int, steps: int) -> float:
-    from tandem import LLM, SamplingParams
+    from tandem import LLM
     prompts = [[(7 * i + j) % 4000 + 3 for j in range(context)] for i in range(requests)]
     with LLM(str(model_dir), "cpu", dtype="float32", threads_per_worker=1, policy="fcfs",
              max_num_seqs=requests) as llm:
-        def run(n: int) -> float:
-            t0 = time.perf_counter()
-            llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-            return time.perf_counter() - t0
-        run(2)                                      # prefill once: later runs find the prompts cached
-        first = run(2)
-        return (run(steps + 2) - first) / steps * 1000
+        return decode_step_ms(llm, prompts, steps)
 
 
 def main(args) -> None:

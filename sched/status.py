@@ -14,19 +14,22 @@ MAX_LISTED = 256          # requests listed per device (the oldest first); the c
 
 def device_status(actor, now: float) -> dict:
     """Pool by owner and by cache type, requests running and waiting per class, and each
-    request's place: running or waiting, why (the policy's last word on it), its level; how many
-    wait for each reason."""
+    request's place: running or waiting, why (the policy's last word on it), its level, its LoRA
+    adapter; how many wait for each reason; the adapters of the requests running and waiting."""
     load = {c.value: {"running": v[0], "waiting": v[1], "blocks": v[2]} for c, v in load_by_class([actor]).items()}
     held = _Held(actor.pool)
     waiting_why: Counter = Counter()
     plan = actor.last_plan
     requests = []
+    adapters: dict[str, set[str]] = {"running": set(), "waiting": set()}
     for state, ids in (("running", actor.running), ("waiting", actor.waiting)):
         for rid in list(ids):
             st = actor.states.get(rid)
             if st is None:
                 continue
             blocks = held.add(rid, st.cache_type)
+            if st.request.lora is not None:
+                adapters[state].add(st.request.lora.name)
             if state == "waiting":
                 why = plan.reasons.get(rid, "waiting: arrived after the last iteration's plan")
                 waiting_why[(st.request.service_class.value, reason_kind(why))] += 1
@@ -38,7 +41,8 @@ def device_status(actor, now: float) -> dict:
                 "prompt_tokens": len(r.prompt_token_ids), "generated": len(st.output_token_ids),
                 "predicted_len": r.predicted_len, "blocks": blocks, "age_s": round(now - r.arrival_time, 3),
                 "level": plan.levels.get(rid), "why": plan.reasons.get(rid), "preemptions": st.num_preemptions,
-                "swapped": actor.host is not None and rid in actor.host})
+                "swapped": actor.host is not None and rid in actor.host,
+                "adapter": None if r.lora is None else r.lora.name})
     geometry = actor.pool.geometry
     return {
         "index": actor.index, "name": actor.device.name, "dead": actor.dead,
@@ -49,6 +53,7 @@ def device_status(actor, now: float) -> dict:
         "tokens_computed": actor.tokens_computed,
         "swaps": dict(actor.swaps), "host_pool_bytes": actor.host.used if actor.host is not None else 0,
         "requests": requests,
+        "adapters": {state: sorted(names) for state, names in adapters.items()},
         "waiting_reasons": [{"class": c, "why": why, "requests": n} for (c, why), n in sorted(waiting_why.items())],
     }
 

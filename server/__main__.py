@@ -40,13 +40,15 @@ VLLM_FLAGS = {
     "--enforce-eager": None, "--max-logprobs": "at most 20 log probabilities per token, as vLLM's default",
     "--tokenizer": "the tokenizer is the --model directory's (or the .gguf's); copy its tokenizer files there",
     "--seed": "there is no server-wide seed; a request's own seed makes its sampling repeatable",
+    "--max-lora-rank": None, "--max-loras": None, "--max-cpu-loras": None,   # adapters of any rank, any number
+    "--fully-sharded-loras": None,
     "--quantization": "weights run as the checkpoint stores them (a GGUF's Q4_1 and Q8_0 blocks are kept on the "
                       "CPU); --kv-cache-dtype int8 compresses the KV cache",
 }
 VALUE_FLAGS = {"--gpu-memory-utilization", "--scheduling-policy", "--tensor-parallel-size", "-tp",
                "--pipeline-parallel-size", "--data-parallel-size", "--tool-call-parser", "--uvicorn-log-level",
                "--download-dir", "--load-format", "--block-size", "--max-logprobs", "--tokenizer", "--seed",
-               "--quantization"}
+               "--quantization", "--max-lora-rank", "--max-loras", "--max-cpu-loras"}
 
 
 def _vllm_flags(unknown: list[str]) -> tuple[list[str], list[str]]:

@@ -162,6 +162,9 @@ class Metrics:
         self.waiting_reasons = Gauge("tandem:requests_waiting_by_reason", "Waiting requests by class and by "
                                      "the policy's reason for not running them", ["model_name", "service_class",
                                      "reason"], registry=r)
+        self.lora_info = Gauge("vllm:lora_requests_info", "The LoRA adapters of the requests running and waiting "
+                               "(comma-separated names in its labels); its value: when they were last seen",
+                               ["running_lora_adapters", "waiting_lora_adapters"], registry=r)
         self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
                                       "when their requests started", ["model_name"], registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (not "
@@ -252,6 +255,7 @@ class Metrics:
             self._count(self.prefix_routed, actor.index, {(): actor.prefix_routed})
             if status is not None:
                 self._set_waiting_reasons()
+                self._set_lora_info()
 
     def _set_waiting_reasons(self) -> None:
         """The waiting-by-reason gauge from every device's latest view (reasons gone drop to 0)."""
@@ -265,6 +269,20 @@ class Metrics:
         for key, n in totals.items():
             self.waiting_reasons.labels(self.model, *key).set(n)
         self._seen["waiting_reasons"] = set(totals)
+
+    def _set_lora_info(self) -> None:
+        """vLLM's adapter gauge from every device's latest view: one series, whose labels name the
+        adapters in use (set again, as vLLM sets it, at each view; none until an adapter is used)."""
+        names = {state: sorted({n for st in self._status.values() for n in st.get("adapters", {}).get(state, ())})
+                 for state in ("running", "waiting")}
+        seen = self._seen.get("lora_info")
+        if seen is None and not names["running"] and not names["waiting"]:
+            return
+        labels = (",".join(names["running"]), ",".join(names["waiting"]))
+        if seen is not None and seen != labels:
+            self.lora_info.remove(*seen)
+        self.lora_info.labels(*labels).set_to_current_time()
+        self._seen["lora_info"] = labels
 
     def _fresh(self, key: tuple, log: deque, total: int) -> list:
         """What a device appended to a bounded ``log`` (``total`` entries ever) since the last call."""

@@ -102,6 +102,11 @@ def test_a_vllm_serve_command_line_carries_over(monkeypatch):
     # a taken flag's value, anywhere, is never read as the model
     assert parse_args(["--tool-call-parser", "hermes", "--model", "smollm2"]).model == "smollm2"
     assert parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]).model == "smollm2"
+    assert parse_args(["--enable-lora", "--max-lora-rank", "64", "--max-loras=4", "--model", "smollm2"]).model \
+        == "smollm2"
+    assert not parse_args([]).runtime_lora
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    assert parse_args([]).runtime_lora
     assert cfg.api_keys == ("from-env",) and cfg.max_model_len == 4096
     assert parse_args(["--api-key", "a", "b", "--max-model-len", "2.5k"]).api_keys == ("a", "b")
     assert parse_args(["--max-model-len", "2.5k"]).max_model_len == 2500

@@ -102,6 +102,23 @@ def test_a_batch_job_runs_on_an_adapter(lora_server, client, tiny_chat_model, ad
     assert [got[f"{lora_server.model}-{i}"] for i in range(2)] == hf_texts(tiny_chat_model, PROMPTS, 8)
 
 
+def test_the_adapters_in_use_are_shown(lora_server, client):
+    """While a request on an adapter runs, /status (what the dashboard shows) lists it with its
+    adapter, and /metrics has vLLM's gauge naming the adapter."""
+    stream = client.completions.create(model="sql", prompt="Once upon a time", max_tokens=400, stream=True,
+                                       extra_body={"ignore_eos": True})
+    try:
+        next(iter(stream))
+        status = json.loads(urllib.request.urlopen(lora_server.url + "/status", timeout=30).read())
+        listed = [r for d in status["devices"] for r in d["requests"]]
+        assert [r["adapter"] for r in listed] == ["sql"]
+        assert [d["adapters"] for d in status["devices"]] == [{"running": ["sql"], "waiting": []}]
+        metrics = urllib.request.urlopen(lora_server.url + "/metrics", timeout=30).read().decode()
+        assert 'vllm:lora_requests_info{running_lora_adapters="sql",waiting_lora_adapters=""}' in metrics
+    finally:
+        stream.close()
+
+
 def test_runtime_loading_is_off_unless_asked(server):
     status, _ = _post(server, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp"})
     assert status == 404
