@@ -4,7 +4,8 @@ An adapter adds to a projection y = x W^T the low-rank product s * (x A^T) B^T, 
 B [out, r] and s = lora_alpha / r (lora_alpha / sqrt(r) with ``use_rslora``). The base weights
 stay as they are (packed, GGUF blocks, any dtype): each step's rows that run with an adapter
 get its product added after the base projection, so requests on different adapters and on the
-base model share one step (vLLM's multi-LoRA batching, here by gathering each adapter's rows).
+base model share one step (vLLM's multi-LoRA batching; here the runner orders a step's requests
+so that each adapter's rows form one slice, and its update is two products over that slice).
 
 The models fuse projections (Q, K and V in one; the gate and up projections in one), so an
 adapter's modules are fused alike at load: for a fused projection with parts targeted,
@@ -76,8 +77,6 @@ class Adapter:
     [r_total, in], B_cat [out_total, r_total])``, the scale folded into B_cat."""
     ref: LoraRef
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-    rank: int                                   # the largest module's rank
-    modules: tuple[str, ...]                    # PEFT's target modules it holds
 
     def add(self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor, first: int = 0) -> torch.Tensor:
         """out += x A^T B[first:]^T for this layer's ``proj``, in place (``first``: the first
@@ -176,7 +175,6 @@ def read_adapter(ref: LoraRef, spec: ModelSpec, dtype: torch.dtype = torch.float
     if not parts:
         raise LoraError(f"{path}: the adapter holds no LoRA matrices")
     pieces: dict[tuple[int, str], list[tuple[Target, torch.Tensor, torch.Tensor]]] = {}
-    rank = 0
     for (layer, module), ab in sorted(parts.items()):
         a, b, tg = ab.get("A"), ab.get("B"), targets[module]
         if a is None or b is None:
@@ -187,7 +185,6 @@ def read_adapter(ref: LoraRef, spec: ModelSpec, dtype: torch.dtype = torch.float
                             f"a projection {tg.in_features} -> {tg.hi - tg.lo} (an adapter for another model?)")
         scale = alpha / (math.sqrt(r) if rslora else r)
         pieces.setdefault((layer, tg.proj), []).append((tg, a.float(), b.float() * scale))
-        rank = max(rank, r)
     weights = {}
     for (layer, proj), ps in pieces.items():
         a_cat = torch.cat([a for _, a, _ in ps])
@@ -197,4 +194,4 @@ def read_adapter(ref: LoraRef, spec: ModelSpec, dtype: torch.dtype = torch.float
             b_cat[tg.lo:tg.hi, col:col + a.shape[0]] += b
             col += a.shape[0]
         weights[(layer, proj)] = (a_cat.to(device, dtype).contiguous(), b_cat.to(device, dtype).contiguous())
-    return Adapter(ref, weights, rank, tuple(sorted({m for _, m in parts})))
+    return Adapter(ref, weights)

@@ -911,17 +911,9 @@ class LLM:
         """Serve ``name`` no more (requests already running on it finish); False if unknown."""
         return self.adapters.pop(name, None) is not None
 
-    def _adapter_refs(self, lora_request: Any, n: int) -> list[LoraRef | None]:
-        """Each of n prompts' adapter: one LoRARequest (or None) for all, or a list of them."""
-        given = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * n
-        if len(given) != n:
-            raise ValueError(f"lora_request: {len(given)} given for {n} prompts")
-        refs = []
-        for lr in given:
-            if lr is not None and not isinstance(lr, LoRARequest):
-                raise ValueError("lora_request: must be a LoRARequest, a list of them, or None")
-            refs.append(None if lr is None else self.load_lora(lr.lora_name, lr.lora_path))
-        return refs
+    def _adapter_refs(self, given: list[LoRARequest | None]) -> list[LoraRef | None]:
+        """Each prompt's adapter, checked and served (load_lora)."""
+        return [None if lr is None else self.load_lora(lr.lora_name, lr.lora_path) for lr in given]
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = False, chat_template: ChatTemplate = CHAT,
@@ -943,7 +935,8 @@ class LLM:
             raise ValueError(f"sampling_params: {len(params)} given for {len(plist)} prompts")
         if not plist:
             return []
-        loras = self._adapter_refs(lora_request, len(plist))
+        given = _lora_requests(lora_request, len(plist))
+        loras = self._adapter_refs(given)
         for p in params:
             if not isinstance(p, SamplingParams):
                 raise ValueError("sampling_params: must be SamplingParams")
@@ -965,7 +958,6 @@ class LLM:
         texts = None if self.lengths is None else [self.prediction_text(p, sp, e)
                                                    for p, sp, e in zip(plist, params, encoded) for _ in range(sp.n)]
         outs = iter(self._output(st) for st in self._serve(reqs, texts, use_tqdm))
-        given = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(plist)
         return [_one_output([replace(next(outs), lora_request=lr) for _ in range(sp.n)])
                 for sp, lr in zip(params, given)]
 
@@ -1000,7 +992,7 @@ class LLM:
         plist, salts = _prompts_and_salts(prompts)
         if not plist:
             return []
-        loras = self._adapter_refs(lora_request, len(plist))
+        loras = self._adapter_refs(_lora_requests(lora_request, len(plist)))
         encoded = [self.encode_prompt(p, chat_template)[0] for p in plist]
         for ids in encoded:
             self._check_length(ids)
@@ -1201,6 +1193,16 @@ def _positive(name: str, v) -> None:
 
 
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
+
+
+def _lora_requests(lora_request: Any, n: int) -> list[LoRARequest | None]:
+    """Each of n prompts' LoRARequest (or None): one for all, or a list of them."""
+    given = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * n
+    if len(given) != n:
+        raise ValueError(f"lora_request: {len(given)} given for {n} prompts")
+    if any(lr is not None and not isinstance(lr, LoRARequest) for lr in given):
+        raise ValueError("lora_request: must be a LoRARequest, a list of them, or None")
+    return given
 
 
 def _choice(sp: SamplingParams, i: int) -> SamplingParams:

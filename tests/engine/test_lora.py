@@ -133,4 +133,8 @@ def test_an_adapter_of_another_model_is_refused(llama_llm, tmp_path):
         llama_llm.generate([[1, 2, 3]], _greedy(2), lora_request=LoRARequest("y", 1, str(tmp_path / "cfg")))
     with pytest.raises(ValueError, match="no such directory"):
         llama_llm.generate([[1, 2, 3]], _greedy(2), lora_request=LoRARequest("z", 1, str(tmp_path / "none")))
+    with pytest.raises(ValueError, match="^lora_request: 2 given for 1 prompts$"):
+        llama_llm.generate([[1, 2, 3]], _greedy(2), lora_request=[None, None])
+    with pytest.raises(ValueError, match="^lora_request: must be a LoRARequest, a list of them, or None$"):
+        llama_llm.generate([[1, 2, 3]], _greedy(2), lora_request=str(tmp_path))
     assert llama_llm.generate([[1, 2, 3]], _greedy(2))[0].token_ids     # and it serves on
