@@ -332,6 +332,19 @@ _NAMES = {"integer": "an integer", "number": "a number", "boolean": "a boolean",
           "array": "an array", "object": "an object", "null": "null"}
 
 
+# the parts of OpenAI's multimodal messages (chat, Responses API): the models served read text only
+MEDIA_PARTS = {"image_url", "input_audio", "file", "video_url", "audio_url", "input_image", "input_file"}
+
+
+def _part_type(given, accepted: list) -> str:
+    """What is wrong with a value outside ``accepted``; a content part's type (what accepts
+    text parts) that names an image, audio or file part says so."""
+    one_of = "must be one of " + ", ".join(map(str, accepted))
+    if isinstance(given, str) and given in MEDIA_PARTS and {"text", "input_text"} & set(accepted):
+        return f"is {given}, but the model served here reads text only: it {one_of}"
+    return one_of
+
+
 def problem(schema: dict, v) -> tuple[list, str] | None:
     """The first way ``v`` breaks ``schema``: (path inside v, what is wrong), or None."""
     if "anyOf" in schema:
@@ -346,13 +359,13 @@ def problem(schema: dict, v) -> tuple[list, str] | None:
         kinds = [s.get("properties", {}).get("type", {}).get("enum") for s in schema["anyOf"]]
         if isinstance(v, dict) and "type" in v and all(kinds):    # forms told apart by their "type" (parts)
             named = [f for k, f in zip(kinds, found) if v.get("type") in k]
-            return named[0] if named else (["type"], "must be one of " + ", ".join(str(e) for k in kinds for e in k))
+            return named[0] if named else (["type"], _part_type(v["type"], [e for k in kinds for e in k]))
         fitting = [(s, f) for s, f in zip(schema["anyOf"], found) if f[0]]       # right type, wrong inside
         if len(fitting) > 1 and isinstance(v, dict):       # the one form that names every key given
             fitting = [(s, f) for s, f in fitting if set(v) <= set(s.get("properties", {}))] or fitting
         return fitting[0][1] if len(fitting) == 1 else ([], "has none of the accepted forms")
     if "enum" in schema and v not in schema["enum"]:
-        return [], "must be one of " + ", ".join(map(str, schema["enum"]))
+        return [], _part_type(v, schema["enum"])
     t = schema.get("type")
     if t is not None and not _TYPES[t](v):
         if t == "integer" and isinstance(v, float) and abs(v) >= 2 ** 63:   # the parser reads those as floats

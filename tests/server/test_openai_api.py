@@ -666,9 +666,15 @@ def test_an_assistants_refusal_part_is_its_text_in_the_prompt(server, client, ti
     assert status == 200 and out["tokens"] == want
     r = client.chat.completions.create(model=server.model, messages=chat, max_tokens=2)
     assert r.usage.prompt_tokens == len(want)
-    image = {"type": "image_url", "image_url": {"url": "http://x"}}        # a part of no accepted type says so
+    image = {"type": "image_url", "image_url": {"url": "http://x"}}        # an image part says the model reads text
     status, out = call(server, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [image]}]})
-    assert status == 400 and "'messages[0].content[0].type' must be one of text, refusal" in out["error"]["message"]
+    assert status == 400 and out["error"]["message"].endswith(
+        "'messages[0].content[0].type' is image_url, but the model served here reads text only: it must be one of "
+        "text, refusal")
+    status, out = call(server, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "txt", "text": "x"}]}]})                    # a mistyped part: what is accepted
+    assert status == 400 and out["error"]["message"].endswith("'messages[0].content[0].type' must be one of text, "
+                                                              "refusal")
 
 
 def test_tokenize_counts_a_chat_with_its_tools_as_the_chat_is_served(server, client):

@@ -406,7 +406,8 @@ def test_an_unsupported_part_is_named_where_it_is(server, client):
             {"role": "user", "content": [{"type": "input_text", "text": "Hi"},
                                          {"type": "input_image", "image_url": "x"}]}])
     assert e.value.param == "input[0].content"
-    assert "'input[0].content[1].type' must be one of input_text, output_text" in e.value.message
+    assert e.value.message.endswith("'input[0].content[1].type' is input_image, but the model served here reads "
+                                    "text only: it must be one of input_text, output_text")
 
 
 def test_a_batch_of_responses(server, client, tiny_chat_model, tok):
