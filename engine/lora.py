@@ -150,30 +150,50 @@ def _tensors(path: str) -> dict[str, torch.Tensor]:
     raise LoraError(f"{path}: no {' or '.join(WEIGHT_FILES)}")
 
 
-def read_adapter(ref: LoraRef, spec: ModelSpec, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> Adapter:
-    """Load and check an adapter for a model of ``spec`` (LoraError if it does not fit it)."""
-    path = ref.path
+def adapter_files(path: str) -> tuple[dict, dict[tuple[int, str], dict[str, torch.Tensor]]]:
+    """An adapter directory's config and its LoRA matrices by (layer, PEFT module name) and A or
+    B, checked for all that needs no model (LoraError)."""
     if not os.path.isdir(path):
         raise LoraError(f"{path}: no such directory")
     cfg = _config(path)
-    alpha, rslora = cfg.get("lora_alpha", 8), bool(cfg.get("use_rslora"))
-    targets = lora_targets(spec)
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in _tensors(path).items():
         m = _KEY.search(key)
         if m is None or "vision" in key:
             raise LoraError(f"{path}: {key} is not a LoRA matrix of a decoder layer's projection "
                             "(adapters on embeddings, the LM head or an image encoder are not supported)")
-        layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+        parts.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = t
+    if not parts:
+        raise LoraError(f"{path}: the adapter holds no LoRA matrices")
+    return cfg, parts
+
+
+def files_version(path: str) -> str:
+    """The version of an adapter's files: their sizes, times and inodes (saved again, replaced by
+    another's: another version)."""
+    stamps = []
+    for name in (CONFIG, *WEIGHT_FILES):
+        try:
+            st = os.stat(os.path.join(path, name))
+        except OSError:
+            continue
+        stamps.append(f"{name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}")
+    return ";".join(stamps)
+
+
+def read_adapter(ref: LoraRef, spec: ModelSpec, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> Adapter:
+    """Load and check an adapter for a model of ``spec`` (LoraError if it does not fit it)."""
+    path = ref.path
+    cfg, parts = adapter_files(path)
+    alpha, rslora = cfg.get("lora_alpha", 8), bool(cfg.get("use_rslora"))
+    targets = lora_targets(spec)
+    for layer, module in parts:
         if module not in targets:
             raise LoraError(f"{path}: module {module} is not one of this model's projections "
                             f"({', '.join(targets)})")
         if layer >= spec.num_layers:
-            raise LoraError(f"{path}: {key}: the model has {spec.num_layers} layers")
-        parts.setdefault((layer, module), {})[ab] = t
-    if not parts:
-        raise LoraError(f"{path}: the adapter holds no LoRA matrices")
+            raise LoraError(f"{path}: layer {layer} {module}: the model has {spec.num_layers} layers")
     pieces: dict[tuple[int, str], list[tuple[Target, torch.Tensor, torch.Tensor]]] = {}
     for (layer, module), ab in sorted(parts.items()):
         a, b, tg = ab.get("A"), ab.get("B"), targets[module]

@@ -28,10 +28,12 @@ class Direction(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class LoraRef:
-    """The LoRA adapter a request runs with: its name (what the request's ``model`` says) and the
-    directory PEFT saved it to (engine.lora loads it)."""
+    """The LoRA adapter a request runs with: its name (what the request's ``model`` says), the
+    directory PEFT saved it to (engine.lora loads it) and its files' version there (an adapter
+    saved again in the same place, and loaded again, is another adapter)."""
     name: str
     path: str
+    version: str = ""
 
 
 class Phase(enum.Enum):

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import tandem.engine as engine_package
 from tandem.engine.dtype import cpu_flags, resolve_dtype
 from tandem.engine.grammar import Vocabulary, compile_grammar
-from tandem.engine.lora import LoraError, read_adapter
+from tandem.engine.lora import LoraError, files_version, read_adapter
 from tandem.engine.messages import DeviceError, LoraRef, TokenLogprobs
 from tandem.engine.models.loader import load_spec, load_tokenizer, resolve_model, sampling_defaults
 from tandem.engine.params import SamplingParams, int_list
@@ -898,18 +898,25 @@ class LLM:
         why not) and serve it as ``name``; a name given again takes the new directory."""
         if not isinstance(name, str) or not name:
             raise ValueError("lora_name: must be a non-empty string")
-        ref = LoraRef(name, os.path.abspath(os.fspath(path)))
+        if not os.fspath(path):
+            raise ValueError(f"lora_path: give adapter {name!r}'s directory")
+        where = os.path.abspath(os.path.expanduser(os.fspath(path)))
+        ref = LoraRef(name, where, files_version(where))
         if self.adapters.get(name) != ref:
             try:
                 read_adapter(ref, self.spec)
             except LoraError as e:
                 raise ValueError(f"LoRA adapter {name!r}: {e}") from None
             self.adapters[name] = ref
+            log.info("LoRA adapter %r served, from %s", name, where)
         return ref
 
     def unload_lora(self, name: str) -> bool:
         """Serve ``name`` no more (requests already running on it finish); False if unknown."""
-        return self.adapters.pop(name, None) is not None
+        if self.adapters.pop(name, None) is None:
+            return False
+        log.info("LoRA adapter %r no longer served", name)
+        return True
 
     def _adapter_refs(self, given: list[LoRARequest | None]) -> list[LoraRef | None]:
         """Each prompt's adapter, checked and served (load_lora)."""

@@ -70,7 +70,7 @@ class Request:
         adapter (whose K and V differ from the base model's and from another adapter's)."""
         if self.lora is None:
             return self.cache_salt
-        return f"{self.cache_salt or ''}\0lora\0{self.lora.name}\0{self.lora.path}"
+        return f"{self.cache_salt or ''}\0lora\0{self.lora.name}\0{self.lora.path}\0{self.lora.version}"
 
 
 @dataclass(slots=True)

@@ -82,7 +82,9 @@ def _listed(values: list[str]) -> tuple[str, ...]:
 def lora_modules(values: list[str], cfg: ServerConfig) -> tuple[tuple[str, str], ...]:
     """--lora-modules: (name, directory) pairs from name=path or vLLM's JSON objects
     ({"name", "path", "base_model_name"}); each name once, none a served model's name, each
-    directory holding an adapter_config.json (ValueError else)."""
+    directory an adapter this server computes, as far as that can be told without the model
+    (ValueError else; whether it fits the model is checked once that is loaded)."""
+    from tandem.engine.lora import adapter_files
     from tandem.server.adapters import check_name
     out: dict[str, str] = {}
     for v in values:
@@ -101,8 +103,10 @@ def lora_modules(values: list[str], cfg: ServerConfig) -> tuple[tuple[str, str],
         if not name or not path or name in out:
             raise ValueError(f"lora-modules: {v!r}: " + ("a name given twice" if name in out else "empty name or path"))
         check_name(name, cfg)
-        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
-            raise ValueError(f"lora-modules: {path}: no adapter_config.json (PEFT's save_pretrained writes one)")
+        try:
+            adapter_files(os.path.expanduser(path))
+        except ValueError as e:
+            raise ValueError(f"lora-modules: {name}: {e}") from None
         out[name] = path
     return tuple(out.items())
 

@@ -1,8 +1,8 @@
 """LoRA adapters loaded and unloaded while the server runs (vLLM's runtime LoRA routes), when
-it was started with --allow-runtime-lora-updating: ``POST /v1/load_lora_adapter`` with
-``{"lora_name", "lora_path"}`` (a directory on the server's machine) and ``POST
-/v1/unload_lora_adapter`` with ``{"lora_name"}``. A loaded adapter is a model requests name;
-requests already running on an unloaded one finish."""
+it was started with --allow-runtime-lora-updating (else both answer 404 saying so): ``POST
+/v1/load_lora_adapter`` with ``{"lora_name", "lora_path"}`` (a directory on the server's
+machine) and ``POST /v1/unload_lora_adapter`` with ``{"lora_name"}``. A loaded adapter is a
+model requests name; requests already running on an unloaded one finish."""
 from __future__ import annotations
 
 import asyncio
@@ -33,7 +33,15 @@ def _string(body: dict, key: str) -> str:
     return v
 
 
+def _allowed(request) -> None:
+    if not request.app[STATE].cfg.runtime_lora:
+        raise ApiError(404, "loading and unloading LoRA adapters while the server runs is off: start it with "
+                            "--allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)",
+                       code="runtime_lora_off")
+
+
 async def load(request):
+    _allowed(request)
     engine = ready_engine(request)
     body = await read_json(request)
     cfg = request.app[STATE].cfg
@@ -52,6 +60,7 @@ async def load(request):
 
 
 async def unload(request):
+    _allowed(request)
     engine = ready_engine(request)
     body = await read_json(request)
     name = _string(body, "lora_name")

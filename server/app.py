@@ -979,9 +979,8 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
     from tandem.server import responses, routes_batch
     routes_batch.add_routes(app)
     responses.add_routes(app)
-    if cfg.runtime_lora:
-        from tandem.server import adapters
-        adapters.add_routes(app)
+    from tandem.server import adapters
+    adapters.add_routes(app)
 
     async def load(app_):
         t0 = time.monotonic()

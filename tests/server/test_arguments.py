@@ -40,7 +40,9 @@ from tests.server.conftest import ROOT, free_port
     (["--root-path", "api"], "root-path: a path beginning with /"),
     (["--startup-profile", "never"], "--startup-profile: invalid choice: 'never'"),
     (["--lora-modules", "sql"], "lora-modules: 'sql' is not name=path"),
-    (["--lora-modules", "sql=/no/such/adapter"], "lora-modules: /no/such/adapter: no adapter_config.json"),
+    (["--lora-modules", "sql=/no/such/adapter"], "lora-modules: sql: /no/such/adapter: no such directory"),
+    (["--lora-modules", "sql=/tmp"], "lora-modules: sql: /tmp: no adapter_config.json (a directory PEFT's "
+                                     "save_pretrained wrote is expected)"),
     (["--lora-modules", '{"name": "sql"}'], "lora-modules: a JSON module needs string 'name' and 'path'"),
     (["--served-model-name", "m", "--lora-modules", "m=/tmp"], "lora_name: 'm' is the served model's name"),
 ])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import urllib.error
 import urllib.request
 
@@ -88,6 +89,29 @@ def test_adapters_load_and_unload_while_serving(lora_server, client, tiny_chat_m
     assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
 
 
+def test_an_adapter_saved_again_and_loaded_again_is_the_new_one(lora_server, client, tiny_chat_model, adapters,
+                                                                 tmp_path):
+    """Retrained into the same directory, unloaded and loaded again under its name: the new
+    weights serve (none of the old ones' cached blocks either)."""
+    swap = tmp_path / "swap"
+    shutil.copytree(adapters[1], swap)
+    assert _post(lora_server, "/v1/load_lora_adapter", {"lora_name": "w", "lora_path": str(swap)})[0] == 200
+    assert _texts(client, "w") == hf_texts(tiny_chat_model, PROMPTS, 8, adapter=adapters[1])
+    assert _post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "w"})[0] == 200
+    shutil.copytree(adapters[0], swap, dirs_exist_ok=True)
+    assert _post(lora_server, "/v1/load_lora_adapter", {"lora_name": "w", "lora_path": str(swap)})[0] == 200
+    assert _texts(client, "w") == hf_texts(tiny_chat_model, PROMPTS, 8, adapter=adapters[0])
+    assert _post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "w"})[0] == 200
+
+
+def test_an_adapter_not_computed_here_stops_the_command_line(tiny_chat_model, tmp_path, capsys):
+    from tandem.server.__main__ import parse_args
+    dora = write_adapter(tiny_chat_model, tmp_path / "dora", ["q_proj"], use_dora=True)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", str(tiny_chat_model), "--lora-modules", f"d={dora}"])
+    assert e.value.code == 2 and f"lora-modules: d: {dora}: DoRA (use_dora) is not supported" in capsys.readouterr().err
+
+
 def test_a_batch_job_runs_on_an_adapter(lora_server, client, tiny_chat_model, adapters):
     rows = [{"custom_id": f"{model}-{i}", "method": "POST", "url": "/v1/completions",
              "body": {"model": model, "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True}}
@@ -119,6 +143,10 @@ def test_the_adapters_in_use_are_shown(lora_server, client):
         stream.close()
 
 
-def test_runtime_loading_is_off_unless_asked(server):
-    status, _ = _post(server, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp"})
-    assert status == 404
+def test_runtime_loading_is_off_unless_asked(server, adapters):
+    for path, body in (("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(adapters[0])}),
+                       ("/v1/unload_lora_adapter", {"lora_name": "a"})):
+        status, out = _post(server, path, body)
+        assert status == 404 and json.loads(out)["error"]["message"].startswith(
+            "loading and unloading LoRA adapters while the server runs is off: start it with "
+            "--allow-runtime-lora-updating")
