@@ -19,6 +19,7 @@ from html.parser import HTMLParser
 import openai
 import pytest
 
+from tests.conftest import write_adapter
 from tests.server.conftest import API_KEY, start_server, stop_server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -27,12 +28,13 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromiu
 
 class Fields(HTMLParser):
     """Text of every element carrying data-field, keyed by (data-device or data-class, field),
-    and the ids of the listed requests and batches."""
+    the ids of the listed requests and batches, and the listed requests' adapters."""
 
     def __init__(self):
         super().__init__()
         self.values: dict[tuple[str | None, str], str] = {}
         self.requests: list[str] = []
+        self.adapters: list[str] = []
         self.batches: list[str] = []
         self._open: tuple | None = None
         self._row: str | None = None
@@ -54,6 +56,8 @@ class Fields(HTMLParser):
     def handle_data(self, data):
         if self._open is not None:
             self.values[self._open] = data.strip()
+            if self._open[1] == "adapter":
+                self.adapters.append(data.strip())
             self._open = None
 
 
@@ -93,7 +97,9 @@ def pool_size(values: dict) -> int:
 
 @pytest.fixture(scope="module")
 def busy_server(tiny_chat_model, tmp_path_factory):
-    s = start_server(tiny_chat_model, tmp_path_factory.mktemp("dash"), "--max-num-seqs", "4")
+    tmp = tmp_path_factory.mktemp("dash")
+    adapter = write_adapter(tiny_chat_model, tmp / "sql", ["q_proj", "v_proj"])
+    s = start_server(tiny_chat_model, tmp, "--max-num-seqs", "4", "--lora-modules", f"sql={adapter}")
     yield s
     stop_server(s)
 
@@ -113,8 +119,8 @@ def test_a_fresh_idle_server_shows_its_device(busy_server):
 def test_dashboard_under_load_matches_metrics(busy_server, tmp_path):
     url, model = busy_server.url, busy_server.model
     client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
-    lines = [{"custom_id": f"l{i}", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"model": model, "messages": [{"role": "user", "content": f"Item {i}"}],
+    lines = [{"custom_id": f"l{i}", "method": "POST", "url": "/v1/chat/completions",        # half on an adapter
+              "body": {"model": "sql" if i % 2 else model, "messages": [{"role": "user", "content": f"Item {i}"}],
                        "max_tokens": 120, "ignore_eos": True}} for i in range(24)]
     f = client.files.create(file=("in.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())),
                             purpose="batch")
@@ -153,6 +159,7 @@ def test_dashboard_under_load_matches_metrics(busy_server, tmp_path):
     used = blocks - int(busy.values[("0", "pool-free")])
     assert 0 < by_type <= used, (by_type, used)
     assert busy.requests, "no request listed under load"
+    assert {"sql", "–"} <= set(busy.adapters), busy.adapters       # requests on the adapter and on the model
     assert batch.id in busy.batches
 
     time.sleep(1.5)                                                # let a step report the idle pool
