@@ -36,6 +36,15 @@ class LoraRef:
     version: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterWeights:
+    """A LoRA adapter's matrices, fused to the model's projections as engine.lora reads them
+    (``weights[(layer, projection)] = (A, B)``, float32 on the CPU), sent to a worker once,
+    before its first request there: workers never read adapter files themselves."""
+    ref: LoraRef
+    weights: dict
+
+
 class Phase(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
@@ -193,6 +202,10 @@ class StepInput:
     # requests' new blocks are appended, right before the forward
     offloads: list[Offload] = field(default_factory=list)
     uploads: list[str] = field(default_factory=list)
+    # LoRA adapters, before anything else: those this step's new requests run with that the
+    # worker does not hold yet, and those it may forget
+    adapters: list[AdapterWeights] = field(default_factory=list)
+    drop_adapters: list[LoraRef] = field(default_factory=list)
 
 
 @dataclass(slots=True)

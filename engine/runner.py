@@ -16,7 +16,7 @@ import torch
 from tandem.engine.attention import AttnBatch, HiddenBatch, HiddenSegment, PrefillSegment
 from tandem.engine.grammar import Vocabulary
 from tandem.engine.kvquant import Int8Rows, dequantize, int8_block_bytes, quantize
-from tandem.engine.lora import Adapter, StepLora, read_adapter
+from tandem.engine.lora import Adapter, StepLora
 from tandem.engine.messages import (CacheImport, CacheType, Command, DeviceRows, Direction, LoraRef, NewRequest,
                                     Offload, Phase, SamplingSpec, StepInput, StepOutput)
 from tandem.engine.models.spec import ModelSpec
@@ -25,9 +25,6 @@ from tandem.engine.quantpool import QuantPool
 from tandem.engine.sampling import TokenCounts, log_probs, pick_logprobs, sample, token_logprobs
 from tandem.engine.triton_attention import TritonMeta, tables
 from tandem.engine.triton_paging import row_table
-
-
-KEPT_ADAPTERS = 8     # LoRA adapters kept loaded, unused ones included, before unused ones are dropped
 
 
 @dataclass(slots=True)
@@ -86,7 +83,7 @@ class ModelRunner:
         # a hidden-cache token takes m = d_model / unit pool rows; 0: not possible for this model
         self.hidden_rows = spec.d_model // spec.unit if spec.d_model % spec.unit == 0 else 0
         self.reqs: dict[str, ReqState] = {}
-        self.adapters: dict[LoraRef, Adapter] = {}   # LoRA adapters loaded, as requests first name them
+        self.adapters: dict[LoraRef, Adapter] = {}   # LoRA adapters, as StepInput.adapters sent them
         self.tokenizer_file = tokenizer_file   # what structured outputs read tokens by (engine.grammar)
         L, H, _, D = pool.shape
         self.int8_block_bytes = int8_block_bytes(L, H, D, block_size)
@@ -107,18 +104,19 @@ class ModelRunner:
         st = ReqState(list(nr.token_ids), nr.num_prompt_tokens, 0, None, 0, nr.sampling, nr.cache_type)
         st.clear_cache(g)
         if nr.lora is not None:
-            st.adapter = self._adapter(nr.lora)
+            if nr.lora not in self.adapters:
+                raise RuntimeError(f"request {nr.req_id}: LoRA adapter {nr.lora.name!r} was never sent")
+            st.adapter = self.adapters[nr.lora]
         self.reqs[nr.req_id] = st
 
-    def _adapter(self, ref: LoraRef) -> Adapter:
-        """The adapter, loaded on first use; once more than KEPT_ADAPTERS are loaded, those no
-        request here runs with are dropped first."""
-        if ref not in self.adapters:
-            if len(self.adapters) >= KEPT_ADAPTERS:
-                used = {st.adapter.ref for st in self.reqs.values() if st.adapter is not None}
-                self.adapters = {r: a for r, a in self.adapters.items() if r in used}
-            self.adapters[ref] = read_adapter(ref, self.spec, self.pool.dtype, self.device)
-        return self.adapters[ref]
+    def _take_adapters(self, inp: StepInput) -> None:
+        """Keep the adapters sent (on this device, in the pool's dtype), forget those dropped."""
+        for ref in inp.drop_adapters:
+            self.adapters.pop(ref, None)
+        for aw in inp.adapters:
+            self.adapters[aw.ref] = Adapter(aw.ref, {key: (a.to(self.device, self.pool.dtype),
+                                                           b.to(self.device, self.pool.dtype))
+                                                     for key, (a, b) in aw.weights.items()})
 
     def _append_blocks(self, st: ReqState, block_ids: list[int], dirs: list[Direction]) -> None:
         """Blocks arrive in groups of g per block_size tokens: (K, V) pairs for a KV cache,
@@ -323,6 +321,7 @@ class ModelRunner:
             if self.int8:
                 self.pool.release(torch.arange(self.pool.num_blocks, device=self.device))
             return StepOutput(inp.step_id, {}, 0, 0.0, 0.0)
+        self._take_adapters(inp)
         self._apply_bookkeeping(inp)
         for off in inp.offloads:
             self._offload(off)

@@ -27,14 +27,15 @@ from tandem.cache.bidir import BidirBlockPool
 from tandem.cache.host_pool import HostPool
 from tandem.cache.prefix import Key, block_keys
 from tandem.engine.grammar import compile_grammar
-from tandem.engine.messages import (CacheImport, CacheType, Command, NewRequest, Offload, Phase, SamplingSpec,
-                                    ScheduledRequest, StepInput, StepOutput)
+from tandem.engine.messages import (AdapterWeights, CacheImport, CacheType, Command, LoraRef, NewRequest, Offload,
+                                    Phase, SamplingSpec, ScheduledRequest, StepInput, StepOutput)
 from tandem.sched.cost_model import OnlineCostModel, StepShape
 from tandem.sched.detok import TextTracker
 from tandem.sched.policy import Candidate, Limits, Plan, Snapshot
 from tandem.sched.request import FinishReason, Migration, RequestState, ServiceClass, Status, error_id
 
 log = logging.getLogger("tandem.actor")
+KEPT_ADAPTERS = 8     # LoRA adapters a worker keeps, unused ones included, before unused ones are dropped
 
 
 def _queued(st: RequestState) -> float | None:
@@ -105,6 +106,7 @@ class DeviceActor:
         self._finished_ids: list[str] = []
         self._imports: list[CacheImport] = []
         self._offloads: list[Offload] = []
+        self._adapters_sent: set[LoraRef] = set()    # the LoRA adapters the worker holds
         self.host = HostPool(cfg.swap.space_bytes) if cfg.swap is not None else None
         self.swap_bytes: Counter = Counter()       # bytes moved to ("out") and back from ("in") the host
         self.swaps: Counter = Counter()            # caches swapped "out", back "in", "evicted" to recompute
@@ -250,8 +252,21 @@ class DeviceActor:
         inp, shape = self._apply(plan)
         if (inp.scheduled or inp.finished_ids or inp.reset_ids or inp.new_requests or inp.imports
                 or inp.offloads):
+            self._send_adapters(inp)
             return Pending(inp, plan, shape, t0)
         return None
+
+    def _send_adapters(self, inp: StepInput) -> None:
+        """The LoRA adapters of the step's new requests that the worker lacks go with them; past
+        KEPT_ADAPTERS held, those no request here runs with are dropped there."""
+        for nr in inp.new_requests:
+            if nr.lora is not None and nr.lora not in self._adapters_sent:
+                inp.adapters.append(AdapterWeights(nr.lora, self.states[nr.req_id].request.adapter.weights))
+                self._adapters_sent.add(nr.lora)
+        if len(self._adapters_sent) > KEPT_ADAPTERS:
+            used = {st.request.lora for st in self.states.values()}
+            inp.drop_adapters = [ref for ref in self._adapters_sent if ref not in used]
+            self._adapters_sent -= set(inp.drop_adapters)
 
     def snapshot(self) -> Snapshot:
         now = self.clock()
@@ -713,6 +728,7 @@ class DeviceActor:
         forgotten there and recompute every token here. The step's scheduled requests are the
         caller's to fail."""
         ran = {s.req_id for s in inp.scheduled}
+        self._adapters_sent -= {aw.ref for aw in inp.adapters}      # sent again with their next request
         self._finished_ids.extend(r for r in inp.finished_ids if r not in self._finished_ids)
         unsure = ([i.req_id for i in inp.imports] + [o.req_id for o in inp.offloads] + inp.reset_ids
                   + [c.req_id for c in inp.checkpoints + inp.swap_ins])
@@ -759,6 +775,7 @@ class DeviceActor:
         self.pool = self.new_pool(geometry)
         self._new, self._reset_ids, self._finished_ids, self._imports = [], [], [], []
         self._offloads = []
+        self._adapters_sent.clear()
         if self.host is not None:
             self.host.clear()
         self.leaving.clear()

@@ -75,7 +75,7 @@ class AsyncEngine:
         while not search.done:
             steps = search.step_requests(req.req_id, req.sampling.seed, top, service_class=req.service_class,
                                          slo_ttft_s=req.slo_ttft_s, slo_tbt_s=req.slo_tbt_s, cache_salt=req.cache_salt,
-                                         lora=req.lora)
+                                         adapter=req.adapter)
             subs: list[Submission] = []
             try:
                 for r in steps:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import tandem.engine as engine_package
 from tandem.engine.dtype import cpu_flags, resolve_dtype
 from tandem.engine.grammar import Vocabulary, compile_grammar
-from tandem.engine.lora import LoraError, files_version, read_adapter
+from tandem.engine.lora import Adapter, LoraError, files_version, read_adapter
 from tandem.engine.messages import DeviceError, LoraRef, TokenLogprobs
 from tandem.engine.models.loader import load_spec, load_tokenizer, resolve_model, sampling_defaults
 from tandem.engine.params import SamplingParams, int_list
@@ -457,7 +457,7 @@ class LLM:
         t_load = time.monotonic()
         hf_dir = resolve_model(model, cache_dir or DEFAULT_CACHE_DIR)
         self.spec = load_spec(hf_dir)
-        self.adapters: dict[str, LoraRef] = {}     # LoRA adapters by name, as load_lora checked them
+        self.adapters: dict[str, Adapter] = {}     # LoRA adapters by name, as load_lora read them
         # what a request that sets no sampling field of its own takes (vLLM's generation_config)
         self.sampling_defaults = sampling_defaults(hf_dir) if generation_config == "auto" else {}
         if self.sampling_defaults:
@@ -893,23 +893,23 @@ class LLM:
         for sink, ups in groups.values():
             sink(ups)
 
-    def load_lora(self, name: str, path: str | os.PathLike) -> LoraRef:
-        """Check that the LoRA adapter PEFT saved at ``path`` fits this model (ValueError saying
-        why not) and serve it as ``name``; a name given again takes the new directory."""
+    def load_lora(self, name: str, path: str | os.PathLike) -> Adapter:
+        """Read the LoRA adapter PEFT saved at ``path``, check that it fits this model (ValueError
+        saying why not) and serve it as ``name``; a name given again takes the new directory (or
+        the files saved again in the same one). Workers get its matrices from here."""
         if not isinstance(name, str) or not name:
             raise ValueError("lora_name: must be a non-empty string")
         if not os.fspath(path):
             raise ValueError(f"lora_path: give adapter {name!r}'s directory")
         where = os.path.abspath(os.path.expanduser(os.fspath(path)))
         ref = LoraRef(name, where, files_version(where))
-        if self.adapters.get(name) != ref:
+        if name not in self.adapters or self.adapters[name].ref != ref:
             try:
-                read_adapter(ref, self.spec)
+                self.adapters[name] = read_adapter(ref, self.spec)
             except LoraError as e:
                 raise ValueError(f"LoRA adapter {name!r}: {e}") from None
-            self.adapters[name] = ref
             log.info("LoRA adapter %r served, from %s", name, where)
-        return ref
+        return self.adapters[name]
 
     def unload_lora(self, name: str) -> bool:
         """Serve ``name`` no more (requests already running on it finish); False if unknown."""
@@ -918,8 +918,8 @@ class LLM:
         log.info("LoRA adapter %r no longer served", name)
         return True
 
-    def _adapter_refs(self, given: list[LoRARequest | None]) -> list[LoraRef | None]:
-        """Each prompt's adapter, checked and served (load_lora)."""
+    def _adapter_refs(self, given: list[LoRARequest | None]) -> list[Adapter | None]:
+        """Each prompt's adapter, read and served (load_lora)."""
         return [None if lr is None else self.load_lora(lr.lora_name, lr.lora_path) for lr in given]
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -960,7 +960,7 @@ class LLM:
             sized = [sp if sp.seed is not None else replace(sp, seed=self._seeds.randrange(2 ** 63)) for sp in sized]
         now = time.monotonic()
         reqs = [Request(f"gen-{next(self._ids)}", ids, _choice(sp, i), arrival_time=now, prompt=text,
-                        cache_salt=salt, bad_words_ids=self.bad_words_ids(sp), lora=lora)
+                        cache_salt=salt, bad_words_ids=self.bad_words_ids(sp), adapter=lora)
                 for (ids, text), sp, salt, lora in zip(encoded, sized, salts, loras) for i in range(sp.n)]
         texts = None if self.lengths is None else [self.prediction_text(p, sp, e)
                                                    for p, sp, e in zip(plist, params, encoded) for _ in range(sp.n)]
@@ -1014,11 +1014,11 @@ class LLM:
             bar.close()
         return [BeamSearchOutput(self._with_text(s.result(), params.skip_special_tokens)) for s in searches]
 
-    def _search(self, group: list[tuple[BeamSearch, str | None, LoraRef | None]], bar) -> None:
+    def _search(self, group: list[tuple[BeamSearch, str | None, Adapter | None]], bar) -> None:
         """Run these searches to their ends, each step's beams all together."""
         while live := [g for g in group if not g[0].done]:
             reqs = [r for s, salt, lora in live
-                    for r in s.step_requests(f"beam-{next(self._ids)}", cache_salt=salt, lora=lora)]
+                    for r in s.step_requests(f"beam-{next(self._ids)}", cache_salt=salt, adapter=lora)]
             states = iter(self._serve(reqs, None))
             for s, _, _ in live:
                 got = [next(states) for _ in s.beams]

@@ -62,7 +62,12 @@ class Request:
     predicted_spread: tuple[int, ...] = ()   # equally likely output lengths, ascending (empty: a point)
     cache_salt: str | None = None      # prefix caching: only requests with the same salt share blocks
     bad_words_ids: tuple[tuple[int, ...], ...] = ()   # sampling.bad_words as token ids (LLM.bad_words_ids)
-    lora: LoraRef | None = None        # the LoRA adapter it runs with (None: the base model)
+    adapter: object | None = None      # the LoRA adapter it runs with (engine.lora.Adapter; None: the base model)
+
+    @property
+    def lora(self) -> LoraRef | None:
+        """Which LoRA adapter it runs with (None: the base model)."""
+        return None if self.adapter is None else self.adapter.ref
 
     @property
     def prefix_salt(self) -> str | None:

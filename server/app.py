@@ -216,7 +216,7 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
     named by ``request_id`` (a client's X-Request-Id), else by the body's ``request_id``, else
     anew; its requests' ids stay unique when a client names two alike."""
     model = served_model(body, cfg, engine)
-    lora = engine.llm.adapters.get(model)
+    adapter = engine.llm.adapters.get(model)
     defaults = dict(default_ttft_s=None, default_tbt_s=None) if force_be else \
         dict(default_ttft_s=cfg.slo_ttft_ms / 1000, default_tbt_s=cfg.slo_tbt_ms / 1000)  # RT targets only
     defaults["model_defaults"] = engine.llm.sampling_defaults
@@ -257,7 +257,7 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
                     replace(sp, max_tokens=mt, seed=None if sp.seed is None else sp.seed + i, stop=list(sp.stop),
                             stop_token_ids=list(sp.stop_token_ids)),
                     gen.service_class, now, gen.slo_ttft_s, gen.slo_tbt_s, text, stream_text=gen.stream,
-                    cache_salt=gen.cache_salt, bad_words_ids=bad_words, lora=lora)
+                    cache_salt=gen.cache_salt, bad_words_ids=bad_words, adapter=adapter)
             for j, ((ids, text), mt) in enumerate(zip(encoded, budgets)) for i in range(gen.n)]
     p = Prepared(gen, model, rid, sum(len(ids) for ids, _ in encoded), reqs, [], shown)
     if gen.beam is not None:         # each step submits its own requests (run_beams)
@@ -844,7 +844,7 @@ def _model_object(st, name: str | None = None, adapter=None) -> dict:
     ``root`` (the model as --model named it; an adapter's directory), ``parent`` (null; an
     adapter's: the served model's name), ``max_model_len``, ``permission``."""
     name = name or st.cfg.served_model_name
-    root, parent = (st.cfg.model, None) if adapter is None else (adapter.path, st.cfg.served_model_name)
+    root, parent = (st.cfg.model, None) if adapter is None else (adapter.ref.path, st.cfg.served_model_name)
     return {"id": name, "object": "model", "created": st.created, "owned_by": "tandem",
             "root": root, "parent": parent, "max_model_len": st.engine.llm.max_model_len if st.engine else None,
             "permission": [{"id": f"modelperm-{name}", "object": "model_permission",

@@ -97,11 +97,29 @@ def test_a_request_migrates_with_its_adapter(tiny_llama, tmp_path):
     prompts = mixed_prompts(2, 512, seed=14, lo=20, hi=40)
     want = hf_greedy(tiny_llama, prompts, N, adapter=adapter)
     with LLM(str(tiny_llama), TWO, dtype="float32", block_size=8, threads_per_worker=1, kv_cache_bytes=POOL) as llm:
-        ref = llm.load_lora("a", adapter)
+        loaded = llm.load_lora("a", adapter)
         for kind, prompt, expected in zip((Transfer.KV, Transfer.TOKEN), prompts, want):
-            seen, st = run(llm, prompt, _greedy(N), kind, f"m-{kind.value}", lora=ref)
+            seen, st = run(llm, prompt, _greedy(N), kind, f"m-{kind.value}", adapter=loaded)
             assert st.device == 1 and [m.kind for m in llm.scheduler.actors[1].moves][-1] is kind
             assert seen == expected, kind
+
+
+def test_workers_forget_unused_adapters_and_get_them_again(tiny_llama, tmp_path, monkeypatch):
+    """Past the adapters a worker keeps (one, here), those no request runs with are dropped
+    there, and sent again with the next request that needs one."""
+    import tandem.sched.actor as actor_module
+    monkeypatch.setattr(actor_module, "KEPT_ADAPTERS", 1)
+    a = write_adapter(tiny_llama, tmp_path / "a", LLAMA_ALL, seed=9)
+    b = write_adapter(tiny_llama, tmp_path / "b", ["q_proj", "v_proj"], seed=10)
+    prompts = mixed_prompts(3, 512, seed=15, hi=40)
+    want = {x: hf_greedy(tiny_llama, prompts, MAX_NEW, adapter=x) for x in (a, b)}
+    with _llm(tiny_llama) as llm:
+        actor = llm.scheduler.actors[0]
+        for x in (a, b, a):
+            outs = llm.generate(prompts, _greedy(), lora_request=LoRARequest(x.name, 1, str(x)))
+            assert [o.token_ids for o in outs] == want[x], x
+            assert {ref.name for ref in actor._adapters_sent} == {x.name}
+        assert_pool_free(llm)
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,12 @@ MOVE_AFTER = 7         # tokens streamed before the migration is asked for
 POOL = 16 << 20        # bytes per device (thousands of blocks): the suite checks every block after every step
 
 
-def run(llm, prompt, sp, move: Transfer | None, rid: str, lora=None) -> tuple[list[int], object]:
-    """Generate on device 0 (``lora``: with this adapter); after MOVE_AFTER tokens ask for a
-    migration to device 1. Returns every token the stream saw, in order, and the request's
+def run(llm, prompt, sp, move: Transfer | None, rid: str, adapter=None) -> tuple[list[int], object]:
+    """Generate on device 0 (``adapter``: with this LoRA adapter); after MOVE_AFTER tokens ask
+    for a migration to device 1. Returns every token the stream saw, in order, and the request's
     final state."""
     rt = llm.start_runtime()
-    st = llm.scheduler.new_state(Request(rid, prompt, sp, arrival_time=time.monotonic(), lora=lora))
+    st = llm.scheduler.new_state(Request(rid, prompt, sp, arrival_time=time.monotonic(), adapter=adapter))
     seen, done = [], threading.Event()
 
     def sink(ups):

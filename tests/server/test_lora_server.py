@@ -92,7 +92,8 @@ def test_adapters_load_and_unload_while_serving(lora_server, client, tiny_chat_m
 def test_an_adapter_saved_again_and_loaded_again_is_the_new_one(lora_server, client, tiny_chat_model, adapters,
                                                                  tmp_path):
     """Retrained into the same directory, unloaded and loaded again under its name: the new
-    weights serve (none of the old ones' cached blocks either)."""
+    weights serve (none of the old ones' cached blocks either), even once the directory is
+    gone."""
     swap = tmp_path / "swap"
     shutil.copytree(adapters[1], swap)
     assert _post(lora_server, "/v1/load_lora_adapter", {"lora_name": "w", "lora_path": str(swap)})[0] == 200
@@ -100,6 +101,7 @@ def test_an_adapter_saved_again_and_loaded_again_is_the_new_one(lora_server, cli
     assert _post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "w"})[0] == 200
     shutil.copytree(adapters[0], swap, dirs_exist_ok=True)
     assert _post(lora_server, "/v1/load_lora_adapter", {"lora_name": "w", "lora_path": str(swap)})[0] == 200
+    shutil.rmtree(swap)                 # the server read it when it loaded it: the workers need no files
     assert _texts(client, "w") == hf_texts(tiny_chat_model, PROMPTS, 8, adapter=adapters[0])
     assert _post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "w"})[0] == 200
 
