@@ -79,13 +79,17 @@ def _listed(values: list[str]) -> tuple[str, ...]:
     return tuple(values)
 
 
-def lora_modules(values: list[str], cfg: ServerConfig) -> tuple[tuple[str, str], ...]:
+def lora_modules(values: list[str], cfg: ServerConfig, model: str) -> tuple[tuple[str, str], ...]:
     """--lora-modules: (name, directory) pairs from name=path or vLLM's JSON objects
     ({"name", "path", "base_model_name"}); each name once, none a served model's name, each
-    directory an adapter this server computes, as far as that can be told without the model
-    (ValueError else; whether it fits the model is checked once that is loaded)."""
-    from tandem.engine.lora import adapter_files
+    directory an adapter this server computes, and one for ``model`` where that is a checkpoint
+    directory (ValueError else; a GGUF model's adapters are checked against it once it is
+    converted and loaded)."""
+    from tandem.engine.lora import adapter_files, read_adapter
+    from tandem.engine.messages import LoraRef
+    from tandem.engine.models.loader import load_spec
     from tandem.server.adapters import check_name
+    spec = load_spec(Path(model).expanduser()) if Path(model).expanduser().is_dir() else None
     out: dict[str, str] = {}
     for v in values:
         if v.lstrip().startswith("{"):
@@ -103,8 +107,9 @@ def lora_modules(values: list[str], cfg: ServerConfig) -> tuple[tuple[str, str],
         if not name or not path or name in out:
             raise ValueError(f"lora-modules: {v!r}: " + ("a name given twice" if name in out else "empty name or path"))
         check_name(name, cfg)
+        where = os.path.abspath(os.path.expanduser(path))
         try:
-            adapter_files(os.path.expanduser(path))
+            adapter_files(where) if spec is None else read_adapter(LoraRef(name, where), spec)
         except ValueError as e:
             raise ValueError(f"lora-modules: {name}: {e}") from None
         out[name] = path
@@ -379,7 +384,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                                   if n != names[0]))
     named = ServerConfig(served_model_name=names[0], model_aliases=aliases)
     try:
-        loras = lora_modules(a.lora_modules, named)
+        loras = lora_modules(a.lora_modules, named, a.model)
     except ValueError as e:
         ap.error(str(e))
     return ServerConfig(model=a.model, served_model_name=names[0], model_aliases=aliases,

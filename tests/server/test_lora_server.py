@@ -106,12 +106,17 @@ def test_an_adapter_saved_again_and_loaded_again_is_the_new_one(lora_server, cli
     assert _post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "w"})[0] == 200
 
 
-def test_an_adapter_not_computed_here_stops_the_command_line(tiny_chat_model, tmp_path, capsys):
+def test_an_adapter_not_computed_here_stops_the_command_line(tiny_chat_model, tiny_opt, tmp_path, capsys):
+    """A DoRA adapter, and one trained for another model (OPT's module names), stop the command
+    line before anything loads."""
     from tandem.server.__main__ import parse_args
     dora = write_adapter(tiny_chat_model, tmp_path / "dora", ["q_proj"], use_dora=True)
-    with pytest.raises(SystemExit) as e:
-        parse_args(["--model", str(tiny_chat_model), "--lora-modules", f"d={dora}"])
-    assert e.value.code == 2 and f"lora-modules: d: {dora}: DoRA (use_dora) is not supported" in capsys.readouterr().err
+    opt = write_adapter(tiny_opt, tmp_path / "opt", ["q_proj", "fc1"])
+    for adapter, says in ((dora, "DoRA (use_dora) is not supported"),
+                          (opt, "module fc1 is not one of this model's projections")):
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--model", str(tiny_chat_model), "--lora-modules", f"d={adapter}"])
+        assert e.value.code == 2 and f"lora-modules: d: {adapter}: {says}" in capsys.readouterr().err
 
 
 def test_a_batch_job_runs_on_an_adapter(lora_server, client, tiny_chat_model, adapters):
