@@ -181,9 +181,9 @@ def files_version(path: str) -> str:
     return ";".join(stamps)
 
 
-def read_adapter(ref: LoraRef, spec: ModelSpec, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> Adapter:
-    """Load and check an adapter for a model of ``spec`` (LoraError if it does not fit it)."""
+def read_adapter(ref: LoraRef, spec: ModelSpec) -> Adapter:
+    """Load and check an adapter for a model of ``spec`` (LoraError if it does not fit it): its
+    fused matrices in float32 on the CPU, as workers are sent them."""
     path = ref.path
     cfg, parts = adapter_files(path)
     alpha, rslora = cfg.get("lora_alpha", 8), bool(cfg.get("use_rslora"))
@@ -213,5 +213,5 @@ def read_adapter(ref: LoraRef, spec: ModelSpec, dtype: torch.dtype = torch.float
         for tg, a, b in ps:
             b_cat[tg.lo:tg.hi, col:col + a.shape[0]] += b
             col += a.shape[0]
-        weights[(layer, proj)] = (a_cat.to(device, dtype).contiguous(), b_cat.to(device, dtype).contiguous())
+        weights[(layer, proj)] = (a_cat, b_cat)
     return Adapter(ref, weights)
