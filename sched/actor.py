@@ -258,12 +258,13 @@ class DeviceActor:
 
     def _send_adapters(self, inp: StepInput) -> None:
         """The LoRA adapters of the step's new requests that the worker lacks go with them; past
-        KEPT_ADAPTERS held, those no request here runs with are dropped there."""
+        KEPT_ADAPTERS held, those no request here runs with are dropped there (looked for only
+        when one is sent: the requests are not scanned at every step)."""
         for nr in inp.new_requests:
             if nr.lora is not None and nr.lora not in self._adapters_sent:
                 inp.adapters.append(AdapterWeights(nr.lora, self.states[nr.req_id].request.adapter.weights))
                 self._adapters_sent.add(nr.lora)
-        if len(self._adapters_sent) > KEPT_ADAPTERS:
+        if inp.adapters and len(self._adapters_sent) > KEPT_ADAPTERS:
             used = {st.request.lora for st in self.states.values()}
             inp.drop_adapters = [ref for ref in self._adapters_sent if ref not in used]
             self._adapters_sent -= set(inp.drop_adapters)
