@@ -70,6 +70,7 @@ def forward_buckets(batch: int, dtype: str, steps: int = 8) -> dict:
     """ms per decode step at ``batch`` in each bucket (in-process device under torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    import tandem.engine.lora as lora
     import tandem.engine.models.llama as llama
     import tandem.engine.runner as runner
     from tandem.engine.dtype import resolve_dtype
@@ -100,11 +101,13 @@ def forward_buckets(batch: int, dtype: str, steps: int = 8) -> dict:
         sched.step()
     for _ in range(3):
         sched.step()                                 # warm, all decodes now
-    # the compiled kernels' calls are no torch ops, so the profiler sees them only through a label
-    saved = llama.paged_attention, llama.rms_norm, llama.apply_rope, runner.sample, llama.linear
-    llama.paged_attention = labelled("attention", saved[0])
-    llama.rms_norm, llama.apply_rope = labelled("rms_norm", saved[1]), labelled("rotary", saved[2])
-    runner.sample, llama.linear = labelled("sampling", saved[3]), labelled("GEMMs", saved[4])
+    # the compiled kernels' calls are no torch ops, so the profiler sees them only through a label;
+    # the projections are engine.linear's, called from the model and from engine.lora's wrapper
+    spots = [(llama, "paged_attention", "attention"), (llama, "rms_norm", "rms_norm"), (llama, "apply_rope", "rotary"),
+             (runner, "sample", "sampling"), (llama, "linear", "GEMMs"), (lora, "linear", "GEMMs")]
+    saved = [getattr(mod, name) for mod, name, _ in spots]
+    for (mod, name, label), fn in zip(spots, saved):
+        setattr(mod, name, labelled(label, fn))
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t = time.perf_counter()
@@ -112,7 +115,8 @@ def forward_buckets(batch: int, dtype: str, steps: int = 8) -> dict:
                 sched.step()
             wall = time.perf_counter() - t
     finally:
-        llama.paged_attention, llama.rms_norm, llama.apply_rope, runner.sample, llama.linear = saved
+        for (mod, name, _), fn in zip(spots, saved):
+            setattr(mod, name, fn)
     buckets = dict.fromkeys((*LABELS, "other tensor ops"), 0.0)
     for ev in prof.events():
         label, p = None, ev
