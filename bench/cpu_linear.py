@@ -98,9 +98,10 @@ def _packed(dense: list[torch.Tensor], ops, dtype: str) -> dict[str, list]:
 
 def product_times(hf, spec, ops, rows: list[int], repeats: int, dtype: str = "float32") -> dict:
     """ms per sweep over the model's projections and LM head, per layout and row count. In bfloat16,
-    "blocks alone" times the blocks of every weight at every row count (float32 in, as a thin
-    product takes them), so where they stop paying (engine.linear.thin_rows) can be read off."""
-    from tandem.engine.linear import Panels, linear
+    "blocks alone" times the blocks of every weight at every row count (the rows in the dtype their
+    kernel takes, as a thin product hands them over), so where they stop paying
+    (engine.linear.thin_rows) can be read off."""
+    from tandem.engine.linear import linear
     dense = _weights(hf, spec)
     weights = _packed(dense, ops, dtype)
     ins = [w.shape[1] for w in dense]
@@ -110,12 +111,11 @@ def product_times(hf, spec, ops, rows: list[int], repeats: int, dtype: str = "fl
             xs = {k: torch.randn(m, k).to(getattr(torch, dtype)) for k in set(ins)}
             for name in _order(list(weights), r):
                 ws = weights[name]
-                one = (lambda x, w: linear(x.float(), w)) if dtype != "float32" and isinstance(ws[0], Panels) else linear
                 for w, k in zip(ws, ins):
-                    one(xs[k], w)                           # warm
+                    linear(xs[k], w)                        # warm
                 t = time.perf_counter()
                 for w, k in zip(ws, ins):
-                    one(xs[k], w)
+                    linear(xs[k], w)
                 out[name][m].append(1e3 * (time.perf_counter() - t))
     nbytes = {name: sum(_nbytes(w) for w in ws) for name, ws in weights.items()}
     if dtype == "float32":

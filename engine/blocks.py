@@ -18,7 +18,8 @@ were never quantized (random test models, safetensors checkpoints) fail the chec
 float32.
 
 :func:`pack_blocks` lays the blocks out in column panels of 16 output features for
-``engine/csrc/qlinear.cpp`` (its header has the byte layout).
+``engine/csrc/qlinear.cpp`` (its header has the byte layout); :func:`pack_bf16_pairs` lays Q4_1
+blocks out for ``engine/csrc/qlinear_bf16.cpp``, which multiplies bfloat16 rows by them.
 """
 from __future__ import annotations
 
@@ -103,24 +104,38 @@ def rows(blocks: Blocks, index: torch.Tensor) -> Blocks:
     return Blocks(blocks.kind, blocks.q[index], blocks.d[index], blocks.m[index])
 
 
+def _panels(t: torch.Tensor) -> torch.Tensor:
+    """[n, nb, ...] -> [ceil(n/16), nb, ..., 16]: each panel's 16 features last, rows past n zero."""
+    n = t.shape[0]
+    padded = torch.zeros((-(-n // PANEL) * PANEL, *t.shape[1:]), dtype=t.dtype)
+    padded[:n] = t
+    p = padded.view(-1, PANEL, *t.shape[1:])
+    return p.permute(0, *range(2, p.dim()), 1).contiguous()
+
+
 def pack_blocks(blocks: Blocks) -> torch.Tensor:
     """The panels engine/csrc/qlinear.cpp multiplies by: uint8 [ceil(n/16), k/32, bytes], per
     (panel, block) d[16] (and m[16] for Q4_1) as float32, then per input the 16 weights' q
     (Q4_1: two to a byte, feature j low and j + 8 high; Q8_0: one int8 each). Rows past n: zero."""
-    n, nb, _ = blocks.q.shape
-    rows = -(-n // PANEL) * PANEL
-
-    def panels(t: torch.Tensor) -> torch.Tensor:       # [n, nb, ...] -> [P, nb, ..., 16]
-        padded = torch.zeros((rows, *t.shape[1:]), dtype=t.dtype)
-        padded[:n] = t
-        p = padded.view(-1, PANEL, *t.shape[1:])
-        return p.permute(0, *range(2, p.dim()), 1).contiguous()
-
-    parts = [panels(blocks.d).view(torch.uint8)]
-    q = panels(blocks.q)                                # [P, nb, 32, 16]
+    nb = blocks.q.shape[1]
+    parts = [_panels(blocks.d).view(torch.uint8)]
+    q = _panels(blocks.q)                               # [P, nb, 32, 16]
     if blocks.kind is BlockKind.Q4_1:
-        parts.append(panels(blocks.m).view(torch.uint8))
+        parts.append(_panels(blocks.m).view(torch.uint8))
         parts.append((q[..., :8] | (q[..., 8:] << 4)).reshape(q.shape[0], nb, -1))
     else:
         parts.append(q.view(torch.uint8).reshape(q.shape[0], nb, -1))
     return torch.cat(parts, dim=-1).contiguous()
+
+
+def pack_bf16_pairs(blocks: Blocks) -> torch.Tensor:
+    """Q4_1 blocks as engine/csrc/qlinear_bf16.cpp multiplies bfloat16 rows by them: uint8
+    [ceil(n/16), k/32, 384], per (panel, block) d[16] and m[16] as float32, then per group of
+    four inputs 4g .. 4g+3 32 bytes, byte 2j + e = q[j][4g + e] | q[j][4g + 2 + e] << 4."""
+    assert blocks.kind is BlockKind.Q4_1
+    q = _panels(blocks.q)                               # [P, nb, 32, 16]: q[p, b, k, j]
+    g = q.view(*q.shape[:2], 8, 2, 2, PANEL)            # [P, nb, group, half, e, j]
+    pairs = g[:, :, :, 0] | (g[:, :, :, 1] << 4)        # [P, nb, group, e, j]
+    data = pairs.transpose(-1, -2).reshape(*q.shape[:2], -1)   # byte 2j + e per group
+    scales = [_panels(t).view(torch.uint8) for t in (blocks.d, blocks.m)]
+    return torch.cat([*scales, data], dim=-1).contiguous()

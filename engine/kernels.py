@@ -1,8 +1,9 @@
 """Compiled CPU kernels, built once per machine with torch.utils.cpp_extension.
 
 ``cpu_ops()`` returns the module (paged decode attention, engine/csrc/paged_decode.cpp; the
-projections over packed panels, engine/csrc/linear.cpp, and over a GGUF's blocks,
-engine/csrc/qlinear.cpp), or None when no compiler is
+projections over packed panels, engine/csrc/linear.cpp, over a GGUF's blocks,
+engine/csrc/qlinear.cpp, and, where the CPU has AVX-512 BF16, of bfloat16 rows over Q4_1 blocks,
+engine/csrc/qlinear_bf16.cpp: ``q4_1_bf16_linear``, absent elsewhere), or None when no compiler is
 available (torch's paths are then used: engine.attention's reference attention, and oneDNN
 for the projections; slower, not different).
 
@@ -22,7 +23,8 @@ from tandem.paths import cache_dir, exclusive
 
 log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "ops.cpp", _CSRC / "paged_decode.cpp", _CSRC / "linear.cpp", _CSRC / "qlinear.cpp"]
+_SOURCES = [_CSRC / "ops.cpp", _CSRC / "paged_decode.cpp", _CSRC / "linear.cpp", _CSRC / "qlinear.cpp",
+            _CSRC / "qlinear_bf16.cpp"]
 
 
 def _build_dir() -> Path:

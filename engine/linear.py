@@ -35,7 +35,10 @@ Packing is for CPU float32 with oneDNN available. A bfloat16 model on the CPU ke
 weights for ``F.linear`` (oneDNN, on AMX tiles where the CPU has them) and, where a weight is
 exactly a GGUF's blocks, those blocks as well (:class:`Thin`): a product of at most
 ``THIN_ROWS`` rows (a decode step of a few requests, the LM head of a step that samples a few)
-runs over the blocks in float32, the others over the dense weights. Everything else (CUDA, a
+runs over the blocks, the others over the dense weights. Over Q4_1 blocks, where the CPU has
+AVX-512 BF16, the bfloat16 rows are multiplied as they are (``engine/csrc/qlinear_bf16.cpp``:
+each product of a 4-bit q and a bfloat16 x is exact, summed in float32), else widened to float32
+for qlinear.cpp. Everything else (CUDA, a
 torch built without oneDNN) keeps dense weights and ``F.linear``. Only :func:`linear`
 multiplies by a packed weight.
 """
@@ -48,7 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.blocks import PANEL, Blocks, BlockKind, dequantize, find_blocks, pack_blocks, rows
+from tandem.engine.blocks import (PANEL, Blocks, BlockKind, dequantize, find_blocks, pack_bf16_pairs, pack_blocks,
+                                  rows)
 from tandem.engine.dtype import cpu_flags
 
 
@@ -62,6 +66,7 @@ class Panels:
     out_features: int
     kernel: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
     kind: BlockKind | None = None      # the GGUF blocks held, or None for float32
+    takes: torch.dtype = torch.float32   # the rows the kernel multiplies (its result is float32)
 
     @classmethod
     def pack(cls, w: torch.Tensor, ops: Any) -> "Panels":
@@ -75,19 +80,35 @@ class Panels:
         return cls(pack_blocks(blocks), blocks.q.shape[0], getattr(ops, f"{blocks.kind.value}_linear"),
                    blocks.kind)
 
+    @classmethod
+    def pack_thin(cls, blocks: Blocks, ops: Any) -> "Panels":
+        """The blocks for a bfloat16 model's thin products: Q4_1 in bfloat16 pairs where the CPU
+        has AVX-512 BF16 (engine/csrc/qlinear_bf16.cpp multiplies the bfloat16 rows as they are),
+        else as :meth:`pack_blocks` (rows widened to float32)."""
+        if blocks.kind is BlockKind.Q4_1 and hasattr(ops, "q4_1_bf16_linear"):
+            return cls(pack_bf16_pairs(blocks), blocks.q.shape[0], ops.q4_1_bf16_linear, blocks.kind, torch.bfloat16)
+        return cls.pack_blocks(blocks, ops)
+
 
 def thin_rows(flags: set[str] | None = None) -> int:
     """[measured] The rows up to which a bfloat16 model's products go over GGUF's blocks: where the
-    blocks' float32 product (six rows a tile of qlinear.cpp share each unpacked weight) is faster
-    than the dense bfloat16 one. SmolLM2's projections and LM head on one thread (``python -m
-    bench cpu-linear --dtype bfloat16``, three rounds), ms per sweep, blocks / dense bfloat16:
+    blocks' product is faster than the dense bfloat16 one. SmolLM2's projections and LM head on
+    one thread (``python -m bench cpu-linear --dtype bfloat16``, three rounds), ms per sweep,
+    blocks / dense bfloat16:
 
-    - a 2-core Xeon with AMX (an AMX tile takes 16 rows at once): 15-17 / 38-45 at one row,
-      28-39 / 39-60 at six, 39-64 / 39-59 at seven (the blocks' second tile): six rows.
-    - a 2-core AMD EPYC (Zen 4) with AVX-512 BF16 and no AMX: 20-21 / 37-39 at six rows, 30-31 /
-      37-41 at seven, 38-40 / 45-47 at twelve, 49 / 47-50 at fourteen, 52-54 / 50-53 at sixteen:
-      twelve rows (two tiles)."""
-    return 6 if "amx_bf16" in (cpu_flags() if flags is None else flags) else 12
+    - a 2-core Xeon with AMX (an AMX tile takes 16 rows at once), the blocks' float32 product
+      (qlinear.cpp, six rows a tile): 15-17 / 38-45 at one row, 28-39 / 39-60 at six, 39-64 /
+      39-59 at seven (the blocks' second tile): six rows. The bfloat16 pairs kernel
+      (qlinear_bf16.cpp) was not timed there, so six rows stay.
+    - a 2-core AMD EPYC (Zen 4) with AVX-512 BF16 and no AMX, the bfloat16 pairs kernel for the
+      Q4_1 projections: 25-26 / 48-50 at twelve rows, 31 / 53-54 at sixteen, 47-48 / 64-71 at
+      24, 62-63 / 71-73 at 32, 88-89 / 91-92 at 48, 118 / 110-112 at 64: 32 rows. (With the
+      float32 product alone it was twelve: 38-40 / 45-47 at twelve, 49 / 47-50 at fourteen.)
+    - a CPU without either computes bfloat16 only if asked to; the float32 product's twelve."""
+    flags = cpu_flags() if flags is None else flags
+    if "amx_bf16" in flags:
+        return 6
+    return 32 if "avx512_bf16" in flags else 12
 
 
 THIN_ROWS = thin_rows()
@@ -98,8 +119,9 @@ class Thin:
     """A bfloat16 model's weight kept twice on the CPU: ``dense`` [out, in] for products of more
     than ``THIN_ROWS`` rows, and GGUF's blocks in panels for the thinner ones, which are bound by
     reading the weights (0.75 or 1.125 bytes a weight against 2, and no AMX tile to fill). The
-    blocks are the float32 weights the bfloat16 ones were rounded from, so a thin product is the
-    float32 one, rounded to bfloat16 once at the end."""
+    blocks are the float32 weights the bfloat16 ones were rounded from, so a thin product is a
+    float32 sum over the exact weights (:meth:`Panels.pack_thin`), rounded to bfloat16 once at
+    the end."""
     dense: torch.Tensor
     blocks: Panels
 
@@ -130,7 +152,7 @@ def pack(w: torch.Tensor | Blocks, ops: Any = None, blocks: bool = True,
     if dtype != torch.float32:
         found = (w if isinstance(w, Blocks) else find_blocks(w)) if blocks else None
         dense = (dequantize(w) if isinstance(w, Blocks) else w).detach().to(dtype).contiguous()
-        return Thin(dense, Panels.pack_blocks(found, ops)) if found is not None else dense
+        return Thin(dense, Panels.pack_thin(found, ops)) if found is not None else dense
     kernels = ops is not None and hasattr(ops, "panel_linear")
     if kernels and blocks and hasattr(ops, "q4_1_linear"):
         found = w if isinstance(w, Blocks) else find_blocks(w)
@@ -151,9 +173,9 @@ def linear(x: torch.Tensor, w: torch.Tensor | Panels | Thin, b: torch.Tensor | N
     if isinstance(w, Thin):
         if x.numel() > THIN_ROWS * x.shape[-1]:
             return F.linear(x, w.dense, b)
-        return linear(x.float(), w.blocks, None if b is None else b.float()).to(x.dtype)
+        return linear(x, w.blocks, None if b is None else b.float()).to(x.dtype)
     if isinstance(w, Panels):
-        y = w.kernel(x.reshape(-1, x.shape[-1]).contiguous(), w.data, w.out_features)
+        y = w.kernel(x.reshape(-1, x.shape[-1]).to(w.takes).contiguous(), w.data, w.out_features)
         if b is not None:
             y.add_(b)
         return y.view(*x.shape[:-1], w.out_features)

@@ -30,7 +30,7 @@ import json, sys
 from importlib import resources
 import tandem
 from tandem import LLM, SamplingParams
-for src in ("ops.cpp", "paged_decode.cpp", "linear.cpp", "qlinear.cpp", "panel_tile.h"):
+for src in ("ops.cpp", "paged_decode.cpp", "linear.cpp", "qlinear.cpp", "qlinear_bf16.cpp", "panel_tile.h"):
     assert (resources.files("tandem.engine") / "csrc" / src).is_file(), f"kernel source {src} not installed"
 assert "Tandem" in (resources.files("tandem.server") / "static" / "dashboard.html").read_text()
 # the torch attention path: compiling the kernel again for this location would only cost time

@@ -107,6 +107,44 @@ def test_bfloat16_products_go_over_the_blocks_when_thin(kind, rows, bias):
     assert (got == rounded).double().mean() >= 0.98
 
 
+@pytest.mark.parametrize("out_features", [96, 37])        # whole panels of 16, and a part-filled last one
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 7, 8, 9, 13, 16, 17, 31])   # tiles of 8 rows and each remainder
+@pytest.mark.parametrize("bias", [False, True])
+def test_thin_q4_1_products_of_bfloat16_rows_match_float64(out_features, rows, bias):
+    """A bfloat16 model's Q4_1 blocks multiply its bfloat16 rows as they are where the CPU has
+    AVX-512 BF16 (the products of q and x exact, summed in float32, the blocks' scales applied
+    after), else widened to float32 over the blocks: either way the float64 product of the
+    GGUF's own weights to float32 rounding."""
+    g = torch.Generator().manual_seed(rows)
+    deq, _ = through_gguf(torch.randn(out_features, 256, generator=g).numpy(), BlockKind.Q4_1)
+    b = torch.randn(out_features, generator=g) if bias else None
+    x = torch.randn(256, rows, generator=g).t().bfloat16()      # a transposed (non-contiguous) input too
+    ops = built_ops()
+    blocks = pack(deq, ops, dtype=torch.bfloat16).blocks
+    assert blocks.takes == (torch.bfloat16 if hasattr(ops, "q4_1_bf16_linear") else torch.float32)
+    assert blocks.data.numel() / (-(-out_features // 16) * 16 * 256) == 0.75       # bytes a weight
+    got = linear(x, blocks, b)
+    want = F.linear(x.double(), deq.double(), None if b is None else b.double())
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", list(BlockKind))
+def test_a_thin_products_rows_do_not_depend_on_each_other(kind):
+    """Each row of a product over the blocks is summed alone, in one order: computed with 12 other
+    rows it is the same to the last bit as computed alone (so a request's logits do not move
+    with the others in its step while the step stays thin). The inputs span 2^-12 to 2^12, so
+    that float32 sums in another order round differently (over inputs of one scale, sums of
+    bfloat16 x times 4-bit q are mostly exact in any order)."""
+    g = torch.Generator().manual_seed(3)
+    deq, _ = through_gguf(torch.randn(80, 256, generator=g).numpy(), kind)
+    blocks = pack(deq, built_ops(), dtype=torch.bfloat16).blocks
+    x = (torch.randn(13, 256, generator=g) * 2.0 ** torch.randint(-12, 13, (13, 256), generator=g)).bfloat16()
+    together = linear(x, blocks)
+    for i in range(13):
+        assert torch.equal(linear(x[i:i + 1], blocks), together[i:i + 1])
+
+
 def test_embedding_rows_from_blocks_are_exact():
     deq, _ = through_gguf(np.random.default_rng(2).standard_normal((50, 64)).astype(np.float32), BlockKind.Q8_0)
     holder = torch.nn.Module()
