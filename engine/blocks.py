@@ -129,13 +129,15 @@ def pack_blocks(blocks: Blocks) -> torch.Tensor:
 
 
 def pack_bf16_pairs(blocks: Blocks) -> torch.Tensor:
-    """Q4_1 blocks as engine/csrc/qlinear_bf16.cpp multiplies bfloat16 rows by them: uint8
-    [ceil(n/16), k/32, 384], per (panel, block) d[16] and m[16] as float32, then per group of
-    four inputs 4g .. 4g+3 32 bytes, byte 2j + e = q[j][4g + e] | q[j][4g + 2 + e] << 4."""
-    assert blocks.kind is BlockKind.Q4_1
+    """The panels engine/csrc/qlinear_bf16.cpp multiplies bfloat16 rows by: uint8 [ceil(n/16),
+    k/32, bytes], per (panel, block) d[16] (and m[16] for Q4_1) as float32, then per group of four
+    inputs 4g .. 4g+3: Q4_1, 32 bytes, byte 2j + e = q[j][4g + e] | q[j][4g + 2 + e] << 4; Q8_0,
+    64 bytes, byte 32 h + 2j + e = q[j][4g + 2h + e] (int8)."""
     q = _panels(blocks.q)                               # [P, nb, 32, 16]: q[p, b, k, j]
-    g = q.view(*q.shape[:2], 8, 2, 2, PANEL)            # [P, nb, group, half, e, j]
-    pairs = g[:, :, :, 0] | (g[:, :, :, 1] << 4)        # [P, nb, group, e, j]
-    data = pairs.transpose(-1, -2).reshape(*q.shape[:2], -1)   # byte 2j + e per group
-    scales = [_panels(t).view(torch.uint8) for t in (blocks.d, blocks.m)]
+    g = q.view(*q.shape[:2], 8, 2, 2, PANEL)            # [P, nb, group, h, e, j]: k = 4 group + 2 h + e
+    scales = [_panels(blocks.d).view(torch.uint8)]
+    if blocks.kind is BlockKind.Q4_1:
+        scales.append(_panels(blocks.m).view(torch.uint8))
+        g = (g[:, :, :, 0] | (g[:, :, :, 1] << 4)).unsqueeze(3)   # [P, nb, group, 1, e, j]
+    data = g.transpose(-1, -2).reshape(*q.shape[:2], -1).view(torch.uint8)   # byte 2j + e in each h
     return torch.cat([*scales, data], dim=-1).contiguous()

@@ -2,8 +2,9 @@
 
 ``cpu_ops()`` returns the module (paged decode attention, engine/csrc/paged_decode.cpp; the
 projections over packed panels, engine/csrc/linear.cpp, over a GGUF's blocks,
-engine/csrc/qlinear.cpp, and, where the CPU has AVX-512 BF16, of bfloat16 rows over Q4_1 blocks,
-engine/csrc/qlinear_bf16.cpp: ``q4_1_bf16_linear``, absent elsewhere), or None when no compiler is
+engine/csrc/qlinear.cpp, and, where the CPU has AVX-512 BF16, of bfloat16 rows over the blocks,
+engine/csrc/qlinear_bf16.cpp: ``q4_1_bf16_linear`` and ``q8_0_bf16_linear``, absent elsewhere), or
+None when no compiler is
 available (torch's paths are then used: engine.attention's reference attention, and oneDNN
 for the projections; slower, not different).
 

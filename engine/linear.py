@@ -35,9 +35,9 @@ Packing is for CPU float32 with oneDNN available. A bfloat16 model on the CPU ke
 weights for ``F.linear`` (oneDNN, on AMX tiles where the CPU has them) and, where a weight is
 exactly a GGUF's blocks, those blocks as well (:class:`Thin`): a product of at most
 ``THIN_ROWS`` rows (a decode step of a few requests, the LM head of a step that samples a few)
-runs over the blocks, the others over the dense weights. Over Q4_1 blocks, where the CPU has
-AVX-512 BF16, the bfloat16 rows are multiplied as they are (``engine/csrc/qlinear_bf16.cpp``:
-each product of a 4-bit q and a bfloat16 x is exact, summed in float32), else widened to float32
+runs over the blocks, the others over the dense weights. Where the CPU has AVX-512 BF16 the
+bfloat16 rows are multiplied as they are (``engine/csrc/qlinear_bf16.cpp``: each product of a
+block's 4- or 8-bit q and a bfloat16 x is exact, summed in float32), else widened to float32
 for qlinear.cpp. Everything else (CUDA, a
 torch built without oneDNN) keeps dense weights and ``F.linear``. Only :func:`linear`
 multiplies by a packed weight.
@@ -82,12 +82,13 @@ class Panels:
 
     @classmethod
     def pack_thin(cls, blocks: Blocks, ops: Any) -> "Panels":
-        """The blocks for a bfloat16 model's thin products: Q4_1 in bfloat16 pairs where the CPU
-        has AVX-512 BF16 (engine/csrc/qlinear_bf16.cpp multiplies the bfloat16 rows as they are),
+        """The blocks for a bfloat16 model's thin products: in bfloat16 pairs where the CPU has
+        AVX-512 BF16 (engine/csrc/qlinear_bf16.cpp multiplies the bfloat16 rows as they are),
         else as :meth:`pack_blocks` (rows widened to float32)."""
-        if blocks.kind is BlockKind.Q4_1 and hasattr(ops, "q4_1_bf16_linear"):
-            return cls(pack_bf16_pairs(blocks), blocks.q.shape[0], ops.q4_1_bf16_linear, blocks.kind, torch.bfloat16)
-        return cls.pack_blocks(blocks, ops)
+        kernel = getattr(ops, f"{blocks.kind.value}_bf16_linear", None)
+        if kernel is None:
+            return cls.pack_blocks(blocks, ops)
+        return cls(pack_bf16_pairs(blocks), blocks.q.shape[0], kernel, blocks.kind, torch.bfloat16)
 
 
 def thin_rows(flags: set[str] | None = None) -> int:
@@ -99,16 +100,17 @@ def thin_rows(flags: set[str] | None = None) -> int:
     - a 2-core Xeon with AMX (an AMX tile takes 16 rows at once), the blocks' float32 product
       (qlinear.cpp, six rows a tile): 15-17 / 38-45 at one row, 28-39 / 39-60 at six, 39-64 /
       39-59 at seven (the blocks' second tile): six rows. The bfloat16 pairs kernel
-      (qlinear_bf16.cpp) was not timed there, so six rows stay.
-    - a 2-core AMD EPYC (Zen 4) with AVX-512 BF16 and no AMX, the bfloat16 pairs kernel for the
-      Q4_1 projections: 25-26 / 48-50 at twelve rows, 31 / 53-54 at sixteen, 47-48 / 64-71 at
-      24, 62-63 / 71-73 at 32, 88-89 / 91-92 at 48, 118 / 110-112 at 64: 32 rows. (With the
-      float32 product alone it was twelve: 38-40 / 45-47 at twelve, 49 / 47-50 at fourteen.)
+      (qlinear_bf16.cpp), which such a CPU builds too, was not timed there, so six rows stay.
+    - a 2-core AMD EPYC (Zen 4) with AVX-512 BF16 and no AMX, the bfloat16 pairs kernel
+      (qlinear_bf16.cpp): 22 / 47-54 at twelve rows, 39-45 / 61-62 at 24, 51-60 / 71-81 at 32,
+      75-77 / 90-91 at 48, 99-101 / 110 at 64, 148-149 / 149-168 at 96, 195-200 / 189-197 at
+      128: 64 rows. (With the float32 product it was twelve: 38-40 / 45-47 at twelve, 49 /
+      47-50 at fourteen.)
     - a CPU without either computes bfloat16 only if asked to; the float32 product's twelve."""
     flags = cpu_flags() if flags is None else flags
     if "amx_bf16" in flags:
         return 6
-    return 32 if "avx512_bf16" in flags else 12
+    return 64 if "avx512_bf16" in flags else 12
 
 
 THIN_ROWS = thin_rows()

@@ -13,6 +13,7 @@ at::Tensor q4_1_linear(at::Tensor x, at::Tensor panels, int64_t n);
 at::Tensor q8_0_linear(at::Tensor x, at::Tensor panels, int64_t n);
 #if defined(__AVX512BF16__)
 at::Tensor q4_1_bf16_linear(at::Tensor x, at::Tensor panels, int64_t n);
+at::Tensor q8_0_bf16_linear(at::Tensor x, at::Tensor panels, int64_t n);
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -24,5 +25,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__AVX512BF16__)
   m.def("q4_1_bf16_linear", &q4_1_bf16_linear,
         "x @ W^T over W in Q4_1 blocks packed in bfloat16 pairs (CPU, bfloat16 x)");
+  m.def("q8_0_bf16_linear", &q8_0_bf16_linear,
+        "x @ W^T over W in Q8_0 blocks packed in bfloat16 pairs (CPU, bfloat16 x)");
 #endif
 }

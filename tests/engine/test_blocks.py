@@ -107,22 +107,25 @@ def test_bfloat16_products_go_over_the_blocks_when_thin(kind, rows, bias):
     assert (got == rounded).double().mean() >= 0.98
 
 
+@pytest.mark.parametrize("kind", list(BlockKind))
 @pytest.mark.parametrize("out_features", [96, 37])        # whole panels of 16, and a part-filled last one
 @pytest.mark.parametrize("rows", [0, 1, 2, 5, 7, 8, 9, 13, 16, 17, 31])   # tiles of 8 rows and each remainder
 @pytest.mark.parametrize("bias", [False, True])
-def test_thin_q4_1_products_of_bfloat16_rows_match_float64(out_features, rows, bias):
-    """A bfloat16 model's Q4_1 blocks multiply its bfloat16 rows as they are where the CPU has
-    AVX-512 BF16 (the products of q and x exact, summed in float32, the blocks' scales applied
-    after), else widened to float32 over the blocks: either way the float64 product of the
-    GGUF's own weights to float32 rounding."""
+def test_thin_products_of_bfloat16_rows_match_float64(kind, out_features, rows, bias):
+    """A bfloat16 model's blocks multiply its bfloat16 rows as they are where the CPU has AVX-512
+    BF16 (the products of q and x exact, summed in float32, the blocks' scales applied after),
+    else widened to float32 over the blocks: either way the float64 product of the GGUF's own
+    weights to float32 rounding."""
     g = torch.Generator().manual_seed(rows)
-    deq, _ = through_gguf(torch.randn(out_features, 256, generator=g).numpy(), BlockKind.Q4_1)
+    deq, _ = through_gguf(torch.randn(out_features, 256, generator=g).numpy(), kind)
     b = torch.randn(out_features, generator=g) if bias else None
     x = torch.randn(256, rows, generator=g).t().bfloat16()      # a transposed (non-contiguous) input too
     ops = built_ops()
     blocks = pack(deq, ops, dtype=torch.bfloat16).blocks
-    assert blocks.takes == (torch.bfloat16 if hasattr(ops, "q4_1_bf16_linear") else torch.float32)
-    assert blocks.data.numel() / (-(-out_features // 16) * 16 * 256) == 0.75       # bytes a weight
+    assert blocks.kind is kind
+    assert blocks.takes == (torch.bfloat16 if hasattr(ops, f"{kind.value}_bf16_linear") else torch.float32)
+    padded = -(-out_features // 16) * 16 * 256
+    assert blocks.data.numel() / padded == {BlockKind.Q4_1: 0.75, BlockKind.Q8_0: 1.125}[kind]   # bytes a weight
     got = linear(x, blocks, b)
     want = F.linear(x.double(), deq.double(), None if b is None else b.double())
     assert got.shape == (rows, out_features) and got.dtype == torch.float32
