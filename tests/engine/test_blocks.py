@@ -63,15 +63,24 @@ def test_weights_that_are_not_blocks_stay_float():
 
 @pytest.mark.parametrize("kind", list(BlockKind))
 @pytest.mark.parametrize("out_features", [96, 37])        # whole panels of 16, and a part-filled last one
-@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13, 23, 24, 31, 100])   # tiles of 6; unpacked panels from 24
+# float32 rows: tiles of 6 and unpacked panels from 24; bfloat16 rows: tiles of 8; each remainder
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 8, 9, 13, 16, 17, 23, 24, 31, 100])
 @pytest.mark.parametrize("bias", [False, True])
-def test_block_products_match_float64(kind, out_features, rows, bias):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_products_match_float64(kind, out_features, rows, bias, dtype):
+    """Products over the blocks are the float64 product of the GGUF's own weights to float32
+    rounding: of float32 rows (a float32 model), and of a bfloat16 model's bfloat16 rows, which
+    its blocks multiply as they are where the CPU has AVX-512 BF16 (the products of q and x
+    exact, summed in float32, the blocks' scales applied after), else widened to float32."""
     g = torch.Generator().manual_seed(rows)
     deq, _ = through_gguf(torch.randn(out_features, 128, generator=g).numpy(), kind)
     b = torch.randn(out_features, generator=g) if bias else None
-    x = torch.randn(128, rows, generator=g).t()          # a transposed (non-contiguous) input too
-    packed = pack(deq, built_ops())
+    x = torch.randn(128, rows, generator=g).t().to(dtype)          # a transposed (non-contiguous) input too
+    ops = built_ops()
+    packed = pack(deq, ops) if dtype == torch.float32 else pack(deq, ops, dtype=dtype).blocks
     assert isinstance(packed, Panels) and packed.kind is kind
+    native = dtype == torch.bfloat16 and hasattr(ops, f"{kind.value}_bf16_linear")
+    assert packed.takes == (torch.bfloat16 if native else torch.float32)
     padded = -(-out_features // 16) * 16 * 128               # weights, rows padded to whole panels
     assert packed.data.numel() / padded == {BlockKind.Q4_1: 0.75, BlockKind.Q8_0: 1.125}[kind]   # bytes a weight
     got = linear(x, packed, b)
@@ -105,31 +114,6 @@ def test_bfloat16_products_go_over_the_blocks_when_thin(kind, rows, bias):
     ulp = (rounded.double().abs() * 2.0 ** -7).clamp_min(2.0 ** -133)
     assert ((got.double() - rounded.double()).abs() <= ulp).all()
     assert (got == rounded).double().mean() >= 0.98
-
-
-@pytest.mark.parametrize("kind", list(BlockKind))
-@pytest.mark.parametrize("out_features", [96, 37])        # whole panels of 16, and a part-filled last one
-@pytest.mark.parametrize("rows", [0, 1, 2, 5, 7, 8, 9, 13, 16, 17, 31])   # tiles of 8 rows and each remainder
-@pytest.mark.parametrize("bias", [False, True])
-def test_thin_products_of_bfloat16_rows_match_float64(kind, out_features, rows, bias):
-    """A bfloat16 model's blocks multiply its bfloat16 rows as they are where the CPU has AVX-512
-    BF16 (the products of q and x exact, summed in float32, the blocks' scales applied after),
-    else widened to float32 over the blocks: either way the float64 product of the GGUF's own
-    weights to float32 rounding."""
-    g = torch.Generator().manual_seed(rows)
-    deq, _ = through_gguf(torch.randn(out_features, 256, generator=g).numpy(), kind)
-    b = torch.randn(out_features, generator=g) if bias else None
-    x = torch.randn(256, rows, generator=g).t().bfloat16()      # a transposed (non-contiguous) input too
-    ops = built_ops()
-    blocks = pack(deq, ops, dtype=torch.bfloat16).blocks
-    assert blocks.kind is kind
-    assert blocks.takes == (torch.bfloat16 if hasattr(ops, f"{kind.value}_bf16_linear") else torch.float32)
-    padded = -(-out_features // 16) * 16 * 256
-    assert blocks.data.numel() / padded == {BlockKind.Q4_1: 0.75, BlockKind.Q8_0: 1.125}[kind]   # bytes a weight
-    got = linear(x, blocks, b)
-    want = F.linear(x.double(), deq.double(), None if b is None else b.double())
-    assert got.shape == (rows, out_features) and got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", list(BlockKind))
