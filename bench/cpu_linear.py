@@ -2,7 +2,7 @@
 GGUF's blocks in panels (engine/csrc/qlinear.cpp, the default for SmolLM2), float32 panels
 (engine/csrc/linear.cpp; ``--no-weight-blocks``) and oneDNN's blocked layout (the layout
 without a compiler). With ``--dtype bfloat16``: dense bfloat16 weights with GGUF's blocks
-beside them for products of at most ``engine.linear.THIN_ROWS`` rows (the default where the
+beside them for products of at most ``engine.linear.thin_rows()`` rows (the default where the
 CPU computes bfloat16 natively), and dense bfloat16 alone (``--no-weight-blocks``).
 
 1. Products: every projection and the LM head of SmolLM2 (its real weights), at ``--rows``
@@ -162,15 +162,17 @@ def step_times(hf, spec, ops, batches: list[int], repeats: int, threads: int, st
 
 def crossover(ms: dict, rows: list[int]) -> str:
     """Up to which of ``rows`` the blocks alone beat dense bfloat16 (medians over the rounds), against
-    the threshold the engine takes on this CPU (engine.linear.THIN_ROWS)."""
-    from tandem.engine.linear import THIN_ROWS
+    the threshold the engine takes on this CPU with its kernels (engine.linear.thin_rows)."""
+    from tandem.engine.kernels import cpu_ops
+    from tandem.engine.linear import thin_rows
+    engine = thin_rows(native=hasattr(cpu_ops(), "q4_1_bf16_linear"))
     pays = 0
     for m in sorted(rows):
         if statistics.median(ms["blocks alone"][m]) >= statistics.median(ms["bf16"][m]):
             break
         pays = m
     return (f"the blocks alone beat dense bfloat16 up to {pays} of the rows timed; the engine takes them up to "
-            f"{THIN_ROWS} rows on this CPU (engine.linear.thin_rows)")
+            f"{engine} rows on this CPU (engine.linear.thin_rows)")
 
 
 def _cell(xs: list[float]) -> str:

@@ -5,8 +5,8 @@ share steps), then each prompt alone. A reply that differs between the two runs 
 the batch. Then, with prefix caching on, each prompt alone twice: the second run finds its
 prompt's full blocks in the cache and computes only the rest, so a reply that differs changed
 with what was cached. In float32 every product takes one path whatever the step's size; in
-bfloat16 a step of at most ``engine.linear.THIN_ROWS`` rows multiplies over the GGUF blocks in
-float32 and a larger one over the bfloat16 weights, which round differently.
+bfloat16 a step of at most ``engine.linear.thin_rows()`` rows multiplies over the GGUF blocks
+(summing in float32) and a larger one over the bfloat16 weights, which round differently.
 """
 from __future__ import annotations
 

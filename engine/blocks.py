@@ -18,8 +18,8 @@ were never quantized (random test models, safetensors checkpoints) fail the chec
 float32.
 
 :func:`pack_blocks` lays the blocks out in column panels of 16 output features for
-``engine/csrc/qlinear.cpp`` (its header has the byte layout); :func:`pack_bf16_pairs` lays Q4_1
-blocks out for ``engine/csrc/qlinear_bf16.cpp``, which multiplies bfloat16 rows by them.
+``engine/csrc/qlinear.cpp`` (its header has the byte layout); :func:`pack_bf16_pairs` lays them
+out for ``engine/csrc/qlinear_bf16.cpp``, which multiplies bfloat16 rows by them.
 """
 from __future__ import annotations
 

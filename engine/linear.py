@@ -34,7 +34,7 @@ kept, not both.
 Packing is for CPU float32 with oneDNN available. A bfloat16 model on the CPU keeps its dense
 weights for ``F.linear`` (oneDNN, on AMX tiles where the CPU has them) and, where a weight is
 exactly a GGUF's blocks, those blocks as well (:class:`Thin`): a product of at most
-``THIN_ROWS`` rows (a decode step of a few requests, the LM head of a step that samples a few)
+:func:`thin_rows` rows (a decode step of a few requests, the LM head of a step that samples a few)
 runs over the blocks, the others over the dense weights. Where the CPU has AVX-512 BF16 the
 bfloat16 rows are multiplied as they are (``engine/csrc/qlinear_bf16.cpp``: each product of a
 block's 4- or 8-bit q and a bfloat16 x is exact, summed in float32), else widened to float32
@@ -61,7 +61,8 @@ class Panels:
     """A weight [out_features, in] in column panels of 16 features, and the compiled kernel that
     multiplies by them: ``kernel(x [M, in], data, out_features) -> [M, out_features]``.
     float32: data [ceil(out/16), in, 16], data[p, k, j] = W[16 p + j, k], zero past
-    ``out_features``; GGUF blocks: engine.blocks.pack_blocks's bytes."""
+    ``out_features``; GGUF blocks: engine.blocks.pack_blocks's bytes, or pack_bf16_pairs's for a
+    kernel that takes bfloat16 rows (``takes``; rows of another dtype are cast to it)."""
     data: torch.Tensor
     out_features: int
     kernel: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -91,7 +92,7 @@ class Panels:
         return cls(pack_bf16_pairs(blocks), blocks.q.shape[0], kernel, blocks.kind, torch.bfloat16)
 
 
-def thin_rows(flags: set[str] | None = None) -> int:
+def thin_rows(flags: set[str] | None = None, native: bool = True) -> int:
     """[measured] The rows up to which a bfloat16 model's products go over GGUF's blocks: where the
     blocks' product is faster than the dense bfloat16 one. SmolLM2's projections and LM head on
     one thread (``python -m bench cpu-linear --dtype bfloat16``, three rounds), ms per sweep,
@@ -106,26 +107,33 @@ def thin_rows(flags: set[str] | None = None) -> int:
       75-77 / 90-91 at 48, 99-101 / 110 at 64, 148-149 / 149-168 at 96, 195-200 / 189-197 at
       128: 64 rows. (With the float32 product it was twelve: 38-40 / 45-47 at twelve, 49 /
       47-50 at fourteen.)
-    - a CPU without either computes bfloat16 only if asked to; the float32 product's twelve."""
+    - a CPU without either computes bfloat16 only if asked to; the float32 product's twelve.
+
+    ``native``: whether the blocks take the bfloat16 rows as they are (the pairs kernel, which a
+    compiler without AVX-512 BF16 does not build even where the CPU has it); else the float32
+    product's threshold."""
     flags = cpu_flags() if flags is None else flags
     if "amx_bf16" in flags:
         return 6
-    return 64 if "avx512_bf16" in flags else 12
-
-
-THIN_ROWS = thin_rows()
+    return 64 if native and "avx512_bf16" in flags else 12
 
 
 @dataclass(frozen=True, eq=False)
 class Thin:
     """A bfloat16 model's weight kept twice on the CPU: ``dense`` [out, in] for products of more
-    than ``THIN_ROWS`` rows, and GGUF's blocks in panels for the thinner ones, which are bound by
+    than ``rows`` rows, and GGUF's blocks in panels for the thinner ones, which are bound by
     reading the weights (0.75 or 1.125 bytes a weight against 2, and no AMX tile to fill). The
     blocks are the float32 weights the bfloat16 ones were rounded from, so a thin product is a
     float32 sum over the exact weights (:meth:`Panels.pack_thin`), rounded to bfloat16 once at
-    the end."""
+    the end. ``rows``: the threshold for these blocks' kernel (:func:`thin_rows`)."""
     dense: torch.Tensor
     blocks: Panels
+    rows: int
+
+    @classmethod
+    def pack(cls, dense: torch.Tensor, blocks: Blocks, ops: Any) -> "Thin":
+        panels = Panels.pack_thin(blocks, ops)
+        return cls(dense, panels, thin_rows(native=panels.takes == torch.bfloat16))
 
 
 def packs(device: str, dtype: torch.dtype) -> bool:
@@ -133,9 +141,10 @@ def packs(device: str, dtype: torch.dtype) -> bool:
     return device == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-def holds_thin(model: nn.Module) -> bool:
-    """Whether any of ``model``'s weights is a :class:`Thin` (its thin products take the blocks)."""
-    return any(isinstance(v, Thin) for m in model.modules() for v in vars(m).values())
+def thin_rows_of(model: nn.Module) -> int:
+    """The most rows a product of ``model``'s takes over GGUF's blocks (its :class:`Thin` weights'
+    threshold), 0 where it holds none."""
+    return max((v.rows for m in model.modules() for v in vars(m).values() if isinstance(v, Thin)), default=0)
 
 
 def thin_blocks(device: str, dtype: torch.dtype, ops: Any) -> bool:
@@ -154,7 +163,7 @@ def pack(w: torch.Tensor | Blocks, ops: Any = None, blocks: bool = True,
     if dtype != torch.float32:
         found = (w if isinstance(w, Blocks) else find_blocks(w)) if blocks else None
         dense = (dequantize(w) if isinstance(w, Blocks) else w).detach().to(dtype).contiguous()
-        return Thin(dense, Panels.pack_thin(found, ops)) if found is not None else dense
+        return Thin.pack(dense, found, ops) if found is not None else dense
     kernels = ops is not None and hasattr(ops, "panel_linear")
     if kernels and blocks and hasattr(ops, "q4_1_linear"):
         found = w if isinstance(w, Blocks) else find_blocks(w)
@@ -173,11 +182,12 @@ def is_packed(w: torch.Tensor | Panels | Thin) -> bool:
 def linear(x: torch.Tensor, w: torch.Tensor | Panels | Thin, b: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T + b for a dense or a packed ``w``."""
     if isinstance(w, Thin):
-        if x.numel() > THIN_ROWS * x.shape[-1]:
+        if x.numel() > w.rows * x.shape[-1]:
             return F.linear(x, w.dense, b)
         return linear(x, w.blocks, None if b is None else b.float()).to(x.dtype)
     if isinstance(w, Panels):
-        y = w.kernel(x.reshape(-1, x.shape[-1]).to(w.takes).contiguous(), w.data, w.out_features)
+        rows = x.reshape(-1, x.shape[-1])
+        y = w.kernel((rows if rows.dtype == w.takes else rows.to(w.takes)).contiguous(), w.data, w.out_features)
         if b is not None:
             y.add_(b)
         return y.view(*x.shape[:-1], w.out_features)
@@ -215,7 +225,7 @@ def pack_head(model: nn.Module, ops: Any = None, blocks: bool = True, dtype: tor
     model.to(dtype)                    # norms, embedding table, biases, rotary tables
     if tied:
         head = model.lm_head
-        model.lm_head = Thin(model.embed, head.blocks) if isinstance(head, Thin) else model.embed
+        model.lm_head = Thin(model.embed, head.blocks, head.rows) if isinstance(head, Thin) else model.embed
 
 
 def embedding(ids: torch.Tensor, table: torch.Tensor | Blocks) -> torch.Tensor:

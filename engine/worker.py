@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 
 from tandem.engine.dtype import DTYPES, cpu_model
 from tandem.engine.kvquant import int8_block_bytes
-from tandem.engine.linear import THIN_ROWS, holds_thin, packs, thin_blocks
+from tandem.engine.linear import packs, thin_blocks, thin_rows_of
 from tandem.engine.messages import Command, DeviceError, PoolInfo, StepInput, StepOutput
 from tandem.engine.models.spec import ModelSpec
 
@@ -201,7 +201,7 @@ def pool_info(runner, num_blocks: int) -> PoolInfo:
     dev = torch.device(runner.device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model()
     return PoolInfo(num_blocks, runner.block_size, runner.hidden_rows, runner.block_bytes,
-                    runner.int8_block_bytes, THIN_ROWS if holds_thin(runner.model) else 0, name)
+                    runner.int8_block_bytes, thin_rows_of(runner.model), name)
 
 
 def worker_main(conn, cfg: WorkerConfig, env: dict[str, str] | None = None) -> None:

@@ -347,7 +347,7 @@ class LLM:
     1.5-2x faster on a 2-core AVX2 EPYC (engine.blocks). In bfloat16 the blocks stay beside the
     bfloat16 weights for products of up to six rows with AMX, 64 with AVX-512 BF16 alone
     (engine.linear.Thin): decode steps of 1-4 requests 1.4-1.7x faster on a 2-core Xeon with AMX,
-    of 1-32 requests 1.3-3.5x faster on a 2-core Zen 4 EPYC. False: dense weights throughout.
+    of 1-32 requests 1.2-3.5x faster on a 2-core Zen 4 EPYC. False: dense weights throughout.
     enable_prefix_caching: a request whose tokens begin with a whole block (block_size tokens) or
     more that an earlier request computed reuses that earlier request's K/V blocks instead of
     computing them again (a shared system prompt, the earlier turns of a chat); blocks nobody

@@ -91,7 +91,7 @@ def fitted(samples: list[tuple[StepShape, float]], scheduler) -> OnlineCostModel
 
 
 def thin_rows(scheduler) -> int:
-    """The devices' thin-product threshold (engine.linear.THIN_ROWS where a device has one)."""
+    """The devices' thin-product threshold (engine.linear.thin_rows_of where a device has one)."""
     return max(d.pool_info.thin_rows for d in scheduler.devices)
 
 

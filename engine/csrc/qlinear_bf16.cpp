@@ -24,7 +24,9 @@
 // weight), 576 for Q8_0 (1.125), as qlinear.cpp's.
 //
 // The sums are float32 in a fixed order (pairs, then a block's d and m), so a row's result does
-// not depend on the other rows of the product.
+// not depend on the other rows of the product. x q is formed before d scales it, so an input
+// beyond 2^120 or so overflows and an infinite one meets q = 0 (NaN where w = m is finite):
+// activations that large are lost either way. vdpbf16ps flushes subnormal inputs to zero.
 #if defined(__AVX512BF16__)
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -9,7 +9,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from tandem.engine.blocks import BlockKind, Blocks, find_blocks
-from tandem.engine.linear import THIN_ROWS, Panels, Thin, embedding, embedding_into, linear, pack
+from tandem.engine.linear import Panels, Thin, embedding, embedding_into, linear, pack
 from tandem.engine.models.loader import load_spec
 from tandem.engine.worker import WorkerConfig, _build_runner, pool_info
 from tests.conftest import hf_greedy, mixed_prompts
@@ -89,15 +89,23 @@ def test_block_products_match_float64(kind, out_features, rows, bias, dtype):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
 
 
+# row counts, given the weight's threshold
+ROWS = {"1": lambda t: 1, "5": lambda t: 5, "thin": lambda t: t, "thin+1": lambda t: t + 1,
+        "2thin+1": lambda t: 2 * t + 1}
+
+
 @pytest.mark.parametrize("kind", list(BlockKind))
-@pytest.mark.parametrize("rows", [1, 5, THIN_ROWS, THIN_ROWS + 1, 2 * THIN_ROWS + 1])
+@pytest.mark.parametrize("rows", list(ROWS))
 @pytest.mark.parametrize("bias", [False, True])
 def test_bfloat16_products_go_over_the_blocks_when_thin(kind, rows, bias):
-    """A bfloat16 model's weight keeps its GGUF blocks beside its bfloat16 copy. Up to THIN_ROWS
-    rows the product is the float32 one over the exact weights, rounded to bfloat16 once (so it
+    """A bfloat16 model's weight keeps its GGUF blocks beside its bfloat16 copy. Up to its
+    threshold (``Thin.rows``, which depends on the CPU and the blocks' kernel) the product is a
+    float32 sum over the exact weights, rounded to bfloat16 once (so it
     matches the float64 product of the GGUF's own weights to the last bit, but where the float32
     sum lay within rounding of a bfloat16 boundary); over the bfloat16 weights it would be off
     by about an ulp in many places. Thicker products are torch's over the bfloat16 weights."""
+    thin = pack(through_gguf(torch.randn(64, 256).numpy(), kind)[0], built_ops(), dtype=torch.bfloat16)
+    rows = ROWS[rows](thin.rows)
     g = torch.Generator().manual_seed(rows)
     deq, _ = through_gguf(torch.randn(64, 256, generator=g).numpy(), kind)
     b = torch.randn(64, generator=g).bfloat16() if bias else None
@@ -106,7 +114,7 @@ def test_bfloat16_products_go_over_the_blocks_when_thin(kind, rows, bias):
     assert isinstance(thin, Thin) and thin.blocks.kind is kind and thin.dense.dtype == torch.bfloat16
     got = linear(x, thin, b)
     assert got.shape == (rows, 64) and got.dtype == torch.bfloat16
-    if rows > THIN_ROWS:
+    if rows > thin.rows:
         assert torch.equal(got, F.linear(x, deq.bfloat16(), b))
         return
     exact = F.linear(x.double(), deq.double(), None if b is None else b.double())
@@ -185,8 +193,8 @@ def test_bfloat16_worker_keeps_the_blocks_beside_its_weights(family, request):
     (not a copy), everything else in bfloat16; with weight_blocks off, bfloat16 alone."""
     for blocks, spec, runner, num_blocks in gguf_workers(request, family, "bfloat16"):
         model = runner.model
-        assert pool_info(runner, num_blocks).thin_rows == (THIN_ROWS if blocks else 0)   # for the cost model
         thin = [t for layer in model.layers for t in vars(layer).values() if isinstance(t, Thin)]
+        assert pool_info(runner, num_blocks).thin_rows == (thin[0].rows if blocks else 0)   # for the cost model
         assert len(thin) == (5 * spec.num_layers if blocks else 0)     # 4 projections + the K/V rows
         assert all(t.blocks.kind is BlockKind.Q4_1 and t.dense.dtype == torch.bfloat16 for t in thin)
         head = model.lm_head
