@@ -63,17 +63,18 @@ inline void tile(const float* __restrict x, const float* __restrict panel, int64
 }
 
 // Every row of x [M, K] in tiles of R rows, the last M % R in one tile of exactly that many:
-// tile(std::integral_constant<int, C>{}, x + m K, y + m ldy) runs a tile of C rows.
-template <int R, int C = R - 1, typename Tile>
-inline void tail(int64_t rows, const float* x, int64_t K, float* y, int64_t ldy, Tile&& tile) {
+// tile(std::integral_constant<int, C>{}, x + m K, y + m ldy) runs a tile of C rows (x of any
+// element type: qlinear_bf16.cpp's rows are bfloat16).
+template <int R, int C = R - 1, typename T, typename Tile>
+inline void tail(int64_t rows, const T* x, int64_t K, float* y, int64_t ldy, Tile&& tile) {
   if constexpr (C > 0) {
     if (rows == C) tile(std::integral_constant<int, C>{}, x, y);
     else tail<R, C - 1>(rows, x, K, y, ldy, tile);
   }
 }
 
-template <int R, typename Tile>
-inline void for_tiles(int64_t M, const float* x, int64_t K, float* y, int64_t ldy, Tile&& tile) {
+template <int R, typename T, typename Tile>
+inline void for_tiles(int64_t M, const T* x, int64_t K, float* y, int64_t ldy, Tile&& tile) {
   int64_t m = 0;
   for (; m + R <= M; m += R) tile(std::integral_constant<int, R>{}, x + m * K, y + m * ldy);
   if (m < M) tail<R>(M - m, x + m * K, K, y + m * ldy, ldy, tile);

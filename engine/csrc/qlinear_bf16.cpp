@@ -37,9 +37,11 @@
 #include <cstring>
 #include <vector>
 
+#include "panel_tile.h"
+
 namespace {
 
-constexpr int64_t NR = 16;                 // output features per panel
+using panel_tile::NR;                       // output features per panel
 constexpr int64_t QB = 32;                 // inputs per block
 constexpr int MR = 8;                      // rows per tile: 3 x 8 accumulators of the 32 registers
 
@@ -131,25 +133,16 @@ inline void tile(const uint16_t* __restrict x, const float* __restrict xs, const
   }
 }
 
-template <Kind K, int R, int C = R - 1>
-inline void tail(int64_t rows, const uint16_t* x, const float* xs, const uint8_t* panel, int64_t K_,
-                 __m512i table, float* y, int64_t ldy, int64_t n_valid) {
-  if constexpr (C > 0) {
-    if (rows == C) tile<K, C>(x, xs, panel, K_, table, y, ldy, n_valid);
-    else tail<K, R, C - 1>(rows, x, xs, panel, K_, table, y, ldy, n_valid);
-  }
-}
-
-// y[:, the panel's features] for all M rows; not inlined, so that each tile's accumulators stay
-// in registers inside the threads' loop
+// y[:, the panel's features] for all M rows, in tiles of MR rows (panel_tile.h's loop); not
+// inlined, so that each tile's accumulators stay in registers inside the threads' loop
 template <Kind K>
 __attribute__((noinline)) void panel_rows(const uint16_t* x, const float* xs, int64_t M, int64_t K_,
-                                          const uint8_t* panel, float* y, int64_t ldy, int64_t n_valid) {
-  const __m512i table = q_table();
+                                          const uint8_t* panel, const __m512i table, float* y, int64_t ldy,
+                                          int64_t n_valid) {
   const int64_t nb = K_ / QB;
-  int64_t r = 0;
-  for (; r + MR <= M; r += MR) tile<K, MR>(x + r * K_, xs + r * nb, panel, K_, table, y + r * ldy, ldy, n_valid);
-  if (r < M) tail<K, MR>(M - r, x + r * K_, xs + r * nb, panel, K_, table, y + r * ldy, ldy, n_valid);
+  panel_tile::for_tiles<MR>(M, x, K_, y, ldy, [&](auto C, const uint16_t* xr, float* yr) {
+    tile<K, decltype(C)::value>(xr, xs + (xr - x) / K_ * nb, panel, K_, table, yr, ldy, n_valid);
+  });
 }
 
 // Each row's sum over each block, in input order (Q4_1's m term).
@@ -182,9 +175,10 @@ at::Tensor bf16_linear(at::Tensor x, at::Tensor panels, int64_t n) {
   const std::vector<float> xs = block_sums(xp, M, nb);
   const uint8_t* pp = panels.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
+  const __m512i table = q_table();
   at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t p = lo; p < hi; ++p) {
-      panel_rows<K>(xp, xs.data(), M, K_, pp + p * nb * BYTES<K>, yp + p * NR, n, std::min(NR, n - p * NR));
+      panel_rows<K>(xp, xs.data(), M, K_, pp + p * nb * BYTES<K>, table, yp + p * NR, n, std::min(NR, n - p * NR));
     }
   });
   return y;
