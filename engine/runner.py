@@ -505,6 +505,8 @@ class ModelRunner:
     def _step_lora(self, order) -> StepLora | None:
         """The step's slices of rows that run with an adapter (the scheduled requests in their
         rows' order, each adapter's side by side); None when none has one."""
+        if not self.adapters:            # no adapter on this device: nothing to look for
+            return None
         groups: list[list] = []
         row = 0
         for s in order:
