@@ -444,8 +444,8 @@ class LLM:
                                               or isinstance(kv_cache_fraction, bool)
                                               or not 0 < kv_cache_fraction <= 1):
             raise ValueError(f"kv_cache_fraction: must be a number in (0, 1], got {kv_cache_fraction!r}")
-        if omp_wait_policy not in (None, "ACTIVE", "PASSIVE"):
-            raise ValueError(f"omp_wait_policy: {omp_wait_policy!r} is not ACTIVE or PASSIVE")
+        if omp_wait_policy not in (None, "ACTIVE", "PASSIVE", "BRIEF"):
+            raise ValueError(f"omp_wait_policy: {omp_wait_policy!r} is not ACTIVE, PASSIVE or BRIEF")
         template = None if chat_template is None else template_text(chat_template)
         if "cpu" in names:              # the CPU workers' fork server loads torch while this process loads
             prestart("cpu", omp_wait_policy)

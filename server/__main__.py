@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from tandem.engine.worker import serving_wait_policy
 from tandem.sched.rebalancer import PLACEMENTS
 from tandem.sched.scheduler import POLICIES, SchedConfig, cache_type_of
 from tandem.sched.tandem import MECHANISMS
@@ -417,9 +418,10 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                         weight_blocks=not a.no_weight_blocks,
                         watch_parent=a.watch_parent, threads_per_worker=a.threads_per_worker,
                         limits=Limits(a.max_connections, a.header_timeout, a.body_timeout),
-                        # the server shares the cores with its workers: their OpenMP threads sleep
-                        # between ops unless the user asked otherwise (an idle server then uses no CPU)
-                        omp_wait_policy=(os.environ.get("OMP_WAIT_POLICY") or "PASSIVE").upper())
+                        # the server shares the cores with its workers: their OpenMP threads spin
+                        # briefly for the next op, then sleep (an idle server uses no CPU), unless
+                        # the user exported a policy
+                        omp_wait_policy=serving_wait_policy(os.environ))
 
 
 def _length_source(cfg: ServerConfig):

@@ -68,5 +68,5 @@ class ServerConfig:
     weight_blocks: bool = True         # a GGUF model's weights stay in its 4/8-bit blocks (CPU, float32)
     kv_cache_bytes: int | None = None
     watch_parent: int | None = None    # stop when this pid is gone (tests)
-    omp_wait_policy: str = "PASSIVE"   # the workers' OpenMP wait between ops (OMP_WAIT_POLICY)
+    omp_wait_policy: str = "BRIEF"     # the workers' OpenMP wait between ops (engine.worker._wait_policy)
     threads_per_worker: int | None = None  # torch threads per worker (None: cores / CPU workers)

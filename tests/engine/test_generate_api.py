@@ -1,5 +1,7 @@
 """Offline API behaviour on a tiny model: sampling controls, stops, validation, failures."""
 
+import os
+
 import pytest
 
 from tandem import LLM, BeamSearchParams, SamplingParams
@@ -214,13 +216,19 @@ def test_each_worker_loads_torch_under_the_wait_policy_asked_for(tiny_llama):
         raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
         return dict(kv.decode().split("=", 1) for kv in raw if b"=" in kv)
 
-    outs = []
-    for policy in ("ACTIVE", "PASSIVE", "ACTIVE"):
+    outs, before = [], {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    policies = ("ACTIVE", "PASSIVE", "BRIEF", "ACTIVE")
+    for policy in policies:
         with LLM(str(tiny_llama), "cpu:1", policy="fcfs", kv_cache_bytes=1 << 22, threads_per_worker=1,
                  omp_wait_policy=policy) as m:
-            assert began_with(m._workers[0].proc.pid).get("OMP_WAIT_POLICY") == policy
+            env = began_with(m._workers[0].proc.pid)
+            # BRIEF: no policy (libgomp's own), a spin count instead
+            assert env.get("OMP_WAIT_POLICY") == (None if policy == "BRIEF" else policy)
+            assert env.get("GOMP_SPINCOUNT") == ((before["GOMP_SPINCOUNT"] or "30000") if policy == "BRIEF"
+                                                 else before["GOMP_SPINCOUNT"])
             outs.append(m.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **GREEDY))[0].token_ids)
-    assert outs == hf_greedy(tiny_llama, [[5, 6, 7]], 4) * 3
+    assert outs == hf_greedy(tiny_llama, [[5, 6, 7]], 4) * len(policies)
+    assert {k: os.environ.get(k) for k in before} == before          # this process's own, as before
 
 
 def test_max_model_len_cuts_the_context_and_never_passes_the_models(tiny_llama, caplog):

@@ -70,6 +70,8 @@ def test_the_omp_wait_policy_is_read_in_any_case(monkeypatch):
     from tandem.server.__main__ import parse_args
     monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
     assert parse_args([]).omp_wait_policy == "PASSIVE"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert parse_args([]).omp_wait_policy == "BRIEF"        # none exported: spin briefly, then sleep
 
 
 def test_prefix_caching_is_on_unless_switched_off():
