@@ -154,6 +154,9 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     su.add_argument("--repeats", type=positive_int, default=2)
     su.add_argument("--no-weight-blocks", action="store_true", help="the server's --no-weight-blocks")
     su.add_argument("--steps", type=positive_int, default=240, help="measured serving steps to score the models on")
+    su.add_argument("--near-threshold", type=int, default=60, metavar="STEPS",
+                    help="where the engine has a thin-product threshold, also score the models on serving steps "
+                    "of about that many rows: STEPS at each of five step budgets (0: none)")
     su.add_argument("--out", default="startup_profile.json", help=OUT_HELP)
     ind = sub.add_parser("independence", help="cpu:2: does a busy device slow the other's short chats? "
                          "(device actors vs lock-step)")

@@ -44,6 +44,7 @@ multiplies by a packed weight.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -145,6 +146,51 @@ def thin_rows_of(model: nn.Module) -> int:
     """The most rows a product of ``model``'s takes over GGUF's blocks (its :class:`Thin` weights'
     threshold), 0 where it holds none."""
     return max((v.rows for m in model.modules() for v in vars(m).values() if isinstance(v, Thin)), default=0)
+
+
+def threshold_rows(thin: int, last: int = 256) -> tuple[int, ...]:
+    """The row counts :func:`product_seconds` times a model with a thin-product threshold of ``thin``
+    rows at: one row, half the threshold, either side of it, then doubling until ``last``."""
+    rows = [1, max(1, thin // 2), thin, thin + 1, 2 * thin]
+    while rows[-1] < last:
+        rows.append(2 * rows[-1])
+    return tuple(sorted(set(rows)))
+
+
+def product_seconds(weights: list, rows: tuple[int, ...], repeats: int = 2) -> tuple[tuple[int, float], ...]:
+    """(rows, seconds) of multiplying ``rows`` token rows by every weight of ``weights`` (dense, or
+    :class:`Thin`) in turn, for each row count: random rows in the weights' dtype, the least of
+    ``repeats`` rounds. It starts from (0, 0.0): no rows, no product. A step's cost model adds it
+    as measured (sched.cost_model): where the product changes path (:class:`Thin`), a step's cost
+    jumps by what no fit on a few profiled steps pins down."""
+    dtype = _dtype(weights[0]) if weights else torch.float32
+    out = [(0, 0.0)]
+    for m in rows:
+        xs = {k: torch.randn(m, k).to(dtype) for k in {_in_features(w) for w in weights}}
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            with torch.inference_mode():
+                for w in weights:
+                    linear(xs[_in_features(w)], w)
+            best = min(best, time.perf_counter() - t)
+        out.append((m, best))
+    return tuple(out)
+
+
+def _in_features(w: torch.Tensor | Thin) -> int:
+    return (w.dense if isinstance(w, Thin) else w).shape[1]
+
+
+def _dtype(w: torch.Tensor | Thin) -> torch.dtype:
+    return (w.dense if isinstance(w, Thin) else w).dtype
+
+
+def row_projections(model: nn.Module) -> list:
+    """The weights every token row of a step is multiplied by: each layer's
+    ``model.ROW_PROJECTIONS`` (not a hidden cache's K/V rows, nor the LM head, which takes only
+    the rows that sample)."""
+    return [getattr(layer, name) for layer in model.layers for name in model.ROW_PROJECTIONS]
 
 
 def thin_blocks(device: str, dtype: torch.dtype, ops: Any) -> bool:

@@ -69,6 +69,9 @@ class PoolInfo:
                                 # multiply over a GGUF's blocks (engine.linear.Thin), 0: none; the
                                 # cost model prices the steps past it apart
     device_name: str = ""       # the hardware: a GPU's name, else the CPU's model name
+    projections: tuple[tuple[int, float], ...] = ()     # where thin_rows: (rows, seconds) of the
+                                # products every token row takes, measured at load at rows about the
+                                # threshold (engine.linear.product_seconds); the cost model adds them
 
 
 @dataclass(slots=True)

@@ -12,18 +12,27 @@ V it projects again; ρ is Apt-Serve's recompute coefficient (SPEC §1.3), so a
 model refitted on measured steps refines ρ online. Fitted by least squares from
 measured steps; every coefficient is kept non-negative.
 
-An engine whose thin products take another path (a bfloat16 CPU worker multiplies
-steps of at most ``thin_rows`` token rows over a GGUF's blocks, engine.linear.Thin)
-reports that threshold, and every step past it costs a second intercept too:
+An engine whose thin products take another path (a bfloat16 CPU worker multiplies steps of at
+most ``thin_rows`` token rows over a GGUF's blocks, engine.linear.Thin) measures what its
+projections cost at row counts about that threshold when it loads
+(``PoolInfo.projections``), and every step adds that cost as measured, interpolated
+linearly in its rows R = Σ Ln + #decodes (extrapolated past the last point):
 
-    + b_thick * [Σ Ln + #decodes > thin_rows]
+    + P(R)
 
-Without it the fit bends its per-decode cost to join the two kinds of steps and
-under-predicts the larger ones (SmolLM2 in bfloat16 on a 2-core AMX Xeon: measured /
-predicted p50 1.25 over serving steps of more than six rows, 0.42 over thinner ones).
+The other terms are fitted to what P leaves. [open choice] Past the threshold the products
+jump and run on at another slope. A fitted intercept for the steps past it was poorly
+determined by the start-up profile, whose only steps past it were prompts of 128-1,024 tokens
+(13-101 ms across starts of one server). With P measured, the fit has no such term. SmolLM2 in
+bfloat16 on a 2-core Zen 4 EPYC (`python -m bench startup-profile`, two profiles, threshold 64
+rows): on 300 held-out serving steps of 48-128 rows, mean |error| 18.5 / 13.0% with P against
+25.1 / 18.4% without; on 240 other serving steps 13.9 / 12.0% against 16.5 / 10.4%. On one
+thread in process the fit with a second intercept had 9.1-9.8% on such steps, with P 5.7-6.1%.
 """
 from __future__ import annotations
 
+import bisect
+import math
 from collections import deque
 from dataclasses import astuple, dataclass
 
@@ -52,6 +61,19 @@ class StepShape:
                          self.decode_tokens, self.decode_ctx, h)
 
 
+def projection_seconds(table: tuple[tuple[int, float], ...], rows):
+    """P(rows): ``table``'s (rows, seconds) interpolated linearly, past either end along the
+    nearest two points; ``rows`` an int or an array of them. The scalar and the array take the
+    same operations in the same order, so they agree to the last bit."""
+    if isinstance(rows, np.ndarray):
+        xs, ys = np.array([r for r, _ in table]), np.array([t for _, t in table])
+        i = np.clip(np.searchsorted(xs, rows, side="right") - 1, 0, len(xs) - 2)
+        return ys[i] + (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i]) * (rows - xs[i])
+    i = min(max(bisect.bisect_right(table, (rows, math.inf)) - 1, 0), len(table) - 2)
+    (x0, y0), (x1, y1) = table[i], table[i + 1]
+    return y0 + (y1 - y0) / (x1 - x0) * (rows - x0)
+
+
 @dataclass(frozen=True, slots=True)
 class CostModel:
     base: float                  # seconds per step
@@ -60,40 +82,40 @@ class CostModel:
     per_decode_token: float      # seconds per decoding request
     per_decode_ctx: float        # seconds per context token of a decoding request
     per_hidden_block: float = 0.0  # seconds per KV block a hidden cache re-projects (Apt-Serve's ρ)
-    per_thick_step: float = 0.0    # seconds more for a step of more than thin_rows token rows
-    thin_rows: int = 0             # the engine's thin-product threshold (0: none, one intercept)
+    projections: tuple[tuple[int, float], ...] = ()   # (rows, seconds) the engine measured: P(R)
+
+    def __post_init__(self):
+        # read back from JSON, the pairs are lists
+        object.__setattr__(self, "projections", tuple((int(r), float(t)) for r, t in self.projections))
 
     def predict(self, s: StepShape) -> float:
-        return (self.base + self.per_prefill_token * s.prefill_tokens + self.per_prefill_attn * s.prefill_attn
-                + self.per_decode_token * s.decode_tokens + self.per_decode_ctx * s.decode_ctx
-                + self.per_hidden_block * s.hidden_blocks
-                + (self.per_thick_step if self.thin_rows and s.prefill_tokens + s.decode_tokens > self.thin_rows
-                   else 0.0))
+        t = (self.base + self.per_prefill_token * s.prefill_tokens + self.per_prefill_attn * s.prefill_attn
+             + self.per_decode_token * s.decode_tokens + self.per_decode_ctx * s.decode_ctx
+             + self.per_hidden_block * s.hidden_blocks)
+        return t + projection_seconds(self.projections, s.prefill_tokens + s.decode_tokens) if self.projections else t
 
     def many(self, prefill_tokens, prefill_attn, decode_tokens, decode_ctx, swap_slots=0) -> np.ndarray:
         """``predict`` of one shape per element of the arrays (no hidden blocks): the same sum in the
         same order, so each equals ``predict`` to the last bit. Swap slots cost nothing here."""
         t = (self.base + self.per_prefill_token * prefill_tokens + self.per_prefill_attn * prefill_attn
              + self.per_decode_token * decode_tokens + self.per_decode_ctx * decode_ctx)
-        if self.thin_rows:
-            t = t + np.where(np.asarray(prefill_tokens) + decode_tokens > self.thin_rows, self.per_thick_step, 0.0)
+        if self.projections:
+            t = t + projection_seconds(self.projections, np.asarray(prefill_tokens) + decode_tokens)
         return t
 
     @classmethod
-    def fit(cls, samples: list[tuple[StepShape, float]], thin_rows: int = 0) -> "CostModel":
+    def fit(cls, samples: list[tuple[StepShape, float]],
+            projections: tuple[tuple[int, float], ...] = ()) -> "CostModel":
         """Least squares over (shape, seconds) samples, coefficients kept non-negative; with
-        ``thin_rows``, the thick steps' intercept too, when the samples hold both kinds of steps.
+        ``projections`` (P), fitted to what P leaves of each step.
 
         Active set: fit, drop the most negative coefficient's feature, refit, until none is negative.
         """
         if len(samples) < MIN_STEPS:
             raise ValueError(f"need at least {MIN_STEPS} measured steps to fit a cost model")
-        rows = [[1.0, *astuple(s)] for s, _ in samples]
-        thick = [float(s.prefill_tokens + s.decode_tokens > thin_rows) for s, _ in samples] if thin_rows else []
-        if 0 < sum(thick) < len(thick):         # with one kind of step only, the base covers it
-            rows = [r + [t] for r, t in zip(rows, thick)]
-        X = np.array(rows)
-        y = np.array([t for _, t in samples])
+        X = np.array([[1.0, *astuple(s)] for s, _ in samples])
+        y = np.array([t - (projection_seconds(projections, s.prefill_tokens + s.decode_tokens) if projections else 0.0)
+                      for s, t in samples])
         scale = X.max(axis=0)
         scale[scale == 0] = 1.0
         Xs = X / scale
@@ -105,8 +127,7 @@ class CostModel:
             active.pop(int(sol.argmin()))
         coef = np.zeros(X.shape[1])
         coef[active] = np.clip(sol, 0, None)
-        coef = [float(x) for x in coef / scale]
-        return cls(*coef[:6], per_thick_step=coef[6] if len(coef) > 6 else 0.0, thin_rows=thin_rows)
+        return cls(*(float(x) for x in coef / scale), projections=projections)
 
     def ratios(self, samples: list[tuple[StepShape, float]]) -> list[float]:
         """Measured / predicted per sample: the spread a mean model leaves out."""
@@ -185,7 +206,7 @@ class OnlineCostModel:
         self.recent.append((shape, seconds))
         self.observed += 1
         if self.observed % self.refit_every == 0:
-            self.model = CostModel.fit(self.startup + list(self.recent), self.model.thin_rows)
+            self.model = CostModel.fit(self.startup + list(self.recent), self.model.projections)
             self.refits += 1
 
 

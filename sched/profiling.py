@@ -87,12 +87,18 @@ def measure(scheduler, vocab_size: int, plan=PLAN, with_rho: bool = False, seed:
 
 def fitted(samples: list[tuple[StepShape, float]], scheduler) -> OnlineCostModel:
     """The online cost model fitted on start-up ``samples``, which it keeps for every refit."""
-    return OnlineCostModel(CostModel.fit(samples, thin_rows(scheduler)), startup=samples)
+    return OnlineCostModel(CostModel.fit(samples, projections(scheduler)), startup=samples)
 
 
 def thin_rows(scheduler) -> int:
     """The devices' thin-product threshold (engine.linear.thin_rows_of where a device has one)."""
     return max(d.pool_info.thin_rows for d in scheduler.devices)
+
+
+def projections(scheduler) -> tuple[tuple[int, float], ...]:
+    """What the products of a step's rows cost as its engine measured them (PoolInfo.projections):
+    the first device's that has them (the devices of one server load one model alike)."""
+    return next((d.pool_info.projections for d in scheduler.devices if d.pool_info.projections), ())
 
 
 def _fits(scheduler, reqs: int, tokens: int) -> bool:

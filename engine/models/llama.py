@@ -113,6 +113,8 @@ def _fused(sd, g, prefix: str, name: str, parts: tuple[str, ...]) -> torch.Tenso
 class LlamaModel(nn.Module):
     """Weights as fused parameters; ``forward`` runs one engine step over the paged pool."""
 
+    ROW_PROJECTIONS = ("qkv", "o", "gate_up", "down")     # each layer's weights every token row takes
+
     def __init__(self, spec: ModelSpec, dtype: torch.dtype):
         super().__init__()
         self.spec = spec
@@ -171,7 +173,7 @@ class LlamaModel(nn.Module):
         kv_rows = self.spec.num_heads * self.spec.head_dim
         for layer in self.layers:
             pack_into(layer, "kv", layer.qkv[kv_rows:], ops, blocks, dtype)
-            for name in ("qkv", "o", "gate_up", "down"):
+            for name in self.ROW_PROJECTIONS:
                 pack_into(layer, name, getattr(layer, name), ops, blocks, dtype)
         pack_head(self, ops, blocks, dtype)
 

@@ -33,6 +33,8 @@ class OPTLayer(nn.Module):
 
 
 class OPTModel(nn.Module):
+    ROW_PROJECTIONS = ("qkv_w", "out_w", "fc1_w", "fc2_w")     # each layer's weights every token row takes
+
     def __init__(self, spec: ModelSpec, dtype: torch.dtype):
         super().__init__()
         self.spec = spec
@@ -78,7 +80,7 @@ class OPTModel(nn.Module):
         d = self.spec.d_model
         for L in self.layers:
             pack_into(L, "kv_w", L.qkv_w[d:], ops, blocks, dtype)
-            for name in ("qkv_w", "out_w", "fc1_w", "fc2_w"):
+            for name in self.ROW_PROJECTIONS:
                 pack_into(L, name, getattr(L, name), ops, blocks, dtype)
         pack_head(self, ops, blocks, dtype)
 

@@ -9,7 +9,8 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from tandem.engine.blocks import BlockKind, Blocks, find_blocks
-from tandem.engine.linear import Panels, Thin, embedding, embedding_into, linear, pack
+from tandem.engine.linear import (Panels, Thin, embedding, embedding_into, linear, pack, row_projections,
+                                  threshold_rows)
 from tandem.engine.models.loader import load_spec
 from tandem.engine.worker import WorkerConfig, _build_runner, pool_info
 from tests.conftest import hf_greedy, mixed_prompts
@@ -194,7 +195,10 @@ def test_bfloat16_worker_keeps_the_blocks_beside_its_weights(family, request):
     for blocks, spec, runner, num_blocks in gguf_workers(request, family, "bfloat16"):
         model = runner.model
         thin = [t for layer in model.layers for t in vars(layer).values() if isinstance(t, Thin)]
-        assert pool_info(runner, num_blocks).thin_rows == (thin[0].rows if blocks else 0)   # for the cost model
+        info = pool_info(runner, num_blocks)          # for the cost model: the threshold, the products' cost
+        assert info.thin_rows == (thin[0].rows if blocks else 0)
+        assert [r for r, _ in info.projections] == ([0, *threshold_rows(info.thin_rows)] if blocks else [])
+        assert all(t > 0 for _, t in info.projections[1:])
         assert len(thin) == (5 * spec.num_layers if blocks else 0)     # 4 projections + the K/V rows
         assert all(t.blocks.kind is BlockKind.Q4_1 and t.dense.dtype == torch.bfloat16 for t in thin)
         head = model.lm_head
@@ -202,6 +206,35 @@ def test_bfloat16_worker_keeps_the_blocks_beside_its_weights(family, request):
         if blocks:
             assert head.blocks.kind is BlockKind.Q8_0 and head.dense is model.embed
         assert {t.dtype for t in [*model.parameters(), *model.buffers()]} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("family", ["gguf_llama", "gguf_opt"])
+def test_the_products_timed_at_load_are_those_each_row_of_a_step_takes(family, request, monkeypatch):
+    """What the cost model adds as measured (engine.linear.row_projections) is what a step does:
+    every weight a prompt's rows are multiplied by during a real step, once each, and nothing
+    else that takes all of them (the LM head takes the sampled row only)."""
+    import tandem.engine.lora as lora
+    from tandem.engine.worker import InProcessDevice
+    from tandem.sched.profiling import dummy_request
+    from tandem.sched.scheduler import SchedConfig, Scheduler
+    built_ops()
+    path = request.getfixturevalue(family)
+    spec = load_spec(path)
+    dev = InProcessDevice("cpu", WorkerConfig(str(path), spec, "bfloat16", "cpu", 8, 1 << 20, None, 1, 1, False, True))
+    calls = []
+
+    def recorded(x, w, b=None):
+        calls.append((x.reshape(-1, x.shape[-1]).shape[0], id(w)))
+        return linear(x, w, b)
+    for module in (lora, __import__(f"tandem.engine.models.{'llama' if family == 'gguf_llama' else 'opt'}",
+                                    fromlist=["linear"])):
+        monkeypatch.setattr(module, "linear", recorded)
+    sched = Scheduler(SchedConfig(max_num_batched_tokens=64), [dev], spec.eos_token_ids, spec.max_model_len)
+    sched.add(dummy_request("r", list(range(3, 12)), 1))             # one step: a prompt of nine rows
+    sched.step()
+    every_row = sorted(w for rows, w in calls if rows == 9)
+    assert every_row == sorted(id(w) for w in row_projections(dev.runner.model))
+    assert len(every_row) == 4 * spec.num_layers and len(calls) == len(every_row) + 1
 
 
 @pytest.mark.parametrize("family", ["gguf_llama", "gguf_opt"])

@@ -1,6 +1,9 @@
 """Cost model: the fit recovers known coefficients; shapes add up as defined."""
+import json
 import random
+from dataclasses import asdict
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -36,13 +39,35 @@ def test_fit_recovers_coefficients_and_stays_non_negative():
                ("base", "per_prefill_token", "per_prefill_attn", "per_decode_token", "per_decode_ctx")) >= 0
 
 
-def test_steps_past_the_engines_thin_rows_are_priced_apart():
-    """An engine whose steps of at most six token rows take another path (GGUF blocks beside
-    bfloat16 weights): one intercept cannot fit both kinds, a second one for the thicker steps
-    does, and refits keep it."""
+def _products(rows: int) -> float:
+    """A step's products that change path past six rows: 2 ms a row over the blocks, then a
+    25 ms jump and 1.5 ms a row over the dense weights (as engine.linear.Thin's do)."""
+    return 0.002 * rows if rows <= 6 else 0.025 + 0.0015 * rows
+
+
+TABLE = ((0, 0.0), *((r, _products(r)) for r in (1, 3, 6, 7, 12, 24, 48, 96, 192, 384)))
+
+
+def test_the_products_measured_are_interpolated_between_and_past_their_rows():
+    """P(R): numpy's interpolation between the points measured, their end segments' lines past them."""
+    xs, ys = [r for r, _ in TABLE], [t for _, t in TABLE]
+    model = CostModel(0.0, 0.0, 0.0, 0.0, 0.0, projections=TABLE)
+    for r in range(0, 385):
+        got = model.predict(StepShape(prefill_tokens=r // 2, decode_tokens=r - r // 2))
+        assert got == pytest.approx(float(np.interp(r, xs, ys)), rel=1e-12, abs=1e-15)
+        assert got == pytest.approx(_products(r) if r else 0.0, rel=1e-12)      # TABLE's two lines hold between
+    assert model.predict(StepShape(prefill_tokens=1000)) == pytest.approx(_products(1000), rel=1e-12)
+    again = CostModel(**json.loads(json.dumps(asdict(model))))              # as sim_cli keeps it
+    assert again == model and again.predict(StepShape(prefill_tokens=50)) == model.predict(StepShape(prefill_tokens=50))
+
+
+def test_the_fit_takes_the_products_as_measured_and_fits_the_rest():
+    """An engine whose products jump past six rows: one intercept cannot fit both kinds of step;
+    with the products measured, the rest is recovered -- even from steps past the threshold only,
+    which then price the thin steps right (the jump is measured, not fitted), and refits keep them."""
     def truth(s):
-        return 0.02 + 2e-4 * s.prefill_tokens + 1e-3 * s.decode_tokens + (0.03 if s.prefill_tokens + s.decode_tokens > 6
-                                                                            else 0.0)
+        return 0.02 + 2e-4 * s.prefill_tokens + 1e-3 * s.decode_tokens + 3e-6 * s.decode_ctx \
+            + _products(s.prefill_tokens + s.decode_tokens)
     rng = random.Random(2)
     samples = []
     for _ in range(300):
@@ -53,16 +78,20 @@ def test_steps_past_the_engines_thin_rows_are_priced_apart():
         for _ in range(rng.choice([1, 2, 4, 6, 8, 16, 32])):
             s = s.add(1, rng.randint(1, 500), decode=True)
         samples.append((s, truth(s)))
-    fit = CostModel.fit(samples, thin_rows=6)
-    assert fit.thin_rows == 6 and fit.per_thick_step == pytest.approx(0.03, rel=0.02)
-    assert fit.base == pytest.approx(0.02, rel=0.02) and fit.mean_abs_error(samples) < 0.01
-    assert CostModel.fit(samples).mean_abs_error(samples) > 0.05          # one intercept for both
+    fit = CostModel.fit(samples, TABLE)
+    assert fit.projections == TABLE and fit.mean_abs_error(samples) < 1e-6
+    for got, want in zip((fit.base, fit.per_prefill_token, fit.per_decode_token, fit.per_decode_ctx),
+                         (0.02, 2e-4, 1e-3, 3e-6)):
+        assert got == pytest.approx(want, rel=1e-4)
+    assert CostModel.fit(samples).mean_abs_error(samples) > 0.05           # one intercept for both
     thin = [x for x in samples if x[0].prefill_tokens + x[0].decode_tokens <= 6]
-    assert CostModel.fit([x for x in samples if x not in thin], thin_rows=6).per_thick_step == 0.0
+    assert 30 < len(thin) < 250
+    from_thick = CostModel.fit([x for x in samples if x not in thin], TABLE)
+    assert from_thick.mean_abs_error(thin) < 1e-6
     online = OnlineCostModel(fit, startup=samples, refit_every=50)
     for s, t in samples[:50]:
         online.observe(s, t)
-    assert online.refits == 1 and online.model.thin_rows == 6 and online.model.per_thick_step > 0
+    assert online.refits == 1 and online.model.projections == TABLE and online.model.mean_abs_error(samples) < 1e-6
 
 
 def test_overrun_is_the_upper_quantile_of_measured_over_predicted():
@@ -89,8 +118,8 @@ def test_overrun_is_the_upper_quantile_of_measured_over_predicted():
 def test_many_prices_each_shape_as_one_call_does(rows, swap_base, per_slot):
     """A policy prices every candidate's step at once: each element must be what the call on that
     one shape and its swap slots returns, to the last bit (plans compare such times)."""
-    for thin in (0, 6):         # without and with a thin-product threshold (engine.linear.Thin)
-        model = CostModel(0.02, 1.3e-4, 2e-9, 6e-5, 6.3e-7, per_thick_step=0.011 * bool(thin), thin_rows=thin)
+    for table in ((), TABLE):       # without and with the products measured (engine.linear.Thin's)
+        model = CostModel(0.02, 1.3e-4, 2e-9, 6e-5, 6.3e-7, projections=table)
         online = OnlineCostModel(model, swap=SwapModel(swap_base, per_slot))
         cols = list(zip(*rows)) if rows else [()] * 5
         pt, attn, dt, ctx, slots = (list(c) for c in cols)
