@@ -23,15 +23,24 @@ def positive_float(text: str) -> float:
     return v
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: a whole number above 0 (a count, a size, a number of tokens)."""
+def _whole(text: str, least: int) -> int:
     try:
         v = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a whole number, got {text}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    if v < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {text}")
     return v
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number above 0 (a count, a size, a number of tokens)."""
+    return _whole(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: a whole number, 0 or more (0: none)."""
+    return _whole(text, 0)
 
 
 # the --search-like ranges: (LO, HI) of rates or sizes, 0 < LO < HI
@@ -154,7 +163,7 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     su.add_argument("--repeats", type=positive_int, default=2)
     su.add_argument("--no-weight-blocks", action="store_true", help="the server's --no-weight-blocks")
     su.add_argument("--steps", type=positive_int, default=240, help="measured serving steps to score the models on")
-    su.add_argument("--near-threshold", type=int, default=60, metavar="STEPS",
+    su.add_argument("--near-threshold", type=non_negative_int, default=60, metavar="STEPS",
                     help="where the engine has a thin-product threshold, also score the models on serving steps "
                     "of about that many rows: STEPS at each of five step budgets (0: none)")
     su.add_argument("--out", default="startup_profile.json", help=OUT_HELP)

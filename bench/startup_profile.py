@@ -64,7 +64,7 @@ def near_threshold_steps(scheduler, vocab_size: int, thin: int, steps: int) -> l
     cfg = scheduler.cfg
     out = []
     try:
-        for budget in (3 * thin // 4, thin, thin + thin // 8, 3 * thin // 2, 2 * thin):
+        for budget in sorted({3 * thin // 4, thin, thin + thin // 8, 3 * thin // 2, 2 * thin}):
             scheduler.use_config(replace(cfg, max_num_batched_tokens=budget))
             out += serving_steps(scheduler, vocab_size, steps, seed=budget)
     finally:

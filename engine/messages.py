@@ -66,8 +66,7 @@ class PoolInfo:
     block_bytes: int = 0        # bytes of one block over all layers, at the pool's dtype
     int8_block_bytes: int = 0   # bytes of one block compressed to int8 (values, scale and offset)
     thin_rows: int = 0          # not the pool's but the engine's: steps of at most this many token rows
-                                # multiply over a GGUF's blocks (engine.linear.Thin), 0: none; the
-                                # cost model prices the steps past it apart
+                                # multiply over a GGUF's blocks (engine.linear.Thin), 0: none
     device_name: str = ""       # the hardware: a GPU's name, else the CPU's model name
     projections: tuple[tuple[int, float], ...] = ()     # where thin_rows: (rows, seconds) of the
                                 # products every token row takes, measured at load at rows about the

@@ -241,13 +241,13 @@ def worker_main(conn, cfg: WorkerConfig, env: dict[str, str] | None = None) -> N
         trimmer.maybe_trim()
 
 
-_forkserver_policy: list[str | None] = []     # the OpenMP wait policy the fork server loaded torch with
+_forkserver_policy: list = []     # the OpenMP environment the fork server loaded torch with (_wait_policy's)
 
 
-def _start_context(device: str, wait_policy: str | None):
+def _start_context(device: str, wait_policy):
     """How to start a worker: forked from the fork server for a CPU worker whose OpenMP wait
-    policy is the one the server loaded torch with (the first CPU worker's, which starts it),
-    else spawned. The fork server only imports (no OpenMP thread exists in it to be forked
+    environment (``_wait_policy``'s key) is the one the server loaded torch with (the first CPU
+    worker's, which starts it), else spawned. The fork server only imports (no OpenMP thread exists in it to be forked
     broken), and never touches CUDA."""
     if device != "cpu" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
@@ -271,7 +271,7 @@ def serving_wait_policy(environ) -> str:
 @contextlib.contextmanager
 def _wait_policy(policy: str | None):
     """The environment a process starts with under ``policy`` (None: as it is): libgomp reads it
-    when torch loads, in a spawned worker or in the fork server. "ACTIVE" and "PASSIVE" are
+    when torch loads, in a spawned worker or in the fork server. Yields the values it reads. "ACTIVE" and "PASSIVE" are
     OpenMP's OMP_WAIT_POLICY (spin for ever, sleep at once). "BRIEF" leaves OMP_WAIT_POLICY unset
     and sets libgomp's GOMP_SPINCOUNT to SPIN_COUNT (unless exported): a thread spins that many
     times for the next op, then sleeps, so an idle worker sleeps and a step's ops find their
@@ -292,7 +292,7 @@ def _wait_policy(policy: str | None):
     elif policy is not None:
         os.environ["OMP_WAIT_POLICY"] = policy
     try:
-        yield policy or os.environ.get("OMP_WAIT_POLICY")
+        yield tuple(os.environ.get(k) for k in saved)       # what libgomp will read: the fork server's key
     finally:
         for k, v in saved.items():
             if v is None:

@@ -86,7 +86,10 @@ class CostModel:
 
     def __post_init__(self):
         # read back from JSON, the pairs are lists
-        object.__setattr__(self, "projections", tuple((int(r), float(t)) for r, t in self.projections))
+        table = tuple((int(r), float(t)) for r, t in self.projections)
+        if table and (len(table) < 2 or any(a[0] >= b[0] for a, b in zip(table, table[1:]))):
+            raise ValueError(f"projections: at least two points, rows strictly increasing: {table}")
+        object.__setattr__(self, "projections", table)
 
     def predict(self, s: StepShape) -> float:
         t = (self.base + self.per_prefill_token * s.prefill_tokens + self.per_prefill_attn * s.prefill_attn

@@ -208,6 +208,19 @@ def test_bfloat16_worker_keeps_the_blocks_beside_its_weights(family, request):
         assert {t.dtype for t in [*model.parameters(), *model.buffers()]} == {torch.bfloat16}
 
 
+def test_the_products_timed_past_the_threshold_stop_at_the_budget_and_never_fall():
+    """Past one row beyond the threshold the rows are timed only within the budget; the seconds
+    never fall as the rows grow, so the cost model's line past the last point never falls."""
+    from tandem.engine.linear import product_seconds
+    weights = [torch.randn(64, 32), torch.randn(32, 64)]
+    rows = threshold_rows(6)
+    assert rows[:4] == (1, 3, 6, 7) and rows[-1] >= 256
+    assert [r for r, _ in product_seconds(weights, rows, budget_s=0.0)] == [0, 1, 3, 6, 7]
+    table = product_seconds(weights, rows, repeats=1, budget_s=60.0)
+    assert [r for r, _ in table] == [0, *rows]
+    assert all(a[1] <= b[1] for a, b in zip(table, table[1:]))
+
+
 @pytest.mark.parametrize("family", ["gguf_llama", "gguf_opt"])
 def test_the_products_timed_at_load_are_those_each_row_of_a_step_takes(family, request, monkeypatch):
     """What the cost model adds as measured (engine.linear.row_projections) is what a step does:

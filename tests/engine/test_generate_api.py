@@ -231,6 +231,29 @@ def test_each_worker_loads_torch_under_the_wait_policy_asked_for(tiny_llama):
     assert {k: os.environ.get(k) for k in before} == before          # this process's own, as before
 
 
+@pytest.mark.parametrize("exported", [{}, {"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "5"},
+                                      {"OMP_WAIT_POLICY": "BRIEF"}])
+def test_a_fork_server_is_shared_only_by_workers_whose_openmp_environment_is_its_own(monkeypatch, exported):
+    """Workers are forked from one fork server only where libgomp would read the same
+    environment in them: the key is what the environment holds, not the policy's name."""
+    from tandem.engine.worker import _wait_policy
+    for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in exported.items():
+        monkeypatch.setenv(k, v)
+    keys = {}
+    for policy in (None, "ACTIVE", "PASSIVE", "BRIEF"):
+        with _wait_policy(policy) as key:
+            keys[policy] = key
+            assert key == (os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT"))
+        assert {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} == \
+            {k: exported.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    assert keys["BRIEF"] == (None, exported.get("GOMP_SPINCOUNT", "30000"))
+    assert keys["PASSIVE"] == ("PASSIVE", exported.get("GOMP_SPINCOUNT"))
+    # the environment as it is and BRIEF are one only where a spin count, and no policy, was exported
+    assert (keys[None] == keys["BRIEF"]) is ("OMP_WAIT_POLICY" not in exported and "GOMP_SPINCOUNT" in exported)
+
+
 def test_max_model_len_cuts_the_context_and_never_passes_the_models(tiny_llama, caplog):
     import json
     positions = json.loads((tiny_llama / "config.json").read_text())["max_position_embeddings"]

@@ -61,6 +61,14 @@ def test_the_products_measured_are_interpolated_between_and_past_their_rows():
     assert again == model and again.predict(StepShape(prefill_tokens=50)) == model.predict(StepShape(prefill_tokens=50))
 
 
+@pytest.mark.parametrize("table", [((0, 0.0),), ((0, 0.0), (1, 0.002), (1, 0.003)), ((0, 0.0), (4, 0.01), (2, 0.02))])
+def test_a_table_of_products_needs_two_points_in_increasing_rows(table):
+    """Interpolation needs two points at least and rows in order: anything else is refused where
+    the model is made (a table read back from a file, say), not met as a division by zero."""
+    with pytest.raises(ValueError, match="projections"):
+        CostModel(0.01, 0.0, 0.0, 0.0, 0.0, projections=table)
+
+
 def test_the_fit_takes_the_products_as_measured_and_fits_the_rest():
     """An engine whose products jump past six rows: one intercept cannot fit both kinds of step;
     with the products measured, the rest is recovered -- even from steps past the threshold only,
