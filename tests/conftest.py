@@ -63,6 +63,12 @@ def scheduler_invariants(monkeypatch):
     monkeypatch.setattr(DeviceActor, "account", checked)
 
 
+def environ_of(pid: int) -> dict[str, str]:
+    """The environment process ``pid`` began with (a forked one's: its parent's at the fork)."""
+    raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    return dict(kv.decode().split("=", 1) for kv in raw if b"=" in kv)
+
+
 def mixed_prompts(n: int, vocab: int, seed: int, lo: int = 2, hi: int = 60) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from tandem import LLM, BeamSearchParams, SamplingParams
-from tests.conftest import assert_pool_free, hf_greedy, mixed_prompts
+from tests.conftest import assert_pool_free, environ_of, hf_greedy, mixed_prompts
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -212,16 +212,12 @@ def test_each_worker_loads_torch_under_the_wait_policy_asked_for(tiny_llama):
     server a worker is forked from. The environment a worker's process began with (its own, or
     its fork server's) is the one torch loaded under; each policy must find its own, whichever
     started the fork server."""
-    def began_with(pid: int) -> dict[str, str]:
-        raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        return dict(kv.decode().split("=", 1) for kv in raw if b"=" in kv)
-
     outs, before = [], {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     policies = ("ACTIVE", "PASSIVE", "BRIEF", "ACTIVE")
     for policy in policies:
         with LLM(str(tiny_llama), "cpu:1", policy="fcfs", kv_cache_bytes=1 << 22, threads_per_worker=1,
                  omp_wait_policy=policy) as m:
-            env = began_with(m._workers[0].proc.pid)
+            env = environ_of(m._workers[0].proc.pid)
             # BRIEF: no policy (libgomp's own), a spin count instead
             assert env.get("OMP_WAIT_POLICY") == (None if policy == "BRIEF" else policy)
             assert env.get("GOMP_SPINCOUNT") == ((before["GOMP_SPINCOUNT"] or "30000") if policy == "BRIEF"

@@ -1,6 +1,7 @@
 """Start-up (503 while loading; SIGTERM while loading), back-pressure (429), upload limit (413), SIGTERM drain."""
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import urllib.request
 import aiohttp
 import pytest
 
+from tests.conftest import environ_of
 from tests.server.conftest import API_KEY, ROOT, free_port, start_server, stop_server
 from tests.server.test_load import metric
 
@@ -170,6 +172,44 @@ def alive(pid: int) -> bool:
             return "\nState:\tZ" not in f.read()
     except FileNotFoundError:
         return False
+
+
+def descendants(pid: int) -> list[int]:
+    out = children(pid)
+    return out + [d for c in out for d in descendants(c)]
+
+
+@pytest.mark.parametrize("exported", [{}, {"OMP_WAIT_POLICY": "passive"}])
+def test_the_servers_workers_wait_for_the_next_op_as_exported_else_spin_briefly(tiny_chat_model, tmp_path,
+                                                                                 exported):
+    """With no OpenMP policy exported, the server's workers (and the fork server they come from)
+    start with libgomp's policy unset and a short spin count; an exported policy is theirs."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} | exported
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "server", "--model", str(tiny_chat_model), "--port", str(port),
+                             "--data-dir", str(tmp_path), "--dtype", "float32", "--policy", "fcfs",
+                             "--threads-per-worker", "1", "--watch-parent", str(os.getpid())],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(0.5)
+        workers = [p for p in descendants(proc.pid)
+                   if any(m in open(f"/proc/{p}/cmdline", "rb").read() for m in (b"forkserver", b"spawn_main"))]
+        assert workers, "the workers and their fork server are found"
+        for p in workers:
+            got = environ_of(p)
+            if exported:
+                assert got.get("OMP_WAIT_POLICY") == "PASSIVE" and "GOMP_SPINCOUNT" not in got
+            else:
+                assert "OMP_WAIT_POLICY" not in got and got.get("GOMP_SPINCOUNT") == "30000"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_a_restarted_server_reads_its_start_up_profile_from_the_data_dir(tiny_chat_model, tmp_path):
