@@ -157,8 +157,8 @@ def threshold_rows(thin: int, last: int = 256) -> tuple[int, ...]:
     return tuple(sorted(set(rows)))
 
 
-def product_seconds(weights: list, rows: tuple[int, ...], repeats: int = 2,
-                    budget_s: float = 2.0) -> tuple[tuple[int, float], ...]:
+def product_seconds(weights: list, rows: tuple[int, ...], repeats: int = 2, budget_s: float = 2.0,
+                    clock: Callable[[], float] = time.perf_counter) -> tuple[tuple[int, float], ...]:
     """(rows, seconds) of multiplying ``rows`` token rows by every weight of ``weights`` (dense, or
     :class:`Thin`) in turn, for each row count: random rows in the weights' dtype, the least of
     ``repeats`` rounds. It starts from (0, 0.0): no rows, no product. A step's cost model adds it
@@ -168,21 +168,22 @@ def product_seconds(weights: list, rows: tuple[int, ...], repeats: int = 2,
     The first four row counts (:func:`threshold_rows`: up to one past the threshold) are always
     timed, the others only while the timing has taken less than ``budget_s`` (a large model's
     products take seconds). The seconds never fall as the rows grow (each at least the one
-    before), so that the line past the last point never falls either."""
+    before), so that the line past the last point never falls either. ``clock``: seconds, read
+    before and after each round and against the budget."""
     dtype = _dtype(weights[0]) if weights else torch.float32
     out = [(0, 0.0)]
-    start = time.perf_counter()
+    start = clock()
     for n, m in enumerate(rows):
-        if n >= 4 and time.perf_counter() - start > budget_s:
+        if n >= 4 and clock() - start > budget_s:
             break
         xs = {k: torch.randn(m, k).to(dtype) for k in {_in_features(w) for w in weights}}
         best = float("inf")
         for _ in range(repeats):
-            t = time.perf_counter()
+            t = clock()
             with torch.inference_mode():
                 for w in weights:
                     linear(xs[_in_features(w)], w)
-            best = min(best, time.perf_counter() - t)
+            best = min(best, clock() - t)
         out.append((m, max(best, out[-1][1])))
     return tuple(out)
 
