@@ -38,7 +38,8 @@ def profile(args) -> CostModel:
         # decode costs are not collinear; long outputs reach the contexts of real traffic
         for n, out in ((1, 96), (2, 320), (8, 400), (16, 160), (32, 240), (64, 64), (96, 24)):
             llm.generate(prompts[:n], SamplingParams(max_tokens=out, temperature=0, ignore_eos=True))
-    cost = CostModel.fit(log, projections(llm.scheduler))
+        products = projections(llm.scheduler)
+    cost = CostModel.fit(log, products)
     err = cost.mean_abs_error(log)
     decode = [x for x in log if not x[0].prefill_tokens]
     prefill = [x for x in log if x[0].prefill_tokens]

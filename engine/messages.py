@@ -55,6 +55,7 @@ class Command(enum.Enum):
     STEP = "step"
     RESET = "reset"             # forget every request (the scheduler's books were reset)
     SHUTDOWN = "shutdown"
+    PRODUCTS = "products"       # time the products a step's token rows take (StepOutput.products)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +69,6 @@ class PoolInfo:
     thin_rows: int = 0          # not the pool's but the engine's: steps of at most this many token rows
                                 # multiply over a GGUF's blocks (engine.linear.Thin), 0: none
     device_name: str = ""       # the hardware: a GPU's name, else the CPU's model name
-    projections: tuple[tuple[int, float], ...] = ()     # where thin_rows: (rows, seconds) of the
-                                # products every token row takes, measured at load at rows about the
-                                # threshold (engine.linear.product_seconds); the cost model adds them
 
 
 @dataclass(slots=True)
@@ -223,3 +221,6 @@ class StepOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # for sampled requests that ask
     # req_id -> (position p, TokenLogprobs of prompt tokens p, p+1, ...) computed in this step
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # Command.PRODUCTS: (rows, seconds) of the products every token row takes, timed at rows about
+    # the thin-product threshold (engine.linear.product_seconds); () where the engine has none
+    products: tuple[tuple[int, float], ...] = ()

@@ -15,6 +15,7 @@ import torch
 
 from tandem.engine.attention import AttnBatch, HiddenBatch, HiddenSegment, PrefillSegment
 from tandem.engine.grammar import Vocabulary
+from tandem.engine.linear import product_seconds, row_projections, thin_rows_of, threshold_rows
 from tandem.engine.kvquant import Int8Rows, dequantize, int8_block_bytes, quantize
 from tandem.engine.lora import Adapter, StepLora
 from tandem.engine.messages import (CacheImport, CacheType, Command, DeviceRows, Direction, LoraRef, NewRequest,
@@ -313,6 +314,13 @@ class ModelRunner:
             rows = _cuda_pickler().loads(rows.handle)
         self._write_rows(imp.req_id, st, imp.num_tokens, rows)
 
+    def products(self) -> tuple[tuple[int, float], ...]:
+        """(rows, seconds) of the products every token row of a step takes, at rows about the
+        model's thin-product threshold (engine.linear.product_seconds); () where it has none, whose
+        products take one path at every row count."""
+        thin = thin_rows_of(self.model)
+        return product_seconds(row_projections(self.model), threshold_rows(thin)) if thin else ()
+
     # ---- one step ----------------------------------------------------------
     def step(self, inp: StepInput) -> StepOutput:
         if inp.command is Command.RESET:
@@ -321,6 +329,8 @@ class ModelRunner:
             if self.int8:
                 self.pool.release(torch.arange(self.pool.num_blocks, device=self.device))
             return StepOutput(inp.step_id, {}, 0, 0.0, 0.0)
+        if inp.command is Command.PRODUCTS:
+            return StepOutput(inp.step_id, {}, 0, 0.0, 0.0, products=self.products())
         self._take_adapters(inp)
         self._apply_bookkeeping(inp)
         for off in inp.offloads:

@@ -25,8 +25,7 @@ import torch.multiprocessing as mp
 
 from tandem.engine.dtype import DTYPES, cpu_model
 from tandem.engine.kvquant import int8_block_bytes
-from tandem.engine.linear import (packs, product_seconds, row_projections, thin_blocks, thin_rows_of,
-                                  threshold_rows)
+from tandem.engine.linear import packs, thin_blocks, thin_rows_of
 from tandem.engine.messages import Command, DeviceError, PoolInfo, StepInput, StepOutput
 from tandem.engine.models.spec import ModelSpec
 
@@ -202,10 +201,8 @@ def _build_runner(cfg: WorkerConfig):
 def pool_info(runner, num_blocks: int) -> PoolInfo:
     dev = torch.device(runner.device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model()
-    thin = thin_rows_of(runner.model)
-    products = product_seconds(row_projections(runner.model), threshold_rows(thin)) if thin else ()
     return PoolInfo(num_blocks, runner.block_size, runner.hidden_rows, runner.block_bytes,
-                    runner.int8_block_bytes, thin, name, products)
+                    runner.int8_block_bytes, thin_rows_of(runner.model), name)
 
 
 def worker_main(conn, cfg: WorkerConfig, env: dict[str, str] | None = None) -> None:

@@ -14,8 +14,8 @@ measured steps; every coefficient is kept non-negative.
 
 An engine whose thin products take another path (a bfloat16 CPU worker multiplies steps of at
 most ``thin_rows`` token rows over a GGUF's blocks, engine.linear.Thin) measures what its
-projections cost at row counts about that threshold when it loads
-(``PoolInfo.projections``), and every step adds that cost as measured, interpolated
+projections cost at row counts about that threshold before a cost model is first fitted
+(``Scheduler.products``), and every step adds that cost as measured, interpolated
 linearly in its rows R = Σ Ln + #decodes (extrapolated past the last point):
 
     + P(R)

@@ -96,9 +96,8 @@ def thin_rows(scheduler) -> int:
 
 
 def projections(scheduler) -> tuple[tuple[int, float], ...]:
-    """What the products of a step's rows cost as its engine measured them (PoolInfo.projections):
-    the first device's that has them (the devices of one server load one model alike)."""
-    return next((d.pool_info.projections for d in scheduler.devices if d.pool_info.projections), ())
+    """What the products of a step's rows cost as its engine measures them (Scheduler.products)."""
+    return scheduler.products()
 
 
 def _fits(scheduler, reqs: int, tokens: int) -> bool:

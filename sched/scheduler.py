@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from tandem.cache import PoolGeometry
-from tandem.engine.messages import CacheType, DeviceError, PoolInfo, StepInput, StepOutput
+from tandem.engine.messages import CacheType, Command, DeviceError, PoolInfo, StepInput, StepOutput
 from tandem.sched.actor import ActorConfig, DeviceActor, SwapConfig, Update
 from tandem.sched.alise import Alise
 from tandem.sched.aptserve import AptServe
@@ -182,6 +182,7 @@ class Scheduler:
         self.clock = clock                  # time.monotonic, or the simulator's virtual clock
         self._rng = random.Random()
         self._step_id = 0
+        self._products: tuple[tuple[int, float], ...] | None = None
         self.actors = [self._actor(i, d, cost) for i, d in enumerate(devices)]
 
     def _actor(self, i: int, device: Device, cost: OnlineCostModel | None) -> DeviceActor:
@@ -315,6 +316,26 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return any(a.has_work() for a in self.actors)
+
+    def products(self) -> tuple[tuple[int, float], ...]:
+        """(rows, seconds) of the products a step's token rows take, for a cost model to add as
+        measured (sched.cost_model): timed by the first device whose engine multiplies thin steps
+        on another path (PoolInfo.thin_rows), once, when first asked; () where none does. Asked
+        between steps, before serving starts (when the start-up profile is fitted), so it times
+        after every worker has loaded, on a machine where no other worker computes; the devices of
+        one server load one model alike, so one table serves them all."""
+        if self._products is None:
+            dev = next((d for d in self.devices if d.pool_info.thin_rows), None)
+            self._products = () if dev is None else self._timed_products(dev)
+        return self._products
+
+    def _timed_products(self, dev: Device) -> tuple[tuple[int, float], ...]:
+        self._step_id += 1
+        dev.submit(StepInput(Command.PRODUCTS, self._step_id))
+        out = dev.collect()
+        if out.error:
+            raise DeviceError(f"{dev.name}: timing the products failed:\n{out.error}")
+        return out.products
 
     # ---- views for metrics ---------------------------------------------------------------
     def load_by_class(self) -> dict:

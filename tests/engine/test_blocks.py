@@ -195,10 +195,11 @@ def test_bfloat16_worker_keeps_the_blocks_beside_its_weights(family, request):
     for blocks, spec, runner, num_blocks in gguf_workers(request, family, "bfloat16"):
         model = runner.model
         thin = [t for layer in model.layers for t in vars(layer).values() if isinstance(t, Thin)]
-        info = pool_info(runner, num_blocks)          # for the cost model: the threshold, the products' cost
+        info = pool_info(runner, num_blocks)          # for the cost model: the threshold
         assert info.thin_rows == (thin[0].rows if blocks else 0)
-        assert [r for r, _ in info.projections] == ([0, *threshold_rows(info.thin_rows)] if blocks else [])
-        assert all(t > 0 for _, t in info.projections[1:])
+        products = runner.products()                  # and, asked for, the products' cost
+        assert [r for r, _ in products] == ([0, *threshold_rows(info.thin_rows)] if blocks else [])
+        assert all(t > 0 for _, t in products[1:])
         assert len(thin) == (5 * spec.num_layers if blocks else 0)     # 4 projections + the K/V rows
         assert all(t.blocks.kind is BlockKind.Q4_1 and t.dense.dtype == torch.bfloat16 for t in thin)
         head = model.lm_head

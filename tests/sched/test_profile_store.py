@@ -63,8 +63,8 @@ def test_a_second_start_reads_the_kept_profile_and_measures_nothing(model, tmp_p
 
 
 def test_a_bfloat16_gguf_model_reads_its_profile_back_though_its_products_are_timed_anew(tmp_path, steps):
-    """A worker that multiplies thin steps over a GGUF's blocks times its products at load
-    (PoolInfo.projections): timings, which differ at every start, so they are no part of the key."""
+    """A worker that multiplies thin steps over a GGUF's blocks times its products at every start
+    (Scheduler.products): timings, which differ at every start, so they are no part of the key."""
     from tandem.engine.models.tiny import write_tiny_model
     gguf = write_tiny_model(tmp_path / "gguf", "llama", seed=3, gguf_blocks=True)
     cache = tmp_path / "profiles"
