@@ -28,7 +28,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tandem.sched.cost_model import CostModel
+from tandem.sched.cost_model import CostModel, attn_pairs
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +42,8 @@ class Load:
 
 
 def prefill_s(cost: CostModel, prompt: int) -> float:
-    """Work of one prompt in the cost model, its attention term at its cheapest (P²/2)."""
-    return cost.per_prefill_token * prompt + cost.per_prefill_attn * prompt * prompt / 2
+    """Work of one prompt in the cost model, computed whole (its attention's pairs at their fewest)."""
+    return cost.per_prefill_token * prompt + cost.per_prefill_attn * attn_pairs(prompt, prompt)
 
 
 def load_of(cost: CostModel, rate: float, rt: list[tuple[int, int]], be: list[tuple[int, int]]) -> Load:

@@ -48,7 +48,7 @@ import numpy as np
 
 from tandem.engine.messages import CacheType
 from tandem.sched.bros import BlockBudget, CostFn, add_chunk
-from tandem.sched.cost_model import StepShape, predict_many
+from tandem.sched.cost_model import StepShape, attn_pairs, predict_many
 from tandem.sched.policy import Candidate, Plan, Snapshot, _decide
 
 DEFAULT_LENGTH = 256        # L̂ for a request that comes without a prediction
@@ -97,7 +97,7 @@ class Alise:
         col = _Columns(cands)
         left, demotions = _remaining_many(col)
         todo = col.tokens - col.computed
-        pre = np.where(todo > 1, predict_many(self.cost, todo, todo * col.tokens), 0.0)
+        pre = np.where(todo > 1, predict_many(self.cost, todo, attn_pairs(todo, col.tokens)), 0.0)
         t = pre + np.maximum(left, 1) * predict_many(self.cost, decode_tokens=1, decode_ctx=np.maximum(col.tokens, 1))
         return t, self._levels(t, demotions, col.waited)
 

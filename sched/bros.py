@@ -49,7 +49,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from tandem.engine.messages import CacheType
-from tandem.sched.cost_model import StepShape, predict_many
+from tandem.sched.cost_model import StepShape, attn_pairs, predict_many
 from tandem.sched.policy import Candidate, Plan, Snapshot, _blocks, _decide, fcfs
 
 CostFn = Callable[[StepShape, int], float]      # (shape, slots to swap in) -> predicted seconds
@@ -298,7 +298,7 @@ class Bros:
         priced = (todo > 1) & np.array([c.slo_s is not None for c in cands], dtype=bool)
         if t_avg <= 0 or not priced.any():
             return np.ones(len(cands), dtype=np.int64)
-        t = predict_many(self.cost, todo[priced], todo[priced] * tokens[priced],
+        t = predict_many(self.cost, todo[priced], attn_pairs(todo[priced], tokens[priced]),
                          swap_slots=np.array([c.num_cpu for c, p in zip(cands, priced) if p], dtype=np.int64))
         k = np.ones(len(cands), dtype=np.int64)
         k[priced] = np.maximum(1, np.ceil(t / t_avg)).astype(np.int64)

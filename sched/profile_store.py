@@ -33,7 +33,8 @@ from tandem.sched.cost_model import FEATURES, MIN_STEPS, StepShape
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1      # the file's layout; the key holds FEATURES too, so a changed StepShape measures again
+FORMAT = 2      # the file's layout and its shapes' meaning (2: prefill_attn counts causal pairs); the key
+                # holds FEATURES too, so a changed StepShape measures again
 KEEP_DAYS = 30  # a profile no start has read or written for this long is removed
 
 

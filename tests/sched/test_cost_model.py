@@ -7,13 +7,30 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+import torch
 
-from tandem.sched.cost_model import CostModel, OnlineCostModel, StepShape, SwapModel, predict_many
+from tandem.sched.cost_model import CostModel, OnlineCostModel, StepShape, SwapModel, attn_pairs, predict_many
+
+
+def causal_pairs(n: int, context: int) -> int:
+    """The query-key pairs the engine's attention computes for n new tokens ending at ``context``:
+    the entries of the causal mask it builds for them (engine.attention._dense)."""
+    return int(torch.ones(n, context, dtype=torch.bool).tril(diagonal=context - n).sum())
 
 
 def test_shape_accumulates():
-    s = StepShape().add(10, 10, decode=False).add(1, 50, decode=True).add(1, 70, decode=True)
-    assert s == StepShape(prefill_tokens=10, prefill_attn=100, decode_tokens=2, decode_ctx=120)
+    s = StepShape().add(10, 10, decode=False).add(1, 50, decode=True).add(1, 70, decode=True).add(4, 30, False)
+    assert s == StepShape(prefill_tokens=14, prefill_attn=causal_pairs(10, 10) + causal_pairs(4, 30),
+                          decode_tokens=2, decode_ctx=120)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 300), st.integers(0, 300))
+def test_a_chunk_counts_the_pairs_its_attention_computes(n, before):
+    """A prompt whole or as a chunk over a cached context; as one int and within arrays."""
+    assert attn_pairs(n, n + before) == causal_pairs(n, n + before)
+    got = attn_pairs(np.array([n, 1, n]), np.array([n + before, before + 1, n]))
+    assert got.tolist() == [causal_pairs(n, n + before), before + 1, causal_pairs(n, n)]
 
 
 def test_fit_recovers_coefficients_and_stays_non_negative():

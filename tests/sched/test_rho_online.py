@@ -34,7 +34,7 @@ def _kv_startup(n=64, seed=0):
 
 def test_shape_and_model_carry_hidden_blocks():
     s = StepShape().add(1, 40, decode=True, hidden_blocks=6).add(8, 8, decode=False)
-    assert s == StepShape(8, 64, 1, 40, 6)
+    assert s == StepShape(8, 8 * 9 // 2, 1, 40, 6)        # a whole prompt of 8: 1 + 2 + ... + 8 pairs
     m = CostModel(0.01, 0.0, 0.0, 0.0, 0.0, per_hidden_block=0.5)
     assert m.predict(s) == pytest.approx(0.01 + 3.0)
 
