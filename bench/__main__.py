@@ -103,6 +103,9 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     mx.add_argument("--be-job-size", type=positive_int, default=16, help="requests per batch job")
     mx.add_argument("--be-concurrency", type=positive_int, default=16, help="BE requests outstanding (online mode)")
     mx.add_argument("--be-scale", type=float, default=1.0, help="scale of BROS's 512-1024 in / 32-128 out")
+    mx.add_argument("--step-log", action="store_true",
+                    help="our server: log every model step (<out>_<system>_steps.jsonl) and print, per row, "
+                         "where its device time went and how well its cost model priced the steps")
     mx.add_argument("--trace-status", action="store_true",
                     help="our server: poll /status each second and say why chats waited past their TTFT target "
                          "(<out>_status.json keeps the polls)")
@@ -167,6 +170,12 @@ def main(argv=None, prog: str = "python -m bench") -> None:
                     help="where the engine has a thin-product threshold, also score the models on serving steps "
                     "of about that many rows: STEPS at each of five step budgets (0: none)")
     su.add_argument("--out", default="startup_profile.json", help=OUT_HELP)
+    stl = sub.add_parser("steps", help="where a server's device time went, from its step log (--step-log): steps "
+                         "by the work they held, measured / predicted by the cost model")
+    stl.add_argument("files", nargs="+", help="step logs (python -m server --step-log FILE, bench mixed --step-log)")
+    stl.add_argument("--target-ms", type=positive_float, default=None,
+                     help="a TBT target: count the steps holding RT decodes that took longer")
+    stl.add_argument("--out", default="steps.json", help=OUT_HELP)
     ind = sub.add_parser("independence", help="cpu:2: does a busy device slow the other's short chats? "
                          "(device actors vs lock-step)")
     ind.add_argument("--chats", type=positive_int, default=8)
@@ -466,6 +475,9 @@ def _run(args) -> None:
     elif args.cmd == "streams":
         from tandem.bench import streams
         streams.main(args)
+    elif args.cmd == "steps":
+        from tandem.bench import steps
+        steps.main(args)
     elif args.cmd == "startup-profile":
         from tandem.bench import startup_profile
         startup_profile.main(args)

@@ -87,14 +87,15 @@ def tandem_args(system: str, slo: dict | None = None, kv_cache_gib: float | None
 
 
 def start(system: str, hf_dir: Path, max_num_seqs: int, slo: dict | None = None, model: str = "smollm2",
-          kv_cache_gib: float | None = None, devices: str | None = None):
+          kv_cache_gib: float | None = None, devices: str | None = None, extra: list[str] = ()):
     """Start ``system`` on loopback; a context yielding its URL. ``tandem-<policy>`` picks our policy;
     ``tandem-bros-bidir`` adds bidirectional blocks, ``tandem-aptserve-mixed`` Apt-Serve-S. Our
     server is told the SLOs the run judges by (its RT targets); the peers have no such setting.
     ``model``: smollm2, or another checkpoint (``hf_dir``), served under the name smollm2 too.
-    ``kv_cache_gib``: the same KV cache size for our server and vLLM; ``devices``: our server's."""
+    ``kv_cache_gib``: the same KV cache size for our server and vLLM; ``devices``, ``extra``: our
+    server's (more flags)."""
     if system == "tandem" or system.startswith("tandem-"):
-        extra = tandem_args(system, slo, kv_cache_gib) + (["--devices", devices] if devices else [])
+        extra = tandem_args(system, slo, kv_cache_gib) + (["--devices", devices] if devices else []) + list(extra)
         if model != "smollm2":
             return tandem_server(str(hf_dir), max_num_seqs, extra + ["--served-model-name", "smollm2"])
         return tandem_server("smollm2", max_num_seqs, extra)
@@ -317,6 +318,8 @@ def main(args) -> None:
 def mixed(args) -> None:
     """RT ShareGPT online at each rate while BE work is always pending (Batch API jobs or online)."""
     from tandem.bench.mixed import co_serving_targets, print_targets, run_mixed
+    from tandem.bench.steps import print_summary, window
+    from tandem.bench.steps import summarize as step_summary
     from tandem.bench.waits import late_waits, print_late_waits
     from tandem.bench.workloads import synthetic_be_stream
     hf_dir, tok = _setup(args)
@@ -328,7 +331,12 @@ def mixed(args) -> None:
     rows, traces = [], {}
     for system in installed_only(args.systems):
         mode = args.be_mode if args.be_mode != "auto" else ("batches" if system.startswith("tandem") else "online")
-        with start(system, hf_dir, args.max_num_seqs, told, args.model, args.kv_cache_gib, args.devices) as url:
+        step_log = RESULTS / f"{Path(args.out).stem}_{system}_steps.jsonl" if args.step_log and \
+            system.startswith("tandem") else None
+        if step_log is not None:
+            step_log.unlink(missing_ok=True)
+        with start(system, hf_dir, args.max_num_seqs, told, args.model, args.kv_cache_gib, args.devices,
+                   ["--step-log", str(step_log)] if step_log else []) as url:
             for i, rate in enumerate(args.rates):
                 # each rate's BE prompts new to the server too (random ids: no prefix shared)
                 be_items = synthetic_be_stream(args.seed + 1 + i, vocab, scale=args.be_scale, tokenizer=tok)
@@ -341,6 +349,9 @@ def mixed(args) -> None:
                 row = judge(system + (label if system.startswith("tandem") else ""), rate, recs, be.window_s,
                             slo) | {"be": be.summary(), "elapsed_s": elapsed,
                                     "server": {k: v - before.get(k, 0.0) for k, v in after.items()}}
+                if step_log is not None:
+                    row["steps"] = step_summary(window(step_log, t0, t0 + elapsed), slo["tbt_s"]) | {
+                        "log": step_log.name}
                 if polled is not None:
                     row["late_waits"] = late_waits(polled, slo["ttft_s"])
                     traces[f"{row['system']}@{rate:g}"] = polled
@@ -361,6 +372,10 @@ def mixed(args) -> None:
                            f"RT latency CDFs at {rate:g} req/s, BE pending")
     print_table(rows)
     print_steps(rows)
+    for row in rows:
+        if "steps" in row:
+            print_summary(f"{row['system']} at {row['rate']:g} req/s, its step log ({row['steps']['log']})",
+                          row["steps"])
     print_late_waits(rows)
     print_targets(targets)
     print(f"wrote {out} and {stem}_*.png")

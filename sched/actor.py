@@ -33,6 +33,7 @@ from tandem.sched.cost_model import OnlineCostModel, StepShape
 from tandem.sched.detok import TextTracker
 from tandem.sched.policy import Candidate, Limits, Plan, Snapshot
 from tandem.sched.request import FinishReason, Migration, RequestState, ServiceClass, Status, error_id
+from tandem.sched.steplog import StepLog, StepRecord
 
 log = logging.getLogger("tandem.actor")
 KEPT_ADAPTERS = 8     # LoRA adapters a worker keeps, unused ones included, before unused ones are dropped
@@ -130,6 +131,7 @@ class DeviceActor:
         self.steps_total = 0
         self.cache_switches: Counter = Counter()   # type changes that discarded a cache, by new type
         self.step_log: list[tuple[StepShape, float]] | None = None   # set to a list to record steps
+        self.trace: StepLog | None = None   # every step written out (LLM.log_steps)
         self._keys: dict[str, list[Key]] = {}     # prefix caching: each request's token-block keys
         self._hits: dict[str, int] = {}           # waiting requests' cached token-blocks, this plan
         self.prefix_tokens: Counter = Counter()   # prompt tokens "queried" at admission, and cache "hits"
@@ -594,6 +596,8 @@ class DeviceActor:
         """Fold a step's results into the books; one Update per request that changed."""
         now = self.clock()
         if p.inp.scheduled:
+            if self.trace is not None:
+                self.trace.write(self._record(p, now))
             self.observe(p.shape, now - p.started)
         for dec in p.plan.scheduled:
             st = self.states.get(dec.req_id)
@@ -629,6 +633,25 @@ class DeviceActor:
                 self._texts.pop(rid, None)
                 updates.append(self.end_with_error(st, f"internal error while generating (error id {eid})"))
         return updates
+
+    def _record(self, p: Pending, now: float) -> StepRecord:
+        """The step log's line for step ``p`` (before its requests' books move on)."""
+        decodes, prompt = Counter(), Counter()
+        chunks = context = 0
+        for sr in p.inp.scheduled:
+            st = self.states.get(sr.req_id)
+            if st is None:
+                continue
+            rt = st.request.service_class is ServiceClass.RT
+            if sr.phase is Phase.DECODE:
+                decodes[rt] += 1
+            else:
+                prompt[rt] += sr.num_new_tokens
+                chunks += 1
+                context = max(context, st.num_computed + sr.num_new_tokens)
+        predicted = None if self.cost is None else self.cost(p.shape)
+        return StepRecord(now, self.device.name, now - p.started, predicted, decodes[True], decodes[False],
+                          prompt[True], prompt[False], chunks, context, p.shape)
 
     def _score_prompts(self, out: StepOutput) -> None:
         """Keep the prompt tokens' log probabilities a step computed, by position (a prompt

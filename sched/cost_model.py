@@ -70,12 +70,14 @@ def attn_pairs(num_new, context):
         pairs = Ln·La - Ln(Ln-1)/2
 
     (an int, or elementwise for numpy arrays). [open choice] SPEC's term is Ln·La, which counts
-    a whole prompt's pairs twice over (Ln·La = Ln² where it has Ln²/2) and a chunk's near
-    once, so a single coefficient fitted to the start-up profile's whole prompts priced the
-    chunks a server runs over long contexts short: under the default policy on this CPU
-    (SmolLM2 bf16, a 2-core Zen 4 EPYC, batch jobs beside chats) the measured / predicted
-    median of steps with a prompt chunk rose from 1.01 at contexts under 150 tokens to 1.10 at
-    300-450 and 1.15 at 450-600."""
+    a whole prompt's pairs twice over (Ln·La = Ln² where it has Ln(Ln+1)/2) and a chunk's over a
+    long context about once, so one coefficient priced the start-up profile's whole prompts and
+    a server's chunks on two scales. Under the default policy on a 2-core Zen 4 EPYC (SmolLM2
+    bf16, batch jobs beside chats), with Ln·La the measured / predicted median of steps with a
+    prompt chunk rose with the chunk's context in both of two runs (0.96-1.01 under 150 tokens,
+    1.12-1.15 at 450-600); with the pairs it rose less in two runs of three, and 10.0% of the
+    steps sized to a chat's TBT target overran it against 14.4% (bench/README.md, "A prompt
+    chunk's attention"): within the runs' spread."""
     return num_new * context - num_new * (num_new - 1) // 2
 
 

@@ -38,6 +38,7 @@ from tandem.sched.rebalancer import PLACEMENTS, Budgets, Rebalancer
 from tandem.sched.request import FinishReason, Request, RequestState
 from tandem.sched.runtime import Runtime
 from tandem.sched.scheduler import PRICED, SchedConfig, Scheduler, cache_type_of
+from tandem.sched.steplog import StepLog
 from tandem.paths import cache_dir as user_cache_dir
 
 DEFAULT_CACHE_DIR = user_cache_dir()
@@ -1129,6 +1130,17 @@ class LLM:
         """The worker processes' ids (a restarted worker has a new one)."""
         return [w.proc.pid for w in self._workers if w.proc is not None and w.proc.pid is not None]
 
+    def log_steps(self, path: str | os.PathLike | None) -> None:
+        """Append one JSON line per model step to ``path`` from now on, every device's to the
+        one file (sched.steplog: what it computed for which class, its time, and what the cost
+        model priced it at; ``python -m bench steps`` reads it); None stops."""
+        old = self.scheduler.actors[0].trace
+        new = None if path is None else StepLog(path)
+        for a in self.scheduler.actors:
+            a.trace = new
+        if old is not None:
+            old.close()
+
     def shutdown(self) -> None:
         """Stop the actors and the workers; the LLM refuses work from then on."""
         self._closed = True
@@ -1138,6 +1150,8 @@ class LLM:
         for w in self._workers:
             w.shutdown()
         self._workers = []
+        if getattr(self, "scheduler", None) is not None:
+            self.log_steps(None)
 
     def __enter__(self):
         return self

@@ -52,6 +52,15 @@ VALUE_FLAGS = {"--gpu-memory-utilization", "--scheduling-policy", "--tensor-para
                "--quantization", "--max-lora-rank", "--max-loras", "--max-cpu-loras"}
 
 
+def _appendable(flag: str, path: str) -> None:
+    """ValueError naming ``flag`` unless ``path`` can be opened to append to (created if missing)."""
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot write {path}: {e.strerror}") from None
+
+
 def _vllm_flags(unknown: list[str]) -> tuple[list[str], list[str]]:
     """``unknown`` arguments split into (notes on vLLM flags taken or refused, the rest)."""
     notes, rest, i = [], [], 0
@@ -179,6 +188,10 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                          "iterations measures) is kept in DATA_DIR/profiles and read back by a later start on the "
                          "same machine with the same model files, software and settings that shape a step (seconds "
                          "saved); fresh: measure it again and keep the new one")
+    ap.add_argument("--step-log", default=None, metavar="FILE",
+                    help="append one JSON line per model step to FILE: the tokens it computed for RT and BE "
+                         "requests, its time and what the cost model priced it at (`python -m bench steps FILE` "
+                         "tells where the time went)")
     ap.add_argument("--length-predictor", default=None,
                     help="with --policy tandem or alise: a predictor directory, or max_tokens (each request's max_tokens "
                          "as its length). Default: DATA_DIR/predictor, started from the trained predictor and "
@@ -377,6 +390,8 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
         tls.check()
         if a.root_path and not a.root_path.startswith("/"):
             raise ValueError(f"root-path: a path beginning with /, got {a.root_path!r}")
+        if a.step_log:
+            _appendable("step-log", a.step_log)
     except ValueError as e:
         ap.error(str(e))
     names = a.served_model_name or [a.model if a.model == "smollm2" else os.path.basename(a.model.rstrip("/"))]
@@ -395,7 +410,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                         max_num_seqs=a.max_num_seqs,
                         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                         policy=a.policy, tandem_off=tuple(a.tandem_off), slo_tbt_mean=a.slo_tbt_mean,
-                        startup_profile=a.startup_profile,
+                        startup_profile=a.startup_profile, step_log=a.step_log,
                         bidirectional_blocks=a.bidirectional_blocks, cache_type=a.cache_type,
                         hybrid_cache=not a.kv_only, adaptive=not a.aptserve_fcfs, slo_decay=a.slo_decay,
                         mixed_batches=a.aptserve_mixed, placement=a.placement,
@@ -500,7 +515,9 @@ def main(argv=None, prog: str = "python -m server") -> None:
         try:
             for name, path in cfg.lora_modules:
                 llm.load_lora(name, path)
-        except ValueError:
+            if cfg.step_log:
+                llm.log_steps(cfg.step_log)
+        except (ValueError, OSError):
             llm.shutdown()
             raise
         return AsyncEngine(llm)

@@ -36,6 +36,7 @@ class ServerConfig:
     policy: str = "tandem"             # every mechanism together (see sched/tandem.py)
     tandem_off: tuple[str, ...] = ()   # tandem: mechanisms switched off (ablations)
     startup_profile: str = "cached"    # cached: kept in the data dir and read back; fresh: measured again
+    step_log: str | None = None        # a file each model step is appended to, a JSON line each
     slo_tbt_mean: bool = False         # tandem: the TBT target bounds the mean gap (TPOT), not each gap
     bidirectional_blocks: bool = False  # BROS shared RT/BE blocks with lazy checkpointing
     cache_type: str = "kv"             # kv, or hidden: every request keeps layer inputs (Apt-Serve)

@@ -39,6 +39,7 @@ from tests.server.conftest import ROOT, free_port
     (["--ssl-cert-reqs", "3"], "ssl-cert-reqs: 0 (none), 1 (optional) or 2 (required)"),
     (["--root-path", "api"], "root-path: a path beginning with /"),
     (["--startup-profile", "never"], "--startup-profile: invalid choice: 'never'"),
+    (["--step-log", "/no/such/dir/steps.jsonl"], "step-log: cannot write /no/such/dir/steps.jsonl: No such file"),
     (["--lora-modules", "sql"], "lora-modules: 'sql' is not name=path"),
     (["--lora-modules", "sql=/no/such/adapter"], "lora-modules: sql: /no/such/adapter: no such directory"),
     (["--lora-modules", "sql=/tmp"], "lora-modules: sql: /tmp: no adapter_config.json (a directory PEFT's "

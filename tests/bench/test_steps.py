@@ -1,0 +1,55 @@
+"""``python -m bench steps``: a step log's steps by the work they held, measured / predicted,
+and the steps holding RT decodes past a target, against a log whose answers are worked out by
+hand; a cut-off last line is left out, a damaged one is refused."""
+import json
+
+import pytest
+
+from tandem.bench.__main__ import main
+from tandem.bench.steps import summarize
+from tandem.sched.cost_model import StepShape
+from tandem.sched.steplog import StepLog, StepRecord, read_steps
+
+
+def record(seconds, predicted, rt_dec=0, be_dec=0, be_prompt=0, context=0, device="cpu#0"):
+    shape = StepShape(prefill_tokens=be_prompt, decode_tokens=rt_dec + be_dec)
+    return StepRecord(1.0, device, seconds, predicted, rt_dec, be_dec, 0, be_prompt, int(be_prompt > 0), context,
+                      shape)
+
+
+STEPS = [record(0.2, 0.1, rt_dec=2, be_prompt=80, context=100),     # a batch chunk beside two chat decodes
+         record(0.05, 0.1, rt_dec=1, be_dec=3),                      # decodes only
+         record(0.3, 0.15, rt_dec=2),                                # chats alone
+         record(0.4, 0.2, be_prompt=40, context=500)]                # a batch chunk alone, a long context
+
+
+def test_the_summary_of_a_log_worked_out_by_hand():
+    s = summarize(STEPS, target_s=0.1)
+    assert s["steps"] == 4 and s["busy_s"] == pytest.approx(0.95)
+    kinds = s["kinds"]
+    assert kinds["BE prompt tokens"]["steps"] == 2 and kinds["BE prompt tokens"]["seconds"] == pytest.approx(0.6)
+    assert kinds["BE prompt tokens"]["be_prompt_tokens"] == 60 and kinds["BE prompt tokens"]["rt_decodes"] == 1
+    assert kinds["BE decodes, no BE prompt"]["steps"] == 1 and kinds["no BE work"]["steps"] == 1
+    assert s["measured_over_predicted"]["decodes only"]["p50"] == pytest.approx(1.25)       # 0.5 and 2.0
+    assert s["measured_over_predicted"]["with a prompt chunk"]["p50"] == pytest.approx(2.0)
+    assert [(b["context"], b["steps"]) for b in s["by_chunk_context"]] == [([0, 150], 1), ([450, 600], 1)]
+    assert s["target"] == {"target_s": 0.1, "steps_with_rt_decodes": 3, "over": 2, "share_over": 2 / 3}
+
+
+def test_the_command_reads_a_log_and_splits_it_by_device(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    log = StepLog(path)
+    for r in STEPS:
+        log.write(r)
+    log.write(record(0.1, None, rt_dec=1, device="cpu#1"))
+    log.close()
+    with open(path, "a") as f:
+        f.write(STEPS[0].to_json()[:30])                  # a server killed mid-line
+    main(["steps", str(path), "--target-ms", "100", "--out", str(tmp_path / "out.json")])
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["steps.jsonl (cpu#0)"]["steps"] == 4 and out["steps.jsonl (cpu#0)"]["target"]["over"] == 2
+    assert out["steps.jsonl (cpu#1)"]["steps"] == 1 and "measured_over_predicted" not in out["steps.jsonl (cpu#1)"]
+    with open(path, "a") as f:
+        f.write("\n")                                    # the cut line now ends: a damaged log
+    with pytest.raises(ValueError, match="not a step log line"):
+        read_steps(path)
