@@ -153,3 +153,35 @@ def test_many_prices_each_shape_as_one_call_does(rows, swap_base, per_slot):
         assert predict_many(lambda s, k: online(s, k), pt, attn, dt, ctx, slots).tolist() == want
         assert predict_many(online.model, pt, attn, dt, ctx).tolist() == [online.model.predict(StepShape(*r[:4]))
                                                                            for r in rows]
+
+
+def test_the_refits_follow_the_served_steps_and_take_what_they_lack_from_the_start_up():
+    """The start-up profile's large steps were measured on a machine busier than it is now (all
+    costs 30% higher), and the served steps so far are decodes only. A refit prices the served
+    decodes as they now run, and prompts from the start-up samples alone (no served step
+    has one)."""
+    then = CostModel(0.026, 2.6e-4, 1.3e-8, 1.3e-3, 3.9e-6)
+    now = CostModel(0.020, 2e-4, 1e-8, 1e-3, 3e-6)
+    rng = random.Random(5)
+    startup = []
+    for reqs, prompt in ((1, 1024), (1, 512), (4, 512), (2, 256), (1, 32)):
+        s = StepShape()
+        for _ in range(reqs):
+            s = s.add(prompt, prompt, decode=False)
+        startup.append((s, then.predict(s)))
+    for batch, ctx in ((1, 64), (8, 64), (4, 512), (32, 128)):
+        s = StepShape()
+        for _ in range(batch):
+            s = s.add(1, ctx, decode=True)
+        startup += [(s, then.predict(s))] * 4
+    online = OnlineCostModel(CostModel.fit(startup), startup=startup, refit_every=128)
+    served = []
+    for _ in range(128):
+        s = StepShape()
+        for _ in range(rng.randint(1, 24)):
+            s = s.add(1, rng.randint(50, 700), decode=True)
+        served.append(s)
+        online.observe(s, now.predict(s))
+    assert online.refits == 1
+    assert max(abs(online.model.predict(s) / now.predict(s) - 1) for s in served) < 0.01
+    assert online.model.per_prefill_token == pytest.approx(then.per_prefill_token, rel=0.1)
