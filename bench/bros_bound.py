@@ -8,8 +8,8 @@ request (the cheapest way to give each a token per T: a step without them pays t
 cost again for nothing RT needs):
 
     N       = λ · E[out_rt] · T                  RT requests decoding at once (Little's law)
-    busy    = (base + N · (a_d + c_d · ctx_rt)) / T + λ · E[a_p·P + c_p·P²/2]     (per second)
-    BE tok/s = (1 - busy) / E[a_p·P + c_p·P²/2 + out · (a_d + c_d · (P + out/2))] · E[out_be]
+    busy    = (base + N · (a_d + c_d · ctx_rt)) / T + λ · E[a_p·P + c_p·P(P+1)/2]     (per second)
+    BE tok/s = (1 - busy) / E[a_p·P + c_p·P(P+1)/2 + out · (a_d + c_d · (P + out/2))] · E[out_be]
 
 ctx_rt: the context of a decoding RT request, averaged over its decode steps (prompt + out/2,
 weighted by out). Everything else a real schedule pays (model error margins, preemptions,

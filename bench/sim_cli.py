@@ -29,7 +29,6 @@ def profile(args) -> CostModel:
     """Fit the cost model from our engine's measured steps (SmolLM2, cpu:1, fp32)."""
     from tandem.bench.workloads import chat_ids, sharegpt_prompts
     from tandem import LLM, SamplingParams
-    from tandem.sched.profiling import projections
     RESULTS.mkdir(exist_ok=True)
     with LLM("smollm2", "cpu:1", max_num_seqs=args.max_num_seqs) as llm:
         prompts = [chat_ids(llm.tokenizer, p.prompt) for p in sharegpt_prompts(96, llm.tokenizer)]
@@ -38,7 +37,7 @@ def profile(args) -> CostModel:
         # decode costs are not collinear; long outputs reach the contexts of real traffic
         for n, out in ((1, 96), (2, 320), (8, 400), (16, 160), (32, 240), (64, 64), (96, 24)):
             llm.generate(prompts[:n], SamplingParams(max_tokens=out, temperature=0, ignore_eos=True))
-        products = projections(llm.scheduler)
+        products = llm.scheduler.products()
     cost = CostModel.fit(log, products)
     err = cost.mean_abs_error(log)
     decode = [x for x in log if not x[0].prefill_tokens]

@@ -596,8 +596,9 @@ class DeviceActor:
         """Fold a step's results into the books; one Update per request that changed."""
         now = self.clock()
         if p.inp.scheduled:
-            if self.trace is not None:
-                self.trace.write(self._record(p, now))
+            trace = self.trace            # LLM.log_steps may swap it from another thread
+            if trace is not None:
+                trace.write(self._record(p, now))
             self.observe(p.shape, now - p.started)
         for dec in p.plan.scheduled:
             st = self.states.get(dec.req_id)

@@ -99,7 +99,7 @@ def projection_seconds(table: tuple[tuple[int, float], ...], rows):
 class CostModel:
     base: float                  # seconds per step
     per_prefill_token: float     # seconds per prefill token
-    per_prefill_attn: float      # seconds per (prefill token x context token)
+    per_prefill_attn: float      # seconds per query-key pair of a prompt chunk's attention (attn_pairs)
     per_decode_token: float      # seconds per decoding request
     per_decode_ctx: float        # seconds per context token of a decoding request
     per_hidden_block: float = 0.0  # seconds per KV block a hidden cache re-projects (Apt-Serve's ρ)
@@ -273,6 +273,9 @@ def predict_many(cost, prefill_tokens=0, prefill_attn=0, decode_tokens=0, decode
 # (40 layers x 5120 x 2 x fp16) at ~1.3 TB/s of the A100's 1.56 TB/s HBM = 0.63 us per token.
 # (Until 2026-11-22 this was 4e-8, 16x too cheap: memory pressure cost every policy too little,
 # and FCFS in the simulator beat the 2.6 req/s the Apt-Serve paper measured for vLLM.)
+# per_prefill_attn was set when the term was Ln·La; it prices query-key pairs since 2026-12-05,
+# so a whole prompt's attention costs half what it did (1 ms of a 1,000-token prompt's 131 ms);
+# the simulated tables in bench/README.md dated before then were run with the old term.
 OPT_13B_A100 = CostModel(base=0.020, per_prefill_token=1.3e-4, per_prefill_attn=2.0e-9,
                          per_decode_token=6.0e-5, per_decode_ctx=2 * 40 * 5120 * 2 / 1.3e12)
 OPT_13B_A100_KV_TOKENS = 12_000      # ~12 GB left for KV at 0.8 MB per token (40 layers x 5120 x 2 x fp16)

@@ -87,17 +87,12 @@ def measure(scheduler, vocab_size: int, plan=PLAN, with_rho: bool = False, seed:
 
 def fitted(samples: list[tuple[StepShape, float]], scheduler) -> OnlineCostModel:
     """The online cost model fitted on start-up ``samples``, which it keeps for every refit."""
-    return OnlineCostModel(CostModel.fit(samples, projections(scheduler)), startup=samples)
+    return OnlineCostModel(CostModel.fit(samples, scheduler.products()), startup=samples)
 
 
 def thin_rows(scheduler) -> int:
     """The devices' thin-product threshold (engine.linear.thin_rows_of where a device has one)."""
     return max(d.pool_info.thin_rows for d in scheduler.devices)
-
-
-def projections(scheduler) -> tuple[tuple[int, float], ...]:
-    """What the products of a step's rows cost as its engine measures them (Scheduler.products)."""
-    return scheduler.products()
 
 
 def _fits(scheduler, reqs: int, tokens: int) -> bool:

@@ -404,6 +404,7 @@ class Runtime:
         if rebalancer is not None:
             on_updates = self._noting_departures(on_updates)
             self.listeners.append(lambda a: rebalancer.observe(view_of(a)))
+        scheduler.threaded = True
         self.threads = [ActorThread(a, on_updates, self.listeners, self.aborted) for a in scheduler.actors]
         self._where: dict[int, ActorThread] = {id(t.actor): t for t in self.threads}
         self._stopping = threading.Event()

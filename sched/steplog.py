@@ -5,11 +5,14 @@ well the iterations a policy sized to a deadline kept it."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from dataclasses import asdict, dataclass
 
 from tandem.sched.cost_model import StepShape
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,25 +35,34 @@ class StepRecord:
         return json.dumps(d)
 
     @classmethod
-    def from_json(cls, line: str) -> "StepRecord":
-        d = json.loads(line)
+    def from_dict(cls, d: dict) -> "StepRecord":
         return cls(**{**d, "shape": StepShape(**d["shape"])})
 
 
 class StepLog:
     """Appends records to a file, a line each as it comes (the actors of several devices share
-    one log: each line names its device)."""
+    one log: each line names its device). A line a killed server left cut short is ended
+    first, so the records after it stay whole. A write that fails (a full disk) closes the log
+    and says so once: a diagnostic never stops a step."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
+        with open(self.path, "ab+") as f:
+            if f.seek(0, os.SEEK_END) and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
+                f.write(b"\n")
         self._file = open(self.path, "a", buffering=1, encoding="utf-8")
         self._lock = threading.Lock()
 
     def write(self, record: StepRecord) -> None:
         line = record.to_json() + "\n"
         with self._lock:
-            if not self._file.closed:
+            if self._file.closed:
+                return
+            try:
                 self._file.write(line)
+            except OSError as e:
+                log.warning("step log %s: %s; no more steps are written to it", self.path, e)
+                self._close()
 
     @property
     def closed(self) -> bool:
@@ -58,17 +70,31 @@ class StepLog:
 
     def close(self) -> None:
         with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        try:
             self._file.close()
+        except OSError:          # what is still buffered cannot be written either
+            pass
 
 
 def read_steps(path: str | os.PathLike) -> list[StepRecord]:
-    """The records of a step log; a last line cut short (a server killed mid-write) is left out."""
-    out = []
+    """The records of a step log. A line cut short (a server killed mid-write; the next server
+    logging to the file ends it) is left out; a whole line that is not a record is refused, as
+    is a file of which no line reads."""
+    out, cut = [], 0
     with open(path, encoding="utf-8") as f:
         for line in f:
             try:
-                out.append(StepRecord.from_json(line))
-            except (ValueError, TypeError, KeyError):
-                if line.endswith("\n"):
-                    raise ValueError(f"{path}: not a step log line: {line[:80]!r}") from None
+                d = json.loads(line)
+            except ValueError:
+                cut += 1
+                continue
+            try:
+                out.append(StepRecord.from_dict(d))
+            except (TypeError, KeyError):
+                raise ValueError(f"{path}: not a step log line: {line[:80]!r}") from None
+    if cut and not out:
+        raise ValueError(f"{path}: not a step log (no line reads as one)")
     return out

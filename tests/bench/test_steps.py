@@ -1,7 +1,9 @@
 """``python -m bench steps``: a step log's steps by the work they held, measured / predicted,
 and the steps holding RT decodes past a target, against a log whose answers are worked out by
-hand; a cut-off last line is left out, a damaged one is refused."""
+hand. A line a killed server cut short is ended by the next server that logs to the file and
+left out when read; a line that is not a record is refused; a failed write closes the log."""
 import json
+import logging
 
 import pytest
 
@@ -41,15 +43,31 @@ def test_the_command_reads_a_log_and_splits_it_by_device(tmp_path):
     log = StepLog(path)
     for r in STEPS:
         log.write(r)
-    log.write(record(0.1, None, rt_dec=1, device="cpu#1"))
     log.close()
     with open(path, "a") as f:
         f.write(STEPS[0].to_json()[:30])                  # a server killed mid-line
+    log = StepLog(path)                                   # the next one logs to the same file
+    log.write(record(0.1, None, rt_dec=1, device="cpu#1"))
+    log.close()
     main(["steps", str(path), "--target-ms", "100", "--out", str(tmp_path / "out.json")])
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["steps.jsonl (cpu#0)"]["steps"] == 4 and out["steps.jsonl (cpu#0)"]["target"]["over"] == 2
     assert out["steps.jsonl (cpu#1)"]["steps"] == 1 and "measured_over_predicted" not in out["steps.jsonl (cpu#1)"]
-    with open(path, "a") as f:
-        f.write("\n")                                    # the cut line now ends: a damaged log
+
+
+def test_a_line_that_is_not_a_record_and_a_file_that_is_no_log_are_refused(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    path.write_text(STEPS[0].to_json() + "\n" + json.dumps({"t": 1.0}) + "\n")
     with pytest.raises(ValueError, match="not a step log line"):
         read_steps(path)
+    path.write_text("a log of something else\n")
+    with pytest.raises(ValueError, match="not a step log"):
+        read_steps(path)
+
+
+def test_a_write_that_fails_closes_the_log_and_says_so(caplog):
+    log = StepLog("/dev/full")                            # every write: no space left on the device
+    with caplog.at_level(logging.WARNING, logger="tandem.sched.steplog"):
+        log.write(STEPS[0])
+        log.write(STEPS[1])
+    assert log.closed and len(caplog.records) == 1 and "no more steps" in caplog.records[0].getMessage()

@@ -63,3 +63,13 @@ def test_an_engine_without_thin_products_times_nothing(gguf, timings):
         assert llm.scheduler.devices[0].pool_info.thin_rows == 0
         assert llm.scheduler.cost.model.projections == ()
     assert timings == []
+
+
+def test_the_products_are_never_timed_beside_the_actors_steps(gguf, timings):
+    """Once the devices' actors run on their own threads, a command of the scheduler's own would
+    share a worker's pipe with them: asking then is refused (it is asked before, at start-up)."""
+    with start(gguf, devices="cpu:1", policy="fcfs") as llm:
+        llm.start_runtime()
+        with pytest.raises(RuntimeError, match="before the devices' actors start"):
+            llm.scheduler.products()
+    assert timings == []

@@ -40,8 +40,11 @@ def test_the_step_log_counts_what_the_requests_computed(tiny_llama, tmp_path, po
     assert sum(r.be_decodes for r in steps) == sum(o - 1 for _, _, o in be)
     assert all(r.shape.prefill_tokens == r.rt_prompt_tokens + r.be_prompt_tokens
                and r.shape.decode_tokens == r.rt_decodes + r.be_decodes and r.seconds > 0 for r in steps)
-    # a prompt computed whole in one step: its chunk reaches its own length
-    assert {r.chunk_context for r in steps if r.prompt_chunks == 1} <= {p for _, p, _ in WORK}
+    # each prompt computed whole in one step: the longest chunk of a step reaches its prompt's length
+    assert sum(r.prompt_chunks for r in steps) == len(WORK)
+    assert {r.chunk_context for r in steps if r.prompt_chunks} <= {p for _, p, _ in WORK}
+    assert max(r.chunk_context for r in steps) == max(p for _, p, _ in WORK)
+    assert all(r.chunk_context == 0 for r in steps if not r.prompt_chunks)
     assert all((r.predicted is not None and r.predicted > 0) is (policy == "bros") for r in steps)
 
 
