@@ -30,9 +30,7 @@ class StepRecord:
     shape: StepShape
 
     def to_json(self) -> str:
-        d = asdict(self)
-        d["shape"] = asdict(self.shape)
-        return json.dumps(d)
+        return json.dumps(asdict(self))          # the shape as a dict of its own
 
     @classmethod
     def from_dict(cls, d: dict) -> "StepRecord":
