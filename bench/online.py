@@ -331,8 +331,8 @@ def mixed(args) -> None:
     rows, traces = [], {}
     for system in installed_only(args.systems):
         mode = args.be_mode if args.be_mode != "auto" else ("batches" if system.startswith("tandem") else "online")
-        step_log = RESULTS / f"{Path(args.out).stem}_{system}_steps.jsonl" if args.step_log and \
-            system.startswith("tandem") else None
+        ours = args.step_log and system.startswith("tandem")
+        step_log = RESULTS / f"{Path(args.out).stem}_{system}_steps.jsonl" if ours else None
         if step_log is not None:
             step_log.unlink(missing_ok=True)
         with start(system, hf_dir, args.max_num_seqs, told, args.model, args.kv_cache_gib, args.devices,

@@ -613,8 +613,7 @@ class LLM:
                    for wc in configs]
         software = {name: metadata.version(name) for name in ("tandem", "torch")} | {"code": _code_digest()}
         return {"model": {"dir": str(hf_dir.resolve()), "files": files},
-                "workers": workers,
-                "pools": [asdict(w.pool_info) for w in self._workers],
+                "workers": workers, "pools": [asdict(w.pool_info) for w in self._workers],
                 "steps": {"max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
                           "chunked_prefill": sched.chunked_prefill, "cache_type": sched.cache_type.value,
                           "prefix_caching": sched.prefix_caching, "max_model_len": self.max_model_len},

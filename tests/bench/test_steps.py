@@ -1,6 +1,7 @@
 """``python -m bench steps``: a step log's steps by the work they held, measured / predicted,
 and the steps holding RT decodes past a target, against a log whose answers are worked out by
-hand. A line a killed server cut short is ended by the next server that logs to the file and
+hand (every record's seconds are given here, none is measured: the summary's sums and
+counts are checked, never a machine's speed). A line a killed server cut short is ended by the next server that logs to the file and
 left out when read; a line that is not a record is refused; a failed write closes the log."""
 import json
 import logging
@@ -14,6 +15,7 @@ from tandem.sched.steplog import StepLog, StepRecord, read_steps
 
 
 def record(seconds, predicted, rt_dec=0, be_dec=0, be_prompt=0, context=0, device="cpu#0"):
+    """A step log line with the given (not measured) seconds and predicted seconds."""
     shape = StepShape(prefill_tokens=be_prompt, decode_tokens=rt_dec + be_dec)
     return StepRecord(1.0, device, seconds, predicted, rt_dec, be_dec, 0, be_prompt, int(be_prompt > 0), context,
                       shape)
