@@ -54,8 +54,10 @@ class RequestRecord:
 
 
 def record_dict(r: RequestRecord) -> dict:
-    """A record as JSON-ready numbers (times relative to its arrival, ms precision for gaps)."""
-    return {"cls": r.service_class, "error": r.error, "output_tokens": r.output_tokens,
+    """A record as JSON-ready numbers: times relative to its arrival (ms precision for gaps), and
+    ``sent``, the arrival itself on the client's clock (time.monotonic: on one machine the clock a
+    server's step log keeps, so a late request can be set beside the steps it waited through)."""
+    return {"cls": r.service_class, "error": r.error, "output_tokens": r.output_tokens, "sent": r.arrival,
             "ttft": r.ttft, "tpot": r.tpot, "latency": r.latency,
             "gaps": [round(g, 5) for g in r.gaps]}
 

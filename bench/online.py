@@ -160,6 +160,26 @@ def server_counters(url: str) -> dict[str, float]:
         return {}
 
 
+def process_cpu(url: str) -> dict[str, float]:
+    """CPU seconds used so far by the server's process and by its workers together (our /status),
+    and by this client process; without /status (a peer), the client's alone."""
+    out = {"client": time.process_time()}
+    try:
+        with urllib.request.urlopen(url + "/status", timeout=10) as resp:
+            procs = json.loads(resp.read()).get("processes") or {}
+    except (OSError, ValueError):
+        return out
+    if (procs.get("server") or {}).get("cpu_s") is not None:
+        out["server"] = procs["server"]["cpu_s"]
+        out["workers"] = sum(w["cpu_s"] for w in procs.get("workers") or [] if w)
+    return out
+
+
+def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds each process used between two ``process_cpu`` reads."""
+    return {k: round(v - before[k], 2) for k, v in after.items() if k in before}
+
+
 def counters_of(text: str) -> dict[str, float]:
     """``server_counters`` of one /metrics text."""
     out: dict[str, float] = {}
@@ -340,7 +360,7 @@ def mixed(args) -> None:
             for i, rate in enumerate(args.rates):
                 # each rate's BE prompts new to the server too (random ids: no prefix shared)
                 be_items = synthetic_be_stream(args.seed + 1 + i, vocab, scale=args.be_scale, tokenizer=tok)
-                before, t0 = server_counters(url), time.monotonic()
+                before, cpu0, t0 = server_counters(url), process_cpu(url), time.monotonic()
                 polled = [] if args.trace_status and system.startswith("tandem") else None
                 recs, be = asyncio.run(run_mixed(url, "smollm2", trace(rate), be_items, system, be_mode=mode,
                                                  job_size=args.be_job_size, be_concurrency=args.be_concurrency,
@@ -348,7 +368,8 @@ def mixed(args) -> None:
                 after, elapsed = server_counters(url), time.monotonic() - t0
                 row = judge(system + (label if system.startswith("tandem") else ""), rate, recs, be.window_s,
                             slo) | {"be": be.summary(), "elapsed_s": elapsed,
-                                    "server": {k: v - before.get(k, 0.0) for k, v in after.items()}}
+                                    "server": {k: v - before.get(k, 0.0) for k, v in after.items()},
+                                    "cpu_s": cpu_used(cpu0, process_cpu(url))}
                 if step_log is not None:
                     row["steps"] = step_summary(window(step_log, t0, t0 + elapsed), slo["tbt_s"]) | {
                         "log": step_log.name}
@@ -412,7 +433,13 @@ def print_row(r: dict, flush=False) -> None:
     s = r["summary"].get("rt", {})
     print(f"  {r['system']} @ {r['rate']} req/s: attainment apt {r['attain_apt']:.0%} bros "
           f"{r['attain_bros']:.0%}, TTFT p50/p99 {_ms(s.get('ttft_s', {}), 50)}/{_ms(s.get('ttft_s', {}), 99)} ms, "
-          f"TPOT p50 {_ms(s.get('tpot_s', {}), 50)} ms, failed {s.get('failed', 0)}{_be(r)}{_server(r)}", flush=flush)
+          f"TPOT p50 {_ms(s.get('tpot_s', {}), 50)} ms, failed {s.get('failed', 0)}{_be(r)}{_server(r)}{_cpu(r)}",
+          flush=flush)
+
+
+def _cpu(r: dict) -> str:
+    c = r.get("cpu_s") or {}
+    return "; CPU s " + ", ".join(f"{k} {v:.1f}" for k, v in c.items()) if c else ""
 
 
 def _server(r: dict) -> str:

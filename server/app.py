@@ -913,14 +913,23 @@ async def status(request):
 
 
 def process_stats(pid: int) -> dict | None:
-    """Resident memory (MiB), open files and threads of a process, from /proc (None elsewhere)."""
+    """Resident memory (MiB), open files, threads and CPU seconds used so far (user and system,
+    all its threads) of a process, from /proc (None elsewhere)."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
         return {"pid": pid, "rss_mib": round(int(fields["VmRSS"].split()[0]) / 1024, 1),
-                "open_files": len(os.listdir(f"/proc/{pid}/fd")), "threads": int(fields["Threads"])}
-    except (OSError, KeyError, ValueError):
+                "open_files": len(os.listdir(f"/proc/{pid}/fd")), "threads": int(fields["Threads"]),
+                "cpu_s": cpu_seconds(pid)}
+    except (OSError, KeyError, ValueError, IndexError):
         return None
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc/PID/stat (utime and stime, the 14th and 15th
+    fields, in clock ticks; the 2nd, its name, is parenthesized and may hold spaces)."""
+    rest = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return round((int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK"), 2)
 
 
 async def openapi(request):

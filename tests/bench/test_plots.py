@@ -24,4 +24,4 @@ def test_figures_are_written(tmp_path):
 
 def test_record_dict_gaps():
     d = record_dict(RequestRecord("rt", 1.0, [1.5, 1.75, 2.0], 3, 2.0))
-    assert d["ttft"] == 0.5 and d["gaps"] == [0.25, 0.25] and d["latency"] == 1.0
+    assert d["ttft"] == 0.5 and d["gaps"] == [0.25, 0.25] and d["latency"] == 1.0 and d["sent"] == 1.0

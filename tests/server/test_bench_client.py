@@ -53,3 +53,24 @@ async def test_rt_with_online_be(server):
     assert all(r.ok for r in recs)
     assert be.records and all(r.ok and r.service_class == "be" and r.output_tokens == 7 for r in be.records)
     assert be.output_tokens == 7 * be.completed
+
+
+@pytest.mark.asyncio
+async def test_cpu_seconds_of_the_server_and_its_workers(server):
+    """bench's CPU reads: the workers' seconds as psutil counts their processes, and grown by a run."""
+    import json
+    import psutil
+    from tandem.bench.online import cpu_used, process_cpu
+    before = process_cpu(server.url)
+    recs, _ = await run_mixed(server.url, server.model, rt_items(3, 0.5), be_items(2), "tandem",
+                              be_mode="online", be_concurrency=1, drain_s=60, api_key=API_KEY)
+    assert all(r.ok for r in recs)
+    after = process_cpu(server.url)
+    procs = json.loads(urllib.request.urlopen(server.url + "/status").read())["processes"]
+    pids = [w["pid"] for w in procs["workers"]]
+    assert pids
+    by_psutil = sum(sum(psutil.Process(p).cpu_times()[:2]) for p in pids)
+    assert abs(after["workers"] - by_psutil) <= 0.1        # idle after the run: a read apart
+    assert abs(after["server"] - sum(psutil.Process(procs["server"]["pid"]).cpu_times()[:2])) <= 0.5
+    used = cpu_used(before, after)
+    assert used["workers"] > 0 and used["server"] > 0 and used["client"] >= 0

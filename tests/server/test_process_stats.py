@@ -1,0 +1,50 @@
+"""The CPU seconds /status reports per process, against the process's own count (os.times)."""
+import os
+import subprocess
+import sys
+
+from tandem.server.app import cpu_seconds, process_stats
+
+# burns about half a second of CPU, prints what it used by its own count, then waits to be read
+CHILD = """
+import os, sys, time
+t = time.process_time()
+while time.process_time() - t < 0.5:
+    sum(i * i for i in range(1000))
+u = os.times()
+print(u.user + u.system, flush=True)
+sys.stdin.readline()
+"""
+
+
+def _child_cpu(tmp_path, name: str) -> tuple[float, float]:
+    """(the child's own CPU seconds, cpu_seconds of it) for a Python started under ``name``."""
+    exe = tmp_path / name
+    exe.symlink_to(sys.executable)
+    p = subprocess.Popen([str(exe), "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        own = float(p.stdout.readline())
+        seen = cpu_seconds(p.pid)
+        stats = process_stats(p.pid)
+    finally:
+        p.stdin.close()
+        p.wait(timeout=30)
+    assert stats is not None and stats["cpu_s"] == seen
+    return own, seen
+
+
+def test_cpu_seconds_match_the_process_own_count(tmp_path):
+    own, seen = _child_cpu(tmp_path, "py")
+    assert own >= 0.5
+    assert abs(seen - own) <= 0.05        # a few clock ticks, and the print after the count
+
+
+def test_a_name_with_spaces_and_parentheses_is_read_past(tmp_path):
+    """The process name field may hold ') ' itself: the fields are counted from its last ')'."""
+    own, seen = _child_cpu(tmp_path, "a) b c (d")
+    assert abs(seen - own) <= 0.05
+
+
+def test_own_process():
+    t = os.times()
+    assert abs(cpu_seconds(os.getpid()) - (t.user + t.system)) <= 0.05
