@@ -160,10 +160,10 @@ def server_counters(url: str) -> dict[str, float]:
         return {}
 
 
-def process_cpu(url: str) -> dict[str, float]:
-    """CPU seconds used so far by the server's process and by its workers together (our /status),
-    and by this client process; without /status (a peer), the client's alone."""
-    out = {"client": time.process_time()}
+def process_cpu(url: str) -> dict:
+    """CPU seconds used so far by the server's process, by each worker (pid -> seconds; our
+    /status) and by this client process; without /status (a peer), the client's alone."""
+    out: dict = {"client": time.process_time()}
     try:
         with urllib.request.urlopen(url + "/status", timeout=10) as resp:
             procs = json.loads(resp.read()).get("processes") or {}
@@ -171,13 +171,20 @@ def process_cpu(url: str) -> dict[str, float]:
         return out
     if (procs.get("server") or {}).get("cpu_s") is not None:
         out["server"] = procs["server"]["cpu_s"]
-        out["workers"] = sum(w["cpu_s"] for w in procs.get("workers") or [] if w)
+        out["workers"] = {w["pid"]: w["cpu_s"] for w in procs.get("workers") or [] if w}
     return out
 
 
-def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """CPU seconds each process used between two ``process_cpu`` reads."""
-    return {k: round(v - before[k], 2) for k, v in after.items() if k in before}
+def cpu_used(before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds each process used between two ``process_cpu`` reads, the workers summed: a
+    worker started in between (a restart: a new pid) counts from zero; one gone by the second
+    read counts nothing, so its last seconds are missing from the sum."""
+    used = {}
+    for k, v in after.items():
+        if k in before:
+            was = before[k]
+            used[k] = round(sum(s - was.get(pid, 0.0) for pid, s in v.items()) if isinstance(v, dict) else v - was, 2)
+    return used
 
 
 def counters_of(text: str) -> dict[str, float]:

@@ -68,6 +68,7 @@ from tandem.engine.messages import CacheType
 from tandem.sched.alise import Alise, Footprint
 from tandem.sched.aptserve import AptServe
 from tandem.sched.bros import BlockBudget, Bros, CostFn
+from tandem.sched.cost_model import StepShape
 from tandem.sched.policy import Candidate, Plan, Snapshot, _blocks
 
 
@@ -174,22 +175,28 @@ class Tandem(Bros):
         The order (level first) puts a prompt predicted to reply briefly before a chat decoding a
         long reply, and a chunk sized to the whole budget would then push that chat's token past
         its TBT target, iteration after iteration while prompts arrive, though the prompt had time
-        to spare. A prompt overdue for its first token (``_overdue``) keeps their time too.
-
-        A prompt due for its first token takes the time it needs only while taking it can still
-        make its target: its urgency (its residual less the further iterations its remaining
-        prompt needs at the recent iteration length) is not below zero. One that cannot make it
-        even so leaves the due decodes their time, since running first it would make them late
-        too and save nothing. On this CPU a long prompt is such a one from its arrival: under a
-        171 ms TBT target a 600-token prompt beside five to seven decoding chats took 13-15
-        iterations of 50-60-token chunks, and the chats ranked after it (eight of thirteen) waited
-        1.0-1.1 s for a token each time while its first token came 1.3-2.3 s after it arrived.
+        to spare. A prompt overdue for its first token (``_overdue``) keeps their time too, and so
+        does one that is due but cannot make its target (``_too_late``): running first it would
+        make them late too and save nothing.
         [open choice] Only the time is kept, not the order: putting due requests first
         in the order itself (which also decides who gets blocks) cut the paper-scale simulation's
         chats on TTFT & P99 TBT at 3 req/s from 60% to 24%, with 3,637 preemptions against 1,448."""
-        if not self._overdue(r) and (r.missed or (self._due(r, t_avg) and self._urgency(r, t_avg) >= 0)):
+        if not self._overdue(r) and (r.missed or (self._due(r, t_avg) and not self._too_late(r, t_avg))):
             return []
         return self._due_items[bisect.bisect_right(self._due_at, self._pos[r.req_id]):]
+
+    def _too_late(self, r: Candidate, t_avg: float) -> bool:
+        """Would ``r``'s next token miss its target even if the rest of its prompt ran alone now?
+        Its residual is below the cost model's price of that prompt as one step.
+
+        On this CPU a long prompt is such a one from its arrival. Under a 171 ms TBT target two
+        prompts of 544 and 612 tokens (on a 2-core AVX2 EPYC, SmolLM2 in float32, where a prompt
+        token costs about 1.6 ms in these steps) were chunked 50-60 tokens at a time over 13-15
+        iterations while they took each iteration's whole budget: their first tokens came 2.1 and
+        2.3 s after arrival, against a 969 ms target, and the chats ranked after them went 1.0-1.1
+        s without a token, eight of fourteen at once."""
+        todo = r.num_tokens - r.num_computed
+        return self._res(r, t_avg) < self.cost(StepShape().add(todo, r.num_tokens, False), r.num_cpu)
 
     def _due(self, c: Candidate, t_avg: float) -> bool:
         """Must ``c`` run in this iteration to keep its target? Yes unless its urgency covers this

@@ -110,18 +110,23 @@ def test_a_prompt_whose_first_token_is_due_keeps_its_place_before_a_decoding_cha
 
 
 def test_a_prompt_that_cannot_make_its_first_token_leaves_the_due_decode_its_time():
-    """The same two chats, the new one's TTFT 50 ms (and 30 ms) away: its whole prompt takes 90
-    ms alone (by hand), so it misses its target whatever runs. Running first it would only make
-    the decoding chat's token late too: it leaves that token its time, as a prompt with slack
-    does, and gets the longest chunk that keeps the step within the decode's 30 ms."""
+    """The same two chats, the new one's TTFT 70, 50 or 30 ms away: its whole prompt takes 90 ms
+    alone (by hand), so it misses its target whatever runs, at any recent iteration length.
+    Running first it would only make the decoding chat's token late too: it leaves that token
+    its time, as a prompt with slack does, and gets the longest chunk that keeps the step within
+    the decode's 30 ms. With 100 ms it can still make it, and runs whole (the test above)."""
     d = cand("d", 100, 1900, rt=True, out=3, slo=0.05, pending=0.02)
-    for ttft in (0.05, 0.03):
-        w = cand("w", 800, 6, rt=True, computed=0, blocks=0, slo=ttft, arrival=1.0)
-        assert COST.predict(StepShape().add(800, 800, False)) > ttft
-        sizes = dict(chunks(policy()(snap([d], [w], t_avg=0.06))))
-        assert sizes["d"] == 1
-        shape = StepShape().add(1, 103, True).add(sizes["w"], sizes["w"], False)
-        assert COST.predict(shape) <= 0.03 + 1e-9 < COST.predict(shape.add(1, sizes["w"] + 1, False))
+    for ttft in (0.07, 0.05, 0.03):
+        for t_avg in (0.02, 0.06, 0.09, 0.1):
+            w = cand("w", 800, 6, rt=True, computed=0, blocks=0, slo=ttft, arrival=1.0)
+            assert COST.predict(StepShape().add(800, 800, False)) > ttft
+            sizes = dict(chunks(policy()(snap([d], [w], t_avg=t_avg))))
+            assert sizes["d"] == 1, (ttft, t_avg)
+            shape = StepShape().add(1, 103, True).add(sizes["w"], sizes["w"], False)
+            assert COST.predict(shape) <= 0.03 + 1e-9 < COST.predict(shape.add(1, sizes["w"] + 1, False))
+    w = cand("w", 800, 6, rt=True, computed=0, blocks=0, slo=0.1, arrival=1.0)
+    for t_avg in (0.02, 0.06, 0.09, 0.1):
+        assert chunks(policy()(snap([d], [w], t_avg=t_avg))) == [("w", 800)]
 
 
 def test_be_never_makes_the_rt_step_late():

@@ -5,14 +5,16 @@ import sys
 
 from tandem.server.app import cpu_seconds, process_stats
 
-# burns about half a second of CPU, prints what it used by its own count, then waits to be read
+# burns about half a second of CPU, a part of it in the kernel (random bytes), prints what it
+# used by its own count (user and system), then waits to be read
 CHILD = """
 import os, sys, time
 t = time.process_time()
 while time.process_time() - t < 0.5:
-    sum(i * i for i in range(1000))
+    sum(i * i for i in range(20000))
+    os.urandom(1 << 20)
 u = os.times()
-print(u.user + u.system, flush=True)
+print(u.user, u.system, flush=True)
 sys.stdin.readline()
 """
 
@@ -23,14 +25,15 @@ def _child_cpu(tmp_path, name: str) -> tuple[float, float]:
     exe.symlink_to(sys.executable)
     p = subprocess.Popen([str(exe), "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        own = float(p.stdout.readline())
+        user, system = map(float, p.stdout.readline().split())
         seen = cpu_seconds(p.pid)
         stats = process_stats(p.pid)
     finally:
         p.stdin.close()
         p.wait(timeout=30)
     assert stats is not None and stats["cpu_s"] == seen
-    return own, seen
+    assert system >= 0.1            # both counts are read: a system-time slip would show
+    return user + system, seen
 
 
 def test_cpu_seconds_match_the_process_own_count(tmp_path):
@@ -48,3 +51,13 @@ def test_a_name_with_spaces_and_parentheses_is_read_past(tmp_path):
 def test_own_process():
     t = os.times()
     assert abs(cpu_seconds(os.getpid()) - (t.user + t.system)) <= 0.05
+
+
+def test_cpu_used_counts_a_restarted_worker_from_zero():
+    """Between two reads a worker restarted under a new pid: its seconds count from zero, the
+    old one's last seconds are lost, and the sum never goes below zero."""
+    from tandem.bench.online import cpu_used
+    before = {"client": 1.0, "server": 5.0, "workers": {10: 30.0, 11: 40.0}}
+    after = {"client": 1.5, "server": 6.0, "workers": {10: 32.5, 12: 3.0}}
+    assert cpu_used(before, after) == {"client": 0.5, "server": 1.0, "workers": 5.5}
+    assert cpu_used({"client": 1.0}, after) == {"client": 0.5}          # a peer: no /status
