@@ -1,8 +1,9 @@
 """python -m bench sim-alise: ALISE against FCFS and an oracle at paper scale, in the simulator.
 
 OPT-13B-like cost model on one A100-40GB (sched/cost_model.py) with its 12k-token pool, swaps
-priced at PCIe speed (25 GB/s) over the bytes the host pool counts, 64 GiB of host memory for
-them (a small part of such a server's RAM). ShareGPT prompts from the
+priced at PCIe speed (25 GB/s) over the bytes the host pool counts (a swap-out on a side link
+beside the steps that follow, as the engine copies it on a GPU; a swap-in waits for the link),
+64 GiB of host memory for them (a small part of such a server's RAM). ShareGPT prompts from the
 held-out records (never seen by the predictor's training), each forced to its real reply length,
 Poisson arrivals; all requests interactive with no SLO, as in the paper. Systems:
 
@@ -139,7 +140,7 @@ def run(args) -> dict:
         setup = SimSetup(OPT_13B_A100, PoolGeometry(2 * OPT_13B_A100_KV_TOKENS // 16, 16),
                          SchedConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048,
                                      swap_space_bytes=int(args.swap_gib * 2**30), **fields),
-                         2048, block_bytes=OPT_13B_BLOCK_BYTES, host_bw=args.host_gbps * 1e9)
+                         2048, block_bytes=OPT_13B_BLOCK_BYTES, host_bw=args.host_gbps * 1e9, side_link=True)
         for rate in args.rates:
             stats: dict = {}
             recs, makespan = simulate(with_lengths(traces[rate], source, lengths), setup, stats=stats)

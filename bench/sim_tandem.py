@@ -4,7 +4,9 @@ at paper scale in the simulator.
 OPT-13B-like cost model on one A100-40GB with its 12k-token pool, which can also hold hidden
 caches (multi-head attention: half a KV cache; the device charges OPT_13B_A100_RHO per KV block
 a hidden request re-projects). Swaps are priced at 25 GB/s over the bytes the host pool counts
-(int8 where compressed), with 64 GiB of host memory. RT: held-out ShareGPT prompts, each forced
+(int8 where compressed), with 64 GiB of host memory; as the engine runs them on a GPU, a swap-out
+is copied on a side link beside the steps that follow, and a swap-in waits for the link, then
+copies before its step's forward. RT: held-out ShareGPT prompts, each forced
 to its real reply length, Poisson arrivals, the mixed bench's SLOs (10x / 5x the unloaded TTFT /
 TBT); BE: batch jobs of synthetic 512-1024 / 32-128 requests always pending (the next job when
 one completes), as in ``bench sim-mixed``. Predicted lengths come from predictor/ (frozen during
@@ -15,8 +17,9 @@ every policy.
 attention: a hidden cache would be larger than KV, so none is kept) with the cost model
 ``python -m bench profile`` fitted on the real engine (each step drawing one of the measured /
 predicted step-time ratios, so steps spread as the engine's do), the server's default 2 GiB
-pool, and swaps at an assumed host-copy speed. There a decode step costs compute for every
-token in it, and a TBT target is a few iterations long, as on the real engine.
+pool, and swaps at an assumed host-copy speed, within the step (a CPU worker quantizes and
+copies before its forward). There a decode step costs compute for every token in it, and a TBT
+target is a few iterations long, as on the real engine.
 
 Each system is compared on the metrics of the policy that owns them: RT attainment of TTFT and
 TPOT (BROS), effective throughput = the highest rate with 90% of RT requests meeting TTFT and
@@ -75,6 +78,7 @@ class Device:
     host_bw: float              # bytes/s of a swap
     noise: tuple[float, ...] = ()           # measured / predicted step times, one drawn per step
     noise_prefill: tuple[float, ...] = ()   # the same for steps with prefill work
+    side_link: bool = False     # swap-outs copied beside the steps (a GPU worker's side stream); else serial
 
 
 # [open choice] a swap on a CPU device is a copy within host memory: 5 GB/s assumed, not measured (with the
@@ -90,7 +94,8 @@ def device(args) -> Device:
                      args.host_gbps * 1e9 if args.host_gbps is not None else CPU_COPY_BW, ratios, ratios_prefill)
     else:
         dev = Device(OPT_13B_A100, args.kv_tokens or OPT_13B_A100_KV_TOKENS, 1, OPT_13B_A100_RHO,
-                     OPT_13B_BLOCK_BYTES, (args.host_gbps if args.host_gbps is not None else 25.0) * 1e9)
+                     OPT_13B_BLOCK_BYTES, (args.host_gbps if args.host_gbps is not None else 25.0) * 1e9,
+                     side_link=True)
     return slowed(dev, getattr(args, "slower", 1.0))
 
 
@@ -112,7 +117,8 @@ def _setup(system: str, args, dev: Device, ttft: float, tbt: float) -> SimSetup:
                       swap_space_bytes=int(args.swap_gib * 2**30), **fields)
     return SimSetup(dev.cost, PoolGeometry(2 * dev.kv_tokens // 16, 16, hidden_blocks=dev.hidden_blocks), cfg,
                     2048, slo_ttft_s=ttft, slo_tbt_s=tbt, rho=dev.rho, block_bytes=dev.block_bytes,
-                    host_bw=dev.host_bw, seed=args.seed, noise=dev.noise, noise_prefill=dev.noise_prefill)
+                    host_bw=dev.host_bw, seed=args.seed, noise=dev.noise, noise_prefill=dev.noise_prefill,
+                    side_link=dev.side_link)
 
 
 def run_one(system: str, rate: float, trace, be_items, args, dev: Device, ttft: float, tbt: float) -> dict:

@@ -6,8 +6,9 @@ a CostModel (times a drawn measured/predicted ratio, when given) and advances a 
 all devices of a step start together and the step ends with the slowest. A request keeping a
 hidden cache (Apt-Serve) adds ``rho`` seconds per KV block of the context it had before the
 step (its K and V are projected again from the stored hidden states). Caches swapped to the host
-and back (offloads, uploads) add their bytes over ``host_bw``. Tokens are dummies (id 0, never a
-stop id).
+and back (offloads, uploads) take their bytes over ``host_bw``: within the step, or with a side
+link (a GPU worker's side stream) swap-outs beside the steps that follow (``_swap_seconds``).
+Tokens are dummies (id 0, never a stop id).
 """
 from __future__ import annotations
 
@@ -35,11 +36,14 @@ class SimClock:
 class SimDevice:
     def __init__(self, name: str, geometry: PoolGeometry, cost: CostModel, clock: SimClock,
                  noise: tuple[float, ...] = (), seed: int = 0, noise_prefill: tuple[float, ...] = (),
-                 rho: float = 0.0, block_bytes: tuple[int, int] = (0, 0), host_bw: float = 25e9):
+                 rho: float = 0.0, block_bytes: tuple[int, int] = (0, 0), host_bw: float = 25e9,
+                 side_link: bool = False):
         self.name, self.geometry, self.cost, self.clock = name, geometry, cost, clock
         self.pool_info = PoolInfo(geometry.num_blocks, geometry.block_size, geometry.hidden_blocks, *block_bytes)
         self.rho = rho
         self.host_bw = host_bw
+        self.side_link = side_link
+        self.link_free = 0.0        # when the swap-outs queued on the side link have all been copied
         self.host: dict[str, tuple[int, int]] = {}     # swapped out: req_id -> (tokens, bytes)
         self.hidden: set[str] = set()
         self.noise, self.noise_prefill = noise, noise_prefill or noise
@@ -60,16 +64,16 @@ class SimDevice:
             self.computed[nr.req_id] = 0
             if nr.cache_type is CacheType.HIDDEN:
                 self.hidden.add(nr.req_id)
-        moved = 0
+        out_bytes = in_bytes = 0
         for off in inp.offloads:
             info = self.pool_info
             nbytes = self.geometry.blocks_for(off.num_tokens) * (info.int8_block_bytes if off.int8 else info.block_bytes)
             self.host[off.req_id] = (off.num_tokens, nbytes)
             self.computed[off.req_id] = 0
-            moved += nbytes
+            out_bytes += nbytes
         for rid in inp.uploads:
             self.computed[rid], nbytes = self.host.pop(rid)
-            moved += nbytes
+            in_bytes += nbytes
         shape, sampled, tokens, recompute = StepShape(), {}, 0, 0
         for s in inp.scheduled:
             before = self.computed[s.req_id]
@@ -82,12 +86,25 @@ class SimDevice:
             if s.sample:
                 sampled[s.req_id] = 0
         dur = self.cost.predict(shape) + self.rho * recompute if inp.scheduled else 0.0
-        dur += moved / self.host_bw
+        dur += self._swap_seconds(out_bytes, in_bytes)
         pool = self.noise_prefill if shape.prefill_tokens else self.noise
         if pool and dur:
             dur *= self.rng.choice(pool)
         self._end = self.clock.t + dur
         self._out = StepOutput(inp.step_id, sampled, tokens, dur, 0.0)
+
+    def _swap_seconds(self, out_bytes: int, in_bytes: int) -> float:
+        """What this step's swaps add to it. Serial (a CPU worker quantizes and copies before its
+        forward): every byte at ``host_bw``. With a side link (a GPU worker, engine.hostcopy): a
+        swap-out is queued on the link and the step goes on; a swap-in first waits until the link
+        has copied every swap-out queued so far (the main stream waits for the side stream), then
+        copies its own bytes before the forward."""
+        if not self.side_link:
+            return (out_bytes + in_bytes) / self.host_bw
+        t = self.clock.t
+        if out_bytes:
+            self.link_free = max(self.link_free, t) + out_bytes / self.host_bw
+        return max(self.link_free - t, 0.0) + in_bytes / self.host_bw if in_bytes else 0.0
 
     def collect(self) -> StepOutput:
         self.clock.t = max(self.clock.t, self._end)
@@ -112,6 +129,7 @@ class SimSetup:
     rho: float = 0.0                  # device's seconds per KV block of context re-projected (hidden caches)
     block_bytes: tuple[int, int] = (0, 0)   # bytes of one pool block: as resident, compressed to int8 (swaps)
     host_bw: float = 25e9             # bytes/s between the device and host memory (swaps)
+    side_link: bool = False           # swap-outs copied beside the steps (a GPU's side stream); else serial
 
 
 @dataclass
@@ -136,10 +154,12 @@ def simulate(trace: list[TraceItem], setup: SimSetup, be: BeJobs | None = None,
     """
     clock = SimClock()
     devices = [SimDevice(f"sim{i}", setup.geometry, setup.cost, clock, setup.noise, setup.seed + i,
-                         setup.noise_prefill, setup.rho, setup.block_bytes, setup.host_bw)
+                         setup.noise_prefill, setup.rho, setup.block_bytes, setup.host_bw, setup.side_link)
                for i in range(setup.num_devices)]
-    # policies that price iterations see the device's cost model, hidden caches' recompute included
-    priced = replace(setup.cost, per_hidden_block=setup.rho or setup.cost.per_hidden_block)
+    # policies that price iterations see the device's cost model, hidden caches' recompute and the
+    # copy of a swapped-out cache back included (not the wait for a busy side link)
+    priced = replace(setup.cost, per_hidden_block=setup.rho or setup.cost.per_hidden_block,
+                     per_swap_in_byte=1 / setup.host_bw)
     cost = OnlineCostModel(priced, refit_every=1 << 60) if setup.sched.policy in PRICED else None
     cfg = setup.sched if setup.sched.rt_budget_s is not None else replace(setup.sched, rt_budget_s=setup.slo_tbt_s)
     sched = Scheduler(cfg, devices, eos_ids=(), max_model_len=setup.max_model_len, clock=clock,

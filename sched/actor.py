@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from tandem.cache import Allocation, BlockPool, PoolGeometry
@@ -292,7 +292,8 @@ class DeviceActor:
                              None if st.first_token_time is None else now - st.first_token_time,
                              r.predicted_spread,
                              min(r.sampling.max_tokens, self.max_model_len - len(r.prompt_token_ids)),
-                             pool.foreign_slots(rid), self._kept(rid, promised) if own else blocks)
+                             pool.foreign_slots(rid), self._kept(rid, promised) if own else blocks,
+                             self.host.bytes_of(rid) if self.host is not None else 0)
         g = pool.geometry
         return Snapshot([cand(r) for r in self.running], [cand(r) for r in self.waiting],
                         pool.num_free, g.block_size, g.blocks_per_token_block(CacheType.KV),
@@ -327,6 +328,7 @@ class DeviceActor:
         inp = self._due_input()
         shape = StepShape()
         placed = []
+        swapped_in = self.swap_bytes["in"]
         # RT grows first (a pool that preempts blocks lets RT take BE slots, never the reverse)
         decisions = sorted(plan.scheduled, key=lambda d: self.states[d.req_id].request.service_class
                            is not ServiceClass.RT)
@@ -352,7 +354,7 @@ class DeviceActor:
             self.tokens_by_phase[st.request.service_class, dec.phase] += dec.num_new_tokens
         plan.scheduled = placed
         self._hits = {}
-        return inp, shape
+        return inp, replace(shape, swap_in_bytes=self.swap_bytes["in"] - swapped_in)
 
     # ---- prefix caching ---------------------------------------------------------------------
     def _keys_of(self, st: RequestState, num_tokens: int) -> list[Key]:

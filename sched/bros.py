@@ -116,10 +116,11 @@ class BlockBudget:
 
 def add_chunk(s: StepShape, c: Candidate, n: int, block_size: int = 0) -> StepShape:
     """``s`` plus c's next ``n`` tokens (a decode when it is the one token after its cache); with
-    ``block_size``, a hidden cache also re-projects the KV blocks of the context it had."""
+    ``block_size``, a hidden cache also re-projects the KV blocks of the context it had. A cache
+    swapped out to host memory is copied back first."""
     hidden = 2 * -(-c.num_computed // block_size) if block_size and c.cache_type is CacheType.HIDDEN else 0
     return s.add(n, c.num_computed + n, n == 1 and c.num_computed > 0 and c.num_computed + 1 == c.num_tokens,
-                 hidden)
+                 hidden, c.host_bytes)
 
 
 @dataclass(frozen=True, slots=True)

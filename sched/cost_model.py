@@ -2,7 +2,7 @@
 
     t(step) = base + a_p * Σ_prefill Ln + c_p * Σ_prefill pairs(Ln, La)
                    + a_d * (#decodes)   + c_d * Σ_decode La
-                   + ρ * Σ_hidden H
+                   + ρ * Σ_hidden H + s_in * B_in
 
 Ln: new tokens of a request in the step; La: its context length after the
 step; pairs(Ln, La) = Ln·La - Ln(Ln-1)/2, the query-key pairs of its causal attention
@@ -11,8 +11,12 @@ separate coefficients; one intercept covers the
 per-step overhead (launch, IPC, scheduling). H: for a request keeping a hidden
 cache (Apt-Serve), the KV blocks its context held before the step, whose K and
 V it projects again; ρ is Apt-Serve's recompute coefficient (SPEC §1.3), so a
-model refitted on measured steps refines ρ online. Fitted by least squares from
-measured steps; every coefficient is kept non-negative.
+model refitted on measured steps refines ρ online. B_in: the bytes of swapped-out caches copied
+back from host memory before the step's forward, which waits for them; s_in, seconds per byte,
+is 0 until refits see steps that swap in (the simulator gives it the link's speed). [open choice]
+A swap-out is no term: a GPU worker copies it on a side stream beside the steps that follow
+(engine.hostcopy), and a plan learns which caches it swaps out only while it packs the step.
+Fitted by least squares from measured steps; every coefficient is kept non-negative.
 
 An engine whose thin products take another path (a bfloat16 CPU worker multiplies steps of at
 most ``thin_rows`` token rows over a GGUF's blocks, engine.linear.Thin) measures what its
@@ -41,7 +45,7 @@ from dataclasses import astuple, dataclass
 import numpy as np
 
 STARTUP_WEIGHT = 0.01   # a start-up sample's weight in the online refits, a measured step's being 1
-FEATURES = ("prefill_tokens", "prefill_attn", "decode_tokens", "decode_ctx", "hidden_blocks")
+FEATURES = ("prefill_tokens", "prefill_attn", "decode_tokens", "decode_ctx", "hidden_blocks", "swap_in_bytes")
 MIN_STEPS = 5       # measured steps a fit needs at least
 
 
@@ -52,16 +56,19 @@ class StepShape:
     decode_tokens: int = 0       # number of decoding requests
     decode_ctx: int = 0          # Σ La over decoding requests
     hidden_blocks: int = 0       # Σ KV blocks of context re-projected by hidden-cache requests
+    swap_in_bytes: int = 0       # bytes of swapped-out caches copied back before the forward
 
-    def add(self, num_new: int, context: int, decode: bool, hidden_blocks: int = 0) -> "StepShape":
+    def add(self, num_new: int, context: int, decode: bool, hidden_blocks: int = 0,
+            swap_in_bytes: int = 0) -> "StepShape":
         """This shape plus one request's ``num_new`` tokens at ``context`` (its length after the
-        step); ``hidden_blocks``: the KV blocks it re-projects (a hidden cache's context before)."""
-        h = self.hidden_blocks + hidden_blocks
+        step); ``hidden_blocks``: the KV blocks it re-projects (a hidden cache's context before);
+        ``swap_in_bytes``: its cache's bytes copied back from host memory first."""
+        h, b = self.hidden_blocks + hidden_blocks, self.swap_in_bytes + swap_in_bytes
         if decode:
             return StepShape(self.prefill_tokens, self.prefill_attn, self.decode_tokens + 1,
-                             self.decode_ctx + context, h)
+                             self.decode_ctx + context, h, b)
         return StepShape(self.prefill_tokens + num_new, self.prefill_attn + attn_pairs(num_new, context),
-                         self.decode_tokens, self.decode_ctx, h)
+                         self.decode_tokens, self.decode_ctx, h, b)
 
 
 def attn_pairs(num_new, context):
@@ -103,6 +110,7 @@ class CostModel:
     per_decode_token: float      # seconds per decoding request
     per_decode_ctx: float        # seconds per context token of a decoding request
     per_hidden_block: float = 0.0  # seconds per KV block a hidden cache re-projects (Apt-Serve's ρ)
+    per_swap_in_byte: float = 0.0  # seconds per byte copied back from host memory before a step
     projections: tuple[tuple[int, float], ...] = ()   # (rows, seconds) the engine measured: P(R)
 
     def __post_init__(self):
@@ -115,7 +123,7 @@ class CostModel:
     def predict(self, s: StepShape) -> float:
         t = (self.base + self.per_prefill_token * s.prefill_tokens + self.per_prefill_attn * s.prefill_attn
              + self.per_decode_token * s.decode_tokens + self.per_decode_ctx * s.decode_ctx
-             + self.per_hidden_block * s.hidden_blocks)
+             + self.per_hidden_block * s.hidden_blocks + self.per_swap_in_byte * s.swap_in_bytes)
         return t + projection_seconds(self.projections, s.prefill_tokens + s.decode_tokens) if self.projections else t
 
     def many(self, prefill_tokens, prefill_attn, decode_tokens, decode_ctx, swap_slots=0) -> np.ndarray:

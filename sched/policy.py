@@ -32,6 +32,7 @@ class Candidate:
     max_output: int | None = None  # output tokens it may reach at most (max_tokens, the context)
     foreign_slots: int = 0     # bidirectional pools: slots of a BE request's blocks that RT owners hold
     num_shared: int = 0        # of num_blocks, those other requests hold too (prefix caching)
+    host_bytes: int = 0        # its cache swapped out to host memory: bytes copied back before it runs
 
     def freed(self) -> int:
         """Blocks that preempting it gives back: its own, not those it shares."""

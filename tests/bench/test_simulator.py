@@ -123,3 +123,51 @@ def test_a_slower_machine_stretches_every_step_by_its_factor():
     r = run(slowed(Device(COST, 1000, 1, 0.0, (1, 1), 1e9, noise=(1.0, 3.0), noise_prefill=(2.0,)), 1.5))
     assert r.ttft == pytest.approx(0.06)
     assert set(round(g, 6) for g in r.gaps) == {0.015, 0.045}
+
+
+def test_a_side_link_copies_swap_outs_beside_the_steps_and_a_swap_in_waits_for_it():
+    """Two 10-token prompts growing to 20 tokens in a 4-block pool: at token 17 the later one is
+    swapped out (16 tokens: 2 blocks of 400 bytes, int8) and back in once the first ends. At
+    1,000 bytes/s each way takes 0.8 s. Within the step (a CPU worker) the swap-out stalls the
+    step that makes it; on a side link (a GPU worker) that step takes its 0.01 s, and the swap-in
+    waits until the link has copied the swap-out, then copies its own bytes."""
+    trace = [TraceItem(0.0, list(range(10)), 10, "rt"), TraceItem(0.0, list(range(10)), 10, "rt")]
+    times = {}
+    for side in (False, True):
+        s = SimSetup(COST, PoolGeometry(4, 16), SchedConfig(preemption_mode="swap"), max_model_len=2048,
+                     block_bytes=(800, 400), host_bw=1000.0, side_link=side)
+        stats = {}
+        (a, b), _ = simulate(trace, s, stats=stats)
+        assert stats["swaps"] == {"out": 1, "in": 1} and stats["swap_bytes"] == {"out": 800, "in": 800}
+        assert a.token_times[:7] == b.token_times[:7] == pytest.approx([0.03 + 0.01 * i for i in range(7)])
+        times[side] = a.token_times[7:], b.token_times[7:]
+    # serial: the step from 0.09 takes 0.01 + 0.8; b's swap-in step after a's last token 0.01 + 0.8
+    assert times[False][0] == pytest.approx([0.9, 0.91, 0.92])
+    assert times[False][1] == pytest.approx([0.92 + 0.81, 1.74, 1.75])
+    # side link: the copy runs 0.09 -> 0.89 while a finishes at 0.12; b's step from 0.12 waits
+    # 0.77 for the link, copies 0.8 and computes 0.01
+    assert times[True][0] == pytest.approx([0.10, 0.11, 0.12])
+    assert times[True][1] == pytest.approx([0.12 + 0.77 + 0.8 + 0.01, 1.71, 1.72])
+
+
+def test_a_swapped_out_request_shows_its_bytes_to_the_policy_and_the_step_that_copies_them_back():
+    """The trace above on the real Scheduler: once the later request is swapped out, its
+    candidate carries the bytes the host holds for it (16 tokens: 2 blocks of 400 bytes, int8),
+    and the one step that copies them back logs them in its shape (the cost model's B_in)."""
+    from tandem.bench.simulator import SimClock, SimDevice
+    from tandem.engine.params import SamplingParams
+    from tandem.sched.request import Request, ServiceClass
+    from tandem.sched.scheduler import Scheduler
+    clock = SimClock()
+    dev = SimDevice("sim0", PoolGeometry(4, 16), COST, clock, block_bytes=(800, 400), host_bw=1000.0)
+    s = Scheduler(SchedConfig(preemption_mode="swap"), [dev], eos_ids=(), max_model_len=2048, clock=clock)
+    for rid in ("a", "b"):
+        s.add(Request(rid, list(range(10)), SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+                      ServiceClass.RT, arrival_time=0.0))
+    s.step_log = log = []
+    seen = []
+    while s.has_unfinished():
+        s.step()
+        seen.append({c.req_id: c.host_bytes for c in s.actors[0].snapshot().waiting})
+    assert {"b": 800} in seen and all(v in ({}, {"b": 800}) for v in seen)
+    assert sorted(shape.swap_in_bytes for shape, _ in log)[-2:] == [0, 800]

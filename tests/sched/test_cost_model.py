@@ -1,7 +1,7 @@
 """Cost model: the fit recovers known coefficients; shapes add up as defined."""
 import json
 import random
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 import pytest
@@ -54,6 +54,30 @@ def test_fit_recovers_coefficients_and_stays_non_negative():
     flat = [(StepShape(decode_tokens=d, decode_ctx=1000 - d), 0.05) for d in range(1, 60)]
     assert min(CostModel.fit(flat).__getattribute__(f) for f in
                ("base", "per_prefill_token", "per_prefill_attn", "per_decode_token", "per_decode_ctx")) >= 0
+
+
+def test_the_refits_learn_the_copy_back_of_swapped_out_caches_from_the_steps_that_make_it():
+    """A start-up profile swaps nothing, so its model prices a copy back from host memory at 0;
+    once served steps (one in eight copying 1-100 MB back at 5 GB/s) are refitted, the model
+    finds the 0.2 ns per byte, and a step copying 50 MB is priced its 10 ms more."""
+    true = CostModel(0.01, 2e-4, 1e-8, 5e-4, 3e-6, per_swap_in_byte=2e-10)
+    rng = random.Random(1)
+
+    def shape(swap_in: int) -> StepShape:
+        s = StepShape().add(n := rng.randint(1, 512), n, decode=False)
+        for _ in range(rng.randint(1, 64)):
+            s = s.add(1, rng.randint(1, 1024), decode=True)
+        return replace(s, swap_in_bytes=swap_in)
+
+    startup = [(s, true.predict(s)) for s in (shape(0) for _ in range(40))]
+    online = OnlineCostModel(CostModel.fit(startup), startup, refit_every=64)
+    copying = shape(50_000_000)
+    assert online(copying) == pytest.approx(true.predict(copying) - 0.01, rel=0.01)
+    for i in range(128):
+        s = shape(rng.randint(1_000_000, 100_000_000) if i % 8 == 0 else 0)
+        online.observe(s, true.predict(s) * (1 + rng.uniform(-0.01, 0.01)))
+    assert online.model.per_swap_in_byte == pytest.approx(2e-10, rel=0.05)
+    assert online(copying) == pytest.approx(true.predict(copying), rel=0.02)
 
 
 def _products(rows: int) -> float:

@@ -142,6 +142,25 @@ def test_be_never_makes_the_rt_step_late():
     assert 0 < sizes.get("be", 0) < 800
 
 
+def test_a_swapped_out_chat_coming_back_prices_its_copy_into_the_step():
+    """A decoding chat with 30 ms left, a chat swapped out to host memory (5 MB at 1 GB/s: 5 ms
+    to copy back before the forward) and a BE prompt: both chats decode, and the BE chunk is the
+    longest that keeps the step, copy included, within 30 ms (priced by hand)."""
+    per_byte = 1e-9
+    priced = replace(COST, per_swap_in_byte=per_byte)
+    d = cand("d", 100, 50, rt=True, out=3, slo=0.05, pending=0.02)
+    s = replace(cand("s", 100, 50, rt=True, out=3, slo=0.05, blocks=0, arrival=0.5), host_bytes=5_000_000)
+    be = cand("be", 800, 40, computed=0)
+    plan = Tandem(lambda shape, slots=0: priced.predict(shape), max_num_seqs=64)(snap([d], [s, be]))
+    sizes = dict(chunks(plan))
+    assert sizes["d"] == sizes["s"] == 1
+    n = sizes["be"]
+    decodes = 0.01 + 2 * 1e-3 + 2 * 103 * 1e-6           # base, two decodes at context 103
+    assert decodes + 5e-3 + n * 1e-4 <= 0.03 + 1e-9 < decodes + 5e-3 + (n + 1) * 1e-4
+    unpriced = dict(chunks(Tandem(cost, max_num_seqs=64)(snap([d], [s, be]))))
+    assert unpriced["be"] > n                            # the copy's 5 ms go to the BE chunk
+
+
 def test_hidden_cache_only_where_kv_does_not_fit_and_it_pays():
     """Multi-head geometry (a hidden cache takes 1 block per 16 tokens, KV 2). 14 free blocks:
     a 64-token request (KV 8 blocks) goes first and keeps KV; the next one (KV 8, hidden 4)
