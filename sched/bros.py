@@ -328,8 +328,9 @@ class Bros:
                    if r in running and r not in taken and r not in budget.held]
         return budget.take_from(b, n, victims, plan, "preempted: its blocks went to an earlier BE request")
 
-    def _admits(self, c: Candidate) -> bool:
-        """May ``c`` join this iteration at all? (Every request may, here.)"""
+    def _admits(self, c: Candidate, budget: BlockBudget) -> bool:
+        """May ``c`` join this iteration at all (``budget``: the blocks this plan has left)?
+        (Every request may, here.)"""
         return True
 
     def _kept(self, r: Candidate, t_avg: float) -> list[tuple[Candidate, int]]:
@@ -389,7 +390,7 @@ class Bros:
                 q_rt.popleft()
                 plan.reasons[r.req_id] = KEPT_WAIT
                 continue
-            if not self._admits(r):
+            if not self._admits(r, budget):
                 q_rt.popleft()
                 plan.reasons[r.req_id] = "waiting: its predicted growth would not fit beside the running requests'"
                 continue
@@ -448,7 +449,7 @@ class Bros:
             n = min(b.num_tokens - b.num_computed, tokens_left)
             if n <= 0 or (n < b.num_tokens - b.num_computed and not lim.chunked_prefill):
                 break
-            if not self._admits(b):
+            if not self._admits(b, budget):
                 plan.reasons[b.req_id] = "pending: its predicted growth would not fit beside the running requests'"
                 continue
             if b.req_id not in running_ids and blocked:

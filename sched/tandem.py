@@ -209,22 +209,23 @@ class Tandem(Bros):
         be = [c for c in snap.running + snap.waiting if not c.rt and c.req_id not in plan.preempted]
         return sorted(be, key=lambda c: self._rank[c.req_id])
 
-    def _admits(self, c: Candidate) -> bool:
+    def _admits(self, c: Candidate, budget: BlockBudget) -> bool:
         """Running requests always; others when their predicted growth fits, or (``_late``) when
-        their first token is due; counted from then on."""
+        their first token is due and their prompt fits the blocks free now; counted from then on."""
         if self._held is None or c.req_id in self._running:
             return True
         if not self._held.admits(c):
-            if not self._late(c):
+            if not self._late(c, budget):
                 return False
             self._started[c.req_id] = STARTED_LATE
         self._held.add(c)
         return True
 
-    def _late(self, c: Candidate) -> bool:
+    def _late(self, c: Candidate, budget: BlockBudget) -> bool:
         """With swapping, an RT request before its first token whose wait has passed half its
-        TTFT target (``late_after``) starts even where look-ahead admission would keep it out:
-        the growth that admission guards against ends at worst in a swap, a copy, while the first
+        TTFT target (``late_after``) starts even where look-ahead admission would keep it out,
+        if its whole prompt fits the blocks free when this plan began (``budget.snap``): the
+        growth that admission guards against ends at worst in a swap, a copy, while the first
         token's target is lost for good. Without it, in a 2,600-token pool (OPT-13B's cost model,
         2 req/s, SLOs 1 s / 1 s, three seeds) 75-78% of the chats met their TTFT and TPOT with
         the predictor and 48-72% without one, where BROS met 82-88%: the admission's guesses of
@@ -232,12 +233,20 @@ class Tandem(Bros):
         the target, from a sweep: a quarter met 95-98% there, half 93-97%, three quarters 88-97%;
         at paper scale (12k tokens) all were alike up to 2.5 req/s, and at 3 req/s a quarter
         preempted more (1,976 against 1,448) and kept 46% of chats on TTFT and P99 TBT at 61
-        ms/token, where half kept 60% at 46 ms/token. Once the simulator copied a GPU's
-        swap-outs beside the steps, as the engine does, the rule cost at paper scale at 3 req/s
-        (73% against 85% without it; nothing up to 2.5 req/s) and still kept 93-97% of the
-        chats in the 2,600-token pool on target against 72-80% without it."""
+        ms/token, where half kept 60% at 46 ms/token.
+
+        [open choice] Only where the pool has room for its prompt: once the simulator copied a
+        GPU's swap-outs beside the steps, as the engine does, late starts into a full pool cost
+        at paper scale at 3 req/s (73% of chats on TTFT and P99 TBT against 85% with no late
+        starts: the chats they displaced lost their gaps, and 17 of the 86 chats started late
+        missed their first token anyway). Over three traces at 3 req/s, counting the blocks free
+        when the plan began kept 84 / 50 / 53%, where no check kept 73 / 48 / 50% and the blocks
+        left after the more urgent requests of the same plan 68 / 43 / 47%; in the 2,600-token
+        pool all three kept 93-94% of the chats on target over seven seeds, 76% with no late
+        starts (bench/README.md)."""
         return (self.swapping and c.rt and c.num_output == 0 and c.slo_s is not None
-                and c.pending_s > c.slo_s * self.late_after)
+                and c.pending_s > c.slo_s * self.late_after
+                and budget.need(c, c.num_tokens - c.num_computed) <= budget.snap.num_free_blocks)
 
     def _overtakes(self, r: Candidate, n: int, budget: BlockBudget) -> bool:
         """With swapping (preempted caches are swapped, not recomputed): a request

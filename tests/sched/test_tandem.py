@@ -354,6 +354,25 @@ def test_with_swapping_a_chat_past_half_its_ttft_target_starts_though_its_growth
     assert not started(5.0, True, off=frozenset({Mechanism.LATE}))
 
 
+def test_a_late_chat_starts_only_where_the_pool_has_room_for_its_prompt():
+    """The late chat above (32 prompt tokens: 4 blocks) beside a running BE request holding 8
+    blocks: with 4 blocks free when the plan begins it starts late (the two decoding chats take
+    2 of them each for their next token, so it takes the BE request's); with 3 it waits (the
+    decoding chats take the BE request's blocks); when its growth fits, it starts as any chat."""
+    running = [cand(f"r{i}", 96, 40, out=1, rt=True, slo=1.0) for i in range(2)] + [cand("be", 64, 40, out=1)]
+
+    def plan(free, predicted=200):
+        new = cand("new", 32, predicted, rt=True, computed=0, blocks=0, arrival=5.0, slo=1.0, pending=0.6)
+        return policy(swapping=True)(snap(running, [new], free=free))
+    late = plan(4)
+    assert late.reasons["new"] == STARTED_LATE and late.preempted == ["be"]
+    short = plan(3)
+    assert "new" not in {d.req_id for d in short.scheduled}
+    assert short.reasons["new"] == "waiting: its predicted growth would not fit beside the running requests'"
+    fits = plan(3, predicted=8)
+    assert "new" in {d.req_id for d in fits.scheduled} and fits.preempted == ["be"]
+
+
 def test_late_after_reaches_the_policy_and_is_checked():
     from tandem.sched.scheduler import SchedConfig, make_policy
     assert make_policy(SchedConfig(policy="tandem", late_after=0.25).check(), cost).late_after == 0.25
