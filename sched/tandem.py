@@ -67,8 +67,7 @@ from enum import Enum
 from tandem.engine.messages import CacheType
 from tandem.sched.alise import Alise, Footprint
 from tandem.sched.aptserve import AptServe
-from tandem.sched.bros import BlockBudget, Bros, CostFn
-from tandem.sched.cost_model import StepShape
+from tandem.sched.bros import BlockBudget, Bros, CostFn, Load
 from tandem.sched.policy import Candidate, Plan, Snapshot, _blocks
 
 
@@ -195,8 +194,7 @@ class Tandem(Bros):
         iterations while they took each iteration's whole budget: their first tokens came 2.1 and
         2.3 s after arrival, against a 969 ms target, and the chats ranked after them went 1.0-1.1
         s without a token, eight of fourteen at once."""
-        todo = r.num_tokens - r.num_computed
-        return self._res(r, t_avg) < self.cost(StepShape().add(todo, r.num_tokens, False), r.num_cpu)
+        return self._res(r, t_avg) < self._time(Load(), r, r.num_tokens - r.num_computed)
 
     def _due(self, c: Candidate, t_avg: float) -> bool:
         """Must ``c`` run in this iteration to keep its target? Yes unless its urgency covers this

@@ -2,6 +2,7 @@
 
 CPU time only grows, so a read taken between two of the process's own counts lies between them:
 no tolerance on how long anything took."""
+import math
 import os
 import subprocess
 import sys
@@ -22,11 +23,11 @@ sys.stdin.readline()
 u = os.times()
 print(u.user + u.system, flush=True)
 """
-ROUND = 0.005          # cpu_seconds gives hundredths
-
-
 def between(low: float, seen: float, high: float) -> bool:
-    return low - ROUND <= seen <= high + ROUND
+    """``seen`` (cpu_seconds: clock ticks, in hundredths of a second) lies between two counts of
+    the same process's CPU time taken just before and just after it, each cut to the hundredth
+    below and above: CPU time only grows, so no time that passed is allowed for."""
+    return math.floor(round(low * 100, 6)) / 100 <= seen <= math.ceil(round(high * 100, 6)) / 100
 
 
 def _child_cpu(tmp_path, name: str) -> tuple[float, float, float]:
