@@ -289,7 +289,8 @@ class Bros:
     def _groups(self, cands: list[Candidate], t_avg: float) -> np.ndarray:
         """k_i of each candidate: iterations its next token still needs. 1 for a decode; for a
         prompt (or a recompute) with more tokens to compute, its remaining prefill priced as one
-        standalone step, C(prefill), in units of the recent iteration time:
+        standalone step, C(prefill), its cache's copy back from host memory included, in units
+        of the recent iteration time:
 
             k_i = ceil(C(prefill of the remaining tokens) / T_avg)
 
@@ -299,8 +300,10 @@ class Bros:
         priced = (todo > 1) & np.array([c.slo_s is not None for c in cands], dtype=bool)
         if t_avg <= 0 or not priced.any():
             return np.ones(len(cands), dtype=np.int64)
+        swapped = [c for c, p in zip(cands, priced) if p]
         t = predict_many(self.cost, todo[priced], attn_pairs(todo[priced], tokens[priced]),
-                         swap_slots=np.array([c.num_cpu for c, p in zip(cands, priced) if p], dtype=np.int64))
+                         swap_slots=np.array([c.num_cpu for c in swapped], dtype=np.int64),
+                         swap_in_bytes=np.array([c.host_bytes for c in swapped], dtype=np.int64))
         k = np.ones(len(cands), dtype=np.int64)
         k[priced] = np.maximum(1, np.ceil(t / t_avg)).astype(np.int64)
         return k

@@ -126,11 +126,13 @@ class CostModel:
              + self.per_hidden_block * s.hidden_blocks + self.per_swap_in_byte * s.swap_in_bytes)
         return t + projection_seconds(self.projections, s.prefill_tokens + s.decode_tokens) if self.projections else t
 
-    def many(self, prefill_tokens, prefill_attn, decode_tokens, decode_ctx, swap_slots=0) -> np.ndarray:
+    def many(self, prefill_tokens, prefill_attn, decode_tokens, decode_ctx, swap_slots=0,
+             swap_in_bytes=0) -> np.ndarray:
         """``predict`` of one shape per element of the arrays (no hidden blocks): the same sum in the
         same order, so each equals ``predict`` to the last bit. Swap slots cost nothing here."""
         t = (self.base + self.per_prefill_token * prefill_tokens + self.per_prefill_attn * prefill_attn
-             + self.per_decode_token * decode_tokens + self.per_decode_ctx * decode_ctx)
+             + self.per_decode_token * decode_tokens + self.per_decode_ctx * decode_ctx
+             + self.per_swap_in_byte * np.asarray(swap_in_bytes))
         if self.projections:
             t = t + projection_seconds(self.projections, np.asarray(prefill_tokens) + decode_tokens)
         return t
@@ -229,9 +231,11 @@ class OnlineCostModel:
     def __call__(self, shape: StepShape, swap_slots: int = 0) -> float:
         return max(self.model.predict(shape), self.swap.predict(swap_slots))
 
-    def many(self, prefill_tokens, prefill_attn, decode_tokens, decode_ctx, swap_slots=0) -> np.ndarray:
+    def many(self, prefill_tokens, prefill_attn, decode_tokens, decode_ctx, swap_slots=0,
+             swap_in_bytes=0) -> np.ndarray:
         """The call's prediction for one shape (no hidden blocks) per element of the arrays."""
-        return np.maximum(self.model.many(prefill_tokens, prefill_attn, decode_tokens, decode_ctx),
+        return np.maximum(self.model.many(prefill_tokens, prefill_attn, decode_tokens, decode_ctx,
+                                          swap_in_bytes=swap_in_bytes),
                           self.swap.many(np.asarray(swap_slots)))
 
     def overrun(self, q: float = 0.9, cap: float = 1.5) -> float:
@@ -260,17 +264,18 @@ class OnlineCostModel:
             self.refits += 1
 
 
-def predict_many(cost, prefill_tokens=0, prefill_attn=0, decode_tokens=0, decode_ctx=0, swap_slots=0) -> np.ndarray:
-    """``cost(StepShape(prefill_tokens, prefill_attn, decode_tokens, decode_ctx), swap_slots)`` for
-    each element of the (broadcast) arrays: a policy prices every candidate's own step this way
-    once per plan. In numpy when the cost function has ``many`` (the cost models here), else one
-    call per element (any other ``(shape, swap_slots) -> seconds`` callable)."""
-    arrays = np.broadcast_arrays(*(np.asarray(a, dtype=np.int64)
-                                   for a in (prefill_tokens, prefill_attn, decode_tokens, decode_ctx, swap_slots)))
+def predict_many(cost, prefill_tokens=0, prefill_attn=0, decode_tokens=0, decode_ctx=0, swap_slots=0,
+                 swap_in_bytes=0) -> np.ndarray:
+    """``cost(StepShape(prefill_tokens, prefill_attn, decode_tokens, decode_ctx, 0, swap_in_bytes),
+    swap_slots)`` for each element of the (broadcast) arrays: a policy prices every candidate's own
+    step this way once per plan. In numpy when the cost function has ``many`` (the cost models
+    here), else one call per element (any other ``(shape, swap_slots) -> seconds`` callable)."""
+    arrays = np.broadcast_arrays(*(np.asarray(a, dtype=np.int64) for a in (
+        prefill_tokens, prefill_attn, decode_tokens, decode_ctx, swap_slots, swap_in_bytes)))
     many = getattr(cost, "many", None)
     if many is not None:
-        return np.asarray(many(*arrays), dtype=float) + np.zeros(arrays[0].shape)
-    return np.array([cost(StepShape(*map(int, row[:4])), int(row[4])) for row in zip(*arrays)],
+        return np.asarray(many(*arrays[:5], swap_in_bytes=arrays[5]), dtype=float) + np.zeros(arrays[0].shape)
+    return np.array([cost(StepShape(*map(int, row[:4]), 0, int(row[5])), int(row[4])) for row in zip(*arrays)],
                     dtype=float).reshape(arrays[0].shape)
 
 

@@ -162,19 +162,20 @@ def test_overrun_is_the_upper_quantile_of_measured_over_predicted():
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 4096), st.integers(0, 4096), st.integers(0, 64), st.integers(0, 10**6),
-                          st.integers(0, 500)), min_size=0, max_size=20),
-       st.floats(0.0, 0.05), st.floats(0.0, 1e-4))
-def test_many_prices_each_shape_as_one_call_does(rows, swap_base, per_slot):
+                          st.integers(0, 500), st.integers(0, 10**9)), min_size=0, max_size=20),
+       st.floats(0.0, 0.05), st.floats(0.0, 1e-4), st.floats(0.0, 1e-9))
+def test_many_prices_each_shape_as_one_call_does(rows, swap_base, per_slot, per_byte):
     """A policy prices every candidate's step at once: each element must be what the call on that
-    one shape and its swap slots returns, to the last bit (plans compare such times)."""
+    one shape, its swap slots and the bytes it copies back return, to the last bit (plans compare
+    such times)."""
     for table in ((), TABLE):       # without and with the products measured (engine.linear.Thin's)
-        model = CostModel(0.02, 1.3e-4, 2e-9, 6e-5, 6.3e-7, projections=table)
+        model = CostModel(0.02, 1.3e-4, 2e-9, 6e-5, 6.3e-7, per_swap_in_byte=per_byte, projections=table)
         online = OnlineCostModel(model, swap=SwapModel(swap_base, per_slot))
-        cols = list(zip(*rows)) if rows else [()] * 5
-        pt, attn, dt, ctx, slots = (list(c) for c in cols)
-        want = [online(StepShape(a, b, c, d), k) for a, b, c, d, k in rows]
-        assert predict_many(online, pt, attn, dt, ctx, slots).tolist() == want
-        assert predict_many(lambda s, k: online(s, k), pt, attn, dt, ctx, slots).tolist() == want
+        cols = list(zip(*rows)) if rows else [()] * 6
+        pt, attn, dt, ctx, slots, nbytes = (list(c) for c in cols)
+        want = [online(StepShape(a, b, c, d, 0, n), k) for a, b, c, d, k, n in rows]
+        assert predict_many(online, pt, attn, dt, ctx, slots, nbytes).tolist() == want
+        assert predict_many(lambda s, k: online(s, k), pt, attn, dt, ctx, slots, nbytes).tolist() == want
         assert predict_many(online.model, pt, attn, dt, ctx).tolist() == [online.model.predict(StepShape(*r[:4]))
                                                                            for r in rows]
 
