@@ -67,7 +67,8 @@ class SimDevice:
         out_bytes = in_bytes = 0
         for off in inp.offloads:
             info = self.pool_info
-            nbytes = self.geometry.blocks_for(off.num_tokens) * (info.int8_block_bytes if off.int8 else info.block_bytes)
+            per_block = info.int8_block_bytes if off.int8 else info.block_bytes
+            nbytes = self.geometry.blocks_for(off.num_tokens) * per_block
             self.host[off.req_id] = (off.num_tokens, nbytes)
             self.computed[off.req_id] = 0
             out_bytes += nbytes
@@ -143,6 +144,17 @@ class BeJobs:
     output_tokens: int = 0
 
 
+def policy_cost(setup: SimSetup) -> OnlineCostModel | None:
+    """The cost model a policy that prices iterations plans with: the device's, a hidden cache's
+    recompute and the copy of a swapped-out cache back included (not the wait for a busy side
+    link, nor a serial device's swap-outs); None for policies that price nothing."""
+    if setup.sched.policy not in PRICED:
+        return None
+    priced = replace(setup.cost, per_hidden_block=setup.rho or setup.cost.per_hidden_block,
+                     per_swap_in_byte=1 / setup.host_bw)
+    return OnlineCostModel(priced, refit_every=1 << 60)
+
+
 def simulate(trace: list[TraceItem], setup: SimSetup, be: BeJobs | None = None,
              stats: dict | None = None) -> tuple[list[RequestRecord], float]:
     """Replay ``trace`` (arrival offsets in seconds); returns per-request records and the makespan.
@@ -156,11 +168,7 @@ def simulate(trace: list[TraceItem], setup: SimSetup, be: BeJobs | None = None,
     devices = [SimDevice(f"sim{i}", setup.geometry, setup.cost, clock, setup.noise, setup.seed + i,
                          setup.noise_prefill, setup.rho, setup.block_bytes, setup.host_bw, setup.side_link)
                for i in range(setup.num_devices)]
-    # policies that price iterations see the device's cost model, hidden caches' recompute and the
-    # copy of a swapped-out cache back included (not the wait for a busy side link)
-    priced = replace(setup.cost, per_hidden_block=setup.rho or setup.cost.per_hidden_block,
-                     per_swap_in_byte=1 / setup.host_bw)
-    cost = OnlineCostModel(priced, refit_every=1 << 60) if setup.sched.policy in PRICED else None
+    cost = policy_cost(setup)
     cfg = setup.sched if setup.sched.rt_budget_s is not None else replace(setup.sched, rt_budget_s=setup.slo_tbt_s)
     sched = Scheduler(cfg, devices, eos_ids=(), max_model_len=setup.max_model_len, clock=clock,
                       cost=cost)

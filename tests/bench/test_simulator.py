@@ -1,4 +1,6 @@
 """The simulator drives the real scheduler: hand-checkable timings on a tiny trace."""
+from dataclasses import replace
+
 import pytest
 
 from tandem.bench.simulator import SimSetup, simulate
@@ -171,3 +173,30 @@ def test_a_swapped_out_request_shows_its_bytes_to_the_policy_and_the_step_that_c
         seen.append({c.req_id: c.host_bytes for c in s.actors[0].snapshot().waiting})
     assert {"b": 800} in seen and all(v in ({}, {"b": 800}) for v in seen)
     assert sorted(shape.swap_in_bytes for shape, _ in log)[-2:] == [0, 800]
+
+
+def test_a_pricing_policy_plans_with_what_the_device_charges_for_a_copy_back():
+    """BROS on the trace above (one 10-token prompt swapped out, 800 bytes at 1,000 bytes/s): the
+    step that copies the cache back takes 0.8 s more on the serial device, and the cost model the
+    simulator gives the policy prices that step, its shape as logged, at what the device charged."""
+    from tandem.bench.simulator import SimClock, SimDevice, policy_cost
+    from tandem.engine.params import SamplingParams
+    from tandem.sched.request import Request, ServiceClass
+    from tandem.sched.scheduler import Scheduler
+    cfg = SchedConfig(policy="bros", preemption_mode="swap")
+    sim = SimSetup(COST, PoolGeometry(4, 16), cfg, max_model_len=2048, block_bytes=(800, 400), host_bw=1000.0)
+    cost = policy_cost(sim)
+    clock = SimClock()
+    dev = SimDevice("sim0", sim.geometry, COST, clock, block_bytes=sim.block_bytes, host_bw=sim.host_bw)
+    s = Scheduler(replace(cfg, rt_budget_s=1.0), [dev], eos_ids=(), max_model_len=2048, clock=clock, cost=cost)
+    for rid in ("a", "b"):
+        s.add(Request(rid, list(range(10)), SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+                      ServiceClass.RT, arrival_time=0.0))
+    s.step_log = log = []
+    while s.has_unfinished():
+        s.step()
+    back = [(shape, seconds) for shape, seconds in log if shape.swap_in_bytes]
+    assert [shape.swap_in_bytes for shape, _ in back] == [800]
+    shape, seconds = back[0]
+    assert seconds == pytest.approx(COST.predict(shape) + 0.8)
+    assert cost(shape) == pytest.approx(seconds)
