@@ -5,12 +5,16 @@ with no adapter, all on one adapter, and spread over ``--adapters`` adapters (as
 they go), each adapter of rank ``--rank`` on every projection (Q, K, V, O, gate, up, down;
 random, written in PEFT's file format). The prompts are generated once first, so the timed
 runs find them in the prefix cache and their time is decode steps: the table gives the mean
-step against the base model's.
+step against the base model's (wall clock, the serving loop included), the worker's own time
+of those steps, and the scheduler's cost model's price of them, fitted on every step the three
+runs measured, as a server's refits would be (its price of one adapter in a step), and
+without that term.
 """
 from __future__ import annotations
 
 import json
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from tandem.bench.output import save_json
@@ -42,6 +46,7 @@ def write_adapter(out: Path, spec, rank: int, seed: int) -> Path:
 
 def main(args) -> None:
     from tandem import LLM, LoRARequest
+    from tandem.sched.cost_model import CostModel
     n = args.requests
     prompts = [[(7 * i + j) % 40000 + 3 for j in range(args.context)] for i in range(n)]
     rows = []
@@ -51,16 +56,30 @@ def main(args) -> None:
                 for k in range(max(1, args.adapters))]
         cases = [("base model", None), ("one adapter", [refs[0]] * n),
                  (f"{len(refs)} adapters", [refs[i % len(refs)] for i in range(n)])]
+        llm.scheduler.step_log = steps = []
         for name, lora in cases:
             ms = decode_step_ms(llm, prompts, args.steps, lora_request=lora)
             rows.append({"case": name, "step_ms": ms})
             print(f"{name}: {ms:.1f} ms per decode step", flush=True)
+    model = CostModel.fit(steps)
+    blind = CostModel.fit([(replace(shape, adapters=0), t) for shape, t in steps])     # as if adapters were free
+    decoding = [(shape, t) for shape, t in steps if shape.decode_tokens == n and not shape.prefill_tokens]
+    for r, adapters in zip(rows, (0, 1, len(refs))):
+        mine = [(shape, t) for shape, t in decoding if shape.adapters == adapters]
+        r["worker_ms"] = 1e3 * sum(t for _, t in mine) / max(1, len(mine))
+        r["predicted_ms"] = 1e3 * sum(model.predict(shape) for shape, _ in mine) / max(1, len(mine))
+        r["blind_ms"] = 1e3 * sum(blind.predict(replace(shape, adapters=0)) for shape, _ in mine) / max(1, len(mine))
     base = rows[0]["step_ms"]
     print(f"\n{n} requests of {args.context} prompt tokens, SmolLM2 float32, one worker, rank {args.rank} "
           "on every projection\n")
-    print("| requests run with | decode step ms | vs the base model |")
-    print("|---|---|---|")
+    print("| requests run with | decode step ms | vs the base model | the worker's forward ms "
+          "| the cost model's price ms | without its adapter term |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['case']} | {r['step_ms']:.1f} | {r['step_ms'] / base:.2f}x |")
+        print(f"| {r['case']} | {r['step_ms']:.1f} | {r['step_ms'] / base:.2f}x | {r['worker_ms']:.1f} "
+              f"| {r['predicted_ms']:.1f} | {r['blind_ms']:.1f} |")
+    print(f"\n(the last three: the mean of the same decode steps as the worker timed them, and as the cost model "
+          f"fitted on all {len(steps)} steps of the three runs prices them, {1e3 * model.per_adapter:.1f} ms per "
+          "adapter in a step, and without that term)")
     save_json(args.out, {"requests": n, "context": args.context, "rank": args.rank, "adapters": args.adapters,
-                         "steps": args.steps, "rows": rows})
+                         "steps": args.steps, "rows": rows, "per_adapter_ms": 1e3 * model.per_adapter})

@@ -293,7 +293,7 @@ class DeviceActor:
                              r.predicted_spread,
                              min(r.sampling.max_tokens, self.max_model_len - len(r.prompt_token_ids)),
                              pool.foreign_slots(rid), self._kept(rid, promised) if own else blocks,
-                             self.host.bytes_of(rid) if self.host is not None else 0)
+                             self.host.bytes_of(rid) if self.host is not None else 0, r.lora)
         g = pool.geometry
         return Snapshot([cand(r) for r in self.running], [cand(r) for r in self.waiting],
                         pool.num_free, g.block_size, g.blocks_per_token_block(CacheType.KV),
@@ -354,7 +354,8 @@ class DeviceActor:
             self.tokens_by_phase[st.request.service_class, dec.phase] += dec.num_new_tokens
         plan.scheduled = placed
         self._hits = {}
-        return inp, replace(shape, swap_in_bytes=self.swap_bytes["in"] - swapped_in)
+        adapters = {self.states[d.req_id].request.lora for d in placed} - {None}
+        return inp, replace(shape, swap_in_bytes=self.swap_bytes["in"] - swapped_in, adapters=len(adapters))
 
     # ---- prefix caching ---------------------------------------------------------------------
     def _keys_of(self, st: RequestState, num_tokens: int) -> list[Key]:

@@ -162,7 +162,7 @@ class Alise:
         keyed = self.order(snap)
         rank = {c.req_id: (key[0], key[1], i) for i, (key, c, _) in enumerate(keyed)}
         running = {c.req_id: c for c in snap.running}
-        tokens_left, shape = lim.max_num_batched_tokens, StepShape()
+        tokens_left, shape, adapters = lim.max_num_batched_tokens, StepShape(), set()
         rt_limit = math.inf
         plan.levels = {c.req_id: key[1] for key, c, _ in keyed}
         held = Footprint(snap, snap.running, rank)
@@ -176,7 +176,7 @@ class Alise:
             if n < c.num_tokens - c.num_computed and not lim.chunked_prefill:
                 plan.reasons[c.req_id] = _why(key, "its prompt exceeds the iteration's token budget")
                 continue
-            if not c.rt and self.cost(add_chunk(shape, c, n), 0) > max(rt_limit, self.cost(shape, 0)):
+            if not c.rt and self.cost(add_chunk(shape, c, n, 0, adapters), 0) > max(rt_limit, self.cost(shape, 0)):
                 plan.reasons[c.req_id] = _why(key, "it would make an RT step miss its SLO")
                 continue
             if c.req_id not in running and not held.admits(c):
@@ -190,7 +190,8 @@ class Alise:
                 held.drop(v)
             if c.req_id not in running:
                 held.add(c)
-            shape = add_chunk(shape, c, n)
+            shape = add_chunk(shape, c, n, 0, adapters)
+            adapters.add(c.adapter)
             tokens_left -= n
             plan.scheduled.append(_decide(c, n))
             plan.reasons[c.req_id] = _why(key, "scheduled")
@@ -211,8 +212,9 @@ class Alise:
             return True
         width = 3 if c.req_id in running else 2            # rank, or only (class, level)
         mine = rank[c.req_id][:width]
-        victims = sorted((x for x in running.values() if rank[x.req_id][:width] > mine and x.req_id not in plan.preempted
-                          and x.req_id not in budget.held), key=lambda x: rank[x.req_id], reverse=True)
+        victims = sorted((x for x in running.values() if rank[x.req_id][:width] > mine
+                          and x.req_id not in plan.preempted and x.req_id not in budget.held),
+                         key=lambda x: rank[x.req_id], reverse=True)
         return budget.take_from(c, n, victims, plan, "preempted: its blocks went to a request with less "
                                                      "remaining time")
 

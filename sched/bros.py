@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable
+from typing import Callable, Container, Iterable
 
 import numpy as np
 
@@ -114,25 +114,30 @@ class BlockBudget:
         return self.reserve(c, n)
 
 
-def add_chunk(s: StepShape, c: Candidate, n: int, block_size: int = 0) -> StepShape:
+def add_chunk(s: StepShape, c: Candidate, n: int, block_size: int = 0,
+              adapters: Container = frozenset()) -> StepShape:
     """``s`` plus c's next ``n`` tokens (a decode when it is the one token after its cache); with
     ``block_size``, a hidden cache also re-projects the KV blocks of the context it had. A cache
-    swapped out to host memory is copied back first."""
+    swapped out to host memory is copied back first. c's LoRA adapter counts unless it is one of
+    ``adapters``, those of the requests ``s`` holds already."""
     hidden = 2 * -(-c.num_computed // block_size) if block_size and c.cache_type is CacheType.HIDDEN else 0
     return s.add(n, c.num_computed + n, n == 1 and c.num_computed > 0 and c.num_computed + 1 == c.num_tokens,
-                 hidden, c.host_bytes)
+                 hidden, c.host_bytes, c.adapter is not None and c.adapter not in adapters)
 
 
 @dataclass(frozen=True, slots=True)
 class Load:
-    """Chunks of an iteration summed as the cost model reads them: their step shape and the
-    slots they swap in. A packing loop keeps one per list of chunks it grows, so pricing the
-    list plus one more chunk costs one addition, not a pass over the list."""
+    """Chunks of an iteration summed as the cost model reads them: their step shape, the slots
+    they swap in and the LoRA adapters they run with. A packing loop keeps one per list of
+    chunks it grows, so pricing the list plus one more chunk costs one addition, not a pass
+    over the list."""
     shape: StepShape = StepShape()
     slots: int = 0
+    adapters: frozenset = frozenset()
 
     def add(self, c: Candidate, n: int, block_size: int = 0) -> "Load":
-        return Load(add_chunk(self.shape, c, n, block_size), self.slots + c.num_cpu)
+        adapters = self.adapters if c.adapter is None or c.adapter in self.adapters else self.adapters | {c.adapter}
+        return Load(add_chunk(self.shape, c, n, block_size, self.adapters), self.slots + c.num_cpu, adapters)
 
     def extend(self, items: Iterable[tuple[Candidate, int]], block_size: int = 0) -> "Load":
         load = self
@@ -289,8 +294,8 @@ class Bros:
     def _groups(self, cands: list[Candidate], t_avg: float) -> np.ndarray:
         """k_i of each candidate: iterations its next token still needs. 1 for a decode; for a
         prompt (or a recompute) with more tokens to compute, its remaining prefill priced as one
-        standalone step, C(prefill), its cache's copy back from host memory included, in units
-        of the recent iteration time:
+        standalone step, C(prefill), its cache's copy back from host memory and its LoRA adapter
+        included, in units of the recent iteration time:
 
             k_i = ceil(C(prefill of the remaining tokens) / T_avg)
 
@@ -303,7 +308,8 @@ class Bros:
         swapped = [c for c, p in zip(cands, priced) if p]
         t = predict_many(self.cost, todo[priced], attn_pairs(todo[priced], tokens[priced]),
                          swap_slots=np.array([c.num_cpu for c in swapped], dtype=np.int64),
-                         swap_in_bytes=np.array([c.host_bytes for c in swapped], dtype=np.int64))
+                         swap_in_bytes=np.array([c.host_bytes for c in swapped], dtype=np.int64),
+                         adapters=np.array([c.adapter is not None for c in swapped], dtype=np.int64))
         k = np.ones(len(cands), dtype=np.int64)
         k[priced] = np.maximum(1, np.ceil(t / t_avg)).astype(np.int64)
         return k

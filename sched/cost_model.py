@@ -2,7 +2,7 @@
 
     t(step) = base + a_p * Σ_prefill Ln + c_p * Σ_prefill pairs(Ln, La)
                    + a_d * (#decodes)   + c_d * Σ_decode La
-                   + ρ * Σ_hidden H + s_in * B_in
+                   + ρ * Σ_hidden H + s_in * B_in + l * A
 
 Ln: new tokens of a request in the step; La: its context length after the
 step; pairs(Ln, La) = Ln·La - Ln(Ln-1)/2, the query-key pairs of its causal attention
@@ -16,6 +16,10 @@ back from host memory before the step's forward, which waits for them; s_in, sec
 is 0 until refits see steps that swap in (the simulator gives it the link's speed). [open choice]
 A swap-out is no term: a GPU worker copies it on a side stream beside the steps that follow
 (engine.hostcopy), and a plan learns which caches it swaps out only while it packs the step.
+A: the LoRA adapters the step's requests run with, each counted once: an adapter adds its own
+small products to every projection of every layer, whatever its rows (about 18 us per adapter,
+projection and layer on a 2-core EPYC; bench/README.md, "LoRA adapters"), so it costs per
+adapter, not per row; l is 0 until refits see steps with adapters.
 Fitted by least squares from measured steps; every coefficient is kept non-negative.
 
 An engine whose thin products take another path (a bfloat16 CPU worker multiplies steps of at
@@ -45,7 +49,8 @@ from dataclasses import astuple, dataclass
 import numpy as np
 
 STARTUP_WEIGHT = 0.01   # a start-up sample's weight in the online refits, a measured step's being 1
-FEATURES = ("prefill_tokens", "prefill_attn", "decode_tokens", "decode_ctx", "hidden_blocks", "swap_in_bytes")
+FEATURES = ("prefill_tokens", "prefill_attn", "decode_tokens", "decode_ctx", "hidden_blocks", "swap_in_bytes",
+            "adapters")
 MIN_STEPS = 5       # measured steps a fit needs at least
 
 
@@ -57,18 +62,20 @@ class StepShape:
     decode_ctx: int = 0          # Σ La over decoding requests
     hidden_blocks: int = 0       # Σ KV blocks of context re-projected by hidden-cache requests
     swap_in_bytes: int = 0       # bytes of swapped-out caches copied back before the forward
+    adapters: int = 0            # distinct LoRA adapters its requests run with
 
     def add(self, num_new: int, context: int, decode: bool, hidden_blocks: int = 0,
-            swap_in_bytes: int = 0) -> "StepShape":
+            swap_in_bytes: int = 0, adapters: int = 0) -> "StepShape":
         """This shape plus one request's ``num_new`` tokens at ``context`` (its length after the
         step); ``hidden_blocks``: the KV blocks it re-projects (a hidden cache's context before);
-        ``swap_in_bytes``: its cache's bytes copied back from host memory first."""
-        h, b = self.hidden_blocks + hidden_blocks, self.swap_in_bytes + swap_in_bytes
+        ``swap_in_bytes``: its cache's bytes copied back from host memory first; ``adapters``: 1
+        where it brings a LoRA adapter no request before it in the step runs with."""
+        h, b, a = self.hidden_blocks + hidden_blocks, self.swap_in_bytes + swap_in_bytes, self.adapters + adapters
         if decode:
             return StepShape(self.prefill_tokens, self.prefill_attn, self.decode_tokens + 1,
-                             self.decode_ctx + context, h, b)
+                             self.decode_ctx + context, h, b, a)
         return StepShape(self.prefill_tokens + num_new, self.prefill_attn + attn_pairs(num_new, context),
-                         self.decode_tokens, self.decode_ctx, h, b)
+                         self.decode_tokens, self.decode_ctx, h, b, a)
 
 
 def attn_pairs(num_new, context):
@@ -111,6 +118,7 @@ class CostModel:
     per_decode_ctx: float        # seconds per context token of a decoding request
     per_hidden_block: float = 0.0  # seconds per KV block a hidden cache re-projects (Apt-Serve's ρ)
     per_swap_in_byte: float = 0.0  # seconds per byte copied back from host memory before a step
+    per_adapter: float = 0.0     # seconds per distinct LoRA adapter in a step
     projections: tuple[tuple[int, float], ...] = ()   # (rows, seconds) the engine measured: P(R)
 
     def __post_init__(self):
@@ -123,16 +131,17 @@ class CostModel:
     def predict(self, s: StepShape) -> float:
         t = (self.base + self.per_prefill_token * s.prefill_tokens + self.per_prefill_attn * s.prefill_attn
              + self.per_decode_token * s.decode_tokens + self.per_decode_ctx * s.decode_ctx
-             + self.per_hidden_block * s.hidden_blocks + self.per_swap_in_byte * s.swap_in_bytes)
+             + self.per_hidden_block * s.hidden_blocks + self.per_swap_in_byte * s.swap_in_bytes
+             + self.per_adapter * s.adapters)
         return t + projection_seconds(self.projections, s.prefill_tokens + s.decode_tokens) if self.projections else t
 
     def many(self, prefill_tokens, prefill_attn, decode_tokens, decode_ctx, swap_slots=0,
-             swap_in_bytes=0) -> np.ndarray:
+             swap_in_bytes=0, adapters=0) -> np.ndarray:
         """``predict`` of one shape per element of the arrays (no hidden blocks): the same sum in the
         same order, so each equals ``predict`` to the last bit. Swap slots cost nothing here."""
         t = (self.base + self.per_prefill_token * prefill_tokens + self.per_prefill_attn * prefill_attn
              + self.per_decode_token * decode_tokens + self.per_decode_ctx * decode_ctx
-             + self.per_swap_in_byte * np.asarray(swap_in_bytes))
+             + self.per_swap_in_byte * np.asarray(swap_in_bytes) + self.per_adapter * np.asarray(adapters))
         if self.projections:
             t = t + projection_seconds(self.projections, np.asarray(prefill_tokens) + decode_tokens)
         return t
@@ -232,10 +241,10 @@ class OnlineCostModel:
         return max(self.model.predict(shape), self.swap.predict(swap_slots))
 
     def many(self, prefill_tokens, prefill_attn, decode_tokens, decode_ctx, swap_slots=0,
-             swap_in_bytes=0) -> np.ndarray:
+             swap_in_bytes=0, adapters=0) -> np.ndarray:
         """The call's prediction for one shape (no hidden blocks) per element of the arrays."""
         return np.maximum(self.model.many(prefill_tokens, prefill_attn, decode_tokens, decode_ctx,
-                                          swap_in_bytes=swap_in_bytes),
+                                          swap_in_bytes=swap_in_bytes, adapters=adapters),
                           self.swap.many(np.asarray(swap_slots)))
 
     def overrun(self, q: float = 0.9, cap: float = 1.5) -> float:
@@ -265,18 +274,20 @@ class OnlineCostModel:
 
 
 def predict_many(cost, prefill_tokens=0, prefill_attn=0, decode_tokens=0, decode_ctx=0, swap_slots=0,
-                 swap_in_bytes=0) -> np.ndarray:
-    """``cost(StepShape(prefill_tokens, prefill_attn, decode_tokens, decode_ctx, 0, swap_in_bytes),
-    swap_slots)`` for each element of the (broadcast) arrays: a policy prices every candidate's own
-    step this way once per plan. In numpy when the cost function has ``many`` (the cost models
-    here), else one call per element (any other ``(shape, swap_slots) -> seconds`` callable)."""
+                 swap_in_bytes=0, adapters=0) -> np.ndarray:
+    """``cost(StepShape(prefill_tokens, prefill_attn, decode_tokens, decode_ctx, 0, swap_in_bytes,
+    adapters), swap_slots)`` for each element of the (broadcast) arrays: a policy prices every
+    candidate's own step this way once per plan. In numpy when the cost function has ``many``
+    (the cost models here), else one call per element (any other ``(shape, swap_slots) -> seconds``
+    callable)."""
     arrays = np.broadcast_arrays(*(np.asarray(a, dtype=np.int64) for a in (
-        prefill_tokens, prefill_attn, decode_tokens, decode_ctx, swap_slots, swap_in_bytes)))
+        prefill_tokens, prefill_attn, decode_tokens, decode_ctx, swap_slots, swap_in_bytes, adapters)))
     many = getattr(cost, "many", None)
     if many is not None:
-        return np.asarray(many(*arrays[:5], swap_in_bytes=arrays[5]), dtype=float) + np.zeros(arrays[0].shape)
-    return np.array([cost(StepShape(*map(int, row[:4]), 0, int(row[5])), int(row[4])) for row in zip(*arrays)],
-                    dtype=float).reshape(arrays[0].shape)
+        return (np.asarray(many(*arrays[:5], swap_in_bytes=arrays[5], adapters=arrays[6]), dtype=float)
+                + np.zeros(arrays[0].shape))
+    return np.array([cost(StepShape(*map(int, row[:4]), 0, int(row[5]), int(row[6])), int(row[4]))
+                     for row in zip(*arrays)], dtype=float).reshape(arrays[0].shape)
 
 
 # A paper-scale setting: OPT-13B in fp16 on one A100-40GB, from published figures

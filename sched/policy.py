@@ -5,6 +5,7 @@ objects, so tests and the simulator can drive them without a model.
 """
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
 
 from tandem.engine.messages import CacheType, Phase
@@ -33,6 +34,7 @@ class Candidate:
     foreign_slots: int = 0     # bidirectional pools: slots of a BE request's blocks that RT owners hold
     num_shared: int = 0        # of num_blocks, those other requests hold too (prefix caching)
     host_bytes: int = 0        # its cache swapped out to host memory: bytes copied back before it runs
+    adapter: Hashable | None = None   # the LoRA adapter it runs with (None: the base model)
 
     def freed(self) -> int:
         """Blocks that preempting it gives back: its own, not those it shares."""

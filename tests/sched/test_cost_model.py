@@ -80,6 +80,31 @@ def test_the_refits_learn_the_copy_back_of_swapped_out_caches_from_the_steps_tha
     assert online(copying) == pytest.approx(true.predict(copying), rel=0.02)
 
 
+def test_the_refits_learn_what_a_lora_adapter_adds_to_a_step():
+    """The start-up profile runs the base model only, so its model prices a step's LoRA
+    adapters at 0; once served steps run with 0-4 distinct adapters (4 ms each, whatever their
+    rows) are refitted, the model finds the 4 ms, and a step with three adapters is priced its
+    12 ms more."""
+    true = CostModel(0.01, 2e-4, 1e-8, 5e-4, 3e-6, per_adapter=0.004)
+    rng = random.Random(2)
+
+    def shape(adapters: int) -> StepShape:
+        s = StepShape().add(n := rng.randint(1, 512), n, decode=False)
+        for _ in range(rng.randint(1, 64)):
+            s = s.add(1, rng.randint(1, 1024), decode=True)
+        return replace(s, adapters=adapters)
+
+    startup = [(s, true.predict(s)) for s in (shape(0) for _ in range(40))]
+    online = OnlineCostModel(CostModel.fit(startup), startup, refit_every=64)
+    three = shape(3)
+    assert online(three) == pytest.approx(true.predict(three) - 0.012, rel=0.01)
+    for _ in range(128):
+        s = shape(rng.randint(0, 4))
+        online.observe(s, true.predict(s) * (1 + rng.uniform(-0.01, 0.01)))
+    assert online.model.per_adapter == pytest.approx(0.004, rel=0.05)
+    assert online(three) == pytest.approx(true.predict(three), rel=0.02)
+
+
 def _products(rows: int) -> float:
     """A step's products that change path past six rows: 2 ms a row over the blocks, then a
     25 ms jump and 1.5 ms a row over the dense weights (as engine.linear.Thin's do)."""
@@ -162,20 +187,21 @@ def test_overrun_is_the_upper_quantile_of_measured_over_predicted():
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 4096), st.integers(0, 4096), st.integers(0, 64), st.integers(0, 10**6),
-                          st.integers(0, 500), st.integers(0, 10**9)), min_size=0, max_size=20),
-       st.floats(0.0, 0.05), st.floats(0.0, 1e-4), st.floats(0.0, 1e-9))
-def test_many_prices_each_shape_as_one_call_does(rows, swap_base, per_slot, per_byte):
+                          st.integers(0, 500), st.integers(0, 10**9), st.integers(0, 4)), min_size=0, max_size=20),
+       st.floats(0.0, 0.05), st.floats(0.0, 1e-4), st.floats(0.0, 1e-9), st.floats(0.0, 0.01))
+def test_many_prices_each_shape_as_one_call_does(rows, swap_base, per_slot, per_byte, per_adapter):
     """A policy prices every candidate's step at once: each element must be what the call on that
-    one shape, its swap slots and the bytes it copies back return, to the last bit (plans compare
-    such times)."""
+    one shape, its swap slots, the bytes it copies back and its LoRA adapters return, to the last
+    bit (plans compare such times)."""
     for table in ((), TABLE):       # without and with the products measured (engine.linear.Thin's)
-        model = CostModel(0.02, 1.3e-4, 2e-9, 6e-5, 6.3e-7, per_swap_in_byte=per_byte, projections=table)
+        model = CostModel(0.02, 1.3e-4, 2e-9, 6e-5, 6.3e-7, per_swap_in_byte=per_byte, per_adapter=per_adapter,
+                          projections=table)
         online = OnlineCostModel(model, swap=SwapModel(swap_base, per_slot))
-        cols = list(zip(*rows)) if rows else [()] * 6
-        pt, attn, dt, ctx, slots, nbytes = (list(c) for c in cols)
-        want = [online(StepShape(a, b, c, d, 0, n), k) for a, b, c, d, k, n in rows]
-        assert predict_many(online, pt, attn, dt, ctx, slots, nbytes).tolist() == want
-        assert predict_many(lambda s, k: online(s, k), pt, attn, dt, ctx, slots, nbytes).tolist() == want
+        cols = list(zip(*rows)) if rows else [()] * 7
+        pt, attn, dt, ctx, slots, nbytes, ads = (list(c) for c in cols)
+        want = [online(StepShape(a, b, c, d, 0, n, m), k) for a, b, c, d, k, n, m in rows]
+        assert predict_many(online, pt, attn, dt, ctx, slots, nbytes, ads).tolist() == want
+        assert predict_many(lambda s, k: online(s, k), pt, attn, dt, ctx, slots, nbytes, ads).tolist() == want
         assert predict_many(online.model, pt, attn, dt, ctx).tolist() == [online.model.predict(StepShape(*r[:4]))
                                                                            for r in rows]
 

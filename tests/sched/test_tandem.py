@@ -161,6 +161,28 @@ def test_a_swapped_out_chat_coming_back_prices_its_copy_into_the_step():
     assert unpriced["be"] > n                            # the copy's 5 ms go to the BE chunk
 
 
+def test_a_step_prices_each_lora_adapter_of_its_requests_once():
+    """Two decoding chats on adapter x, 30 ms left, and a BE prompt on adapter y; an adapter
+    costs 4 ms a step whatever its rows: the BE chunk is the longest that keeps the decodes, two
+    adapters (not three) and the chunk within 30 ms, priced by hand. On x as well, it costs
+    one adapter, and the chunk grows by the 4 ms; unpriced, it is longer still."""
+    priced = replace(COST, per_adapter=0.004)
+    d1 = replace(cand("d1", 100, 50, rt=True, out=3, slo=0.05, pending=0.02), adapter="x")
+    d2 = replace(cand("d2", 100, 50, rt=True, out=3, slo=0.05, pending=0.02), adapter="x")
+
+    def chunk(adapter, model=priced):
+        be = replace(cand("be", 800, 40, computed=0), adapter=adapter)
+        sizes = dict(chunks(Tandem(lambda shape, slots=0: model.predict(shape), max_num_seqs=64)(
+            snap([d1, d2], [be]))))
+        assert sizes["d1"] == sizes["d2"] == 1
+        return sizes["be"]
+    decodes = 0.01 + 2 * 1e-3 + 2 * 103 * 1e-6           # base, two decodes at context 103
+    n = chunk("y")
+    assert decodes + 2 * 0.004 + n * 1e-4 <= 0.03 + 1e-9 < decodes + 2 * 0.004 + (n + 1) * 1e-4
+    assert chunk("x") == n + 40                          # 4 ms of one adapter fewer: 40 more tokens
+    assert chunk("y", COST) == n + 80
+
+
 def test_hidden_cache_only_where_kv_does_not_fit_and_it_pays():
     """Multi-head geometry (a hidden cache takes 1 block per 16 tokens, KV 2). 14 free blocks:
     a 64-token request (KV 8 blocks) goes first and keeps KV; the next one (KV 8, hidden 4)
