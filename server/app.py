@@ -975,7 +975,7 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models", models)
-    app.router.add_get("/v1/models/{id}", model)
+    app.router.add_get("/v1/models/{id:.+}", model)     # ids may hold slashes ("org/model"), unencoded
     app.router.add_get("/health", health)
     app.router.add_get("/ping", health)                    # vLLM's health check, GET and POST
     app.router.add_post("/ping", health)

@@ -267,13 +267,16 @@ async def connections_middleware(request: web.Request, handler):
     """Tell the request's connection when a request starts and ends (the head/body deadlines);
     log a request whose client went away before its response ended."""
     conn, t0 = connection(request), time.monotonic()
+    # the client's address and port, while its transport is open (a request whose client left
+    # is logged once it has closed)
+    peer = request.transport.get_extra_info("peername") if request.transport is not None else None
     if conn is not None:
         conn.begin(request.body_exists)
     try:
         return await handler(request)
     except asyncio.CancelledError:
         if (gone := request.app.get(GONE_LOG)) is not None:
-            gone.line(request, CLIENT_GONE, time.monotonic() - t0)
+            gone.line(request, CLIENT_GONE, time.monotonic() - t0, peer)
         raise
     finally:
         if conn is not None and not conn.transport.is_closing():
@@ -330,12 +333,14 @@ class AccessLog(AbstractAccessLogger):
     def log(self, request, response, time: float) -> None:
         self.line(request, response.status, time)
 
-    def line(self, request, status: int, time: float) -> None:
+    def line(self, request, status: int, time: float, peer=None) -> None:
         """The request's line: ``status`` 499 (nginx's "client closed request") for one whose
-        client went away before its response ended (a stream broken off), which aiohttp does not log."""
+        client went away before its response ended (a stream broken off), which aiohttp does not
+        log; ``peer``: the client's (address, port), where its transport is gone by now."""
         if request.path in self.quiet:
             return
-        peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+        if peer is None and request.transport is not None:
+            peer = request.transport.get_extra_info("peername")
         who = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else request.remote or "-"
         v = request.version
         self.logger.info('%s - "%s %s HTTP/%d.%d" %d %.3fs', who, request.method, request.path_qs, v.major,

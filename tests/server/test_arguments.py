@@ -146,12 +146,15 @@ def test_a_model_s_sampling_defaults_and_names_are_served(tiny_chat_model, tmp_p
             headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:
             return json.loads(r.read())
-    srv = start_server(model, tmp_path, "--served-model-name", "chat", "small", "--api-key", "k1", "k2")
+    srv = start_server(model, tmp_path, "--served-model-name", "chat", "org/small", "--api-key", "k1", "k2")
     try:
         listed = urllib.request.Request(srv.url + "/v1/models", headers={"Authorization": "Bearer k1"})
         with urllib.request.urlopen(listed, timeout=60) as r:
-            assert [m["id"] for m in json.loads(r.read())["data"]] == ["chat", "small"]     # as vLLM lists them
-        plain = chat(srv, "k2", model="small")
+            assert [m["id"] for m in json.loads(r.read())["data"]] == ["chat", "org/small"]     # as vLLM lists them
+        one = urllib.request.Request(srv.url + "/v1/models/org/small", headers={"Authorization": "Bearer k1"})
+        with urllib.request.urlopen(one, timeout=60) as r:      # a name with a slash, as a URL path
+            assert json.loads(r.read())["id"] == "org/small"
+        plain = chat(srv, "k2", model="org/small")
         greedy = chat(srv, "k1", temperature=0, max_tokens=5)
         capped = chat(srv, "k1", max_tokens=50, temperature=0)
         assert plain["model"] == "chat" and plain["usage"]["completion_tokens"] == 5
