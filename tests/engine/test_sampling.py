@@ -117,3 +117,13 @@ def test_an_enormous_temperature_still_suppresses_stop_tokens():
     specs = [SamplingSpec(1e300, 1.0, -1, seed=s, min_tokens=4, stop_token_ids=(0,)) for s in range(300)]
     seen = sample(logits.repeat(300, 1), specs, [0] * 300)
     assert 0 not in seen and set(seen) == {1, 2, 3}
+
+
+def test_a_uniform_draw_of_zero_never_gives_an_impossible_token(monkeypatch):
+    """The race's noise is -log U; torch draws a U of exactly 0 about once in 2^24. Were every
+    U 0, each row whose top-k keeps one token must still give that token (an infinite draw
+    would race p / inf = 0 against the dropped tokens' 0 and give token 0)."""
+    monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, *a, **k: self.zero_())
+    logits = torch.tensor([[0.0, 3.0, 1.0, -1.0], [2.0, 1.0, 4.0, 0.0]])
+    specs = [SamplingSpec(1.0, 1.0, 1, seed=7, min_tokens=0, stop_token_ids=())] * 2
+    assert sample(logits.clone(), specs, [0, 0]) == [1, 2]
