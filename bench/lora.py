@@ -5,10 +5,10 @@ with no adapter, all on one adapter, and spread over ``--adapters`` adapters (as
 they go), each adapter of rank ``--rank`` on every projection (Q, K, V, O, gate, up, down;
 random, written in PEFT's file format). The prompts are generated once first, so the timed
 runs find them in the prefix cache and their time is decode steps: the table gives the mean
-step against the base model's (wall clock, the serving loop included), the worker's own time
-of those steps, and the scheduler's cost model's price of them, fitted on every step the three
-runs measured, as a server's refits would be (its price of one adapter in a step), and
-without that term.
+step against the base model's (wall clock, the serving loop included), those steps' time as
+the scheduler measured them (from a step's plan to its results: what its cost model learns
+from), and the cost model's price of them, fitted on every step the three runs measured, as a
+server's refits would be (its price of one adapter in a step), and without that term.
 """
 from __future__ import annotations
 
@@ -66,19 +66,19 @@ def main(args) -> None:
     decoding = [(shape, t) for shape, t in steps if shape.decode_tokens == n and not shape.prefill_tokens]
     for r, adapters in zip(rows, (0, 1, len(refs))):
         mine = [(shape, t) for shape, t in decoding if shape.adapters == adapters]
-        r["worker_ms"] = 1e3 * sum(t for _, t in mine) / max(1, len(mine))
+        r["measured_ms"] = 1e3 * sum(t for _, t in mine) / max(1, len(mine))
         r["predicted_ms"] = 1e3 * sum(model.predict(shape) for shape, _ in mine) / max(1, len(mine))
         r["blind_ms"] = 1e3 * sum(blind.predict(replace(shape, adapters=0)) for shape, _ in mine) / max(1, len(mine))
     base = rows[0]["step_ms"]
     print(f"\n{n} requests of {args.context} prompt tokens, SmolLM2 float32, one worker, rank {args.rank} "
           "on every projection\n")
-    print("| requests run with | decode step ms | vs the base model | the worker's forward ms "
+    print("| requests run with | decode step ms | vs the base model | the scheduler's step ms "
           "| the cost model's price ms | without its adapter term |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['case']} | {r['step_ms']:.1f} | {r['step_ms'] / base:.2f}x | {r['worker_ms']:.1f} "
+        print(f"| {r['case']} | {r['step_ms']:.1f} | {r['step_ms'] / base:.2f}x | {r['measured_ms']:.1f} "
               f"| {r['predicted_ms']:.1f} | {r['blind_ms']:.1f} |")
-    print(f"\n(the last three: the mean of the same decode steps as the worker timed them, and as the cost model "
+    print(f"\n(the last three: the mean of the same decode steps as the scheduler measured them, and as the cost model "
           f"fitted on all {len(steps)} steps of the three runs prices them, {1e3 * model.per_adapter:.1f} ms per "
           "adapter in a step, and without that term)")
     save_json(args.out, {"requests": n, "context": args.context, "rank": args.rank, "adapters": args.adapters,

@@ -305,11 +305,11 @@ class Bros:
         priced = (todo > 1) & np.array([c.slo_s is not None for c in cands], dtype=bool)
         if t_avg <= 0 or not priced.any():
             return np.ones(len(cands), dtype=np.int64)
-        swapped = [c for c, p in zip(cands, priced) if p]
+        prompts = [c for c, p in zip(cands, priced) if p]
         t = predict_many(self.cost, todo[priced], attn_pairs(todo[priced], tokens[priced]),
-                         swap_slots=np.array([c.num_cpu for c in swapped], dtype=np.int64),
-                         swap_in_bytes=np.array([c.host_bytes for c in swapped], dtype=np.int64),
-                         adapters=np.array([c.adapter is not None for c in swapped], dtype=np.int64))
+                         swap_slots=np.array([c.num_cpu for c in prompts], dtype=np.int64),
+                         swap_in_bytes=np.array([c.host_bytes for c in prompts], dtype=np.int64),
+                         adapters=np.array([c.adapter is not None for c in prompts], dtype=np.int64))
         k = np.ones(len(cands), dtype=np.int64)
         k[priced] = np.maximum(1, np.ceil(t / t_avg)).astype(np.int64)
         return k

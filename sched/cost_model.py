@@ -17,9 +17,12 @@ is 0 until refits see steps that swap in (the simulator gives it the link's spee
 A swap-out is no term: a GPU worker copies it on a side stream beside the steps that follow
 (engine.hostcopy), and a plan learns which caches it swaps out only while it packs the step.
 A: the LoRA adapters the step's requests run with, each counted once: an adapter adds its own
-small products to every projection of every layer, whatever its rows (about 18 us per adapter,
-projection and layer on a 2-core EPYC; bench/README.md, "LoRA adapters"), so it costs per
-adapter, not per row; l is 0 until refits see steps with adapters.
+small products to every projection of every layer, whatever its rows, so it costs per adapter,
+not per row; l is 0 until refits see steps with adapters. [open choice] One term per adapter:
+SmolLM2 in float32 on 2-core EPYCs (bench/README.md, "LoRA adapters"): a decode step of 8 rows
+cost 5.2 / 19.6 ms more with one / four adapters with AVX-512, as linear, and 12-17 ms for the
+first adapter and 6-8 for each further one on a Zen 2 with AVX2, where the fit's 11.5 ms per
+adapter priced its steps within 2-10% (without the term: -18..+29%).
 Fitted by least squares from measured steps; every coefficient is kept non-negative.
 
 An engine whose thin products take another path (a bfloat16 CPU worker multiplies steps of at

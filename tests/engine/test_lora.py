@@ -126,16 +126,25 @@ def test_each_step_tells_the_cost_model_how_many_adapters_it_ran(tiny_llama, tmp
     """Three 8-token prompts run together in every step (24 tokens within the 32 a step takes,
     then three decodes). The shape each step reports to the cost model counts the distinct
     adapters among them: two on one adapter and one on the base model, 1; on two adapters and
-    the base model, 2; on the base model alone, 0."""
+    the base model, 2; on the base model alone, 0. The policy sees each request's adapter."""
     a = write_adapter(tiny_llama, tmp_path / "a", LLAMA_ALL, seed=11)
     b = write_adapter(tiny_llama, tmp_path / "b", ["q_proj", "v_proj"], seed=12)
     prompts = mixed_prompts(3, 512, seed=16, lo=8, hi=9)
     with _llm(tiny_llama) as llm:
+        actor, seen = llm.scheduler.actors[0], []
+        policy = actor.policy
+
+        def watched(snap):
+            seen.append(sorted((c.adapter.name if c.adapter else "") for c in snap.running + snap.waiting))
+            return policy(snap)
+        actor.policy = watched
         for adapters, want in (((a, a, None), 1), ((a, b, None), 2), ((None, None, None), 0)):
             llm.scheduler.step_log = log = []
+            seen.clear()
             lrs = [None if x is None else LoRARequest(x.name, 1, str(x)) for x in adapters]
             llm.generate(prompts, _greedy(), lora_request=lrs)
             assert len(log) == MAX_NEW and [shape.adapters for shape, _ in log] == [want] * MAX_NEW, adapters
+            assert seen[0] == sorted(x.name if x else "" for x in adapters), seen
 
 
 @pytest.fixture(scope="module")

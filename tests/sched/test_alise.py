@@ -119,6 +119,20 @@ def test_rt_before_be_and_be_kept_within_the_rt_slack():
     assert "SLO" in plan.reasons["be2"]
 
 
+def test_be_work_within_the_rt_slack_counts_each_lora_adapter_once():
+    """A chat on adapter x has 18 ms left; an adapter costs 4 ms a step. A BE decode on adapter y
+    would make the step 0.0150 + 0.0010 + 0.004 = 20.0 ms and waits; on x it adds no adapter
+    (16.0 ms) and joins; with adapters unpriced it joins on y too (12.0 ms)."""
+    priced = replace(COST, per_adapter=0.004)
+    rt = replace(cand("rt", 10, 3, 500, slo=0.018), adapter="x")
+
+    def joins(adapter, model=priced):
+        a = Alise(lambda shape, slots=0: model.predict(shape), levels=6, theta1_s=0.05, age_s=1e9)
+        be = replace(cand("be", 10, 5, 6, rt=False), adapter=adapter)
+        return "be" in {d.req_id for d in a(snap([rt, be], [])).scheduled}
+    assert not joins("y") and joins("x") and joins("y", COST)
+
+
 def test_estimated_wait_of_preempted_requests_by_hand():
     """EWT = min(sum of T_rem ahead / batch size, time until aging lifts it to level 0)."""
     a = Alise(cost, levels=6, theta1_s=0.05, age_s=1e9)

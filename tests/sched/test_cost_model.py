@@ -56,28 +56,37 @@ def test_fit_recovers_coefficients_and_stays_non_negative():
                ("base", "per_prefill_token", "per_prefill_attn", "per_decode_token", "per_decode_ctx")) >= 0
 
 
+def _refits_learn(coefficient: str, value: float, feature: str, served, probe: int, seed: int) -> None:
+    """A start-up profile whose steps all have ``feature`` 0 prices it at 0; after 128 served
+    steps with ``served(rng, i)`` of it (costing ``value`` each, measured within 1%) are
+    refitted, the model's ``coefficient`` is ``value`` within 5%, and a step with ``probe`` of
+    it, priced ``probe * value`` short before, is priced right."""
+    true = replace(CostModel(0.01, 2e-4, 1e-8, 5e-4, 3e-6), **{coefficient: value})
+    rng = random.Random(seed)
+
+    def shape(x: int) -> StepShape:
+        s = StepShape().add(n := rng.randint(1, 512), n, decode=False)
+        for _ in range(rng.randint(1, 64)):
+            s = s.add(1, rng.randint(1, 1024), decode=True)
+        return replace(s, **{feature: x})
+
+    startup = [(s, true.predict(s)) for s in (shape(0) for _ in range(40))]
+    online = OnlineCostModel(CostModel.fit(startup), startup, refit_every=64)
+    probed = shape(probe)
+    assert online(probed) == pytest.approx(true.predict(probed) - probe * value, rel=0.01)
+    for i in range(128):
+        s = shape(served(rng, i))
+        online.observe(s, true.predict(s) * (1 + rng.uniform(-0.01, 0.01)))
+    assert getattr(online.model, coefficient) == pytest.approx(value, rel=0.05)
+    assert online(probed) == pytest.approx(true.predict(probed), rel=0.02)
+
+
 def test_the_refits_learn_the_copy_back_of_swapped_out_caches_from_the_steps_that_make_it():
     """A start-up profile swaps nothing, so its model prices a copy back from host memory at 0;
     once served steps (one in eight copying 1-100 MB back at 5 GB/s) are refitted, the model
     finds the 0.2 ns per byte, and a step copying 50 MB is priced its 10 ms more."""
-    true = CostModel(0.01, 2e-4, 1e-8, 5e-4, 3e-6, per_swap_in_byte=2e-10)
-    rng = random.Random(1)
-
-    def shape(swap_in: int) -> StepShape:
-        s = StepShape().add(n := rng.randint(1, 512), n, decode=False)
-        for _ in range(rng.randint(1, 64)):
-            s = s.add(1, rng.randint(1, 1024), decode=True)
-        return replace(s, swap_in_bytes=swap_in)
-
-    startup = [(s, true.predict(s)) for s in (shape(0) for _ in range(40))]
-    online = OnlineCostModel(CostModel.fit(startup), startup, refit_every=64)
-    copying = shape(50_000_000)
-    assert online(copying) == pytest.approx(true.predict(copying) - 0.01, rel=0.01)
-    for i in range(128):
-        s = shape(rng.randint(1_000_000, 100_000_000) if i % 8 == 0 else 0)
-        online.observe(s, true.predict(s) * (1 + rng.uniform(-0.01, 0.01)))
-    assert online.model.per_swap_in_byte == pytest.approx(2e-10, rel=0.05)
-    assert online(copying) == pytest.approx(true.predict(copying), rel=0.02)
+    _refits_learn("per_swap_in_byte", 2e-10, "swap_in_bytes",
+                  lambda rng, i: rng.randint(1_000_000, 100_000_000) if i % 8 == 0 else 0, 50_000_000, seed=1)
 
 
 def test_the_refits_learn_what_a_lora_adapter_adds_to_a_step():
@@ -85,24 +94,7 @@ def test_the_refits_learn_what_a_lora_adapter_adds_to_a_step():
     adapters at 0; once served steps run with 0-4 distinct adapters (4 ms each, whatever their
     rows) are refitted, the model finds the 4 ms, and a step with three adapters is priced its
     12 ms more."""
-    true = CostModel(0.01, 2e-4, 1e-8, 5e-4, 3e-6, per_adapter=0.004)
-    rng = random.Random(2)
-
-    def shape(adapters: int) -> StepShape:
-        s = StepShape().add(n := rng.randint(1, 512), n, decode=False)
-        for _ in range(rng.randint(1, 64)):
-            s = s.add(1, rng.randint(1, 1024), decode=True)
-        return replace(s, adapters=adapters)
-
-    startup = [(s, true.predict(s)) for s in (shape(0) for _ in range(40))]
-    online = OnlineCostModel(CostModel.fit(startup), startup, refit_every=64)
-    three = shape(3)
-    assert online(three) == pytest.approx(true.predict(three) - 0.012, rel=0.01)
-    for _ in range(128):
-        s = shape(rng.randint(0, 4))
-        online.observe(s, true.predict(s) * (1 + rng.uniform(-0.01, 0.01)))
-    assert online.model.per_adapter == pytest.approx(0.004, rel=0.05)
-    assert online(three) == pytest.approx(true.predict(three), rel=0.02)
+    _refits_learn("per_adapter", 0.004, "adapters", lambda rng, i: rng.randint(0, 4), 3, seed=2)
 
 
 def _products(rows: int) -> float:
