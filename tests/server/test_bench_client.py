@@ -71,7 +71,7 @@ async def test_cpu_seconds_of_the_server_and_its_workers(server):
     high = {p.pid: sum(p.cpu_times()[:2]) for p in procs}
     assert after["workers"] and set(after["workers"]) <= set(low)     # the server's own children
     # CPU time only grows: each read lies between psutil's counts just before and just after it
-    for pid, seconds in [(server.proc.pid, after["server"]), *after["workers"].items()]:
-        assert between(low[pid], seconds, high[pid])
+    for pid, cpu_read in [(server.proc.pid, after["server"]), *after["workers"].items()]:
+        assert between(low[pid], cpu_read, high[pid])
     used = cpu_used(before, after)
     assert used["workers"] > 0 and used["server"] > 0 and used["client"] > 0
