@@ -327,7 +327,7 @@ class DeviceActor:
             self.preemption_reasons[reason_kind(plan.reasons.get(r, "preempted"))] += 1
         inp = self._due_input()
         shape = StepShape()
-        placed = []
+        placed, adapters = [], set()
         swapped_in = self.swap_bytes["in"]
         # RT grows first (a pool that preempts blocks lets RT take BE slots, never the reverse)
         decisions = sorted(plan.scheduled, key=lambda d: self.states[d.req_id].request.service_class
@@ -340,6 +340,8 @@ class DeviceActor:
             if sr is None:
                 continue
             placed.append(dec)
+            if st.request.lora is not None:
+                adapters.add(st.request.lora)
             hidden = self.pool.geometry.blocks_for(st.num_computed) if st.cache_type is CacheType.HIDDEN else 0
             shape = shape.add(dec.num_new_tokens, st.num_computed + dec.num_new_tokens,
                               dec.phase is Phase.DECODE, hidden)
@@ -354,7 +356,6 @@ class DeviceActor:
             self.tokens_by_phase[st.request.service_class, dec.phase] += dec.num_new_tokens
         plan.scheduled = placed
         self._hits = {}
-        adapters = {self.states[d.req_id].request.lora for d in placed} - {None}
         return inp, replace(shape, swap_in_bytes=self.swap_bytes["in"] - swapped_in, adapters=len(adapters))
 
     # ---- prefix caching ---------------------------------------------------------------------

@@ -20,9 +20,9 @@ A: the LoRA adapters the step's requests run with, each counted once: an adapter
 small products to every projection of every layer, whatever its rows, so it costs per adapter,
 not per row; l is 0 until refits see steps with adapters. [open choice] One term per adapter:
 SmolLM2 in float32 on 2-core EPYCs (bench/README.md, "LoRA adapters"): a decode step of 8 rows
-cost 5.2 / 19.6 ms more with one / four adapters with AVX-512, as linear, and 12-17 ms for the
-first adapter and 6-8 for each further one on a Zen 2 with AVX2, where the fit's 11.5 ms per
-adapter priced its steps within 2-10% (without the term: -18..+29%).
+cost 5.2 / 19.6 ms more with one / four adapters with AVX-512, as linear; on a Zen 2 with AVX2
+10-11 / 24-25 ms, the first adapter costing about twice each further one, where the fit's
+8.9-9.1 ms per adapter priced the steps within 5-10%.
 Fitted by least squares from measured steps; every coefficient is kept non-negative.
 
 An engine whose thin products take another path (a bfloat16 CPU worker multiplies steps of at
