@@ -20,7 +20,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -71,34 +71,51 @@ def _fused_width(targets: dict[str, Target], proj: str) -> int:
     return max(t.hi for t in targets.values() if t.proj == proj)
 
 
+@dataclass(frozen=True, slots=True)
+class Update:
+    """An adapter's update of one fused projection: A_cat^T and B_cat^T, transposed and
+    contiguous as the products read them."""
+    a_t: torch.Tensor                            # [in_features, r_total]
+    b_t: torch.Tensor                            # [r_total, out_total], the scale folded in
+
+    def to(self, device, dtype: torch.dtype) -> "Update":
+        return Update(self.a_t.to(device, dtype), self.b_t.to(device, dtype))
+
+    def add(self, x: torch.Tensor, out: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """out += x A_cat^T B_cat[first:]^T, in place (``out`` holds the fused output from row
+        ``first`` on).
+
+        [open choice] One product over all of B_cat, the zeros outside its parts' blocks
+        included (two thirds of a Q/K/V update's B_cat when all three take rank r): a product
+        per part's block did the updates of 128 rows in 15% less time (rank 16 on all of
+        SmolLM2's projections, float32, one thread, a 2-core Zen 2), but a 256-token prompt
+        step with an adapter cost the same 66-70 ms more than on the base model either way,
+        and steps of 1-2 rows took 30% longer by blocks."""
+        return out.addmm_(x @ self.a_t, self.b_t if first == 0 else self.b_t[:, first:])
+
+
 @dataclass(eq=False)
 class Adapter:
-    """A loaded adapter, fused to the model's projections: ``weights[(layer, proj)] = (A_cat
-    [r_total, in], B_cat [out_total, r_total])``, the scale folded into B_cat."""
+    """A loaded adapter, fused to the model's projections: ``weights[(layer, proj)]`` is its
+    Update of that projection (none for a projection it does not target)."""
     ref: LoraRef
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-    # (A^T, B^T) per projection, contiguous in the activations' dtype, made at first use;
-    # None for a projection it does not target
-    _products: dict = field(default_factory=dict, repr=False)
+    weights: dict[tuple[int, str], Update]
 
     def add(self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor, first: int = 0) -> torch.Tensor:
-        """out += x A^T B[first:]^T for this layer's ``proj``, in place (``first``: the first
-        output row of the fused projection that ``out`` holds).
+        """out += this adapter's update of x for this layer's ``proj``, in place (``first``: the
+        first output row of the fused projection that ``out`` holds).
 
-        [open choice] The products read A^T and B^T made contiguous once. With transposed
-        views and a slice at every call (120 calls a step), SmolLM2's decode step of 8 rows
-        cost 12-19 ms more on one adapter and 34-36 ms more on four than on the base model
-        (float32, a 2-core Zen 2, ``bench lora``, four runs); with these 10-11 and 24-25 ms
-        (two runs)."""
-        key = (layer, proj)
-        p = self._products.get(key, False)
-        if p is False or (p is not None and p[0].dtype != x.dtype):
-            w = self.weights.get(key)
-            p = self._products[key] = None if w is None else tuple(t.to(x.dtype).T.contiguous() for t in w)
-        if p is None:
+        [open choice] The products read A^T and B^T as stored, transposed and contiguous (the
+        worker keeps them once, in the step's dtype): with transposed views and a slice at every
+        call (120 calls a step), SmolLM2's decode step of 8 rows cost 12-19 ms more on one adapter
+        and 34-36 ms more on four than on the base model (float32, a 2-core Zen 2, ``bench lora``,
+        four runs); made contiguous, 10-11 and 24-25 ms."""
+        u = self.weights.get((layer, proj))
+        if u is None:
             return out
-        a_t, b_t = p
-        return out.addmm_(x @ a_t, b_t if first == 0 else b_t[:, first:])
+        if u.a_t.dtype != x.dtype:            # sent in another dtype than the step computes in
+            u = self.weights[(layer, proj)] = u.to(x.device, x.dtype)
+        return u.add(x, out, first)
 
 
 @dataclass(slots=True)
@@ -218,11 +235,10 @@ def read_adapter(ref: LoraRef, spec: ModelSpec) -> Adapter:
         pieces.setdefault((layer, tg.proj), []).append((tg, a.float(), b.float() * scale))
     weights = {}
     for (layer, proj), ps in pieces.items():
-        a_cat = torch.cat([a for _, a, _ in ps])
-        b_cat = torch.zeros(_fused_width(targets, proj), a_cat.shape[0])
+        b_t = torch.zeros(sum(a.shape[0] for _, a, _ in ps), _fused_width(targets, proj))
         col = 0
         for tg, a, b in ps:
-            b_cat[tg.lo:tg.hi, col:col + a.shape[0]] += b
+            b_t[col:col + a.shape[0], tg.lo:tg.hi] += b.T
             col += a.shape[0]
-        weights[(layer, proj)] = (a_cat, b_cat)
+        weights[(layer, proj)] = Update(torch.cat([a for _, a, _ in ps]).T.contiguous(), b_t)
     return Adapter(ref, weights)

@@ -39,7 +39,7 @@ class LoraRef:
 @dataclass(frozen=True, slots=True)
 class AdapterWeights:
     """A LoRA adapter's matrices, fused to the model's projections as engine.lora reads them
-    (``weights[(layer, projection)] = (A, B)``, float32 on the CPU), sent to a worker once,
+    (``weights[(layer, projection)]``: an engine.lora.Update, float32 on the CPU), sent to a worker once,
     before its first request there: workers never read adapter files themselves."""
     ref: LoraRef
     weights: dict

@@ -115,9 +115,8 @@ class ModelRunner:
         for ref in inp.drop_adapters:
             self.adapters.pop(ref, None)
         for aw in inp.adapters:
-            self.adapters[aw.ref] = Adapter(aw.ref, {key: (a.to(self.device, self.pool.dtype),
-                                                           b.to(self.device, self.pool.dtype))
-                                                     for key, (a, b) in aw.weights.items()})
+            self.adapters[aw.ref] = Adapter(aw.ref, {key: u.to(self.device, self.pool.dtype)
+                                                     for key, u in aw.weights.items()})
 
     def _append_blocks(self, st: ReqState, block_ids: list[int], dirs: list[Direction]) -> None:
         """Blocks arrive in groups of g per block_size tokens: (K, V) pairs for a KV cache,
