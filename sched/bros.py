@@ -169,6 +169,7 @@ class Bros:
         self.block_size = 0                     # the snapshot's, for pricing hidden caches
         self._urg: dict[str, float] = {}        # this plan's RT urgencies, at T_avg ``_urg_t_avg``
         self._urg_t_avg = math.nan
+        self._unshrunk = math.inf               # this plan's budget before its margin (``_budget``)
 
     # ---- helpers ---------------------------------------------------------------
     def _load(self, items: Iterable[tuple[Candidate, int]], base: Load = Load()) -> Load:
@@ -232,7 +233,13 @@ class Bros:
         # [open choice] plan against the budget shrunk by the cost model's recent 90th-percentile
         # overrun (measured / predicted), so a step predicted to just fit meets the deadline nine
         # times in ten; shrinking by the mean error left 40% of chats past a 1 s TTFT under a job
+        self._unshrunk = budget
         return self._margin(budget)
+
+    def _chunk_limit(self, r: Candidate, t_res_min: float) -> float:
+        """The time an iteration with RT prompt ``r``'s chunk may be predicted to take: T_res_min
+        (the budget with its margin) for every prompt here."""
+        return t_res_min
 
     def _margin(self, seconds: float) -> float:
         """A time limit shrunk by the cost model's recent 90th-percentile overrun (if it keeps one)."""
@@ -404,15 +411,16 @@ class Bros:
                 plan.reasons[r.req_id] = "waiting: its predicted growth would not fit beside the running requests'"
                 continue
             kept_load = self._load(kept, rt_load) if kept else rt_load
-            if kept and self._time(kept_load, r, n) > t_res_min:
-                n = self._fit_chunk(kept_load, r, n, t_res_min) if lim.chunked_prefill else 0
+            limit = self._chunk_limit(r, t_res_min) if n > 1 else t_res_min
+            if kept and self._time(kept_load, r, n) > limit:
+                n = self._fit_chunk(kept_load, r, n, limit) if lim.chunked_prefill else 0
                 kept_full, fitted = n == 0, n > 0
                 if n == 0:
                     q_rt.popleft()
                     plan.reasons[r.req_id] = KEPT_WAIT
                     continue
-            if rt_ready and self._time(rt_load, r, n) > t_res_min:
-                n = self._fit_chunk(rt_load, r, n, t_res_min) if lim.chunked_prefill else 0
+            if rt_ready and self._time(rt_load, r, n) > limit:
+                n = self._fit_chunk(rt_load, r, n, limit) if lim.chunked_prefill else 0
                 early = True
                 if n == 0:
                     plan.reasons[r.req_id] = "waiting: the batch would miss the most urgent RT deadline"

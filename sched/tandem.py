@@ -26,7 +26,9 @@ Who decides what, each in its own module:
     how much time a prompt chunk may take       Tandem      Tandem._kept: what the decodes after it
                                                             in the order that are due leave, unless
                                                             the prompt is due itself and can still
-                                                            make its target
+                                                            make its target; a prompt past its TTFT
+                                                            target is fitted to the residual without
+                                                            the overrun margin (Tandem._chunk_limit)
     which cache a starting request keeps        Apt-Serve   AptServe.hidden_choice: the prefill
                                                             knapsack; only on models where a
                                                             hidden cache is smaller than KV
@@ -183,6 +185,29 @@ class Tandem(Bros):
         if not self._overdue(r) and (r.missed or (self._due(r, t_avg) and not self._too_late(r, t_avg))):
             return []
         return self._due_items[bisect.bisect_right(self._due_at, self._pos[r.req_id]):]
+
+    def _chunk_limit(self, r: Candidate, t_res_min: float) -> float:
+        """A prompt that has missed its TTFT target is fitted to the most urgent residual itself,
+        not to the residual shrunk by the cost model's overrun margin (``Bros._budget``): the
+        margin keeps a step that is predicted to fit within the chats' targets nine times in
+        ten, and on this CPU, where a late prompt runs on what the chats on target leave, it
+        left such a prompt no chunk at all for seconds. Under a 92 ms TBT target with 12-13
+        chats decoding (50-57 ms steps, priced 50-53 ms, a 1.25x margin) the smallest chunk did
+        not fit, and at 1 chat/s four first tokens came 6-9 s after their prompts (a 2-core Zen
+        2, SmolLM2 in float32, ``bench online``); with this rule, on that trace (three runs each,
+        alternated), the longest first-token wait was 5.7-6.7 s against 7.7-15.2 s and the
+        second longest 1.3-2.1 s against 5.9-11.1 s, with 67-73% of chats on TTFT & TPOT against
+        67-77%. [open choice] From the simulator at this CPU's
+        scale (``sim-tandem --preset fitted``, 0.75 / 1 / 1.25 req/s, seeds 0-2): the longest
+        first-token wait fell from 14.5 / 26.9 / 34.1 s to 7.4 / 15.0 / 20.2 s on seed 0
+        (TTFT p99 by 18-44% on all three seeds), TTFT & TPOT moved by -1 to +4 points,
+        normalized latency by 0 to -21%, BE by at most 0.03 req/s; the price is the chats'
+        gaps: at 0.75 and 1 req/s 0.4-1.4 points more of them past the target, and each chat's
+        P99 gap 6-15% longer at 1 req/s. At paper scale it moved attainment by at most a point
+        up to 2.5 req/s; at 3 (past capacity) TTFT & P99 TBT went from 81 / 50 / 51% to 86 /
+        72 / 39% on seeds 0 / 1 / 2. Only the chunk's own limit moves: BE work is still packed
+        within the margin."""
+        return self._unshrunk if r.missed else t_res_min
 
     def _too_late(self, r: Candidate, t_avg: float) -> bool:
         """Would ``r``'s next token miss its target even if the rest of its prompt ran alone now?

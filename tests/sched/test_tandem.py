@@ -11,7 +11,7 @@ import pytest
 
 from tandem.engine.messages import CacheType
 from tandem.sched.bros import Bros
-from tandem.sched.cost_model import CostModel, StepShape
+from tandem.sched.cost_model import CostModel, OnlineCostModel, StepShape
 from tandem.sched.policy import Candidate, Limits, Snapshot
 from tandem.sched.tandem import STARTED_AHEAD, STARTED_LATE, Mechanism, Tandem
 
@@ -463,3 +463,22 @@ def test_a_late_chat_decoding_is_overdue_for_its_next_token_after_ten_targets():
     assert overdue["new"] == 23
     assert "stalled" not in plan(0.6, swapped=True)
     assert "stalled" not in plan(0.6, off=frozenset({Mechanism.OVERDUE}))
+
+
+def test_a_prompt_past_its_ttft_target_is_fitted_to_the_residual_not_to_the_overrun_margin():
+    """Recent steps ran 25% past their prediction, so a step is planned against the decoding
+    chat's 40 ms residual shrunk to 32 ms. A prompt still on target gets the longest chunk within
+    32 ms: 17 tokens (10 + 5 ms for the decode, 1 ms a prompt token, by hand). One that has
+    missed its TTFT target gets the longest within the 40 ms itself, 25 tokens (a 20-token one
+    runs whole); BROS fits it to the 32 ms too."""
+    online = OnlineCostModel(CostModel(0.01, 1e-3, 0.0, 5e-3, 0.0), refit_every=10**9)
+    for _ in range(50):
+        online.observe(StepShape().add(1, 8, decode=True), 0.015 * 1.25)
+    a = cand("a", 100, 40, out=3, rt=True, slo=0.1, pending=0.06)
+    on_target = cand("w", 100, 2000, rt=True, computed=0, blocks=0, slo=1.0, arrival=1.0)
+    late = replace(cand("w", 100, 2000, rt=True, computed=0, blocks=0, slo=1.0, pending=2.0, arrival=1.0), missed=True)
+    assert chunks(Tandem(online, max_num_seqs=8)(snap([a], [on_target]))) == [("a", 1), ("w", 17)]
+    assert chunks(Tandem(online, max_num_seqs=8)(snap([a], [late]))) == [("a", 1), ("w", 25)]
+    assert chunks(Bros(online, max_num_seqs=8)(snap([a], [late]))) == [("a", 1), ("w", 17)]
+    short = replace(cand("w", 20, 2000, rt=True, computed=0, blocks=0, slo=1.0, pending=2.0, arrival=1.0), missed=True)
+    assert chunks(Tandem(online, max_num_seqs=8)(snap([a], [short]))) == [("a", 1), ("w", 20)]   # 35 ms, whole
