@@ -386,6 +386,7 @@ class Bros:
         taken: set[str] = set()
         early, blocked, running_ids = False, False, {c.req_id for c in snap.running}
         kept_full = False
+        rt_limit = t_res_min                    # what an RT decode may fill the step to (``_chunk_limit``)
         while q_rt and len(rt_ready) < self.b_curr and tokens_left > 0:
             r, fitted = q_rt[0], False
             if r.req_id in plan.preempted:      # gave its blocks to a more urgent request this iteration
@@ -411,7 +412,7 @@ class Bros:
                 plan.reasons[r.req_id] = "waiting: its predicted growth would not fit beside the running requests'"
                 continue
             kept_load = self._load(kept, rt_load) if kept else rt_load
-            limit = self._chunk_limit(r, t_res_min) if n > 1 else t_res_min
+            limit = self._chunk_limit(r, t_res_min) if n > 1 else rt_limit
             if kept and self._time(kept_load, r, n) > limit:
                 n = self._fit_chunk(kept_load, r, n, limit) if lim.chunked_prefill else 0
                 kept_full, fitted = n == 0, n > 0
@@ -425,7 +426,7 @@ class Bros:
                 if n == 0:
                     plan.reasons[r.req_id] = "waiting: the batch would miss the most urgent RT deadline"
                     break
-            elif not rt_ready and self._time(Load(), r, n) > t_res_min:
+            elif not rt_ready and self._time(Load(), r, n) > limit:
                 early = True        # the most urgent request cannot make it: run it alone-first anyway
             if not self._make_room(r, n, snap, budget, plan, taken, t_avg):
                 plan.reasons[r.req_id] = "waiting: no block can be found or preempted"
@@ -435,6 +436,7 @@ class Bros:
             q_rt.popleft()
             rt_ready.append((r, n))
             rt_load = rt_load.add(r, n, self.block_size)
+            rt_limit = max(rt_limit, limit)     # decodes after a chunk may fill the step to its limit
             taken.add(r.req_id)
             tokens_left -= n
             kept_full = kept_full or fitted

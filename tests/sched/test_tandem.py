@@ -465,16 +465,23 @@ def test_a_late_chat_decoding_is_overdue_for_its_next_token_after_ten_targets():
     assert "stalled" not in plan(0.6, off=frozenset({Mechanism.OVERDUE}))
 
 
-def test_a_prompt_past_its_ttft_target_is_fitted_to_the_residual_not_to_the_overrun_margin():
-    """Recent steps ran 25% past their prediction, so a step is planned against the decoding
-    chat's 40 ms residual shrunk to 32 ms. A prompt still on target gets the longest chunk within
-    32 ms: 17 tokens (10 + 5 ms for the decode, 1 ms a prompt token, by hand). One that has
-    missed its TTFT target gets the longest within the 40 ms itself, 25 tokens (a 20-token one
-    runs whole); BROS fits it to the 32 ms too."""
+def _overrunning_cost() -> OnlineCostModel:
+    """A cost model whose recent steps ran 25% past their prediction: 10 ms a step, 1 ms a prompt
+    token, 5 ms a decode, no attention terms."""
     online = OnlineCostModel(CostModel(0.01, 1e-3, 0.0, 5e-3, 0.0), refit_every=10**9)
     for _ in range(50):
         online.observe(StepShape().add(1, 8, decode=True), 0.015 * 1.25)
-    a = cand("a", 100, 40, out=3, rt=True, slo=0.1, pending=0.06)
+    return online
+
+
+def test_a_prompt_past_its_ttft_target_is_fitted_to_the_residual_not_to_the_overrun_margin():
+    """Recent steps ran 25% past their prediction, so a step is planned against the decoding
+    chat's 40.5 ms residual shrunk to 32.4 ms. A prompt still on target gets the longest chunk
+    within 32.4 ms: 17 tokens (10 + 5 ms for the decode, 1 ms a prompt token, by hand). One that
+    has missed its TTFT target gets the longest within the 40.5 ms itself, 25 tokens (a 20-token
+    one runs whole); BROS fits it to the 32.4 ms too."""
+    online = _overrunning_cost()
+    a = cand("a", 100, 40, out=3, rt=True, slo=0.1, pending=0.0595)
     on_target = cand("w", 100, 2000, rt=True, computed=0, blocks=0, slo=1.0, arrival=1.0)
     late = replace(cand("w", 100, 2000, rt=True, computed=0, blocks=0, slo=1.0, pending=2.0, arrival=1.0), missed=True)
     assert chunks(Tandem(online, max_num_seqs=8)(snap([a], [on_target]))) == [("a", 1), ("w", 17)]
@@ -482,3 +489,26 @@ def test_a_prompt_past_its_ttft_target_is_fitted_to_the_residual_not_to_the_over
     assert chunks(Bros(online, max_num_seqs=8)(snap([a], [late]))) == [("a", 1), ("w", 17)]
     short = replace(cand("w", 20, 2000, rt=True, computed=0, blocks=0, slo=1.0, pending=2.0, arrival=1.0), missed=True)
     assert chunks(Tandem(online, max_num_seqs=8)(snap([a], [short]))) == [("a", 1), ("w", 20)]   # 35 ms, whole
+
+
+def test_a_prompt_overdue_for_its_first_token_leaves_the_decodes_after_it_their_time():
+    """The same overrun, two chats decoding with 60.5 ms residuals (each due: T_avg 40 ms) and
+    predicted to reply at length, and a prompt overdue for its first token (11 s past a 1 s
+    target) ranked before them. Like a late prompt its chunk is fitted to the residual itself,
+    and it leaves both decodes their time in it: 40 tokens (10 + 40 x 1 + 2 x 5 = 60 ms, by
+    hand), and both decodes run, though the step is past the margin (48.4 ms)."""
+    online = _overrunning_cost()
+    decoding = [cand(f"d{i}", 100, 4000, out=3, rt=True, slo=0.1, pending=0.0395, arrival=1.0 + i) for i in range(2)]
+    old = replace(cand("old", 100, 5, rt=True, computed=0, blocks=0, slo=1.0, pending=11.0), missed=True)
+    plan = Tandem(online, max_num_seqs=8)(snap(decoding, [old], t_avg=0.04))
+    assert dict(chunks(plan)) == {"old": 40, "d0": 1, "d1": 1}
+
+
+def test_a_late_prompt_keeps_within_the_idle_bound_while_a_new_prompt_can_make_its_first_token():
+    """No chat decoding; a 10-token prompt with 400 ms to its first token, and a 1,000-token one
+    past its target. While the new prompt can make its TTFT the step is bounded by the tightest
+    target seen (50.05 ms here), the late prompt's chunk too: 390 tokens (10 ms + 400 x 0.1 ms,
+    by hand), not the whole prompt that the new one's 400 ms would allow."""
+    new = cand("new", 10, 5, rt=True, computed=0, blocks=0, slo=0.4, arrival=2.0)
+    late = replace(cand("late", 1000, 5, rt=True, computed=0, blocks=0, slo=1.0, pending=2.0), missed=True)
+    assert chunks(policy(idle_budget_s=0.05005)(snap([], [new, late]))) == [("new", 10), ("late", 390)]
