@@ -90,7 +90,7 @@ class Update:
         per part's block did the updates of 128 rows in 15% less time (rank 16 on all of
         SmolLM2's projections, float32, one thread, a 2-core Zen 2), but a 256-token prompt
         step with an adapter cost the same 66-70 ms more than on the base model either way,
-        and steps of 1-2 rows took 30% longer by blocks."""
+        and the updates of 1-2 rows took 30% longer by blocks."""
         return out.addmm_(x @ self.a_t, self.b_t if first == 0 else self.b_t[:, first:])
 
 

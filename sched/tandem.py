@@ -188,27 +188,26 @@ class Tandem(Bros):
 
     def _chunk_limit(self, r: Candidate, t_res_min: float) -> float:
         """A prompt that has missed its TTFT target is fitted to the most urgent residual itself,
-        not to the residual shrunk by the cost model's overrun margin (``Bros._budget``; within
-        the idle bound while a new prompt can still make its first token): the margin keeps a
-        step that is predicted to fit within the chats' targets nine times in ten, and on this
-        CPU, where a late prompt runs on what the chats on target leave, it left such a prompt
-        no chunk at all for seconds. Under a 92 ms TBT target with 12-13 chats decoding (50-57
-        ms steps, priced 50-53 ms, a 1.25x margin) the smallest chunk did not fit, and at 1
-        chat/s four first tokens came 6-9 s after their prompts (a 2-core Zen 2, SmolLM2 in
-        float32, ``bench online``). With this rule, on that trace (five runs against three,
-        alternated), the longest first-token wait was 5.7-6.7 s against 7.7-15.2 s and the
-        second longest 1.3-2.6 s against 5.9-11.1 s, with 67-73% of chats on TTFT & TPOT
-        against 67-77%. [open choice] From the simulator at this CPU's scale (``sim-tandem
-        --preset fitted``, 0.75 / 1 / 1.25 req/s, seeds 0-2): the longest first-token wait fell
-        from 14.5 / 26.9 / 34.1 s to 7.6 / 12.8 / 18.9 s on seed 0 and the TTFT p99 by 21-58%,
-        TTFT & TPOT moved by 0 to +4 points, normalized latency by 0 to -22%, BE by at most 0.02
-        req/s; the price is the chats' gaps: at 0.75 and 1 req/s 0.2-1.5 points more of them past
-        the target, and each chat's P99 gap 11-21% longer at 1 req/s. At paper scale it moved
-        attainment by at most a point up to 2.5 req/s; at 3 (past capacity) TTFT & P99 TBT went
-        from 81 / 50 / 51% to 86 / 67 / 38% on seeds 0 / 1 / 2. Only the RT work moves: BE work
-        is still packed within the margin. The RT decodes after the chunk in the order may fill
-        the step to the same limit, so an overdue prompt's chunk still leaves the due decodes
-        after it (``_kept``) their time."""
+        not to the residual shrunk by the cost model's overrun margin (``Bros._budget``; within the
+        idle bound while a new prompt can still make its first token): the margin keeps a step that
+        is predicted to fit within the chats' targets nine times in ten, and on this CPU, where a
+        late prompt runs on what the chats on target leave, it left such a prompt no chunk at all
+        for seconds. Under a 92 ms TBT target with 12-13 chats decoding (50-57 ms steps, priced
+        50-53 ms, a 1.25x margin) the smallest chunk did not fit, and at 1 chat/s four first tokens
+        came 6-9 s after their prompts (a 2-core Zen 2, SmolLM2 in float32, ``bench online``). With
+        this rule, on that trace (six runs, three of them alternated with three of the code before),
+        the longest first-token wait was 5.7-6.8 s against 7.7-15.2 s and the second longest 1.3-2.6
+        s against 5.9-11.1 s, with 67-73% of chats on TTFT & TPOT against 67-77%. [open choice] From
+        the simulator at this CPU's scale (``sim-tandem --preset fitted``, 0.75 / 1 / 1.25 req/s,
+        seeds 0-2): the longest first-token wait fell from 14.5 / 26.9 / 34.1 s to 7.6 / 12.8 / 18.9
+        s on seed 0 and the TTFT p99 by 21-58%, TTFT & TPOT moved by 0 to +4 points, normalized
+        latency by 0 to -22%, BE by at most 0.02 req/s; the price is the chats' gaps: at 0.75 and 1
+        req/s 0.2-1.5 points more of them past the target, and each chat's P99 gap 11-21% longer at
+        1 req/s. At paper scale it moved attainment by at most a point up to 2.5 req/s; at 3 (past
+        capacity) TTFT & P99 TBT went from 81 / 50 / 51% to 86 / 67 / 38% on seeds 0 / 1 / 2. Only
+        the RT work moves: BE work is still packed within the margin. The RT decodes after the chunk
+        in the order may fill the step to the same limit, so an overdue prompt's chunk still leaves
+        the due decodes after it (``_kept``) their time."""
         return self._unshrunk if r.missed else t_res_min
 
     def _too_late(self, r: Candidate, t_avg: float) -> bool:

@@ -493,8 +493,8 @@ def test_a_prompt_past_its_ttft_target_is_fitted_to_the_residual_not_to_the_over
 
 def test_a_prompt_overdue_for_its_first_token_leaves_the_decodes_after_it_their_time():
     """The same overrun, two chats decoding with 60.5 ms residuals (each due: T_avg 40 ms) and
-    predicted to reply at length, and a prompt overdue for its first token (11 s past a 1 s
-    target) ranked before them. Like a late prompt its chunk is fitted to the residual itself,
+    predicted to reply at length, and a prompt overdue for its first token (waiting 11 s
+    against a 1 s target) ranked before them. Like a late prompt its chunk is fitted to the residual itself,
     and it leaves both decodes their time in it: 40 tokens (10 + 40 x 1 + 2 x 5 = 60 ms, by
     hand), and both decodes run, though the step is past the margin (48.4 ms)."""
     online = _overrunning_cost()
