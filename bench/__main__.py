@@ -137,13 +137,16 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     sw.add_argument("--layers", type=positive_int, default=8)
     sw.add_argument("--steps", type=positive_int, default=64)
     sw.add_argument("--out", default="sliding_window.json", help=OUT_HELP)
-    lo = sub.add_parser("lora", help="decode step time with requests on LoRA adapters against the base model "
-                        "(SmolLM2, one worker)")
+    lo = sub.add_parser("lora", help="decode and prompt step time with requests on LoRA adapters against the "
+                        "base model, and the cost model's price of them (SmolLM2, one worker)")
     lo.add_argument("--requests", type=positive_int, default=8)
     lo.add_argument("--adapters", type=positive_int, default=4)
     lo.add_argument("--rank", type=positive_int, default=16)
     lo.add_argument("--context", type=positive_int, default=64)
     lo.add_argument("--steps", type=positive_int, default=48)
+    lo.add_argument("--prompt-tokens", type=positive_int, nargs="+", default=[32, 128, 256],
+                    help="lengths of the prompts computed alone, on the base model and on one adapter")
+    lo.add_argument("--repeats", type=positive_int, default=3, help="prompts of each length")
     lo.add_argument("--out", default="lora.json", help=OUT_HELP)
     sp = sub.add_parser("step-profile", help="where a decode step's time goes: GEMMs, attention, norms, "
                         "rotary, sampling, Python, IPC, the actor's phases")

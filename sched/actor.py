@@ -344,7 +344,7 @@ class DeviceActor:
                 adapters.add(st.request.lora)
             hidden = self.pool.geometry.blocks_for(st.num_computed) if st.cache_type is CacheType.HIDDEN else 0
             shape = shape.add(dec.num_new_tokens, st.num_computed + dec.num_new_tokens,
-                              dec.phase is Phase.DECODE, hidden)
+                              dec.phase is Phase.DECODE, hidden, lora=st.request.lora is not None)
             if st.status is Status.WAITING:
                 self.start_reasons[reason_kind(plan.reasons.get(dec.req_id, "scheduled"))] += 1
             self._start(st)

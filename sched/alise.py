@@ -2,7 +2,8 @@
 
 Each request J has a predicted output length L̂ (from predictor/, or the truth for an
 oracle), g generated tokens and prompt length s. Its estimated remaining time, from the
-shared cost model (one standalone step of each kind):
+shared cost model (one standalone step of each kind, on J's LoRA adapter if it has one, the
+adapter's own part and its rows priced):
 
     T_rem(J) = T_prefill(tokens still to compute) + max(r, 1) · T_decode(context)
 
@@ -97,8 +98,10 @@ class Alise:
         col = _Columns(cands)
         left, demotions = _remaining_many(col)
         todo = col.tokens - col.computed
-        pre = np.where(todo > 1, predict_many(self.cost, todo, attn_pairs(todo, col.tokens)), 0.0)
-        t = pre + np.maximum(left, 1) * predict_many(self.cost, decode_tokens=1, decode_ctx=np.maximum(col.tokens, 1))
+        pre = np.where(todo > 1, predict_many(self.cost, todo, attn_pairs(todo, col.tokens), adapters=col.lora,
+                                              adapter_rows=col.lora * todo), 0.0)
+        t = pre + np.maximum(left, 1) * predict_many(self.cost, decode_tokens=1, decode_ctx=np.maximum(col.tokens, 1),
+                                                     adapters=col.lora, adapter_rows=col.lora)
         return t, self._levels(t, demotions, col.waited)
 
     def _levels(self, t: np.ndarray, demotions: np.ndarray, waited: np.ndarray) -> np.ndarray:
@@ -350,6 +353,7 @@ class _Columns:
         self.tokens = np.array([c.num_tokens for c in cands], dtype=np.int64)
         self.computed = np.array([c.num_computed for c in cands], dtype=np.int64)
         self.waited = np.array([c.stalled_s + c.pending_s for c in cands], dtype=float)
+        self.lora = np.array([c.adapter is not None for c in cands], dtype=np.int64)     # runs with a LoRA adapter
 
 
 def _doubled(predicted: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -118,11 +118,11 @@ def add_chunk(s: StepShape, c: Candidate, n: int, block_size: int = 0,
               adapters: Container = frozenset()) -> StepShape:
     """``s`` plus c's next ``n`` tokens (a decode when it is the one token after its cache); with
     ``block_size``, a hidden cache also re-projects the KV blocks of the context it had. A cache
-    swapped out to host memory is copied back first. c's LoRA adapter counts unless it is one of
-    ``adapters``, those of the requests ``s`` holds already."""
+    swapped out to host memory is copied back first. c's rows on a LoRA adapter count, and the
+    adapter itself unless it is one of ``adapters``, those of the requests ``s`` holds already."""
     hidden = 2 * -(-c.num_computed // block_size) if block_size and c.cache_type is CacheType.HIDDEN else 0
     return s.add(n, c.num_computed + n, n == 1 and c.num_computed > 0 and c.num_computed + 1 == c.num_tokens,
-                 hidden, c.host_bytes, c.adapter is not None and c.adapter not in adapters)
+                 hidden, c.host_bytes, c.adapter is not None and c.adapter not in adapters, c.adapter is not None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,10 +313,11 @@ class Bros:
         if t_avg <= 0 or not priced.any():
             return np.ones(len(cands), dtype=np.int64)
         prompts = [c for c, p in zip(cands, priced) if p]
+        lora = np.array([c.adapter is not None for c in prompts], dtype=np.int64)
         t = predict_many(self.cost, todo[priced], attn_pairs(todo[priced], tokens[priced]),
                          swap_slots=np.array([c.num_cpu for c in prompts], dtype=np.int64),
                          swap_in_bytes=np.array([c.host_bytes for c in prompts], dtype=np.int64),
-                         adapters=np.array([c.adapter is not None for c in prompts], dtype=np.int64))
+                         adapters=lora, adapter_rows=lora * todo[priced])
         k = np.ones(len(cands), dtype=np.int64)
         k[priced] = np.maximum(1, np.ceil(t / t_avg)).astype(np.int64)
         return k

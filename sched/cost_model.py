@@ -2,7 +2,7 @@
 
     t(step) = base + a_p * Σ_prefill Ln + c_p * Σ_prefill pairs(Ln, La)
                    + a_d * (#decodes)   + c_d * Σ_decode La
-                   + ρ * Σ_hidden H + s_in * B_in + l * A
+                   + ρ * Σ_hidden H + s_in * B_in + l * A + l_r * R_A
 
 Ln: new tokens of a request in the step; La: its context length after the
 step; pairs(Ln, La) = Ln·La - Ln(Ln-1)/2, the query-key pairs of its causal attention
@@ -16,13 +16,21 @@ back from host memory before the step's forward, which waits for them; s_in, sec
 is 0 until refits see steps that swap in (the simulator gives it the link's speed). [open choice]
 A swap-out is no term: a GPU worker copies it on a side stream beside the steps that follow
 (engine.hostcopy), and a plan learns which caches it swaps out only while it packs the step.
-A: the LoRA adapters the step's requests run with, each counted once: an adapter adds its own
-small products to every projection of every layer, whatever its rows, so it costs per adapter,
-not per row; l is 0 until refits see steps with adapters. [open choice] One term per adapter:
-SmolLM2 in float32 on 2-core EPYCs (bench/README.md, "LoRA adapters"): a decode step of 8 rows
-cost 5.2 / 19.6 ms more with one / four adapters with AVX-512, as linear; on a Zen 2 with AVX2
-10-11 / 24-25 ms, the first adapter costing about twice each further one, where the fit's
-8.9-9.1 ms per adapter priced the steps within 5-10%.
+A: the LoRA adapters the step's requests run with, each counted once, and R_A: the token rows
+of its requests that run with one (a prompt chunk's Ln, a decode's 1): an adapter adds its own
+small products to every projection of every layer, a fixed part per adapter whatever its rows
+and a part that grows with them; l and l_r are 0 until refits see steps with adapters.
+[open choice] Two terms: SmolLM2 in float32 on 2-core EPYCs (bench/README.md, "LoRA adapters"):
+a decode step of 8 rows cost 5.2 / 19.6 ms more with one / four adapters with AVX-512, as
+linear; on a Zen 2 with AVX2 10-11 / 24-25 ms, the first adapter costing about twice each
+further one, where the fit's 8.9-9.1 ms per adapter priced the steps within 5-10%. A prompt
+chunk's cost on an adapter grows with its rows: 12 / 28 / 64 ms more than on the base model
+at 32 / 128 / 256 tokens (rank 16 on every projection), which one term per adapter priced at
+7 ms each. With the row term, fitted on the same steps (decodes of 8 rows on 0, 1 and 4
+adapters, and prompts alone): 4.2 ms per adapter and 0.52 ms per row, the decode steps priced
+within 2.6% on average against 8.1% and the prompt steps within 7.9% against 8.9% (base
+model) and 8.0% against 6.1% (on an adapter: the row term prices its part at 21 / 70 / 136
+ms, the fit's compromise with the first adapter's extra cost in the decodes).
 Fitted by least squares from measured steps; every coefficient is kept non-negative.
 
 An engine whose thin products take another path (a bfloat16 CPU worker multiplies steps of at
@@ -53,7 +61,7 @@ import numpy as np
 
 STARTUP_WEIGHT = 0.01   # a start-up sample's weight in the online refits, a measured step's being 1
 FEATURES = ("prefill_tokens", "prefill_attn", "decode_tokens", "decode_ctx", "hidden_blocks", "swap_in_bytes",
-            "adapters")
+            "adapters", "adapter_rows")
 MIN_STEPS = 5       # measured steps a fit needs at least
 
 
@@ -66,19 +74,22 @@ class StepShape:
     hidden_blocks: int = 0       # Σ KV blocks of context re-projected by hidden-cache requests
     swap_in_bytes: int = 0       # bytes of swapped-out caches copied back before the forward
     adapters: int = 0            # distinct LoRA adapters its requests run with
+    adapter_rows: int = 0        # token rows of its requests that run with a LoRA adapter
 
     def add(self, num_new: int, context: int, decode: bool, hidden_blocks: int = 0,
-            swap_in_bytes: int = 0, adapters: int = 0) -> "StepShape":
+            swap_in_bytes: int = 0, adapters: int = 0, lora: bool = False) -> "StepShape":
         """This shape plus one request's ``num_new`` tokens at ``context`` (its length after the
         step); ``hidden_blocks``: the KV blocks it re-projects (a hidden cache's context before);
         ``swap_in_bytes``: its cache's bytes copied back from host memory first; ``adapters``: 1
-        where it brings a LoRA adapter no request before it in the step runs with."""
+        where it brings a LoRA adapter no request before it in the step runs with; ``lora``: it
+        runs with an adapter (its rows count in ``adapter_rows``)."""
         h, b, a = self.hidden_blocks + hidden_blocks, self.swap_in_bytes + swap_in_bytes, self.adapters + adapters
+        r = self.adapter_rows + num_new * lora
         if decode:
             return StepShape(self.prefill_tokens, self.prefill_attn, self.decode_tokens + 1,
-                             self.decode_ctx + context, h, b, a)
+                             self.decode_ctx + context, h, b, a, r)
         return StepShape(self.prefill_tokens + num_new, self.prefill_attn + attn_pairs(num_new, context),
-                         self.decode_tokens, self.decode_ctx, h, b, a)
+                         self.decode_tokens, self.decode_ctx, h, b, a, r)
 
 
 def attn_pairs(num_new, context):
@@ -122,6 +133,7 @@ class CostModel:
     per_hidden_block: float = 0.0  # seconds per KV block a hidden cache re-projects (Apt-Serve's ρ)
     per_swap_in_byte: float = 0.0  # seconds per byte copied back from host memory before a step
     per_adapter: float = 0.0     # seconds per distinct LoRA adapter in a step
+    per_adapter_row: float = 0.0  # seconds per token row run with a LoRA adapter
     projections: tuple[tuple[int, float], ...] = ()   # (rows, seconds) the engine measured: P(R)
 
     def __post_init__(self):
@@ -135,16 +147,17 @@ class CostModel:
         t = (self.base + self.per_prefill_token * s.prefill_tokens + self.per_prefill_attn * s.prefill_attn
              + self.per_decode_token * s.decode_tokens + self.per_decode_ctx * s.decode_ctx
              + self.per_hidden_block * s.hidden_blocks + self.per_swap_in_byte * s.swap_in_bytes
-             + self.per_adapter * s.adapters)
+             + self.per_adapter * s.adapters + self.per_adapter_row * s.adapter_rows)
         return t + projection_seconds(self.projections, s.prefill_tokens + s.decode_tokens) if self.projections else t
 
     def many(self, prefill_tokens, prefill_attn, decode_tokens, decode_ctx, swap_slots=0,
-             swap_in_bytes=0, adapters=0) -> np.ndarray:
+             swap_in_bytes=0, adapters=0, adapter_rows=0) -> np.ndarray:
         """``predict`` of one shape per element of the arrays (no hidden blocks): the same sum in the
         same order, so each equals ``predict`` to the last bit. Swap slots cost nothing here."""
         t = (self.base + self.per_prefill_token * prefill_tokens + self.per_prefill_attn * prefill_attn
              + self.per_decode_token * decode_tokens + self.per_decode_ctx * decode_ctx
-             + self.per_swap_in_byte * np.asarray(swap_in_bytes) + self.per_adapter * np.asarray(adapters))
+             + self.per_swap_in_byte * np.asarray(swap_in_bytes) + self.per_adapter * np.asarray(adapters)
+             + self.per_adapter_row * np.asarray(adapter_rows))
         if self.projections:
             t = t + projection_seconds(self.projections, np.asarray(prefill_tokens) + decode_tokens)
         return t
@@ -244,10 +257,11 @@ class OnlineCostModel:
         return max(self.model.predict(shape), self.swap.predict(swap_slots))
 
     def many(self, prefill_tokens, prefill_attn, decode_tokens, decode_ctx, swap_slots=0,
-             swap_in_bytes=0, adapters=0) -> np.ndarray:
+             swap_in_bytes=0, adapters=0, adapter_rows=0) -> np.ndarray:
         """The call's prediction for one shape (no hidden blocks) per element of the arrays."""
         return np.maximum(self.model.many(prefill_tokens, prefill_attn, decode_tokens, decode_ctx,
-                                          swap_in_bytes=swap_in_bytes, adapters=adapters),
+                                          swap_in_bytes=swap_in_bytes, adapters=adapters,
+                                          adapter_rows=adapter_rows),
                           self.swap.many(np.asarray(swap_slots)))
 
     def overrun(self, q: float = 0.9, cap: float = 1.5) -> float:
@@ -277,19 +291,20 @@ class OnlineCostModel:
 
 
 def predict_many(cost, prefill_tokens=0, prefill_attn=0, decode_tokens=0, decode_ctx=0, swap_slots=0,
-                 swap_in_bytes=0, adapters=0) -> np.ndarray:
+                 swap_in_bytes=0, adapters=0, adapter_rows=0) -> np.ndarray:
     """``cost(StepShape(prefill_tokens, prefill_attn, decode_tokens, decode_ctx, 0, swap_in_bytes,
-    adapters), swap_slots)`` for each element of the (broadcast) arrays: a policy prices every
+    adapters, adapter_rows), swap_slots)`` for each element of the (broadcast) arrays: a policy prices every
     candidate's own step this way once per plan. In numpy when the cost function has ``many``
     (the cost models here), else one call per element (any other ``(shape, swap_slots) -> seconds``
     callable)."""
     arrays = np.broadcast_arrays(*(np.asarray(a, dtype=np.int64) for a in (
-        prefill_tokens, prefill_attn, decode_tokens, decode_ctx, swap_slots, swap_in_bytes, adapters)))
+        prefill_tokens, prefill_attn, decode_tokens, decode_ctx, swap_slots, swap_in_bytes, adapters,
+        adapter_rows)))
     many = getattr(cost, "many", None)
     if many is not None:
-        return (np.asarray(many(*arrays[:5], swap_in_bytes=arrays[5], adapters=arrays[6]), dtype=float)
-                + np.zeros(arrays[0].shape))
-    return np.array([cost(StepShape(*map(int, row[:4]), 0, int(row[5]), int(row[6])), int(row[4]))
+        return (np.asarray(many(*arrays[:5], swap_in_bytes=arrays[5], adapters=arrays[6], adapter_rows=arrays[7]),
+                           dtype=float) + np.zeros(arrays[0].shape))
+    return np.array([cost(StepShape(*map(int, row[:4]), 0, *map(int, row[5:])), int(row[4]))
                      for row in zip(*arrays)], dtype=float).reshape(arrays[0].shape)
 
 

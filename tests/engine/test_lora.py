@@ -126,7 +126,9 @@ def test_each_step_tells_the_cost_model_how_many_adapters_it_ran(tiny_llama, tmp
     """Three 8-token prompts run together in every step (24 tokens within the 32 a step takes,
     then three decodes). The shape each step reports to the cost model counts the distinct
     adapters among them: two on one adapter and one on the base model, 1; on two adapters and
-    the base model, 2; on the base model alone, 0. The policy sees each request's adapter."""
+    the base model, 2; on the base model alone, 0; and the rows run with an adapter: the two
+    prompts' 16, then their two decodes (0 on the base model). The policy sees each request's
+    adapter."""
     a = write_adapter(tiny_llama, tmp_path / "a", LLAMA_ALL, seed=11)
     b = write_adapter(tiny_llama, tmp_path / "b", ["q_proj", "v_proj"], seed=12)
     prompts = mixed_prompts(3, 512, seed=16, lo=8, hi=9)
@@ -144,6 +146,8 @@ def test_each_step_tells_the_cost_model_how_many_adapters_it_ran(tiny_llama, tmp
             lrs = [None if x is None else LoRARequest(x.name, 1, str(x)) for x in adapters]
             llm.generate(prompts, _greedy(), lora_request=lrs)
             assert len(log) == MAX_NEW and [shape.adapters for shape, _ in log] == [want] * MAX_NEW, adapters
+            on = sum(x is not None for x in adapters)
+            assert [shape.adapter_rows for shape, _ in log] == [8 * on] + [on] * (MAX_NEW - 1), adapters
             assert seen[0] == sorted(x.name if x else "" for x in adapters), seen
 
 

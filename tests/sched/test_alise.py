@@ -291,20 +291,23 @@ def _gittins_by_definition(spread, a):
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 600), st.integers(0, 700), st.integers(0, 3), st.none() | st.integers(0, 500),
-                          st.lists(st.integers(1, 500), max_size=8), st.floats(0, 30), st.booleans()),
+                          st.lists(st.integers(1, 500), max_size=8), st.floats(0, 30), st.booleans(),
+                          st.sampled_from([None, "x"])),
                 min_size=1, max_size=25))
 def test_remaining_time_levels_and_order_against_their_definitions(rows):
     """Every candidate's T_rem and level (priced together, in numpy, with the cost model the
     server uses) against the module docstring's formulas worked one request at a time: L̂
     doubled until it exceeds g, the Gittins remaining from its definition over every horizon,
-    the first level whose θ_i holds T_rem, aging; and the order by (class, level, T_rem)."""
+    the first level whose θ_i holds T_rem, aging; and the order by (class, level, T_rem). A
+    request on a LoRA adapter prices its steps with the adapter and its rows."""
     from tandem.sched.cost_model import OnlineCostModel, StepShape
-    a = Alise(OnlineCostModel(COST), levels=6, theta1_s=0.05, age_s=7.0)
+    priced = replace(COST, per_adapter=0.004, per_adapter_row=1e-4)
+    a = Alise(OnlineCostModel(priced), levels=6, theta1_s=0.05, age_s=7.0)
     cs = []
-    for i, (prompt, out, todo, pred, spread, waited, rt) in enumerate(rows):
+    for i, (prompt, out, todo, pred, spread, waited, rt, adapter) in enumerate(rows):
         n = prompt + out
         cs.append(replace(cand(f"r{i}", prompt, out, pred, computed=max(0, n - todo), rt=rt, arrival=i % 5,
-                               stalled=waited / 2, pending=waited / 2), spread=tuple(sorted(spread))))
+                               stalled=waited / 2, pending=waited / 2), spread=tuple(sorted(spread)), adapter=adapter))
     t, lvl = a.estimates(cs)
     for c, got_t, got_lvl in zip(cs, t.tolist(), lvl.tolist()):
         g, todo = c.num_output, c.num_tokens - c.num_computed
@@ -316,8 +319,11 @@ def test_remaining_time_levels_and_order_against_their_definitions(rows):
             while g >= L:
                 L, demotions = 2 * L, demotions + 1
             left = L - g
-        pre = COST.predict(StepShape(todo, todo * c.num_tokens)) if todo > 1 else 0.0
-        want = pre + max(left, 1) * COST.predict(StepShape(decode_tokens=1, decode_ctx=c.num_tokens))
+        lora = int(c.adapter is not None)
+        pre = priced.predict(StepShape(todo, todo * c.num_tokens, adapters=lora, adapter_rows=lora * todo)) \
+            if todo > 1 else 0.0
+        want = pre + max(left, 1) * priced.predict(StepShape(decode_tokens=1, decode_ctx=c.num_tokens, adapters=lora,
+                                                             adapter_rows=lora))
         assert math.isclose(got_t, want, rel_tol=1e-12)
         if any(math.isclose(want, 0.05 * 2 ** i, rel_tol=1e-9) for i in range(6)):
             continue                                   # on a level's boundary: rounding may go either way

@@ -277,12 +277,12 @@ def test_a_victim_frees_only_the_blocks_it_does_not_share():
        st.sampled_from([0.0, 0.02, 0.13]))
 def test_urgency_of_every_rt_request_against_bros_residual(rows, t_avg):
     """Each RT request's urgency, priced for all of them at once in a plan (with the cost model
-    the server uses, swap time, the copy back of a swapped-out cache and its LoRA adapter
-    included) and for one alone, is res_i - (k_i - 1) T_avg with k_i = max(1, ceil(C(its
+    the server uses, swap time, the copy back of a swapped-out cache and its LoRA adapter and
+    the rows run with it included) and for one alone, is res_i - (k_i - 1) T_avg with k_i = max(1, ceil(C(its
     remaining prefill, its swap-in) / T_avg)) worked out one at a time; a request past its TTFT
     keeps its residual."""
-    online = OnlineCostModel(CostModel(0.02, 1.3e-4, 2e-9, 6e-5, 6.3e-7, per_swap_in_byte=1e-9, per_adapter=0.03),
-                             swap=SwapModel(0.05, 5e-3))
+    online = OnlineCostModel(CostModel(0.02, 1.3e-4, 2e-9, 6e-5, 6.3e-7, per_swap_in_byte=1e-9, per_adapter=0.03,
+                                       per_adapter_row=2e-4), swap=SwapModel(0.05, 5e-3))
     cs = [Candidate(f"r{i}", tokens, min(done, tokens), 0, float(i), True, slo, pending, cpu, missed=missed,
                     host_bytes=nbytes, adapter=adapter)
           for i, (tokens, done, slo, pending, cpu, missed, nbytes, adapter) in enumerate(rows)]
@@ -292,7 +292,8 @@ def test_urgency_of_every_rt_request_against_bros_residual(rows, t_avg):
         todo, k = c.num_tokens - c.num_computed, 1
         if todo > 1 and t_avg > 0 and c.slo_s is not None:
             pairs = todo * c.num_tokens - todo * (todo - 1) // 2       # each new token sees those before it
-            shape = StepShape(todo, pairs, swap_in_bytes=c.host_bytes, adapters=int(c.adapter is not None))
+            lora = int(c.adapter is not None)
+            shape = StepShape(todo, pairs, swap_in_bytes=c.host_bytes, adapters=lora, adapter_rows=lora * todo)
             seconds = online(shape, c.num_cpu)
             k = max(1, math.ceil(seconds / t_avg))
         return res if c.missed else res - (k - 1) * t_avg

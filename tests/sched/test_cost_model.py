@@ -22,6 +22,9 @@ def test_shape_accumulates():
     s = StepShape().add(10, 10, decode=False).add(1, 50, decode=True).add(1, 70, decode=True).add(4, 30, False)
     assert s == StepShape(prefill_tokens=14, prefill_attn=causal_pairs(10, 10) + causal_pairs(4, 30),
                           decode_tokens=2, decode_ctx=120)
+    # on LoRA adapters: a prompt's rows are its new tokens, a decode's one; the adapter counts where it is new
+    s = s.add(6, 6, decode=False, adapters=1, lora=True).add(1, 40, decode=True, lora=True).add(3, 9, False, lora=True)
+    assert (s.prefill_tokens, s.decode_tokens, s.adapters, s.adapter_rows) == (23, 3, 1, 6 + 1 + 3)
 
 
 @settings(max_examples=50, deadline=None)
@@ -95,6 +98,39 @@ def test_the_refits_learn_what_a_lora_adapter_adds_to_a_step():
     rows) are refitted, the model finds the 4 ms, and a step with three adapters is priced its
     12 ms more."""
     _refits_learn("per_adapter", 0.004, "adapters", lambda rng, i: rng.randint(0, 4), 3, seed=2)
+
+
+def test_the_refits_learn_what_each_row_on_a_lora_adapter_adds_beside_the_adapter_itself():
+    """An adapter's products cost a part per adapter (4 ms) and a part per token row run with it
+    (0.2 ms): served steps with 0-3 adapters over 1-512 of their rows are refitted after a start-up
+    profile without adapters; the model finds both parts, so a 256-token chunk on one adapter is
+    priced its 4 + 51.2 ms more, where a fit that knows only the adapters (its rows left out of
+    the shapes) misprices it by more than 20 ms."""
+    true = CostModel(0.01, 2e-4, 1e-8, 5e-4, 3e-6, per_adapter=0.004, per_adapter_row=2e-4)
+    rng = random.Random(3)
+
+    def served(adapters: int) -> StepShape:
+        s = StepShape()
+        for _ in range(rng.randint(1, 32)):
+            s = s.add(1, rng.randint(1, 1024), decode=True, lora=rng.random() < 0.5 and adapters > 0)
+        for a in range(adapters + rng.randint(0, 1)):
+            s = s.add(n := rng.randint(1, 256), n + rng.randint(0, 256), decode=False,
+                      adapters=int(a < adapters), lora=a < adapters)
+        return s
+
+    startup = [(s, true.predict(s)) for s in (served(0) for _ in range(40))]
+    online = OnlineCostModel(CostModel.fit(startup), startup, refit_every=64)
+    steps = [served(rng.randint(0, 3)) for _ in range(128)]
+    measured = [true.predict(s) * (1 + rng.uniform(-0.01, 0.01)) for s in steps]
+    for s, t in zip(steps, measured):
+        online.observe(s, t)
+    assert online.model.per_adapter == pytest.approx(0.004, rel=0.1)
+    assert online.model.per_adapter_row == pytest.approx(2e-4, rel=0.05)
+    chunk = StepShape().add(1, 300, decode=True).add(256, 256, decode=False, adapters=1, lora=True)
+    assert chunk.adapter_rows == 256 and chunk.adapters == 1
+    assert online(chunk) == pytest.approx(true.predict(chunk), rel=0.02)
+    blind = CostModel.fit(startup + [(replace(s, adapter_rows=0), t) for s, t in zip(steps, measured)])
+    assert abs(blind.predict(replace(chunk, adapter_rows=0)) - true.predict(chunk)) > 0.02
 
 
 def _products(rows: int) -> float:
@@ -179,21 +215,22 @@ def test_overrun_is_the_upper_quantile_of_measured_over_predicted():
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 4096), st.integers(0, 4096), st.integers(0, 64), st.integers(0, 10**6),
-                          st.integers(0, 500), st.integers(0, 10**9), st.integers(0, 4)), min_size=0, max_size=20),
-       st.floats(0.0, 0.05), st.floats(0.0, 1e-4), st.floats(0.0, 1e-9), st.floats(0.0, 0.01))
-def test_many_prices_each_shape_as_one_call_does(rows, swap_base, per_slot, per_byte, per_adapter):
+                          st.integers(0, 500), st.integers(0, 10**9), st.integers(0, 4), st.integers(0, 4096)),
+                min_size=0, max_size=20),
+       st.floats(0.0, 0.05), st.floats(0.0, 1e-4), st.floats(0.0, 1e-9), st.floats(0.0, 0.01), st.floats(0.0, 1e-3))
+def test_many_prices_each_shape_as_one_call_does(rows, swap_base, per_slot, per_byte, per_adapter, per_row):
     """A policy prices every candidate's step at once: each element must be what the call on that
-    one shape, its swap slots, the bytes it copies back and its LoRA adapters return, to the last
-    bit (plans compare such times)."""
+    one shape, its swap slots, the bytes it copies back and its LoRA adapters and their rows
+    return, to the last bit (plans compare such times)."""
     for table in ((), TABLE):       # without and with the products measured (engine.linear.Thin's)
         model = CostModel(0.02, 1.3e-4, 2e-9, 6e-5, 6.3e-7, per_swap_in_byte=per_byte, per_adapter=per_adapter,
-                          projections=table)
+                          per_adapter_row=per_row, projections=table)
         online = OnlineCostModel(model, swap=SwapModel(swap_base, per_slot))
-        cols = list(zip(*rows)) if rows else [()] * 7
-        pt, attn, dt, ctx, slots, nbytes, ads = (list(c) for c in cols)
-        want = [online(StepShape(a, b, c, d, 0, n, m), k) for a, b, c, d, k, n, m in rows]
-        assert predict_many(online, pt, attn, dt, ctx, slots, nbytes, ads).tolist() == want
-        assert predict_many(lambda s, k: online(s, k), pt, attn, dt, ctx, slots, nbytes, ads).tolist() == want
+        cols = list(zip(*rows)) if rows else [()] * 8
+        pt, attn, dt, ctx, slots, nbytes, ads, ad_rows = (list(c) for c in cols)
+        want = [online(StepShape(a, b, c, d, 0, n, m, r), k) for a, b, c, d, k, n, m, r in rows]
+        assert predict_many(online, pt, attn, dt, ctx, slots, nbytes, ads, ad_rows).tolist() == want
+        assert predict_many(lambda s, k: online(s, k), pt, attn, dt, ctx, slots, nbytes, ads, ad_rows).tolist() == want
         assert predict_many(online.model, pt, attn, dt, ctx).tolist() == [online.model.predict(StepShape(*r[:4]))
                                                                            for r in rows]
 

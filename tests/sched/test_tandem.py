@@ -183,6 +183,29 @@ def test_a_step_prices_each_lora_adapter_of_its_requests_once():
     assert chunk("y", COST) == n + 80
 
 
+def test_a_step_prices_each_row_run_with_a_lora_adapter():
+    """The chats and the BE prompt of the test above, an adapter now costing 4 ms a step plus
+    0.05 ms for each token row run with it: the decodes' two rows on x count too, and each BE
+    token on an adapter costs 0.15 ms, so the chunk is the longest that fits the 30 ms priced by
+    hand; on the base model its tokens cost 0.1 ms and it brings no adapter."""
+    priced = replace(COST, per_adapter=0.004, per_adapter_row=5e-5)
+    d1 = replace(cand("d1", 100, 50, rt=True, out=3, slo=0.05, pending=0.02), adapter="x")
+    d2 = replace(cand("d2", 100, 50, rt=True, out=3, slo=0.05, pending=0.02), adapter="x")
+
+    def chunk(adapter, model=priced):
+        be = replace(cand("be", 800, 40, computed=0), adapter=adapter)
+        sizes = dict(chunks(Tandem(lambda shape, slots=0: model.predict(shape), max_num_seqs=64)(
+            snap([d1, d2], [be]))))
+        assert sizes["d1"] == sizes["d2"] == 1
+        return sizes["be"]
+    decodes = 0.01 + 2 * 1e-3 + 2 * 103 * 1e-6 + 2 * 5e-5      # base, two decodes at context 103, their rows on x
+    for adapter, adapters, per_token, want in (("y", 2, 1.5e-4, 64), ("x", 1, 1.5e-4, 91), (None, 1, 1e-4, 136)):
+        left = 0.03 - decodes - adapters * 0.004
+        assert want * per_token < left - 1e-6 and (want + 1) * per_token > left + 1e-6       # off float ties
+        assert chunk(adapter) == want, adapter
+    assert chunk("y", replace(priced, per_adapter_row=0.0)) == 97       # rows unpriced: (30 - 20.2) ms / 0.1 ms
+
+
 def test_hidden_cache_only_where_kv_does_not_fit_and_it_pays():
     """Multi-head geometry (a hidden cache takes 1 block per 16 tokens, KV 2). 14 free blocks:
     a 64-token request (KV 8 blocks) goes first and keeps KV; the next one (KV 8, hidden 4)
