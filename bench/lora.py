@@ -80,6 +80,7 @@ def main(args) -> None:
             ms = decode_step_ms(llm, prompts, args.steps, lora_request=lora)
             rows.append({"case": name, "step_ms": ms})
             print(f"{name}: {ms:.1f} ms per decode step", flush=True)
+        first = len(steps)                              # the prompts' steps alone come after
         for lora in (None, refs[0]):
             _prompt_steps(llm, args.prompt_tokens, args.repeats, lora)
     model = CostModel.fit(steps)
@@ -96,8 +97,7 @@ def main(args) -> None:
         r["measured_ms"] = _mean_ms(mine)
         r["predicted_ms"] = _mean_ms(mine, lambda shape, t: model.predict(shape))
         r["blind_ms"] = _mean_ms(mine, lambda shape, t: blind.predict(unseen(shape)))
-    prompts_alone = [(shape, t) for shape, t in steps if shape.prefill_tokens in args.prompt_tokens
-                     and not shape.decode_tokens and shape.adapters <= 1]
+    prompts_alone = [(shape, t) for shape, t in steps[first:] if not shape.decode_tokens]
     prompt_rows = [_prompt_row(tokens, [(s, t) for s, t in prompts_alone if s.prefill_tokens == tokens], fits)
                    for tokens in args.prompt_tokens]
     kinds = {"decode steps": decoding, "prompts on the base model": [x for x in prompts_alone if not x[0].adapters],

@@ -302,7 +302,7 @@ class Bros:
         """k_i of each candidate: iterations its next token still needs. 1 for a decode; for a
         prompt (or a recompute) with more tokens to compute, its remaining prefill priced as one
         standalone step, C(prefill), its cache's copy back from host memory and its LoRA adapter
-        included, in units of the recent iteration time:
+        and the rows run with it included, in units of the recent iteration time:
 
             k_i = ceil(C(prefill of the remaining tokens) / T_avg)
 

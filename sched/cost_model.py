@@ -24,13 +24,15 @@ and a part that grows with them; l and l_r are 0 until refits see steps with ada
 a decode step of 8 rows cost 5.2 / 19.6 ms more with one / four adapters with AVX-512, as
 linear; on a Zen 2 with AVX2 10-11 / 24-25 ms, the first adapter costing about twice each
 further one, where the fit's 8.9-9.1 ms per adapter priced the steps within 5-10%. A prompt
-chunk's cost on an adapter grows with its rows: 12 / 28 / 64 ms more than on the base model
+chunk's cost on an adapter grows with its rows: 14 / 34 / 78 ms more than on the base model
 at 32 / 128 / 256 tokens (rank 16 on every projection), which one term per adapter priced at
-7 ms each. With the row term, fitted on the same steps (decodes of 8 rows on 0, 1 and 4
-adapters, and prompts alone): 4.2 ms per adapter and 0.52 ms per row, the decode steps priced
-within 2.6% on average against 8.1% and the prompt steps within 7.9% against 8.9% (base
-model) and 8.0% against 6.1% (on an adapter: the row term prices its part at 21 / 70 / 136
-ms, the fit's compromise with the first adapter's extra cost in the decodes).
+8.4 ms each. With the row term, fitted on the same steps (decodes of 8 rows on 0, 1 and 4
+adapters, and prompts alone): 5.1 ms per adapter and 0.59 ms per row, the decode steps priced
+within 3.2% on average against 8.9% and the prompt steps within 6.4% against 8.4% (base
+model) and 7.9% against 4.8% (on an adapter: the row term prices its part at 24 / 81 / 156
+ms, the fit's compromise with the first adapter's extra cost in the decodes). A hidden cache
+on an adapter re-projects its context through the adapter's K and V products at every step;
+those rows are not counted in R_A (ρ prices the re-projection as on the base model).
 Fitted by least squares from measured steps; every coefficient is kept non-negative.
 
 An engine whose thin products take another path (a bfloat16 CPU worker multiplies steps of at
