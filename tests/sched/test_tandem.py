@@ -161,26 +161,28 @@ def test_a_swapped_out_chat_coming_back_prices_its_copy_into_the_step():
     assert unpriced["be"] > n                            # the copy's 5 ms go to the BE chunk
 
 
+def _be_chunk_beside_chats_on_x(adapter, model) -> int:
+    """The BE chunk the policy packs, priced by ``model``, for a BE prompt on ``adapter`` beside
+    two decoding chats on adapter x with 30 ms left; each chat keeps its decode."""
+    d1 = replace(cand("d1", 100, 50, rt=True, out=3, slo=0.05, pending=0.02), adapter="x")
+    d2 = replace(cand("d2", 100, 50, rt=True, out=3, slo=0.05, pending=0.02), adapter="x")
+    be = replace(cand("be", 800, 40, computed=0), adapter=adapter)
+    sizes = dict(chunks(Tandem(lambda shape, slots=0: model.predict(shape), max_num_seqs=64)(snap([d1, d2], [be]))))
+    assert sizes["d1"] == sizes["d2"] == 1
+    return sizes["be"]
+
+
 def test_a_step_prices_each_lora_adapter_of_its_requests_once():
     """Two decoding chats on adapter x, 30 ms left, and a BE prompt on adapter y; an adapter
     costs 4 ms a step whatever its rows: the BE chunk is the longest that keeps the decodes, two
     adapters (not three) and the chunk within 30 ms, priced by hand. On x as well, it costs
     one adapter, and the chunk grows by the 4 ms; unpriced, it is longer still."""
     priced = replace(COST, per_adapter=0.004)
-    d1 = replace(cand("d1", 100, 50, rt=True, out=3, slo=0.05, pending=0.02), adapter="x")
-    d2 = replace(cand("d2", 100, 50, rt=True, out=3, slo=0.05, pending=0.02), adapter="x")
-
-    def chunk(adapter, model=priced):
-        be = replace(cand("be", 800, 40, computed=0), adapter=adapter)
-        sizes = dict(chunks(Tandem(lambda shape, slots=0: model.predict(shape), max_num_seqs=64)(
-            snap([d1, d2], [be]))))
-        assert sizes["d1"] == sizes["d2"] == 1
-        return sizes["be"]
     decodes = 0.01 + 2 * 1e-3 + 2 * 103 * 1e-6           # base, two decodes at context 103
-    n = chunk("y")
+    n = _be_chunk_beside_chats_on_x("y", priced)
     assert decodes + 2 * 0.004 + n * 1e-4 <= 0.03 + 1e-9 < decodes + 2 * 0.004 + (n + 1) * 1e-4
-    assert chunk("x") == n + 40                          # 4 ms of one adapter fewer: 40 more tokens
-    assert chunk("y", COST) == n + 80
+    assert _be_chunk_beside_chats_on_x("x", priced) == n + 40      # 4 ms of one adapter fewer: 40 more tokens
+    assert _be_chunk_beside_chats_on_x("y", COST) == n + 80
 
 
 def test_a_step_prices_each_row_run_with_a_lora_adapter():
@@ -189,21 +191,13 @@ def test_a_step_prices_each_row_run_with_a_lora_adapter():
     token on an adapter costs 0.15 ms, so the chunk is the longest that fits the 30 ms priced by
     hand; on the base model its tokens cost 0.1 ms and it brings no adapter."""
     priced = replace(COST, per_adapter=0.004, per_adapter_row=5e-5)
-    d1 = replace(cand("d1", 100, 50, rt=True, out=3, slo=0.05, pending=0.02), adapter="x")
-    d2 = replace(cand("d2", 100, 50, rt=True, out=3, slo=0.05, pending=0.02), adapter="x")
-
-    def chunk(adapter, model=priced):
-        be = replace(cand("be", 800, 40, computed=0), adapter=adapter)
-        sizes = dict(chunks(Tandem(lambda shape, slots=0: model.predict(shape), max_num_seqs=64)(
-            snap([d1, d2], [be]))))
-        assert sizes["d1"] == sizes["d2"] == 1
-        return sizes["be"]
     decodes = 0.01 + 2 * 1e-3 + 2 * 103 * 1e-6 + 2 * 5e-5      # base, two decodes at context 103, their rows on x
     for adapter, adapters, per_token, want in (("y", 2, 1.5e-4, 64), ("x", 1, 1.5e-4, 91), (None, 1, 1e-4, 136)):
         left = 0.03 - decodes - adapters * 0.004
         assert want * per_token < left - 1e-6 and (want + 1) * per_token > left + 1e-6       # off float ties
-        assert chunk(adapter) == want, adapter
-    assert chunk("y", replace(priced, per_adapter_row=0.0)) == 97       # rows unpriced: (30 - 20.2) ms / 0.1 ms
+        assert _be_chunk_beside_chats_on_x(adapter, priced) == want, adapter
+    unpriced_rows = replace(priced, per_adapter_row=0.0)
+    assert _be_chunk_beside_chats_on_x("y", unpriced_rows) == 97       # (30 - 20.2) ms / 0.1 ms
 
 
 def test_hidden_cache_only_where_kv_does_not_fit_and_it_pays():
