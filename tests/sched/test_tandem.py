@@ -524,10 +524,12 @@ def test_a_prompt_overdue_for_its_first_token_leaves_the_decodes_after_it_their_
 def test_a_late_prompt_keeps_within_the_idle_bound_while_a_new_prompt_can_make_its_first_token():
     """No chat decoding; a 10-token prompt with 400 ms to its first token, and a 1,000-token one
     past its target. While the new prompt can make its TTFT the step is bounded by the tightest
-    target seen (50.05 ms here), the late prompt's chunk too: 390 tokens (10 ms + 400 x 0.1 ms,
-    by hand), not the whole prompt that the new one's 400 ms would allow. Every time here is a
-    price of the cost model COST or a target handed to the policy: nothing reads a clock, and
-    the chunk sizes are exact."""
+    target seen (here COST's price of a 400-token prompt step, 50 ms, and 0.05 ms more to keep
+    off a float tie), the late prompt's chunk too: 390 tokens beside the new prompt's 10 (10 ms +
+    400 x 0.1 ms, by hand), not the whole prompt that the new one's 400 ms would allow. Every
+    time here is a price of the cost model COST or a target handed to the policy: nothing reads
+    a clock, and the chunk sizes are exact."""
     new = cand("new", 10, 5, rt=True, computed=0, blocks=0, slo=0.4, arrival=2.0)
     late = replace(cand("late", 1000, 5, rt=True, computed=0, blocks=0, slo=1.0, pending=2.0), missed=True)
-    assert chunks(policy(idle_budget_s=0.05005)(snap([], [new, late]))) == [("new", 10), ("late", 390)]
+    bound = COST.predict(StepShape(prefill_tokens=400)) + 5e-5       # a step's price, not a clock reading
+    assert chunks(policy(idle_budget_s=bound)(snap([], [new, late]))) == [("new", 10), ("late", 390)]
