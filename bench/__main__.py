@@ -178,6 +178,10 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     stl.add_argument("files", nargs="+", help="step logs (python -m server --step-log FILE, bench mixed --step-log)")
     stl.add_argument("--target-ms", type=positive_float, default=None,
                      help="a TBT target: count the steps holding RT decodes that took longer")
+    stl.add_argument("--profile", default=None,
+                     help="the start-up profile that server measured (bench mixed --step-log keeps it as "
+                          "<out>_<system>_profile.json): price every step again from it, by the cost model with "
+                          "and without its per-kind correction (one server's log per file)")
     stl.add_argument("--out", default="steps.json", help=OUT_HELP)
     ind = sub.add_parser("independence", help="cpu:2: does a busy device slow the other's short chats? "
                          "(device actors vs lock-step)")

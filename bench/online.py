@@ -14,6 +14,7 @@ import json
 import os
 import statistics
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -34,18 +35,33 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
-def tandem_server(model: str, max_num_seqs: int, extra: list[str] = ()):
+def tandem_server(model: str, max_num_seqs: int, extra: list[str] = (), keep_profile: Path | None = None):
     """Our server (python -m server) on loopback, stopped with SIGTERM afterwards. Each start gets
     an empty data dir, so no run's batches, learned output lengths or start-up profile reach the
-    next one."""
+    next one; ``keep_profile``: where to copy the start-up profile the server measured (the
+    one of the whole plan, sched.profiling.PLAN), for ``bench steps --profile``."""
     port = free_port()
     RESULTS.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="tandem-data-", dir=RESULTS) as data_dir:
         cmd = [sys.executable, "-m", "server", "--model", model, "--port", str(port),
                "--max-num-seqs", str(max_num_seqs), "--data-dir", data_dir,
                "--watch-parent", str(os.getpid()), *extra]
-        with serve(cmd, port, log_path=RESULTS / "tandem-server.log", cwd=ROOT) as url:
-            yield url
+        try:
+            with serve(cmd, port, log_path=RESULTS / "tandem-server.log", cwd=ROOT) as url:
+                yield url
+        finally:
+            if keep_profile is not None:
+                _keep_profile(Path(data_dir) / "profiles", keep_profile)
+
+
+def _keep_profile(profiles: Path, to: Path) -> None:
+    """Copy the profile of sched.profiling.PLAN kept under ``profiles`` to ``to`` (none: nothing)."""
+    from tandem.sched.profiling import PLAN
+    plan = json.loads(json.dumps(PLAN))
+    for f in profiles.glob("*.json"):
+        if json.loads(f.read_text())["key"]["plan"] == plan:
+            shutil.copyfile(f, to)
+            return
 
 
 def tandem_args(system: str, slo: dict | None = None, kv_cache_gib: float | None = None) -> list[str]:
@@ -87,18 +103,20 @@ def tandem_args(system: str, slo: dict | None = None, kv_cache_gib: float | None
 
 
 def start(system: str, hf_dir: Path, max_num_seqs: int, slo: dict | None = None, model: str = "smollm2",
-          kv_cache_gib: float | None = None, devices: str | None = None, extra: list[str] = ()):
+          kv_cache_gib: float | None = None, devices: str | None = None, extra: list[str] = (),
+          keep_profile: Path | None = None):
     """Start ``system`` on loopback; a context yielding its URL. ``tandem-<policy>`` picks our policy;
     ``tandem-bros-bidir`` adds bidirectional blocks, ``tandem-aptserve-mixed`` Apt-Serve-S. Our
     server is told the SLOs the run judges by (its RT targets); the peers have no such setting.
     ``model``: smollm2, or another checkpoint (``hf_dir``), served under the name smollm2 too.
     ``kv_cache_gib``: the same KV cache size for our server and vLLM; ``devices``, ``extra``: our
-    server's (more flags)."""
+    server's (more flags); ``keep_profile``: our server's start-up profile copied there."""
     if system == "tandem" or system.startswith("tandem-"):
         extra = tandem_args(system, slo, kv_cache_gib) + (["--devices", devices] if devices else []) + list(extra)
         if model != "smollm2":
-            return tandem_server(str(hf_dir), max_num_seqs, extra + ["--served-model-name", "smollm2"])
-        return tandem_server("smollm2", max_num_seqs, extra)
+            return tandem_server(str(hf_dir), max_num_seqs, extra + ["--served-model-name", "smollm2"],
+                                 keep_profile)
+        return tandem_server("smollm2", max_num_seqs, extra, keep_profile)
     if system in ("vllm", "vllm-priority"):
         extra = ["--scheduling-policy", "priority"] if system == "vllm-priority" else []
         return vllm_server(hf_dir, dtype=resolve_dtype("auto", "cpu")[0], max_num_seqs=max_num_seqs, extra=extra,
@@ -363,7 +381,8 @@ def mixed(args) -> None:
         if step_log is not None:
             step_log.unlink(missing_ok=True)
         with start(system, hf_dir, args.max_num_seqs, told, args.model, args.kv_cache_gib, args.devices,
-                   ["--step-log", str(step_log)] if step_log else []) as url:
+                   ["--step-log", str(step_log)] if step_log else [],
+                   step_log.with_name(f"{Path(args.out).stem}_{system}_profile.json") if step_log else None) as url:
             for i, rate in enumerate(args.rates):
                 # each rate's BE prompts new to the server too (random ids: no prefix shared)
                 be_items = synthetic_be_stream(args.seed + 1 + i, vocab, scale=args.be_scale, tokenizer=tok)

@@ -2,7 +2,10 @@
 ``bench mixed --step-log``, which gives each of our servers one): its steps by the work they held,
 and how well the cost model priced them -- measured / predicted overall, and for steps with a
 prompt chunk by the longest context a chunk reached (the attention a chunk computes grows with
-it). With ``--target-ms`` (a TBT target), the steps holding RT decodes that took longer.
+it). With ``--target-ms`` (a TBT target), the steps holding RT decodes that took longer. With
+``--profile`` (the start-up profile that server measured; ``bench mixed --step-log`` keeps it as
+``<out>_<system>_profile.json``), every step priced again from it by the cost model with and
+without its per-kind correction.
 
     python -m bench steps results/mixed_tandem_steps.jsonl --target-ms 171
 """
@@ -89,8 +92,51 @@ def print_summary(label: str, s: dict) -> None:
               f"{t['steps_with_rt_decodes']} ({t['share_over']:.1%})")
 
 
+def replay(records: list[StepRecord], startup: list) -> dict:
+    """Each step of one device's log priced again as a server's cost model would have priced it:
+    fitted on the start-up profile's steps (``startup``), then refined from the log's steps
+    before it; once by the fitted model alone and once with its per-kind correction
+    (sched.cost_model.OnlineCostModel). The policy's choices stay those of the logged run. Exact
+    where the engine measures no thin products (sched.cost_model's P(R), a bfloat16 GGUF worker's,
+    measured at each start and not kept in the profile): there it prices without them."""
+    from tandem.sched.cost_model import CostModel, OnlineCostModel
+    out = {}
+    for name, correct in (("fitted alone", False), ("with the per-kind correction", True)):
+        cost = OnlineCostModel(CostModel.fit(startup), startup=startup, kind_correction=correct)
+        ratio = []
+        for r in records:
+            ratio.append(r.seconds / cost(r.shape))
+            cost.observe(r.shape, r.seconds)
+        out[name] = _accuracy(np.array(ratio), np.array([r.shape.prefill_tokens > 0 for r in records]))
+    return out
+
+
+def _accuracy(ratio: np.ndarray, prompt: np.ndarray) -> dict:
+    """How measured / predicted spread: mean |log|, the shares under 0.85 and over 1.1 (in the
+    first 256 steps too), the medians by kind and the 90th percentile (the policy's margin)."""
+    return {"mean_abs_log": float(np.abs(np.log(ratio)).mean()), "under_0.85": float((ratio < 0.85).mean()),
+            "over_1.1": float((ratio > 1.1).mean()), "first_256_over_1.1": float((ratio[:256] > 1.1).mean()),
+            "p50_decodes_only": float(np.median(ratio[~prompt])) if (~prompt).any() else None,
+            "p50_with_a_prompt_chunk": float(np.median(ratio[prompt])) if prompt.any() else None,
+            "p90": float(np.percentile(ratio, 90))}
+
+
+def print_replay(label: str, rows: dict) -> None:
+    print(f"\n{label}, priced again from its start-up profile:\n")
+    print("| cost model | mean abs log | under 0.85 | over 1.1 | first 256 over 1.1 | p50 decodes only "
+          "| p50 with a prompt chunk | p90 |\n|---|---|---|---|---|---|---|---|")
+    for name, a in rows.items():
+        med = [f"{x:.2f}" if x is not None else "-" for x in (a["p50_decodes_only"], a["p50_with_a_prompt_chunk"])]
+        print(f"| {name} | {a['mean_abs_log']:.1%} | {a['under_0.85']:.1%} | {a['over_1.1']:.1%} | "
+              f"{a['first_256_over_1.1']:.1%} | {med[0]} | {med[1]} | {a['p90']:.3f} |")
+
+
 def main(args) -> None:
+    import json
+
+    from tandem.sched.profile_store import samples_of
     target = None if args.target_ms is None else args.target_ms / 1e3
+    startup = samples_of(json.loads(Path(args.profile).read_text())) if args.profile else None
     out = {}
     for f in args.files:
         records = read_steps(f)
@@ -100,6 +146,9 @@ def main(args) -> None:
             label = Path(f).name + ("" if dev is None else f" ({dev})")
             out[label] = summarize(part, target)
             print_summary(label, out[label])
+            if startup is not None:
+                out[label]["replay"] = replay(part, startup)
+                print_replay(label, out[label]["replay"])
     save_json(args.out, out)
 
 

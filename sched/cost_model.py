@@ -236,16 +236,40 @@ class OnlineCostModel:
     0.83-0.93; 0.1 and 0.03 fell between; the start-up samples left out once 256 steps were
     measured did the same as 0.01.
 
+    Between refits the fitted model's price of a step is corrected by its kind's recent level
+    (:meth:`factor`):
+
+        t̂ = f_k · t(step),   f_k = median of measured / t over the last ``KIND_WINDOW`` steps of kind k
+
+    k: with a prompt chunk, or decodes only; f_k = 1 until ``KIND_MIN`` such steps were measured,
+    and the kept steps' ratios are taken again under each refit's model. [open choice] A refit's
+    window held mostly steps with a batch chunk, and the linear form fitted on them priced the
+    decode-only steps 1.1-1.2 times what they took; until the first refit a server's steps ran up
+    to 1.3 times the start-up fit's price. Six ``bench mixed`` runs of the default policy on a
+    2-core Zen 2 EPYC (SmolLM2 float32), each log priced again from its server's start-up profile
+    (``bench steps --profile``; bench/README.md, "Each kind of step priced at its recent level"):
+    mean |log measured / predicted| 11.2-14.2% fitted alone, 6.0-8.0% corrected; steps under 0.85
+    of their price 11.6-19.6% against 0.4-1.0%; the first 256 steps over 1.1 23-50% against 9-12%;
+    the 90th percentile (the deadline's margin) 1.11-1.18 against 1.09-1.11. Served with it, 4.6-5.2%
+    of the steps holding chat decodes ran past the TBT target against 6.7-8.3%, the batch work
+    within the runs' spread. One correction for both kinds (16 steps) did less on the first logs
+    tried (5.8-9.4% against 4.4-8.0%); medians of 16 or 32 steps per kind about as well.
+
     The relative prediction error of each observed step is tracked (EWMA and count),
     and so is the ratio measured / predicted of the last ``TAIL_WINDOW`` steps, whose upper
-    quantile (:meth:`overrun`) is the margin a deadline needs against the model's misses.
+    quantile (:meth:`overrun`) is the margin a deadline needs against the model's misses; both
+    against the corrected price, the one the scheduler planned with.
     """
 
     TAIL_WINDOW = 256
+    KIND_WINDOW = 8     # steps of a kind whose median measured / fitted corrects that kind's prices
+    KIND_MIN = 4        # steps of a kind measured before its correction applies
 
     def __init__(self, model: CostModel, startup: list[tuple[StepShape, float]] = (),
-                 swap: SwapModel = SwapModel(), window: int = 1024, refit_every: int = 128):
+                 swap: SwapModel = SwapModel(), window: int = 1024, refit_every: int = 128,
+                 kind_correction: bool = True):
         self.model, self.swap = model, swap
+        self.kind_correction = kind_correction     # False: the fitted model's prices as they are
         self.startup = list(startup)
         self.recent: deque = deque(maxlen=window)
         self.refit_every = refit_every
@@ -254,16 +278,24 @@ class OnlineCostModel:
         self.error_ewma: float | None = None     # mean |pred - measured| / measured, EWMA (alpha 0.05)
         self.last_error: float | None = None
         self.ratios: deque = deque(maxlen=self.TAIL_WINDOW)   # measured / predicted, recent steps
+        # measured / fitted of the last steps of each kind: [decodes only, with a prompt chunk]
+        self.kinds = (deque(maxlen=self.KIND_WINDOW), deque(maxlen=self.KIND_WINDOW))
+
+    def factor(self, prompt: bool) -> float:
+        """f_k of the steps with a prompt chunk (``prompt``) or of the decode-only ones."""
+        kept = self.kinds[prompt]
+        return float(np.median(kept)) if self.kind_correction and len(kept) >= self.KIND_MIN else 1.0
 
     def __call__(self, shape: StepShape, swap_slots: int = 0) -> float:
-        return max(self.model.predict(shape), self.swap.predict(swap_slots))
+        return max(self.model.predict(shape) * self.factor(shape.prefill_tokens > 0), self.swap.predict(swap_slots))
 
     def many(self, prefill_tokens, prefill_attn, decode_tokens, decode_ctx, swap_slots=0,
              swap_in_bytes=0, adapters=0, adapter_rows=0) -> np.ndarray:
         """The call's prediction for one shape (no hidden blocks) per element of the arrays."""
+        f = np.where(np.asarray(prefill_tokens) > 0, self.factor(True), self.factor(False))
         return np.maximum(self.model.many(prefill_tokens, prefill_attn, decode_tokens, decode_ctx,
                                           swap_in_bytes=swap_in_bytes, adapters=adapters,
-                                          adapter_rows=adapter_rows),
+                                          adapter_rows=adapter_rows) * f,
                           self.swap.many(np.asarray(swap_slots)))
 
     def overrun(self, q: float = 0.9, cap: float = 1.5) -> float:
@@ -278,11 +310,14 @@ class OnlineCostModel:
     def observe(self, shape: StepShape, seconds: float) -> None:
         if seconds <= 0:
             return
-        predicted = self.model.predict(shape)
+        prompt = shape.prefill_tokens > 0
+        fitted = self.model.predict(shape)
+        predicted = fitted * self.factor(prompt)
         err = abs(predicted - seconds) / seconds
         self.last_error = err
         if predicted > 0:
             self.ratios.append(seconds / predicted)
+            self.kinds[prompt].append(seconds / fitted)
         self.error_ewma = err if self.error_ewma is None else 0.95 * self.error_ewma + 0.05 * err
         self.recent.append((shape, seconds))
         self.observed += 1
@@ -290,6 +325,14 @@ class OnlineCostModel:
             self.model = CostModel.fit(self.startup + list(self.recent), self.model.projections,
                                        [STARTUP_WEIGHT] * len(self.startup) + [1.0] * len(self.recent))
             self.refits += 1
+            self._rekind()
+
+    def _rekind(self) -> None:
+        """The kinds' kept ratios taken again under the model just refitted."""
+        for prompt, kept in enumerate(self.kinds):
+            last = [(s, t) for s, t in self.recent if (s.prefill_tokens > 0) == prompt][-self.KIND_WINDOW:]
+            kept.clear()
+            kept.extend(t / p for s, t in last if (p := self.model.predict(s)) > 0)
 
 
 def predict_many(cost, prefill_tokens=0, prefill_attn=0, decode_tokens=0, decode_ctx=0, swap_slots=0,

@@ -46,6 +46,11 @@ class Profile:
     measured_at: float = field(default_factory=time.time)    # Unix time
 
 
+def samples_of(data: dict) -> list[tuple[StepShape, float]]:
+    """The measured steps of a kept profile's JSON."""
+    return [(StepShape(*map(int, shape)), float(t)) for shape, t in data["samples"]]
+
+
 class ProfileStore:
     """The profiles kept under ``root`` for one machine, model and setup (``key``: JSON values)."""
 
@@ -76,7 +81,7 @@ class ProfileStore:
         try:
             if data["key"] != self._full_key(plan, rho):
                 raise ValueError("its key is not this setup's")
-            samples = [(StepShape(*map(int, shape)), float(t)) for shape, t in data["samples"]]
+            samples = samples_of(data)
             if len(samples) < MIN_STEPS:
                 raise ValueError(f"{len(samples)} measured steps, fewer than a fit needs")
             profile = Profile(samples, float(data["seconds"]), float(data["rho"]) if rho else None,

@@ -73,3 +73,40 @@ def test_a_write_that_fails_closes_the_log_and_says_so(caplog):
         log.write(STEPS[0])
         log.write(STEPS[1])
     assert log.closed and len(caplog.records) == 1 and "no more steps" in caplog.records[0].getMessage()
+
+
+def test_a_log_priced_again_from_its_start_up_profile_with_and_without_the_per_kind_correction(tmp_path):
+    """A profile measured from a known linear model, as a server keeps it; a log of 20 decode-only
+    steps that ran at 0.6 of that model's price and 20 with a prompt chunk at 1.25, alternating (no
+    refit: fewer than 128 steps). Fitted alone, every step is off by its kind's factor; with the
+    correction, only each kind's first four (by hand)."""
+    import math
+
+    from tandem.sched.cost_model import CostModel
+    from tandem.sched.profile_store import Profile, ProfileStore
+    truth = CostModel(0.02, 2e-4, 1e-8, 1e-3, 3e-6)
+    samples = []
+    for reqs, n, decode in ((1, 64, False), (1, 512, False), (4, 256, False), (1, 64, True), (8, 300, True),
+                            (32, 128, True), (4, 900, True)):
+        s = StepShape()
+        for _ in range(reqs):
+            s = s.add(1 if decode else n, n, decode=decode)
+        samples.append((s, truth.predict(s)))
+    profile = ProfileStore(tmp_path / "profiles", {"machine": "test"}).save("plan", Profile(samples, 1.0))
+    path = tmp_path / "steps.jsonl"
+    log = StepLog(path)
+    for i in range(20):
+        d, p = StepShape().add(1, 200 + i, decode=True), StepShape().add(48, 300 + i, decode=False)
+        log.write(StepRecord(1.0, "cpu#0", 0.6 * truth.predict(d), None, 1, 0, 0, 0, 0, 0, d))
+        log.write(StepRecord(1.0, "cpu#0", 1.25 * truth.predict(p), None, 0, 0, 0, 48, 1, 300 + i, p))
+    log.close()
+    main(["steps", str(path), "--profile", str(profile), "--out", str(tmp_path / "out.json")])
+    replay = json.loads((tmp_path / "out.json").read_text())["steps.jsonl"]["replay"]
+    alone, corrected = replay["fitted alone"], replay["with the per-kind correction"]
+    assert alone["p50_decodes_only"] == pytest.approx(0.6) and alone["p50_with_a_prompt_chunk"] == pytest.approx(1.25)
+    assert alone["under_0.85"] == 0.5 and alone["over_1.1"] == 0.5
+    assert alone["mean_abs_log"] == pytest.approx((abs(math.log(0.6)) + math.log(1.25)) / 2)
+    assert corrected["p50_decodes_only"] == pytest.approx(1.0)
+    assert corrected["p50_with_a_prompt_chunk"] == pytest.approx(1.0)
+    assert corrected["under_0.85"] == 0.1 and corrected["over_1.1"] == 0.1
+    assert corrected["mean_abs_log"] == pytest.approx(4 * (abs(math.log(0.6)) + math.log(1.25)) / 40)

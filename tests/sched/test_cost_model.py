@@ -196,6 +196,66 @@ def test_the_fit_takes_the_products_as_measured_and_fits_the_rest():
     assert online.refits == 1 and online.model.projections == TABLE and online.model.mean_abs_error(samples) < 1e-6
 
 
+def test_a_kind_of_step_that_runs_off_its_fitted_price_is_priced_at_the_median_of_its_last_steps():
+    """Decode-only steps run at 0.6 of the fitted price, steps with a prompt chunk at 1.3 (one at
+    2.0, which a median ignores). From its fourth step on, each kind is priced at the median
+    of its last eight, the other kind untouched: by hand, 15 ms -> 9 ms, 30 ms -> 39 ms."""
+    model = CostModel(0.01, 1e-3, 0.0, 5e-3, 0.0)
+    decode, prompt = StepShape().add(1, 8, decode=True), StepShape().add(20, 20, decode=False)
+    assert (model.predict(decode), model.predict(prompt)) == (pytest.approx(0.015), pytest.approx(0.030))
+    online = OnlineCostModel(model, refit_every=10**9)
+    plain = OnlineCostModel(model, refit_every=10**9, kind_correction=False)
+    for i in range(3):
+        for m in (online, plain):
+            m.observe(decode, 0.015 * 0.6)
+        assert online(decode) == pytest.approx(0.015)           # fewer than four steps of the kind
+    for m in (online, plain):
+        m.observe(decode, 0.015 * 0.6)
+    assert online(decode) == pytest.approx(0.009) and online(prompt) == pytest.approx(0.030)
+    for r in (1.3, 2.0, 1.3, 1.3, 1.3, 1.3, 1.3, 1.3):
+        for m in (online, plain):
+            m.observe(prompt, 0.030 * r)
+    assert online(prompt) == pytest.approx(0.039) and online(decode) == pytest.approx(0.009)
+    assert (plain(prompt), plain(decode)) == (pytest.approx(0.030), pytest.approx(0.015))
+    both = predict_many(online, [0, 20], [0, attn_pairs(20, 20)], [1, 0], [8, 0])
+    assert both.tolist() == [online(decode), online(prompt)]
+    # every later step at the corrected price: no margin left to add for the decodes
+    for _ in range(40):
+        online.observe(decode, 0.009)
+        plain.observe(decode, 0.009)
+    assert online.overrun() == 1.0
+    assert plain.overrun() == pytest.approx(1.3)               # the 2.0 and seven 1.3s of 52 steps
+
+
+def test_after_a_refit_the_correction_is_taken_again_under_the_new_model():
+    """The start-up profile ran 30% slower than the served steps; until the first refit the
+    served decodes are priced at the median of what they measured against the start-up fit,
+    and after it (the refit prices them as they run) at the refitted model's price, within 1%:
+    a correction kept from before the refit would price them 23% low."""
+    then = CostModel(0.026, 2.6e-4, 1.3e-8, 1.3e-3, 3.9e-6)
+    now = CostModel(0.020, 2e-4, 1e-8, 1e-3, 3e-6)
+    startup = []
+    for batch, ctx in ((1, 64), (8, 64), (4, 512), (32, 128), (16, 900)):
+        s = StepShape()
+        for _ in range(batch):
+            s = s.add(1, ctx, decode=True)
+        startup += [(s, then.predict(s))] * 2
+    online = OnlineCostModel(CostModel.fit(startup), startup=startup, refit_every=64)
+    rng = random.Random(7)
+    served = []
+    for _ in range(63):
+        s = StepShape()
+        for _ in range(rng.randint(1, 24)):
+            s = s.add(1, rng.randint(50, 700), decode=True)
+        served.append(s)
+        online.observe(s, now.predict(s))
+    assert online.refits == 0 and abs(online(served[-1]) / now.predict(served[-1]) - 1) < 0.01
+    assert abs(online.model.predict(served[-1]) / now.predict(served[-1]) - 1.3) < 0.01
+    online.observe(served[0], now.predict(served[0]))
+    assert online.refits == 1 and abs(online.model.predict(served[-1]) / now.predict(served[-1]) - 1) < 0.01
+    assert max(abs(online(s) / now.predict(s) - 1) for s in served) < 0.01
+
+
 def test_overrun_is_the_upper_quantile_of_measured_over_predicted():
     model = CostModel(0.01, 1e-3, 0.0, 5e-3, 0.0)
     online = OnlineCostModel(model, refit_every=10**9)

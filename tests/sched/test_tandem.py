@@ -14,6 +14,7 @@ from tandem.sched.bros import Bros
 from tandem.sched.cost_model import CostModel, OnlineCostModel, StepShape
 from tandem.sched.policy import Candidate, Limits, Snapshot
 from tandem.sched.tandem import STARTED_AHEAD, STARTED_LATE, Mechanism, Tandem
+from tests.sched.test_bros import overrunning_cost
 
 COST = CostModel(base=0.01, per_prefill_token=1e-4, per_prefill_attn=0.0, per_decode_token=1e-3,
                  per_decode_ctx=1e-6, per_hidden_block=1e-4)
@@ -482,22 +483,13 @@ def test_a_late_chat_decoding_is_overdue_for_its_next_token_after_ten_targets():
     assert "stalled" not in plan(0.6, off=frozenset({Mechanism.OVERDUE}))
 
 
-def _overrunning_cost() -> OnlineCostModel:
-    """A cost model whose recent steps ran 25% past their prediction: 10 ms a step, 1 ms a prompt
-    token, 5 ms a decode, no attention terms."""
-    online = OnlineCostModel(CostModel(0.01, 1e-3, 0.0, 5e-3, 0.0), refit_every=10**9)
-    for _ in range(50):
-        online.observe(StepShape().add(1, 8, decode=True), 0.015 * 1.25)
-    return online
-
-
 def test_a_prompt_past_its_ttft_target_is_fitted_to_the_residual_not_to_the_overrun_margin():
-    """Recent steps ran 25% past their prediction, so a step is planned against the decoding
-    chat's 40.5 ms residual shrunk to 32.4 ms. A prompt still on target gets the longest chunk
+    """One in seven recent steps ran 25% past its prediction, so a step is planned against the
+    decoding chat's 40.5 ms residual shrunk to 32.4 ms. A prompt still on target gets the longest chunk
     within 32.4 ms: 17 tokens (10 + 5 ms for the decode, 1 ms a prompt token, by hand). One that
     has missed its TTFT target gets the longest within the 40.5 ms itself, 25 tokens (a 20-token
     one runs whole); BROS fits it to the 32.4 ms too."""
-    online = _overrunning_cost()
+    online = overrunning_cost()
     a = cand("a", 100, 40, out=3, rt=True, slo=0.1, pending=0.0595)
     on_target = cand("w", 100, 2000, rt=True, computed=0, blocks=0, slo=1.0, arrival=1.0)
     late = replace(cand("w", 100, 2000, rt=True, computed=0, blocks=0, slo=1.0, pending=2.0, arrival=1.0), missed=True)
@@ -514,7 +506,7 @@ def test_a_prompt_overdue_for_its_first_token_leaves_the_decodes_after_it_their_
     against a 1 s target) ranked before them. Like a late prompt its chunk is fitted to the residual itself,
     and it leaves both decodes their time in it: 40 tokens (10 + 40 x 1 + 2 x 5 = 60 ms, by
     hand), and both decodes run, though the step is past the margin (48.4 ms)."""
-    online = _overrunning_cost()
+    online = overrunning_cost()
     decoding = [cand(f"d{i}", 100, 4000, out=3, rt=True, slo=0.1, pending=0.0395, arrival=1.0 + i) for i in range(2)]
     old = replace(cand("old", 100, 5, rt=True, computed=0, blocks=0, slo=1.0, pending=11.0), missed=True)
     plan = Tandem(online, max_num_seqs=8)(snap(decoding, [old], t_avg=0.04))
