@@ -96,6 +96,11 @@ def main(argv=None, prog: str = "python -m bench") -> None:
         p.add_argument("--devices", default=None, help="our server's --devices (default: its own)")
         p.add_argument("--held-out", action="store_true",
                        help="draw RT prompts from ShareGPT's held-out records (those the length predictor never saw)")
+        p.add_argument("--step-log", action="store_true",
+                       help="our server: log every model step (<out>_<system>_steps.jsonl; with online "
+                            "--requests, a log per rate: <out>_<system>@<rate>_steps.jsonl), keep its start-up "
+                            "profile beside it (..._profile.json, for bench steps --profile) and print, per row, "
+                            "where its device time went and how well its cost model priced the steps")
         p.add_argument("--kv-cache-gib", type=float, default=None,
                        help="KV cache size for our server and vLLM alike, may be a fraction (default: 2 GiB each)")
     mx.add_argument("--be-mode", default="auto", choices=["auto", "batches", "online"],
@@ -103,9 +108,6 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     mx.add_argument("--be-job-size", type=positive_int, default=16, help="requests per batch job")
     mx.add_argument("--be-concurrency", type=positive_int, default=16, help="BE requests outstanding (online mode)")
     mx.add_argument("--be-scale", type=float, default=1.0, help="scale of BROS's 512-1024 in / 32-128 out")
-    mx.add_argument("--step-log", action="store_true",
-                    help="our server: log every model step (<out>_<system>_steps.jsonl) and print, per row, "
-                         "where its device time went and how well its cost model priced the steps")
     mx.add_argument("--trace-status", action="store_true",
                     help="our server: poll /status each second and say why chats waited past their TTFT target "
                          "(<out>_status.json keeps the polls)")

@@ -55,13 +55,17 @@ def tandem_server(model: str, max_num_seqs: int, extra: list[str] = (), keep_pro
 
 
 def _keep_profile(profiles: Path, to: Path) -> None:
-    """Copy the profile of sched.profiling.PLAN kept under ``profiles`` to ``to`` (none: nothing)."""
+    """Copy the profile of sched.profiling.PLAN kept under ``profiles`` to ``to`` (none: nothing).
+    A profile that cannot be read or copied is said and skipped: the run's results come first."""
     from tandem.sched.profiling import PLAN
     plan = json.loads(json.dumps(PLAN))
     for f in profiles.glob("*.json"):
-        if json.loads(f.read_text())["key"]["plan"] == plan:
-            shutil.copyfile(f, to)
-            return
+        try:
+            if json.loads(f.read_text())["key"]["plan"] == plan:
+                shutil.copyfile(f, to)
+                return
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"start-up profile {f} not kept: {e}", flush=True)
 
 
 def tandem_args(system: str, slo: dict | None = None, kv_cache_gib: float | None = None) -> list[str]:
@@ -309,35 +313,56 @@ class RateTraces:
         return self.traces[rate]
 
 
+def step_logging(args, system: str, tag: str = "") -> tuple[Path | None, list[str], Path | None]:
+    """With ``--step-log`` and one of our servers: its step log (``<out>_<system><tag>_steps.jsonl``,
+    emptied), the server flag that writes it and where to keep its start-up profile (removed
+    until the server's is copied there); else Nones."""
+    if not (args.step_log and system.startswith("tandem")):
+        return None, [], None
+    stem = f"{Path(args.out).stem}_{system}{tag}"
+    log, profile = RESULTS / f"{stem}_steps.jsonl", RESULTS / f"{stem}_profile.json"
+    log.unlink(missing_ok=True)
+    profile.unlink(missing_ok=True)         # a server that measures none leaves no older one beside its log
+    return log, ["--step-log", str(log)], profile
+
+
 def main(args) -> None:
+    from tandem.bench.steps import print_summary, window
+    from tandem.bench.steps import summarize as step_summary
     hf_dir, tok = _setup(args)
     trace = RateTraces(args, hf_dir, tok, same_prompts=bool(args.requests))
     slo = slo_for(args, hf_dir, tok)
     rows, searches = [], []
 
-    def run_at(url: str, system: str, rate: float) -> dict:
-        before = server_counters(url)
+    def run_at(url: str, system: str, rate: float, log: Path | None) -> dict:
+        before, t0 = server_counters(url), time.monotonic()
         recs, dur = asyncio.run(run_trace(url, "smollm2", trace(rate), system, drain_s=args.drain))
         after = server_counters(url)
         row = judge(system, rate, recs, dur, slo) | {
             "server": {k: v - before.get(k, 0.0) for k, v in after.items()}}
+        if log is not None:
+            row["steps"] = step_summary(window(log, t0, time.monotonic()), slo["tbt_s"]) | {"log": log.name}
         print_row(row, flush=True)
         return row
 
-    def server(system: str):
-        return start(system, hf_dir, args.max_num_seqs, slo, args.model, args.kv_cache_gib, args.devices)
+    def server(system: str, tag: str = ""):
+        log, flags, profile = step_logging(args, system, tag)
+        return log, start(system, hf_dir, args.max_num_seqs, slo, args.model, args.kv_cache_gib, args.devices,
+                          flags, profile)
     for system in installed_only(args.systems):
         if args.requests:
             for rate in args.rates:
-                with server(system) as url:
-                    rows.append(run_at(url, system, rate))
+                log, serving = server(system, f"@{rate:g}")
+                with serving as url:
+                    rows.append(run_at(url, system, rate, log))
             continue
-        with server(system) as url:
+        log, serving = server(system)
+        with serving as url:
             for rate in args.rates:
-                rows.append(run_at(url, system, rate))
+                rows.append(run_at(url, system, rate, log))
             if args.search:
                 key = "attain_apt" if args.search_metric == "apt" else "attain_bros"
-                eff, probes = effective_throughput(lambda r: run_at(url, system, r)[key], *args.search,
+                eff, probes = effective_throughput(lambda r: run_at(url, system, r, log)[key], *args.search,
                                                    rel_tol=0.15)
                 searches.append({"system": system, "metric": args.search_metric,
                                  "effective_rps": eff, "probes": probes})
@@ -355,6 +380,10 @@ def main(args) -> None:
         plots.latency_cdfs([r for r in listed if r["rate"] == rate], RESULTS / f"{stem}_cdf_{rate:g}.png",
                            f"RT latency CDFs at {rate:g} req/s")
     print_table(listed)
+    for row in rows:
+        if "steps" in row:
+            print_summary(f"{row['system']} at {row['rate']:g} req/s, its step log ({row['steps']['log']})",
+                          row["steps"])
     for e in searches:
         print(f"effective throughput {e['system']}: {e['effective_rps']:.2f} req/s ({e['metric']})")
     print(f"wrote {out} and {stem}_*.png")
@@ -376,13 +405,9 @@ def mixed(args) -> None:
     rows, traces = [], {}
     for system in installed_only(args.systems):
         mode = args.be_mode if args.be_mode != "auto" else ("batches" if system.startswith("tandem") else "online")
-        ours = args.step_log and system.startswith("tandem")
-        step_log = RESULTS / f"{Path(args.out).stem}_{system}_steps.jsonl" if ours else None
-        if step_log is not None:
-            step_log.unlink(missing_ok=True)
+        step_log, flags, profile = step_logging(args, system)
         with start(system, hf_dir, args.max_num_seqs, told, args.model, args.kv_cache_gib, args.devices,
-                   ["--step-log", str(step_log)] if step_log else [],
-                   step_log.with_name(f"{Path(args.out).stem}_{system}_profile.json") if step_log else None) as url:
+                   flags, profile) as url:
             for i, rate in enumerate(args.rates):
                 # each rate's BE prompts new to the server too (random ids: no prefix shared)
                 be_items = synthetic_be_stream(args.seed + 1 + i, vocab, scale=args.be_scale, tokenizer=tok)

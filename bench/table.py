@@ -30,7 +30,7 @@ def run(args) -> None:
                               seed=0, max_output=512, max_num_seqs=64, ttft_factor=10.0, tbt_factor=5.0,
                               slo_ttft_ms=None, slo_tbt_ms=None, search=args.search, search_metric="bros",
                               out="table_online.json", model="smollm2", held_out=False, kv_cache_gib=None,
-                              devices=None, requests=None))
+                              devices=None, requests=None, step_log=False))
     write_table(json.loads((RESULTS / "offline.json").read_text()),
                 json.loads((RESULTS / "table_online.json").read_text()), args.rates)
 

@@ -242,18 +242,28 @@ class OnlineCostModel:
         t̂ = f_k · t(step),   f_k = median of measured / t over the last ``KIND_WINDOW`` steps of kind k
 
     k: with a prompt chunk, or decodes only; f_k = 1 until ``KIND_MIN`` such steps were measured,
-    and the kept steps' ratios are taken again under each refit's model. [open choice] A refit's
-    window held mostly steps with a batch chunk, and the linear form fitted on them priced the
-    decode-only steps 1.1-1.2 times what they took; until the first refit a server's steps ran up
-    to 1.3 times the start-up fit's price. Six ``bench mixed`` runs of the default policy on a
-    2-core Zen 2 EPYC (SmolLM2 float32), each log priced again from its server's start-up profile
-    (``bench steps --profile``; bench/README.md, "Each kind of step priced at its recent level"):
-    mean |log measured / predicted| 11.2-14.2% fitted alone, 6.0-8.0% corrected; steps under 0.85
-    of their price 11.6-19.6% against 0.4-1.0%; the first 256 steps over 1.1 23-50% against 9-12%;
-    the 90th percentile (the deadline's margin) 1.11-1.18 against 1.09-1.11. Served with it, 4.6-5.2%
-    of the steps holding chat decodes ran past the TBT target against 6.7-8.3%, the batch work
-    within the runs' spread. One correction for both kinds (16 steps) did less on the first logs
-    tried (5.8-9.4% against 4.4-8.0%); medians of 16 or 32 steps per kind about as well.
+    and the kept steps' ratios are taken again under each refit's model. f_k is rounded to 6
+    decimals: below that it is a clock's rounding (the simulator's step times are off their
+    price by up to 1e-12, and passed on to the prices such differences changed which request
+    went first past capacity, and a run's results with it). A step that copied swapped-out
+    caches back is left out of f_k: its time holds the copy (s_in's, and where a GPU copies on a
+    side link, the wait for the swap-outs queued before it), which comes and goes with memory
+    pressure, not with the kind. (With them in, the paper-scale simulation's copies raised f_k
+    for every step: at 3 req/s, past capacity, the default policy kept 79 / 48 / 46% of the
+    chats on TTFT & P99 TBT over seeds 0-2 against 86 / 67 / 38%, and 0.41 / 0.25 / 0.24 batch
+    requests/s against 0.55 / 0.29 / 0.24; with them out and f_k rounded, its runs are the same
+    as without a correction, since the simulator's other steps take their price.)
+
+    [open choice] A refit's window held mostly steps with a batch chunk, and the linear form
+    fitted on them priced the decode-only steps 1.1-1.2 times what they took; until the first
+    refit a server's steps ran 1.1-1.2 times the start-up fit's price. Six ``bench mixed`` runs
+    of the default policy on a 2-core Zen 2 EPYC (SmolLM2 float32), each log priced again from
+    its server's start-up profile (``bench steps --profile``; bench/README.md, "Each kind of step
+    priced at its recent level"): mean |log measured / predicted| 11.2-14.2% fitted alone,
+    6.0-8.0% corrected; steps under 0.85 of their price 11.6-19.6% against 0.4-1.0%; the first
+    256 steps over 1.1 23-50% against 9-12%; the 90th percentile (the deadline's margin)
+    1.11-1.18 against 1.09-1.11. Served with it, 4.6-5.2% of the steps holding chat decodes ran
+    past the TBT target against 6.7-8.3%, the batch work within the runs' spread.
 
     The relative prediction error of each observed step is tracked (EWMA and count),
     and so is the ratio measured / predicted of the last ``TAIL_WINDOW`` steps, whose upper
@@ -280,11 +290,16 @@ class OnlineCostModel:
         self.ratios: deque = deque(maxlen=self.TAIL_WINDOW)   # measured / predicted, recent steps
         # measured / fitted of the last steps of each kind: [decodes only, with a prompt chunk]
         self.kinds = (deque(maxlen=self.KIND_WINDOW), deque(maxlen=self.KIND_WINDOW))
+        self._factors = [1.0, 1.0]      # f_k of each kind, kept as its ratios change (prices read it often)
 
     def factor(self, prompt: bool) -> float:
         """f_k of the steps with a prompt chunk (``prompt``) or of the decode-only ones."""
+        return self._factors[int(prompt)]
+
+    def _refactor(self, prompt: int) -> None:
         kept = self.kinds[prompt]
-        return float(np.median(kept)) if self.kind_correction and len(kept) >= self.KIND_MIN else 1.0
+        ok = self.kind_correction and len(kept) >= self.KIND_MIN
+        self._factors[prompt] = round(float(np.median(kept)), 6) if ok else 1.0
 
     def __call__(self, shape: StepShape, swap_slots: int = 0) -> float:
         return max(self.model.predict(shape) * self.factor(shape.prefill_tokens > 0), self.swap.predict(swap_slots))
@@ -310,14 +325,16 @@ class OnlineCostModel:
     def observe(self, shape: StepShape, seconds: float) -> None:
         if seconds <= 0:
             return
-        prompt = shape.prefill_tokens > 0
+        prompt = int(shape.prefill_tokens > 0)
         fitted = self.model.predict(shape)
         predicted = fitted * self.factor(prompt)
         err = abs(predicted - seconds) / seconds
         self.last_error = err
         if predicted > 0:
             self.ratios.append(seconds / predicted)
-            self.kinds[prompt].append(seconds / fitted)
+            if not shape.swap_in_bytes:
+                self.kinds[prompt].append(seconds / fitted)
+                self._refactor(prompt)
         self.error_ewma = err if self.error_ewma is None else 0.95 * self.error_ewma + 0.05 * err
         self.recent.append((shape, seconds))
         self.observed += 1
@@ -330,9 +347,11 @@ class OnlineCostModel:
     def _rekind(self) -> None:
         """The kinds' kept ratios taken again under the model just refitted."""
         for prompt, kept in enumerate(self.kinds):
-            last = [(s, t) for s, t in self.recent if (s.prefill_tokens > 0) == prompt][-self.KIND_WINDOW:]
+            ratios = [t / p for s, t in self.recent if (s.prefill_tokens > 0) == prompt and not s.swap_in_bytes
+                      and (p := self.model.predict(s)) > 0]
             kept.clear()
-            kept.extend(t / p for s, t in last if (p := self.model.predict(s)) > 0)
+            kept.extend(ratios[-self.KIND_WINDOW:])
+            self._refactor(prompt)
 
 
 def predict_many(cost, prefill_tokens=0, prefill_attn=0, decode_tokens=0, decode_ctx=0, swap_slots=0,

@@ -127,7 +127,7 @@ def test_peers_not_installed_are_left_out_before_anything_runs(monkeypatch, tmp_
     monkeypatch.setattr(online.plots, "latency_cdfs", lambda *a, **kw: None)
     online.main(argparse.Namespace(systems=["vllm", "tandem"], rates=[1.0], requests=None, search=None,
                                    out="o.json", seed=0, duration=1.0, drain=1.0, max_num_seqs=4,
-                                   model="smollm2", kv_cache_gib=None, devices=None))
+                                   model="smollm2", kv_cache_gib=None, devices=None, step_log=False))
     assert started == ["tandem"]
     assert [r["system"] for r in json.loads((tmp_path / "o.json").read_text())["rows"]] == ["tandem"]
 

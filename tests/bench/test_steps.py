@@ -110,3 +110,25 @@ def test_a_log_priced_again_from_its_start_up_profile_with_and_without_the_per_k
     assert corrected["p50_with_a_prompt_chunk"] == pytest.approx(1.0)
     assert corrected["under_0.85"] == 0.1 and corrected["over_1.1"] == 0.1
     assert corrected["mean_abs_log"] == pytest.approx(4 * (abs(math.log(0.6)) + math.log(1.25)) / 40)
+
+
+def test_the_bench_keeps_the_start_up_profile_of_the_whole_plan_and_skips_what_it_cannot_read(tmp_path, capsys):
+    """A server's data dir holds the profile of the whole start-up plan and the shorter plan's
+    (and here a file cut short): the whole plan's is the one copied beside the step log."""
+    from tandem.bench.online import _keep_profile
+    from tandem.sched.cost_model import CostModel
+    from tandem.sched.profile_store import Profile, ProfileStore
+    from tandem.sched.profiling import PLAN, SHORT_PLAN
+    store = ProfileStore(tmp_path / "profiles", {"machine": "test"})
+    truth = CostModel(0.02, 2e-4, 1e-8, 1e-3, 3e-6)
+    shapes = [StepShape().add(n, n, decode=False) for n in (32, 64, 128, 256, 512)]
+    store.save(SHORT_PLAN, Profile([(s, 2 * truth.predict(s)) for s in shapes], 1.0))
+    (tmp_path / "profiles" / "cut.json").write_text('{"key": ')
+    kept = tmp_path / "kept.json"
+    _keep_profile(tmp_path / "profiles", kept)
+    assert not kept.exists() and "cut.json not kept" in capsys.readouterr().out
+    store.save(PLAN, Profile([(s, truth.predict(s)) for s in shapes], 1.0))
+    _keep_profile(tmp_path / "profiles", kept)
+    assert kept.read_text() == store.path(PLAN).read_text()
+    _keep_profile(tmp_path / "nothing", tmp_path / "none.json")          # a server that measured none
+    assert not (tmp_path / "none.json").exists()

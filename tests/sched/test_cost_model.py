@@ -227,6 +227,58 @@ def test_a_kind_of_step_that_runs_off_its_fitted_price_is_priced_at_the_median_o
     assert plain.overrun() == pytest.approx(1.3)               # the 2.0 and seven 1.3s of 52 steps
 
 
+def test_steps_that_copy_caches_back_stay_out_of_the_correction():
+    """Eight decode steps copying a swapped-out cache back took 1.5 times their price (the copy
+    waited for a busy link): the decodes are still priced as fitted, 15 ms, where their own
+    median would have made it 22.5 ms; a plain decode step at 0.8 then counts as before."""
+    model = CostModel(0.01, 1e-3, 0.0, 5e-3, 0.0)
+    decode = StepShape().add(1, 8, decode=True)
+    copying = replace(decode, swap_in_bytes=4096)
+    online = OnlineCostModel(model, refit_every=10**9)
+    for _ in range(8):
+        online.observe(copying, 1.5 * model.predict(copying))
+    assert online(decode) == pytest.approx(0.015) and online.factor(False) == 1.0
+    for _ in range(4):
+        online.observe(decode, 0.8 * 0.015)
+    assert online(decode) == pytest.approx(0.012)
+    # when a refit takes the ratios again: it prices the plain decodes as they ran (12 ms) and
+    # the copies at their mean, which seven of eight took 18 ms of (ratios 0.82 under it)
+    refitted = OnlineCostModel(model, refit_every=16)
+    for _ in range(8):
+        refitted.observe(decode, 0.012)
+    for r in (1.2,) * 7 + (3.3,):
+        refitted.observe(copying, r * 0.015)
+    assert refitted.refits == 1 and refitted.model.predict(decode) == pytest.approx(0.012)
+    assert refitted.factor(False) == 1.0
+
+
+def test_a_correction_within_the_clocks_rounding_is_none():
+    """Steps off their price by a part in 1e12 (a clock's rounding, as the simulator's) leave
+    every price exactly as fitted; off by a part in 1e4, they correct it."""
+    model = CostModel(0.01, 1e-3, 0.0, 5e-3, 0.0)
+    decode = StepShape().add(1, 8, decode=True)
+    online = OnlineCostModel(model, refit_every=10**9)
+    for _ in range(8):
+        online.observe(decode, model.predict(decode) * (1 + 3e-12))
+    assert online(decode) == model.predict(decode) and online.factor(False) == 1.0
+    for _ in range(8):
+        online.observe(decode, model.predict(decode) * (1 + 1e-4))
+    assert online.factor(False) == 1.0001
+
+
+def _serve_decodes(online: OnlineCostModel, now: CostModel, rng: random.Random, steps: int) -> list[StepShape]:
+    """``steps`` served steps of 1-24 decodes at contexts of 50-700 tokens, each taking what ``now``
+    prices it at, observed by ``online``; their shapes."""
+    served = []
+    for _ in range(steps):
+        s = StepShape()
+        for _ in range(rng.randint(1, 24)):
+            s = s.add(1, rng.randint(50, 700), decode=True)
+        served.append(s)
+        online.observe(s, now.predict(s))
+    return served
+
+
 def test_after_a_refit_the_correction_is_taken_again_under_the_new_model():
     """The start-up profile ran 30% slower than the served steps; until the first refit the
     served decodes are priced at the median of what they measured against the start-up fit,
@@ -241,14 +293,7 @@ def test_after_a_refit_the_correction_is_taken_again_under_the_new_model():
             s = s.add(1, ctx, decode=True)
         startup += [(s, then.predict(s))] * 2
     online = OnlineCostModel(CostModel.fit(startup), startup=startup, refit_every=64)
-    rng = random.Random(7)
-    served = []
-    for _ in range(63):
-        s = StepShape()
-        for _ in range(rng.randint(1, 24)):
-            s = s.add(1, rng.randint(50, 700), decode=True)
-        served.append(s)
-        online.observe(s, now.predict(s))
+    served = _serve_decodes(online, now, random.Random(7), 63)
     assert online.refits == 0 and abs(online(served[-1]) / now.predict(served[-1]) - 1) < 0.01
     assert abs(online.model.predict(served[-1]) / now.predict(served[-1]) - 1.3) < 0.01
     online.observe(served[0], now.predict(served[0]))
@@ -315,13 +360,7 @@ def test_the_refits_follow_the_served_steps_and_take_what_they_lack_from_the_sta
             s = s.add(1, ctx, decode=True)
         startup += [(s, then.predict(s))] * 4
     online = OnlineCostModel(CostModel.fit(startup), startup=startup, refit_every=128)
-    served = []
-    for _ in range(128):
-        s = StepShape()
-        for _ in range(rng.randint(1, 24)):
-            s = s.add(1, rng.randint(50, 700), decode=True)
-        served.append(s)
-        online.observe(s, now.predict(s))
+    served = _serve_decodes(online, now, rng, 128)
     assert online.refits == 1
     assert max(abs(online.model.predict(s) / now.predict(s) - 1) for s in served) < 0.01
     assert online.model.per_prefill_token == pytest.approx(then.per_prefill_token, rel=0.1)
