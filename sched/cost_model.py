@@ -297,6 +297,7 @@ class OnlineCostModel:
         return self._factors[int(prompt)]
 
     def _refactor(self, prompt: int) -> None:
+        """f_k of kind ``prompt`` (1: with a prompt chunk) from its kept ratios."""
         kept = self.kinds[prompt]
         ok = self.kind_correction and len(kept) >= self.KIND_MIN
         self._factors[prompt] = round(float(np.median(kept)), 6) if ok else 1.0
