@@ -100,6 +100,20 @@ def overrunning_cost() -> OnlineCostModel:
     return online
 
 
+def test_a_chunk_is_fitted_to_what_steps_with_a_prompt_chunk_recently_took():
+    """Steps with a prompt chunk have run at 1.2 times the fitted price (decode-only steps were
+    never measured), so the cost model prices such a step at 1.2 times the fit, and the margin
+    stays 1 (only the first four ran past the corrected price: 8% of 50). The chunk beside the
+    decode is fitted against 0.04 at that level: (.010 + .005 + .001 n) * 1.2 <= .04, so 18
+    tokens (by hand), not 25."""
+    online = OnlineCostModel(CostModel(0.01, 1e-3, 0.0, 5e-3, 0.0), refit_every=10**9)
+    for _ in range(50):
+        online.observe(StepShape().add(20, 20, decode=False), 0.030 * 1.2)
+    assert online.overrun() == 1.0
+    plan = Bros(online, max_num_seqs=8)(snap(running=[dec("a", 0.1, 0.06)], waiting=[new("w", 100, slo=1.0)]))
+    assert planned(plan) == [("a", 1), ("w", 18)]
+
+
 def test_the_deadline_keeps_a_margin_for_the_cost_models_overruns():
     # as above, but one in seven recent steps ran 25% past its prediction: the chunk is fitted
     # against 0.04 / 1.25 = 0.032, so 17 tokens (.015 + .017), not 25
