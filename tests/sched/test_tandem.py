@@ -523,5 +523,6 @@ def test_a_late_prompt_keeps_within_the_idle_bound_while_a_new_prompt_can_make_i
     a clock, and the chunk sizes are exact."""
     new = cand("new", 10, 5, rt=True, computed=0, blocks=0, slo=0.4, arrival=2.0)
     late = replace(cand("late", 1000, 5, rt=True, computed=0, blocks=0, slo=1.0, pending=2.0), missed=True)
-    bound = COST.predict(StepShape(prefill_tokens=400)) + 5e-5       # a step's price, not a clock reading
-    assert chunks(policy(idle_budget_s=bound)(snap([], [new, late]))) == [("new", 10), ("late", 390)]
+    priced_bound = COST.predict(StepShape(prefill_tokens=400)) + 5e-5     # a step's price, not a clock reading
+    plan = policy(idle_budget_s=priced_bound)(snap([], [new, late]))
+    assert chunks(plan) == [("new", 10), ("late", 390)]
