@@ -28,7 +28,9 @@ Who decides what, each in its own module:
                                                             the prompt is due itself and can still
                                                             make its target; a prompt past its TTFT
                                                             target is fitted to the residual without
-                                                            the overrun margin (Tandem._chunk_limit)
+                                                            the overrun margin, counting the time
+                                                            per output token the decoding chats
+                                                            banked (Tandem._chunk_limit)
     which cache a starting request keeps        Apt-Serve   AptServe.hidden_choice: the prefill
                                                             knapsack; only on models where a
                                                             hidden cache is smaller than KV
@@ -115,6 +117,7 @@ class Tandem(Bros):
         self._held: Footprint | None = None
         self._running: set[str] = set()
         self._started: dict[str, str] = {}     # this iteration's starts by a rule of this policy's own
+        self._banked = math.inf                # this plan's limit for a late prompt's chunk (``_budget``)
 
     # ---- the hooks BROS's packing calls ------------------------------------------------
     def _rt_order(self, snap: Snapshot, res) -> list[Candidate]:
@@ -188,8 +191,10 @@ class Tandem(Bros):
 
     def _chunk_limit(self, r: Candidate, t_res_min: float) -> float:
         """A prompt that has missed its TTFT target is fitted to the most urgent residual itself,
-        not to the residual shrunk by the cost model's overrun margin (``Bros._budget``; within the
-        idle bound while a new prompt can still make its first token): the margin keeps a step that
+        not to the residual shrunk by the cost model's overrun margin (``Bros._budget``), and with
+        each decoding chat's residual counted against its time per output token (``_banked_budget``:
+        the time its earlier tokens banked, one gap at most twice its target); within the idle bound
+        while a new prompt can still make its first token. The margin keeps a step that
         is predicted to fit within the chats' targets nine times in ten, and on this CPU, where a
         late prompt runs on what the chats on target leave, it left such a prompt no chunk at all
         for seconds. Under a 92 ms TBT target with 12-13 chats decoding (50-57 ms steps, priced
@@ -207,8 +212,27 @@ class Tandem(Bros):
         capacity) TTFT & P99 TBT went from 81 / 50 / 51% to 86 / 67 / 38% on seeds 0 / 1 / 2. Only
         the RT work moves: BE work is still packed within the margin. The RT decodes after the chunk
         in the order may fill the step to the same limit, so an overdue prompt's chunk still leaves
-        the due decodes after it (``_kept``) their time."""
-        return self._unshrunk if r.missed else t_res_min
+        the due decodes after it (``_kept``) their time.
+
+        The banked time: once the cost model priced the steps with a prompt chunk at what they
+        took (``OnlineCostModel``'s per-kind correction) a prompt that arrived in a burst while a
+        dozen chats decoded got only what their gaps left, and at 1 chat/s (``bench online``, 538
+        / 92 ms targets) its first token came up to 3.6-6.7 s after it. Spending what the chats
+        banked, in three pairs of runs alternated with the code before: TTFT p99 1.3-1.9 s against
+        3.0-6.4 s (at most 1.3-1.9 s against 3.6-6.7 s), 77% of chats on TTFT & TPOT in two pairs
+        and 60% against 77% in one (five more first tokens 0.54-1.18 s after their prompts), fewer
+        gaps past 92 ms (2.3-3.7% against 3.4-4.7%); at 2 req/s (past what this CPU serves) 33-38%
+        against 33-35%. The price is in the simulator at paper scale, where a chat's P99 gap is at
+        stake: at 2.5 req/s TTFT & P99 TBT 93 / 93 / 88% against 95 / 94 / 91% on seeds 0 / 1 / 2,
+        TTFT & TPOT within a point, the longest first-token wait 4.2 / 4.1 / 7.6 s against 4.2 /
+        4.3 / 12.0; at 3 (past capacity) 73 / 52 / 50% against 86 / 67 / 38%. At
+        this CPU's scale (``--preset fitted``, batch jobs beside, seeds 0-2) the TTFT p99 fell in
+        seven points of nine, the longest first-token wait in eight, TTFT & TPOT moved by -2 to
+        +4 points. [open choice] From the miss on: spending it only from three TTFT targets on
+        cost less at paper scale (94.5 / 93.3 / 90.8% at 2.5 req/s, 79 / 64 / 42% at 3) but cut
+        the simulated CPU tail less (at 1.25 req/s on seed 0 the longest wait 16.5 s, against 10.8
+        s from the miss and 15.7 s before)."""
+        return self._banked if r.missed else t_res_min
 
     def _too_late(self, r: Candidate, t_avg: float) -> bool:
         """Would ``r``'s next token miss its target even if the rest of its prompt ran alone now?
@@ -308,10 +332,19 @@ class Tandem(Bros):
         if Mechanism.SLO in self.off:
             return math.inf
         budget = super()._budget(q_rt, res)
+        self._banked = self._banked_budget(q_rt, res)
         if self.idle_budget_s and any(c.num_output == 0 and not c.missed for c in q_rt):
             budget = min(budget, self._margin(self.idle_budget_s))
-            self._unshrunk = min(self._unshrunk, self.idle_budget_s)
+            self._banked = min(self._banked, self.idle_budget_s)
         return budget
+
+    def _banked_budget(self, q_rt, res) -> float:
+        """The budget before its margin (``_unshrunk``) with each decoding RT request's time per
+        output token in place of its gap: the slack its earlier tokens banked counts, one gap at
+        most twice its target (``Candidate.residual_tpot``), over the RT requests that set the
+        budget (those that can still make their targets, whose residual is at least the budget)."""
+        saveable = [c.residual_tpot() for c in q_rt if not c.missed and res(c) >= self._unshrunk]
+        return max(self._unshrunk, min(saveable, default=self._unshrunk))
 
     def _victims(self, c: Candidate, running: list[Candidate], t_avg: float) -> list[Candidate]:
         if Mechanism.LENGTHS in self.off:

@@ -500,6 +500,28 @@ def test_a_prompt_past_its_ttft_target_is_fitted_to_the_residual_not_to_the_over
     assert chunks(Tandem(online, max_num_seqs=8)(snap([a], [short]))) == [("a", 1), ("w", 20)]   # 35 ms, whole
 
 
+def test_a_late_prompt_spends_the_time_per_output_token_the_decoding_chats_banked():
+    """The decoding chat of the test above (40.5 ms to its target gap) got its first token 239.5
+    ms ago and has three tokens: its mean gap may stay within 100 ms while its next token comes
+    within 3 x 100 - 239.5 = 60.5 ms. A prompt past its TTFT target gets the longest chunk within
+    those 60.5 ms: 45 tokens (10 + 5 + 45 ms, by hand); one still on target keeps within the
+    margin (17 tokens). A chat that banked more is held to one gap of twice its target: 140.5 ms
+    (first token 60 ms ago), 125 tokens of a 200-token prompt. Beside a second chat that banked
+    nothing, the late prompt is back at the 40.5 ms gap: 20 tokens (10 + 2 x 5 + 20 ms)."""
+    online = overrunning_cost()
+    a = replace(cand("a", 100, 40, out=3, rt=True, slo=0.1, pending=0.0595), decoding_s=0.2395)
+    late = replace(cand("w", 200, 2000, rt=True, computed=0, blocks=0, slo=1.0, pending=2.0, arrival=1.0), missed=True)
+    on_target = replace(late, pending_s=0.0, missed=False)
+
+    def planned(running, waiting):
+        return dict(chunks(Tandem(online, max_num_seqs=8)(snap(running, [waiting]))))
+    assert planned([a], late) == {"a": 1, "w": 45}
+    assert planned([a], on_target) == {"a": 1, "w": 17}
+    assert planned([replace(a, decoding_s=0.06)], late) == {"a": 1, "w": 125}
+    b = replace(a, req_id="b", decoding_s=0.3, arrival=0.5)
+    assert planned([a, b], late) == {"a": 1, "b": 1, "w": 20}
+
+
 def test_a_prompt_overdue_for_its_first_token_leaves_the_decodes_after_it_their_time():
     """The same overrun, two chats decoding with 60.5 ms residuals (each due: T_avg 40 ms) and
     predicted to reply at length, and a prompt overdue for its first token (waiting 11 s
