@@ -225,13 +225,18 @@ class Tandem(Bros):
         against 33-35%. The price is in the simulator at paper scale, where a chat's P99 gap is at
         stake: at 2.5 req/s TTFT & P99 TBT 93 / 93 / 88% against 95 / 94 / 91% on seeds 0 / 1 / 2,
         TTFT & TPOT within a point, the longest first-token wait 4.2 / 4.1 / 7.6 s against 4.2 /
-        4.3 / 12.0; at 3 (past capacity) 73 / 52 / 50% against 86 / 67 / 38%. At
+        4.3 / 12.0; at 3 (past capacity) 73 / 52 / 50% against 86 / 67 / 38%; the effective
+        throughput (90% on TTFT & P99 TBT) 2.57 / 2.54 / 2.38 req/s against 2.78 / 2.57 / 2.51. At
         this CPU's scale (``--preset fitted``, batch jobs beside, seeds 0-2) the TTFT p99 fell in
         seven points of nine, the longest first-token wait in eight, TTFT & TPOT moved by -2 to
         +4 points. [open choice] From the miss on: spending it only from three TTFT targets on
         cost less at paper scale (94.5 / 93.3 / 90.8% at 2.5 req/s, 79 / 64 / 42% at 3) but cut
-        the simulated CPU tail less (at 1.25 req/s on seed 0 the longest wait 16.5 s, against 10.8
-        s from the miss and 15.7 s before)."""
+        the tail less: in the simulator at this CPU's scale (at 1.25 req/s on seed 0 the longest
+        wait 16.5 s, against 10.8 s from the miss and 15.7 s before) and on the engine (three
+        more runs of ``bench online`` at 1 chat/s: TTFT p99 1.8-4.1 s, at most 1.8-4.9 s, 73-80%
+        of chats on TTFT & TPOT). Spending it only where the prompt would otherwise get no chunk
+        at all cost paper scale too (94 / 94 / 90% at 2.5 req/s) and cut the
+        simulated CPU tail less."""
         return self._banked if r.missed else t_res_min
 
     def _too_late(self, r: Candidate, t_avg: float) -> bool:
