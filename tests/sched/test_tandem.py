@@ -517,7 +517,8 @@ def test_a_late_prompt_spends_the_time_per_output_token_the_decoding_chats_banke
         return dict(chunks(Tandem(online, max_num_seqs=8)(snap(running, [waiting]))))
     assert planned([a], late) == {"a": 1, "w": 45}
     assert planned([a], on_target) == {"a": 1, "w": 17}
-    assert planned([replace(a, decoding_s=0.06)], late) == {"a": 1, "w": 125}
+    banked_more = replace(a, decoding_s=0.06)          # its first token 60 ms ago: capped at one gap of 2 x 100 ms
+    assert planned([banked_more], late) == {"a": 1, "w": 125}
     b = replace(a, req_id="b", decoding_s=0.3, arrival=0.5)
     assert planned([a, b], late) == {"a": 1, "b": 1, "w": 20}
 
