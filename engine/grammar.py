@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 # Compact JSON ("," and ":" with no whitespace between tokens): a model offered free whitespace
 # can emit newlines for ever, and OpenAI's structured outputs are compact too.
 JSON_OPTIONS = {"whitespace_flexible": False}
+PROBE_TOKENS = 2        # the tokens ``Vocabulary.check`` follows a grammar through before a request runs
 
 
 # a schema's keywords whose values are values, not schemas, and those that map names to schemas
@@ -129,10 +130,33 @@ class Vocabulary:
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
             raise ValueError(f"structured_outputs: {messages[0].strip() if messages else 'invalid'}")
-        first = LLMatcher(self.tokenizer, grammar, log_level=0) if text_only else None
-        if first is not None and self._stuck(first, self._bits(first)):
+        first = LLMatcher(self.tokenizer, grammar, log_level=0)
+        bits = self._bits(first)
+        if text_only and self._stuck(first, bits):
             raise ValueError("structured_outputs: no token of this model can begin an output that matches "
                              "(the text of a special token, such as an end marker, cannot be written)")
+        self._probe(first, bits)
+
+    def _probe(self, m, bits: np.ndarray) -> None:
+        """ValueError where the grammar's lexer runs past llguidance's limits within its first
+        PROBE_TOKENS tokens, each the longest text token allowed. Its regular expressions are
+        built lazily, as the output reaches them: ``a{300000}`` compiles and allows its first
+        token, then fails at the second ("too many expressions constructed"), and the output
+        ended there, short of the pattern, as if it had stopped."""
+        for _ in range(PROBE_TOKENS):
+            allowed = np.flatnonzero(np.unpackbits(bits & self._text_bits, bitorder="little")[:self.vocab_size])
+            if not len(allowed):
+                return
+            m.consume_token(int(allowed[np.argmax(self._token_lengths[allowed])]))
+            bits = self._bits(m)
+            if m.is_error():
+                raise ValueError("structured_outputs: too large for this server to follow ("
+                                 f"{(m.get_error() or 'a resource limit').splitlines()[0]})")
+
+    @functools.cached_property
+    def _token_lengths(self) -> np.ndarray:
+        """Each token's length in bytes."""
+        return np.array([len(self.tokenizer.decode_bytes([i])) for i in range(self.vocab_size)])
 
     def _bits(self, m) -> np.ndarray:
         """A matcher's mask, a bit per token (llguidance's bit j of 32-bit word w is token 32 w + j:

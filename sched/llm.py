@@ -799,6 +799,8 @@ class LLM:
                 self._check_chars(sum(len(m["content"]) for m in prompt))
             template.check(prompt)
             text = template.render(self.tokenizer, prompt)
+            if check_chars and template.source is not None:   # a template of the request's own may write more
+                self._check_chars(len(text))
             if not self.chat_control_tokens and self._holds_control_text(prompt):
                 return self._encode_chat_literally(prompt, template), text
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), text

@@ -220,6 +220,8 @@ def test_a_literal_only_a_special_token_spells_is_refused(llm, hf):
     (StructuredOutputs(json={"type": "no-such-type"}), "no-such-type"),
     (StructuredOutputs(json="{not json"), "not JSON"),
     (StructuredOutputs(grammar="start: undefined_rule"), "undefined_rule"),
+    # compiles and allows a first token; llguidance's lexer runs past its limits at the second
+    (StructuredOutputs(regex="a{300000}"), "too large for this server to follow"),
 ])
 def test_bad_constraints_are_refused_before_running(llm, bad, why):
     with pytest.raises(ValueError, match=why):

@@ -76,6 +76,8 @@ CASES = [
     ("top_k below -1", "POST", COMP, {"prompt": "a", "top_k": -3}, None, 400, "invalid_request_error", "top_k"),
     ("n zero", "POST", CHAT, {"messages": MSG, "n": 0}, None, 400, "invalid_request_error", "n"),
     ("n too large", "POST", CHAT, {"messages": MSG, "n": 1000}, None, 400, "invalid_request_error", "n"),
+    ("too many stop ids", "POST", COMP, {"prompt": "a", "stop_token_ids": [1] * 4097}, None, 400,
+     "invalid_request_error", "stop_token_ids"),
     ("seed string", "POST", COMP, {"prompt": "a", "seed": "x"}, None, 400, "invalid_request_error", "seed"),
     ("stop token id past the vocabulary", "POST", CHAT, {"messages": MSG, "max_tokens": 4, "min_tokens": 1,
      "stop_token_ids": [10 ** 6]}, None, 400, "invalid_request_error", "stop_token_ids"),

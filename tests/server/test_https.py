@@ -150,6 +150,10 @@ def test_request_ids_name_completions_and_come_back_as_headers(tls_server, ca, t
     assert status == 404 and headers["X-Request-Id"] == "lost-1"
     status, headers, body = get(tls_server, "/v1/chat/completions", ctx, {**chat, "request_id": ""})
     assert status == 400 and body["error"]["param"] == "request_id" and headers["X-Request-Id"]
+    for bad in ("a\nb", "\r\nX-Injected: 1", "x\u0000", " "):        # no header could carry it back
+        status, headers, body = get(tls_server, "/v1/completions", ctx,
+                                    {"model": tls_server.model, "prompt": "x", "max_tokens": 2, "request_id": bad})
+        assert status == 400 and body["error"]["param"] == "request_id" and "X-Injected" not in headers
     # streamed: the header before the first event, the id on every chunk
     req = urllib.request.Request(tls_server.url + "/v1/chat/completions", json.dumps({**chat, "stream": True}).encode(),
                                  {**tls_server.headers(), "Content-Type": "application/json", "X-Request-Id": "s-1"})

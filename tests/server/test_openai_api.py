@@ -976,6 +976,10 @@ def test_a_chat_template_given_to_the_server_and_one_a_request_brings(tiny_chat_
             code, r = call(s, "POST", "/v1/chat/completions", {"model": s.model, "messages": msgs,
                                                                "chat_template": bad})
             assert code == 400 and r["error"]["param"] == "chat_template", (bad, r)
+        # a rendering past what the context can hold is refused by its characters, before tokenizing
+        code, r = call(s, "POST", "/v1/chat/completions", {"model": s.model, "messages": msgs,
+                                                           "chat_template": "{{ 'a' * 2000000 }}"})
+        assert code == 400 and r["error"]["code"] == "context_length_exceeded" and "characters" in r["error"]["message"]
         assert call(s, "POST", "/v1/completions", {"model": s.model, "prompt": "a", "max_tokens": 2})[0] == 200
     finally:
         assert stop_server(s) == 0
