@@ -178,13 +178,16 @@ class ChatTemplate:
     for the template (Qwen3's ``enable_thinking``, say); a template that does not read one
     ignores it. ``source``: a Jinja template used instead of the model's (vLLM's per-request
     chat_template); ``documents``: vLLM's documents, for a template that reads them (RAG);
-    ``tools``: the tools the template lists (vLLM's offline chat gives them to it)."""
+    ``tools``: the tools the template lists (vLLM's offline chat gives them to it);
+    ``isolated``: ``source`` came with a request, so it is rendered in a child process within a
+    time limit (sched.isolated), not in this one."""
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     kwargs: dict = field(default_factory=dict)
     source: str | None = None
     documents: tuple[dict, ...] | None = None
     tools: tuple[dict, ...] | None = None
+    isolated: bool = False
 
     def check(self, messages: list[dict]) -> None:
         """ValueError naming the option these messages cannot be rendered with."""
@@ -470,6 +473,8 @@ class LLM:
         if not enable_chunked_prefill and max_num_batched_tokens < self.max_model_len:
             raise ValueError("max_num_batched_tokens: must be >= max_model_len without chunked prefill")
         self.tokenizer = load_tokenizer(hf_dir)
+        self._hf_dir = hf_dir
+        self._isolated = None        # the child process that renders request templates (sched.isolated)
         if template is not None:
             self._use_template(template)
         self.chat_control_tokens = chat_control_tokens   # may message text act as template tokens?
@@ -800,9 +805,7 @@ class LLM:
             if check_chars:
                 self._check_chars(sum(len(m["content"]) for m in prompt))
             template.check(prompt)
-            text = template.render(self.tokenizer, prompt)
-            if check_chars and template.source is not None:   # a template of the request's own may write more
-                self._check_chars(len(text))
+            text = self._render(template, prompt, check_chars)
             if not self.chat_control_tokens and self._holds_control_text(prompt):
                 return self._encode_chat_literally(prompt, template), text
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), text
@@ -817,6 +820,22 @@ class LLM:
         added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
         return tuple(t.content for t in added.values() if t.special and t.content)
 
+    def _render(self, template: ChatTemplate, messages: list[dict], check_chars: bool = False) -> str:
+        """``template`` over ``messages``: a request's own in a child process (``isolated``),
+        another here. With ``check_chars``, a given template's text past what the context can
+        hold is refused before it is tokenized (PromptTooLong)."""
+        longest = self._longest_token_chars if check_chars and template.source is not None else None
+        if not template.isolated:
+            text = template.render(self.tokenizer, messages)
+        else:
+            if self._isolated is None:
+                from tandem.sched.isolated import TEMPLATE_SECONDS, IsolatedTemplates
+                self._isolated = IsolatedTemplates(self._hf_dir, TEMPLATE_SECONDS)
+            text = self._isolated.render(template, messages, longest * self.max_model_len - 1 if longest else None)
+        if longest:
+            self._check_chars(text if isinstance(text, int) else len(text))
+        return text
+
     def _holds_control_text(self, messages: list[dict]) -> bool:
         return any(c in m["content"] for m in messages for c in self._control_texts)
 
@@ -826,7 +845,7 @@ class LLM:
         ordinary tokens, so a user cannot end their turn or open a system turn by typing one."""
         tok = self.tokenizer
         marks = [f"\x00tandem-message-{i}\x00" for i in range(len(messages))]
-        rendered = template.render(tok, [dict(m, content=k) for m, k in zip(messages, marks)])
+        rendered = self._render(template, [dict(m, content=k) for m, k in zip(messages, marks)])
         ids, pos = [], 0
         for m, mark in zip(messages, marks):
             at = rendered.find(mark, pos)
@@ -1155,6 +1174,8 @@ class LLM:
         self._workers = []
         if getattr(self, "scheduler", None) is not None:
             self.log_steps(None)
+        if getattr(self, "_isolated", None) is not None:
+            self._isolated.close()
 
     def __enter__(self):
         return self

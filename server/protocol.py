@@ -256,7 +256,8 @@ def chat_input(body: dict, trust_template: bool) -> tuple[ToolPlan | None, list[
                           "template (start it with --trust-request-chat-template to allow them)",
                           param="chat_template")
     template = ChatTemplate(_val(body, "add_generation_prompt", True), _val(body, "continue_final_message", False),
-                            body.get("chat_template_kwargs") or {}, source, None if docs is None else tuple(docs))
+                            body.get("chat_template_kwargs") or {}, source, None if docs is None else tuple(docs),
+                            isolated=source is not None)
     try:
         plan = tool_plan(body)
         messages = chat_messages(body["messages"], plan)

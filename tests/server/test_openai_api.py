@@ -947,8 +947,8 @@ def test_a_chat_template_given_to_the_server_and_one_a_request_brings(tiny_chat_
     """--chat-template (a file) renders every chat instead of the model's; with
     --trust-request-chat-template a request's own template (here reading vLLM's documents)
     renders that request. Each prompt is the tokenizer's ids of the rendering written out by
-    hand; a request template that does not compile, renders nothing or fails in the sandbox is
-    refused naming chat_template, and the server goes on serving."""
+    hand; a request template that does not compile, renders nothing, fails in the sandbox or runs
+    past its time is refused naming chat_template, and the server goes on serving."""
     from transformers import AutoTokenizer
     from tests.server.conftest import call, start_server, stop_server
     tok = AutoTokenizer.from_pretrained(tiny_chat_model)
@@ -972,7 +972,9 @@ def test_a_chat_template_given_to_the_server_and_one_a_request_brings(tiny_chat_
             == want
         for bad in ("{% for m in messages %}",                      # does not compile
                     "{% if false %}x{% endif %}",                   # renders nothing
-                    "{% for i in range(10 ** 9) %}{% endfor %}x"):  # the sandbox's range limit
+                    "{% for i in range(10 ** 9) %}{% endfor %}x",   # the sandbox's range limit
+                    # 10^10 loop turns: stopped after its 10 s (rendered in a child process)
+                    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"):
             code, r = call(s, "POST", "/v1/chat/completions", {"model": s.model, "messages": msgs,
                                                                "chat_template": bad})
             assert code == 400 and r["error"]["param"] == "chat_template", (bad, r)
