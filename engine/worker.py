@@ -145,6 +145,16 @@ def available_memory() -> int | None:
     return None
 
 
+def total_memory() -> int | None:
+    """Bytes of memory and swap the machine has at all (MemTotal + SwapTotal), where /proc says."""
+    try:
+        with open("/proc/meminfo") as f:
+            sizes = dict(line.split(":", 1) for line in f if line.startswith(("MemTotal:", "SwapTotal:")))
+        return sum(int(v.split()[0]) * 1024 for v in sizes.values()) if "MemTotal" in sizes else None
+    except (OSError, ValueError):
+        return None
+
+
 def sized_pool(cfg: WorkerConfig) -> tuple[int, int, int]:
     """The pool the budget buys: (blocks, bytes per block, open blocks staged at full precision
     for an int8 pool); ValueError naming ``kv_cache_bytes`` when it buys fewer than two.

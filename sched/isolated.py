@@ -22,6 +22,8 @@ TEMPLATE_SECONDS = 10.0   # a request's template renders within this, or the req
 
 def _serve(conn, hf_dir: str) -> None:
     """The child: render (template, messages, most characters) requests until the parent goes."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)      # a Ctrl-C at the terminal is the server's to handle
     from tandem.engine.models.loader import load_tokenizer
     import tandem.sched.llm  # noqa: F401  (what the templates sent here unpickle into)
     tokenizer = load_tokenizer(Path(hf_dir))
@@ -49,14 +51,23 @@ class IsolatedTemplates:
         self._lock = threading.Lock()
         self._proc = None
         self._conn = None
+        self._closed = False
 
     def render(self, template, messages: list[dict], most: int | None = None) -> str | int:
         """The text of ``template`` (a ChatTemplate) over ``messages``, or its length where it is
         longer than ``most`` characters; ValueError where it fails or runs past ``seconds`` (the
         child is then killed)."""
-        with self._lock:
+        if not self._lock.acquire(timeout=self.seconds):
+            raise ValueError(f"chat_template: other request templates held the renderer past {self.seconds:g} s")
+        try:
+            if self._closed:
+                raise ValueError("chat_template: the server is stopping")
             conn = self._child()
-            conn.send((replace(template, isolated=False), messages, most))
+            try:
+                conn.send((replace(template, isolated=False), messages, most))
+            except OSError:                     # the child died since it was last seen alive
+                self._stop()
+                raise ValueError("chat_template: the process rendering it stopped; try again") from None
             if not conn.poll(self.seconds):
                 self._stop()
                 raise ValueError(f"chat_template: took more than {self.seconds:g} s to render (stopped)")
@@ -65,6 +76,8 @@ class IsolatedTemplates:
             except (EOFError, OSError):         # the child died (out of memory, say)
                 self._stop()
                 raise ValueError("chat_template: its rendering stopped the process rendering it") from None
+        finally:
+            self._lock.release()
         if kind == "error":
             raise ValueError(value)
         return value
@@ -94,5 +107,7 @@ class IsolatedTemplates:
         self._proc = self._conn = None
 
     def close(self) -> None:
+        """Stop the child; later renderings are refused."""
+        self._closed = True
         with self._lock:
             self._stop()

@@ -25,8 +25,9 @@ from tandem.engine.messages import DeviceError, LoraRef, TokenLogprobs
 from tandem.engine.models.loader import load_spec, load_tokenizer, resolve_model, sampling_defaults
 from tandem.engine.params import SamplingParams, int_list
 from tandem.engine.worker import (WorkerConfig, WorkerHandle, available_memory, cpu_worker_bytes, prestart,
-                                  sized_pool, wait_all)
+                                  sized_pool, total_memory, wait_all)
 from tandem.sched.actor import Update
+from tandem.sched.isolated import TEMPLATE_SECONDS, IsolatedTemplates
 from tandem.sched.beam import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from tandem.sched.lengths import LengthSource, prediction_text
 from tandem.sched.cost_model import OnlineCostModel
@@ -274,11 +275,21 @@ def check_devices(names: list[str]) -> None:
 
 def warn_if_memory_short(cpu_workers: list[WorkerConfig], available: int | None = None) -> bool:
     """Log a warning when the CPU workers, loaded, would take more memory than the machine has
-    available (the kernel then kills one: a restart loop rather than a server); True if so."""
+    available (the kernel then kills one: a restart loop rather than a server); True if so.
+    ValueError naming kv_cache_bytes where they would take more than all its memory and swap: the
+    workers' pools could not all be allocated (the last failed with a traceback from its worker)."""
     available = available_memory() if available is None else available
-    if not cpu_workers or available is None:
+    if not cpu_workers:
         return False
     each = cpu_worker_bytes(cpu_workers[0])
+    total = total_memory()
+    if total is not None and each * len(cpu_workers) > total:
+        raise ValueError(f"kv_cache_bytes: {len(cpu_workers)} CPU worker(s) would need about "
+                         f"{each * len(cpu_workers) / 2**30:.1f} GiB (weights, KV pool and process each), more "
+                         f"than this machine's {total / 2**30:.1f} GiB of memory and swap: use a smaller "
+                         "kv_cache_bytes or fewer devices")
+    if available is None:
+        return False
     if each * len(cpu_workers) <= available:
         return False
     log.warning("%d CPU worker(s) need about %.1f GiB (%.1f GiB each: weights, KV pool and process), more "
@@ -473,8 +484,8 @@ class LLM:
         if not enable_chunked_prefill and max_num_batched_tokens < self.max_model_len:
             raise ValueError("max_num_batched_tokens: must be >= max_model_len without chunked prefill")
         self.tokenizer = load_tokenizer(hf_dir)
-        self._hf_dir = hf_dir
-        self._isolated = None        # the child process that renders request templates (sched.isolated)
+        self._waits: set[threading.Event] = set()     # the calls waiting for their requests (``_run``)
+        self._isolated = IsolatedTemplates(hf_dir, TEMPLATE_SECONDS)   # request templates (its child: lazily)
         if template is not None:
             self._use_template(template)
         self.chat_control_tokens = chat_control_tokens   # may message text act as template tokens?
@@ -824,15 +835,18 @@ class LLM:
         """``template`` over ``messages``: a request's own in a child process (``isolated``),
         another here. With ``check_chars``, a given template's text past what the context can
         hold is refused before it is tokenized (PromptTooLong)."""
-        longest = self._longest_token_chars if check_chars and template.source is not None else None
+        chars = self._longest_token_chars
+        bound = chars * self.max_model_len if chars else None     # the characters the context can hold
+        check = check_chars and template.source is not None and bound is not None
         if not template.isolated:
             text = template.render(self.tokenizer, messages)
-        else:
-            if self._isolated is None:
-                from tandem.sched.isolated import TEMPLATE_SECONDS, IsolatedTemplates
-                self._isolated = IsolatedTemplates(self._hf_dir, TEMPLATE_SECONDS)
-            text = self._isolated.render(template, messages, longest * self.max_model_len - 1 if longest else None)
-        if longest:
+        else:       # past the bound (16 times it for a truncated prompt or the placeholders' rendering): its length
+            most = None if bound is None else (bound if check else 16 * bound) - 1
+            text = self._isolated.render(template, messages, most)
+            if isinstance(text, int) and not check:
+                raise ValueError(f"chat_template: its text of {text} characters is far more than the model "
+                                 f"context of {self.max_model_len} tokens can hold")
+        if check:
             self._check_chars(text if isinstance(text, int) else len(text))
         return text
 
@@ -1100,15 +1114,22 @@ class LLM:
                     if left[0] == 0:
                         done.set()
         self.subscribe(ids, sink)
+        self._waits.add(done)
         try:
+            if getattr(self, "_closed", False):     # shut down since the runtime was taken: nothing would end them
+                raise RuntimeError("LLM: it was shut down")
             for st in states:
                 runtime.add(st)
             done.wait()
+            if left[0]:
+                raise RuntimeError("LLM: it was shut down while these requests ran")
         except BaseException:
-            for rid in ids:
-                runtime.abort(rid)
+            if not getattr(self, "_closed", False):       # (a shut-down runtime holds nothing to abort)
+                for rid in ids:
+                    runtime.abort(rid)
             raise
         finally:
+            self._waits.discard(done)
             self.unsubscribe(ids)
             if bar is not None:
                 bar.close()
@@ -1164,8 +1185,11 @@ class LLM:
             old.close()
 
     def shutdown(self) -> None:
-        """Stop the actors and the workers; the LLM refuses work from then on."""
+        """Stop the actors and the workers; the LLM refuses work from then on, and a call waiting
+        for its requests in another thread raises instead of waiting for ever."""
         self._closed = True
+        for done in list(getattr(self, "_waits", ())):
+            done.set()
         if self.runtime is not None:
             self.runtime.stop()
             self.runtime = None

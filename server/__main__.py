@@ -5,9 +5,11 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -59,6 +61,17 @@ def _appendable(flag: str, path: str) -> None:
             pass
     except OSError as e:
         raise ValueError(f"{flag}: cannot write {path}: {e.strerror}") from None
+
+
+def _writable_dir(flag: str, path: str) -> None:
+    """ValueError naming ``flag`` unless ``path`` is a directory this process can write in
+    (created if missing)."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot write in {path}: {e.strerror or e}") from None
 
 
 def _vllm_flags(unknown: list[str]) -> tuple[list[str], list[str]]:
@@ -392,6 +405,14 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
             raise ValueError(f"root-path: a path beginning with /, got {a.root_path!r}")
         if a.step_log:
             _appendable("step-log", a.step_log)
+        if not all(0 < mb < math.inf and int(mb * 2**20) >= 1 for mb in (a.max_body_mb, a.max_upload_mb)):
+            raise ValueError("max-body-mb and max-upload-mb must be positive and finite")
+        if not 0 < a.slo_ttft_ms < math.inf or not 0 < a.slo_tbt_ms < math.inf:
+            raise ValueError(f"slo-ttft-ms and slo-tbt-ms must be positive and finite, got {a.slo_ttft_ms:g} and "
+                             f"{a.slo_tbt_ms:g}")
+        if any(not k for k in a.api_key):
+            raise ValueError("api-key: a key must not be empty (an empty one would let any request in)")
+        _writable_dir("data-dir", a.data_dir)         # last: it creates the directory
     except ValueError as e:
         ap.error(str(e))
     names = a.served_model_name or [a.model if a.model == "smollm2" else os.path.basename(a.model.rstrip("/"))]

@@ -64,7 +64,7 @@ STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
 SAMPLING = {
     "model": {"type": "string", "description": "the served model's name (optional)"},
     "request_id": {"type": "string", "minLength": 1, "maxLength": 256,
-                   "pattern": r"^[^\x00-\x1f\x7f]*[^\x00-\x20\x7f][^\x00-\x1f\x7f]*$",
+                   "pattern": r"^(?! *$)[^\x00-\x1f\x7f]*$",
                    "x-pattern": "must hold no control characters and not be blank (it may be sent back as a header)",
                    "description": "vLLM's extension: names the completion (chatcmpl-<request_id>); a request's "
                                   "X-Request-Id header goes first"},
@@ -376,8 +376,6 @@ def problem(schema: dict, v) -> tuple[list, str] | None:
         if t == "integer" and isinstance(v, float) and abs(v) >= 2 ** 63:   # the parser reads those as floats
             return [], f"must be an integer of at most 64 bits, got one of about {v:.3g}"
         return [], f"must be {_NAMES[t]}, got {type(v).__name__}"
-    if "pattern" in schema and not re.search(schema["pattern"], v):
-        return [], schema.get("x-pattern", f"must match {schema['pattern']}")
     for key, ok, what in (("minimum", lambda b: v >= b, ">="), ("maximum", lambda b: v <= b, "<="),
                           ("exclusiveMinimum", lambda b: v > b, ">")):
         if key in schema and not ok(schema[key]):
@@ -387,6 +385,8 @@ def problem(schema: dict, v) -> tuple[list, str] | None:
         if key in schema and not ok(schema[key]):
             unit = "characters" if "Length" in key else "items"
             return [], f"must have {what} {schema[key]} {unit}"
+    if "pattern" in schema and not re.search(schema["pattern"], v):     # (after the length: a long string
+        return [], schema.get("x-pattern", f"must match {schema['pattern']}")      # costs a pattern more)
     if t == "array" and "items" in schema:
         for i in _suspects(schema["items"], v):
             if (p := problem(schema["items"], v[i])) is not None:

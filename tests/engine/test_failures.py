@@ -476,6 +476,18 @@ def test_workers_that_would_not_fit_in_memory_are_warned_of(tiny_llama, monkeypa
         assert ("2 CPU worker(s) need about" in caplog.text) is warned, caplog.text
 
 
+def test_workers_that_could_not_fit_in_all_of_the_memory_are_refused_before_they_start(tiny_llama, monkeypatch):
+    """Past the machine's memory and swap a worker's pool cannot be allocated: the LLM says so,
+    naming kv_cache_bytes, before any worker loads (before, the worker failed with a traceback)."""
+    import tandem.sched.llm as llm_module
+    from tandem.engine.worker import WORKER_OVERHEAD_BYTES
+    pool = 1 << 22
+    monkeypatch.setattr(llm_module, "total_memory", lambda: 2 * WORKER_OVERHEAD_BYTES)
+    monkeypatch.setattr(llm_module, "WorkerHandle", None)       # a worker started: a TypeError, not this
+    with pytest.raises(ValueError, match="kv_cache_bytes: 2 CPU worker.s. would need about"):
+        LLM(str(tiny_llama), "cpu:2", dtype="float32", threads_per_worker=1, kv_cache_bytes=pool)
+
+
 def test_the_start_warns_of_what_the_setup_will_refuse(tiny_llama, tiny_chat_model, caplog):
     """A checkpoint without a tokenizer serves token ids only, and a pool that holds less of one
     request's context than max_model_len refuses the longer ones: both said at start, neither

@@ -1,6 +1,8 @@
 """Offline API behaviour on a tiny model: sampling controls, stops, validation, failures."""
 
 import os
+import threading
+import time
 
 import pytest
 
@@ -339,6 +341,29 @@ def test_a_shut_down_llm_refuses_work_instead_of_starting_again(tiny_llama):
     with pytest.raises(RuntimeError, match="shut down"):
         m.generate([[5, 6, 7]], SamplingParams(max_tokens=2, **GREEDY))
     assert not worker.proc.is_alive()
+
+
+def test_a_generate_waiting_in_another_thread_raises_when_the_llm_shuts_down(tiny_llama):
+    """shutdown() from one thread while another waits in generate(): the waiting call raises
+    (it waited for ever before, and a process whose thread it was never exited)."""
+    m = LLM(str(tiny_llama), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1)
+    m.scheduler.step_log = steps = []
+    caught = []
+
+    def run():
+        try:
+            m.generate([[5, 6, 7]] * 64, SamplingParams(max_tokens=400, **GREEDY))
+        except RuntimeError as e:
+            caught.append(e)
+    waiting = threading.Thread(target=run, daemon=True)
+    waiting.start()
+    for _ in range(6000):               # until its first step ran (at most a minute)
+        if steps:
+            break
+        time.sleep(0.01)
+    m.shutdown()
+    waiting.join(60)
+    assert not waiting.is_alive() and len(caught) == 1 and "while these requests ran" in str(caught[0])
 
 
 def test_an_llm_dropped_after_generating_stops_its_worker(tiny_llama):

@@ -40,6 +40,15 @@ from tests.server.conftest import ROOT, free_port
     (["--root-path", "api"], "root-path: a path beginning with /"),
     (["--startup-profile", "never"], "--startup-profile: invalid choice: 'never'"),
     (["--step-log", "/no/such/dir/steps.jsonl"], "step-log: cannot write /no/such/dir/steps.jsonl: No such file"),
+    (["--data-dir", "/proc/no-such-dir"], "data-dir: cannot write in /proc/no-such-dir"),
+    (["--data-dir", sys.executable], f"data-dir: cannot write in {sys.executable}"),      # a file
+    (["--max-body-mb", "0"], "max-body-mb and max-upload-mb must be positive and finite"),
+    (["--max-upload-mb", "-1"], "max-body-mb and max-upload-mb must be positive and finite"),
+    (["--max-body-mb", "inf"], "max-body-mb and max-upload-mb must be positive and finite"),
+    (["--slo-ttft-ms", "-100"], "slo-ttft-ms and slo-tbt-ms must be positive and finite"),
+    (["--slo-ttft-ms", "inf"], "slo-ttft-ms and slo-tbt-ms must be positive and finite"),
+    (["--slo-tbt-ms", "nan"], "slo-ttft-ms and slo-tbt-ms must be positive and finite"),
+    (["--api-key", ""], "api-key: a key must not be empty"),
     (["--lora-modules", "sql"], "lora-modules: 'sql' is not name=path"),
     (["--lora-modules", "sql=/no/such/adapter"], "lora-modules: sql: /no/such/adapter: no such directory"),
     (["--lora-modules", "sql=/tmp"], "lora-modules: sql: /tmp: no adapter_config.json (a directory PEFT's "

@@ -35,3 +35,6 @@ def test_token_ids_in_bounds_pass_and_nested_prompts_are_judged_per_prompt():
                                      (" ", False), ("\t", False)])
 def test_a_request_id_is_refused_where_no_header_could_carry_it(rid, ok):
     assert (problem(SAMPLING["request_id"], rid) is None) is ok
+    # the length before the pattern: a long id is not searched through (a backtracking pattern took
+    # seconds on megabytes that the body's limit lets in)
+    assert problem(SAMPLING["request_id"], "a" * 100_000 + "\n") == ([], "must have at most 256 characters")
