@@ -223,6 +223,8 @@ class ChatTemplate:
 
 def template_text(given: str) -> str:
     """vLLM's --chat-template: the path of a file holding a Jinja template, or the template."""
+    if not isinstance(given, str):
+        raise ValueError(f"chat_template: a Jinja template or the path of a file holding one, got {given!r}")
     if os.path.isfile(given):
         with open(given, encoding="utf-8") as f:
             return f.read()
@@ -439,6 +441,8 @@ class LLM:
         self._seeds = None if seed is None else random.Random(seed)
         if isinstance(tandem_off, str):
             tandem_off = (tandem_off,)
+        if not (isinstance(tandem_off, (list, tuple, set, frozenset)) and all(isinstance(m, str) for m in tandem_off)):
+            raise ValueError(f"tandem_off: a mechanism's name or a list of them, got {tandem_off!r}")
         final = SchedConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, policy, rt_budget_s,
                             bidirectional_blocks, cache_type_of(cache_type), hybrid_cache=hybrid_cache,
                             adaptive=adaptive, slo_decay=slo_decay, mixed_batches=mixed_batches,
@@ -1092,6 +1096,12 @@ class LLM:
             raise ValueError("messages: give a conversation (a list of message dicts) or a list of them")
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise ValueError("tools: must be a list of tool dicts")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError("chat_template_kwargs: must be a dict of template variables")
+        if documents is not None and not (isinstance(documents, list) and all(isinstance(d, dict) for d in documents)):
+            raise ValueError("documents: must be a list of dicts")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ValueError("chat_template: must be a Jinja template (a string)")
         return self.generate(list(messages), sampling_params, use_tqdm=use_tqdm, lora_request=lora_request,
                              chat_template=ChatTemplate(add_generation_prompt, continue_final_message,
                                                         dict(chat_template_kwargs or {}), chat_template,

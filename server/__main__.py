@@ -142,6 +142,8 @@ def lora_modules(values: list[str], cfg: ServerConfig, model: str) -> tuple[tupl
 def human_int(value: str) -> int:
     """vLLM's human-readable sizes: 4k = 4,000, 4K = 4,096 (m/M, g/G likewise)."""
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG]?)", value.strip())
+    if m is None and re.fullmatch(r"-(\d+(?:\.\d+)?)([kKmMgG]?)", value.strip()):
+        raise argparse.ArgumentTypeError(f"must be positive, got {value!r}")
     if m is None:
         raise argparse.ArgumentTypeError(f"not an integer: {value!r}")
     number, suffix = m.groups()

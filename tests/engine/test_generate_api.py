@@ -141,6 +141,10 @@ def test_bad_prompts_fail_before_any_work(llm):
         llm.generate(["text needs a tokenizer"], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([[5, 6], [7, 8]], [SamplingParams()])
+    for bad, field in [(dict(chat_template_kwargs=5), "chat_template_kwargs"), (dict(documents=5), "documents"),
+                       (dict(chat_template=5), "chat_template")]:
+        with pytest.raises(ValueError, match=field):
+            llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4), **bad)
     for bad, field in [({"prompt_token_ids": [5, 6], "cache_salt": ""}, "cache_salt"),
                        ({"prompt_token_ids": [5, 6], "cache_salt": 3}, "cache_salt"),
                        ({"prompt_token_ids": [5, 6], "prompt": "x"}, "exactly one"),
@@ -198,6 +202,8 @@ def test_a_budget_too_small_for_the_pool_fails_before_a_worker_starts(tiny_llama
                                        "kv_cache_bytes or kv_cache_fraction$"),
     (dict(tensor_parallel_size=2), "^tensor_parallel_size: vLLM's; tensor parallelism is not supported"),
     (dict(quantization="awq"), "^quantization: vLLM's"),
+    (dict(tandem_off=5), "^tandem_off: a mechanism's name or a list of them, got 5"),
+    (dict(chat_template=5), "^chat_template: a Jinja template or the path of a file holding one, got 5"),
 ])
 def test_bad_llm_arguments_fail_before_anything_loads(kwargs, field, tiny_llama, monkeypatch):
     import tandem.sched.llm as llm_module

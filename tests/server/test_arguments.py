@@ -14,7 +14,7 @@ from tests.server.conftest import ROOT, free_port
     (["--devices", "cpu2"], "devices"),
     (["--devices", "cpu:"], "use 'cpu:N' with N >= 1"),
     (["--threads-per-worker", "-3"], "threads-per-worker"),
-    (["--kv-cache-bytes", "-5"], "kv-cache-bytes"),
+    (["--kv-cache-bytes", "-5"], "--kv-cache-bytes: must be positive, got '-5'"),
     (["--max-waiting", "0"], "max-waiting"),
     (["--max-model-len", "0"], "max-model-len"),
     (["--rebalance-interval", "0"], "rebalance-interval"),
