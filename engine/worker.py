@@ -133,26 +133,25 @@ def _full_block(cfg: WorkerConfig) -> int:
     return cfg.spec.num_layers * cfg.block_size * cfg.spec.unit * DTYPES[cfg.dtype].itemsize
 
 
-def available_memory() -> int | None:
-    """Bytes the kernel can give without swapping (MemAvailable), where /proc says."""
+def _meminfo() -> dict[str, int]:
+    """/proc/meminfo's sizes in bytes by name ({} where there is none)."""
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+            return {name: int(rest.split()[0]) * 1024 for name, _, rest in (line.partition(":") for line in f)
+                    if rest.split()}
+    except (OSError, ValueError):
+        return {}
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel can give without swapping (MemAvailable), where /proc says."""
+    return _meminfo().get("MemAvailable")
 
 
 def total_memory() -> int | None:
     """Bytes of memory and swap the machine has at all (MemTotal + SwapTotal), where /proc says."""
-    try:
-        with open("/proc/meminfo") as f:
-            sizes = dict(line.split(":", 1) for line in f if line.startswith(("MemTotal:", "SwapTotal:")))
-        return sum(int(v.split()[0]) * 1024 for v in sizes.values()) if "MemTotal" in sizes else None
-    except (OSError, ValueError):
-        return None
+    info = _meminfo()
+    return info["MemTotal"] + info.get("SwapTotal", 0) if "MemTotal" in info else None
 
 
 def sized_pool(cfg: WorkerConfig) -> tuple[int, int, int]:

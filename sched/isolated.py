@@ -66,16 +66,13 @@ class IsolatedTemplates:
             try:
                 conn.send((replace(template, isolated=False), messages, most))
             except OSError:                     # the child died since it was last seen alive
-                self._stop()
-                raise ValueError("chat_template: the process rendering it stopped; try again") from None
+                raise self._lost("the process rendering it stopped; try again") from None
             if not conn.poll(self.seconds):
-                self._stop()
-                raise ValueError(f"chat_template: took more than {self.seconds:g} s to render (stopped)")
+                raise self._lost(f"took more than {self.seconds:g} s to render (stopped)")
             try:
                 kind, value = conn.recv()
             except (EOFError, OSError):         # the child died (out of memory, say)
-                self._stop()
-                raise ValueError("chat_template: its rendering stopped the process rendering it") from None
+                raise self._lost("its rendering stopped the process rendering it") from None
         finally:
             self._lock.release()
         if kind == "error":
@@ -95,9 +92,13 @@ class IsolatedTemplates:
                     raise EOFError
                 self._conn.recv()
             except (EOFError, OSError):
-                self._stop()
-                raise ValueError("chat_template: the process that renders request templates did not start") from None
+                raise self._lost("the process that renders request templates did not start") from None
         return self._conn
+
+    def _lost(self, why: str) -> ValueError:
+        """The child stopped (killed here, where it still runs); the request's error, saying ``why``."""
+        self._stop()
+        return ValueError(f"chat_template: {why}")
 
     def _stop(self) -> None:
         if self._proc is not None:
