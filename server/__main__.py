@@ -141,12 +141,12 @@ def lora_modules(values: list[str], cfg: ServerConfig, model: str) -> tuple[tupl
 
 def human_int(value: str) -> int:
     """vLLM's human-readable sizes: 4k = 4,000, 4K = 4,096 (m/M, g/G likewise)."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG]?)", value.strip())
-    if m is None and re.fullmatch(r"-(\d+(?:\.\d+)?)([kKmMgG]?)", value.strip()):
-        raise argparse.ArgumentTypeError(f"must be positive, got {value!r}")
+    m = re.fullmatch(r"(-?)(\d+(?:\.\d+)?)([kKmMgG]?)", value.strip())
     if m is None:
         raise argparse.ArgumentTypeError(f"not an integer: {value!r}")
-    number, suffix = m.groups()
+    sign, number, suffix = m.groups()
+    if sign:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value!r}")
     if suffix in ("", *"KMG") and "." in number:
         raise argparse.ArgumentTypeError(f"not an integer: {value!r}")
     scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}[suffix]
