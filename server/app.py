@@ -959,6 +959,19 @@ def serving_summary(engine: AsyncEngine, cfg: ServerConfig) -> str:
             f"max-num-seqs {cfg.max_num_seqs}, max-waiting {cfg.max_waiting:,}")
 
 
+def expectation_in_json(answer):
+    """A route's ``Expect`` handler, refusing an expectation other than 100-continue with 417 in
+    the API's error JSON: aiohttp's own refusal runs before any middleware and is plain text."""
+    async def handler(request: web.Request):
+        try:
+            return await answer(request)
+        except web.HTTPExpectationFailed:
+            asked = request.headers.get("Expect", "")[:100]
+            return json_response(ApiError(417, f"Expect: {asked!r} cannot be met (only 100-continue can)",
+                                          param="Expect").body(), 417)
+    return handler
+
+
 def create_app(cfg: ServerConfig, build_engine) -> web.Application:
     """``build_engine()`` runs in a thread at start-up and returns an AsyncEngine."""
     # JSON bodies are read whole and capped here; file uploads stream their parts (routes_batch)
@@ -990,6 +1003,8 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
     responses.add_routes(app)
     from tandem.server import adapters
     adapters.add_routes(app)
+    for route in app.router.routes():      # aiohttp has no public way to wrap a route's expect handler
+        route._expect_handler = expectation_in_json(route._expect_handler)
 
     async def load(app_):
         t0 = time.monotonic()

@@ -38,6 +38,11 @@ def encoded(encoding: str, content_type: str = "application/json"):
     return lambda server: {**server.headers(), "Content-Type": content_type, "Content-Encoding": encoding}
 
 
+def expecting(what: str):
+    """Headers with this ``Expect`` (and the server's key)."""
+    return lambda server: {**server.headers(), "Expect": what}
+
+
 ASK = b'{"prompt": "a", "max_tokens": 2}'
 
 
@@ -286,6 +291,9 @@ CASES = [
         {"role": "user", "content": "hi"}]}, None, 400, "invalid_request_error", None),
     ("compressed upload", "POST", FILES, gzip.compress(GOOD_PART), encoded("gzip", "multipart/form-data; boundary=B"),
      415, "invalid_request_error", None),
+    ("expectation other than 100-continue", "POST", COMP, ASK, expecting("200-ok"), 417, "invalid_request_error",
+     "Expect"),
+    ("expectation on a read", "GET", "/v1/models", None, expecting("x"), 417, "invalid_request_error", "Expect"),
 ]
 
 
@@ -396,3 +404,9 @@ def test_an_output_past_the_context_names_the_field_that_asked_for_it(server, fi
 def test_too_many_prompts_are_refused_as_too_many(server, prompt):
     got, payload = call(server, "POST", COMP, {"prompt": prompt, "max_tokens": 1}, None)
     assert got == 400 and "at most 64 items" in payload["error"]["message"], payload
+
+
+def test_a_request_expecting_100_continue_is_served(server):
+    """The one expectation HTTP/1.1 defines is met (an interim 100, then the answer)."""
+    got, payload = call(server, "POST", COMP, ASK, expecting("100-Continue"))
+    assert got == 200 and payload["choices"][0]["text"] is not None, payload
