@@ -170,7 +170,8 @@ def sized_pool(cfg: WorkerConfig) -> tuple[int, int, int]:
     if num_blocks < 2:
         raise ValueError(f"kv_cache_bytes: the budget buys {num_blocks} blocks of {bytes_per_block} bytes"
                          + (f" after {staged} full-precision open blocks of {full_block} bytes "
-                            f"(fewer with a smaller max_num_seqs)" if staged else "") + "; need >= 2")
+                            f"(fewer with a smaller max_num_seqs)" if staged else "")
+                         + f"; need >= 2 (blocks of {cfg.block_size} tokens)")
     return num_blocks, bytes_per_block, staged
 
 

@@ -369,7 +369,8 @@ class LLM:
     more that an earlier request computed reuses that earlier request's K/V blocks instead of
     computing them again (a shared system prompt, the earlier turns of a chat); blocks nobody
     holds stay cached until the pool needs them. Outputs are the same either way. Whole-block
-    KV pools only (not with bidirectional blocks or hidden caches).
+    KV pools only (not with bidirectional blocks or hidden caches). Default (None): on, but
+    with bidirectional blocks.
     prefix_aware_routing: on several devices with prefix caching, a new request goes to the
     device whose cache holds the most of its prompt's start (a chat's earlier turns, a system
     prompt computed there), while that device holds at most two requests (or half the
@@ -410,7 +411,7 @@ class LLM:
                  swap_space: float = 4.0, swap_dtype: str = "int8", kv_cache_dtype: str = "auto",
                  triton_attention: bool | None = None, tandem_off: Sequence[str] = (),
                  slo_tbt_mean: bool = False, length_cap: bool = True, weight_blocks: bool = True,
-                 enable_prefix_caching: bool = True, prefix_aware_routing: bool = True,
+                 enable_prefix_caching: bool | None = None, prefix_aware_routing: bool = True,
                  length_learned_max: int | None = None, chat_template: str | None = None,
                  seed: int | None = None, generation_config: str = "auto",
                  profile_cache: str | os.PathLike | None = None, reprofile: bool = False,
@@ -425,6 +426,9 @@ class LLM:
         names = parse_devices(devices)
         check_devices(names)
         _positive("block_size", block_size)
+        if block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size: at most {MAX_BLOCK_SIZE} tokens a block (vLLM's sizes are 1-256), "
+                             f"got {block_size!r}")
         for name, v in (("max_model_len", max_model_len), ("threads_per_worker", threads_per_worker)):
             if v is not None:
                 _positive(name, v)
@@ -449,7 +453,7 @@ class LLM:
                             preemption_mode=preemption_mode, swap_space_bytes=int(swap_space * 2**30),
                             swap_dtype=swap_dtype, kv_cache_dtype=kv_cache_dtype,
                             tandem_off=tuple(tandem_off), mean_tbt=slo_tbt_mean,
-                            prefix_caching=bool(enable_prefix_caching)).check()
+                            prefix_caching=_prefix_caching(enable_prefix_caching, bidirectional_blocks)).check()
         if placement not in PLACEMENTS:
             raise ValueError(f"placement: {placement!r} is not one of {list(PLACEMENTS)}")
         for name, v in (("rebalance_interval_s", rebalance_interval_s), ("slo_tbt_s", slo_tbt_s)):
@@ -1265,6 +1269,17 @@ def _weakly(method: Callable) -> Callable:
         if (m := ref()) is not None:
             m(*args)
     return call
+
+
+def _prefix_caching(asked: bool | None, bidirectional: bool) -> bool:
+    """On unless refused or the pool cannot share blocks (bidirectional blocks); asked for with
+    them, a ValueError."""
+    if asked and bidirectional:
+        raise ValueError("enable_prefix_caching: not with bidirectional_blocks, whose pool shares no blocks")
+    return not bidirectional if asked is None else bool(asked)
+
+
+MAX_BLOCK_SIZE = 1024     # tokens a KV block: past it a block outweighs any request's use of it
 
 
 def _positive(name: str, v) -> None:

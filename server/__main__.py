@@ -230,7 +230,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                     help="the resident cache: auto (the model's dtype) or int8 (each full block compressed "
                          "channel-wise, the block being filled kept exact: about 2.7x the tokens of fp32 in "
                          "the same memory; perplexity +0.03%% on held-out ShareGPT replies)")
-    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                     help="reuse the K/V blocks of a prompt's start that an earlier request computed (a shared "
                          "system prompt, a chat's earlier turns) instead of computing them again; the same "
                          "outputs either way in float32, up to rounding in bfloat16 (default: on; not with "
@@ -369,6 +369,10 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     if a.model_tag is not None and a.model is not None and a.model_tag != a.model:
         ap.error(f"the model is given twice: {a.model_tag} and --model {a.model}")
     a.model = a.model_tag or a.model or d.model
+    if a.enable_prefix_caching and a.bidirectional_blocks:
+        ap.error("--enable-prefix-caching: not with --bidirectional-blocks, whose pool shares no blocks")
+    if a.enable_prefix_caching is None:        # on by default where the pool can share blocks
+        a.enable_prefix_caching = d.prefix_caching and not a.bidirectional_blocks
     try:                    # the scheduler's own check, before anything loads
         SchedConfig(a.max_num_seqs, a.max_num_batched_tokens, True, a.policy, None, a.bidirectional_blocks,
                     cache_type_of(a.cache_type), hybrid_cache=not a.kv_only, adaptive=not a.aptserve_fcfs,

@@ -204,6 +204,9 @@ def test_a_budget_too_small_for_the_pool_fails_before_a_worker_starts(tiny_llama
     (dict(quantization="awq"), "^quantization: vLLM's"),
     (dict(tandem_off=5), "^tandem_off: a mechanism's name or a list of them, got 5"),
     (dict(chat_template=5), "^chat_template: a Jinja template or the path of a file holding one, got 5"),
+    (dict(block_size=10**9), "^block_size: at most 1024 tokens a block"),
+    (dict(enable_prefix_caching=True, bidirectional_blocks=True, policy="bros"),
+     "^enable_prefix_caching: not with bidirectional_blocks"),
 ])
 def test_bad_llm_arguments_fail_before_anything_loads(kwargs, field, tiny_llama, monkeypatch):
     import tandem.sched.llm as llm_module

@@ -49,6 +49,8 @@ from tests.server.conftest import ROOT, free_port
     (["--slo-ttft-ms", "inf"], "slo-ttft-ms and slo-tbt-ms must be positive and finite"),
     (["--slo-tbt-ms", "nan"], "slo-ttft-ms and slo-tbt-ms must be positive and finite"),
     (["--api-key", ""], "api-key: a key must not be empty"),
+    (["--enable-prefix-caching", "--bidirectional-blocks"], "--enable-prefix-caching: not with "
+                                                            "--bidirectional-blocks"),
     (["--lora-modules", "sql"], "lora-modules: 'sql' is not name=path"),
     (["--lora-modules", "sql=/no/such/adapter"], "lora-modules: sql: /no/such/adapter: no such directory"),
     (["--lora-modules", "sql=/tmp"], "lora-modules: sql: /tmp: no adapter_config.json (a directory PEFT's "
@@ -69,6 +71,13 @@ def test_the_server_command_exits_on_a_bad_setting_before_loading():
                           "--model", "/no/such/checkpoint"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "use 'cpu:N' with N >= 1" in run.stderr, run.stderr[-2000:]
     assert "loading" not in run.stdout
+
+
+def test_prefix_caching_is_on_by_default_where_the_pool_can_share_blocks():
+    from tandem.server.__main__ import parse_args
+    assert parse_args([]).prefix_caching is True
+    assert parse_args(["--no-enable-prefix-caching"]).prefix_caching is False
+    assert parse_args(["--bidirectional-blocks"]).prefix_caching is False
 
 
 def test_max_tokens_is_a_length_predictor_too():
