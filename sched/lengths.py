@@ -92,8 +92,13 @@ class LengthSource:
             for r in reqs:
                 r.predicted_len = r.sampling.max_tokens
             return
-        vecs = self.predictor.encode(texts)
-        preds = self.predictor.predict_vectors(vecs, texts)
+        # one prediction per distinct text: n choices of a prompt are n requests
+        distinct = list(dict.fromkeys(texts))
+        row = {t: i for i, t in enumerate(distinct)}
+        distinct_vecs = self.predictor.encode(distinct)
+        distinct_preds = self.predictor.predict_vectors(distinct_vecs, distinct)
+        vecs = [distinct_vecs[row[t]] for t in texts]
+        preds = [distinct_preds[row[t]] for t in texts]
         with self._lock:
             for r, p, v in zip(reqs, preds, vecs):
                 cap = r.sampling.max_tokens if self.cap else None

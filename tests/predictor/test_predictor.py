@@ -288,6 +288,27 @@ def test_length_source_hands_length_and_spread_on_capped_or_not(embedder):
     assert max(want.spread) > 400 and want.length > 400     # the cap did cut something
 
 
+def test_length_source_predicts_each_distinct_prompt_once(embedder):
+    """n choices of one prompt are n requests: the encoder read the prompt n times (a
+    million choices asked for offline took minutes before the first step). Each request still
+    gets what the predictor says of its own prompt alone."""
+    from tandem.sched.lengths import LengthSource
+    from tandem.sched.request import Request, SamplingParams
+    prompts = ["Write a long story about cats", "Name a color", "Write a long story about cats"] * 3
+    ix = LengthIndex(DIM, ef=50)
+    ix.add(embedder.encode(["Write a story", "Name a fruit", "Say hi"]), np.array([400, 5, 3]))
+    p = LengthPredictor(Settings(k=3, threshold=0.0, hidden=16), LengthHead(DIM, 16), ix, embedder=embedder)
+    alone = [p.predict_vectors(embedder.encode([t]), [t])[0] for t in prompts]
+    source, read = LengthSource(p, cap=False), []
+    encode = p.encode
+    p.encode = lambda texts: read.append(list(texts)) or encode(texts)
+    reqs = [Request(str(i), [1, 2], SamplingParams(max_tokens=1000)) for i in range(len(prompts))]
+    source.assign(reqs, prompts)
+    assert read == [["Write a long story about cats", "Name a color"]]
+    assert [(r.predicted_len, r.predicted_spread) for r in reqs] == [(a.length, a.spread) for a in alone]
+    assert alone[0].length != alone[1].length
+
+
 def test_the_sentence_encoder_loads_with_the_length_source_not_at_the_first_request(embedder):
     """Loading the encoder took about a second, which the first chat after start-up paid."""
     from tandem.sched.lengths import LengthSource
