@@ -132,3 +132,29 @@ def test_the_bench_keeps_the_start_up_profile_of_the_whole_plan_and_skips_what_i
     assert kept.read_text() == store.path(PLAN).read_text()
     _keep_profile(tmp_path / "nothing", tmp_path / "none.json")          # a server that measured none
     assert not (tmp_path / "none.json").exists()
+
+
+def test_the_online_bench_reads_the_steps_of_its_own_run_from_the_servers_log(tiny_chat_model, tmp_path,
+                                                                                monkeypatch):
+    """``bench online --step-log``: the server it starts logs every step, and the row's summary
+    covers the steps of the run at that rate, checked against the server's own /metrics step
+    counters and against the tokens the bench's client received (each reply's first token comes
+    from its prompt's step, every further one from a decode step)."""
+    import tandem.bench.online as online
+    from tandem.engine.models.loader import load_tokenizer
+    monkeypatch.setattr(online, "RESULTS", tmp_path)
+    monkeypatch.setattr(online, "_setup", lambda args: (tiny_chat_model, load_tokenizer(tiny_chat_model)))
+    # any --model but smollm2 serves the checkpoint _setup gives (here the tiny one)
+    main(["online", "--systems", "tandem-fcfs", "--rates", "2", "--duration", "3", "--drain", "60",
+          "--max-output", "16", "--slo-ttft-ms", "1000", "--slo-tbt-ms", "200", "--step-log",
+          "--model", "opt125m-random", "--out", "run.json"])
+    row, = json.loads((tmp_path / "run.json").read_text())["rows"]
+    steps, server = row["steps"], row["server"]
+    assert steps["log"] == "run_tandem-fcfs_steps.jsonl" and (tmp_path / steps["log"]).is_file()
+    assert steps["steps"] == server["steps"] > 0
+    assert steps["busy_s"] == pytest.approx(server["step_seconds"], rel=1e-6)
+    received = [r["output_tokens"] for r in row["records"] if r["error"] is None]
+    assert len(received) == len(row["records"]) > 1
+    decodes = sum(k["rt_decodes"] * k["steps"] for k in steps["kinds"].values())
+    assert decodes == pytest.approx(sum(n - 1 for n in received)) and decodes == server["tokens_rt_decode"]
+    assert steps["target"]["target_s"] == 0.2
