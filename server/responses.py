@@ -230,6 +230,9 @@ def _conversation(body: dict, store: Store) -> list[dict]:
     inp = body["input"]
     for item in [{"role": "user", "content": inp}] if isinstance(inp, str) else inp:
         kind = item.get("type")
+        if kind == "function_call" and item["call_id"] in calls:     # twice in the prompt, else; as OpenAI refuses it
+            raise bad_request(f"Duplicate item found with id {item.get('id') or item['call_id']}: the call is "
+                              "in the input or the previous response already", param="input")
         if kind == "function_call":
             calls.add(item["call_id"])
         elif kind == "function_call_output" and item["call_id"] not in calls:   # as OpenAI refuses it

@@ -340,6 +340,24 @@ def test_a_calls_output_may_follow_it_in_the_kept_conversation(server, client):
     assert parts.output_text == nxt.output_text
 
 
+def test_a_call_sent_back_with_the_response_that_made_it_is_refused_as_a_duplicate(server, client):
+    """An agent that sends a response's output items back and names that response as
+    previous_response_id too would put the call in the prompt twice: refused, as OpenAI refuses
+    it, and so is the same call twice in one input."""
+    r = client.responses.create(model=server.model, input="Weather in Oslo?", tools=[WEATHER], temperature=0,
+                                tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40)
+    (call,) = r.output
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "21 C"}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=server.model, previous_response_id=r.id, tools=[WEATHER], max_output_tokens=2,
+                                input=[call.model_dump(exclude_none=True), output])
+    assert e.value.body["param"] == "input" and f"Duplicate item found with id {call.id}" in e.value.body["message"]
+    twice = {"type": "function_call", "call_id": "call_9", "name": "get_weather", "arguments": "{}"}
+    with pytest.raises(openai.BadRequestError, match="Duplicate item found with id call_9"):
+        client.responses.create(model=server.model, tools=[WEATHER], max_output_tokens=2, input=[
+            {"role": "user", "content": "Weather?"}, twice, twice, {**output, "call_id": "call_9"}])
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
