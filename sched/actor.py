@@ -687,16 +687,14 @@ class DeviceActor:
     def _token_update(self, st: RequestState, tok: int) -> Update:
         """The new token's text and whether it ends the request. EOS and stop token ids count once
         min_tokens tokens exist; so do stop strings, searched only in text that is new. A request
-        under a grammar samples EOS (below min_tokens, or ignoring EOS) only when its grammar is
-        complete: it ends, as nothing but EOS could follow.
+        under a grammar samples EOS below min_tokens only when its grammar is complete: it ends.
         As in vLLM, the text of a token that ends the request (EOS or a stop token id) is left out
         unless include_stop_str_in_output; its id stays among the output's."""
         sp = st.request.sampling
         n = len(st.output_token_ids)
         armed = n >= sp.min_tokens
-        constrained = sp.structured_outputs is not None
-        eos = (constrained or not sp.ignore_eos) and tok in self.eos_ids
-        ends = (eos and constrained) or armed and (eos or tok in sp.stop_token_ids)
+        eos = not sp.ignore_eos and tok in self.eos_ids
+        ends = (eos and sp.structured_outputs is not None) or armed and (eos or tok in sp.stop_token_ids)
         silent = ends and not sp.include_stop_str_in_output
         text = ""
         tracker = self._texts.get(st.req_id)

@@ -119,19 +119,6 @@ def test_regex_and_choice_follow_the_brute_force_greedy(llm, hf):
         assert complete(o.text) and o.finish_reason == "stop", (c, o.text)
 
 
-def test_a_complete_output_ends_though_the_request_ignores_eos(llm):
-    """Once the grammar is complete only the end token may come: a request that ignores EOS ended
-    at max_tokens with the end token written over and over. It ends as the same request heeding
-    EOS does, with the same tokens."""
-    so = [StructuredOutputs(choice=CHOICES), StructuredOutputs(regex=PATTERNS[1])]
-    heed = llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=20, temperature=0, structured_outputs=c) for c in so])
-    ignore = llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
-                                                       structured_outputs=c) for c in so])
-    for h, i in zip(heed, ignore, strict=True):
-        assert h.finish_reason == "stop" and len(h.token_ids) < 20 and h.token_ids[-1] in llm.spec.eos_token_ids
-        assert (i.token_ids, i.text, i.finish_reason) == (h.token_ids, h.text, "stop")
-
-
 def test_json_schema_outputs_validate(llm):
     """Greedy and seeded sampled outputs alike are JSON that follows the schema; the same requests
     without it are not JSON at all (the random model does not write it by chance)."""
