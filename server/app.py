@@ -26,7 +26,8 @@ from tandem.sched.request import Request, ServiceClass, error_id
 from tandem.server.config import ServerConfig
 from tandem.server.cors import preflight
 from tandem.server.connections import CLIENT_GONE, GUARD, STOP, body_read, client_gone, connections_middleware
-from tandem.server.errors import MAX_NESTING, ApiError, bad_request, nests_deeper, structured_error, too_deep
+from tandem.server.errors import (MAX_NESTING, ApiError, bad_request, nests_deeper, out_of_storage, storage_full,
+                                  structured_error, too_deep)
 from tandem.server.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs_json
 from tandem.server.metrics import Metrics
 from tandem.server.store import Store
@@ -81,6 +82,9 @@ async def errors_middleware(request: web.Request, handler):
     except RecursionError:
         return json_response(too_deep().body(), 400)
     except Exception as e:   # a bug: logged with an id the client can quote, never a traceback
+        if out_of_storage(e):                   # not a bug: the disk is full
+            log.warning("%s %s: the data dir refused a write: %s", request.method, request.path, e)
+            return json_response(storage_full(e).body(), 507)
         if isinstance(e, ConnectionError) and client_gone(request):
             return web.Response(status=CLIENT_GONE)     # nobody to answer: its write fails, the access log says 499
         eid = error_id()

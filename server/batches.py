@@ -16,7 +16,7 @@ from typing import Awaitable, Callable, Iterator
 import orjson
 
 from tandem.sched.request import error_id
-from tandem.server.errors import MAX_NESTING, ApiError, nests_deeper, too_deep
+from tandem.server.errors import MAX_NESTING, ApiError, nests_deeper, out_of_storage, too_deep
 from tandem.server.store import NewFile, Store, result_file_id
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
@@ -26,6 +26,7 @@ MAX_ERRORS = 1_000           # a failed batch lists at most this many of its inp
 PENDING_READ = 256           # pending lines read from the store at a time
 MAX_LINE_ATTEMPTS = 3        # a line failing on the server's side (5xx, an exception) runs again
 LINE_RETRY_S = 1.0           # times the attempt number, before the next attempt
+STORAGE_RETRY_S = 30.0       # a batch whose results the data dir refused goes on after this
 
 log = logging.getLogger("tandem.batches")
 
@@ -168,9 +169,12 @@ class BatchRunner:
 
     async def _run(self, bid: str) -> None:
         """Run a batch to its end; a bug on the way fails the batch (with an error id in the log)
-        instead of leaving it active for ever."""
+        instead of leaving it active for ever. A full disk does not: the batch waits and goes on
+        from what the store holds (a line whose result could not be kept runs again), so a full
+        data dir delays a batch and loses none of it."""
         try:
-            await self._steps(bid)
+            while not await self._stored(bid):
+                await asyncio.sleep(STORAGE_RETRY_S)
         except asyncio.CancelledError:
             raise
         except Exception:                    # noqa: BLE001 -- the batch must reach a final state
@@ -180,6 +184,17 @@ class BatchRunner:
                               "param": None, "line": None}])
         finally:
             self.tasks.pop(bid, None)
+
+    async def _stored(self, bid: str) -> bool:
+        """Run the batch's steps; False where the data dir refused a write on the way."""
+        try:
+            await self._steps(bid)
+        except Exception as e:               # noqa: BLE001 -- re-raised unless the disk is full
+            if not out_of_storage(e):
+                raise
+            log.warning("batch %s: the data dir refused a write (%s); going on in %g s", bid, e, STORAGE_RETRY_S)
+            return False
+        return True
 
     async def _steps(self, bid: str) -> None:
         b = self.store.get_batch(bid)

@@ -1,6 +1,9 @@
 """OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}}."""
 from __future__ import annotations
 
+import errno
+import sqlite3
+
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
@@ -43,6 +46,25 @@ def nests_deeper(value, limit: int = MAX_NESTING) -> bool:
                     return True
                 stack.append((x, depth + 1))
     return False
+
+
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_SQLITE_IOERR, _SQLITE_FULL = 10, 13      # primary result codes (an extended one holds it in its low byte)
+
+
+def out_of_storage(e: BaseException) -> bool:
+    """Whether ``e`` is a write to the data dir that the disk refused: no space, a quota, a file
+    size limit, or SQLite's "database or disk is full" / "disk I/O error"."""
+    if isinstance(e, OSError):
+        return e.errno in _FULL_ERRNOS
+    return isinstance(e, sqlite3.OperationalError) and \
+        getattr(e, "sqlite_errorcode", 0) & 0xFF in (_SQLITE_IOERR, _SQLITE_FULL)
+
+
+def storage_full(e: BaseException) -> ApiError:
+    """507 for a request whose result could not be kept: nothing of it was."""
+    return ApiError(507, f"the server could not store this: its data dir refused the write ({e}); "
+                         "free space there and send it again", type="server_error")
 
 
 def too_deep() -> ApiError:

@@ -119,11 +119,15 @@ class Store:
     def write_blob(self, fid: str, data: bytes) -> None:
         """A file's bytes on disk, whole or not at all (touches no database: safe from a thread)."""
         tmp = self.files_dir / f".{fid}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.files_dir / fid)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.files_dir / fid)
+        except BaseException:          # a full disk: the part written must not take its space for ever
+            tmp.unlink(missing_ok=True)
+            raise
 
     def register_file(self, fid: str, nbytes: int, filename: str, purpose: str,
                       expires_s: int | None = None) -> dict:

@@ -3,7 +3,10 @@ expiry across a stop, a stop that aborts the lines in flight, and finalization o
 The states and error codes are OpenAI's (validating -> in_progress -> finalizing -> completed;
 cancelling -> cancelled; expired, with batch_cancelled / batch_expired per line not run)."""
 import asyncio
+import contextlib
 import json
+import logging
+import resource
 import sqlite3
 import threading
 import time
@@ -394,3 +397,84 @@ def test_an_upload_that_cannot_be_listed_leaves_no_bytes_behind(tmp_path, monkey
         store.add_file(b'{"a": 1}\n', "a.jsonl", "batch")
     assert [p.name for p in store.files_dir.iterdir()] == []
     store.close()
+
+
+def _big_answer(body):
+    """A line's answer of about 20 KB: a few lines fill a small file size limit."""
+    return 200, {"id": "chatcmpl-1", "object": "chat.completion",
+                 "choices": [{"message": {"content": body["messages"][0]["content"] + "x" * 20_000}}]}
+
+
+@contextlib.contextmanager
+def file_size_limit():
+    """Yields a setter of this process's file size limit, the real one set back after: past the
+    limit a write fails as on a full disk (Python ignores SIGXFSZ, so it is an OSError)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    try:
+        yield lambda n: resource.setrlimit(resource.RLIMIT_FSIZE, (n, hard))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def _wait_for(check, what: str, caplog=None) -> None:
+    for _ in range(600):
+        if check():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{what} did not happen" + (f": {caplog.text[-2000:]}" if caplog else ""))
+
+
+def _answered_once(store: Store, b: dict, n: int) -> None:
+    """The batch ended completed with each line's own answer, once."""
+    assert b["status"] == "completed" and b["request_counts"] == {"total": n, "completed": n, "failed": 0}, b
+    out = lines_of(store, b["output_file_id"])
+    assert sorted(r["custom_id"] for r in out) == sorted(f"c{i}" for i in range(n))
+    for r in out:
+        content = r["response"]["body"]["choices"][0]["message"]["content"]
+        assert content == f"q{r['custom_id'][1:]}" + "x" * 20_000
+    assert b["error_file_id"] is None and not list(store.files_dir.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("where", ["line results", "result files"])
+def test_a_full_disk_delays_a_batch_and_loses_none_of_it(where, tmp_path, monkeypatch, caplog):
+    """The data dir refuses writes part way (a file size limit, as a full disk refuses them):
+    while lines' results are recorded, or while the result files are written. The batch
+    failed with an internal error, or stayed in progress for ever with its task dead. It now
+    waits, and once the disk takes writes again it ends completed with every line's answer,
+    once, and no part-written file left."""
+    monkeypatch.setattr(batches, "STORAGE_RETRY_S", 0.05)
+    store, n = Store(tmp_path), 30
+    fid = input_file(store, n)
+    with file_size_limit() as limit:
+        if where == "result files":            # the limit comes once every result is recorded
+            real, built = batches.result_files, []
+
+            def then_full(*a):
+                files = real(*a)
+                if not built:
+                    limit(50_000)
+                built.append(1)
+                return files
+            monkeypatch.setattr(batches, "result_files", then_full)
+        else:
+            wal = tmp_path / "tandem.sqlite3-wal"
+            limit((wal.stat().st_size if wal.exists() else 0) + 150_000)
+
+        async def run_line(body, endpoint):
+            return _big_answer(body)
+
+        async def main():
+            runner = BatchRunner(store, run_line, 4)
+            b = store.add_batch(fid, ENDPOINT, 3600, "1h", None, "M")
+            runner.start(b["id"])
+            await asyncio.to_thread(_wait_for, lambda: caplog.text.count("the data dir refused a write") >= 2,
+                                    "a refused write", caplog)
+            assert store.get_batch(b["id"])["status"] in ("in_progress", "finalizing")
+            assert not list(store.files_dir.glob(".*.tmp")), "a part-written file holds the space it took"
+            limit(resource.RLIM_INFINITY)
+            await asyncio.to_thread(_wait_for, lambda: store.get_batch(b["id"])["status"] == "completed",
+                                    "the batch's end", caplog)
+            return store.get_batch(b["id"])
+        with caplog.at_level(logging.WARNING, logger="tandem.batches"):
+            b = asyncio.run(main())
+    _answered_once(store, b, n)

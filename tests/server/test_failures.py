@@ -124,3 +124,33 @@ def test_a_batch_line_that_raises_is_recorded_and_the_batch_completes(tiny_chat_
         assert err["message"].split("error id ")[1].rstrip(")") in srv.log.read_text(), "logged under its id"
     finally:
         stop_server(srv)
+
+
+FILE_SIZE_LIMIT = """
+import resource
+resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+"""
+
+
+def test_an_upload_the_disk_refuses_is_a_507_and_leaves_nothing_behind(tiny_chat_model, tmp_path):
+    """The server's files may be at most 4 MB (a file size limit, as a full disk refuses a
+    write): a 5 MB upload was a 500 with a traceback in the log, and its part-written 4 MB stayed
+    in the data dir for ever. It is a 507 saying the data dir refused the write; the next upload
+    that fits is kept."""
+    from openai import OpenAI
+    srv = start_server(tiny_chat_model, tmp_path, inject=FILE_SIZE_LIMIT)
+    try:
+        client = OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0)
+        line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                           "body": {"prompt": "x" * 1000, "max_tokens": 2}}) + "\n"
+        with pytest.raises(Exception) as e:
+            client.files.create(file=("big.jsonl", io.BytesIO(line.encode() * 5000)), purpose="batch")
+        assert getattr(e.value, "status_code", None) == 507, e.value
+        err = e.value.body
+        assert err["type"] == "server_error" and "data dir refused the write" in err["message"], err
+        assert not list((tmp_path / "data" / "files").iterdir()), "the refused upload left bytes behind"
+        assert "Traceback" not in srv.log.read_text()
+        kept = client.files.create(file=("small.jsonl", io.BytesIO(line.encode())), purpose="batch")
+        assert client.files.content(kept.id).text == line and health(srv.url) == 200
+    finally:
+        stop_server(srv)
