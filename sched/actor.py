@@ -121,6 +121,7 @@ class DeviceActor:
         self.step_id = 0
         self.last_plan = Plan()
         self.chat_wait_targets = 0.0          # first_token_wait of the last plan's snapshot (admission)
+        self.waiting_be = 0                   # BE requests waiting in the last plan's snapshot (admission)
         self.num_preemptions = 0
         self.preemptions_by_class: Counter = Counter()
         self.preemption_reasons: Counter = Counter()   # the policy's reason for each preemption
@@ -251,6 +252,7 @@ class DeviceActor:
         plan = self.policy(snap) if snap is not None else Plan()
         self.last_plan = plan                   # why each request waits or runs (status endpoint)
         self.chat_wait_targets = first_token_wait(snap)
+        self.waiting_be = 0 if snap is None else sum(not c.rt for c in snap.waiting)
         inp, shape = self._apply(plan)
         if (inp.scheduled or inp.finished_ids or inp.reset_ids or inp.new_requests or inp.imports
                 or inp.offloads):

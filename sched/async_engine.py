@@ -99,9 +99,10 @@ class AsyncEngine:
         """Some device can run a step now (``/health``): False also while every one restarts."""
         return self.runtime.serving()
 
-    def num_waiting(self) -> int:
-        """Requests waiting for a device, and those accepted on their way to one."""
-        return self.runtime.num_waiting() + self.admitting
+    def num_waiting(self, rt_only: bool = False) -> int:
+        """Requests waiting for a device, and those accepted on their way to one; ``rt_only``:
+        but the BE requests waiting (``Runtime.num_waiting``)."""
+        return self.runtime.num_waiting(rt_only) + self.admitting
 
     def num_requests(self) -> int:
         """Requests accepted and not ended (each of a prompt's n choices one)."""

@@ -3,6 +3,7 @@ validate, build Requests, stream results. No scheduling decisions live here."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hmac
 import logging
@@ -25,7 +26,8 @@ from tandem.sched.llm import PromptTooLong
 from tandem.sched.request import Request, ServiceClass, error_id
 from tandem.server.config import ServerConfig
 from tandem.server.cors import preflight
-from tandem.server.connections import CLIENT_GONE, GUARD, STOP, body_read, client_gone, connections_middleware
+from tandem.server.connections import (CLIENT_GONE, GUARD, STOP, body_read, client_gone, connections_middleware,
+                                       stream_writer)
 from tandem.server.errors import (MAX_NESTING, ApiError, bad_request, nests_deeper, out_of_storage, storage_full,
                                   structured_error, too_deep)
 from tandem.server.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs_json
@@ -135,11 +137,19 @@ def served_model(body: dict, cfg: ServerConfig, engine: AsyncEngine | None = Non
     return check_model(body, cfg.served_model_name, cfg.model_aliases, {} if engine is None else engine.llm.adapters)
 
 
-async def room_to_wait(engine: AsyncEngine, cfg: ServerConfig) -> None:
+@contextlib.asynccontextmanager
+async def room_to_wait(engine: AsyncEngine, cfg: ServerConfig):
     """Until the waiting queue has room: work the server queues by itself (a batch's line, a
-    request run again) waits for it rather than be refused."""
+    request run again) waits for it rather than be refused. Its place is held (counted as
+    waiting) until its requests are queued: lines passing the check at once went past the
+    limit."""
     while engine.num_waiting() >= cfg.max_waiting:
         await asyncio.sleep(ADMISSION_POLL_S)
+    engine.admitting += 1
+    try:
+        yield
+    finally:
+        engine.admitting -= 1
 
 
 def ready_engine(request: web.Request) -> AsyncEngine:
@@ -245,7 +255,7 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
         raise bad_request(str(e), param=prompt_param(e, param),
                           code="context_length_exceeded" if isinstance(e, PromptTooLong) else None) from None
     budgets = [max_tokens_for(engine, sp, len(ids), param, gen.max_tokens_param) for ids, _ in encoded]
-    if not force_be and engine.num_waiting() >= cfg.max_waiting:
+    if not force_be and engine.num_waiting(rt_only=gen.service_class is ServiceClass.RT) >= cfg.max_waiting:
         raise ApiError(429, "too many requests are waiting; retry later", type="rate_limit_error",
                        headers={"Retry-After": "1"})
     if (gen.service_class is ServiceClass.RT and cfg.shed_chats_after
@@ -707,9 +717,10 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
     await resp.prepare(request)
     obj = "chat.completion.chunk" if chat else "text_completion"
     top = head(p, obj, created)         # the same in every event: built once, not per token
+    write = stream_writer(request, resp)
 
     async def send(payload) -> None:
-        await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
+        await write(b"data: " + orjson.dumps(payload) + b"\n\n")
 
     def event(c: dict) -> dict:
         return {**top, "choices": [c]}
@@ -773,7 +784,7 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
             await send({**top, "choices": [], "usage": usage(p, choices)})
     except ApiError as e:                 # headers are out: report in-band, as OpenAI does
         await send(e.body())
-    await resp.write(b"data: [DONE]\n\n")
+    await write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
 

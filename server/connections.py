@@ -11,7 +11,8 @@ cut; a body trickled a byte at a time is); otherwise the client gets a 408 and t
 is closed. At the cap, a new connection
 closes the oldest idle one in its place. Only when every open connection is serving a request
 does the new one get a 503 and close. A flood of half-open connections therefore never locks
-out a client that is really talking.
+out a client that is really talking. A stream's client that takes none of what it was sent
+for ``WRITE_STALL_S`` is dropped (``stream_writer``), as if it had left.
 """
 from __future__ import annotations
 
@@ -46,7 +47,31 @@ class Limits:
     body_timeout_s: float = 60.0     # from a request's head to the last byte of its body (plus BODY_RATE_FLOOR's)
 
 
+log = logging.getLogger("tandem.connections")
 BODY_RATE_FLOOR = 64 << 10           # bytes/s: each received byte of a body buys this much more time
+WRITE_STALL_S = 60.0                 # a stream's client that takes none of a write this long is dropped
+
+
+def stream_writer(request: web.Request, resp: web.StreamResponse) -> Callable:
+    """``resp.write`` for a stream, but a client that takes none of a write for ``WRITE_STALL_S``
+    (it reads nothing, and what it was sent fills the socket's buffers) is dropped: its
+    connection is closed and the write raises ConnectionResetError, as when a client leaves,
+    so its request ends. Otherwise the reply waited in memory and the connection stayed open
+    for as long as the client liked (17 MB and a connection per stalled stream of 8,000 tokens
+    with log probabilities). A write is timed only while the socket holds unsent bytes: a
+    client that keeps up costs no timer."""
+    async def write(data: bytes) -> None:
+        t = request.transport
+        if t is None or not t.get_write_buffer_size():
+            return await resp.write(data)
+        try:
+            await asyncio.wait_for(resp.write(data), WRITE_STALL_S)
+        except asyncio.TimeoutError:
+            log.warning("%s %s: the client took nothing of its stream for %g s; dropping it", request.method,
+                        request.path, WRITE_STALL_S)
+            t.abort()
+            raise ConnectionResetError("the client stopped reading its stream") from None
+    return write
 
 
 def _raw_response(status: int, reason: str, error: ApiError, extra: str = "") -> bytes:

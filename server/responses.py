@@ -30,6 +30,7 @@ from tandem.server.app import (STATE, STORE, Choice, Prepared, all_or_none, choi
                                prepare, prepare_online, read_json, ready_engine, room_to_wait, run_choice, run_to_end,
                                served_tier, unsent_logprobs, usage)
 from tandem.server.background import Background, EventLog, sse
+from tandem.server.connections import stream_writer
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.logprobs import chat_logprobs
 from tandem.server.listing import newest_first, page, query_limit
@@ -112,8 +113,9 @@ async def _replay(request: web.Request, events: EventLog, after: int) -> web.Str
     whether the client stays or not."""
     resp = web.StreamResponse(headers=EVENT_STREAM)
     await resp.prepare(request)
+    write = stream_writer(request, resp)
     async for data in events.read(after):
-        await resp.write(data)
+        await write(data)
     await resp.write_eof()
     return resp
 
@@ -318,7 +320,8 @@ async def run_line(app: web.Application, engine, body: dict) -> dict:
     if body.get("background"):
         raise bad_request("a batch's line runs in the batch: 'background' is for a request of its own",
                           param="background")
-    p, keep = await _start(app, engine, body, force_be=True)
+    async with room_to_wait(engine, app[STATE].cfg):
+        p, keep = await _start(app, engine, body, force_be=True)
     return await _finish(engine, app[STATE], p, body, int(time.time()), keep)
 
 
@@ -426,7 +429,8 @@ async def _run_again(app: web.Application, rid: str, body: dict, events: EventLo
     kept = store.get_response(rid)
     created = kept[0]["created_at"] if kept is not None else int(time.time())
     while True:
-        await room_to_wait(st.engine, st.cfg)
+        async with room_to_wait(st.engine, st.cfg):
+            pass            # then queued as online requests are, whose check would count a place held
         try:
             p, keep = await _start(app, st.engine, body, name=rid.removeprefix("resp_"))
             break
@@ -655,7 +659,7 @@ async def _stream(request, st, p: Prepared, body: dict, created: int, keep) -> w
     after the headers went out, an ``error`` event, as OpenAI sends."""
     resp = web.StreamResponse(headers=EVENT_STREAM)
     await resp.prepare(request)
-    ev = _Events(resp.write, p)
+    ev = _Events(stream_writer(request, resp), p)
     try:
         await _run_events(ev, st, p, body, created, keep)
     except ApiError as e:

@@ -28,11 +28,11 @@ def add_routes(app: web.Application) -> None:
 
     async def run_line(body: dict, endpoint: str):
         engine = app[STATE].engine
-        await room_to_wait(engine, cfg)
         if endpoint == "/v1/responses":
             return 200, await responses.run_line(app, engine, body)
         chat = endpoint == "/v1/chat/completions"
-        p = await prepare(engine, app[STATE].cfg, body, chat, force_be=True)
+        async with room_to_wait(engine, cfg):
+            p = await prepare(engine, app[STATE].cfg, body, chat, force_be=True)
         return 200, await complete(engine, app[STATE], p, chat)
     app[RUNNER] = BatchRunner(store, run_line, concurrency=cfg.max_num_seqs)
     r = app.router

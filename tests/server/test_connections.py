@@ -370,3 +370,42 @@ def test_a_write_that_finds_the_client_gone_is_a_499_not_an_error(closing, statu
     assert resp.status == status
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert (len(errors), bool(errors and errors[0].exc_info)) == ((0, False) if closing else (1, True))
+
+
+def load(srv) -> int:
+    """The requests the server holds (/load)."""
+    with urllib.request.urlopen(srv.url + "/load", timeout=10) as r:
+        return json.loads(r.read())["server_load"]
+
+
+STALL = """
+import tandem.server.connections as c
+c.WRITE_STALL_S = 2.0
+"""
+
+
+def test_a_stream_whose_client_reads_nothing_is_dropped(tiny_chat_model, tmp_path):
+    """A client that asks for a long stream and reads none of it: the server held the reply in
+    memory and the connection open for as long as the client liked (the request never ended).
+    Once nothing of a write is taken for the stall limit (2 s here), the connection is closed
+    and the request ends, while the client still holds its end open and unread."""
+    srv = start_server(tiny_chat_model, tmp_path, inject=STALL)
+    try:
+        body = json.dumps({"model": srv.model, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                           "n": 16, "max_tokens": 400, "ignore_eos": True, "logprobs": True, "top_logprobs": 20})
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)      # the server's writes back up soon
+        s.connect(addr(srv))
+        s.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+        deadline = time.monotonic() + 120
+        while "took nothing of its stream" not in srv.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "took nothing of its stream for 2 s" in srv.log.read_text(), srv.log.read_text()[-3000:]
+        while load(srv) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert load(srv) == 0, "the stalled request still holds its place"
+        s.close()
+        assert "Traceback" not in srv.log.read_text()
+    finally:
+        stop_server(srv)

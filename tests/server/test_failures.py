@@ -154,3 +154,57 @@ def test_an_upload_the_disk_refuses_is_a_507_and_leaves_nothing_behind(tiny_chat
         assert client.files.content(kept.id).text == line and health(srv.url) == 200
     finally:
         stop_server(srv)
+
+
+SLOW_PLANS = """
+import time
+import tandem.sched.scheduler as s
+_make = s.make_policy
+def _slow(cfg, cost):
+    policy = _make(cfg, cost)
+    def slow(snapshot):
+        time.sleep(0.02)
+        return policy(snapshot)
+    return slow
+s.make_policy = _slow
+"""
+
+
+def test_a_chat_is_not_refused_for_the_batch_work_waiting_behind_it(tiny_chat_model, tmp_path):
+    """Three places in the queue, one request running at a time, three best-effort requests
+    waiting: another best-effort request is refused, and so was a chat (the queue was full of work
+    it runs before). A chat counts only the chats waiting, so it is served."""
+    import threading
+    srv = start_server(tiny_chat_model, tmp_path, "--max-waiting", "3", "--max-num-seqs", "1", "--policy", "fcfs",
+                       inject=SLOW_PLANS)        # a step at least 20 ms: the requests wait long enough to be seen
+
+    def post(body: dict) -> tuple[int, dict]:
+        req = urllib.request.Request(srv.url + "/v1/completions", method="POST", data=json.dumps(body).encode(),
+                                     headers=AUTH | {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def status() -> dict:
+        req = urllib.request.Request(srv.url + "/status", headers=AUTH)
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read())["devices"][0]["classes"]
+    try:
+        flex = {"prompt": "Fact:", "max_tokens": 100, "ignore_eos": True, "service_tier": "flex"}
+        batch = [threading.Thread(target=post, args=(flex,)) for _ in range(4)]
+        deadline = time.monotonic() + 120
+        for i, t in enumerate(batch):        # the first running, then three waiting
+            t.start()
+            while status()["be"]["running" if i == 0 else "waiting"] < max(1, i) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert status()["be"] == {**status()["be"], "running": 1, "waiting": 3}, "the queue was meant to be full"
+        code, more = post(flex)
+        assert code == 429 and more["error"]["type"] == "rate_limit_error", more
+        code, chat = post({"prompt": "Hi", "max_tokens": 2})
+        assert code == 200 and chat["usage"]["completion_tokens"] == 2, chat
+        for t in batch:
+            t.join(300)
+    finally:
+        stop_server(srv)
