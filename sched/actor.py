@@ -121,7 +121,7 @@ class DeviceActor:
         self.step_id = 0
         self.last_plan = Plan()
         self.chat_wait_targets = 0.0          # first_token_wait of the last plan's snapshot (admission)
-        self.waiting_be = 0                   # BE requests waiting in the last plan's snapshot (admission)
+        self.waiting_be = 0                   # BE requests waiting once the last plan was applied (admission)
         self.num_preemptions = 0
         self.preemptions_by_class: Counter = Counter()
         self.preemption_reasons: Counter = Counter()   # the policy's reason for each preemption
@@ -252,8 +252,8 @@ class DeviceActor:
         plan = self.policy(snap) if snap is not None else Plan()
         self.last_plan = plan                   # why each request waits or runs (status endpoint)
         self.chat_wait_targets = first_token_wait(snap)
-        self.waiting_be = 0 if snap is None else sum(not c.rt for c in snap.waiting)
         inp, shape = self._apply(plan)
+        self.waiting_be = sum(self.states[r].request.service_class is ServiceClass.BE for r in self.waiting)
         if (inp.scheduled or inp.finished_ids or inp.reset_ids or inp.new_requests or inp.imports
                 or inp.offloads):
             self._send_adapters(inp)

@@ -45,6 +45,7 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.admitting = 0            # requests accepted, not queued yet (their lengths being predicted)
+        self.admitting_be = 0         # of them, BE ones (a batch's lines among them)
 
     # ---- called from the event loop -----------------------------------------
     def submit(self, req: Request) -> "Submission":
@@ -102,7 +103,7 @@ class AsyncEngine:
     def num_waiting(self, rt_only: bool = False) -> int:
         """Requests waiting for a device, and those accepted on their way to one; ``rt_only``:
         but the BE requests waiting (``Runtime.num_waiting``)."""
-        return self.runtime.num_waiting(rt_only) + self.admitting
+        return self.runtime.num_waiting(rt_only) + self.admitting - (self.admitting_be if rt_only else 0)
 
     def num_requests(self) -> int:
         """Requests accepted and not ended (each of a prompt's n choices one)."""

@@ -534,8 +534,9 @@ class Runtime:
             f"{t.actor.device.name}: {'restarting' if t.restarting else t.actor.dead}" for t in self.threads)
 
     def num_waiting(self, rt_only: bool = False) -> int:
-        """Requests waiting on every device; ``rt_only``: less the BE requests the devices' last
-        plans saw waiting (an RT request runs before them, so they do not keep it out)."""
+        """Requests waiting on every device; ``rt_only``: less the BE requests waiting once the
+        devices' last plans were applied (an RT request runs before them, so they do not keep it
+        out)."""
         return sum(max(0, t.num_queued() - (t.actor.waiting_be if rt_only else 0)) for t in self.threads)
 
     def chats_overdue(self, targets: float) -> bool:

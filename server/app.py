@@ -146,10 +146,12 @@ async def room_to_wait(engine: AsyncEngine, cfg: ServerConfig):
     while engine.num_waiting() >= cfg.max_waiting:
         await asyncio.sleep(ADMISSION_POLL_S)
     engine.admitting += 1
+    engine.admitting_be += 1
     try:
         yield
     finally:
         engine.admitting -= 1
+        engine.admitting_be -= 1
 
 
 def ready_engine(request: web.Request) -> AsyncEngine:
@@ -279,12 +281,15 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
     lengths = engine.llm.lengths
     if lengths is not None:          # embeds the prompt: off the event loop, one at a time
         engine.admitting += len(reqs)          # counted as waiting meanwhile (admission control)
+        be = len(reqs) if gen.service_class is ServiceClass.BE else 0
+        engine.admitting_be += be
         try:
             texts = [text for prompt, e in zip(gen.prompts, encoded)
                      for text in [engine.llm.prediction_text(prompt, sp, e)] * gen.n]
             await predict_lengths(lengths, reqs, texts)
         finally:
             engine.admitting -= len(reqs)
+            engine.admitting_be -= be
     try:
         for r in reqs:
             p.subs.append(engine.submit(r))
@@ -785,7 +790,7 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
     except ApiError as e:                 # headers are out: report in-band, as OpenAI does
         await send(e.body())
     await write(b"data: [DONE]\n\n")
-    await resp.write_eof()
+    await write(None)
     return resp
 
 

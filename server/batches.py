@@ -290,7 +290,9 @@ class BatchRunner:
                 code, resp = e.status, e.body()
             except RecursionError:
                 return 400, too_deep().body()
-            except Exception:                # noqa: BLE001 -- never lose a line to a bug
+            except Exception as e:           # noqa: BLE001 -- never lose a line to a bug
+                if out_of_storage(e):        # not the line's: the batch waits for room (``_run``)
+                    raise
                 eid = error_id()
                 log.exception("batch %s line %d failed (%s)", bid, line_no, eid)
                 code, resp = 500, ApiError(500, f"internal error (error id {eid})", type="server_error").body()

@@ -53,23 +53,20 @@ WRITE_STALL_S = 60.0                 # a stream's client that takes none of a wr
 
 
 def stream_writer(request: web.Request, resp: web.StreamResponse) -> Callable:
-    """``resp.write`` for a stream, but a client that takes none of a write for ``WRITE_STALL_S``
-    (it reads nothing, and what it was sent fills the socket's buffers) is dropped: its
-    connection is closed and the write raises ConnectionResetError, as when a client leaves,
-    so its request ends. Otherwise the reply waited in memory and the connection stayed open
-    for as long as the client liked (17 MB and a connection per stalled stream of 8,000 tokens
-    with log probabilities). A write is timed only while the socket holds unsent bytes: a
-    client that keeps up costs no timer."""
-    async def write(data: bytes) -> None:
-        t = request.transport
-        if t is None or not t.get_write_buffer_size():
-            return await resp.write(data)
+    """``resp.write`` for a stream (``write(None)``: its end), but a client that takes almost
+    none of it for ``WRITE_STALL_S`` (the socket's buffers stay full: aiohttp waits for them to
+    drain from 64 KiB to 16 KiB) is dropped: its connection is closed and the write raises
+    ConnectionResetError, as when a client leaves, so its request ends. Otherwise the reply
+    waited in memory and the connection stayed open for as long as the client liked (17 MB and a
+    connection per stalled stream of 8,000 tokens with log probabilities)."""
+    async def write(data: bytes | None) -> None:
         try:
-            await asyncio.wait_for(resp.write(data), WRITE_STALL_S)
+            await asyncio.wait_for(resp.write_eof() if data is None else resp.write(data), WRITE_STALL_S)
         except asyncio.TimeoutError:
             log.warning("%s %s: the client took nothing of its stream for %g s; dropping it", request.method,
                         request.path, WRITE_STALL_S)
-            t.abort()
+            if request.transport is not None:
+                request.transport.abort()
             raise ConnectionResetError("the client stopped reading its stream") from None
     return write
 

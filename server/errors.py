@@ -49,16 +49,16 @@ def nests_deeper(value, limit: int = MAX_NESTING) -> bool:
 
 
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-_SQLITE_IOERR, _SQLITE_FULL = 10, 13      # primary result codes (an extended one holds it in its low byte)
+# SQLite's: SQLITE_FULL, and the I/O errors of a write that found no room (IOERR_WRITE, _FSYNC, _TRUNCATE)
+_SQLITE_FULL_CODES = (13, 778, 1034, 1546)
 
 
 def out_of_storage(e: BaseException) -> bool:
     """Whether ``e`` is a write to the data dir that the disk refused: no space, a quota, a file
-    size limit, or SQLite's "database or disk is full" / "disk I/O error"."""
+    size limit, or SQLite's "database or disk is full" and the "disk I/O error" of such a write."""
     if isinstance(e, OSError):
         return e.errno in _FULL_ERRNOS
-    return isinstance(e, sqlite3.OperationalError) and \
-        getattr(e, "sqlite_errorcode", 0) & 0xFF in (_SQLITE_IOERR, _SQLITE_FULL)
+    return isinstance(e, sqlite3.OperationalError) and getattr(e, "sqlite_errorcode", 0) in _SQLITE_FULL_CODES
 
 
 def storage_full(e: BaseException) -> ApiError:

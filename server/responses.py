@@ -116,7 +116,7 @@ async def _replay(request: web.Request, events: EventLog, after: int) -> web.Str
     write = stream_writer(request, resp)
     async for data in events.read(after):
         await write(data)
-    await resp.write_eof()
+    await write(None)
     return resp
 
 
@@ -659,12 +659,12 @@ async def _stream(request, st, p: Prepared, body: dict, created: int, keep) -> w
     after the headers went out, an ``error`` event, as OpenAI sends."""
     resp = web.StreamResponse(headers=EVENT_STREAM)
     await resp.prepare(request)
-    ev = _Events(stream_writer(request, resp), p)
+    ev = _Events(write := stream_writer(request, resp), p)
     try:
         await _run_events(ev, st, p, body, created, keep)
     except ApiError as e:
         await ev.send("error", {"code": e.code, "message": e.message, "param": e.param})
-    await resp.write_eof()
+    await write(None)
     return resp
 
 

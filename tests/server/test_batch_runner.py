@@ -478,3 +478,29 @@ def test_a_full_disk_delays_a_batch_and_loses_none_of_it(where, tmp_path, monkey
         with caplog.at_level(logging.WARNING, logger="tandem.batches"):
             b = asyncio.run(main())
     _answered_once(store, b, n)
+
+
+def test_a_line_the_disk_refuses_to_keep_runs_again_instead_of_failing(tmp_path, monkeypatch, caplog):
+    """A line whose own write is refused (a response to keep, on a full disk) was taken for a
+    bug: tried three times, then recorded as a 500. The batch now waits for room and runs the
+    line again, so every line ends with its answer."""
+    import errno
+    monkeypatch.setattr(batches, "STORAGE_RETRY_S", 0.05)
+    store, refusals = Store(tmp_path), []
+
+    async def run_line(body, endpoint):
+        if body["messages"][0]["content"] == "q1" and len(refusals) < 3:
+            refusals.append(1)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return _big_answer(body)
+
+    async def main():
+        runner = BatchRunner(store, run_line, 2)
+        b = store.add_batch(input_file(store, 4), ENDPOINT, 3600, "1h", None, "M")
+        runner.start(b["id"])
+        await asyncio.gather(*runner.tasks.values())
+        return store.get_batch(b["id"])
+    with caplog.at_level(logging.WARNING, logger="tandem.batches"):
+        b = asyncio.run(main())
+    assert len(refusals) == 3 and "the data dir refused a write" in caplog.text
+    _answered_once(store, b, 4)
