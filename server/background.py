@@ -20,6 +20,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import orjson
 
 from tandem.sched.request import error_id
+from tandem.server.errors import STORAGE_RETRY_S, out_of_storage
 from tandem.server.store import Store
 
 KEPT_LOGS = 100                 # finished responses whose events stay readable, the newest,
@@ -110,6 +111,31 @@ class Background:
             self.store.set_response(response)
         self.store.end_response_job(rid)
         return response
+
+    def in_progress(self, response: dict) -> None:
+        """``response`` kept as it is now (in progress). Where the data dir refuses the write, the
+        kept one stays queued and generation goes on: its end is what must be kept (``ended``)."""
+        try:
+            self.store.set_response(response)
+        except Exception as e:           # noqa: BLE001 -- re-raised unless the disk is full
+            if not out_of_storage(e):
+                raise
+            log.warning("background response %s: the data dir refused a write (%s)", response["id"], e)
+
+    @staticmethod
+    async def ended(rid: str, keep: Callable[[], None]) -> None:
+        """``keep()`` keeps ``rid`` as it ended; while the data dir refuses the write it is tried
+        again every ``STORAGE_RETRY_S``, the response kept in progress meanwhile: a full disk
+        delays its end, and it neither is lost nor stays in progress for ever."""
+        while True:
+            try:
+                return keep()
+            except Exception as e:       # noqa: BLE001 -- re-raised unless the disk is full
+                if not out_of_storage(e):
+                    raise
+                log.warning("background response %s: the data dir refused a write (%s); trying again in %g s",
+                            rid, e, STORAGE_RETRY_S)
+                await asyncio.sleep(STORAGE_RETRY_S)
 
     async def failed(self, rid: str, events: EventLog, error: dict) -> None:
         """``rid`` kept failed with ``error`` (OpenAI's code and message), and its readers told

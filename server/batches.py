@@ -16,7 +16,7 @@ from typing import Awaitable, Callable, Iterator
 import orjson
 
 from tandem.sched.request import error_id
-from tandem.server.errors import MAX_NESTING, ApiError, nests_deeper, out_of_storage, too_deep
+from tandem.server.errors import MAX_NESTING, STORAGE_RETRY_S, ApiError, nests_deeper, out_of_storage, too_deep
 from tandem.server.store import NewFile, Store, result_file_id
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
@@ -26,7 +26,6 @@ MAX_ERRORS = 1_000           # a failed batch lists at most this many of its inp
 PENDING_READ = 256           # pending lines read from the store at a time
 MAX_LINE_ATTEMPTS = 3        # a line failing on the server's side (5xx, an exception) runs again
 LINE_RETRY_S = 1.0           # times the attempt number, before the next attempt
-STORAGE_RETRY_S = 30.0       # a batch whose results the data dir refused goes on after this
 
 log = logging.getLogger("tandem.batches")
 
@@ -223,12 +222,15 @@ class BatchRunner:
 
     async def _run_lines(self, bid: str, endpoint: str, expires_at: int) -> bool:
         """Run the pending lines until all are done, the batch is cancelled or it expires (True).
-        Lines still running then, or when this task is cancelled (the server stops), are aborted.
+        Lines still running then, or when this task is cancelled (the server stops), are aborted;
+        a batch already past its window starts none.
 
         ``concurrency`` workers take the lines in order, each holding one of the slots all
         batches share while its line runs. A worker queues for a slot again after each line, so
         batches running together take turns (a long batch does not hold up a short one until it
         ends), and a batch of 50,000 lines is read from the store a few hundred at a time."""
+        if time.time() > expires_at:  # resumed (a restart, a full data dir) past its window: run nothing
+            return True
         stop, expired = asyncio.Event(), False
         lines = self._pending(bid)
 

@@ -48,6 +48,7 @@ def nests_deeper(value, limit: int = MAX_NESTING) -> bool:
     return False
 
 
+STORAGE_RETRY_S = 30.0      # work whose result the data dir refused tries to keep it again after this
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 # SQLite's: SQLITE_FULL, and the I/O errors of a write that found no room (IOERR_WRITE, _FSYNC, _TRUNCATE)
 _SQLITE_FULL_CODES = (13, 778, 1034, 1546)

@@ -31,7 +31,7 @@ from tandem.server.app import (STATE, STORE, Choice, Prepared, all_or_none, choi
                                served_tier, unsent_logprobs, usage)
 from tandem.server.background import Background, EventLog, sse
 from tandem.server.connections import stream_writer
-from tandem.server.errors import ApiError, bad_request
+from tandem.server.errors import ApiError, bad_request, out_of_storage, storage_full
 from tandem.server.logprobs import chat_logprobs
 from tandem.server.listing import newest_first, page, query_limit
 from tandem.server.protocol import chat_input, reject_unsupported
@@ -447,9 +447,9 @@ async def _run_events_to(app: web.Application, p: Prepared, body: dict, created:
                          events: EventLog) -> None:
     """Run a background response, its events to ``events``; kept in progress from its first
     token, and as it ends (failed, where the engine fails it)."""
-    store = app[STORE]
     try:
-        await _run_events(_Events(events.write, p), app[STATE], p, body, created, keep, began=store.set_response)
+        await _run_events(_Events(events.write, p), app[STATE], p, body, created, keep,
+                          background=app[BACKGROUND])
     except ApiError as e:
         await _failed(app, _ids(p)[0], events, e)
     finally:
@@ -668,21 +668,23 @@ async def _stream(request, st, p: Prepared, body: dict, created: int, keep) -> w
     return resp
 
 
-async def _run_events(ev: _Events, st, p: Prepared, body: dict, created: int, keep, began=None) -> None:
+async def _run_events(ev: _Events, st, p: Prepared, body: dict, created: int, keep,
+                      background: Background | None = None) -> None:
     """The Responses API's events: the response created and in progress; per output item, it
     added, its text (a part added, deltas, the text and part done) or its call's arguments
     (deltas and done), and it done; the response completed or incomplete. Everything goes out
     as it is generated, as a chat's stream does (``ContentStream``): text, and a constrained
     call's arguments piece by piece; with ``auto`` tools, the text up to where a call may begin
     and each call as its block closes; what the reply writes after its calls, at the end.
-    ``keep(response=, reply=)`` keeps the finished response (``_keep``). With ``began``, the
-    response is created queued and is in progress from its first token, when
-    ``began(response)`` is called. Raises ApiError where generation fails."""
+    ``keep(response=, reply=)`` keeps the finished response (``_keep``). With ``background`` (a
+    background response's), the response is created queued, is kept in progress from its first
+    token and is kept as it ended once the data dir takes the write. Raises ApiError where
+    generation fails."""
     tools = p.gen.tools
     content = ContentStream(tools) if tools is not None else None
     started = response_json(p, body, created, None, None, None)
-    await ev.send("response.created", {"response": started | ({"status": "queued"} if began else {})})
-    waiting = began
+    await ev.send("response.created", {"response": started | ({"status": "queued"} if background is not None else {})})
+    waiting = background
     if waiting is None:
         await ev.send("response.in_progress", {"response": started})
     else:
@@ -691,7 +693,7 @@ async def _run_events(ev: _Events, st, p: Prepared, body: dict, created: int, ke
     async def sink(ch: Choice, delta: str) -> None:
         nonlocal waiting
         if waiting is not None:
-            waiting(started)
+            waiting.in_progress(started)
             waiting = None
             await ev.send("response.in_progress", {"response": started})
         piece = delta if content is None else content.push(delta)
@@ -710,6 +712,14 @@ async def _run_events(ev: _Events, st, p: Prepared, body: dict, created: int, ke
     done = response_json(p, body, created, reply, finish_reason(calls, ch.finish_reason), usage(p, choices),
                          content.sent if content is not None else 0, _all_logprobs(ch, st.text_of))
     await ev.finish(done["output"])
-    keep(response=done, reply=reply)
+    if background is None:
+        try:
+            keep(response=done, reply=reply)
+        except Exception as e:          # noqa: BLE001 -- re-raised unless the disk is full
+            if not out_of_storage(e):
+                raise
+            raise storage_full(e) from e     # the stream's error event says why it was not kept
+    else:
+        await background.ended(done["id"], functools.partial(keep, response=done, reply=reply))
     await ev.send("response.incomplete" if done["status"] == "incomplete" else "response.completed",
                   {"response": done})

@@ -666,6 +666,54 @@ def test_a_background_response_is_cancelled_while_it_runs(tiny_chat_model, tmp_p
         stop_server(srv)
 
 
+FULL_DISK = """
+import errno, os
+import tandem.server.background as background
+import tandem.server.store as store
+background.STORAGE_RETRY_S = 0.1
+_keep = store.Store.keep_response
+def keep(self, response, *a):     # a response's end is refused while the file is there, as by a full disk
+    if response["status"] != "queued" and os.path.exists({path!r}):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return _keep(self, response, *a)
+store.Store.keep_response = keep
+"""
+
+
+def test_a_full_disk_delays_a_responses_end_and_loses_nothing(tiny_chat_model, tmp_path, tok):
+    """The data dir refuses to keep responses as they end. A background response stayed in
+    progress for ever (or failed): it now stays in progress while the writes are refused and
+    ends completed, with the greedy reply, once the disk takes them. A response asked for
+    meanwhile is refused with a 507 saying why: as a status, or streamed, as an error event
+    (the stream broke off, a traceback in the log)."""
+    from tests.server.conftest import start_server, stop_server
+    full = tmp_path / "full"
+    full.touch()
+    srv = start_server(tiny_chat_model, tmp_path, inject=FULL_DISK.format(path=str(full)))
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0)
+        text, n_in, n_out = hf_reply(tiny_chat_model, tok, [{"role": "user", "content": "Write a poem"}], MAX)
+        r = c.responses.create(model=srv.model, input="Write a poem", max_output_tokens=MAX, temperature=0,
+                               background=True)
+        for _ in range(600):
+            if srv.log.read_text().count("the data dir refused a write") >= 2:
+                break
+            time.sleep(0.05)
+        assert c.responses.retrieve(r.id).status == "in_progress", srv.log.read_text()[-2000:]
+        with pytest.raises(openai.APIStatusError) as e:
+            c.responses.create(model=srv.model, input="Hi", max_output_tokens=2)
+        assert e.value.status_code == 507 and "data dir refused the write" in e.value.body["message"]
+        events = list(c.responses.create(model=srv.model, input="Hi", max_output_tokens=2, stream=True))
+        assert events[-1].type == "error" and "data dir refused the write" in events[-1].message, events[-1]
+        full.unlink()
+        done = wait_for(c, r.id)
+        assert done.status in ("completed", "incomplete") and done.output_text == text
+        assert (done.usage.input_tokens, done.usage.output_tokens) == (n_in, n_out)
+        assert "Traceback" not in srv.log.read_text()
+    finally:
+        stop_server(srv)
+
+
 def test_a_background_response_outlives_a_restart(tiny_chat_model, tmp_path, tok):
     """Stopped (SIGTERM) while they run, background responses run again once the server is back:
     one to HF's reply; one sampled without a seed to the events its first run sent (a reader goes
