@@ -115,12 +115,13 @@ class DeviceActor:
                                                      # until the destination has imported it
         self.moves: deque[Migration] = deque(maxlen=4096)  # migrations that arrived here, measured
         self.moves_total = 0
+        self.moved_out: Counter = Counter()        # migrations that left here, by Transfer (each once)
         self._texts: dict[str, TextTracker] = {}
         self.dead: str | None = None      # why this device no longer serves
         self.t_avg = 0.0                  # EWMA of iteration wall time (BROS's T_avg)
         self.step_id = 0
         self.last_plan = Plan()
-        self.chat_wait_targets = 0.0          # first_token_wait of the last plan's snapshot (admission)
+        self.first_waits: tuple = ()          # first_token_waits of the last plan's snapshot (admission)
         self.waiting_be = 0                   # BE requests waiting once the last plan was applied (admission)
         self.num_preemptions = 0
         self.preemptions_by_class: Counter = Counter()
@@ -242,6 +243,17 @@ class DeviceActor:
     def load(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def chat_wait_targets(self) -> float:
+        """The longest an RT request of the last plan still without its first token has waited,
+        in its own TTFT targets, as of now: a step of many seconds (a long prompt chunk on a CPU)
+        keeps it waiting all that time, so its wait is not the one it had when the step was
+        planned. One that has left since (ended, failed, moved away) or got its first token no
+        longer counts: a device left idle plans nothing more. Read from other threads."""
+        states = self.states
+        live = tuple((arrival, target) for rid, arrival, target in self.first_waits
+                     if (st := states.get(rid)) is not None and not st.output_token_ids)
+        return wait_targets(live, self.clock())
+
     # ---- plan ----------------------------------------------------------------------
     def plan(self) -> Pending | None:
         """Plan one step; None when there is nothing to tell the device."""
@@ -251,7 +263,7 @@ class DeviceActor:
         snap = self.snapshot() if self.has_work() else None
         plan = self.policy(snap) if snap is not None else Plan()
         self.last_plan = plan                   # why each request waits or runs (status endpoint)
-        self.chat_wait_targets = first_token_wait(snap)
+        self.first_waits = first_token_waits(snap)
         inp, shape = self._apply(plan)
         self.waiting_be = sum(self.states[r].request.service_class is ServiceClass.BE for r in self.waiting)
         if (inp.scheduled or inp.finished_ids or inp.reset_ids or inp.new_requests or inp.imports
@@ -844,13 +856,18 @@ def reason_kind(why: str) -> str:
     return why.split(" (level ", 1)[0]
 
 
-def first_token_wait(snap: Snapshot | None) -> float:
-    """The longest an RT request still without its first token has waited, in its own TTFT
-    targets (0 with none)."""
+def first_token_waits(snap: Snapshot | None) -> tuple[tuple[str, float, float], ...]:
+    """(request, arrival, TTFT target) of each RT request in ``snap`` still without its first token."""
     if snap is None:
-        return 0.0
-    return max((c.pending_s / c.slo_s for c in (*snap.running, *snap.waiting)
-                if c.rt and c.num_output == 0 and c.slo_s), default=0.0)
+        return ()
+    return tuple((c.req_id, c.arrival, c.slo_s) for c in (*snap.running, *snap.waiting)
+                 if c.rt and c.num_output == 0 and c.slo_s)
+
+
+def wait_targets(waits: tuple[tuple[float, float], ...], now: float) -> float:
+    """The longest wait of ``first_token_waits`` at ``now``, in its own TTFT target (0 with none):
+    (now - arrival) / target."""
+    return max(((now - arrival) / target for arrival, target in waits), default=0.0)
 
 
 def missed_ttft(st: RequestState, now: float) -> bool:

@@ -42,6 +42,7 @@ class AsyncEngine:
         self.scheduler = llm.scheduler
         self.runtime = llm.start_runtime()
         self.step_listeners = self.runtime.listeners   # callables(actor), run on its thread per step
+        self.plan_listeners = self.runtime.plan_listeners   # and once each step is planned
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.admitting = 0            # requests accepted, not queued yet (their lengths being predicted)

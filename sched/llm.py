@@ -247,16 +247,21 @@ def parse_devices(devices: str) -> list[str]:
         raise ValueError("devices: must be a string like 'cpu:2' or 'cuda:0,1'")
     kind, _, rest = devices.partition(":")
     if kind == "cpu":
-        n = int(rest) if rest.isdigit() else (1 if devices == "cpu" else 0)
+        n = int(rest) if _digits(rest) else (1 if devices == "cpu" else 0)
         if n < 1:
             raise ValueError(f"devices: {devices!r}: use 'cpu:N' with N >= 1")
         return ["cpu"] * n
     if kind == "cuda" and rest:
         ids = rest.split(",")        # a GPU named twice runs two workers, each with its own pool
-        if not all(i.isdigit() for i in ids):
+        if not all(_digits(i) for i in ids):
             raise ValueError(f"devices: {devices!r}: use 'cuda:0,1,...'")
         return [f"cuda:{i}" for i in ids]
     raise ValueError(f"devices: {devices!r} is not 'cpu:N' or 'cuda:i,j,...'")
+
+
+def _digits(text: str) -> bool:
+    """ASCII digits only ('²' is a digit to str.isdigit, and no int)."""
+    return text.isascii() and text.isdigit()
 
 
 def check_devices(names: list[str]) -> None:

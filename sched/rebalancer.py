@@ -198,8 +198,23 @@ class Rebalancer:
     def forget(self, req_id: str) -> None:
         """A request placed elsewhere than ``arrive`` said (its device was down): stop tracking it."""
         with self.lock:
-            self.cluster, _ = place(self.policy, self.cluster, Epoch(departures={req_id}))
-            self.pending.pop(req_id, None)
+            self._unbook(req_id)
+
+    def _unbook(self, req_id: str) -> None:
+        """``req_id`` out of the books and of the wanted moves. The moves its departure makes go
+        to the device it was booked on, which is down: they are not wanted."""
+        self.cluster, _ = place(self.policy, self.cluster, Epoch(departures={req_id}))
+        self.pending.pop(req_id, None)
+
+    def sent_elsewhere(self, req_id: str, device: int) -> None:
+        """A request ``arrive`` placed on a device restarting its worker was sent to ``device``
+        (a serving one) instead: it stays in the books where the placement put it, and moves
+        there once that device serves again, as any wanted move does."""
+        with self.lock:
+            dst = self.cluster.where.get(req_id)
+            if dst is not None and dst != device:
+                self.pending[req_id] = _Pending(dst, MoveKind.MIGRATION,
+                                                f"placed on device {dst} while it restarted its worker")
 
     def depart(self, req_id: str) -> None:
         with self.lock:
@@ -211,8 +226,9 @@ class Rebalancer:
             self.views[view.index] = view
 
     # ---- once an epoch --------------------------------------------------------------------
-    def epoch(self) -> list[Order]:
-        """Apply the sizes and departures seen since the last epoch; the migrations to send now."""
+    def epoch(self, restarting: frozenset[int] = frozenset()) -> list[Order]:
+        """Apply the sizes and departures seen since the last epoch; the migrations to send now,
+        none to a device in ``restarting`` (its worker is being started again: it waits)."""
         with self.lock:
             where_now = {rid: v.index for v in self.views.values() for rid in v.tokens}
             sizes = {}
@@ -225,7 +241,7 @@ class Rebalancer:
             self.cluster, dec = place(self.policy, self.cluster, Epoch(departures=self._take_departed(), sizes=sizes))
             self._want(dec.moves)
             self._note_idle()
-            return self._orders(where_now)
+            return self._orders(where_now, restarting)
 
     def _take_departed(self) -> set[str]:
         gone, self.departed = self.departed, set()
@@ -237,16 +253,22 @@ class Rebalancer:
         for m in moves:
             self.pending[m.req_id] = _Pending(m.dst, m.kind, m.reason)
 
-    def _orders(self, where_now: dict[str, int]) -> list[Order]:
+    def _orders(self, where_now: dict[str, int], restarting: frozenset[int] = frozenset()) -> list[Order]:
         now = self.clock()
         orders, cands = [], []
         for rid, p in list(self.pending.items()):
             src = where_now.get(rid)
-            if src is None or (p.sent is not None and now - p.sent < IN_FLIGHT_S):
-                continue                  # between devices, or just sent: wait to see it land
+            if src is None or (p.sent is not None and now - p.sent < IN_FLIGHT_S) or p.dst in restarting:
+                continue                  # between devices, just sent, or its destination restarts: wait
             dst = self.views.get(p.dst, DeviceView(p.dst, {}, {}))
-            if src == p.dst or not dst.alive:
+            if src == p.dst:
                 del self.pending[rid]
+                continue
+            if not dst.alive:     # booked on a device that is down for good (sent elsewhere while it restarted)
+                if self.cluster.where.get(rid) == p.dst:
+                    self._unbook(rid)
+                else:
+                    del self.pending[rid]
                 continue
             if p.kind is MoveKind.PREEMPTION:
                 orders.append(Order(rid, src, p.dst, Transfer.TOKEN, p.reason))

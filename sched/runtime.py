@@ -110,12 +110,14 @@ class ActorThread:
     """Runs one DeviceActor against its worker on a thread of its own."""
 
     def __init__(self, actor: DeviceActor, on_updates: Callable[[list[Update]], None],
-                 listeners: list[Callable[[DeviceActor], None]], aborted: dict[str, None] | None = None):
+                 listeners: list[Callable[[DeviceActor], None]], aborted: dict[str, None] | None = None,
+                 plan_listeners: list[Callable[[DeviceActor], None]] = ()):
         self.actor = actor
         self.aborted = aborted if aborted is not None else {}   # ids cancelled while they may be moving
         self._sources: dict[str, ActorThread] = {}   # imports not yet confirmed -> their source
         self.on_updates = on_updates
         self.listeners = listeners        # run on this thread after every step (metrics)
+        self.plan_listeners = plan_listeners   # and once a step is planned, before it runs (status view)
         self._inbox: deque[Message] = deque()
         self._wake = threading.Condition()
         self._stop = False
@@ -184,13 +186,17 @@ class ActorThread:
                 updates.extend(self._recover(self._loop_failed, traceback.format_exc()))
             if updates:
                 self.on_updates(updates)
-            for fn in self.listeners:
-                try:
-                    fn(a)
-                except Exception:
-                    log.exception("step listener failed")
+            self._tell(self.listeners)
             for r in reports:
                 r.done.set()
+
+    def _tell(self, listeners) -> None:
+        """Run ``listeners`` on this device; one that fails is logged, never the device's failure."""
+        for fn in listeners:
+            try:
+                fn(self.actor)
+            except Exception:
+                log.exception("step listener failed")
 
     def _died_idle(self) -> str | None:
         """Why this idle device's worker is gone, or None: a worker that dies between requests
@@ -271,6 +277,7 @@ class ActorThread:
             move.cache_bytes = rows.nbytes
         st = a.detach(msg.req_id, keep_cache=rows is not None)
         st.moving = move
+        a.moved_out[move.kind] += 1
         log.info("migrating %s from %s to %s as %s (%d tokens%s): %s", msg.req_id, a.device.name,
                  msg.dst.actor.device.name, move.kind.value, move.tokens,
                  f", {move.cache_bytes} bytes" if rows is not None else "", msg.reason or "asked")
@@ -320,6 +327,7 @@ class ActorThread:
         if p is None:
             self._planned_nothing = True
             return []
+        self._tell(self.plan_listeners)
         out = self._exchange(p.inp)
         if out.error:                # the worker raised in this step; it keeps serving the others
             eid = error_id()
@@ -400,12 +408,14 @@ class Runtime:
         self.rebalancer = rebalancer
         self.prefix_routing = prefix_routing and len(scheduler.actors) > 1
         self.listeners: list[Callable[[DeviceActor], None]] = []
+        self.plan_listeners: list[Callable[[DeviceActor], None]] = []
         self.aborted: dict[str, None] = {}       # cancelled ids (bounded, oldest dropped first)
         if rebalancer is not None:
             on_updates = self._noting_departures(on_updates)
             self.listeners.append(lambda a: rebalancer.observe(view_of(a)))
         scheduler.threaded = True
-        self.threads = [ActorThread(a, on_updates, self.listeners, self.aborted) for a in scheduler.actors]
+        self.threads = [ActorThread(a, on_updates, self.listeners, self.aborted, self.plan_listeners)
+                        for a in scheduler.actors]
         self._where: dict[int, ActorThread] = {id(t.actor): t for t in self.threads}
         self._stopping = threading.Event()
         _LIVE.add(self)
@@ -429,7 +439,8 @@ class Runtime:
         rb = self.rebalancer
         while not self._stopping.wait(rb.budgets.epoch_s):
             try:
-                for o in rb.epoch():
+                restarting = frozenset(t.actor.index for t in self.threads if t.restarting)
+                for o in rb.epoch(restarting):
                     self.migrate(o.req_id, o.src, o.dst, o.transfer, o.reason)
             except Exception:                  # never silent, never fatal: the next epoch tries again
                 log.exception("rebalancer epoch failed")
@@ -480,14 +491,20 @@ class Runtime:
 
     def _placed(self, st: RequestState, cached: dict[int, int]) -> int:
         """The placement's device for an arrival, unless it is down or restarting its worker while
-        another serves: then the dispatcher's (a serving device; a restart takes seconds)."""
+        another serves: then the dispatcher's (a serving device; a restart takes seconds). One
+        sent elsewhere during a restart moves to the placement's device once it serves again
+        (the placement counts it there meanwhile); one whose device is down leaves the books."""
         g = self.threads[0].actor.pool.geometry
         d = self.rebalancer.arrive(st.req_id, g.blocks_for(st.num_tokens, st.cache_type), cached)
         t = self.threads[d]
         if t.serving or (t.actor.dead is None and not self.serving()):
             return d
-        self.rebalancer.forget(st.req_id)
-        return self.dispatch(cached).index
+        there = self.dispatch(cached).index
+        if t.actor.dead is None:
+            self.rebalancer.sent_elsewhere(st.req_id, there)
+        else:
+            self.rebalancer.forget(st.req_id)
+        return there
 
     def dispatch(self, cached: dict[int, int] | None = None) -> DeviceActor:
         """The least-loaded device that is not dead, serving ones first: a device restarting its
@@ -540,11 +557,11 @@ class Runtime:
         return sum(max(0, t.num_queued() - (t.actor.waiting_be if rt_only else 0)) for t in self.threads)
 
     def chats_overdue(self, targets: float) -> bool:
-        """Does every live device hold a chat that has waited more than ``targets`` TTFT targets for
-        its first token (as of its last plan)? Then a new chat would wait behind chats that fill
-        every step, wherever it is placed."""
+        """Does every live device hold a chat (one of its last plan) that has waited more than
+        ``targets`` TTFT targets for its first token by now? Then a new chat would wait behind
+        chats that fill every step, wherever it is placed."""
         live = [t for t in self.threads if t.actor.dead is None]
-        return bool(live) and all(t.actor.chat_wait_targets > targets for t in live)
+        return bool(live) and all(t.actor.chat_wait_targets() > targets for t in live)
 
     def stop(self) -> None:
         self._stopping.set()

@@ -10,6 +10,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -174,7 +175,8 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                     "(one per GPU named) (default: %(default)s)")
     ap.add_argument("--host", default=d.host, help="address to listen on (default: %(default)s, this machine only; "
                     "0.0.0.0 for every interface, as vLLM's default)")
-    ap.add_argument("--port", type=port_number, default=d.port, help="0: any free port (the log names it)")
+    ap.add_argument("--port", type=port_number, default=d.port,
+                    help="0: any free port (the log names it) (default: %(default)s)")
     env_key = os.environ.get("TANDEM_API_KEY") or os.environ.get("VLLM_API_KEY")
     ap.add_argument("--api-key", nargs="+", default=[env_key] if env_key else [],
                     help="bearer keys, any of which a request may give (default: $TANDEM_API_KEY, else "
@@ -182,9 +184,11 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     ap.add_argument("--data-dir", default=d.data_dir,
                     help="batch files, their database, learned output lengths and kept start-up profiles "
                          "(default: the XDG data dir)")
-    ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                    help="requests running at once on each device (default: %(default)s)")
     ap.add_argument("--max-num-batched-tokens", type=human_int, default=d.max_num_batched_tokens,
-                    help="new tokens per iteration (smaller: shorter decode stalls behind prefills)")
+                    help="new tokens per iteration (smaller: shorter decode stalls behind prefills) "
+                         "(default: %(default)s)")
     ap.add_argument("--max-model-len", type=human_int, default=d.max_model_len,
                     help="longest context, prompt plus output, in tokens (default: the model's; "
                          "a larger value is cut to it)")
@@ -222,7 +226,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                     help="what a preempted request's cache does: swap to host memory and come back, or be "
                          "recomputed from its tokens (default: swap under tandem and alise, recompute elsewhere)")
     ap.add_argument("--swap-space", type=float, default=d.swap_space_gib,
-                    help="GiB of host memory for swapped caches, per device")
+                    help="GiB of host memory for swapped caches, per device (default: %(default)s)")
     ap.add_argument("--swap-dtype", default=d.swap_dtype, choices=["int8", "auto"],
                     help="swapped caches: int8 (channel-wise per block, about 40%% of fp32) or auto "
                          "(as the resident cache: swapped requests generate exactly the same tokens)")
@@ -283,19 +287,23 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
     ap.add_argument("--rebalance-interval", type=float, default=d.rebalance_interval_s,
                     help="seconds between the rebalancer's epochs (placements other than static; "
                          "default: %(default)s)")
-    ap.add_argument("--slo-ttft-ms", type=float, default=d.slo_ttft_ms)
-    ap.add_argument("--slo-tbt-ms", type=float, default=d.slo_tbt_ms)
+    ap.add_argument("--slo-ttft-ms", type=float, default=d.slo_ttft_ms,
+                    help="a chat's time-to-first-token target, where its request names none (default: %(default)g)")
+    ap.add_argument("--slo-tbt-ms", type=float, default=d.slo_tbt_ms,
+                    help="a chat's target for the time between its tokens, where its request names none "
+                         "(default: %(default)g)")
     ap.add_argument("--slo-tbt-mean", action="store_true",
                     help="with --policy tandem: the TBT target bounds each RT request's mean time per output "
                          "token (TPOT) instead of every gap; a gap may then take up to twice the target where "
                          "earlier tokens came early (more BE work and longer prompt chunks fit)")
-    ap.add_argument("--max-waiting", type=int, default=d.max_waiting, help="waiting requests before 429")
+    ap.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                    help="waiting requests before 429 (default: %(default)s)")
     ap.add_argument("--shed-chats-after", type=float, default=d.shed_chats_after, metavar="TARGETS",
                     help="new chats get 429 while every device holds a chat that has waited more than this many "
                          "of its TTFT targets for its first token: past its capacity for chats, the server says "
                          "so at once instead of queueing without bound (0: never; batch work is never refused)")
     ap.add_argument("--max-upload-mb", type=float, default=d.max_upload_bytes / 2**20,
-                    help="largest file upload (413 beyond)")
+                    help="largest file upload (413 beyond) (default: %(default)g)")
     ap.add_argument("--chat-control-tokens", action="store_true",
                     help="let chat message text act as template tokens such as <|im_end|> (default: "
                          "such text is tokenized as plain text, so a user cannot forge a turn)")
@@ -339,21 +347,23 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
                     help="let a chat request carry its own chat_template (default: refused with 400; "
                          "the server renders it in Jinja's sandbox either way)")
     ap.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 2**20,
-                    help="largest JSON request body (413 beyond, refused before it is read)")
+                    help="largest JSON request body (413 beyond, refused before it is read) (default: %(default)g)")
     ap.add_argument("--max-connections", type=int, default=d.limits.max_connections,
                     help="open connections at most; beyond, the oldest idle one is closed, or the new one "
                          "gets a 503 when all are serving requests (default: half the open-file limit, <= 4096)")
     ap.add_argument("--header-timeout", type=float, default=d.limits.head_timeout_s,
-                    help="seconds an idle connection has to send a complete request head (then it is closed)")
+                    help="seconds an idle connection has to send a complete request head (then it is closed) "
+                         "(default: %(default)g)")
     ap.add_argument("--body-timeout", type=float, default=d.limits.body_timeout_s,
-                    help="seconds a request's body has to arrive after its head (then a 408)")
+                    help="seconds a request's body has to arrive after its head (then a 408) (default: %(default)g)")
     ap.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"],
                     help="auto: bfloat16 where the CPU has AVX-512 BF16 or AMX (or the GPU supports it), else float32")
     ap.add_argument("--no-weight-blocks", action="store_true",
                     help="keep a GGUF model's weights dense instead of its own 4- and 8-bit blocks (by "
                          "default, on the CPU in float32, the products read the blocks: the same tokens in a "
                          "fifth of the memory, decode steps of 1-4 requests 1.5-2x faster; in bfloat16 the "
-                         "blocks stay beside the weights for products of up to six rows with AMX, twelve without)")
+                         "blocks stay beside the weights for products of up to six rows with AMX, 64 with "
+                         "AVX-512 BF16 alone, twelve otherwise)")
     ap.add_argument("--kv-cache-bytes", type=human_int, default=None,
                     help="each device's KV pool in bytes (default: 2 GiB, as vLLM's CPU backend)")
     ap.add_argument("--threads-per-worker", type=int, default=None,
@@ -573,8 +583,31 @@ def main(argv=None, prog: str = "python -m server") -> None:
         print(f"tandem: cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}", file=sys.stderr)
         sys.exit(1)
     print(f"tandem: stopped after {time.monotonic() - t0:.0f} s", file=sys.stderr)
-    if app[STATE].load_error is not None:
-        sys.exit(1)
+    code = 1 if app[STATE].load_error is not None else 0
+    _leave_a_load(code)
+    sys.exit(code)
+
+
+def _leave_a_load(code: int) -> None:
+    """Stopped while the model still loads: the load's thread (a daemon) goes on in native code
+    (torch, starting workers, shutting down what it built), and an interpreter that finalizes
+    around it can abort the process ("terminate called without an active exception", status
+    134, seen once in a few stops at that moment). So the workers started so far are stopped and
+    the process ends at once, with ``code``."""
+    loader = next((t for t in threading.enumerate() if t.name == "tandem-load"), None)
+    if loader is None or not loader.is_alive():
+        return
+    import multiprocessing
+    children = multiprocessing.active_children()
+    for p in children:
+        p.terminate()
+    for p in children:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -1037,6 +1037,7 @@ def create_app(cfg: ServerConfig, build_engine) -> web.Application:
                 app_[STOP]()
             return
         engine.step_listeners.append(state.metrics.engine_step)
+        engine.plan_listeners.append(state.metrics.device_planned)
         # /status and /metrics show every device from the start
         if not await asyncio.get_running_loop().run_in_executor(None, engine.runtime.report):
             log.warning("a device did not report within 30 s (stuck in a step?); /status may show it late")

@@ -88,7 +88,7 @@ class Background:
         cancelled, a bug failed. A stop of the server leaves it to run again."""
         try:
             await run(events)
-            self.store.end_response_job(rid)
+            await self.ended(rid, lambda: self.store.end_response_job(rid))
         except asyncio.CancelledError:
             if rid in self._cancelled:
                 self._settle(rid, "cancelled")
@@ -124,9 +124,10 @@ class Background:
 
     @staticmethod
     async def ended(rid: str, keep: Callable[[], None]) -> None:
-        """``keep()`` keeps ``rid`` as it ended; while the data dir refuses the write it is tried
-        again every ``STORAGE_RETRY_S``, the response kept in progress meanwhile: a full disk
-        delays its end, and it neither is lost nor stays in progress for ever."""
+        """``keep()`` keeps what ``rid``'s end wrote (the response as it ended; then that its job
+        is done); while the data dir refuses the write it is tried again every
+        ``STORAGE_RETRY_S``, the response kept in progress meanwhile: a full disk delays its end,
+        and it neither is lost nor stays in progress for ever (nor is it failed once kept)."""
         while True:
             try:
                 return keep()

@@ -230,7 +230,7 @@ class BatchRunner:
         batches running together take turns (a long batch does not hold up a short one until it
         ends), and a batch of 50,000 lines is read from the store a few hundred at a time."""
         if time.time() > expires_at:  # resumed (a restart, a full data dir) past its window: run nothing
-            return True
+            return next(self._pending(bid), None) is not None      # every line done: it completes
         stop, expired = asyncio.Event(), False
         lines = self._pending(bid)
 

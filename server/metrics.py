@@ -127,7 +127,8 @@ class Metrics:
                                   "travelled: kv (cache copied) or token (prefilled again)",
                                   ["model_name", "kind"], registry=r)
         self.migration_pause = Histogram("tandem:migration_pause_seconds", "Pause a migrated request saw: "
-                                         "from leaving its device to its next token on the new one",
+                                         "from leaving its device to its next token on the new one (a "
+                                         "request that ends or moves again before it has none)",
                                          ["model_name", "kind"], buckets=LATENCY_BUCKETS, registry=r)
         self.connections = Gauge("tandem:http_connections", "Open HTTP connections: open (all), idle "
                                  "(no request in progress)", ["state"], registry=r)
@@ -192,19 +193,12 @@ class Metrics:
         """Gauges and counters from one device actor, summed over devices; called on that actor's
         thread after each of its steps (it alone changes its books)."""
         from tandem.sched.scheduler import load_by_class, pool_view
-        from tandem.sched.status import device_status
         load = {c.value: v for c, v in load_by_class([actor]).items()}
         now = time.monotonic()
-        # the view lists every request, so progress alone (the same requests, more tokens) refreshes
-        # it a few times a second, what a person (or a poll) can read; a request arriving or
-        # leaving, the device going idle included, shows at once
-        built, count = self._status_at.get(actor.index, (-math.inf, -1))
-        fresh = len(actor.states) != count or now - built >= STATUS_EVERY_S
-        status = device_status(actor, now) | {"migrations_in": actor.moves_total} if fresh else None
+        status = self._view(actor, now)
         with self._lock:
             if status is not None:
-                self._status[actor.index] = status
-                self._status_at[actor.index] = (now, len(actor.states))
+                self._keep_view(actor, status, now)
             samples = self._token_samples.setdefault(actor.index, deque())
             samples.append((now, actor.tokens_computed))
             while len(samples) > 2 and samples[1][0] < now - RATE_WINDOW_S:
@@ -253,9 +247,34 @@ class Metrics:
             self._count(self.prefix_queries, actor.index, {(): actor.prefix_tokens["queried"]})
             self._count(self.prefix_hits, actor.index, {(): actor.prefix_tokens["hits"]})
             self._count(self.prefix_routed, actor.index, {(): actor.prefix_routed})
-            if status is not None:
-                self._set_waiting_reasons()
-                self._set_lora_info()
+
+    def device_planned(self, actor) -> None:
+        """The device's view once its step is planned, before the step runs: a step of many
+        seconds (a long prompt chunk on a CPU) has its requests listed while it runs, not once
+        it ended. Called on that actor's thread."""
+        now = time.monotonic()
+        status = self._view(actor, now)
+        if status is not None:
+            with self._lock:
+                self._keep_view(actor, status, now)
+
+    def _view(self, actor, now: float) -> dict | None:
+        """The device's status view, where the last one is stale: the view lists every request, so
+        progress alone (the same requests, more tokens) refreshes it a few times a second, what a
+        person (or a poll) can read; a request arriving or leaving, the device going idle
+        included, shows at once."""
+        from tandem.sched.status import device_status
+        built, count = self._status_at.get(actor.index, (-math.inf, -1))
+        if len(actor.states) == count and now - built < STATUS_EVERY_S:
+            return None
+        return device_status(actor, now) | {"migrations_in": actor.moves_total}
+
+    def _keep_view(self, actor, status: dict, now: float) -> None:
+        """``status`` as the device's view, and the gauges read from every device's (under the lock)."""
+        self._status[actor.index] = status
+        self._status_at[actor.index] = (now, len(actor.states))
+        self._set_waiting_reasons()
+        self._set_lora_info()
 
     def _set_waiting_reasons(self) -> None:
         """The waiting-by-reason gauge from every device's latest view (reasons gone drop to 0)."""
@@ -292,9 +311,11 @@ class Metrics:
         return [log[i] for i in range(n - min(new, n), n)] if new > 0 else []   # O(new) at a deque's end
 
     def _count_moves(self, actor) -> None:
-        """Migrations that arrived on this device since the last call (its ``moves`` log)."""
+        """Migrations that left this device since the last call (each once, whether or not the
+        request goes on to a token where it went: a cancel, a failure or a second move may come
+        first), and the pauses of those that arrived here (its ``moves`` log)."""
+        self._count(self.migrations, actor.index, actor.moved_out)
         for m in self._fresh(("moves", actor.index), actor.moves, actor.moves_total):
-            self.migrations.labels(self.model, m.kind.value).inc()
             self.migration_pause.labels(self.model, m.kind.value).observe(m.pause_s)
 
     def _count_steps(self, actor) -> None:
@@ -457,6 +478,9 @@ class Metrics:
                 "tokens_per_s": round(sum(d["tokens_per_s"] for d in devices), 1)}
 
     def render(self) -> bytes:
+        """The registry in Prometheus' text format, read under the lock the devices set their gauges
+        under: the gauges of one step are read together (a scrape between two of them saw a
+        request swapped out with no host memory in use)."""
         with self._lock:
             self._count_predictions()
-        return generate_latest(self.registry)
+            return generate_latest(self.registry)

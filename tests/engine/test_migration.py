@@ -6,9 +6,10 @@ import threading
 import time
 
 import pytest
+from prometheus_client import generate_latest
 
 from tandem import LLM, SamplingParams
-from tandem.sched.request import Request, Status, Transfer
+from tandem.sched.request import FinishReason, Request, Status, Transfer
 from tests.conftest import assert_pool_free, hf_greedy, mixed_prompts
 
 # two devices: two CPU workers, or on a GPU machine e.g. "cuda:0,0" (two workers sharing a GPU:
@@ -68,6 +69,47 @@ def migrated_like_hf(llm, model_dir, kinds, n=2):
             assert (moves[-1].cache_bytes > 0) == (kind is Transfer.KV)
             assert seen == ref[i], f"prompt {i}: migrated as {kind.value}, tokens differ from HF"
         wait_pool_free(llm)
+
+
+def test_a_move_is_counted_once_though_its_request_ends_before_a_token_where_it_went(llama2):
+    """Cancelled right after its move was ordered: it leaves device 0, reaches device 1 and ends
+    there without a token. /metrics counted a migration only at its next token, so this one went
+    uncounted while the log said "migrating"; it counts each move as it leaves. (The pause
+    histogram keeps only moves that resumed.)"""
+    from tandem.server.metrics import Metrics
+    from tests.server.test_load import metric
+    m = Metrics("m")
+    rt = llama2.start_runtime()
+    for a in llama2.scheduler.actors:        # what earlier moves left in the actors' totals
+        m.engine_step(a)
+    before = generate_latest(m.registry).decode()
+    rid, done, ended = "moved-then-cancelled", threading.Event(), []
+
+    def sink(ups):
+        for u in ups:
+            if u.new_token_ids and not ended and u.finish_reason is None:
+                ended.append("asked")
+                rt.migrate(rid, 0, 1, Transfer.KV, "test")      # both wait in device 0's inbox, in order
+                rt.abort(rid)
+            if u.finish_reason is not None:
+                ended.append(u.finish_reason)
+                done.set()
+    llama2.subscribe([rid], sink)
+    st = llama2.scheduler.new_state(Request(rid, list(range(5, 30)), SamplingParams(max_tokens=MAX_NEW,
+                                            temperature=0, ignore_eos=True), arrival_time=time.monotonic()))
+    arrived = llama2.scheduler.actors[1].moves_total
+    rt.add(st, device=0)
+    assert done.wait(120), "the request never ended"
+    llama2.unsubscribe([rid])
+    wait_pool_free(llama2)
+    assert st.device == 1 and ended[-1] is FinishReason.ABORT, (st.device, ended)
+    assert llama2.scheduler.actors[1].moves_total == arrived, "it was meant to end before a token there"
+    for a in llama2.scheduler.actors:
+        m.engine_step(a)
+    after = generate_latest(m.registry).decode()
+    assert metric(after, "tandem:migrations_total") - metric(before, "tandem:migrations_total") == 1
+    pauses = "tandem:migration_pause_seconds_count"
+    assert metric(after, pauses) == metric(before, pauses)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ def test_parse(text, want):
     assert parse_devices(text) == want
 
 
-@pytest.mark.parametrize("text", ["cpu:0", "cpu:", "cpu:x", "cuda", "cuda:", "cuda:a", "gpu:0", "cuda:0;1"])
+@pytest.mark.parametrize("text", ["cpu:0", "cpu:", "cpu:x", "cuda", "cuda:", "cuda:a", "gpu:0", "cuda:0;1",
+                                  "cpu:²", "cuda:0,²"])
 def test_rejected(text):
     with pytest.raises(ValueError, match="devices"):
         parse_devices(text)

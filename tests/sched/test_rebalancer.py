@@ -1,14 +1,18 @@
 """The rebalancer: SPEC §4.4's KV-or-token split against the link and compute budgets, the
 re-prefill budget against a brute-force scan of the cost model, and epochs over fake device views."""
 import itertools
+from types import SimpleNamespace
 
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
+from tandem.cache import PoolGeometry
+from tandem.engine.messages import CacheType
 from tandem.sched.cost_model import CostModel, StepShape
 from tandem.sched.placement import Placement
 from tandem.sched.rebalancer import Budgets, Candidate, DeviceView, Rebalancer, split
 from tandem.sched.request import Transfer
+from tandem.sched.runtime import Runtime
 
 # a decode step of b requests at total context c costs 10 ms + 2 ms per request + 1 us per token;
 # a prefill token 0.5 ms
@@ -149,3 +153,54 @@ def test_mell_packs_arrivals_onto_one_device_until_it_is_full():
     assert len(set(placed)) == 1
     worst = rebalancer(link_bytes_per_s=1e9, tbt=1.0, policy=Placement.WF)
     assert len({worst.arrive(f"w{i}", 10) for i in range(5)}) == 2
+
+
+def fake_runtime(rb, *serving: bool, dead: int | None = None):
+    """What ``Runtime._placed`` reads: each device's thread (``serving``; one is ``dead``), the
+    rebalancer, and the dispatcher's pick (the first serving device)."""
+    geometry = PoolGeometry(100, 16)
+    threads = [SimpleNamespace(serving=up, actor=SimpleNamespace(dead="gone" if i == dead else None, index=i,
+                                                                 pool=SimpleNamespace(geometry=geometry)))
+               for i, up in enumerate(serving)]
+    return SimpleNamespace(threads=threads, rebalancer=rb, serving=lambda: any(serving),
+                           dispatch=lambda cached: threads[serving.index(True)].actor)
+
+
+def arrival(rid: str) -> SimpleNamespace:
+    return SimpleNamespace(req_id=rid, num_tokens=160, cache_type=CacheType.KV)     # 10 blocks
+
+
+def test_an_arrival_sent_elsewhere_during_a_restart_moves_to_its_device_once_it_serves():
+    """LB puts the second arrival on the empty device 1, which is restarting its worker, so it
+    runs on device 0. It was dropped from the placement's books: they showed device 1 empty (so
+    every later arrival was placed there and sent away too), and nothing ever spread the requests
+    after the restart. It stays in the books on device 1 and moves there once device 1 serves,
+    not while it restarts."""
+    rb = rebalancer(link_bytes_per_s=1e9, tbt=1.0)
+    rt = fake_runtime(rb, True, False)
+    assert [Runtime._placed(rt, arrival(r), {}) for r in ("a", "b")] == [0, 0]
+    assert rb.cluster.where == {"a": 0, "b": 1}
+    rb.observe(DeviceView(0, {"a": 160, "b": 160}, {"a": 10, "b": 10}, 2, 320))
+    rb.observe(DeviceView(1, {}, {}))
+    assert rb.epoch(restarting=frozenset({1})) == []
+    assert [(o.req_id, o.src, o.dst) for o in rb.epoch()] == [("b", 0, 1)]
+
+
+def test_an_arrival_whose_device_is_down_leaves_the_books():
+    rb = rebalancer(link_bytes_per_s=1e9, tbt=1.0)
+    rt = fake_runtime(rb, True, False, dead=1)
+    assert [Runtime._placed(rt, arrival(r), {}) for r in ("a", "b")] == [0, 0]
+    assert "b" not in rb.cluster.where and "b" not in rb.pending
+
+
+def test_an_arrival_held_for_a_device_that_then_dies_leaves_the_books():
+    """Booked on device 1 while it restarted, and run on device 0; device 1's restart fails for
+    good. Its move is not wanted any more, and it leaves the books, which would otherwise count
+    it on the dead device for the rest of its life (device 0 would look emptier than it is)."""
+    rb = rebalancer(link_bytes_per_s=1e9, tbt=1.0)
+    rt = fake_runtime(rb, True, False)
+    assert [Runtime._placed(rt, arrival(r), {}) for r in ("a", "b")] == [0, 0]
+    rb.observe(DeviceView(0, {"a": 160, "b": 160}, {"a": 10, "b": 10}, 2, 320))
+    rb.observe(DeviceView(1, {}, {}, alive=False))
+    assert rb.epoch() == []
+    assert "b" not in rb.pending and "b" not in rb.cluster.where and rb.cluster.where["a"] == 0

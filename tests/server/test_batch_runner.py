@@ -10,6 +10,7 @@ import resource
 import sqlite3
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -71,10 +72,14 @@ def test_a_cancel_while_validating_is_kept(tmp_path, monkeypatch):
 
 
 def test_an_expired_batch_stopped_before_its_files_resumes_and_gets_them(tmp_path, monkeypatch):
-    """The window passes while lines still run; the server stops before the files are written.
-    The batch must stay active, so the next start writes its files: the lines that ran in the
-    output file, the others as batch_expired."""
+    """The window passes while lines still run (a clock of the test's: it passes as the first
+    line ends); the server stops before the files are written. The batch must stay active, so
+    the next start writes its files: the lines that ran in the output file, the others as
+    batch_expired; and it starts none of them again (it started as many as it runs at once)."""
     store = Store(tmp_path)
+    now = [time.time()]
+    clock = SimpleNamespace(time=lambda: now[0])
+    monkeypatch.setattr(batches, "time", clock)
 
     async def main():
         release = asyncio.Event()
@@ -82,9 +87,10 @@ def test_an_expired_batch_stopped_before_its_files_resumes_and_gets_them(tmp_pat
         async def run_line(body, chat):
             if body["messages"][0]["content"] != "q0":
                 await release.wait()           # never set: these run past the window
+            now[0] += 7200                     # the window passes as the first line ends
             return answer(body)
         runner = BatchRunner(store, run_line, 4)
-        b = store.add_batch(input_file(store, 3), ENDPOINT, 2, "2s", None, "M")
+        b = store.add_batch(input_file(store, 3), ENDPOINT, 3600, "1h", None, "M")
         entered = asyncio.Event()
 
         async def stuck(bid, final):
@@ -98,7 +104,17 @@ def test_an_expired_batch_stopped_before_its_files_resumes_and_gets_them(tmp_pat
     bid = asyncio.run(main())
     monkeypatch.undo()
     assert bid in store.active_batches(), store.get_batch(bid)["status"]
+    monkeypatch.setattr(batches, "time", clock)
+    b = restarted(store, bid)
+    assert b["status"] == "expired" and b["expired_at"]
+    assert [x["custom_id"] for x in lines_of(store, b["output_file_id"])] == ["c0"]
+    errs = lines_of(store, b["error_file_id"])
+    assert sorted(e["custom_id"] for e in errs) == ["c1", "c2"]
+    assert {e["error"]["code"] for e in errs} == {"batch_expired"}
 
+
+def restarted(store: Store, bid: str) -> dict:
+    """The batch after the next start's runner took it to its end, running no line."""
     ran = []
 
     async def restart():
@@ -109,13 +125,40 @@ def test_an_expired_batch_stopped_before_its_files_resumes_and_gets_them(tmp_pat
         runner.resume_all()
         await asyncio.gather(*runner.tasks.values())
     asyncio.run(restart())
-    assert ran == []                       # an expired batch starts no line again
-    b = store.get_batch(bid)
-    assert b["status"] == "expired" and b["expired_at"]
-    assert [x["custom_id"] for x in lines_of(store, b["output_file_id"])] == ["c0"]
-    errs = lines_of(store, b["error_file_id"])
-    assert sorted(e["custom_id"] for e in errs) == ["c1", "c2"]
-    assert {e["error"]["code"] for e in errs} == {"batch_expired"}
+    assert ran == []                       # a batch past its window starts no line again
+    return store.get_batch(bid)
+
+
+def test_a_batch_whose_lines_all_ran_completes_though_its_window_passed_before_its_files(tmp_path, monkeypatch):
+    """Every line answered, then the data dir refuses the write that starts finalizing, and the
+    batch goes on (it waits for room) after its window passed: it completes with every answer,
+    nothing expired."""
+    import errno
+    store = Store(tmp_path)
+    now = [time.time()]
+    monkeypatch.setattr(batches, "time", SimpleNamespace(time=lambda: now[0]))
+    monkeypatch.setattr(batches, "STORAGE_RETRY_S", 0.01)
+    real = store.set_status
+
+    def full_once(bid, status, **kw):
+        if status == "finalizing" and now[0] < time.time() + 3600:
+            now[0] += 7200                     # the window passes while the batch waits for room
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(bid, status, **kw)
+    monkeypatch.setattr(store, "set_status", full_once)
+
+    async def main():
+        async def run_line(body, chat):
+            return answer(body)
+        runner = BatchRunner(store, run_line, 4)
+        b = store.add_batch(input_file(store, 3), ENDPOINT, 3600, "1h", None, "M")
+        runner.start(b["id"])
+        await asyncio.wait_for(runner.tasks[b["id"]], 30)
+        return store.get_batch(b["id"])
+    b = asyncio.run(main())
+    assert now[0] > b["expires_at"], "the window was meant to pass"
+    assert b["status"] == "completed" and b["request_counts"]["completed"] == 3, b
+    assert sorted(x["custom_id"] for x in lines_of(store, b["output_file_id"])) == ["c0", "c1", "c2"]
 
 
 def test_a_stop_between_the_result_files_and_the_batchs_end_lists_each_file_once(tmp_path, monkeypatch):

@@ -70,7 +70,8 @@ async def test_streams_survive_migrations_and_metrics_show_them(two_devices, tin
     streamed, text, alone, after = await run()
     moved = metric(text, "tandem:migrations_total")
     assert moved > 0, "the small pools were meant to make the rebalancer migrate"
-    assert metric(text, "tandem:migration_pause_seconds_count") == moved
+    # a pause for each move whose request went on to a token where it went (one moved again first has none)
+    assert 0 < metric(text, "tandem:migration_pause_seconds_count") <= moved
     assert 'tandem:device_pool_usage_perc{device="cpu#1"' in text.replace("model_name=\"" + two_devices.model + "\",", "")
     assert "tandem:devices_active" in text
     assert metric(after, "tandem:migrations_total") == moved, "a request alone was moved"

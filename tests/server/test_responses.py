@@ -677,13 +677,21 @@ def keep(self, response, *a):     # a response's end is refused while the file i
         raise OSError(errno.ENOSPC, "No space left on device")
     return _keep(self, response, *a)
 store.Store.keep_response = keep
+_end, ends = store.Store.end_response_job, []
+def end(self, rid):               # and the first write that closes a response's job, after its end was kept
+    ends.append(rid)
+    if len(ends) == 1:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return _end(self, rid)
+store.Store.end_response_job = end
 """
 
 
 def test_a_full_disk_delays_a_responses_end_and_loses_nothing(tiny_chat_model, tmp_path, tok):
     """The data dir refuses to keep responses as they end. A background response stayed in
     progress for ever (or failed): it now stays in progress while the writes are refused and
-    ends completed, with the greedy reply, once the disk takes them. A response asked for
+    ends completed, with the greedy reply, once the disk takes them (a refused write closing its
+    job afterwards failed it). A response asked for
     meanwhile is refused with a 507 saying why: as a status, or streamed, as an error event
     (the stream broke off, a traceback in the log)."""
     from tests.server.conftest import start_server, stop_server
@@ -699,6 +707,8 @@ def test_a_full_disk_delays_a_responses_end_and_loses_nothing(tiny_chat_model, t
             if srv.log.read_text().count("the data dir refused a write") >= 2:
                 break
             time.sleep(0.05)
+        else:
+            pytest.fail("the response's end was never refused: " + srv.log.read_text()[-2000:])
         assert c.responses.retrieve(r.id).status == "in_progress", srv.log.read_text()[-2000:]
         with pytest.raises(openai.APIStatusError) as e:
             c.responses.create(model=srv.model, input="Hi", max_output_tokens=2)
