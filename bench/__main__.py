@@ -85,8 +85,9 @@ def main(argv=None, prog: str = "python -m bench") -> None:
         p.add_argument("--max-num-seqs", type=positive_int, default=64)
         p.add_argument("--ttft-factor", type=float, default=10.0, help="TTFT SLO = factor x unloaded TTFT")
         p.add_argument("--tbt-factor", type=float, default=5.0, help="TBT SLO = factor x unloaded TBT")
-        p.add_argument("--slo-ttft-ms", type=float, default=None, help="fix the SLOs instead of calibrating")
-        p.add_argument("--slo-tbt-ms", type=float, default=None)
+        p.add_argument("--slo-ttft-ms", type=positive_float, default=None,
+                       help="fix the SLOs instead of calibrating (with --slo-tbt-ms)")
+        p.add_argument("--slo-tbt-ms", type=positive_float, default=None)
         p.add_argument("--out", default=f"{p.prog.split()[-1]}.json", help=OUT_HELP)
         p.add_argument("--model", default="smollm2",
                        choices=["smollm2", "opt125m-random", "opt13b-random", "llama8b-random", "smollm2-random"],
@@ -273,7 +274,7 @@ def main(argv=None, prog: str = "python -m bench") -> None:
                      help="BE prompt and output lengths scaled by this (the mixed bench's --be-scale)")
     stn.add_argument("--kv-tokens", type=positive_int, default=None,
                      help="the device's KV pool in tokens (default: an A100-40GB's for OPT-13B, 12k)")
-    stn.add_argument("--slower", type=float, default=1.0,
+    stn.add_argument("--slower", type=positive_float, default=1.0,
                      help="every step takes this many times its cost model's time (a machine slower than its "
                           "profile; the policies learn it only from the steps they see)")
     stn.add_argument("--slo-ttft-s", type=float, default=None, help="TTFT target in seconds (default: --ttft-factor)")
@@ -351,7 +352,7 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     ml.add_argument("--cvs", nargs="+", type=positive_float, default=[1.0, 3.0],
                     help="1: Poisson; >1: bursty Gamma gaps")
     ml.add_argument("--duration", type=float, default=1200.0, help="seconds of arrivals")
-    ml.add_argument("--tbt-ms", type=float, default=50.0, help="time per output token of every request")
+    ml.add_argument("--tbt-ms", type=positive_float, default=50.0, help="time per output token of every request")
     ml.add_argument("--seed", type=int, default=0)
     ml.add_argument("--out", default="sim_mell.json", help=OUT_HELP)
     sk = sub.add_parser("skew", help="two devices: static placement vs migrating ones as request sizes diverge")
@@ -380,7 +381,7 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     cub.add_argument("--lines", type=positive_int, default=2000, help="batch job lines (ShareGPT prompts)")
     cub.add_argument("--line-tokens", type=positive_int, default=128,
                      help="cap on a line's output tokens (its reply length)")
-    cub.add_argument("--idle", type=int, default=5, help="chats on the idle server first")
+    cub.add_argument("--idle", type=positive_int, default=5, help="chats on the idle server first")
     cub.add_argument("--chats", type=positive_int, default=20, help="chats while the job runs")
     cub.add_argument("--every", type=float, default=3.0, help="seconds between those chats")
     cub.add_argument("--chat-tokens", type=positive_int, default=8)

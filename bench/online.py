@@ -152,7 +152,9 @@ def calibrate(url: str, tokenizer, n: int = 5) -> tuple[float, float]:
 
 def slo_for(args, hf_dir: Path, tok) -> dict:
     """SLOs: given in ms on the command line, or factors x our engine's unloaded TTFT/TBT."""
-    if args.slo_ttft_ms and args.slo_tbt_ms:
+    if (args.slo_ttft_ms is None) != (args.slo_tbt_ms is None):
+        raise SystemExit("give both --slo-ttft-ms and --slo-tbt-ms, or neither (both are then calibrated)")
+    if args.slo_ttft_ms is not None:
         slo = {"ttft_s": args.slo_ttft_ms / 1e3, "tbt_s": args.slo_tbt_ms / 1e3, "source": "given"}
     elif tok is None:
         raise SystemExit("without a tokenizer the SLOs cannot be calibrated: give --slo-ttft-ms and --slo-tbt-ms")
@@ -251,6 +253,8 @@ def _setup(args):
     from tandem.engine.models.paper import CONFIGS
     from tandem.sched.llm import DEFAULT_CACHE_DIR
     RESULTS.mkdir(exist_ok=True)
+    if getattr(args, "out", None):         # its folder now, not after the run
+        (RESULTS / args.out).parent.mkdir(parents=True, exist_ok=True)
     model = getattr(args, "model", "smollm2")
     if model in CONFIGS:
         hf_dir = resolve_model(model, DEFAULT_CACHE_DIR)
@@ -319,8 +323,9 @@ def step_logging(args, system: str, tag: str = "") -> tuple[Path | None, list[st
     until the server's is copied there); else Nones."""
     if not (args.step_log and system.startswith("tandem")):
         return None, [], None
-    stem = f"{Path(args.out).stem}_{system}{tag}"
-    log, profile = RESULTS / f"{stem}_steps.jsonl", RESULTS / f"{stem}_profile.json"
+    out = RESULTS / args.out               # beside the results file
+    stem = f"{out.stem}_{system}{tag}"
+    log, profile = out.with_name(f"{stem}_steps.jsonl"), out.with_name(f"{stem}_profile.json")
     log.unlink(missing_ok=True)
     profile.unlink(missing_ok=True)         # a server that measures none leaves no older one beside its log
     return log, ["--step-log", str(log)], profile
@@ -375,9 +380,9 @@ def main(args) -> None:
                                "rows": rows, "effective_throughput": searches}, indent=2))
     stem = out.stem
     listed = [r for r in rows if r["rate"] in args.rates]
-    plots.attainment_vs_rate(listed, RESULTS / f"{stem}_attainment.png", "ShareGPT, SmolLM2, this CPU")
+    plots.attainment_vs_rate(listed, out.with_name(f"{stem}_attainment.png"), "ShareGPT, SmolLM2, this CPU")
     for rate in args.rates:
-        plots.latency_cdfs([r for r in listed if r["rate"] == rate], RESULTS / f"{stem}_cdf_{rate:g}.png",
+        plots.latency_cdfs([r for r in listed if r["rate"] == rate], out.with_name(f"{stem}_cdf_{rate:g}.png"),
                            f"RT latency CDFs at {rate:g} req/s")
     print_table(listed)
     for row in rows:
@@ -386,7 +391,7 @@ def main(args) -> None:
                           row["steps"])
     for e in searches:
         print(f"effective throughput {e['system']}: {e['effective_rps']:.2f} req/s ({e['metric']})")
-    print(f"wrote {out} and {stem}_*.png")
+    print(f"wrote {out} and {out.with_name(stem)}_*.png")
 
 
 def mixed(args) -> None:
@@ -436,11 +441,11 @@ def mixed(args) -> None:
                                "rows": rows, "targets": targets}, indent=2))
     stem = out.stem
     if traces:
-        (RESULTS / f"{stem}_status.json").write_text(json.dumps(traces))
-    plots.attainment_vs_rate(rows, RESULTS / f"{stem}_attainment.png", "RT attainment with BE always pending")
-    plots.rt_latency_vs_be_throughput(rows, RESULTS / f"{stem}_rt_vs_be.png", "RT latency vs BE throughput")
+        out.with_name(f"{stem}_status.json").write_text(json.dumps(traces))
+    plots.attainment_vs_rate(rows, out.with_name(f"{stem}_attainment.png"), "RT attainment with BE always pending")
+    plots.rt_latency_vs_be_throughput(rows, out.with_name(f"{stem}_rt_vs_be.png"), "RT latency vs BE throughput")
     for rate in args.rates:
-        plots.latency_cdfs([r for r in rows if r["rate"] == rate], RESULTS / f"{stem}_cdf_{rate:g}.png",
+        plots.latency_cdfs([r for r in rows if r["rate"] == rate], out.with_name(f"{stem}_cdf_{rate:g}.png"),
                            f"RT latency CDFs at {rate:g} req/s, BE pending")
     print_table(rows)
     print_steps(rows)
@@ -450,7 +455,7 @@ def mixed(args) -> None:
                           row["steps"])
     print_late_waits(rows)
     print_targets(targets)
-    print(f"wrote {out} and {stem}_*.png")
+    print(f"wrote {out} and {out.with_name(stem)}_*.png")
 
 
 def print_steps(rows: list[dict]) -> None:

@@ -12,8 +12,8 @@ RESULTS = _HERE / "results" if IN_CHECKOUT else Path.cwd() / "tandem-bench-resul
 
 def save_json(name: str, obj) -> Path:
     """Write ``obj`` to bench/results/<name> and say so."""
-    RESULTS.mkdir(exist_ok=True)
     out = RESULTS / name
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(obj, indent=2))
     print(f"wrote {out}")
     return out

@@ -143,10 +143,10 @@ def main(args) -> None:
         devices = sorted({r.device for r in records})
         for dev in devices if len(devices) > 1 else [None]:
             part = records if dev is None else [r for r in records if r.device == dev]
-            label = Path(f).name + ("" if dev is None else f" ({dev})")
+            label = str(f) + ("" if dev is None else f" ({dev})")     # as given: two logs of one name stay two
             out[label] = summarize(part, target)
             print_summary(label, out[label])
-            if startup is not None:
+            if startup is not None and part:
                 out[label]["replay"] = replay(part, startup)
                 print_replay(label, out[label]["replay"])
     save_json(args.out, out)

@@ -337,8 +337,9 @@ class MalformedRequests(logging.Filter):
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, HttpProcessingError):
             record.levelno, record.levelname = logging.WARNING, "WARNING"
+            why = " ".join(str(exc.message or type(exc).__name__).split())    # aiohttp's spans lines
             record.msg, record.args, record.exc_info = "invalid HTTP request from %s: %s", (
-                record.args[0] if record.args else "?", exc.message or type(exc).__name__), None
+                record.args[0] if record.args else "?", why), None
         return True
 
 

@@ -150,7 +150,11 @@ def test_a_figure_without_matplotlib_is_left_out_with_a_line(monkeypatch, tmp_pa
     (["offline", "--max-tokens", "1.5"], "argument --max-tokens: must be a whole number, got 1.5"),
     (["sim-apt", "--search", "2", "1"], "--search: LO and HI must be 0 < LO < HI, got 2 1"),
     (["sim-apt", "--search-long", "0", "1"], "--search-long: LO and HI must be 0 < LO < HI, got 0 1"),
-    (["online", "--requests", "3", "--search", "1", "2"], "--requests runs each rate on a fresh server")])
+    (["online", "--requests", "3", "--search", "1", "2"], "--requests runs each rate on a fresh server"),
+    (["sim-mell", "--tbt-ms", "-50"], "argument --tbt-ms: must be above 0, got -50"),            # looped for ever
+    (["sim-tandem", "--slower", "0"], "argument --slower: must be above 0, got 0"),              # a traceback
+    (["chat-under-batch", "--idle", "0"], "argument --idle: must be at least 1, got 0"),         # lost the run
+    (["online", "--slo-ttft-ms", "0"], "argument --slo-ttft-ms: must be above 0, got 0")])       # dropped
 def test_nonsense_sizes_are_refused_before_any_work(argv, said, capsys):
     """Counts, sizes and search ranges that cannot mean anything are refused as argparse refuses
     a bad flag (exit 2, the reason on stderr), where they used to run silently (a simulation of
@@ -196,3 +200,13 @@ def test_validating_the_simulator_against_a_run_without_fcfs_rows_says_so(tmp_pa
     with pytest.raises(SystemExit) as e:
         main(["sim-validate", "--real", "run.json"])
     assert str(e.value.code).startswith("python -m bench sim-validate: ValueError: run.json holds no tandem-fcfs rows")
+
+
+def test_one_slo_given_without_the_other_is_refused():
+    """``--slo-ttft-ms`` alone was dropped without a word: both SLOs were calibrated."""
+    from types import SimpleNamespace
+
+    from tandem.bench.online import slo_for
+    for ttft, tbt in ((2000.0, None), (None, 300.0)):
+        with pytest.raises(SystemExit, match="give both --slo-ttft-ms and --slo-tbt-ms, or neither"):
+            slo_for(SimpleNamespace(slo_ttft_ms=ttft, slo_tbt_ms=tbt), None, None)

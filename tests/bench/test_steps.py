@@ -53,8 +53,9 @@ def test_the_command_reads_a_log_and_splits_it_by_device(tmp_path):
     log.close()
     main(["steps", str(path), "--target-ms", "100", "--out", str(tmp_path / "out.json")])
     out = json.loads((tmp_path / "out.json").read_text())
-    assert out["steps.jsonl (cpu#0)"]["steps"] == 4 and out["steps.jsonl (cpu#0)"]["target"]["over"] == 2
-    assert out["steps.jsonl (cpu#1)"]["steps"] == 1 and "measured_over_predicted" not in out["steps.jsonl (cpu#1)"]
+    first, second = out[f"{path} (cpu#0)"], out[f"{path} (cpu#1)"]
+    assert first["steps"] == 4 and first["target"]["over"] == 2
+    assert second["steps"] == 1 and "measured_over_predicted" not in second
 
 
 def test_a_line_that_is_not_a_record_and_a_file_that_is_no_log_are_refused(tmp_path):
@@ -101,7 +102,11 @@ def test_a_log_priced_again_from_its_start_up_profile_with_and_without_the_per_k
         log.write(StepRecord(1.0, "cpu#0", 1.25 * truth.predict(p), None, 0, 0, 0, 48, 1, 300 + i, p))
     log.close()
     main(["steps", str(path), "--profile", str(profile), "--out", str(tmp_path / "out.json")])
-    replay = json.loads((tmp_path / "out.json").read_text())["steps.jsonl"]["replay"]
+    replay = json.loads((tmp_path / "out.json").read_text())[str(path)]["replay"]
+    empty = tmp_path / "empty.jsonl"            # priced again from the profile: no steps (it crashed in numpy)
+    empty.touch()
+    main(["steps", str(empty), "--profile", str(profile), "--out", str(tmp_path / "empty.json")])
+    assert json.loads((tmp_path / "empty.json").read_text()) == {str(empty): {"steps": 0}}
     alone, corrected = replay["fitted alone"], replay["with the per-kind correction"]
     assert alone["p50_decodes_only"] == pytest.approx(0.6) and alone["p50_with_a_prompt_chunk"] == pytest.approx(1.25)
     assert alone["under_0.85"] == 0.5 and alone["over_1.1"] == 0.5
@@ -158,3 +163,18 @@ def test_the_online_bench_reads_the_steps_of_its_own_run_from_the_servers_log(ti
     decodes = sum(k["rt_decodes"] * k["steps"] for k in steps["kinds"].values())
     assert decodes == pytest.approx(sum(n - 1 for n in received)) and decodes == server["tokens_rt_decode"]
     assert steps["target"]["target_s"] == 0.2
+
+
+def test_two_logs_of_one_name_are_two_entries(tmp_path):
+    """Two servers' logs of the same file name (each run's folder): the JSON kept only the last
+    one's, where the table showed both."""
+    a, b = tmp_path / "a" / "steps.jsonl", tmp_path / "b" / "steps.jsonl"
+    for path, records in ((a, STEPS[:3]), (b, STEPS)):
+        path.parent.mkdir()
+        log = StepLog(path)
+        for r in records:
+            log.write(r)
+        log.close()
+    main(["steps", str(a), str(b), "--out", str(tmp_path / "out.json")])
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert {k: v["steps"] for k, v in out.items()} == {str(a): 3, str(b): 4}

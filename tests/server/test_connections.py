@@ -201,6 +201,11 @@ def test_a_request_http_cannot_parse_is_one_warning_line(strict_server):
     log = strict_server.log.read_text()
     assert log.count("invalid HTTP request from") - before == len(bad)
     assert "Traceback" not in log and "Error handling request" not in log
+    lines = log.splitlines()
+    warned = [i for i, line in enumerate(lines) if "invalid HTTP request from" in line]
+    # each warning is one line: the next begins a record of its own (aiohttp's reason spanned three)
+    assert all(lines[i + 1].startswith(("20", "tandem")) for i in warned if i + 1 < len(lines)), \
+        [lines[i:i + 3] for i in warned]
 
 
 def test_503_beyond_the_cap_only_when_every_connection_is_busy(strict_server):
