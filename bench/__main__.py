@@ -66,9 +66,10 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     off.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                      help="auto: bfloat16 where the CPU has AVX-512 BF16 or AMX, else float32")
     off.add_argument("--devices", default="cpu:1")
-    off.add_argument("--skip", nargs="*", default=[],
-                     help="systems to skip: tandem tandem_logprobs tandem_json tandem_server hf_generate hf_cb "
-                          "vllm_bfloat16 vllm_float32 llamacpp transformers")
+    off.add_argument("--skip", nargs="*", default=[], metavar="SYSTEM",
+                     choices=["tandem", "tandem_logprobs", "tandem_json", "tandem_server", "hf_generate", "hf_cb",
+                              "vllm_bfloat16", "vllm_float32", "llamacpp", "transformers"],
+                     help="systems to skip: %(choices)s")
     on = sub.add_parser("online", help="a ShareGPT trace at several rates: SLO attainment and latencies")
     mx = sub.add_parser("mixed", help="RT ShareGPT online while BE work (batch jobs) is always pending")
     for p in (on, mx):

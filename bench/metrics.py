@@ -120,6 +120,18 @@ def effective_throughput(attain_at: Callable[[float], float], lo: float, hi: flo
     return good, probes
 
 
+def search_bound(rate: float, lo: float, hi: float) -> str | None:
+    """Where ``effective_throughput``'s answer is a bound, not a rate it found: "at_least" when
+    ``hi`` still met the target, "below" when ``lo`` did not; else None."""
+    return "at_least" if rate >= hi else "below" if rate == 0.0 else None
+
+
+def rate_text(rate: float, lo: float, hi: float) -> str:
+    """The search's answer as a reader should take it: ">= 8.00", "< 1.00" or "4.21"."""
+    bound = search_bound(rate, lo, hi)
+    return f">= {hi:.2f}" if bound == "at_least" else f"< {lo:.2f}" if bound == "below" else f"{rate:.2f}"
+
+
 def summarize(records: list[RequestRecord], duration_s: float) -> dict:
     """Percentiles of TTFT, TBT, TPOT, normalized latency; throughput; per class."""
     out = {}

@@ -206,9 +206,10 @@ def main(args) -> None:
 
 
 def print_table(rows: list[Row]) -> None:
-    base = rows[0].tok_s if rows and rows[0].tok_s else None
-    print("\n| system | output tokens | seconds | tok/s | tandem / system |")
-    print("|---|---|---|---|---|")
+    """The rows, each against the first row that ran (named in the last column's head)."""
+    first = next((r for r in rows if r.tok_s), None)
+    print(f"\n| system | output tokens | seconds | tok/s | {first.system if first else 'first'} / system | note |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        ratio = f"{base / r.tok_s:.2f}x" if base and r.tok_s else "-"
-        print(f"| {r.system} | {r.output_tokens} | {r.seconds:.1f} | {r.tok_s:.1f} | {ratio} | {r.note}")
+        ratio = f"{first.tok_s / r.tok_s:.2f}x" if first and r.tok_s else "-"
+        print(f"| {r.system} | {r.output_tokens} | {r.seconds:.1f} | {r.tok_s:.1f} | {ratio} | {r.note} |")

@@ -24,7 +24,8 @@ from pathlib import Path
 from tandem.bench.output import RESULTS
 from tandem.bench.client import run_trace
 from tandem.bench import plots
-from tandem.bench.metrics import attainment, effective_throughput, meets_apt, meets_bros, record_dict, summarize
+from tandem.bench.metrics import (attainment, effective_throughput, meets_apt, meets_bros, rate_text, record_dict,
+                                  search_bound, summarize)
 from tandem.bench.peers import free_port, installed_only, serve, vllm_server
 from tandem.bench.workloads import TraceItem, chat_text, sharegpt_trace
 from tandem.engine.dtype import resolve_dtype
@@ -369,9 +370,9 @@ def main(args) -> None:
                 key = "attain_apt" if args.search_metric == "apt" else "attain_bros"
                 eff, probes = effective_throughput(lambda r: run_at(url, system, r, log)[key], *args.search,
                                                    rel_tol=0.15)
-                searches.append({"system": system, "metric": args.search_metric,
-                                 "effective_rps": eff, "probes": probes})
-                print(f"  {system}: effective throughput {eff:.2f} req/s (90% attainment, "
+                searches.append({"system": system, "metric": args.search_metric, "effective_rps": eff,
+                                 "bound": search_bound(eff, *args.search), "probes": probes})
+                print(f"  {system}: effective throughput {rate_text(eff, *args.search)} req/s (90% attainment, "
                       f"{args.search_metric})", flush=True)
     out = RESULTS / args.out
     out.write_text(json.dumps({"slo": slo, "trace": {"dataset": "sharegpt", "seed": args.seed,
@@ -390,7 +391,8 @@ def main(args) -> None:
             print_summary(f"{row['system']} at {row['rate']:g} req/s, its step log ({row['steps']['log']})",
                           row["steps"])
     for e in searches:
-        print(f"effective throughput {e['system']}: {e['effective_rps']:.2f} req/s ({e['metric']})")
+        print(f"effective throughput {e['system']}: {rate_text(e['effective_rps'], *args.search)} req/s "
+              f"({e['metric']})")
     print(f"wrote {out} and {out.with_name(stem)}_*.png")
 
 

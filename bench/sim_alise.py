@@ -32,7 +32,7 @@ import random
 from dataclasses import asdict, replace
 from statistics import NormalDist
 
-from tandem.bench.sim_cli import RESULTS, _tokenizer
+from tandem.bench.sim_cli import RESULTS, _tokenizer, known_systems
 from tandem.bench.simulator import SimSetup, simulate
 from tandem.bench.workloads import TraceItem, sharegpt_trace
 from tandem.cache import PoolGeometry
@@ -122,6 +122,7 @@ def capacity(rows: list[dict], bar: float) -> tuple[float, bool]:
 
 
 def run(args) -> dict:
+    known_systems(args.systems, SYSTEMS)
     RESULTS.mkdir(exist_ok=True)
     tok = _tokenizer()
     traces = {rate: sharegpt_trace(tok, rate, args.num_requests / rate, args.seed, max_context=2048,

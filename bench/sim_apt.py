@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, replace
 
-from tandem.bench.metrics import attainment, effective_throughput, meets_apt
+from tandem.bench.metrics import attainment, effective_throughput, meets_apt, rate_text, search_bound
 from tandem.bench.sim_cli import RESULTS, _tokenizer, slos
 from tandem.bench.simulator import SimSetup, simulate
 from tandem.bench.workloads import TraceItem, arrivals, sharegpt_trace
@@ -86,8 +86,9 @@ def run(args) -> None:
                                                   lo, hi, ttft, tbt)
                 row["rates"][system] = rate
                 if k == 0:
-                    d["effective"][system] = {"rate": rate, "probes": probes, "counts": counts}
-                    print(f"  {system:>16}: effective throughput {rate:.2f} req/s  "
+                    d["effective"][system] = {"rate": rate, "bound": search_bound(rate, lo, hi), "probes": probes,
+                                              "counts": counts}
+                    print(f"  {system:>16}: effective throughput {rate_text(rate, lo, hi)} req/s  "
                           f"(probes: {', '.join(f'{r:.2f}->{a:.0%}' for r, a in probes)}); there: "
                           f"{_counts_text(counts)}", flush=True)
             d["samples"].append(row)
@@ -152,7 +153,8 @@ def print_tables(out: dict) -> None:
               "| vs FCFS prefill-first | at that rate |\n|---|---|---|---|---|")
         for system, e in d["effective"].items():
             ratios = [f"{e['rate'] / b:.2f}x" if b else "-" for b in bases]
-            print(f"| {system} | {e['rate']:.2f} | {' | '.join(ratios)} | {_counts_text(e.get('counts', {}))} |")
+            shown = {"at_least": ">= ", "below": "< "}.get(e.get("bound"), "") + f"{e['rate']:.2f}"
+            print(f"| {system} | {shown} | {' | '.join(ratios)} | {_counts_text(e.get('counts', {}))} |")
         if len(d.get("samples", [])) > 1:
             _print_samples(d["samples"])
         if d["ablation"]:

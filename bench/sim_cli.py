@@ -15,6 +15,13 @@ from tandem.sched.llm import DEFAULT_KV_CACHE_BYTES
 from tandem.sched.scheduler import SchedConfig
 
 COST_FILE = RESULTS / "cost_smollm2_cpu.json"
+
+
+def known_systems(names: list[str], systems) -> None:
+    """--systems: each a name of ``systems``, before any work (an unknown one was a bare KeyError)."""
+    unknown = [n for n in names if n not in systems]
+    if unknown:
+        raise SystemExit(f"--systems: {', '.join(unknown)} not one of {', '.join(systems)}")
 # SmolLM2-135M: 30 layers, 3 KV heads of 64; one K (or V) block of 16 tokens in fp32, and in int8
 SMOLLM2_BLOCK_BYTES = (30 * 16 * 3 * 64 * 4, int8_block_bytes(30, 3, 64, 16))
 SMOLLM2_POOL_TOKENS = DEFAULT_KV_CACHE_BYTES // (2 * SMOLLM2_BLOCK_BYTES[0] // 16)    # the server's default pool

@@ -33,7 +33,8 @@ from dataclasses import dataclass, replace
 
 from tandem.bench.metrics import attainment, meets_apt, meets_bros, summarize
 from tandem.bench.sim_alise import OPT_13B_BLOCK_BYTES, capacity, predict_all, with_lengths
-from tandem.bench.sim_cli import RESULTS, SMOLLM2_BLOCK_BYTES, SMOLLM2_POOL_TOKENS, _tokenizer, load_fitted, slos
+from tandem.bench.sim_cli import (RESULTS, SMOLLM2_BLOCK_BYTES, SMOLLM2_POOL_TOKENS, _tokenizer, known_systems,
+                                   load_fitted, slos)
 from tandem.bench.simulator import BeJobs, SimSetup, simulate
 from tandem.bench.workloads import sharegpt_trace, synthetic_be
 from tandem.cache import PoolGeometry
@@ -142,6 +143,7 @@ def run_one(system: str, rate: float, trace, be_items, args, dev: Device, ttft: 
 def run(args) -> dict:
     """Every system at every rate, for each seed (``--seeds``; else ``--seed``): the trace's
     arrivals and the BE jobs are drawn from it. One table per seed."""
+    known_systems(args.systems, SYSTEMS)
     RESULTS.mkdir(exist_ok=True)
     tok = _tokenizer()
     dev = device(args)

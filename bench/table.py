@@ -13,8 +13,9 @@ import json
 from tandem.bench.output import RESULTS
 
 ONLINE_SYSTEMS = ["tandem", "vllm", "llamacpp", "transformers"]
-# offline row labels -> online system names
-OFFLINE_KEYS = {"tandem": "tandem", "vLLM CPU server (float32)": "vllm", "llama.cpp": "llamacpp",
+# offline row labels -> online system names: each a server, as the online rows are (the offline
+# bench's in-process tandem rows, with log probabilities or a JSON schema, are not)
+OFFLINE_KEYS = {"tandem server": "tandem", "vLLM CPU server (float32)": "vllm", "llama.cpp": "llamacpp",
                 "transformers serve": "transformers"}
 
 

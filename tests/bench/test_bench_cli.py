@@ -1,4 +1,6 @@
 """BROS's comparison table (bench/mixed.py::co_serving_targets) against hand-computed rows."""
+import json
+
 import pytest
 
 from tandem.bench.mixed import co_serving_targets
@@ -148,6 +150,7 @@ def test_a_figure_without_matplotlib_is_left_out_with_a_line(monkeypatch, tmp_pa
     (["sim", "--num-requests", "0"], "argument --num-requests: must be at least 1, got 0"),
     (["overhead", "--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
     (["offline", "--max-tokens", "1.5"], "argument --max-tokens: must be a whole number, got 1.5"),
+    (["offline", "--skip", "vllm"], "argument --skip: invalid choice: 'vllm'"),                  # skipped nothing
     (["sim-apt", "--search", "2", "1"], "--search: LO and HI must be 0 < LO < HI, got 2 1"),
     (["sim-apt", "--search-long", "0", "1"], "--search-long: LO and HI must be 0 < LO < HI, got 0 1"),
     (["online", "--requests", "3", "--search", "1", "2"], "--requests runs each rate on a fresh server"),
@@ -210,3 +213,38 @@ def test_one_slo_given_without_the_other_is_refused():
     for ttft, tbt in ((2000.0, None), (None, 300.0)):
         with pytest.raises(SystemExit, match="give both --slo-ttft-ms and --slo-tbt-ms, or neither"):
             slo_for(SimpleNamespace(slo_ttft_ms=ttft, slo_tbt_ms=tbt), None, None)
+
+
+@pytest.mark.parametrize("command", ["sim-alise", "sim-tandem"])
+def test_an_unknown_system_is_named_before_any_work(command):
+    """A system name the simulator does not know was a bare ``KeyError: 'foo'`` (after the
+    tokenizer had loaded); now the names it knows, before anything runs."""
+    from tandem.bench.__main__ import main
+    with pytest.raises(SystemExit) as e:
+        main([command, "--systems", "fcfs", "foo", "--num-requests", "1", "--rates", "1"])
+    assert str(e.value.code).startswith("--systems: foo not one of fcfs, "), e.value.code
+
+
+def test_a_search_that_hit_an_end_of_its_range_says_it_is_a_bound():
+    """Effective throughput from a search whose highest probe still met the target is at least
+    that rate (it printed "8.00 req/s" as if found), and below the lowest where even that missed."""
+    from tandem.bench.metrics import effective_throughput, rate_text
+    always, never, knee = (lambda r: 1.0), (lambda r: 0.0), (lambda r: 1.0 if r <= 3 else 0.0)
+    assert rate_text(effective_throughput(always, 1, 8)[0], 1, 8) == ">= 8.00"
+    assert rate_text(effective_throughput(never, 1, 8)[0], 1, 8) == "< 1.00"
+    found = effective_throughput(knee, 1, 8)[0]
+    assert 3 * 0.95 <= found <= 3 and rate_text(found, 1, 8) == f"{found:.2f}"
+
+
+def test_the_peers_table_takes_tandems_offline_number_from_its_server_row(monkeypatch, tmp_path):
+    """Every offline row whose label began with "tandem" mapped to tandem, the last one winning:
+    the JSON-schema row, or the in-process one, could stand as the server's throughput."""
+    from tandem.bench import table
+    monkeypatch.setattr(table, "RESULTS", tmp_path)
+    off = {"rows": [{"system": "tandem server (float32, cpu:1, 64 streams)", "tok_s": 200.0},
+                    {"system": "tandem (float32, cpu:1)", "tok_s": 240.0},
+                    {"system": "tandem (float32, cpu:1, JSON schema)", "tok_s": 180.0}]}
+    on = {"effective_throughput": [], "slo": {"ttft_s": 1.0, "tbt_s": 0.2},
+          "rows": [{"system": "tandem", "rate": 1.0, "attain_bros": 1.0, "attain_apt": 1.0, "summary": {}}]}
+    table.write_table(off, on, [1.0])
+    assert json.loads((tmp_path / "peers_table.json").read_text())["offline_tok_s"] == {"tandem": 200.0}
