@@ -403,7 +403,8 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     sk.add_argument("--out", default="soak.json")
     kn = sub.add_parser("kernels", help="the paged decode attention's GB/s against the device's copy (CUDA: Triton; "
                                         "--cpu: the compiled CPU kernel)")
-    kn.add_argument("--shapes", nargs="+", default=["llama8b", "opt13b", "smollm2"])
+    kn.add_argument("--shapes", nargs="+", default=["llama8b", "opt13b", "smollm2"],
+                    choices=["llama8b", "opt13b", "smollm2"])
     kn.add_argument("--batch", type=positive_int, default=64)
     kn.add_argument("--ctx", type=positive_int, default=2048)
     kn.add_argument("--block-size", type=positive_int, default=16)

@@ -69,6 +69,8 @@ def run(args) -> None:
     from tandem.bench.workloads import sharegpt_trace, synthetic_be
     cost, *_ = load_fitted()
     real = json.loads(Path(RESULTS / args.real).read_text())
+    if "be" not in real:
+        raise SystemExit(f"--real: {args.real} is not a `bench mixed` result (it has no batch work)")
     args.model = "smollm2"
     _, tok = _setup(args)
     scale = real["be"]["scale"]

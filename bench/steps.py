@@ -136,7 +136,11 @@ def main(args) -> None:
 
     from tandem.sched.profile_store import samples_of
     target = None if args.target_ms is None else args.target_ms / 1e3
-    startup = samples_of(json.loads(Path(args.profile).read_text())) if args.profile else None
+    profile = json.loads(Path(args.profile).read_text()) if args.profile else None
+    if profile is not None and "samples" not in profile:
+        raise SystemExit(f"--profile: {args.profile} is not a start-up profile (it holds no 'samples'; "
+                         "bench mixed --step-log keeps the server's beside its step log)")
+    startup = samples_of(profile) if profile is not None else None
     out = {}
     for f in args.files:
         records = read_steps(f)

@@ -151,6 +151,7 @@ def test_a_figure_without_matplotlib_is_left_out_with_a_line(monkeypatch, tmp_pa
     (["overhead", "--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
     (["offline", "--max-tokens", "1.5"], "argument --max-tokens: must be a whole number, got 1.5"),
     (["offline", "--skip", "vllm"], "argument --skip: invalid choice: 'vllm'"),                  # skipped nothing
+    (["kernels", "--cpu", "--shapes", "foo"], "argument --shapes: invalid choice: 'foo'"),        # a KeyError
     (["sim-apt", "--search", "2", "1"], "--search: LO and HI must be 0 < LO < HI, got 2 1"),
     (["sim-apt", "--search-long", "0", "1"], "--search-long: LO and HI must be 0 < LO < HI, got 0 1"),
     (["online", "--requests", "3", "--search", "1", "2"], "--requests runs each rate on a fresh server"),
@@ -248,3 +249,18 @@ def test_the_peers_table_takes_tandems_offline_number_from_its_server_row(monkey
           "rows": [{"system": "tandem", "rate": 1.0, "attain_bros": 1.0, "attain_apt": 1.0, "summary": {}}]}
     table.write_table(off, on, [1.0])
     assert json.loads((tmp_path / "peers_table.json").read_text())["offline_tok_s"] == {"tandem": 200.0}
+
+
+def test_a_result_of_the_wrong_kind_is_named_not_a_key_error(tmp_path):
+    """A start-up profile that is some other JSON (``steps --profile``), a result of another bench
+    (``bros-bound --real``): a bare ``KeyError: 'samples'`` / ``'be'`` before."""
+    from tandem.bench.__main__ import main
+    other, log = tmp_path / "online.json", tmp_path / "steps.jsonl"
+    other.write_text(json.dumps({"slo": {}, "rows": []}))
+    log.touch()
+    with pytest.raises(SystemExit) as e:
+        main(["steps", str(log), "--profile", str(other), "--out", str(tmp_path / "out.json")])
+    assert str(e.value.code).startswith(f"--profile: {other} is not a start-up profile"), e.value.code
+    with pytest.raises(SystemExit) as e:
+        main(["bros-bound", "--real", str(other)])
+    assert str(e.value.code).startswith(f"--real: {other} is not a `bench mixed` result"), e.value.code
