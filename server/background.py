@@ -20,7 +20,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import orjson
 
 from tandem.sched.request import error_id
-from tandem.server.errors import STORAGE_RETRY_S, out_of_storage
+from tandem.server.errors import out_of_storage, when_stored
 from tandem.server.store import Store
 
 KEPT_LOGS = 100                 # finished responses whose events stay readable, the newest,
@@ -88,7 +88,7 @@ class Background:
         cancelled, a bug failed. A stop of the server leaves it to run again."""
         try:
             await run(events)
-            await self.ended(rid, lambda: self.store.end_response_job(rid))
+            await when_stored(lambda: self.store.end_response_job(rid), f"background response {rid}", log)
         except asyncio.CancelledError:
             if rid in self._cancelled:
                 self._settle(rid, "cancelled")
@@ -114,29 +114,14 @@ class Background:
 
     def in_progress(self, response: dict) -> None:
         """``response`` kept as it is now (in progress). Where the data dir refuses the write, the
-        kept one stays queued and generation goes on: its end is what must be kept (``ended``)."""
+        kept one stays queued and generation goes on: its end is what must be kept (it waits for
+        room, ``errors.when_stored``)."""
         try:
             self.store.set_response(response)
         except Exception as e:           # noqa: BLE001 -- re-raised unless the disk is full
             if not out_of_storage(e):
                 raise
             log.warning("background response %s: the data dir refused a write (%s)", response["id"], e)
-
-    @staticmethod
-    async def ended(rid: str, keep: Callable[[], None]) -> None:
-        """``keep()`` keeps what ``rid``'s end wrote (the response as it ended; then that its job
-        is done); while the data dir refuses the write it is tried again every
-        ``STORAGE_RETRY_S``, the response kept in progress meanwhile: a full disk delays its end,
-        and it neither is lost nor stays in progress for ever (nor is it failed once kept)."""
-        while True:
-            try:
-                return keep()
-            except Exception as e:       # noqa: BLE001 -- re-raised unless the disk is full
-                if not out_of_storage(e):
-                    raise
-                log.warning("background response %s: the data dir refused a write (%s); trying again in %g s",
-                            rid, e, STORAGE_RETRY_S)
-                await asyncio.sleep(STORAGE_RETRY_S)
 
     async def failed(self, rid: str, events: EventLog, error: dict) -> None:
         """``rid`` kept failed with ``error`` (OpenAI's code and message), and its readers told

@@ -16,7 +16,7 @@ from typing import Awaitable, Callable, Iterator
 import orjson
 
 from tandem.sched.request import error_id
-from tandem.server.errors import MAX_NESTING, STORAGE_RETRY_S, ApiError, nests_deeper, out_of_storage, too_deep
+from tandem.server.errors import MAX_NESTING, ApiError, nests_deeper, out_of_storage, too_deep, when_stored
 from tandem.server.store import NewFile, Store, result_file_id
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
@@ -172,8 +172,7 @@ class BatchRunner:
         from what the store holds (a line whose result could not be kept runs again), so a full
         data dir delays a batch and loses none of it."""
         try:
-            while not await self._stored(bid):
-                await asyncio.sleep(STORAGE_RETRY_S)
+            await when_stored(lambda: self._steps(bid), f"batch {bid}", log)
         except asyncio.CancelledError:
             raise
         except Exception:                    # noqa: BLE001 -- the batch must reach a final state
@@ -183,17 +182,6 @@ class BatchRunner:
                               "param": None, "line": None}])
         finally:
             self.tasks.pop(bid, None)
-
-    async def _stored(self, bid: str) -> bool:
-        """Run the batch's steps; False where the data dir refused a write on the way."""
-        try:
-            await self._steps(bid)
-        except Exception as e:               # noqa: BLE001 -- re-raised unless the disk is full
-            if not out_of_storage(e):
-                raise
-            log.warning("batch %s: the data dir refused a write (%s); going on in %g s", bid, e, STORAGE_RETRY_S)
-            return False
-        return True
 
     async def _steps(self, bid: str) -> None:
         b = self.store.get_batch(bid)

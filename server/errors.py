@@ -1,8 +1,12 @@
 """OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}}."""
 from __future__ import annotations
 
+import asyncio
 import errno
+import inspect
+import logging
 import sqlite3
+from typing import Callable
 
 
 class ApiError(Exception):
@@ -60,6 +64,21 @@ def out_of_storage(e: BaseException) -> bool:
     if isinstance(e, OSError):
         return e.errno in _FULL_ERRNOS
     return isinstance(e, sqlite3.OperationalError) and getattr(e, "sqlite_errorcode", 0) in _SQLITE_FULL_CODES
+
+
+async def when_stored(write: Callable[[], object], what: str, log: logging.Logger):
+    """``write()`` (awaited where it returns an awaitable), done again every ``STORAGE_RETRY_S``
+    while the data dir refuses it, each refusal a warning naming ``what``: a full disk delays the
+    work and loses none of it. Any other error is raised."""
+    while True:
+        try:
+            result = write()
+            return await result if inspect.isawaitable(result) else result
+        except Exception as e:               # noqa: BLE001 -- re-raised unless the disk is full
+            if not out_of_storage(e):
+                raise
+            log.warning("%s: the data dir refused a write (%s); trying again in %g s", what, e, STORAGE_RETRY_S)
+            await asyncio.sleep(STORAGE_RETRY_S)
 
 
 def storage_full(e: BaseException) -> ApiError:

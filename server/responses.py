@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -31,7 +32,7 @@ from tandem.server.app import (STATE, STORE, Choice, Prepared, all_or_none, choi
                                served_tier, unsent_logprobs, usage)
 from tandem.server.background import Background, EventLog, sse
 from tandem.server.connections import stream_writer
-from tandem.server.errors import ApiError, bad_request, out_of_storage, storage_full
+from tandem.server.errors import ApiError, bad_request, out_of_storage, storage_full, when_stored
 from tandem.server.logprobs import chat_logprobs
 from tandem.server.listing import newest_first, page, query_limit
 from tandem.server.protocol import chat_input, reject_unsupported
@@ -48,6 +49,7 @@ RENAMED = (("response_format.json_schema", "text.format"), ("response_format", "
 MAX_KEPT = 4096         # stored responses kept, the oldest forgotten first (not one still running)
 RETRY_S = 1.0           # a background response run again and refused for now tries again after this
 BACKGROUND = web.AppKey("background", Background)
+log = logging.getLogger("tandem.responses")
 EVENT_STREAM = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
@@ -720,6 +722,7 @@ async def _run_events(ev: _Events, st, p: Prepared, body: dict, created: int, ke
                 raise
             raise storage_full(e) from e     # the stream's error event says why it was not kept
     else:
-        await background.ended(done["id"], functools.partial(keep, response=done, reply=reply))
+        await when_stored(functools.partial(keep, response=done, reply=reply), f"background response {done['id']}",
+                          log)
     await ev.send("response.incomplete" if done["status"] == "incomplete" else "response.completed",
                   {"response": done})

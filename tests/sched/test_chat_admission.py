@@ -99,7 +99,7 @@ def test_the_status_view_lists_the_requests_of_a_step_while_it_runs():
     runtime.listeners.append(metrics.engine_step)
     runtime.plan_listeners.append(metrics.device_planned)
     try:
-        assert runtime.report()                          # the idle device's view, as the server starts
+        assert runtime.report(timeout_s=None)            # the idle device's view, as the server starts
         assert metrics.status()["devices"][0]["requests"] == []
         runtime.add(s.new_state(Request("long", list(range(2048)), SamplingParams(max_tokens=4, temperature=0),
                                         ServiceClass.RT, arrival_time=0.0, slo_ttft_s=0.05, slo_tbt_s=0.05)))

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tandem.server import batches
+from tandem.server import batches, errors
 from tandem.server import store as store_module
 from tandem.server.batches import BatchRunner
 from tandem.server.store import Store
@@ -137,7 +137,7 @@ def test_a_batch_whose_lines_all_ran_completes_though_its_window_passed_before_i
     store = Store(tmp_path)
     now = [time.time()]
     monkeypatch.setattr(batches, "time", SimpleNamespace(time=lambda: now[0]))
-    monkeypatch.setattr(batches, "STORAGE_RETRY_S", 0.01)
+    monkeypatch.setattr(errors, "STORAGE_RETRY_S", 0.01)
     real = store.set_status
 
     def full_once(bid, status, **kw):
@@ -489,7 +489,7 @@ def test_a_full_disk_delays_a_batch_and_loses_none_of_it(where, tmp_path, monkey
     failed with an internal error, or stayed in progress for ever with its task dead. It now
     waits, and once the disk takes writes again it ends completed with every line's answer,
     once, and no part-written file left."""
-    monkeypatch.setattr(batches, "STORAGE_RETRY_S", 0.05)
+    monkeypatch.setattr(errors, "STORAGE_RETRY_S", 0.05)
     store, n = Store(tmp_path), 30
     fid = input_file(store, n)
     with file_size_limit() as limit:
@@ -532,7 +532,7 @@ def test_a_line_the_disk_refuses_to_keep_runs_again_instead_of_failing(tmp_path,
     bug: tried three times, then recorded as a 500. The batch now waits for room and runs the
     line again, so every line ends with its answer."""
     import errno
-    monkeypatch.setattr(batches, "STORAGE_RETRY_S", 0.05)
+    monkeypatch.setattr(errors, "STORAGE_RETRY_S", 0.05)
     store, refusals = Store(tmp_path), []
 
     async def run_line(body, endpoint):

@@ -668,9 +668,9 @@ def test_a_background_response_is_cancelled_while_it_runs(tiny_chat_model, tmp_p
 
 FULL_DISK = """
 import errno, os
-import tandem.server.background as background
+import tandem.server.errors as errors
 import tandem.server.store as store
-background.STORAGE_RETRY_S = 0.1
+errors.STORAGE_RETRY_S = 0.1
 _keep = store.Store.keep_response
 def keep(self, response, *a):     # a response's end is refused while the file is there, as by a full disk
     if response["status"] != "queued" and os.path.exists({path!r}):
