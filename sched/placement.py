@@ -26,7 +26,8 @@ opened falls back to the active device with the most free blocks, which may over
 scheduler then queues or preempts as on a single device. No move ends on a device it takes
 over capacity: such moves are undone at the end of the epoch (``keep_moves_that_fit``). There
 WF and LB spread over every device from the start, as least-loaded routers do; Mell and BF
-still open devices only as needed.
+still open devices only as needed. A device that is down for good leaves the box (``take_down``):
+its requests leave the books and no operation opens it again.
 
 Baselines (the paper's): BF puts an arrival on the fullest device it fits on, WF on the emptiest
 (what round-robin / least-loaded routers do); neither migrates, so a device that overflows as its
@@ -47,7 +48,7 @@ from __future__ import annotations
 
 import copy
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 class Placement(enum.Enum):
@@ -97,6 +98,7 @@ class Cluster:
     open_group: str | None = None                      # the multi-item new tiny requests join
     clock: int = 0                                     # stamps for activations, arrivals, groups
     machines: dict[int, int] = field(default_factory=dict)   # device -> machine (absent: machine 0)
+    down: frozenset[int] = frozenset()                 # devices down for good: never opened again
 
 
 @dataclass(slots=True)
@@ -135,6 +137,27 @@ def place(policy: Placement, cluster: Cluster, epoch: Epoch, *, batched: bool = 
     books.run(epoch)
     books.keep_moves_that_fit()
     return books.cl, books.decision()
+
+
+def take_down(policy: Placement, cluster: Cluster, device: int) -> tuple[Cluster, Decision, dict[str, int]]:
+    """The books without ``device``, which is down for good: every request booked there departs
+    (an operation like any departure, whose moves the decision lists), then the device leaves the
+    active ones and no later operation opens it. Returns the booked requests with their sizes
+    too: those running on another device (sent there while it restarted) are the caller's to
+    place again. A departure's repacking may move a request onto ``device`` while it is still
+    active; such a request departs in the next round (each round leaves fewer requests)."""
+    booked: dict[str, int] = {}
+    moves: dict[str, Move] = {}
+    while here := {r: cluster.sizes[r] for r, d in cluster.where.items() if d == device}:
+        booked |= here
+        cluster, dec = place(policy, cluster, Epoch(departures=set(here)))
+        for m in dec.moves:              # a request moved twice moves once, from where it was
+            first = moves.get(m.req_id, m)
+            moves[m.req_id] = Move(m.req_id, first.src, m.dst, m.kind, m.reason)
+    cluster = replace(cluster, active={d: t for d, t in cluster.active.items() if d != device},
+                                  down=cluster.down | {device})
+    kept = [m for r, m in moves.items() if r not in booked and m.src != m.dst]
+    return cluster, Decision({}, kept, [], []), booked
 
 
 def affinity_slack(least: int) -> int:
@@ -222,7 +245,7 @@ class _Books:
     def open_device(self) -> int | None:
         """Activate the lowest unused device index; None when the box has no more."""
         d = 0
-        while d in self.cl.active:
+        while d in self.cl.active or d in self.cl.down:
             d += 1
         if self.cl.max_devices is not None and d >= self.cl.max_devices:
             return None

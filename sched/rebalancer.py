@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tandem.sched.cost_model import StepShape
-from tandem.sched.placement import Cluster, Epoch, MoveKind, Placement, place
+from tandem.sched.placement import Cluster, Epoch, MoveKind, Placement, place, take_down
 from tandem.sched.request import Transfer
 
 log = logging.getLogger("tandem.rebalancer")
@@ -46,7 +46,6 @@ class DeviceView:
     blocks: dict[str, int]       # request -> blocks it needs for that context
     decode_batch: int = 0        # requests decoding in its last step
     decode_ctx: int = 0          # their summed context
-    alive: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,16 +194,28 @@ class Rebalancer:
             self._want(dec.moves)
             return dec.placed[req_id]
 
-    def forget(self, req_id: str) -> None:
-        """A request placed elsewhere than ``arrive`` said (its device was down): stop tracking it."""
+    def device_down(self, index: int) -> None:
+        """Device ``index`` is down for good: it leaves the placement's books (``take_down``), and
+        the requests booked there that run on another device (sent there while it restarted, or
+        moving to it) are placed again among the devices left, moving there as wanted moves do.
+        Those that ran on it end with it (their departures come as for any request)."""
         with self.lock:
-            self._unbook(req_id)
+            if index in self.cluster.down:
+                return
+            self.cluster, dec, booked = take_down(self.policy, self.cluster, index)
+            elsewhere = {r: n for r, n in booked.items() if self._runs_elsewhere(r, index)}
+            for r in booked:
+                self.pending.pop(r, None)
+            self._want(dec.moves)
+            self.cluster, dec = place(self.policy, self.cluster, Epoch(arrivals=elsewhere))
+            self._want(dec.moves)
+            for r, d in dec.placed.items():
+                self.pending[r] = _Pending(d, MoveKind.MIGRATION, f"device {index} is down")
 
-    def _unbook(self, req_id: str) -> None:
-        """``req_id`` out of the books and of the wanted moves. The moves its departure makes go
-        to the device it was booked on, which is down: they are not wanted."""
-        self.cluster, _ = place(self.policy, self.cluster, Epoch(departures={req_id}))
-        self.pending.pop(req_id, None)
+    def _runs_elsewhere(self, req_id: str, index: int) -> bool:
+        p = self.pending.get(req_id)
+        return (p is not None and p.dst == index) or any(
+            req_id in v.tokens for v in self.views.values() if v.index != index)
 
     def sent_elsewhere(self, req_id: str, device: int) -> None:
         """A request ``arrive`` placed on a device restarting its worker was sent to ``device``
@@ -226,9 +237,12 @@ class Rebalancer:
             self.views[view.index] = view
 
     # ---- once an epoch --------------------------------------------------------------------
-    def epoch(self, restarting: frozenset[int] = frozenset()) -> list[Order]:
+    def epoch(self, restarting: frozenset[int] = frozenset(), down: frozenset[int] = frozenset()) -> list[Order]:
         """Apply the sizes and departures seen since the last epoch; the migrations to send now,
-        none to a device in ``restarting`` (its worker is being started again: it waits)."""
+        none to a device in ``restarting`` (its worker is being started again: it waits).
+        Devices in ``down`` (down for good) leave the books first (``device_down``)."""
+        for d in sorted(down):
+            self.device_down(d)
         with self.lock:
             where_now = {rid: v.index for v in self.views.values() for rid in v.tokens}
             sizes = {}
@@ -264,12 +278,6 @@ class Rebalancer:
             if src == p.dst:
                 del self.pending[rid]
                 continue
-            if not dst.alive:     # booked on a device that is down for good (sent elsewhere while it restarted)
-                if self.cluster.where.get(rid) == p.dst:
-                    self._unbook(rid)
-                else:
-                    del self.pending[rid]
-                continue
             if p.kind is MoveKind.PREEMPTION:
                 orders.append(Order(rid, src, p.dst, Transfer.TOKEN, p.reason))
                 continue
@@ -289,13 +297,14 @@ class Rebalancer:
     def _note_idle(self) -> None:
         """Devices holding no request are idle (on a GPU box: free for other work); say when
         that changes."""
-        idle = {i for i in range(self.num_devices) if not self.views.get(i, DeviceView(i, {}, {})).tokens}
+        idle = {i for i in range(self.num_devices)
+                if i not in self.cluster.down and not self.views.get(i, DeviceView(i, {}, {})).tokens}
         for i in sorted(idle - self.idle):
             log.info("device %d is idle (holds no request)", i)
         for i in sorted(self.idle - idle):
             log.info("device %d is active again", i)
         self.idle = idle
-        self.max_active = max(self.max_active, self.num_devices - len(idle))
+        self.max_active = max(self.max_active, self.num_devices - len(idle) - len(self.cluster.down))
 
 
 def view_of(actor) -> DeviceView:
@@ -307,4 +316,4 @@ def view_of(actor) -> DeviceView:
         blocks[rid] = g.blocks_for(n, st.cache_type)
         if st.output_token_ids and rid in actor.running:
             batch, ctx = batch + 1, ctx + n
-    return DeviceView(actor.index, tokens, blocks, batch, ctx, actor.dead is None)
+    return DeviceView(actor.index, tokens, blocks, batch, ctx)

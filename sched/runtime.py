@@ -440,7 +440,8 @@ class Runtime:
         while not self._stopping.wait(rb.budgets.epoch_s):
             try:
                 restarting = frozenset(t.actor.index for t in self.threads if t.restarting)
-                for o in rb.epoch(restarting):
+                down = frozenset(t.actor.index for t in self.threads if t.actor.dead is not None)
+                for o in rb.epoch(restarting, down):
                     self.migrate(o.req_id, o.src, o.dst, o.transfer, o.reason)
             except Exception:                  # never silent, never fatal: the next epoch tries again
                 log.exception("rebalancer epoch failed")
@@ -490,20 +491,24 @@ class Runtime:
         return out
 
     def _placed(self, st: RequestState, cached: dict[int, int]) -> int:
-        """The placement's device for an arrival, unless it is down or restarting its worker while
-        another serves: then the dispatcher's (a serving device; a restart takes seconds). One
-        sent elsewhere during a restart moves to the placement's device once it serves again
-        (the placement counts it there meanwhile); one whose device is down leaves the books."""
+        """The placement's device for an arrival. A device down for good leaves the placement's
+        books and the arrival is placed again among the others. One restarting its worker while
+        another serves keeps the arrival in its books, and the dispatcher's device (a serving one;
+        a restart takes seconds) runs it until it moves there once its device serves again."""
         g = self.threads[0].actor.pool.geometry
-        d = self.rebalancer.arrive(st.req_id, g.blocks_for(st.num_tokens, st.cache_type), cached)
-        t = self.threads[d]
-        if t.serving or (t.actor.dead is None and not self.serving()):
+        blocks = g.blocks_for(st.num_tokens, st.cache_type)
+        while True:
+            if not self.accepting():
+                raise DeviceError(self.why_down())
+            d = self.rebalancer.arrive(st.req_id, blocks, cached)
+            t = self.threads[d]
+            if t.actor.dead is None:
+                break
+            self.rebalancer.device_down(d)      # the arrival leaves the books with it
+        if t.serving or not self.serving():
             return d
         there = self.dispatch(cached).index
-        if t.actor.dead is None:
-            self.rebalancer.sent_elsewhere(st.req_id, there)
-        else:
-            self.rebalancer.forget(st.req_id)
+        self.rebalancer.sent_elsewhere(st.req_id, there)
         return there
 
     def dispatch(self, cached: dict[int, int] | None = None) -> DeviceActor:

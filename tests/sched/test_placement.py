@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from tandem.sched.placement import (Category, Cluster, Decision, Epoch, MoveKind, Placement, category, place,
-                             violations)
+                                    take_down, violations)
 
 C = 48
 
@@ -137,6 +137,33 @@ def test_a_full_box_never_moves_a_request_onto_a_device_it_overflows(run, policy
             assert load[m.dst] <= C, (m, load)
         for g in set(cl.groups.values()):
             assert len({cl.where[r] for r, h in cl.groups.items() if h == g}) == 1
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(epochs(max_live=12), st.sampled_from(list(Placement)), st.integers(0, 2), st.data())
+def test_a_device_taken_down_holds_nothing_and_is_never_used_again(run, policy, dead, data):
+    """A device down for good, taken out of a 3-device box part way through a run: what the books
+    showed on it is returned, nothing is booked there or moved there then or later, the other
+    requests stay in the books (moved only where the decision says), and the box goes on
+    placing every arrival on the devices left."""
+    k = data.draw(st.integers(0, len(run) - 1))
+    cl, gone = Cluster(C, max_devices=3), set()
+    for i, ep in enumerate(run):
+        if i == k:
+            there = {r for r, d in cl.where.items() if d == dead}
+            before = dict(cl.where)
+            cl, dec, booked = take_down(policy, cl, dead)
+            assert there <= set(booked) and dead not in cl.active and dead not in cl.where.values()
+            assert set(cl.where) == set(before) - set(booked)
+            for m in dec.moves:
+                assert before[m.req_id] == m.src and cl.where[m.req_id] == m.dst != dead
+            gone |= set(booked)
+        ep = Epoch(ep.arrivals, ep.departures - gone, {r: n for r, n in ep.sizes.items() if r not in gone})
+        cl, dec = place(policy, cl, ep)
+        assert set(dec.placed) == set(ep.arrivals)
+        if i >= k:
+            assert dead not in cl.active and dead not in cl.where.values()
+            assert all(m.dst != dead for m in dec.moves)
 
 
 @pytest.mark.parametrize("policy", [Placement.LB, Placement.WF, Placement.BF])

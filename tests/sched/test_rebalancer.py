@@ -66,8 +66,8 @@ def test_reprefill_budget_is_the_largest_prefill_within_the_tbt(batch, ctx, tbt)
     assert got == brute
 
 
-def rebalancer(link_bytes_per_s, tbt, policy=Placement.LB):
-    return Rebalancer(policy, 2, capacity=100, block_bytes=1000,
+def rebalancer(link_bytes_per_s, tbt, policy=Placement.LB, devices=2):
+    return Rebalancer(policy, devices, capacity=100, block_bytes=1000,
                       budgets=Budgets(link_bytes_per_s, 1.0, COST.predict, tbt), clock=itertools.count().__next__)
 
 
@@ -163,6 +163,7 @@ def fake_runtime(rb, *serving: bool, dead: int | None = None):
                                                                  pool=SimpleNamespace(geometry=geometry)))
                for i, up in enumerate(serving)]
     return SimpleNamespace(threads=threads, rebalancer=rb, serving=lambda: any(serving),
+                           accepting=lambda: any(t.actor.dead is None for t in threads),
                            dispatch=lambda cached: threads[serving.index(True)].actor)
 
 
@@ -186,21 +187,29 @@ def test_an_arrival_sent_elsewhere_during_a_restart_moves_to_its_device_once_it_
     assert [(o.req_id, o.src, o.dst) for o in rb.epoch()] == [("b", 0, 1)]
 
 
-def test_an_arrival_whose_device_is_down_leaves_the_books():
-    rb = rebalancer(link_bytes_per_s=1e9, tbt=1.0)
-    rt = fake_runtime(rb, True, False, dead=1)
-    assert [Runtime._placed(rt, arrival(r), {}) for r in ("a", "b")] == [0, 0]
-    assert "b" not in rb.cluster.where and "b" not in rb.pending
+def test_a_device_down_for_good_leaves_the_placement_and_arrivals_spread_over_the_others():
+    """LB spreads arrivals over three devices; device 1 is down for good. The placement chose it
+    for every other arrival, which then ran where the dispatcher sent it and left the books: the
+    books showed the dead device empty and the others emptier than they were, so nothing spread
+    the load. Device 1 now leaves the books once an arrival is placed there, and arrivals
+    alternate between devices 0 and 2 as worst fit over those two does."""
+    rb = rebalancer(link_bytes_per_s=1e9, tbt=1.0, devices=3)
+    rt = fake_runtime(rb, True, False, True, dead=1)
+    assert [Runtime._placed(rt, arrival(r), {}) for r in "abcd"] == [0, 2, 0, 2]
+    assert rb.cluster.where == {"a": 0, "b": 2, "c": 0, "d": 2} and rb.cluster.down == {1}
 
 
-def test_an_arrival_held_for_a_device_that_then_dies_leaves_the_books():
+def test_an_arrival_held_for_a_device_that_then_dies_is_placed_again_among_the_others():
     """Booked on device 1 while it restarted, and run on device 0; device 1's restart fails for
-    good. Its move is not wanted any more, and it leaves the books, which would otherwise count
-    it on the dead device for the rest of its life (device 0 would look emptier than it is)."""
-    rb = rebalancer(link_bytes_per_s=1e9, tbt=1.0)
-    rt = fake_runtime(rb, True, False)
-    assert [Runtime._placed(rt, arrival(r), {}) for r in ("a", "b")] == [0, 0]
+    good. The arrival stays in the books, placed again as worst fit does over the devices left:
+    the empty device 2, to which it then moves (it was dropped, so the books showed device 0
+    emptier than it was, and it never moved)."""
+    rb = rebalancer(link_bytes_per_s=1e9, tbt=1.0, devices=3)
+    rt = fake_runtime(rb, True, False, True)
+    assert [Runtime._placed(rt, arrival(r), {}) for r in "ab"] == [0, 0]
+    assert rb.cluster.where == {"a": 0, "b": 1}
     rb.observe(DeviceView(0, {"a": 160, "b": 160}, {"a": 10, "b": 10}, 2, 320))
-    rb.observe(DeviceView(1, {}, {}, alive=False))
-    assert rb.epoch() == []
-    assert "b" not in rb.pending and "b" not in rb.cluster.where and rb.cluster.where["a"] == 0
+    rb.observe(DeviceView(1, {}, {}))
+    rb.observe(DeviceView(2, {}, {}))
+    assert [(o.req_id, o.src, o.dst) for o in rb.epoch(down=frozenset({1}))] == [("b", 0, 2)]
+    assert rb.cluster.where == {"a": 0, "b": 2}
