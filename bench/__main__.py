@@ -13,6 +13,8 @@ from tandem.bench.peers import ServerStartError
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError, ZeroDivisionError, statistics.StatisticsError,
                ServerStartError)
 OUT_HELP = "result file name, in the results dir (bench/results in a checkout, else ./tandem-bench-results)"
+# what the commands that price steps by the fitted cost model read
+FITTED_HELP = "cost_smollm2_cpu.json in the results dir, what `bench profile` writes by default"
 
 
 def positive_float(text: str) -> float:
@@ -70,6 +72,8 @@ def main(argv=None, prog: str = "python -m bench") -> None:
                      choices=["tandem", "tandem_logprobs", "tandem_json", "tandem_server", "hf_generate", "hf_cb",
                               "vllm_bfloat16", "vllm_float32", "llamacpp", "transformers"],
                      help="systems to skip: %(choices)s")
+    off.add_argument("--out", default="offline.json",
+                     help=OUT_HELP + "; each server's log beside it (<stem>_<system>.log)")
     on = sub.add_parser("online", help="a ShareGPT trace at several rates: SLO attainment and latencies")
     mx = sub.add_parser("mixed", help="RT ShareGPT online while BE work (batch jobs) is always pending")
     for p in (on, mx):
@@ -89,7 +93,8 @@ def main(argv=None, prog: str = "python -m bench") -> None:
         p.add_argument("--slo-ttft-ms", type=positive_float, default=None,
                        help="fix the SLOs instead of calibrating (with --slo-tbt-ms)")
         p.add_argument("--slo-tbt-ms", type=positive_float, default=None)
-        p.add_argument("--out", default=f"{p.prog.split()[-1]}.json", help=OUT_HELP)
+        p.add_argument("--out", default=f"{p.prog.split()[-1]}.json",
+                       help=OUT_HELP + "; plots and each server's log beside it (<stem>_*)")
         p.add_argument("--model", default="smollm2",
                        choices=["smollm2", "opt125m-random", "opt13b-random", "llama8b-random", "smollm2-random"],
                        help="opt125m-random: an OPT-125m-shaped multi-head model, random weights (Apt-Serve); "
@@ -127,12 +132,17 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     tb.add_argument("--duration", type=float, default=30.0)
     tb.add_argument("--drain", type=float, default=90.0)
     tb.add_argument("--search", nargs=2, type=float, default=[0.25, 3.0], metavar=("LO", "HI"))
-    tb.add_argument("--skip-offline", action="store_true", help="reuse results/offline.json")
+    tb.add_argument("--skip-offline", action="store_true",
+                    help="reuse offline.json in --out's folder (by default results/offline.json, what `bench "
+                         "offline` writes) instead of running the offline bench into it")
+    tb.add_argument("--out", default="peers_table.json",
+                    help=OUT_HELP + "; the table in markdown beside it (<stem>.md), the online rows in "
+                         "<stem>_online.json")
     st = sub.add_parser("streams", help="decode time per token at B concurrent streams, per system")
     st.add_argument("--systems", nargs="+", default=["tandem", "vllm"])
     st.add_argument("--batches", nargs="+", type=positive_int, default=[1, 2, 5, 8, 16, 32])
     st.add_argument("--max-tokens", type=positive_int, default=96)
-    st.add_argument("--out", default="streams.json", help=OUT_HELP)
+    st.add_argument("--out", default="streams.json", help=OUT_HELP + "; each server's log beside it")
     sw = sub.add_parser("sliding-window", help="decode step time with full attention against sliding windows "
                         "(a random Mistral-shaped model at SmolLM2's width, long prompts)")
     sw.add_argument("--windows", type=positive_int, nargs="+", default=[256, 1024])
@@ -157,6 +167,7 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     sp.add_argument("--batch", type=positive_int, default=64)
     sp.add_argument("--max-tokens", type=positive_int, default=64)
     sp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    sp.add_argument("--out", default="step_profile.json", help=OUT_HELP)
     cl = sub.add_parser("cpu-linear", help="the CPU projections over GGUF blocks and float32 panels (the compiled "
                         "kernels) against oneDNN's layout: SmolLM2's products by row count, and its decode steps "
                         "by batch (one thread)")
@@ -193,16 +204,22 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     ind.add_argument("--max-tokens", type=positive_int, default=64)
     ind.add_argument("--longs", type=positive_int, default=8)
     ind.add_argument("--long-tokens", type=positive_int, default=512)
+    ind.add_argument("--out", default="independence.json", help=OUT_HELP)
     pr = sub.add_parser("profile", help="fit the iteration cost model from our engine's measured steps")
     pr.add_argument("--max-num-seqs", type=positive_int, default=64)
+    pr.add_argument("--out", default="cost_smollm2_cpu.json",
+                    help=OUT_HELP + " (the fitted preset, sim-validate and bros-bound read the default one)")
     sm = sub.add_parser("sim", help="simulated FCFS at paper scale (or with the fitted cost model)")
     sm.add_argument("--rates", nargs="+", type=positive_float, default=[1, 2, 3, 4, 5, 6, 7, 8])
     sx = sub.add_parser("sim-mixed", help="simulated RT + always-pending BE jobs per policy (paper scale)")
     sx.add_argument("--policies", nargs="+", default=["fcfs", "rr", "bros"])
     sx.add_argument("--rates", nargs="+", type=positive_float, default=[1, 2, 3, 4])
     sx.add_argument("--be-job-size", type=positive_int, default=32)
+    sm.add_argument("--out", default=None, help=OUT_HELP + " (default: sim_<preset>_fcfs.json); its plot beside it")
+    sx.add_argument("--out", default=None, help=OUT_HELP + " (default: sim_mixed_<preset>.json); its plots beside it")
     for p in (sm, sx):
-        p.add_argument("--preset", default="opt13b", choices=["opt13b", "fitted"])
+        p.add_argument("--preset", default="opt13b", choices=["opt13b", "fitted"],
+                       help="opt13b: OPT-13B on an A100 (paper scale); fitted: SmolLM2 on this CPU, " + FITTED_HELP)
         p.add_argument("--num-requests", type=positive_int, default=1000)
         p.add_argument("--kv-tokens", type=positive_int, default=40000, help="pool size in tokens (fitted preset)")
         p.add_argument("--max-num-seqs", type=positive_int, default=256)
@@ -270,7 +287,8 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     stn.add_argument("--seeds", nargs="+", type=int, default=None, help="run each seed in turn (a table each)")
     stn.add_argument("--preset", default="opt13b", choices=["opt13b", "fitted"],
                      help="opt13b: OPT-13B on an A100 (paper scale); fitted: SmolLM2 on this CPU, the cost model "
-                          "`python -m bench profile` fitted (its pool, KV bytes and slower host copies)")
+                          "`python -m bench profile` fitted (its pool, KV bytes and slower host copies), "
+                          + FITTED_HELP)
     stn.add_argument("--be-scale", type=float, default=1.0,
                      help="BE prompt and output lengths scaled by this (the mixed bench's --be-scale)")
     stn.add_argument("--kv-tokens", type=positive_int, default=None,
@@ -291,6 +309,7 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     ia.add_argument("--max-prompt", type=positive_int, default=512)
     ia.add_argument("--max-reply", type=positive_int, default=256)
     ia.add_argument("--threads", type=positive_int, default=1)
+    ia.add_argument("--out", default="int8_accuracy.json", help=OUT_HELP)
     ik = sub.add_parser("int8-kv", help="the resident int8 cache vs the model's dtype on SmolLM2: bytes per token, "
                         "decode step time, throughput of held-out ShareGPT prompts in a small pool")
     ik.add_argument("--batches", nargs="+", type=positive_int, default=[1, 16, 32])
@@ -334,12 +353,19 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     ov = sub.add_parser("overhead", help="time per scheduling decision on random snapshots (no model)")
     ov.add_argument("--candidates", nargs="+", type=positive_int, default=[50, 400, 1600])
     ov.add_argument("--repeats", type=positive_int, default=50)
+    ov.add_argument("--out", default="sched_overhead.json", help=OUT_HELP)
     sv = sub.add_parser("sim-validate", help="simulate the trace of the last `online` run and compare")
     sv.add_argument("--max-num-seqs", type=positive_int, default=64)
     sv.add_argument("--max-output", type=positive_int, default=512)
-    sv.add_argument("--real", default="online.json", help="result file of the real run under bench/results")
+    sv.add_argument("--real", default="online.json",
+                    help="result file of the real run, in the results dir (`bench online`'s default --out); the "
+                         "cost model: " + FITTED_HELP)
+    sv.add_argument("--out", default="sim_validate.json", help=OUT_HELP)
     bb = sub.add_parser("bros-bound", help="the most BE throughput the cost model allows at an RT latency target")
-    bb.add_argument("--real", default="mixed.json", help="a `mixed` result file under bench/results")
+    bb.add_argument("--real", default="mixed.json",
+                    help="a `mixed` result file, in the results dir (`bench mixed`'s default --out); the cost "
+                         "model: " + FITTED_HELP)
+    bb.add_argument("--out", default="bros_bound.json", help=OUT_HELP)
     bb.add_argument("--duration", type=float, default=90.0, help="the mixed run's --duration")
     bb.add_argument("--max-output", type=positive_int, default=512)
     bb.add_argument("--be-pool", type=positive_int, default=256)
@@ -355,7 +381,8 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     ml.add_argument("--duration", type=float, default=1200.0, help="seconds of arrivals")
     ml.add_argument("--tbt-ms", type=positive_float, default=50.0, help="time per output token of every request")
     ml.add_argument("--seed", type=int, default=0)
-    ml.add_argument("--out", default="sim_mell.json", help=OUT_HELP)
+    ml.add_argument("--out", default="sim_mell.json",
+                    help=OUT_HELP + "; its timeline plot beside it (<stem>_timeline.png)")
     sk = sub.add_parser("skew", help="two devices: static placement vs migrating ones as request sizes diverge")
     sk.add_argument("--placements", nargs="*", default=["static", "lb", "mell"], choices=["static", "mell", "lb", "bf", "wf"],
                     help="none: the migration sweep alone")
@@ -388,7 +415,8 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     cub.add_argument("--chat-tokens", type=positive_int, default=8)
     cub.add_argument("--max-num-seqs", type=positive_int, default=64)
     cub.add_argument("--seed", type=int, default=0)
-    cub.add_argument("--out", default="chat_under_batch.json")
+    cub.add_argument("--out", default="chat_under_batch.json",
+                     help=OUT_HELP + "; each server's log beside it (<stem>_<policy>.log)")
     sk = sub.add_parser("soak", help="mixed load (streams, disconnects, batch jobs) for minutes: memory, "
                         "open files, pool and errors at the start and the end")
     sk.add_argument("--minutes", type=float, default=10.0)
@@ -400,7 +428,7 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     sk.add_argument("--sample-s", type=float, default=30.0)
     sk.add_argument("--warmup-s", type=float, default=30.0)
     sk.add_argument("--seed", type=int, default=0)
-    sk.add_argument("--out", default="soak.json")
+    sk.add_argument("--out", default="soak.json", help=OUT_HELP + "; the server's log beside it")
     kn = sub.add_parser("kernels", help="the paged decode attention's GB/s against the device's copy (CUDA: Triton; "
                                         "--cpu: the compiled CPU kernel)")
     kn.add_argument("--shapes", nargs="+", default=["llama8b", "opt13b", "smollm2"],
@@ -419,7 +447,8 @@ def main(argv=None, prog: str = "python -m bench") -> None:
                     help="time every launch setting of the decode kernel (tile, warps, context parts) instead")
     kn.add_argument("--sweep-batch", type=positive_int, default=16,
                     help="--sweep: the batch at which the parts are tried again with each shape's best tile")
-    kn.add_argument("--out", default="kernels.json")
+    kn.add_argument("--out", default="kernels.json",
+                    help=OUT_HELP + " (--sweep: <stem>_sweep.json; --accuracy: <stem>_accuracy.json)")
     go = sub.add_parser("gpu-offline", help="our engine vs HF generate on one device, random weights at real shapes")
     go.add_argument("--models", nargs="+", default=["smollm2-random", "llama8b-random"])
     go.add_argument("--devices", default="cuda:0")
@@ -428,7 +457,7 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     go.add_argument("--prompt-len", type=positive_int, default=128)
     go.add_argument("--max-tokens", type=positive_int, default=128)
     go.add_argument("--seed", type=int, default=0)
-    go.add_argument("--out", default="gpu_offline.json")
+    go.add_argument("--out", default="gpu_offline.json", help=OUT_HELP)
     ln = sub.add_parser("lengths", help="write bench/data/sharegpt_lengths.json (ShareGPT's token lengths, "
                         "for traces where the dataset cannot go)")
     ln.add_argument("--n", type=positive_int, default=4000)

@@ -106,6 +106,7 @@ def run(args) -> None:
               f"{r['target_step_s'] * 1e3:.0f} / {r['target_step_mean_s'] * 1e3:.0f} | "
               f"{r['be_bound_at_target']:.0f} / {r['be_bound_at_mean_target']:.0f} | {r['fcfs_be_tok_s']:.0f} "
               f"({r['be_bound_at_fcfs']:.0f}) | {0.85 * r['fcfs_be_tok_s']:.0f} | {bros} |")
-    out = RESULTS / "bros_bound.json"
+    out = RESULTS / args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"cost": asdict(cost), "from": args.real, "rows": rows}, indent=2))
     print(f"wrote {out}")

@@ -18,7 +18,7 @@ import aiohttp
 from tandem.bench.client import completion_body, one_request
 from tandem.bench.metrics import RequestRecord
 from tandem.bench.mixed import TERMINAL, batch_jsonl
-from tandem.bench.output import save_json
+from tandem.bench.output import beside, result_path, save_json
 from tandem.bench.workloads import TraceItem, sharegpt_trace
 
 
@@ -85,7 +85,8 @@ def run(args) -> None:
     rows = []
     for policy in args.policies:
         extra = ["--policy", policy] if policy != "default" else []
-        with tandem_server("smollm2", args.max_num_seqs, extra) as url:
+        log = beside(result_path(args.out), f"{policy}.log")
+        with tandem_server("smollm2", args.max_num_seqs, extra, log=log) as url:
             res = asyncio.run(measure(url, "smollm2", chat, job, args.idle, args.every))
         idle = [r.ttft for r in res["idle"] if r.ok]
         busy = [r.ttft for r in res["busy"] if r.ok]

@@ -92,4 +92,4 @@ def main(args) -> None:
     print("\n| mode | short chats' TPOT, device 0 idle | device 0 busy | busy / idle |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['tpot_idle_ms']:.1f} ms | {r['tpot_busy_ms']:.1f} ms | {r['ratio']:.2f}x |")
-    save_json("independence.json", rows)
+    save_json(args.out, rows)

@@ -85,5 +85,5 @@ def run(args) -> dict:
           f"| full precision | {ppl_f:.3f} | 100% |\n"
           f"| int8 (channel-wise per {BLOCK}-token block, open block full) | {ppl_q:.3f} ({ppl_q / ppl_f - 1:+.2%}) "
           f"| {agree / n:.2%} |")
-    save_json("int8_accuracy.json", res)
+    save_json(args.out, res)
     return res

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tandem.bench.output import RESULTS
+from tandem.bench.output import RESULTS, beside
 
 
 @dataclass
@@ -61,11 +61,11 @@ def run_tandem(prompts, max_tokens, dtype, devices, logprobs: int | None = None,
     return Row(f"tandem ({llm.dtype}, {devices}{scored})", sum(len(o.token_ids) for o in outs), dt)
 
 
-def run_tandem_server(prompts, max_tokens, dtype, devices) -> Row:
+def run_tandem_server(prompts, max_tokens, dtype, devices, log: Path) -> Row:
     """The same workload through our HTTP server: every prompt a streamed request, all at once."""
     from tandem.bench.online import tandem_server
     server = tandem_server("smollm2", max(64, len(prompts)),           # FCFS, as the peers schedule
-                           ["--dtype", dtype, "--devices", devices, "--policy", "fcfs"])
+                           ["--dtype", dtype, "--devices", devices, "--policy", "fcfs"], log=log)
     return _server_run(server, f"tandem server ({dtype}, {devices}, {len(prompts)} streams)", prompts,
                        max_tokens, stream=True)
 
@@ -130,34 +130,37 @@ def _server_run(server, label: str, prompts: list, max_tokens: int, system: str 
     return Row(label, sum(u["completion_tokens"] for u in res), dt)
 
 
-def run_vllm(hf_dir, prompts, max_tokens, dtype) -> Row:
+def run_vllm(hf_dir, prompts, max_tokens, dtype, log: Path) -> Row:
     from tandem.bench.peers import vllm_server
-    return _server_run(vllm_server(Path(hf_dir), dtype=dtype, log_path=RESULTS / f"vllm-{dtype}.log"),
+    return _server_run(vllm_server(Path(hf_dir), dtype=dtype, log_path=log),
                        f"vLLM CPU server ({dtype})", prompts, max_tokens)
 
 
-def run_llamacpp(prompts, max_tokens) -> Row:
+def run_llamacpp(prompts, max_tokens, log: Path) -> Row:
     from tandem.bench.peers import llama_server
     from tandem.engine.models.loader import packaged_smollm2
     longest = max(len(ids) for ids, _ in prompts) + max_tokens
     server = llama_server(packaged_smollm2(), slots=len(prompts), ctx_per_slot=1 << (longest - 1).bit_length(),
-                          log_path=RESULTS / "llamacpp-offline.log")
+                          log_path=log)
     return _server_run(server, f"llama.cpp server (Q4_1, {len(prompts)} slots)", prompts, max_tokens)
 
 
-def run_transformers(hf_dir, prompts, max_tokens) -> Row:
+def run_transformers(hf_dir, prompts, max_tokens, log: Path) -> Row:
     from tandem.bench.peers import transformers_server
-    server = transformers_server(Path(hf_dir), log_path=RESULTS / "transformers-offline.log")
+    server = transformers_server(Path(hf_dir), log_path=log)
     return _server_run(server, "transformers serve (continuous batching, fp32)", prompts, max_tokens,
                        system="transformers")
 
 
 def main(args) -> None:
+    """Each system in turn on the same prompts; the rows to ``args.out``, each server's log beside it
+    (``<out>_<system>.log``)."""
     from tandem.bench.workloads import chat_text, sharegpt_prompts
     from tandem.sched.llm import DEFAULT_CACHE_DIR
     from tandem.engine.models.loader import load_tokenizer, resolve_model
     from tandem.bench.peers import vllm_python
-    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
     hf_dir = resolve_model("smollm2", DEFAULT_CACHE_DIR)
     tok = load_tokenizer(hf_dir)
     texts = [chat_text(tok, p.prompt) for p in sharegpt_prompts(args.num_prompts, tok)]
@@ -169,22 +172,24 @@ def main(args) -> None:
     plan = [("tandem", lambda: run_tandem(prompts, args.max_tokens, args.dtype, args.devices)),
             ("tandem_logprobs", lambda: run_tandem(prompts, args.max_tokens, args.dtype, args.devices, 5)),
             ("tandem_json", lambda: run_tandem(prompts, args.max_tokens, args.dtype, args.devices, json_schema=True)),
-            ("tandem_server", lambda: run_tandem_server(pairs, args.max_tokens, args.dtype, args.devices)),
+            ("tandem_server", lambda: run_tandem_server(pairs, args.max_tokens, args.dtype, args.devices,
+                                                        beside(out, "tandem_server.log"))),
             ("hf_generate", lambda: run_hf_generate(hf_dir, prompts, args.max_tokens)),
             ("hf_cb", lambda: run_hf_cb(hf_dir, prompts, args.max_tokens))]
     if vllm_python() is not None:
-        plan += [(f"vllm_{d}", (lambda d=d: run_vllm(hf_dir, pairs, args.max_tokens, d)))
+        plan += [(f"vllm_{d}", (lambda d=d: run_vllm(hf_dir, pairs, args.max_tokens, d, beside(out, f"vllm_{d}.log"))))
                  for d in ("bfloat16", "float32")]
     else:
         print("vLLM: not installed (bench/setup_peers.sh); skipped")
     from tandem.bench.peers import llama_server_bin
     if llama_server_bin() is not None:
-        plan.append(("llamacpp", lambda: run_llamacpp(pairs, args.max_tokens)))
+        plan.append(("llamacpp", lambda: run_llamacpp(pairs, args.max_tokens, beside(out, "llamacpp.log"))))
     else:
         print("llama.cpp: not built (bench/setup_peers.sh llama.cpp); skipped")
     from tandem.bench.peers import transformers_cli
     if transformers_cli() is not None:
-        plan.append(("transformers", lambda: run_transformers(hf_dir, pairs, args.max_tokens)))
+        plan.append(("transformers", lambda: run_transformers(hf_dir, pairs, args.max_tokens,
+                                                              beside(out, "transformers.log"))))
     else:
         print("transformers serve: not installed (bench/setup_peers.sh transformers); skipped")
     for name, fn in plan:
@@ -197,7 +202,6 @@ def main(args) -> None:
             rows.append(Row(name, 0, 0.0, note=f"failed: {e}"))
         print(f"  {rows[-1].system}: {rows[-1].tok_s:.1f} tok/s {rows[-1].note}", flush=True)
     print_table(rows)
-    out = RESULTS / "offline.json"
     out.write_text(json.dumps({"workload": {"prompts": len(prompts), "max_tokens": args.max_tokens,
                                             "source": "sharegpt first pairs, chat template"},
                                "machine": {"cpus": os.cpu_count()},

@@ -21,7 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tandem.bench.output import RESULTS
+from tandem.bench.output import RESULTS, beside
 from tandem.bench.client import run_trace
 from tandem.bench import plots
 from tandem.bench.metrics import (attainment, effective_throughput, meets_apt, meets_bros, rate_text, record_dict,
@@ -36,19 +36,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
-def tandem_server(model: str, max_num_seqs: int, extra: list[str] = (), keep_profile: Path | None = None):
-    """Our server (python -m server) on loopback, stopped with SIGTERM afterwards. Each start gets
-    an empty data dir, so no run's batches, learned output lengths or start-up profile reach the
-    next one; ``keep_profile``: where to copy the start-up profile the server measured (the
+def tandem_server(model: str, max_num_seqs: int, extra: list[str] = (), keep_profile: Path | None = None, *,
+                  log: Path):
+    """Our server (python -m server) on loopback, stopped with SIGTERM afterwards; its output goes
+    to ``log`` (a side file of the run's result). Each start gets an empty data dir (in the log's
+    folder, removed after), so no run's batches, learned output lengths or start-up profile reach
+    the next one; ``keep_profile``: where to copy the start-up profile the server measured (the
     one of the whole plan, sched.profiling.PLAN), for ``bench steps --profile``."""
     port = free_port()
-    RESULTS.mkdir(exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="tandem-data-", dir=RESULTS) as data_dir:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tandem-data-", dir=log.parent) as data_dir:
         cmd = [sys.executable, "-m", "server", "--model", model, "--port", str(port),
                "--max-num-seqs", str(max_num_seqs), "--data-dir", data_dir,
                "--watch-parent", str(os.getpid()), *extra]
         try:
-            with serve(cmd, port, log_path=RESULTS / "tandem-server.log", cwd=ROOT) as url:
+            with serve(cmd, port, log_path=log, cwd=ROOT) as url:
                 yield url
         finally:
             if keep_profile is not None:
@@ -109,31 +111,31 @@ def tandem_args(system: str, slo: dict | None = None, kv_cache_gib: float | None
 
 def start(system: str, hf_dir: Path, max_num_seqs: int, slo: dict | None = None, model: str = "smollm2",
           kv_cache_gib: float | None = None, devices: str | None = None, extra: list[str] = (),
-          keep_profile: Path | None = None):
+          keep_profile: Path | None = None, *, log: Path):
     """Start ``system`` on loopback; a context yielding its URL. ``tandem-<policy>`` picks our policy;
     ``tandem-bros-bidir`` adds bidirectional blocks, ``tandem-aptserve-mixed`` Apt-Serve-S. Our
     server is told the SLOs the run judges by (its RT targets); the peers have no such setting.
     ``model``: smollm2, or another checkpoint (``hf_dir``), served under the name smollm2 too.
     ``kv_cache_gib``: the same KV cache size for our server and vLLM; ``devices``, ``extra``: our
-    server's (more flags); ``keep_profile``: our server's start-up profile copied there."""
+    server's (more flags); ``keep_profile``: our server's start-up profile copied there; ``log``:
+    where the server's output goes."""
     if system == "tandem" or system.startswith("tandem-"):
         extra = tandem_args(system, slo, kv_cache_gib) + (["--devices", devices] if devices else []) + list(extra)
         if model != "smollm2":
             return tandem_server(str(hf_dir), max_num_seqs, extra + ["--served-model-name", "smollm2"],
-                                 keep_profile)
-        return tandem_server("smollm2", max_num_seqs, extra, keep_profile)
+                                 keep_profile, log=log)
+        return tandem_server("smollm2", max_num_seqs, extra, keep_profile, log=log)
     if system in ("vllm", "vllm-priority"):
         extra = ["--scheduling-policy", "priority"] if system == "vllm-priority" else []
         return vllm_server(hf_dir, dtype=resolve_dtype("auto", "cpu")[0], max_num_seqs=max_num_seqs, extra=extra,
-                           log_path=RESULTS / f"{system}-online.log", kv_cache_gib=kv_cache_gib or 2)
+                           log_path=log, kv_cache_gib=kv_cache_gib or 2)
     if system == "llamacpp":
         from tandem.bench.peers import llama_server
         from tandem.engine.models.loader import packaged_smollm2
-        return llama_server(packaged_smollm2(), slots=16, ctx_per_slot=2048,
-                            log_path=RESULTS / "llamacpp-online.log")
+        return llama_server(packaged_smollm2(), slots=16, ctx_per_slot=2048, log_path=log)
     if system == "transformers":
         from tandem.bench.peers import transformers_server
-        return transformers_server(hf_dir, log_path=RESULTS / "transformers-online.log")
+        return transformers_server(hf_dir, log_path=log)
     raise ValueError(f"unknown system {system!r}")
 
 
@@ -152,7 +154,8 @@ def calibrate(url: str, tokenizer, n: int = 5) -> tuple[float, float]:
 
 
 def slo_for(args, hf_dir: Path, tok) -> dict:
-    """SLOs: given in ms on the command line, or factors x our engine's unloaded TTFT/TBT."""
+    """SLOs: given in ms on the command line, or factors x our engine's unloaded TTFT/TBT (the
+    calibrating server's log beside the run's result: ``<out>_calibration.log``)."""
     if (args.slo_ttft_ms is None) != (args.slo_tbt_ms is None):
         raise SystemExit("give both --slo-ttft-ms and --slo-tbt-ms, or neither (both are then calibrated)")
     if args.slo_ttft_ms is not None:
@@ -161,7 +164,8 @@ def slo_for(args, hf_dir: Path, tok) -> dict:
         raise SystemExit("without a tokenizer the SLOs cannot be calibrated: give --slo-ttft-ms and --slo-tbt-ms")
     else:
         with start("tandem-fcfs", hf_dir, args.max_num_seqs, None, getattr(args, "model", "smollm2"),
-                   getattr(args, "kv_cache_gib", None), getattr(args, "devices", None)) as url:
+                   getattr(args, "kv_cache_gib", None), getattr(args, "devices", None),
+                   log=beside(RESULTS / args.out, "calibration.log")) as url:
             ttft0, tbt0 = calibrate(url, tok)
         slo = {"ttft_s": ttft0 * args.ttft_factor, "tbt_s": tbt0 * args.tbt_factor, "source": "calibrated",
                "unloaded_ttft_s": ttft0, "unloaded_tbt_s": tbt0,
@@ -325,8 +329,7 @@ def step_logging(args, system: str, tag: str = "") -> tuple[Path | None, list[st
     if not (args.step_log and system.startswith("tandem")):
         return None, [], None
     out = RESULTS / args.out               # beside the results file
-    stem = f"{out.stem}_{system}{tag}"
-    log, profile = out.with_name(f"{stem}_steps.jsonl"), out.with_name(f"{stem}_profile.json")
+    log, profile = beside(out, f"{system}{tag}_steps.jsonl"), beside(out, f"{system}{tag}_profile.json")
     log.unlink(missing_ok=True)
     profile.unlink(missing_ok=True)         # a server that measures none leaves no older one beside its log
     return log, ["--step-log", str(log)], profile
@@ -354,7 +357,7 @@ def main(args) -> None:
     def server(system: str, tag: str = ""):
         log, flags, profile = step_logging(args, system, tag)
         return log, start(system, hf_dir, args.max_num_seqs, slo, args.model, args.kv_cache_gib, args.devices,
-                          flags, profile)
+                          flags, profile, log=beside(RESULTS / args.out, f"{system}{tag}.log"))
     for system in installed_only(args.systems):
         if args.requests:
             for rate in args.rates:
@@ -414,7 +417,7 @@ def mixed(args) -> None:
         mode = args.be_mode if args.be_mode != "auto" else ("batches" if system.startswith("tandem") else "online")
         step_log, flags, profile = step_logging(args, system)
         with start(system, hf_dir, args.max_num_seqs, told, args.model, args.kv_cache_gib, args.devices,
-                   flags, profile) as url:
+                   flags, profile, log=beside(RESULTS / args.out, f"{system}.log")) as url:
             for i, rate in enumerate(args.rates):
                 # each rate's BE prompts new to the server too (random ids: no prefix shared)
                 be_items = synthetic_be_stream(args.seed + 1 + i, vocab, scale=args.be_scale, tokenizer=tok)

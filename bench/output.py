@@ -10,9 +10,21 @@ IN_CHECKOUT = (_HERE.parent / "pyproject.toml").is_file()      # an editable ins
 RESULTS = _HERE / "results" if IN_CHECKOUT else Path.cwd() / "tandem-bench-results"
 
 
+def result_path(name: str) -> Path:
+    """Where the result file ``name`` (a command's --out) goes: under the results dir, or ``name``
+    itself where it is an absolute path."""
+    return RESULTS / name
+
+
+def beside(out: Path, tail: str) -> Path:
+    """A side file of the result file ``out`` (a plot, a server's log): ``<its stem>_<tail>`` in its
+    folder, so runs with different --out keep theirs apart."""
+    return out.with_name(f"{out.stem}_{tail}")
+
+
 def save_json(name: str, obj) -> Path:
     """Write ``obj`` to bench/results/<name> and say so."""
-    out = RESULTS / name
+    out = result_path(name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(obj, indent=2))
     print(f"wrote {out}")

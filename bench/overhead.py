@@ -76,4 +76,4 @@ def run(args) -> None:
     print("| policy | candidates | snapshot | median ms | p90 ms |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['policy']} | {r['candidates']} | {r['iteration']} | {r['median_ms']:.3f} | {r['p90_ms']:.3f} |")
-    save_json("sched_overhead.json", rows)
+    save_json(args.out, rows)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from tandem.bench.output import RESULTS
+from tandem.bench.output import RESULTS, beside
 from tandem.bench.metrics import attainment, meets_apt, meets_bros, summarize
 from tandem.bench.simulator import SimSetup, simulate
 from tandem.bench.workloads import sharegpt_trace
@@ -14,6 +14,8 @@ from tandem.sched.cost_model import OPT_13B_A100, OPT_13B_A100_KV_TOKENS, CostMo
 from tandem.sched.llm import DEFAULT_KV_CACHE_BYTES
 from tandem.sched.scheduler import SchedConfig
 
+# the fitted cost model: what `bench profile` writes by default, and what the fitted preset, sim-validate and
+# bros-bound read
 COST_FILE = RESULTS / "cost_smollm2_cpu.json"
 
 
@@ -36,7 +38,8 @@ def profile(args) -> CostModel:
     """Fit the cost model from our engine's measured steps (SmolLM2, cpu:1, fp32)."""
     from tandem.bench.workloads import chat_ids, sharegpt_prompts
     from tandem import LLM, SamplingParams
-    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
     with LLM("smollm2", "cpu:1", max_num_seqs=args.max_num_seqs) as llm:
         prompts = [chat_ids(llm.tokenizer, p.prompt) for p in sharegpt_prompts(96, llm.tokenizer)]
         llm.scheduler.step_log = log = []
@@ -49,10 +52,10 @@ def profile(args) -> CostModel:
     err = cost.mean_abs_error(log)
     decode = [x for x in log if not x[0].prefill_tokens]
     prefill = [x for x in log if x[0].prefill_tokens]
-    COST_FILE.write_text(json.dumps({"cost": asdict(cost), "steps": len(log), "mean_abs_error": err,
-                                     "ratios": [round(x, 4) for x in cost.ratios(decode)],
-                                     "ratios_prefill": [round(x, 4) for x in cost.ratios(prefill)]}, indent=2))
-    print(f"fitted on {len(log)} steps, mean |error| {err:.1%}: {cost}\nwrote {COST_FILE}")
+    out.write_text(json.dumps({"cost": asdict(cost), "steps": len(log), "mean_abs_error": err,
+                               "ratios": [round(x, 4) for x in cost.ratios(decode)],
+                               "ratios_prefill": [round(x, 4) for x in cost.ratios(prefill)]}, indent=2))
+    print(f"fitted on {len(log)} steps, mean |error| {err:.1%}: {cost}\nwrote {out}")
     return cost
 
 
@@ -60,7 +63,7 @@ def load_fitted() -> tuple[CostModel, tuple[float, ...], tuple[float, ...]]:
     """The fitted cost model and its measured/predicted step-time ratios (decode-only steps,
     steps with prefill work)."""
     if not COST_FILE.is_file():
-        raise SystemExit(f"{COST_FILE} is missing: run `python -m bench profile` first")
+        raise SystemExit(f"{COST_FILE} is missing: run `python -m bench profile` first (its default --out)")
     d = json.loads(COST_FILE.read_text())
     return CostModel(**d["cost"]), tuple(d.get("ratios", ())), tuple(d.get("ratios_prefill", ()))
 
@@ -89,7 +92,8 @@ def run_rates(trace_for, setup: SimSetup, rates, ttft_slo, tbt_slo) -> list[dict
 
 def sim(args) -> None:
     """Paper-scale FCFS: OPT-13B-like cost model on one A100-40GB, ShareGPT arrivals."""
-    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / (args.out or f"sim_{args.preset}_fcfs.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer()
     cost = OPT_13B_A100 if args.preset == "opt13b" else load_fitted()[0]
     kv_tokens = OPT_13B_A100_KV_TOKENS if args.preset == "opt13b" else args.kv_tokens
@@ -101,11 +105,10 @@ def sim(args) -> None:
     trace_for = lambda rate: sharegpt_trace(tok, rate, args.num_requests / rate, args.seed,  # noqa: E731
                                             max_context=2048, max_output_tokens=1024)
     rows = run_rates(trace_for, setup, args.rates, ttft_slo, tbt_slo)
-    out = RESULTS / f"sim_{args.preset}_fcfs.json"
     out.write_text(json.dumps({"preset": args.preset, "cost": asdict(cost), "kv_tokens": kv_tokens,
                                "slo": {"ttft_s": ttft_slo, "tbt_s": tbt_slo}, "rows": rows}, indent=2))
     from tandem.bench.plots import attainment_vs_rate
-    attainment_vs_rate([r | {"system": "FCFS"} for r in rows], RESULTS / f"sim_{args.preset}_attainment.png",
+    attainment_vs_rate([r | {"system": "FCFS"} for r in rows], beside(out, "attainment.png"),
                        f"{args.preset}: SLO attainment vs rate (simulated)")
     print(f"wrote {out}")
 
@@ -115,7 +118,8 @@ def sim_mixed(args) -> None:
     from tandem.bench.plots import attainment_vs_rate, rt_latency_vs_be_throughput
     from tandem.bench.simulator import BeJobs
     from tandem.bench.workloads import synthetic_be
-    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / (args.out or f"sim_mixed_{args.preset}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer()
     cost = OPT_13B_A100 if args.preset == "opt13b" else load_fitted()[0]
     kv_tokens = OPT_13B_A100_KV_TOKENS if args.preset == "opt13b" else args.kv_tokens
@@ -146,12 +150,11 @@ def sim_mixed(args) -> None:
                   f"{row['attain_apt']:.0%} (TTFT & P99 TBT); RT norm. latency p50 "
                   f"{s['normalized_latency_s'][50] * 1e3:.1f} ms/tok; BE {row['be']['tokens_per_s']:.0f} tok/s",
                   flush=True)
-    out = RESULTS / f"sim_mixed_{args.preset}.json"
     out.write_text(json.dumps({"preset": args.preset, "slo": {"ttft_s": ttft_slo, "tbt_s": tbt_slo},
                                "be_job_size": args.be_job_size, "rows": rows}, indent=2))
-    attainment_vs_rate(rows, RESULTS / f"sim_mixed_{args.preset}_attainment.png",
+    attainment_vs_rate(rows, beside(out, "attainment.png"),
                        f"{args.preset}: RT attainment with BE always pending (simulated)")
-    rt_latency_vs_be_throughput(rows, RESULTS / f"sim_mixed_{args.preset}_rt_vs_be.png",
+    rt_latency_vs_be_throughput(rows, beside(out, "rt_vs_be.png"),
                                 f"{args.preset}: RT latency vs BE throughput (simulated)")
     print_mixed_table(rows)
     print(f"wrote {out}")
@@ -201,4 +204,7 @@ def sim_validate(args) -> None:
         f = lambda k: f"{row[k]:.1%}" if k in row else "-"  # noqa: E731
         print(f"| {r['rate']} | {f('real_apt')} | {f('sim_apt_mean')} | {f('sim_apt_spread')} | "
               f"{f('real_bros')} | {f('sim_bros_mean')} | {f('sim_bros_spread')} |")
-    (RESULTS / "sim_validate.json").write_text(json.dumps(rows, indent=2))
+    out = RESULTS / args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=2))
+    print(f"wrote {out}")

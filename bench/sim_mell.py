@@ -24,8 +24,9 @@ import math
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from tandem.bench.output import RESULTS, save_json
+from tandem.bench.output import beside, save_json
 from tandem.bench.plots import optional
 from tandem.sched.placement import Cluster, Epoch, MoveKind, Placement, place
 
@@ -137,9 +138,9 @@ def run(args) -> None:
                     res.update(trace=kind, cv=cv, rate=rate, wall_s=round(time.perf_counter() - t0, 1))
                     rows.append(res)
                 _print_group([r for r in rows if (r["trace"], r["cv"], r["rate"]) == (kind, cv, rate)])
-    save_json(args.out, {"capacity_blocks": CAPACITY, "block_tokens": BLOCK_TOKENS, "tbt_ms": args.tbt_ms,
-                         "duration_s": args.duration, "rows": rows})
-    timeline(rows)
+    out = save_json(args.out, {"capacity_blocks": CAPACITY, "block_tokens": BLOCK_TOKENS, "tbt_ms": args.tbt_ms,
+                               "duration_s": args.duration, "rows": rows})
+    timeline(rows, beside(out, "timeline.png"))
 
 
 def _print_group(rows: list[dict]) -> None:
@@ -158,7 +159,7 @@ def _print_group(rows: list[dict]) -> None:
 
 
 @optional
-def timeline(rows: list[dict]) -> None:
+def timeline(rows: list[dict], path: Path) -> None:
     """Active devices over time, per policy, for the highest-rate Poisson ShareGPT run."""
     from tandem.bench.plots import _plt, _save
     pick = [r for r in rows if r["trace"] == "sharegpt" and r["cv"] == 1.0]
@@ -175,4 +176,4 @@ def timeline(rows: list[dict]) -> None:
     ax.set_ylabel("active devices")
     ax.set_title(f"ShareGPT x10, Poisson {rate} req/s, 80 GB devices, 13B-class KV")
     ax.legend()
-    _save(fig, RESULTS / "sim_mell_timeline.png")
+    _save(fig, path)

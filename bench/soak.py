@@ -18,7 +18,7 @@ import aiohttp
 from tandem.bench.client import completion_body, one_request
 from tandem.bench.metrics import RequestRecord
 from tandem.bench.mixed import run_batch_job
-from tandem.bench.output import save_json
+from tandem.bench.output import beside, result_path, save_json
 from tandem.bench.workloads import TraceItem, sharegpt_trace
 
 
@@ -108,7 +108,7 @@ def run(args) -> None:
                            held_out=True)
     lines = sharegpt_trace(tok, 1.0, 400, args.seed + 1, max_prompt_tokens=512, max_output_tokens=args.max_output,
                            service_class="be")
-    with tandem_server("smollm2", args.max_num_seqs, []) as url:
+    with tandem_server("smollm2", args.max_num_seqs, [], log=beside(result_path(args.out), "tandem-server.log")) as url:
         samples = asyncio.run(soak(url, chats, lines, args))
     first, last = samples[0], samples[-1]
     keys = ["server_rss_mib", "workers_rss_mib", "server_open_files", "workers_open_files", "server_threads",

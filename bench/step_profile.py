@@ -151,4 +151,4 @@ def main(args) -> None:
                      ("submit", "actor: submit (pickle, write)"), ("account", "actor: account (tokens, stops)")):
         print(f"| {label} | {phases[k]:.2f} | {phases[k] / loop:.0%} |")
     print(f"| actor loop total | {loop:.2f} | |")
-    save_json("step_profile.json", {"batch": args.batch, "dtype": dtype, "serving": phases, "forward": inside})
+    save_json(args.out, {"batch": args.batch, "dtype": dtype, "serving": phases, "forward": inside})

@@ -11,7 +11,7 @@ import asyncio
 import statistics
 from types import SimpleNamespace
 
-from tandem.bench.output import save_json
+from tandem.bench.output import beside, result_path, save_json
 
 
 def decode_tbt_s(recs) -> list[float]:
@@ -28,7 +28,7 @@ def main(args) -> None:
     prompts = [chat_ids(tok, p.prompt) for p in sharegpt_prompts(max(args.batches), tok)]
     rows = []
     for system in args.systems:
-        with start(system, hf_dir, max(args.batches)) as url:
+        with start(system, hf_dir, max(args.batches), log=beside(result_path(args.out), f"{system}.log")) as url:
             for b in args.batches:
                 items = [TraceItem(0.0, prompts[i], args.max_tokens, "rt") for i in range(b)]
                 recs, dur = asyncio.run(run_trace(url, "smollm2", items, system, drain_s=600, progress=False))

@@ -2,15 +2,18 @@
 
 Runs `offline` (every installed system) and `online` (tandem, vLLM, llama.cpp,
 transformers serve: the same ShareGPT trace at two rates, plus an effective-
-throughput search per system), then joins them into one markdown table
-(results/peers_table.md) and JSON (results/peers_table.json).
+throughput search per system), then joins them into one JSON table (--out, default
+results/peers_table.json) and its markdown beside it (peers_table.md). The offline rows are
+offline.json in --out's folder (what `bench offline` writes by default, reused with
+--skip-offline), the online rows <out>_online.json.
 """
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
-from tandem.bench.output import RESULTS
+from tandem.bench.output import RESULTS, beside
 
 ONLINE_SYSTEMS = ["tandem", "vllm", "llamacpp", "transformers"]
 # offline row labels -> online system names: each a server, as the online rows are (the offline
@@ -24,16 +27,17 @@ def run(args) -> None:
     from tandem.bench.online import main as online
     from tandem.bench.peers import installed_only
     systems = installed_only(ONLINE_SYSTEMS)
+    out = RESULTS / args.out
+    off, on = out.with_name("offline.json"), beside(out, "online.json")
     if not args.skip_offline:
         offline(argparse.Namespace(num_prompts=64, max_tokens=128, dtype="float32", devices="cpu:1",
-                                   skip=["hf_generate", "hf_cb", "vllm_bfloat16"]))
+                                   skip=["hf_generate", "hf_cb", "vllm_bfloat16"], out=str(off)))
     online(argparse.Namespace(systems=systems, rates=args.rates, duration=args.duration, drain=args.drain,
                               seed=0, max_output=512, max_num_seqs=64, ttft_factor=10.0, tbt_factor=5.0,
                               slo_ttft_ms=None, slo_tbt_ms=None, search=args.search, search_metric="bros",
-                              out="table_online.json", model="smollm2", held_out=False, kv_cache_gib=None,
+                              out=str(on), model="smollm2", held_out=False, kv_cache_gib=None,
                               devices=None, requests=None, step_log=False))
-    write_table(json.loads((RESULTS / "offline.json").read_text()),
-                json.loads((RESULTS / "table_online.json").read_text()), args.rates)
+    write_table(json.loads(off.read_text()), json.loads(on.read_text()), args.rates, out)
 
 
 def _offline_key(label: str) -> str | None:
@@ -45,8 +49,9 @@ def _ms(d: dict, p: int) -> str:
     return f"{v * 1e3:.0f}" if v is not None and v == v else "-"
 
 
-def write_table(off: dict, on: dict, rates: list[float]) -> str:
-    """One row per system: offline tok/s, effective throughput, TTFT/TBT percentiles at each rate."""
+def write_table(off: dict, on: dict, rates: list[float], out: Path) -> str:
+    """One row per system: offline tok/s, effective throughput, TTFT/TBT percentiles at each rate;
+    the JSON to ``out``, the markdown beside it (``<out stem>.md``)."""
     tok_s = {_offline_key(r["system"]): r["tok_s"] for r in off["rows"] if _offline_key(r["system"])}
     eff = {e["system"]: e["effective_rps"] for e in on["effective_throughput"]}
     slo = on["slo"]
@@ -71,8 +76,7 @@ def write_table(off: dict, on: dict, rates: list[float]) -> str:
                       "/".join(_ms(s.get("tbt_s", {}), p) for p in (50, 90, 99))]
         lines.append("| " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
-    (RESULTS / "peers_table.md").write_text(text)
-    (RESULTS / "peers_table.json").write_text(json.dumps({"offline_tok_s": tok_s, "effective_rps": eff,
-                                                          "slo": slo, "rates": rates}, indent=2))
-    print("\n" + text + f"wrote {RESULTS / 'peers_table.md'}")
+    out.with_suffix(".md").write_text(text)
+    out.write_text(json.dumps({"offline_tok_s": tok_s, "effective_rps": eff, "slo": slo, "rates": rates}, indent=2))
+    print("\n" + text + f"wrote {out.with_suffix('.md')} and {out}")
     return text

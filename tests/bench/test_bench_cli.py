@@ -1,5 +1,7 @@
 """BROS's comparison table (bench/mixed.py::co_serving_targets) against hand-computed rows."""
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -89,17 +91,44 @@ def test_the_peers_table_gives_the_online_bench_every_setting_its_cli_has(monkey
     from tandem.bench import peers
     monkeypatch.setattr(peers, "installed", lambda system: system == "tandem")
     built = _online_args(monkeypatch, lambda: table.run(argparse.Namespace(
-        rates=[1.0, 2.0], duration=30.0, drain=60.0, search=None, skip_offline=True)))
+        rates=[1.0, 2.0], duration=30.0, drain=60.0, search=None, skip_offline=True, out="peers_table.json")))
     assert set(cli) - {"cmd"} <= set(built), sorted(set(cli) - set(built))
+
+
+def _online_without_load(monkeypatch, tmp_path):
+    """The online bench with its results dir at ``tmp_path`` and no model, trace, SLO calibration,
+    request, judgement or plot: what is left is how it starts its servers and where it writes."""
+    from tandem.bench import online
+
+    async def run_trace(*a, **kw):
+        return [], 1.0
+    monkeypatch.setattr(online, "RESULTS", tmp_path)
+    monkeypatch.setattr(online, "_setup", lambda args: (tmp_path, None))
+    monkeypatch.setattr(online, "slo_for", lambda *a: {"ttft_s": 1.0, "tbt_s": 0.1})
+    monkeypatch.setattr(online, "RateTraces", lambda *a, **kw: (lambda rate: []))
+    monkeypatch.setattr(online, "server_counters", lambda url: {})
+    monkeypatch.setattr(online, "run_trace", run_trace)
+    monkeypatch.setattr(online, "judge", lambda system, rate, *a: {"system": system, "rate": rate})
+    for quiet in ("print_row", "print_table"):
+        monkeypatch.setattr(online, quiet, lambda *a, **kw: None)
+    monkeypatch.setattr(online.plots, "attainment_vs_rate", lambda *a, **kw: None)
+    monkeypatch.setattr(online.plots, "latency_cdfs", lambda *a, **kw: None)
+    return online
+
+
+def _online_run(out: str, systems: list[str]):
+    """What `bench online --out OUT --systems SYSTEMS --rates 1` would parse, short and without a search."""
+    import argparse
+    return argparse.Namespace(systems=systems, rates=[1.0], requests=None, search=None, out=out, seed=0,
+                              duration=1.0, drain=1.0, max_num_seqs=4, model="smollm2", kv_cache_gib=None,
+                              devices=None, step_log=False)
 
 
 def test_peers_not_installed_are_left_out_before_anything_runs(monkeypatch, tmp_path, capsys):
     """`bench online --systems tandem vllm` on a machine without vLLM measures tandem and writes
     it; starting the missing peer last used to raise and lose tandem's rows."""
-    import argparse
     import contextlib
-    import json
-    from tandem.bench import online, peers
+    from tandem.bench import peers
     monkeypatch.setattr(peers, "PEERS_DIR", tmp_path / "peers")
     assert peers.installed_only(["tandem", "tandem-bros", "vllm-priority", "llamacpp", "transformers"]) == [
         "tandem", "tandem-bros"]
@@ -112,24 +141,9 @@ def test_peers_not_installed_are_left_out_before_anything_runs(monkeypatch, tmp_
             raise FileNotFoundError(system)
         started.append(system)
         yield "http://127.0.0.1:1"
-
-    async def run_trace(*a, **kw):
-        return [], 1.0
-    monkeypatch.setattr(online, "RESULTS", tmp_path)
-    monkeypatch.setattr(online, "_setup", lambda args: (tmp_path, None))
-    monkeypatch.setattr(online, "slo_for", lambda *a: {"ttft_s": 1.0, "tbt_s": 0.1})
-    monkeypatch.setattr(online, "RateTraces", lambda *a, **kw: (lambda rate: []))
+    online = _online_without_load(monkeypatch, tmp_path)
     monkeypatch.setattr(online, "start", start)
-    monkeypatch.setattr(online, "server_counters", lambda url: {})
-    monkeypatch.setattr(online, "run_trace", run_trace)
-    monkeypatch.setattr(online, "judge", lambda system, rate, *a: {"system": system, "rate": rate})
-    for quiet in ("print_row", "print_table"):
-        monkeypatch.setattr(online, quiet, lambda *a, **kw: None)
-    monkeypatch.setattr(online.plots, "attainment_vs_rate", lambda *a, **kw: None)
-    monkeypatch.setattr(online.plots, "latency_cdfs", lambda *a, **kw: None)
-    online.main(argparse.Namespace(systems=["vllm", "tandem"], rates=[1.0], requests=None, search=None,
-                                   out="o.json", seed=0, duration=1.0, drain=1.0, max_num_seqs=4,
-                                   model="smollm2", kv_cache_gib=None, devices=None, step_log=False))
+    online.main(_online_run("o.json", ["vllm", "tandem"]))
     assert started == ["tandem"]
     assert [r["system"] for r in json.loads((tmp_path / "o.json").read_text())["rows"]] == ["tandem"]
 
@@ -237,17 +251,16 @@ def test_a_search_that_hit_an_end_of_its_range_says_it_is_a_bound():
     assert 3 * 0.95 <= found <= 3 and rate_text(found, 1, 8) == f"{found:.2f}"
 
 
-def test_the_peers_table_takes_tandems_offline_number_from_its_server_row(monkeypatch, tmp_path):
+def test_the_peers_table_takes_tandems_offline_number_from_its_server_row(tmp_path):
     """Every offline row whose label began with "tandem" mapped to tandem, the last one winning:
     the JSON-schema row, or the in-process one, could stand as the server's throughput."""
     from tandem.bench import table
-    monkeypatch.setattr(table, "RESULTS", tmp_path)
     off = {"rows": [{"system": "tandem server (float32, cpu:1, 64 streams)", "tok_s": 200.0},
                     {"system": "tandem (float32, cpu:1)", "tok_s": 240.0},
                     {"system": "tandem (float32, cpu:1, JSON schema)", "tok_s": 180.0}]}
     on = {"effective_throughput": [], "slo": {"ttft_s": 1.0, "tbt_s": 0.2},
           "rows": [{"system": "tandem", "rate": 1.0, "attain_bros": 1.0, "attain_apt": 1.0, "summary": {}}]}
-    table.write_table(off, on, [1.0])
+    table.write_table(off, on, [1.0], tmp_path / "peers_table.json")
     assert json.loads((tmp_path / "peers_table.json").read_text())["offline_tok_s"] == {"tandem": 200.0}
 
 
@@ -264,3 +277,70 @@ def test_a_result_of_the_wrong_kind_is_named_not_a_key_error(tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["bros-bound", "--real", str(other)])
     assert str(e.value.code).startswith(f"--real: {other} is not a `bench mixed` result"), e.value.code
+
+
+# cheap runs of the commands that write plots or nothing beside their result: argv, and the tails
+# their side files take after the result's stem
+CHEAP = {"overhead": (["overhead", "--candidates", "4", "--repeats", "1"], []),
+         "sim": (["sim", "--num-requests", "4", "--rates", "1"], ["attainment.png"]),
+         "sim-mixed": (["sim-mixed", "--num-requests", "4", "--rates", "1", "--policies", "fcfs"],
+                       ["attainment.png", "rt_vs_be.png"]),
+         "sim-mell": (["sim-mell", "--duration", "20", "--rates", "0.5", "--cvs", "1", "--traces", "sharegpt",
+                       "--policies", "mell", "lb"], ["timeline.png"])}
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("command", CHEAP)
+def test_a_result_and_its_plots_go_where_out_says(command, monkeypatch, tmp_path):
+    """overhead, sim and sim-mixed took no --out: each wrote its fixed name into the results dir,
+    over the reference result kept there; sim-mell's timeline plot went to the results dir's root
+    whatever --out said."""
+    from tandem.bench import output, sim_cli, sim_mell
+    from tandem.bench.__main__ import main
+    for module in (output, sim_cli, sim_mell):          # each module that held its own name for the dir
+        monkeypatch.setattr(module, "RESULTS", tmp_path, raising=False)
+    argv, sides = CHEAP[command]
+    main(argv + ["--out", "sub/x.json"])
+    plots = sides if importlib.util.find_spec("matplotlib") else []
+    assert _files(tmp_path) == sorted(["sub/x.json"] + [f"sub/x_{tail}" for tail in plots])
+
+
+def test_our_servers_log_and_data_go_beside_the_result(monkeypatch, tmp_path):
+    """Every server the online bench started logged to the results dir's root (tandem-server.log,
+    each start over the last one's log) and kept its data dir there, whatever --out said."""
+    import contextlib
+    online = _online_without_load(monkeypatch, tmp_path)
+    started = []
+
+    @contextlib.contextmanager
+    def serve(cmd, port, *, log_path=None, **kw):
+        started.append((log_path, Path(cmd[cmd.index("--data-dir") + 1]).parent))
+        yield "http://127.0.0.1:1"
+    monkeypatch.setattr(online, "serve", serve)
+    sub = tmp_path / "sub"
+    sub.mkdir()                 # made by the _setup left out
+    online.main(_online_run("sub/o.json", ["tandem-fcfs", "tandem"]))
+    assert started == [(sub / "o_tandem-fcfs.log", sub), (sub / "o_tandem.log", sub)]
+    assert _files(tmp_path) == ["sub/o.json"]
+
+
+def test_the_peers_table_reuses_the_offline_rows_in_its_folder_and_writes_beside_its_out(monkeypatch, tmp_path):
+    """`table` took no --out: its table, markdown and online rows went to fixed names in the
+    results dir; --skip-offline reads offline.json in --out's folder (results/offline.json by
+    default, where `bench offline` writes)."""
+    from tandem.bench import online, peers, table
+    from tandem.bench.__main__ import main
+    monkeypatch.setattr(table, "RESULTS", tmp_path)
+    monkeypatch.setattr(peers, "installed", lambda system: system == "tandem")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "offline.json").write_text(json.dumps(
+        {"rows": [{"system": "tandem server (float32, cpu:1, 64 streams)", "tok_s": 200.0}]}))
+    rows = [{"system": "tandem", "rate": 1.0, "attain_bros": 1.0, "attain_apt": 1.0, "summary": {}}]
+    monkeypatch.setattr(online, "main", lambda args: Path(args.out).write_text(json.dumps(
+        {"effective_throughput": [], "slo": {"ttft_s": 1.0, "tbt_s": 0.2}, "rows": rows})))
+    main(["table", "--skip-offline", "--rates", "1", "2", "--out", "sub/t.json"])
+    assert _files(tmp_path) == ["sub/offline.json", "sub/t.json", "sub/t.md", "sub/t_online.json"]
+    assert json.loads((tmp_path / "sub" / "t.json").read_text())["offline_tok_s"] == {"tandem": 200.0}
