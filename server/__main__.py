@@ -522,6 +522,7 @@ def main(argv=None, prog: str = "python -m server") -> None:
     from tandem.sched.llm import LLM
     from tandem.server.app import STATE, create_app
     from tandem.server.routes_batch import RUNNER
+    from tandem.server.store import StoreError
     from tandem.server.connections import Listen, serve
     try:        # not under HTTPS: uvloop's start_tls stalls other connections while handshakes wait
         import uvloop
@@ -559,7 +560,11 @@ def main(argv=None, prog: str = "python -m server") -> None:
             raise
         return AsyncEngine(llm)
 
-    app = create_app(cfg, build_engine)
+    try:
+        app = create_app(cfg, build_engine)
+    except StoreError as e:
+        print(f"tandem: {e}", file=sys.stderr)
+        sys.exit(1)
     if cfg.watch_parent:
         app.on_startup.append(lambda app_: _watch_parent(cfg.watch_parent))
     t0 = time.monotonic()

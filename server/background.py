@@ -108,8 +108,9 @@ class Background:
         kept = self.store.get_response(rid)
         response = None if kept is None else kept[0] | {"status": status, "error": error}
         if response is not None:
-            self.store.set_response(response)
-        self.store.end_response_job(rid)
+            self.store.set_response(response, ends_job=True)
+        else:
+            self.store.end_response_job(rid)
         return response
 
     def in_progress(self, response: dict) -> None:

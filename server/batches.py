@@ -185,17 +185,18 @@ class BatchRunner:
 
     async def _steps(self, bid: str) -> None:
         b = self.store.get_batch(bid)
-        if b["status"] == "validating":
-            raw = self.store.file_content(b["input_file_id"])
-            if raw is None:
+        if self.store.needs_lines(bid):     # validating, or cancelled meanwhile and stopped before its lines were in
+            raw = self.store.input_bytes(bid)
+            if raw is None and b["status"] == "validating":
                 return self._fail(bid, [{"code": "file_not_found", "message": "input file was deleted",
                                          "param": "input_file_id", "line": None}])
-            # off the event loop: parsing 50,000 lines would stall every stream meanwhile
-            lines, errors = await asyncio.to_thread(validate_lines, raw, b["endpoint"])
-            if errors:
-                return self._fail(bid, errors)
-            await asyncio.to_thread(self.store.add_lines, bid, lines)
-            log.info("batch %s: %d lines to %s", bid, len(lines), b["endpoint"])
+            if raw is not None:
+                # off the event loop: parsing 50,000 lines would stall every stream meanwhile
+                lines, errors = await asyncio.to_thread(validate_lines, raw, b["endpoint"])
+                if errors:
+                    return self._fail(bid, errors)
+                await asyncio.to_thread(self.store.add_lines, bid, lines)
+                log.info("batch %s: %d lines to %s", bid, len(lines), b["endpoint"])
         expired = False
         if self.store.status(bid) == "in_progress":
             expired = await self._run_lines(bid, b["endpoint"], b["expires_at"])
@@ -292,7 +293,7 @@ class BatchRunner:
         return code, resp
 
     def _fail(self, bid: str, errors: list[dict]) -> None:
-        self.store.set_status(bid, "failed", errors=json.dumps({"object": "list", "data": errors}))
+        self.store.fail_batch(bid, errors)
         log.info("batch %s failed: %s", bid, errors[0]["message"] + (f" (and {len(errors) - 1} more errors)"
                                                                         if len(errors) > 1 else ""))
 

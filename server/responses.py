@@ -170,16 +170,19 @@ def _input_item(item: dict) -> dict:
     return {**item, "id": item.get("id") or prefix + uuid.uuid4().hex, "status": "completed"}
 
 
-def _keep(store: Store, body: dict, response: dict, conversation: list[dict], reply: dict | None = None) -> None:
+def _keep(store: Store, body: dict, response: dict, conversation: list[dict], reply: dict | None = None,
+          job: bool = False, ends_job: bool = False) -> None:
     """Keep a response, its conversation (with ``reply``, once there is one) and input items,
-    unless the request said ``store: false``."""
+    unless the request said ``store: false``; ``job``: with the request, to run (again) until it
+    ends (a background response's); ``ends_job``: it ended, the request goes."""
     if body.get("store") is False:
         return
     inp = body["input"]
     items = [_input_item(i) for i in ([{"role": "user", "content": inp}] if isinstance(inp, str) else inp)]
     if reply is not None and reply.get("content") is None and not reply.get("tool_calls"):
         reply = reply | {"content": ""}         # cut off before a call's name: a turn that said nothing
-    store.keep_response(response, conversation + ([reply] if reply is not None else []), MAX_KEPT, items)
+    store.keep_response(response, conversation + ([reply] if reply is not None else []), MAX_KEPT, items,
+                        job=body if job else None, ends_job=ends_job)
 
 
 def chat_body(body: dict, store: Store) -> tuple[dict, list[dict]]:
@@ -413,8 +416,7 @@ async def _create_in_background(request: web.Request, engine, body: dict) -> web
     try:
         created = int(time.time())
         queued = response_json(p, body, created, None, None, None) | {"status": "queued"}
-        keep(response=queued)
-        app[STORE].add_response_job(queued["id"], body)
+        keep(response=queued, job=True)         # one write: a stop never keeps it queued with nothing to run
     except BaseException:
         p.close()
         raise
@@ -722,7 +724,7 @@ async def _run_events(ev: _Events, st, p: Prepared, body: dict, created: int, ke
                 raise
             raise storage_full(e) from e     # the stream's error event says why it was not kept
     else:
-        await when_stored(functools.partial(keep, response=done, reply=reply), f"background response {done['id']}",
-                          log)
+        await when_stored(functools.partial(keep, response=done, reply=reply, ends_job=True),
+                          f"background response {done['id']}", log)
     await ev.send("response.incomplete" if done["status"] == "incomplete" else "response.completed",
                   {"response": done})

@@ -4,12 +4,16 @@ the data dir.
 Every batch line's result is committed as soon as it exists, exactly once
 (``UPDATE ... WHERE status = 'pending'``), so a server killed at any point and
 restarted resumes the pending lines and the output lists each custom_id once. Once a batch has
-ended (its output and error files written), its lines are dropped and its counts kept.
+ended (its output and error files written), its lines are dropped and its counts kept. A batch's
+input file keeps its bytes until all its lines are in the store, even when it is deleted (it is
+then gone for the API), so a stop while it validates loses no line. Each start removes what a
+stop left on disk (a part-written body, the body of a deleted file, a body no file lists).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sqlite3
 import time
@@ -44,12 +48,21 @@ ADDED_COLUMNS = {
                 "cached_tokens INTEGER NOT NULL DEFAULT 0", "output_tokens INTEGER NOT NULL DEFAULT 0",
                 "reasoning_tokens INTEGER NOT NULL DEFAULT 0",
                 # a batch's request_counts once it has ended (its lines are dropped then)
-                "total_lines INTEGER", "completed_lines INTEGER", "failed_lines INTEGER")}
+                "total_lines INTEGER", "completed_lines INTEGER", "failed_lines INTEGER",
+                "lines_stored INTEGER NOT NULL DEFAULT 0")}     # 1 once every line is in batch_lines
 LINES_PER_WRITE = 2_000     # batch lines inserted per transaction
 SIDE_WAIT_S = 30.0          # how long a connection waits for another's write lock
 USAGE = ("input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens")
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+# the batches whose lines are not all stored yet: they read their input file (again, after a stop)
+NEEDS_INPUT = "(status='validating' OR (status='cancelling' AND lines_stored=0))"
+
+log = logging.getLogger("tandem.store")
+
+
+class StoreError(Exception):
+    """The data dir's database cannot be used (damaged): the server cannot start on it."""
 TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "cancelling_at",
               "cancelled_at", "expired_at")
 
@@ -84,7 +97,25 @@ class Store:
         self.root = Path(data_dir)
         self.files_dir = self.root / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
-        self.db = self._connect()
+        path = self.root / "tandem.sqlite3"
+        try:
+            self.db = self._connect()
+            new = self._open()
+        except sqlite3.DatabaseError as e:
+            raise StoreError(f"the data dir's database {path} is damaged ({e}). Restore it from a backup, or "
+                             f"move it aside to start with an empty one (the files, batches and kept "
+                             f"responses it lists are then not listed)") from None
+        self.sweep_expired()
+        for r in self.db.execute("SELECT id FROM batches WHERE total_lines IS NOT NULL AND id IN "
+                                 "(SELECT DISTINCT batch_id FROM batch_lines)").fetchall():
+            self._drop_lines(self.db, r["id"])        # a stop between a batch's end and its lines' drop
+        self._sweep_bodies(new)
+
+    def _open(self) -> bool:
+        """Check the database and make or update its tables; whether it was new."""
+        if self.db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
+            raise sqlite3.DatabaseError("its integrity check failed")
+        new = self.db.execute("SELECT COUNT(*) FROM sqlite_master WHERE name='files'").fetchone()[0] == 0
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.executescript(SCHEMA)
         for table, columns in ADDED_COLUMNS.items():
@@ -92,10 +123,32 @@ class Store:
             for col in columns:
                 if col.split()[0] not in have:
                     self.db.execute(f"ALTER TABLE {table} ADD COLUMN {col}")
-        self.sweep_expired()
-        for r in self.db.execute("SELECT id FROM batches WHERE total_lines IS NOT NULL AND id IN "
-                                 "(SELECT DISTINCT batch_id FROM batch_lines)").fetchall():
-            self._drop_lines(self.db, r["id"])        # a stop between a batch's end and its lines' drop
+        return new
+
+    def _sweep_bodies(self, new_database: bool) -> None:
+        """Remove the bodies a stop left under files/: part-written ones, those of deleted files
+        (unless a batch still reads its input from one) and those no file lists (a stop between
+        writing a body and listing it). A new database next to bodies lists none of them: it
+        replaced one that did, so they stay, and the log says so."""
+        listed = {r["id"]: r["deleted"] for r in self.db.execute("SELECT id, deleted FROM files")}
+        needed = {r[0] for r in self.db.execute(f"SELECT input_file_id FROM batches WHERE {NEEDS_INPUT}")}
+        strays = []
+        for f in self.files_dir.iterdir():
+            if f.name.startswith(".") and f.name.endswith(".tmp"):
+                f.unlink(missing_ok=True)
+            elif f.name in listed:
+                if listed[f.name] and f.name not in needed:
+                    f.unlink(missing_ok=True)
+            elif f.is_file():
+                strays.append(f)
+        if strays and new_database:
+            log.warning("the data dir's database is new, but %s holds %d file bodies it does not list (was "
+                        "tandem.sqlite3 replaced or removed?): they are kept, unlisted", self.files_dir, len(strays))
+            return
+        for f in strays:
+            f.unlink(missing_ok=True)
+        if strays:
+            log.info("removed %d file bodies no file lists (a stop between writing and listing them)", len(strays))
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.root / "tandem.sqlite3", isolation_level=None, timeout=SIDE_WAIT_S,
@@ -185,10 +238,27 @@ class Store:
         return None if path is None else path.read_bytes()
 
     def delete_file(self, fid: str) -> bool:
+        """Delete a file for the API; its bytes go now, unless a batch has not stored all its lines
+        from it yet (they go once it has)."""
         cur = self.db.execute("UPDATE files SET deleted=1 WHERE id=? AND deleted=0", (fid,))
         if cur.rowcount:
-            (self.files_dir / fid).unlink(missing_ok=True)
+            self._drop_input_bytes(self.db, fid)
         return bool(cur.rowcount)
+
+    def _drop_input_bytes(self, db: sqlite3.Connection, fid: str) -> None:
+        """Remove a deleted file's bytes, unless a batch still reads its lines from it."""
+        if db.execute(f"SELECT 1 FROM files WHERE id=? AND deleted=1 AND id NOT IN (SELECT input_file_id "
+                      f"FROM batches WHERE {NEEDS_INPUT})", (fid,)).fetchone():
+            (self.files_dir / fid).unlink(missing_ok=True)
+
+    def input_bytes(self, bid: str) -> bytes | None:
+        """A batch's input file's bytes, also where the file was deleted since the batch was made
+        (kept until the batch has stored its lines); None where they are gone."""
+        fid = self.db.execute("SELECT input_file_id FROM batches WHERE id=?", (bid,)).fetchone()[0]
+        try:
+            return (self.files_dir / fid).read_bytes()
+        except FileNotFoundError:
+            return None
 
     # ---- batches ---------------------------------------------------------------
     def add_batch(self, input_file_id: str, endpoint: str, window_s: int, window: str,
@@ -219,8 +289,8 @@ class Store:
     def add_lines(self, bid: str, lines: list[tuple[int, str, dict]]) -> None:
         """Insert validated lines, then move to in_progress (unless cancelled meanwhile); on a
         thread of its own. In transactions of ``LINES_PER_WRITE`` lines, so the event loop's own
-        writes never wait long for the lock; a stop in between leaves the batch validating, to
-        be validated and inserted again (a line inserted twice is kept once)."""
+        writes never wait long for the lock; a stop in between leaves the batch validating (or
+        cancelling), to be validated and inserted again (a line inserted twice is kept once)."""
         with closing(self._connect()) as db:
             for at in range(0, len(lines), LINES_PER_WRITE):
                 with db:
@@ -228,9 +298,35 @@ class Store:
                     db.executemany("INSERT OR IGNORE INTO batch_lines (batch_id, line_no, custom_id, body) "
                                    "VALUES (?,?,?,?)", [(bid, n, cid, json.dumps(b))
                                                         for n, cid, b in lines[at:at + LINES_PER_WRITE]])
-            # a batch cancelled while it was validating stays cancelling
-            db.execute("UPDATE batches SET status='in_progress', in_progress_at=? WHERE id=? AND "
-                       "status='validating'", (int(time.time()), bid))
+            with db:
+                db.execute("BEGIN")
+                db.execute("UPDATE batches SET lines_stored=1 WHERE id=?", (bid,))
+                # a batch cancelled while it was validating stays cancelling
+                db.execute("UPDATE batches SET status='in_progress', in_progress_at=? WHERE id=? AND "
+                           "status='validating'", (int(time.time()), bid))
+            self._drop_input_bytes(db, self._input_of(db, bid))
+
+    @staticmethod
+    def _input_of(db: sqlite3.Connection, bid: str) -> str:
+        return db.execute("SELECT input_file_id FROM batches WHERE id=?", (bid,)).fetchone()[0]
+
+    def needs_lines(self, bid: str) -> bool:
+        """Whether a batch has not stored all its lines yet (validating, or cancelled while it
+        was and stopped before they were in)."""
+        return self.db.execute(f"SELECT 1 FROM batches WHERE id=? AND {NEEDS_INPUT}", (bid,)).fetchone() is not None
+
+    def fail_batch(self, bid: str, errors: list[dict]) -> None:
+        """A batch failed with ``errors``: its request_counts as its lines stand, then its lines
+        dropped (no file lists their results), and a deleted input's bytes with them."""
+        with self.db:
+            self.db.execute("BEGIN")
+            c = self._line_counts(self.db, bid)
+            self.db.execute("UPDATE batches SET status='failed', failed_at=?, errors=?, total_lines=?, "
+                            "completed_lines=?, failed_lines=? WHERE id=?",
+                            (int(time.time()), json.dumps({"object": "list", "data": errors}), c["total"],
+                             c["completed"], c["failed"], bid))
+        self._drop_lines(self.db, bid)
+        self._drop_input_bytes(self.db, self._input_of(self.db, bid))
 
     def pending_lines(self, bid: str, after: int = -1, limit: int = -1) -> list[tuple[int, str, dict]]:
         """The lines with no result yet, in order: the first ``limit`` (-1: all) after ``after``."""
@@ -278,6 +374,7 @@ class Store:
                            (final, output_file_id, error_file_id, c["total"], c["completed"], c["failed"],
                             int(time.time()), bid))
             self._drop_lines(db, bid)
+            self._drop_input_bytes(db, self._input_of(db, bid))
 
     @staticmethod
     def _drop_lines(db: sqlite3.Connection, bid: str) -> None:
@@ -332,15 +429,29 @@ class Store:
         return self.db.execute("SELECT status FROM batches WHERE id=?", (bid,)).fetchone()["status"]
 
     # ---- responses (the Responses API's store) ---------------------------------------
-    def keep_response(self, response: dict, conversation: list[dict], keep: int, inputs: list[dict]) -> None:
-        """Keep a response, its conversation and its input items; only the ``keep`` newest stay."""
-        seq = self.db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM responses").fetchone()[0]
-        self.db.execute("INSERT OR REPLACE INTO responses VALUES (?,?,?,?)",
-                        (response["id"], seq, json.dumps(response), json.dumps(conversation)))
-        self.db.execute("INSERT OR REPLACE INTO response_inputs VALUES (?,?)", (response["id"], json.dumps(inputs)))
-        self.db.execute("DELETE FROM responses WHERE seq <= ? AND id NOT IN (SELECT id FROM response_jobs)",
-                        (seq - keep,))        # a background response still running stays
-        self.db.execute("DELETE FROM response_inputs WHERE id NOT IN (SELECT id FROM responses)")
+    def keep_response(self, response: dict, conversation: list[dict], keep: int, inputs: list[dict],
+                      job: dict | None = None, ends_job: bool = False) -> None:
+        """Keep a response, its conversation and its input items; only the ``keep`` newest stay.
+        With ``job`` (a background response's request, kept until it ends) or ``ends_job`` (it
+        ended: its request goes), in the same transaction: a stop never leaves a response kept
+        queued with no request to run, nor one ended whose request runs again."""
+        with self.db:
+            self.db.execute("BEGIN")
+            seq = self.db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM responses").fetchone()[0]
+            self.db.execute("INSERT OR REPLACE INTO responses VALUES (?,?,?,?)",
+                            (response["id"], seq, json.dumps(response), json.dumps(conversation)))
+            self.db.execute("INSERT OR REPLACE INTO response_inputs VALUES (?,?)",
+                            (response["id"], json.dumps(inputs)))
+            self._job(response["id"], job, ends_job)
+            self.db.execute("DELETE FROM responses WHERE seq <= ? AND id NOT IN (SELECT id FROM response_jobs)",
+                            (seq - keep,))        # a background response still running stays
+            self.db.execute("DELETE FROM response_inputs WHERE id NOT IN (SELECT id FROM responses)")
+
+    def _job(self, rid: str, job: dict | None, ends: bool) -> None:
+        if job is not None:
+            self.db.execute("INSERT OR REPLACE INTO response_jobs VALUES (?,?)", (rid, json.dumps(job)))
+        elif ends:
+            self.db.execute("DELETE FROM response_jobs WHERE id=?", (rid,))
 
     def response_inputs(self, rid: str) -> list[dict]:
         """A kept response's input items (none for one kept before they were)."""
@@ -351,13 +462,17 @@ class Store:
         r = self.db.execute("SELECT response, conversation FROM responses WHERE id=?", (rid,)).fetchone()
         return None if r is None else (json.loads(r["response"]), json.loads(r["conversation"]))
 
-    def set_response(self, response: dict) -> None:
-        """A kept response as it is now (its conversation and place stay)."""
-        self.db.execute("UPDATE responses SET response=? WHERE id=?", (json.dumps(response), response["id"]))
+    def set_response(self, response: dict, ends_job: bool = False) -> None:
+        """A kept response as it is now (its conversation and place stay); ``ends_job``: it ended,
+        and its request goes in the same transaction."""
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.execute("UPDATE responses SET response=? WHERE id=?", (json.dumps(response), response["id"]))
+            self._job(response["id"], None, ends_job)
 
     def add_response_job(self, rid: str, body: dict) -> None:
         """A background response's request, kept until it ends."""
-        self.db.execute("INSERT OR REPLACE INTO response_jobs VALUES (?,?)", (rid, json.dumps(body)))
+        self._job(rid, body, False)
 
     def response_job(self, rid: str) -> dict | None:
         r = self.db.execute("SELECT body FROM response_jobs WHERE id=?", (rid,)).fetchone()

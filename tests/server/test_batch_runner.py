@@ -551,3 +551,167 @@ def test_a_line_the_disk_refuses_to_keep_runs_again_instead_of_failing(tmp_path,
         b = asyncio.run(main())
     assert len(refusals) == 3 and "the data dir refused a write" in caplog.text
     _answered_once(store, b, 4)
+
+
+class Killed(BaseException):
+    """The server's process ends here (as under SIGKILL: nothing after it runs)."""
+
+
+def _killed_at_second_write(monkeypatch) -> None:
+    """Storing a batch's lines dies after its first transaction of two lines has committed."""
+    monkeypatch.setattr(store_module, "LINES_PER_WRITE", 2)
+    writes = []
+
+    class Dying(sqlite3.Connection):
+        def executemany(self, *args):
+            writes.append(1)
+            if len(writes) == 2:
+                raise Killed
+            return super().executemany(*args)
+
+    def connect(self):
+        db = sqlite3.connect(self.root / "tandem.sqlite3", isolation_level=None, factory=Dying,
+                             check_same_thread=False)
+        db.row_factory = sqlite3.Row
+        return db
+    monkeypatch.setattr(Store, "_connect", connect)
+
+
+def _validating_then(store: Store, monkeypatch, meanwhile) -> None:
+    """``meanwhile(batch id)`` runs while the batch's input is being validated."""
+    real = batches.validate_lines
+
+    def validate(raw, endpoint):
+        meanwhile()
+        return real(raw, endpoint)
+    monkeypatch.setattr(batches, "validate_lines", validate)
+
+
+def _first_life_dies(store: Store, bid: str, run_line) -> None:
+    async def main():
+        runner = BatchRunner(store, run_line, 4)
+        runner.start(bid)
+        with pytest.raises(Killed):
+            await runner.tasks[bid]
+    asyncio.run(main())
+
+
+def _next_life(tmp_path, run_line) -> tuple[Store, dict]:
+    """A new start on the same data dir: every active batch runs to its end."""
+    store = Store(tmp_path)
+
+    async def main():
+        runner = BatchRunner(store, run_line, 4)
+        runner.resume_all()
+        await asyncio.gather(*runner.tasks.values())
+    asyncio.run(main())
+    return store, store.get_batch(store.list_batches(1, None)[0][0]["id"])
+
+
+def test_a_batch_cancelled_while_validating_and_stopped_before_its_lines_were_in_loses_none(tmp_path, monkeypatch):
+    """Cancelled while its 7 lines were being validated; the server died after storing the first
+    two. The next start ended it cancelled with those two in its error file (five custom_ids in
+    neither file): it now reads its input again, and every line is in the error file as
+    batch_cancelled."""
+    ran = []
+
+    async def run_line(body, endpoint):
+        ran.append(body)
+        return answer(body)
+    store = Store(tmp_path)
+    bid = store.add_batch(input_file(store, 7), ENDPOINT, 3600, "1h", None, "M")["id"]
+    _validating_then(store, monkeypatch, lambda: store.set_status(bid, "cancelling"))
+    _killed_at_second_write(monkeypatch)
+    _first_life_dies(store, bid, run_line)
+    monkeypatch.undo()
+    store, b = _next_life(tmp_path, run_line)
+    assert b["status"] == "cancelled" and not ran
+    errs = lines_of(store, b["error_file_id"])
+    assert sorted(e["custom_id"] for e in errs) == sorted(f"c{i}" for i in range(7))
+    assert {e["error"]["code"] for e in errs} == {"batch_cancelled"} and b["request_counts"]["total"] == 7
+
+
+def test_an_input_deleted_while_its_batch_validates_is_read_again_after_a_stop(tmp_path, monkeypatch):
+    """The input file is deleted while its batch validates, and the server dies after the first
+    two of 7 lines are stored. The next start failed the batch (input file deleted) and kept
+    those two lines in the store for ever: the input's bytes stay until the batch has all its
+    lines, so it runs every line, and they go then (the file stays deleted for the API)."""
+    store = Store(tmp_path)
+    fid = input_file(store, 7)
+    bid = store.add_batch(fid, ENDPOINT, 3600, "1h", None, "M")["id"]
+
+    async def run_line(body, endpoint):
+        return 200, {"id": "x", "choices": [{"message": {"content": body["messages"][0]["content"]}}]}
+    _validating_then(store, monkeypatch, lambda: store.delete_file(fid))
+    _killed_at_second_write(monkeypatch)
+    _first_life_dies(store, bid, run_line)
+    monkeypatch.undo()
+    assert store.get_file(fid) is None
+    store, b = _next_life(tmp_path, run_line)
+    assert b["status"] == "completed" and b["request_counts"] == {"total": 7, "completed": 7, "failed": 0}, b
+    out = lines_of(store, b["output_file_id"])
+    assert sorted((r["custom_id"], r["response"]["body"]["choices"][0]["message"]["content"]) for r in out) == \
+        sorted((f"c{i}", f"q{i}") for i in range(7))
+    assert store.get_file(fid) is None and not (store.files_dir / fid).exists()
+    assert not store.db.execute("SELECT 1 FROM batch_lines").fetchall()
+
+
+def test_a_failed_batch_keeps_no_lines(tmp_path):
+    """A batch that fails (here a bug while it runs) drops its lines as an ended one does; its
+    counts are those of its lines when it failed."""
+    store = Store(tmp_path)
+    fid = input_file(store, 5)
+    bid = store.add_batch(fid, ENDPOINT, 3600, "1h", None, "M")["id"]
+    store.add_lines(bid, batches.validate_lines(store.file_content(fid), ENDPOINT)[0])
+    for n in (1, 2):
+        store.finish_line(bid, n, 200, {"id": "x"})
+    store.close()
+    store = Store(tmp_path)
+
+    async def main():
+        runner = BatchRunner(store, None, 1)
+        runner._run_lines = lambda *a: (_ for _ in ()).throw(RuntimeError("a bug"))
+        runner.start(bid)
+        await runner.tasks[bid]
+    asyncio.run(main())
+    b = store.get_batch(bid)
+    assert b["status"] == "failed" and b["request_counts"] == {"total": 5, "completed": 2, "failed": 0}
+    assert not store.db.execute("SELECT 1 FROM batch_lines").fetchall()
+
+
+def test_a_start_removes_what_a_stop_left_on_disk(tmp_path, caplog):
+    """A part-written body, a deleted file's body (a stop between the delete and the unlink) and a
+    body no file lists (a stop between writing and listing it) are removed at the next start; a
+    listed file's stays. A database made new beside bodies (it replaced one that listed them)
+    removes none of them, and says so."""
+    store = Store(tmp_path)
+    kept = store.add_file(b"kept\n", "k.jsonl", "batch")["id"]
+    gone = store.add_file(b"gone\n", "g.jsonl", "batch")["id"]
+    store.db.execute("UPDATE files SET deleted=1 WHERE id=?", (gone,))
+    (store.files_dir / ".file-abc.tmp").write_bytes(b"half")
+    (store.files_dir / "file-unlisted").write_bytes(b"never listed")
+    store.close()
+    Store(tmp_path).close()
+    assert sorted(p.name for p in (tmp_path / "files").iterdir()) == [kept]
+    (tmp_path / "tandem.sqlite3").unlink()
+    for suffix in ("-wal", "-shm"):
+        (tmp_path / f"tandem.sqlite3{suffix}").unlink(missing_ok=True)
+    with caplog.at_level(logging.WARNING, logger="tandem.store"):
+        Store(tmp_path).close()
+    assert sorted(p.name for p in (tmp_path / "files").iterdir()) == [kept]
+    assert "holds 1 file bodies it does not list" in caplog.text
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_damaged_database_is_named_with_what_to_do(tmp_path, damage):
+    store = Store(tmp_path)
+    for i in range(40):
+        store.add_file(b"x" * 3000 + b"\n", f"{i}.jsonl", "batch")
+    store.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    store.close()
+    path = tmp_path / "tandem.sqlite3"
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2] if damage == "truncated" else b"\x00" * 100 + data[100:])
+    with pytest.raises(store_module.StoreError) as e:
+        Store(tmp_path)
+    assert str(path) in str(e.value) and "move it aside" in str(e.value)

@@ -208,3 +208,21 @@ def test_a_chat_is_not_refused_for_the_batch_work_waiting_behind_it(tiny_chat_mo
             t.join(300)
     finally:
         stop_server(srv)
+
+
+def test_a_damaged_database_stops_the_start_with_a_line_saying_what_to_do(tiny_chat_model, tmp_path):
+    """A data dir whose database is damaged (here its first bytes overwritten): the server
+    stopped with sqlite's traceback, naming neither the file nor a way out. It exits with
+    status 1 and one line naming both."""
+    import subprocess
+    import sys
+    from tests.server.conftest import ROOT, free_port
+    srv = start_server(tiny_chat_model, tmp_path)
+    stop_server(srv)
+    db = tmp_path / "data" / "tandem.sqlite3"
+    db.write_bytes(b"\x00" * 100 + db.read_bytes()[100:])
+    r = subprocess.run([sys.executable, "-m", "server", "--model", str(tiny_chat_model), "--port", str(free_port()),
+                        "--data-dir", str(tmp_path / "data")], cwd=ROOT, capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL, timeout=600)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"tandem: the data dir's database {db} is damaged" in r.stderr and "move it aside" in r.stderr

@@ -672,10 +672,10 @@ import tandem.server.errors as errors
 import tandem.server.store as store
 errors.STORAGE_RETRY_S = 0.1
 _keep = store.Store.keep_response
-def keep(self, response, *a):     # a response's end is refused while the file is there, as by a full disk
+def keep(self, response, *a, **kw):     # a response's end is refused while the file is there, as by a full disk
     if response["status"] != "queued" and os.path.exists({path!r}):
         raise OSError(errno.ENOSPC, "No space left on device")
-    return _keep(self, response, *a)
+    return _keep(self, response, *a, **kw)
 store.Store.keep_response = keep
 _end, ends = store.Store.end_response_job, []
 def end(self, rid):               # and the first write that closes a response's job, after its end was kept
@@ -845,3 +845,47 @@ def test_ended_responses_events_are_forgotten_oldest_first_past_a_count_or_a_siz
         bg._forget_old()
         return kept_by_count, list(bg.logs)
     assert asyncio.run(main()) == (["b", "c", "d"], ["d", "e", "f"])
+
+
+KILLED_AT = """
+import os
+import tandem.server.store as store
+_init = store.Store.__init__
+def init(self, *a, **kw):         # the process dies as the statement begins, as under SIGKILL
+    _init(self, *a, **kw)
+    self.db.set_trace_callback(lambda sql: os._exit(9) if sql.startswith({sql!r}) else None)
+store.Store.__init__ = init
+"""
+
+
+@pytest.mark.parametrize("sql", ["INSERT OR REPLACE INTO response_jobs", "DELETE FROM response_jobs"])
+def test_a_stop_while_a_background_response_is_kept_leaves_it_to_run_or_ended(sql, tiny_chat_model, tmp_path, tok):
+    """The server dies as it writes a background response's request (after keeping it queued)
+    or removes it (after keeping its end). A response kept queued with no request stayed queued
+    for ever; one kept ended with its request still there ran again after the next start (in
+    progress, its output gone, to end again). Each write and the response's now commit together:
+    what the data dir holds is in progress with its request, or ended without one (or nothing,
+    where the client never got an id), and the next start ends it with the greedy reply."""
+    import sqlite3
+    from tests.server.conftest import start_server, stop_server
+    srv = start_server(tiny_chat_model, tmp_path, inject=KILLED_AT.format(sql=sql))
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0)
+    try:
+        c.responses.create(model=srv.model, input="Write a poem", max_output_tokens=MAX, temperature=0,
+                           background=True)
+    except openai.APIConnectionError:
+        pass                                # it died before answering
+    assert srv.proc.wait(timeout=600) == 9
+    with sqlite3.connect(tmp_path / "data" / "tandem.sqlite3") as db:
+        kept = {rid: json.loads(r)["status"] for rid, r in db.execute("SELECT id, response FROM responses")}
+        jobs = {rid for (rid,) in db.execute("SELECT id FROM response_jobs")}
+    assert {rid for rid, status in kept.items() if status in ("queued", "in_progress")} == jobs, (kept, jobs)
+    text, _, _ = hf_reply(tiny_chat_model, tok, [{"role": "user", "content": "Write a poem"}], MAX)
+    srv = start_server(tiny_chat_model, tmp_path)
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0)
+        for rid in kept:
+            done = wait_for(c, rid)
+            assert done.status in ("completed", "incomplete") and done.output_text == text
+    finally:
+        stop_server(srv)
