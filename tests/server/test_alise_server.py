@@ -5,6 +5,7 @@ import json
 import urllib.request
 
 import numpy as np
+import pytest
 
 from tandem.predictor import LengthPredictor, Settings
 from tandem.predictor.data import Examples
@@ -52,22 +53,28 @@ def test_alise_predicts_learns_and_saves(tiny_chat_model, tmp_path):
     assert saved.predict(["Write a story about a dragon and a knight"]) == [9]
 
 
-def test_a_damaged_learned_predictor_does_not_stop_the_server(tiny_chat_model, tmp_path):
-    """The data dir's predictor was cut short on disk: the server starts from the trained one
-    (tandem runs without predictions when there is none), serves, and keeps the damaged files
-    aside for a person to look at."""
+@pytest.mark.parametrize("damage", ["index cut short", "pointer emptied"])
+def test_a_damaged_learned_predictor_does_not_stop_the_server(damage, tiny_chat_model, tmp_path):
+    """The data dir's predictor was damaged on disk (a file cut short; the pointer to its last
+    save emptied, which started from the trained one without a word): the server starts from
+    the trained one (tandem runs without predictions when there is none), serves, says so, and
+    keeps the damaged files aside, as they were, for a person to look at."""
     own = tmp_path / "data" / "predictor"
     seed_predictor(own)
-    index = next(own.glob("gen-*/index.bin"))
-    index.write_bytes(index.read_bytes()[: index.stat().st_size // 2])
-    cut = index.stat().st_size
+    if damage == "index cut short":
+        index = next(own.glob("gen-*/index.bin"))
+        index.write_bytes(index.read_bytes()[: index.stat().st_size // 2])
+    else:
+        (own / "CURRENT").write_text("")
+    files = {str(p.relative_to(own)): p.stat().st_size for p in own.rglob("*") if p.is_file()}
     s = start_server(tiny_chat_model, tmp_path, "--policy", "tandem")
     try:
         assert chat(s, "What is 2 + 2?", 4)["usage"]["completion_tokens"] == 4
     finally:
         assert stop_server(s) == 0
     aside = list((tmp_path / "data").glob("predictor.unreadable-*"))
-    assert len(aside) == 1 and next(aside[0].glob("gen-*/index.bin")).stat().st_size == cut
+    assert len(aside) == 1 and {str(p.relative_to(aside[0])): p.stat().st_size
+                                for p in aside[0].rglob("*") if p.is_file()} == files
     assert "could not be loaded" in s.log.read_text()
 
 
