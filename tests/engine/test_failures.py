@@ -128,6 +128,26 @@ def test_arrivals_go_to_a_serving_device_while_another_restarts(tiny_llama):
     assert [o.token_ids for o in out] == hf_greedy(tiny_llama, prompts, 6)
 
 
+def test_a_device_down_for_good_leaves_the_placement_and_the_others_serve(tiny_llama):
+    """Three devices under lb, the middle one down for good: the placement takes it out of its
+    books at the first arrival it would have got, and every request runs on the other two (the
+    placement's picks, not the dispatcher's: none is sent elsewhere), outputs matching HF."""
+    prompts = mixed_prompts(6, 512, seed=23)
+    with LLM(str(tiny_llama), "cpu:3", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1,
+             placement="lb") as llm:
+        rt = llm.start_runtime()
+        rt.threads[1].actor.dead = "down for the test"
+        placed = []
+        real_arrive = rt.rebalancer.arrive
+        rt.rebalancer.arrive = lambda *a: placed.append(real_arrive(*a)) or placed[-1]
+        out = llm.generate(prompts, SamplingParams(max_tokens=6, **GREEDY))
+        ran = [sum(t.actor.tokens_by_phase.values()) for t in rt.threads]
+        assert rt.rebalancer.cluster.down == {1} and placed.count(1) == 1, placed
+        assert_pool_free(llm)
+    assert ran[0] > 0 and ran[1] == 0 and ran[2] > 0, ran
+    assert [o.token_ids for o in out] == hf_greedy(tiny_llama, prompts, 6)
+
+
 def test_a_request_that_keeps_killing_its_worker_fails_alone(tiny_llama):
     """After MAX_REQUEST_CRASHES restarts the requests on board fail (they may be the cause);
     the device comes back and serves the next request exactly."""
