@@ -139,25 +139,21 @@ def place(policy: Placement, cluster: Cluster, epoch: Epoch, *, batched: bool = 
     return books.cl, books.decision()
 
 
-def take_down(policy: Placement, cluster: Cluster, device: int) -> tuple[Cluster, Decision, dict[str, int]]:
-    """The books without ``device``, which is down for good: every request booked there departs
-    (an operation like any departure, whose moves the decision lists), then the device leaves the
-    active ones and no later operation opens it. Returns the booked requests with their sizes
-    too: those running on another device (sent there while it restarted) are the caller's to
-    place again. A departure's repacking may move a request onto ``device`` while it is still
-    active; such a request departs in the next round (each round leaves fewer requests)."""
-    booked: dict[str, int] = {}
-    moves: dict[str, Move] = {}
-    while here := {r: cluster.sizes[r] for r, d in cluster.where.items() if d == device}:
-        booked |= here
-        cluster, dec = place(policy, cluster, Epoch(departures=set(here)))
-        for m in dec.moves:              # a request moved twice moves once, from where it was
-            first = moves.get(m.req_id, m)
-            moves[m.req_id] = Move(m.req_id, first.src, m.dst, m.kind, m.reason)
-    cluster = replace(cluster, active={d: t for d, t in cluster.active.items() if d != device},
-                                  down=cluster.down | {device})
-    kept = [m for r, m in moves.items() if r not in booked and m.src != m.dst]
-    return cluster, Decision({}, kept, [], []), booked
+def take_down(cluster: Cluster, device: int) -> tuple[Cluster, dict[str, int]]:
+    """The books without ``device``, down for good: the requests booked there leave them
+    (returned with their sizes: those running on another device are the caller's to place again),
+    the device leaves the active ones, and no later operation opens it. Nothing else moves: this
+    is no operation of the placement's (a departure's repacking would refill the device going
+    down from the others)."""
+    booked = {r: n for r, n in cluster.sizes.items() if cluster.where[r] == device}
+    groups = {r: g for r, g in cluster.groups.items() if r not in booked}
+    cluster = replace(cluster, sizes={r: n for r, n in cluster.sizes.items() if r not in booked},
+                      where={r: d for r, d in cluster.where.items() if r not in booked},
+                      arrived={r: t for r, t in cluster.arrived.items() if r not in booked},
+                      active={d: t for d, t in cluster.active.items() if d != device}, groups=groups,
+                      open_group=cluster.open_group if cluster.open_group in groups.values() else None,
+                      down=cluster.down | {device})
+    return cluster, booked
 
 
 def affinity_slack(least: int) -> int:

@@ -202,11 +202,10 @@ class Rebalancer:
         with self.lock:
             if index in self.cluster.down:
                 return
-            self.cluster, dec, booked = take_down(self.policy, self.cluster, index)
+            self.cluster, booked = take_down(self.cluster, index)
             elsewhere = {r: n for r, n in booked.items() if self._runs_elsewhere(r, index)}
             for r in booked:
                 self.pending.pop(r, None)
-            self._want(dec.moves)
             self.cluster, dec = place(self.policy, self.cluster, Epoch(arrivals=elsewhere))
             self._want(dec.moves)
             for r, d in dec.placed.items():

@@ -402,7 +402,7 @@ def parse_args(argv=None, prog: str = "python -m server") -> ServerConfig:
             raise ValueError(f"shed-chats-after: must be 0 (never) or more, got {a.shed_chats_after}")
         if a.length_learned_max is not None and a.length_learned_max < 0:
             raise ValueError(f"length-learned-max: must be 0 or more, got {a.length_learned_max}")
-        from tandem.predictor.model import CURRENT, is_saved
+        from tandem.predictor.model import is_saved
         from tandem.sched.lengths import MAX_TOKENS
         if a.length_predictor not in (None, MAX_TOKENS) and not is_saved(a.length_predictor):
             raise ValueError(f"length-predictor: no length predictor in {a.length_predictor} (nor {MAX_TOKENS})")
@@ -483,7 +483,7 @@ def _length_source(cfg: ServerConfig):
     if cfg.length_predictor is not None or cfg.policy not in ("alise", "tandem"):
         return cfg.length_predictor
     from tandem.predictor import LengthPredictor
-    from tandem.predictor.model import is_saved
+    from tandem.predictor.model import CURRENT, is_saved
     own = Path(cfg.data_dir) / "predictor"
     try:
         if not is_saved(own):

@@ -7,7 +7,7 @@ restarted resumes the pending lines and the output lists each custom_id once. On
 ended (its output and error files written), its lines are dropped and its counts kept. A batch's
 input file keeps its bytes until all its lines are in the store, even when it is deleted (it is
 then gone for the API), so a stop while it validates loses no line. Each start removes what a
-stop left on disk (a part-written body, the body of a deleted file, a body no file lists).
+stop left on disk (a part-written body, the body of a deleted file).
 """
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ ADDED_COLUMNS = {
                 "lines_stored INTEGER NOT NULL DEFAULT 0")}     # 1 once every line is in batch_lines
 LINES_PER_WRITE = 2_000     # batch lines inserted per transaction
 SIDE_WAIT_S = 30.0          # how long a connection waits for another's write lock
+STALE_PART_S = 3600.0       # a part-written body this old was left by a stop (a start removes it)
 USAGE = ("input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens")
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
@@ -100,22 +101,18 @@ class Store:
         path = self.root / "tandem.sqlite3"
         try:
             self.db = self._connect()
-            new = self._open()
+            self._open()
+        except sqlite3.OperationalError as e:       # locked by another process, a full disk, no access
+            raise StoreError(f"the data dir's database {path} cannot be opened: {e}") from None
         except sqlite3.DatabaseError as e:
             raise StoreError(f"the data dir's database {path} is damaged ({e}). Restore it from a backup, or "
                              f"move it aside to start with an empty one (the files, batches and kept "
                              f"responses it lists are then not listed)") from None
-        self.sweep_expired()
-        for r in self.db.execute("SELECT id FROM batches WHERE total_lines IS NOT NULL AND id IN "
-                                 "(SELECT DISTINCT batch_id FROM batch_lines)").fetchall():
-            self._drop_lines(self.db, r["id"])        # a stop between a batch's end and its lines' drop
-        self._sweep_bodies(new)
 
-    def _open(self) -> bool:
-        """Check the database and make or update its tables; whether it was new."""
+    def _open(self) -> None:
+        """Check the database, make or update its tables, and tidy what a stop left."""
         if self.db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
             raise sqlite3.DatabaseError("its integrity check failed")
-        new = self.db.execute("SELECT COUNT(*) FROM sqlite_master WHERE name='files'").fetchone()[0] == 0
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.executescript(SCHEMA)
         for table, columns in ADDED_COLUMNS.items():
@@ -123,32 +120,35 @@ class Store:
             for col in columns:
                 if col.split()[0] not in have:
                     self.db.execute(f"ALTER TABLE {table} ADD COLUMN {col}")
-        return new
+        self.sweep_expired()
+        for r in self.db.execute("SELECT id FROM batches WHERE total_lines IS NOT NULL AND id IN "
+                                 "(SELECT DISTINCT batch_id FROM batch_lines)").fetchall():
+            self._drop_lines(self.db, r["id"])        # a stop between a batch's end and its lines' drop
+        self._sweep_bodies()
 
-    def _sweep_bodies(self, new_database: bool) -> None:
-        """Remove the bodies a stop left under files/: part-written ones, those of deleted files
-        (unless a batch still reads its input from one) and those no file lists (a stop between
-        writing a body and listing it). A new database next to bodies lists none of them: it
-        replaced one that did, so they stay, and the log says so."""
+    def _sweep_bodies(self) -> None:
+        """Remove what a stop left under files/: the bodies of deleted files (unless a batch still
+        reads its input from one) and part-written bodies an hour old (younger ones may be
+        another server's on this data dir, still being written). Bodies no file lists (a stop
+        between writing and listing one; a database restored from a backup or replaced) are kept
+        and counted in the log: they may be a user's."""
         listed = {r["id"]: r["deleted"] for r in self.db.execute("SELECT id, deleted FROM files")}
         needed = {r[0] for r in self.db.execute(f"SELECT input_file_id FROM batches WHERE {NEEDS_INPUT}")}
-        strays = []
+        stale = time.time() - STALE_PART_S
+        unlisted = 0
         for f in self.files_dir.iterdir():
             if f.name.startswith(".") and f.name.endswith(".tmp"):
-                f.unlink(missing_ok=True)
+                if f.stat().st_mtime < stale:
+                    f.unlink(missing_ok=True)
             elif f.name in listed:
                 if listed[f.name] and f.name not in needed:
                     f.unlink(missing_ok=True)
             elif f.is_file():
-                strays.append(f)
-        if strays and new_database:
-            log.warning("the data dir's database is new, but %s holds %d file bodies it does not list (was "
-                        "tandem.sqlite3 replaced or removed?): they are kept, unlisted", self.files_dir, len(strays))
-            return
-        for f in strays:
-            f.unlink(missing_ok=True)
-        if strays:
-            log.info("removed %d file bodies no file lists (a stop between writing and listing them)", len(strays))
+                unlisted += 1
+        if unlisted:
+            log.warning("%s holds %d file bodies no file lists (left by a stop between writing and listing "
+                        "them, or listed by a database this one replaced): kept; remove them if they are not "
+                        "needed", self.files_dir, unlisted)
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.root / "tandem.sqlite3", isolation_level=None, timeout=SIDE_WAIT_S,
@@ -206,11 +206,12 @@ class Store:
                 "status": "processed", "status_details": None}
 
     def sweep_expired(self) -> None:
-        """Delete the files whose time is up, bytes included."""
+        """Delete the files whose time is up, bytes included (those of a batch's input once it has
+        stored its lines)."""
         gone = self.db.execute("UPDATE files SET deleted=1 WHERE deleted=0 AND expires_at <= ? RETURNING id",
                                (int(time.time()),)).fetchall()
         for r in gone:
-            (self.files_dir / r["id"]).unlink(missing_ok=True)
+            self._drop_input_bytes(self.db, r["id"])
 
     def list_files(self, purpose: str | None = None, limit: int = 10_000, newest_first: bool = True,
                    after: str | None = None) -> tuple[list[dict], bool]:

@@ -142,21 +142,20 @@ def test_a_full_box_never_moves_a_request_onto_a_device_it_overflows(run, policy
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(epochs(max_live=12), st.sampled_from(list(Placement)), st.integers(0, 2), st.data())
 def test_a_device_taken_down_holds_nothing_and_is_never_used_again(run, policy, dead, data):
-    """A device down for good, taken out of a 3-device box part way through a run: what the books
-    showed on it is returned, nothing is booked there or moved there then or later, the other
-    requests stay in the books (moved only where the decision says), and the box goes on
-    placing every arrival on the devices left."""
+    """A device down for good, taken out of a 3-device box part way through a run: exactly what
+    the books showed on it is returned, every other request stays where it was (nothing is
+    moved onto the device going down from the others, as a departure's repacking would), nothing
+    is booked or moved there later, and the box goes on placing every arrival on the devices
+    left, with consistent books (a multi-item's members on one device)."""
     k = data.draw(st.integers(0, len(run) - 1))
     cl, gone = Cluster(C, max_devices=3), set()
     for i, ep in enumerate(run):
         if i == k:
-            there = {r for r, d in cl.where.items() if d == dead}
             before = dict(cl.where)
-            cl, dec, booked = take_down(policy, cl, dead)
-            assert there <= set(booked) and dead not in cl.active and dead not in cl.where.values()
-            assert set(cl.where) == set(before) - set(booked)
-            for m in dec.moves:
-                assert before[m.req_id] == m.src and cl.where[m.req_id] == m.dst != dead
+            cl, booked = take_down(cl, dead)
+            assert set(booked) == {r for r, d in before.items() if d == dead}
+            assert cl.where == {r: d for r, d in before.items() if d != dead} and dead not in cl.active
+            assert set(cl.sizes) == set(cl.where) and set(cl.groups) <= set(cl.where)
             gone |= set(booked)
         ep = Epoch(ep.arrivals, ep.departures - gone, {r: n for r, n in ep.sizes.items() if r not in gone})
         cl, dec = place(policy, cl, ep)
@@ -164,6 +163,8 @@ def test_a_device_taken_down_holds_nothing_and_is_never_used_again(run, policy, 
         if i >= k:
             assert dead not in cl.active and dead not in cl.where.values()
             assert all(m.dst != dead for m in dec.moves)
+            for g in set(cl.groups.values()):
+                assert len({cl.where[r] for r, h in cl.groups.items() if h == g}) == 1
 
 
 @pytest.mark.parametrize("policy", [Placement.LB, Placement.WF, Placement.BF])

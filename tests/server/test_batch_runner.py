@@ -631,18 +631,24 @@ def test_a_batch_cancelled_while_validating_and_stopped_before_its_lines_were_in
     assert {e["error"]["code"] for e in errs} == {"batch_cancelled"} and b["request_counts"]["total"] == 7
 
 
-def test_an_input_deleted_while_its_batch_validates_is_read_again_after_a_stop(tmp_path, monkeypatch):
-    """The input file is deleted while its batch validates, and the server dies after the first
-    two of 7 lines are stored. The next start failed the batch (input file deleted) and kept
-    those two lines in the store for ever: the input's bytes stay until the batch has all its
-    lines, so it runs every line, and they go then (the file stays deleted for the API)."""
+@pytest.mark.parametrize("how", ["deleted", "expired"])
+def test_an_input_deleted_while_its_batch_validates_is_read_again_after_a_stop(how, tmp_path, monkeypatch):
+    """The input file is deleted (or its time is up) while its batch validates, and the server
+    dies after the first two of 7 lines are stored. The next start failed the batch (input file
+    deleted) and kept those two lines in the store for ever: the input's bytes stay until the
+    batch has all its lines, so it runs every line, and they go then (the file stays deleted
+    for the API)."""
     store = Store(tmp_path)
     fid = input_file(store, 7)
     bid = store.add_batch(fid, ENDPOINT, 3600, "1h", None, "M")["id"]
 
     async def run_line(body, endpoint):
         return 200, {"id": "x", "choices": [{"message": {"content": body["messages"][0]["content"]}}]}
-    _validating_then(store, monkeypatch, lambda: store.delete_file(fid))
+
+    def expire():
+        store.db.execute("UPDATE files SET expires_at=1 WHERE id=?", (fid,))
+        store.sweep_expired()
+    _validating_then(store, monkeypatch, (lambda: store.delete_file(fid)) if how == "deleted" else expire)
     _killed_at_second_write(monkeypatch)
     _first_life_dies(store, bid, run_line)
     monkeypatch.undo()
@@ -680,26 +686,25 @@ def test_a_failed_batch_keeps_no_lines(tmp_path):
 
 
 def test_a_start_removes_what_a_stop_left_on_disk(tmp_path, caplog):
-    """A part-written body, a deleted file's body (a stop between the delete and the unlink) and a
-    body no file lists (a stop between writing and listing it) are removed at the next start; a
-    listed file's stays. A database made new beside bodies (it replaced one that listed them)
-    removes none of them, and says so."""
+    """A deleted file's body (a stop between the delete and the unlink) and a part-written body an
+    hour old are removed at the next start; a listed file's body, a part-written one being
+    written now (another server on the data dir) and a body no file lists (it may be a user's:
+    a database restored from a backup lists none of the files uploaded since) stay, the last
+    counted in the log."""
+    import os
     store = Store(tmp_path)
     kept = store.add_file(b"kept\n", "k.jsonl", "batch")["id"]
     gone = store.add_file(b"gone\n", "g.jsonl", "batch")["id"]
     store.db.execute("UPDATE files SET deleted=1 WHERE id=?", (gone,))
-    (store.files_dir / ".file-abc.tmp").write_bytes(b"half")
-    (store.files_dir / "file-unlisted").write_bytes(b"never listed")
+    for name in (".file-old.tmp", ".file-new.tmp", "file-unlisted"):
+        (store.files_dir / name).write_bytes(b"part")
+    hour_ago = time.time() - store_module.STALE_PART_S - 1
+    os.utime(store.files_dir / ".file-old.tmp", (hour_ago, hour_ago))
     store.close()
-    Store(tmp_path).close()
-    assert sorted(p.name for p in (tmp_path / "files").iterdir()) == [kept]
-    (tmp_path / "tandem.sqlite3").unlink()
-    for suffix in ("-wal", "-shm"):
-        (tmp_path / f"tandem.sqlite3{suffix}").unlink(missing_ok=True)
     with caplog.at_level(logging.WARNING, logger="tandem.store"):
         Store(tmp_path).close()
-    assert sorted(p.name for p in (tmp_path / "files").iterdir()) == [kept]
-    assert "holds 1 file bodies it does not list" in caplog.text
+    assert sorted(p.name for p in (tmp_path / "files").iterdir()) == sorted([kept, ".file-new.tmp", "file-unlisted"])
+    assert "holds 1 file bodies no file lists" in caplog.text
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
@@ -715,3 +720,18 @@ def test_a_damaged_database_is_named_with_what_to_do(tmp_path, damage):
     with pytest.raises(store_module.StoreError) as e:
         Store(tmp_path)
     assert str(path) in str(e.value) and "move it aside" in str(e.value)
+
+
+def test_a_locked_database_is_not_called_damaged(tmp_path, monkeypatch):
+    """Another process holds the database's write lock past the wait: the start says it cannot
+    open it, not that it is damaged (whose advice, to move it aside, would lose its contents)."""
+    Store(tmp_path).close()
+    monkeypatch.setattr(store_module, "SIDE_WAIT_S", 0.05)
+    other = sqlite3.connect(tmp_path / "tandem.sqlite3", isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(store_module.StoreError) as e:
+            Store(tmp_path)
+    finally:
+        other.close()
+    assert "cannot be opened: database is locked" in str(e.value) and "damaged" not in str(e.value)
