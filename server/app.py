@@ -256,7 +256,8 @@ async def prepare(engine: AsyncEngine, cfg: ServerConfig, body: dict, chat: bool
     except ValueError as e:
         raise bad_request(str(e), param=prompt_param(e, param),
                           code="context_length_exceeded" if isinstance(e, PromptTooLong) else None) from None
-    budgets = [max_tokens_for(engine, sp, len(ids), param, gen.max_tokens_param) for ids, _ in encoded]
+    budgets = [max_tokens_for(engine, sp, len(ids), param, gen.max_tokens_param, gen.max_tokens_given)
+               for ids, _ in encoded]
     if not force_be and engine.num_waiting(rt_only=gen.service_class is ServiceClass.RT) >= cfg.max_waiting:
         raise ApiError(429, "too many requests are waiting; retry later", type="rate_limit_error",
                        headers={"Retry-After": "1"})
@@ -357,16 +358,18 @@ async def predict_lengths(lengths, reqs: list[Request], texts: list[str]) -> Non
         raise
 
 
-def max_tokens_for(engine: AsyncEngine, sp, prompt_tokens: int, param: str, mt_param: str = "max_tokens") -> int:
+def max_tokens_for(engine: AsyncEngine, sp, prompt_tokens: int, param: str, mt_param: str, given: bool) -> int:
     """A prompt's max_tokens, once it is known to fit the context and the pool (raises
     ApiError naming ``mt_param``, the field that gave it). When the request set none:
-    ``LLM.output_room``."""
+    ``LLM.output_room``, or the default (``given`` False: a completion's 16, the model's
+    generation config's) where that is less, as vLLM cuts a default to the room left."""
     limit = engine.llm.max_model_len
     if prompt_tokens >= limit:
         raise bad_request(f"This model's maximum context length is {limit} tokens; the prompt has "
                           f"{prompt_tokens}, which leaves no room for output", param=param,
                           code="context_length_exceeded")
-    mt = engine.llm.output_room(prompt_tokens) if sp.max_tokens is None else sp.max_tokens
+    room = engine.llm.output_room(prompt_tokens)
+    mt = room if sp.max_tokens is None else sp.max_tokens if given else min(sp.max_tokens, room)
     if prompt_tokens + mt > limit:
         raise bad_request(f"This model's maximum context length is {limit} tokens; the prompt has "
                           f"{prompt_tokens} and {mt_param} asks for {mt}", param=mt_param,

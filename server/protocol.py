@@ -27,7 +27,7 @@ class GenRequest:
     service_class: ServiceClass
     slo_ttft_s: float | None
     slo_tbt_s: float | None
-    max_tokens_given: bool
+    max_tokens_given: bool          # by the client; a default (a completion's 16, the model's) fits the room left
     max_tokens_param: str = "max_tokens"   # the field that gave it (a chat's max_completion_tokens)
     return_token_ids: bool = False  # token ids beside the text (streamed: each chunk's new ones)
     echo: bool = False              # a completion's prompt before its output (text, log probabilities)
@@ -72,7 +72,7 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
     reject_unsupported(body, CHAT_UNSUPPORTED if chat else COMPLETION_UNSUPPORTED)
     model = model_defaults or {}
     mt_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _val(body, mt_key, None)
+    max_tokens = given = _val(body, mt_key, None)
     if max_tokens is None and not chat:
         max_tokens = 16                                      # OpenAI's completions default
     if model.get("max_tokens") is not None:
@@ -122,7 +122,7 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
                  service_class=ServiceClass.BE if be else ServiceClass.RT,
                  slo_ttft_s=ttft / 1000 if ttft else None if be else default_ttft_s,
                  slo_tbt_s=tbt / 1000 if tbt else None if be else default_tbt_s,
-                 max_tokens_given=max_tokens is not None, max_tokens_param=mt_key,
+                 max_tokens_given=given is not None, max_tokens_param=mt_key,
                  return_token_ids=_val(body, "return_token_ids", False), structured_param=structured_param,
                  cache_salt=body.get("cache_salt"), prompt_logprobs=sp.prompt_logprobs,
                  tokens_as_ids=_val(body, "return_tokens_as_token_ids", False))

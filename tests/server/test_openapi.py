@@ -69,11 +69,16 @@ def test_max_model_len_cuts_the_context(fuzz_server, tiny_chat_model):
     assert model_len > CONTEXT
     assert call(fuzz_server, "GET", "/v1/models")[1]["data"][0]["max_model_len"] == CONTEXT
     assert call(fuzz_server, "POST", "/tokenize", {"prompt": "Hi"})[1]["max_model_len"] == CONTEXT
-    # a chat without max_tokens may use the rest of the context (a completion's default is 16)
+    # a chat without max_tokens may use the rest of the context (a completion's default, 16, no more)
     chat = {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "ignore_eos": True}
     status, out = call(fuzz_server, "POST", "/v1/chat/completions", chat)
     assert status == 200 and out["choices"][0]["finish_reason"] == "length"
     assert out["usage"]["total_tokens"] == CONTEXT and out["usage"]["prompt_tokens"] > 1, out["usage"]
+    # nor does a completion's default: with 5 tokens of room left it generates those 5
+    status, out = call(fuzz_server, "POST", "/v1/completions",
+                       {"prompt": list(range(100, 100 + CONTEXT - 5)), "temperature": 0, "ignore_eos": True})
+    assert status == 200 and out["choices"][0]["finish_reason"] == "length", out
+    assert out["usage"]["completion_tokens"] == 5, out["usage"]
     prompt = list(range(100, 110))
     for body, param in (({"prompt": list(range(100, 100 + CONTEXT))}, "prompt"),
                         ({"prompt": prompt, "max_tokens": CONTEXT - 9}, "max_tokens")):
