@@ -35,6 +35,14 @@ class IncrementalDetokenizer:
         self.prefix, self.read = max(self.prefix, self.read - WINDOW), len(self.ids)
         return text[len(done):]
 
+    def would_add(self, ids: list[int]) -> list[str | None]:
+        """For each of ``ids``, what ``push([id])`` would release now, none of them pushed: None
+        where it would hold the text back, the text ending inside a character."""
+        done = self.decode(self.ids[self.prefix:self.read])
+        head = self.ids[self.prefix:]
+        texts = [self.decode(head + [t]) for t in ids]
+        return [None if text.endswith(REPLACEMENT) else text[len(done):] for text in texts]
+
     def flush(self) -> str:
         """At the end: whatever is held back (a character left incomplete decodes as U+FFFD)."""
         done = self.decode(self.ids[self.prefix:self.read])

@@ -30,7 +30,7 @@ from tandem.server.connections import (CLIENT_GONE, GUARD, STOP, body_read, clie
                                        stream_writer)
 from tandem.server.errors import (MAX_NESTING, ApiError, bad_request, nests_deeper, out_of_storage, storage_full,
                                   structured_error, too_deep)
-from tandem.server.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs_json
+from tandem.server.logprobs import Pieces, TokenText, chat_logprobs, completion_logprobs, prompt_logprobs_json
 from tandem.server.metrics import Metrics
 from tandem.server.store import Store
 from tandem.server.protocol import (GenRequest, check_model, parse_chat, parse_completion, parse_detokenize,
@@ -408,6 +408,7 @@ class Choice:
     logprobs: list | None = None            # TokenLogprobs per token, where the request asked for them
     lps_sent: int = 0                       # of logprobs, how many a stream has sent
     text_offset: int = 0                    # a completion's: characters its sent logprobs' tokens span
+    pieces: Pieces | None = None            # a completion's: what its sent logprobs' tokens added to the text
     echo: str | None = None                 # a completion's prompt text, to go before its output (echo)
     echo_ids: list[int] | None = None       # and the prompt's ids, for its log probabilities
     prompt_logprobs: list | None = None     # the echoed prompt's, from the first event
@@ -594,15 +595,18 @@ def unsent_logprobs(chat: bool, ch: Choice, text_of: TokenText, first_ids=(), fi
     ask or none is new."""
     if ch.logprobs is None or (ch.lps_sent == len(ch.logprobs) and not first_ids):
         return {}
-    lps = [*first_lps, *ch.logprobs[ch.lps_sent:]]
-    ids = [*first_ids, *ch.token_ids[ch.lps_sent:len(ch.logprobs)]]
+    lps = ch.logprobs[ch.lps_sent:]
+    ids = ch.token_ids[ch.lps_sent:len(ch.logprobs)]
     ch.lps_sent = len(ch.logprobs)
     if ch.tokens_as_ids:                  # vLLM's return_tokens_as_token_ids: "token_id:<id>" for each token
         text_of = TOKEN_IDS
     if chat:
         return {"logprobs": chat_logprobs(text_of, ids, lps)}
-    body, ch.text_offset = completion_logprobs(text_of, ids, lps, ch.text_offset)
-    return {"logprobs": body}
+    if ch.pieces is None:
+        ch.pieces = Pieces(text_of)
+    echoed, offset = completion_logprobs(Pieces(text_of), list(first_ids), list(first_lps), ch.text_offset, True)
+    body, ch.text_offset = completion_logprobs(ch.pieces, ids, lps, offset, ch.finish_reason is not None)
+    return {"logprobs": {k: echoed[k] + v for k, v in body.items()}}
 
 
 def token_ids_json(chat: bool, ch: Choice, ids: list[int]) -> dict:
@@ -624,8 +628,7 @@ def new_choices(p: Prepared, text_of: TokenText) -> list[Choice]:
 def echo_of(r: Request, text_of: TokenText) -> dict:
     """A completion's echo: its prompt text (a prompt of token ids: the tokens' texts; none where
     the model has no tokenizer, since it makes no text) and ids."""
-    text = r.prompt if r.prompt is not None else "" if text_of.tok is None else "".join(
-        text_of(t)[0] for t in r.prompt_token_ids)
+    text = r.prompt if r.prompt is not None else "" if text_of.tok is None else text_of.decode(r.prompt_token_ids)
     return {"echo": text, "echo_ids": list(r.prompt_token_ids), "echo_top": r.sampling.logprobs or 0}
 
 

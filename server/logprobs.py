@@ -7,6 +7,7 @@ import functools
 import re
 
 from tandem.engine.messages import TokenLogprobs
+from tandem.sched.detok import REPLACEMENT, IncrementalDetokenizer
 
 FLOOR = -9999.0          # what a token the model rules out (-inf) is shown as: JSON has no infinity
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")     # SentencePiece's byte-fallback pieces
@@ -30,11 +31,26 @@ def _byte_level_map() -> dict[str, int]:
 class TokenText:
     """Each token id's text and bytes as a log-probability entry shows them. The text is the token
     decoded alone (special tokens included); the bytes are the token's own, so a character split
-    over several tokens can be put together again from them (its text alone shows U+FFFD)."""
+    over several tokens can be put together again from them (its text alone shows U+FFFD).
+    Without a tokenizer each token is named ``token_id:<id>``."""
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
         self._cache: dict[int, tuple[str, list[int]]] = {}
+        fast = getattr(tokenizer, "_tokenizer", None)      # the Rust tokenizer directly: faster
+        self._decode = None if tokenizer is None else fast.decode if fast is not None else tokenizer.decode
+
+    def decode(self, ids: list[int]) -> str:
+        """The ids' text, special tokens included."""
+        if self._decode is None:
+            return "".join(self(t)[0] for t in ids)
+        return self._decode(ids, skip_special_tokens=False)
+
+    def spelled(self, tid: int) -> str:
+        """The token as OpenAI's log probabilities spell it: its text, where its bytes are whole
+        characters; else its bytes, each one that is no part of a whole character as ``\\xNN``."""
+        text, raw = self(tid)
+        return bytes(raw).decode("utf-8", "backslashreplace") if REPLACEMENT in text else text
 
     def __call__(self, tid: int) -> tuple[str, list[int]]:
         got = self._cache.get(tid)
@@ -47,7 +63,7 @@ class TokenText:
             text = f"token_id:{tid}"
             return text, list(text.encode())
         text = self.tok.decode([tid], skip_special_tokens=False)
-        if "\ufffd" not in text:
+        if REPLACEMENT not in text:
             return text, list(text.encode())
         piece = self.tok.convert_ids_to_tokens(tid) or ""
         raw = _BYTE_TOKEN.fullmatch(piece)
@@ -59,30 +75,58 @@ class TokenText:
         return text, list(text.encode())
 
 
+class Pieces:
+    """What each token of one sequence (a prompt, or a choice's output) adds to its text, token by
+    token, as vLLM shows a completion's tokens: a token that ends inside a character adds nothing,
+    and the one that completes it adds the whole character (with what came before it since the
+    last whole one), so the pieces join to the sequence's text (special tokens' text included)."""
+
+    def __init__(self, text_of: TokenText):
+        self.text_of = text_of
+        self.detok = IncrementalDetokenizer(text_of.decode)
+
+    def add(self, tid: int, others: list[int]) -> tuple[str, list[str]]:
+        """``tid``'s piece, and for each of ``others`` the piece it would have been in its place;
+        one that would end inside a character too is spelled as OpenAI spells such tokens,
+        ``bytes:`` and its own bytes (a piece of "" could not tell them apart)."""
+        alts = [f"bytes:{self.text_of.spelled(a)}" if p is None else p
+                for a, p in zip(others, self.detok.would_add(others))]
+        return self.detok.push([tid]), alts
+
+    def end(self) -> str:
+        """What the last token adds once the sequence has ended (the text held back till then)."""
+        return self.detok.flush()
+
+
 def _value(x: float) -> float:
     return max(x, FLOOR)
 
 
 def chat_logprobs(text_of: TokenText, ids: list[int], lps: list[TokenLogprobs]) -> dict:
-    """A chat choice's (or chunk's) ``logprobs`` for tokens ``ids``."""
+    """A chat choice's (or chunk's) ``logprobs`` for tokens ``ids``: each token spelled as OpenAI
+    spells it (``TokenText.spelled``), with its own UTF-8 bytes."""
     def entry(tid: int, lp: float) -> dict:
-        s, b = text_of(tid)
-        return {"token": s, "logprob": _value(lp), "bytes": b}
+        return {"token": text_of.spelled(tid), "logprob": _value(lp), "bytes": text_of(tid)[1]}
     return {"content": [entry(t, lp.logprob) | {"top_logprobs": [entry(a, v) for a, v in
                                                                  zip(lp.top_ids, lp.top_logprobs)]}
                         for t, lp in zip(ids, lps, strict=True)]}
 
 
-def completion_logprobs(text_of: TokenText, ids: list[int], lps: list[TokenLogprobs | None],
-                        offset: int) -> tuple[dict, int]:
+def completion_logprobs(pieces: Pieces, ids: list[int], lps: list[TokenLogprobs | None], offset: int,
+                        ends: bool) -> tuple[dict, int]:
     """A completion choice's (or chunk's) ``logprobs`` for tokens ``ids``, whose text starts at
-    character ``offset`` of the choice's text; and the offset after them. Each position's
-    ``top_logprobs`` holds the likeliest tokens asked for and the sampled one (OpenAI's and vLLM's
-    legacy shape: up to logprobs + 1 entries). An echoed prompt's first token has no log
-    probability (None: nothing comes before it)."""
+    character ``offset`` of the choice's text; and the offset after them. Each token is the
+    piece it adds to the text (``Pieces``: its sequence's, which ``ends`` with the last of
+    ``ids``), so the tokens join to the text and each offset is where its piece begins. Each
+    position's ``top_logprobs`` holds the likeliest tokens asked for and the sampled one (OpenAI's
+    and vLLM's legacy shape: up to logprobs + 1 entries), each as the piece it would have added.
+    An echoed prompt's first token has no log probability (None: nothing comes before it)."""
     tokens, values, tops, offsets = [], [], [], []
-    for tid, lp in zip(ids, lps, strict=True):
-        s, _ = text_of(tid)
+    for i, (tid, lp) in enumerate(zip(ids, lps, strict=True)):
+        others = [] if lp is None else [a for a in lp.top_ids if a != tid]
+        s, alts = pieces.add(tid, others)
+        if ends and i == len(ids) - 1:
+            s += pieces.end()
         tokens.append(s)
         offsets.append(offset)
         offset += len(s)
@@ -91,7 +135,8 @@ def completion_logprobs(text_of: TokenText, ids: list[int], lps: list[TokenLogpr
             tops.append(None)
             continue
         values.append(_value(lp.logprob))
-        top = {text_of(a)[0]: _value(v) for a, v in zip(lp.top_ids, lp.top_logprobs)}
+        named = dict(zip(others, alts)) | {tid: s}
+        top = {named[a]: _value(v) for a, v in zip(lp.top_ids, lp.top_logprobs)}
         top.setdefault(s, _value(lp.logprob))
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, offset

@@ -82,6 +82,21 @@ def test_each_push_decodes_a_short_window(tok, replies):
     assert max(seen) <= 2 * WINDOW + 2
 
 
+def test_would_add_is_what_a_push_would_release(tok):
+    """Each candidate's text, none pushed: what the whole decode with it adds to the text released
+    so far, or None while that decode ends inside a character (the text is held back)."""
+    rng = random.Random(3)
+    decode = fast_decode(tok)
+    ids = tok(EXTRA[0] + EXTRA[3], add_special_tokens=False)["input_ids"]
+    d, released = IncrementalDetokenizer(decode), ""
+    for i, t in enumerate(ids):
+        others = [rng.randrange(len(tok)) for _ in range(4)] + [t]
+        for o, got in zip(others, d.would_add(others)):
+            full = tok.decode(ids[:i] + [o], skip_special_tokens=True)
+            assert got == (None if full.endswith("\ufffd") else full[len(released):]), (i, o)
+        released += d.push([t])
+
+
 def reference_cut(full: str, stops: list[str], include: bool = False) -> str:
     hits = [(full.find(s), s) for s in stops if s and full.find(s) >= 0]
     if not hits:

@@ -143,9 +143,28 @@ def hf_logprobs(model_dir, prompt_ids: list[int], out_ids: list[int]):
     return torch.log_softmax(logits[len(prompt_ids) - 1:-1], dim=-1)
 
 
+SPLIT_TEXT = " 😁👍 猫好 \ufffd ok"     # characters of several tokens, a whole U+FFFD, plain words
+
+
+def raw_bytes(tok, tid: int) -> bytes:
+    """A token's own bytes, from its byte-level spelling (GPT-2's byte alphabet, as transformers
+    converts it)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    back = {c: b for b, c in bytes_to_unicode().items()}
+    return bytes(back[c] for c in tok.convert_ids_to_tokens(tid))
+
+
+def spelled(tok, tid: int) -> str:
+    """A token as OpenAI's chat log probabilities spell it: its text, or where it holds part of a
+    character, its bytes with those of no whole character as ``\\xNN``."""
+    text = tok.decode([tid])
+    return raw_bytes(tok, tid).decode("utf-8", "backslashreplace") if "\ufffd" in text else text
+
+
 def test_chat_logprobs_match_hf(server, client, tiny_chat_model):
     """The official client parses them; each token's log probability and its three likeliest
-    alternatives are HF's, and the tokens' bytes put together are the reply's text."""
+    alternatives are HF's, and the tokens' bytes put together are the reply's text. A token that
+    holds part of a character is spelled by its bytes, as OpenAI spells it, never as U+FFFD."""
     import torch
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny_chat_model)
@@ -160,14 +179,24 @@ def test_chat_logprobs_match_hf(server, client, tiny_chat_model):
     assert len(content) == len(out_ids) == 10
     for i, (e, tid) in enumerate(zip(content, out_ids)):
         assert e.logprob == pytest.approx(ref[i, tid].item(), abs=2e-4), i
-        assert e.token == tok.decode([tid])
+        assert e.token == spelled(tok, tid) and bytes(e.bytes) == raw_bytes(tok, tid)
         top_v, top_i = torch.topk(ref[i], 3)
-        assert [a.token for a in e.top_logprobs] == [tok.decode([t]) for t in top_i.tolist()]
+        assert [a.token for a in e.top_logprobs] == [spelled(tok, t) for t in top_i.tolist()]
         assert [a.logprob for a in e.top_logprobs] == pytest.approx(top_v.tolist(), abs=2e-4)
-        assert bytes(e.top_logprobs[0].bytes) == tok.decode([top_i[0].item()]).encode() or \
-            "\ufffd" in e.top_logprobs[0].token
+        assert [bytes(a.bytes) for a in e.top_logprobs] == [raw_bytes(tok, t) for t in top_i.tolist()]
     joined = b"".join(bytes(e.bytes) for e in content).decode("utf-8", errors="replace")
     assert joined == tok.decode(out_ids, skip_special_tokens=False)
+    split = sorted(set(tok(SPLIT_TEXT)["input_ids"]))
+    r = client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "Emoji"}], max_tokens=12, temperature=0,
+        logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                   "allowed_token_ids": split})
+    out_ids, content = r.model_dump()["choices"][0]["token_ids"], r.choices[0].logprobs.content
+    assert any("\ufffd" in tok.decode([t]) for t in out_ids), "meant to split a character"
+    assert [e.token for e in content] == [spelled(tok, t) for t in out_ids]
+    whole = tok("\ufffd")["input_ids"]          # the token that is the character U+FFFD
+    assert [("\ufffd" in e.token) for e in content] == [t in whole for t in out_ids]
+    assert b"".join(bytes(e.bytes) for e in content) == b"".join(raw_bytes(tok, t) for t in out_ids)
 
 
 def test_no_logprobs_unless_asked(server, client):
@@ -271,6 +300,82 @@ def test_token_bytes_put_characters_back_together(tiny_chat_model, text):
     text_of = TokenText(tok)
     assert any("\ufffd" in text_of(t)[0] for t in ids), "meant to split a character"
     assert b"".join(bytes(text_of(t)[1]) for t in ids) == text.encode()
+
+
+def hf_pieces(tok, ids: list[int], text: str) -> tuple[list[str], list[str]]:
+    """What each token adds to ``text`` (the sequence's whole text), from HF's decode of each prefix,
+    as vLLM shows them: nothing while the prefix's text ends inside a character, then all that was
+    held back; the last token adds what is left of ``text``. Also the text released before each."""
+    pieces, before, done = [], [], ""
+    for i in range(len(ids)):
+        before.append(done)
+        decoded = tok.decode(ids[:i + 1], skip_special_tokens=False)
+        pieces.append("" if decoded.endswith("\ufffd") else decoded[len(done):])
+        done = done if decoded.endswith("\ufffd") else decoded
+    pieces[-1] += text[len(done):]
+    return pieces, before
+
+
+def check_pieces(tok, ids: list[int], lp: dict, text: str, dists: list, k: int, start: int = 0) -> None:
+    """A completion's ``logprobs`` for ``ids`` (from ``start`` on): each token is what it adds to
+    ``text`` (they join to it, each offset indexes its piece), and the ``k`` likeliest of each
+    position's distribution in ``dists`` (HF's log probabilities, None where there is none) are
+    each what it would have added in its place, or ``bytes:`` and its own bytes where it too would
+    end inside a character."""
+    pieces, before = hf_pieces(tok, ids, text)
+    n = len(ids)
+    tokens, offsets = lp["tokens"][start:start + n], lp["text_offset"][start:start + n]
+    assert tokens == pieces and "".join(tokens) == text
+    for i, (piece, at) in enumerate(zip(tokens, offsets)):
+        assert at == offsets[0] + len("".join(tokens[:i]))
+        assert text[at - offsets[0]:at - offsets[0] + len(piece)] == piece
+    for i, (top, dist) in enumerate(zip(lp["top_logprobs"][start:start + n], dists)):
+        if dist is None:
+            assert top is None
+            continue
+        values, alts = torch.topk(dist, k)
+        want = {pieces[i]: dist[ids[i]].item()}
+        for a, v in zip(alts.tolist(), values.tolist()):
+            if a != ids[i]:
+                decoded = tok.decode(ids[:i] + [a], skip_special_tokens=False)
+                key = "bytes:" + raw_bytes(tok, a).decode("utf-8", "backslashreplace") \
+                    if decoded.endswith("\ufffd") else decoded[len(before[i]):]
+                want[key] = v
+        assert top == pytest.approx(want, abs=2e-4), i
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprob_tokens_are_what_each_adds_to_the_text(server, tiny_chat_model, stream):
+    """Tokens that split a character: each logprob token is the text it adds (nothing for part of
+    a character, the whole character on the token that completes it), as vLLM shows them, so the
+    tokens join to the text and each text offset indexes its token's piece; so for an echoed
+    prompt of token ids, whose text is the ids' decode."""
+    import asyncio
+    from transformers import AutoTokenizer
+    from tests.server.test_token_ids import post
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    split = tok(SPLIT_TEXT)["input_ids"]
+    assert sum("\ufffd" in tok.decode([t]) for t in split) >= 6, "meant to split characters"
+    prompt = tok(" 猫 😁")["input_ids"]
+    body = {"prompt": prompt, "max_tokens": 14, "temperature": 0, "ignore_eos": True, "logprobs": 3,
+            "echo": True, "allowed_token_ids": sorted(set(split)), "return_token_ids": True, "stream": stream}
+    got = asyncio.run(post(server.url, "/v1/completions", body))
+    if stream:
+        parts = [c["choices"][0] for c in got if c["choices"]]
+        text = "".join(c["text"] for c in parts)
+        ids = [t for c in parts for t in c.get("token_ids") or []]
+        lp = {k: [x for c in parts if c["logprobs"] for x in c["logprobs"][k]] for k in
+              ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    else:
+        c = got["choices"][0]
+        text, ids, lp = c["text"], c["token_ids"], c["logprobs"]
+    assert any("\ufffd" in tok.decode([t]) for t in ids), "meant to split a character"
+    echo = tok.decode(prompt)
+    assert text == echo + tok.decode(ids)
+    ref = hf_logprobs(tiny_chat_model, prompt[:1], prompt[1:] + ids)
+    check_pieces(tok, prompt, lp, echo, [None, *ref[:len(prompt) - 1]], 3)
+    check_pieces(tok, ids, lp, text[len(echo):], list(ref[len(prompt) - 1:]), 3, start=len(prompt))
+    assert lp["text_offset"][len(prompt)] == len(echo)
 
 
 def test_logit_bias_through_the_api(server, client, tiny_chat_model):
