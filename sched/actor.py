@@ -14,7 +14,6 @@ the start-up profiles). Only the thread driving an actor may call it.
 from __future__ import annotations
 
 import bisect
-import functools
 import logging
 import math
 import time
@@ -30,7 +29,7 @@ from tandem.engine.grammar import compile_grammar
 from tandem.engine.messages import (AdapterWeights, CacheImport, CacheType, Command, LoraRef, NewRequest, Offload,
                                     Phase, SamplingSpec, ScheduledRequest, StepInput, StepOutput)
 from tandem.sched.cost_model import OnlineCostModel, StepShape
-from tandem.sched.detok import TextTracker
+from tandem.sched.detok import Decoder, TextTracker
 from tandem.sched.policy import Candidate, Limits, Plan, Snapshot
 from tandem.sched.request import FinishReason, Migration, RequestState, ServiceClass, Status, error_id
 from tandem.sched.steplog import StepLog, StepRecord
@@ -87,7 +86,7 @@ class ActorConfig:
 
 class DeviceActor:
     def __init__(self, index: int, device, cfg: ActorConfig, policy, eos_ids: tuple[int, ...],
-                 max_model_len: int, decode: Callable[..., str] | None,
+                 max_model_len: int, decoder: Callable[[bool], Decoder] | None,
                  clock: Callable[[], float] = time.monotonic, cost: OnlineCostModel | None = None):
         self.index = index
         self.device = device              # the worker handle (Device protocol)
@@ -96,7 +95,7 @@ class DeviceActor:
         self.cost = cost                  # refined from every measured step when given
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
-        self.decode = decode              # decode(ids, skip_special_tokens=True) -> text
+        self.decoder = decoder            # decoder(skip_special_tokens) -> Decoder; None: no text
         self.clock = clock
         self.pool = self.new_pool(PoolGeometry.of(device.pool_info))
         self.states: dict[str, RequestState] = {}
@@ -147,13 +146,13 @@ class DeviceActor:
         st.device = self.index
         self.states[st.req_id] = st
         self.waiting.append(st.req_id)
-        if self.decode is not None and (st.request.stream_text or st.request.sampling.stop):
+        if self.decoder is not None and (st.request.stream_text or st.request.sampling.stop):
             sp = st.request.sampling
             self._texts[st.req_id] = TextTracker(self._decoder(sp), sp.stop, sp.include_stop_str_in_output)
 
-    def _decoder(self, sp) -> Callable[[list[int]], str]:
+    def _decoder(self, sp) -> Decoder:
         """Ids to text as the request asks: special tokens' text skipped, or kept."""
-        return self.decode if sp.skip_special_tokens else functools.partial(self.decode, skip_special_tokens=False)
+        return self.decoder(sp.skip_special_tokens)
 
     def abort(self, req_id: str) -> Update | None:
         st = self.states.get(req_id)
@@ -732,9 +731,9 @@ class DeviceActor:
         if tracker is not None:
             text += tracker.finish()
             st.text_result = tracker.text()
-        elif self.decode is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
+        elif self.decoder is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
             ids = st.output_token_ids[:-1] if silent_last else st.output_token_ids
-            text = st.text_result = self._decoder(st.request.sampling)(ids)
+            text = st.text_result = self._decoder(st.request.sampling).whole(ids)
         return Update(st.req_id, new or [], reason, error, text, _queued(st), cached_tokens=st.cached_tokens or 0,
                       stop_reason=st.stop_reason)
 

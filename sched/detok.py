@@ -6,21 +6,101 @@ they are complete: byte-level tokenizers split multi-byte characters (emoji, CJK
 ids, and a window that ends inside one decodes to U+FFFD, so such text is held back until the
 character completes. ``TextTracker`` adds stop strings on a sliding window: a match can only end
 in the new text, so only the last ``max(len(stop)) - 1`` old characters are searched again, and
-the text that could still turn into a stop string is held back from the stream.
+the text that could still turn into a stop string is held back from the stream. A character
+still incomplete when the ids end is left out of the text (``Decoder.whole``), as vLLM leaves it.
 """
 from __future__ import annotations
 
+import codecs
+import functools
+import re
+from dataclasses import dataclass
 from typing import Callable
 
 REPLACEMENT = "\ufffd"
 WINDOW = 6          # ids decoded before the release point: enough context for merges and spaces
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")     # SentencePiece's byte-fallback pieces
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_map() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character a byte-level BPE vocabulary writes
+    for each byte -> the byte (printable bytes are themselves, the rest are shifted past 255)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+class TokenBytes:
+    """Each token id's own bytes: its text decoded alone (special tokens included), or where that
+    shows U+FFFD, the token holding part of a character, the bytes its vocabulary spells
+    (SentencePiece's ``<0xNN>`` pieces, byte-level BPE's alphabet), so the bytes of the tokens
+    that split a character put it together again."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self._cache: dict[int, bytes] = {}
+
+    def __call__(self, tid: int) -> bytes:
+        got = self._cache.get(tid)
+        if got is None:
+            got = self._cache[tid] = self._lookup(tid)
+        return got
+
+    def _lookup(self, tid: int) -> bytes:
+        text = self.tok.decode([tid], skip_special_tokens=False)
+        if REPLACEMENT not in text:
+            return text.encode()
+        piece = self.tok.convert_ids_to_tokens(tid) or ""
+        raw = _BYTE_TOKEN.fullmatch(piece)
+        if raw:
+            return bytes([int(raw.group(1), 16)])
+        table = _byte_level_map()
+        if piece and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return text.encode()
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """The text of token ids: ``decode``, the tokenizer's (a character the ids cut off shows as
+    U+FFFD), and each token's own bytes (``TokenBytes``), which tell such a character from a
+    U+FFFD that is one."""
+    decode: Callable[[list[int]], str]
+    token_bytes: Callable[[int], bytes]
+
+    def __call__(self, ids: list[int]) -> str:
+        return self.decode(ids)
+
+    def whole(self, ids: list[int]) -> str:
+        """The ids' text without the bytes of a character they leave incomplete at the end (their
+        decode shows U+FFFD for them), as vLLM leaves them out; a U+FFFD that is a character of
+        its own, or bytes no character can go on from, stay as the decode shows them."""
+        text = self.decode(ids)
+        if not text.endswith(REPLACEMENT):
+            return text
+        k, tail = 0, b""
+        while k < len(ids) and (not tail or 0x80 <= tail[0] < 0xC0):   # back to where a character starts
+            k += 1
+            tail = (self.token_bytes(ids[-k]) if self.decode([ids[-k]]) else b"") + tail   # "": skipped
+        utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        head = utf8.decode(tail)            # the tail's text, without the bytes of a character not yet complete
+        if not utf8.getstate()[0]:
+            return text
+        return self.decode(ids[:len(ids) - k]) + head
 
 
 class IncrementalDetokenizer:
-    """Text deltas of a growing id list; their concatenation equals ``decode(all ids)``."""
+    """Text deltas of a growing id list; their concatenation equals ``decoder.whole(all ids)``."""
 
-    def __init__(self, decode: Callable[[list[int]], str]):
-        self.decode = decode
+    def __init__(self, decoder: Decoder):
+        self.decoder = decoder
         self.ids: list[int] = []
         self.prefix = 0          # window start: ids[prefix:read] decode to text already released
         self.read = 0            # ids before this are released
@@ -28,8 +108,8 @@ class IncrementalDetokenizer:
     def push(self, new_ids: list[int]) -> str:
         """Append ids; the newly complete text (may be empty while a character is incomplete)."""
         self.ids.extend(new_ids)
-        done = self.decode(self.ids[self.prefix:self.read])
-        text = self.decode(self.ids[self.prefix:])
+        done = self.decoder(self.ids[self.prefix:self.read])
+        text = self.decoder(self.ids[self.prefix:])
         if len(text) <= len(done) or text.endswith(REPLACEMENT):
             return ""
         self.prefix, self.read = max(self.prefix, self.read - WINDOW), len(self.ids)
@@ -38,15 +118,15 @@ class IncrementalDetokenizer:
     def would_add(self, ids: list[int]) -> list[str | None]:
         """For each of ``ids``, what ``push([id])`` would release now, none of them pushed: None
         where it would hold the text back, the text ending inside a character."""
-        done = self.decode(self.ids[self.prefix:self.read])
+        done = self.decoder(self.ids[self.prefix:self.read])
         head = self.ids[self.prefix:]
-        texts = [self.decode(head + [t]) for t in ids]
+        texts = [self.decoder(head + [t]) for t in ids]
         return [None if text.endswith(REPLACEMENT) else text[len(done):] for text in texts]
 
     def flush(self) -> str:
-        """At the end: whatever is held back (a character left incomplete decodes as U+FFFD)."""
-        done = self.decode(self.ids[self.prefix:self.read])
-        text = self.decode(self.ids[self.prefix:])
+        """At the end: whatever is held back, less a character the ids leave incomplete."""
+        done = self.decoder(self.ids[self.prefix:self.read])
+        text = self.decoder.whole(self.ids[self.prefix:])
         self.prefix = self.read = len(self.ids)
         return text[len(done):]
 
@@ -61,9 +141,8 @@ class TextTracker:
     (before ``min_tokens``) is released without being searched.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str] | tuple[str, ...] = (),
-                 include_stop: bool = False):
-        self.detok = IncrementalDetokenizer(decode)
+    def __init__(self, decoder: Decoder, stop: list[str] | tuple[str, ...] = (), include_stop: bool = False):
+        self.detok = IncrementalDetokenizer(decoder)
         self.stop = tuple(s for s in stop if s)
         self.include_stop = include_stop    # the matched stop string stays in the text
         self.hold = max((len(s) for s in self.stop), default=1) - 1

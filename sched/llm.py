@@ -31,6 +31,7 @@ from tandem.sched.isolated import TEMPLATE_SECONDS, IsolatedTemplates
 from tandem.sched.beam import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from tandem.sched.lengths import LengthSource, prediction_text
 from tandem.sched.cost_model import OnlineCostModel
+from tandem.sched.detok import Decoder, TokenBytes
 from tandem.sched.placement import Placement
 from tandem.sched.profile_store import Profile, ProfileStore
 import tandem.sched.profiling as profiling_module
@@ -505,6 +506,9 @@ class LLM:
         if self.tokenizer is not None:    # the Rust tokenizer directly: the Python wrapper costs 3x
             fast = getattr(self.tokenizer, "_tokenizer", None)
             self._decode = fast.decode if fast is not None else self.tokenizer.decode
+            own = TokenBytes(self.tokenizer)
+            self._decoders = {skip: Decoder(functools.partial(self._decode, skip_special_tokens=skip), own)
+                              for skip in (True, False)}
         self._texts: dict[int, str] = {}    # token id -> its text alone (log probabilities' decoded_token)
         ncpu = sum(n == "cpu" for n in names)
         threads = threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, ncpu))
@@ -537,7 +541,7 @@ class LLM:
         self._profiles = (None if profile_cache is None
                           else ProfileStore(profile_cache, self._profile_key(hf_dir, configs, final)))
         self._reprofile = bool(reprofile)
-        detok = self.detokenize if self.tokenizer is not None else None
+        detok = self.decoder if self.tokenizer is not None else None
         try:
             # FCFS over plain pools while profiling; then the configuration asked for
             self.scheduler = Scheduler(replace(final, policy="fcfs", bidirectional=False, hybrid_cache=True,
@@ -670,9 +674,14 @@ class LLM:
         self.rho = rho
         return {"rho": rho, "hybrid_cache": hybrid}, cost
 
+    def decoder(self, skip_special_tokens: bool = True) -> Decoder:
+        """How generated ids become text: special tokens skipped, or kept."""
+        return self._decoders[skip_special_tokens]
+
     def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        """Generated ids to text, special tokens skipped unless asked for."""
-        return self._decode(ids, skip_special_tokens=skip_special_tokens)
+        """Generated ids to text, special tokens skipped unless asked for; a character the ids
+        leave incomplete at the end is left out (``Decoder.whole``)."""
+        return self._decoders[skip_special_tokens].whole(ids)
 
     def decode_prompt(self, ids: list[int]) -> str:
         """Prompt ids to text with special tokens kept (a chat template stays recognisable)."""

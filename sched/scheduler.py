@@ -21,6 +21,7 @@ from tandem.sched.alise import Alise
 from tandem.sched.aptserve import AptServe
 from tandem.sched.bros import Bros, RoundRobin
 from tandem.sched.cost_model import OnlineCostModel
+from tandem.sched.detok import Decoder
 from tandem.sched.policy import Limits, fcfs, fcfs_prefill_first
 from tandem.sched.request import Request, RequestState, ServiceClass
 from tandem.sched.tandem import MECHANISMS, Tandem
@@ -174,14 +175,14 @@ def make_policy(cfg: SchedConfig, cost: OnlineCostModel | None):
 
 class Scheduler:
     def __init__(self, cfg: SchedConfig, devices: list[Device], eos_ids: tuple[int, ...],
-                 max_model_len: int, detokenize: Callable[..., str] | None = None,
+                 max_model_len: int, decoder: Callable[[bool], Decoder] | None = None,
                  clock: Callable[[], float] = time.monotonic, cost: OnlineCostModel | None = None):
         _validate(cfg, devices)
         self.cfg = cfg
         self.devices = devices
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
-        self.detokenize = detokenize
+        self.decoder = decoder              # skip_special_tokens -> the requests' Decoder; None: no text
         self.clock = clock                  # time.monotonic, or the simulator's virtual clock
         self._rng = random.Random()
         self._step_id = 0
@@ -198,7 +199,7 @@ class Scheduler:
         return DeviceActor(i, device, ActorConfig(Limits(c.max_num_seqs, c.max_num_batched_tokens,
                                                          c.chunked_prefill), c.bidirectional, c.cache_type, swap,
                                                      c.prefix_caching),
-                           make_policy(c, own), self.eos_ids, self.max_model_len, self.detokenize,
+                           make_policy(c, own), self.eos_ids, self.max_model_len, self.decoder,
                            self.clock, own)
 
     # the first device's view, for single-device callers (metrics of one device, tests)

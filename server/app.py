@@ -626,9 +626,11 @@ def new_choices(p: Prepared, text_of: TokenText) -> list[Choice]:
 
 
 def echo_of(r: Request, text_of: TokenText) -> dict:
-    """A completion's echo: its prompt text (a prompt of token ids: the tokens' texts; none where
-    the model has no tokenizer, since it makes no text) and ids."""
-    text = r.prompt if r.prompt is not None else "" if text_of.tok is None else text_of.decode(r.prompt_token_ids)
+    """A completion's echo: its prompt text (a prompt of token ids: their text, less a character
+    they leave incomplete at the end; none where the model has no tokenizer, since it makes no
+    text) and ids."""
+    text = r.prompt if r.prompt is not None else "" if text_of.tok is None else \
+        text_of.decoder.whole(r.prompt_token_ids)
     return {"echo": text, "echo_ids": list(r.prompt_token_ids), "echo_top": r.sampling.logprobs or 0}
 
 

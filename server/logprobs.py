@@ -3,29 +3,10 @@ entry per token, with its text, UTF-8 bytes and the likeliest alternatives) and 
 choice's ``logprobs`` (parallel lists: tokens, token_logprobs, top_logprobs, text_offset)."""
 from __future__ import annotations
 
-import functools
-import re
-
 from tandem.engine.messages import TokenLogprobs
-from tandem.sched.detok import REPLACEMENT, IncrementalDetokenizer
+from tandem.sched.detok import REPLACEMENT, Decoder, IncrementalDetokenizer, TokenBytes
 
 FLOOR = -9999.0          # what a token the model rules out (-inf) is shown as: JSON has no infinity
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")     # SentencePiece's byte-fallback pieces
-
-
-@functools.lru_cache(maxsize=1)
-def _byte_level_map() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: the character a byte-level BPE vocabulary writes
-    for each byte -> the byte (printable bytes are themselves, the rest are shifted past 255)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + n)] = b
-            n += 1
-    return chars
 
 
 class TokenText:
@@ -39,6 +20,8 @@ class TokenText:
         self._cache: dict[int, tuple[str, list[int]]] = {}
         fast = getattr(tokenizer, "_tokenizer", None)      # the Rust tokenizer directly: faster
         self._decode = None if tokenizer is None else fast.decode if fast is not None else tokenizer.decode
+        self._bytes = None if tokenizer is None else TokenBytes(tokenizer)
+        self.decoder = Decoder(self.decode, lambda tid: bytes(self(tid)[1]))
 
     def decode(self, ids: list[int]) -> str:
         """The ids' text, special tokens included."""
@@ -62,17 +45,7 @@ class TokenText:
         if self.tok is None:
             text = f"token_id:{tid}"
             return text, list(text.encode())
-        text = self.tok.decode([tid], skip_special_tokens=False)
-        if REPLACEMENT not in text:
-            return text, list(text.encode())
-        piece = self.tok.convert_ids_to_tokens(tid) or ""
-        raw = _BYTE_TOKEN.fullmatch(piece)
-        if raw:
-            return text, [int(raw.group(1), 16)]
-        table = _byte_level_map()
-        if piece and all(c in table for c in piece):
-            return text, [table[c] for c in piece]
-        return text, list(text.encode())
+        return self.tok.decode([tid], skip_special_tokens=False), list(self._bytes(tid))
 
 
 class Pieces:
@@ -83,7 +56,7 @@ class Pieces:
 
     def __init__(self, text_of: TokenText):
         self.text_of = text_of
-        self.detok = IncrementalDetokenizer(text_of.decode)
+        self.detok = IncrementalDetokenizer(text_of.decoder)
 
     def add(self, tid: int, others: list[int]) -> tuple[str, list[str]]:
         """``tid``'s piece, and for each of ``others`` the piece it would have been in its place;

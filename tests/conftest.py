@@ -136,3 +136,28 @@ def int8_blocks_as_read(values, closed_blocks, block_size: int):
         step = (hi - lo) / 255
         expect[:, b * B:(b + 1) * B] = lo + step * np.clip(np.round((x - lo) / np.where(step > 0, step, 1)), 0, 255)
     return torch.from_numpy(expect)
+
+
+def raw_bytes(tok, tid: int) -> bytes:
+    """A byte-level BPE token's own bytes, from its spelling in GPT-2's byte alphabet (as
+    transformers converts it)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    back = {c: b for b, c in bytes_to_unicode().items()}
+    return bytes(back[c] for c in tok.convert_ids_to_tokens(tid))
+
+
+def hf_whole(tok, ids: list[int]) -> str:
+    """HF's decode of ids, less a character their bytes leave incomplete at the end: its bytes,
+    which a byte-level decode shows as one U+FFFD, are dropped (a truncated UTF-8 sequence is
+    what Python's strict decoder calls an unexpected end of data)."""
+    raw = b"".join(raw_bytes(tok, t) for t in ids
+                   if tok.decode([t], skip_special_tokens=True))          # a special token's text is skipped
+    full = tok.decode(ids, skip_special_tokens=True)
+    for n in (1, 2, 3):
+        try:
+            raw[-n:].decode("utf-8")
+        except UnicodeDecodeError as e:
+            if e.start == 0 and e.reason == "unexpected end of data":
+                assert full.endswith("\ufffd")
+                return full[:-1]
+    return full

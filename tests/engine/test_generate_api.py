@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tandem import LLM, BeamSearchParams, SamplingParams
-from tests.conftest import assert_pool_free, environ_of, hf_greedy, mixed_prompts
+from tests.conftest import assert_pool_free, environ_of, hf_greedy, hf_whole, mixed_prompts
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -287,6 +287,24 @@ def test_outputs_read_as_vllm_users_expect(llm, tiny_llama):
     first = out.outputs[0]
     assert first.token_ids == hf_greedy(tiny_llama, p, 6)[0] and first.finish_reason == "length"
     assert first.text == out.text
+
+
+def test_a_character_cut_by_max_tokens_is_left_out_of_the_text(tiny_chat_model):
+    """generate and chat: an output that max_tokens ends inside a character has the text of HF's
+    decode of its ids less that character's bytes, as vLLM's; a U+FFFD generated whole stays;
+    so with a stop string (the text tracked as it grows)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    lead = tok(" 😁")["input_ids"][:-1]             # a space and the emoji's first bytes
+    whole = tok("\ufffd")["input_ids"]
+    cut = SamplingParams(max_tokens=3, temperature=0, allowed_token_ids=lead)
+    stop = SamplingParams(max_tokens=3, temperature=0, allowed_token_ids=lead, stop=["never"])
+    kept = SamplingParams(max_tokens=3, temperature=0, allowed_token_ids=whole)
+    with LLM(str(tiny_chat_model), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1) as m:
+        outs = m.generate(["Hi", "Hi", "Hi"], [cut, stop, kept])
+        outs += m.chat([{"role": "user", "content": "Hi"}], cut)
+    assert [o.text for o in outs] == [" \ufffd \ufffd ", " \ufffd \ufffd ", "\ufffd" * 3, " \ufffd \ufffd "]
+    assert [o.text for o in outs] == [hf_whole(tok, o.token_ids) for o in outs]
 
 
 def test_vllm_arguments_that_ask_for_nothing_missing_are_taken(tiny_llama):

@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from tandem.sched.detok import WINDOW, IncrementalDetokenizer, TextTracker
+from tandem.sched.detok import WINDOW, Decoder, IncrementalDetokenizer, TextTracker, TokenBytes
+from tests.conftest import hf_whole
 
 EXTRA = ["Tea 🍵 and cake 🎂, family 👨‍👩‍👧‍👦, flags 🇫🇷🇯🇵, skin tones 👋🏽.",
          "中文句子：我们今天去公园散步吧。日本語のテキストも。한국어 문장입니다.",
@@ -28,9 +29,9 @@ def replies():
     return texts
 
 
-def fast_decode(tok):
-    """What the server decodes with (the Rust tokenizer), as sched.llm.LLM does."""
-    return lambda ids: tok._tokenizer.decode(ids, skip_special_tokens=True)
+def fast_decode(tok, decode=None):
+    """What the server decodes with (the Rust tokenizer), as sched.llm.LLM does (or ``decode``)."""
+    return Decoder(decode or (lambda ids: tok._tokenizer.decode(ids, skip_special_tokens=True)), TokenBytes(tok))
 
 
 def stream(decode, ids, chunks):
@@ -56,16 +57,37 @@ def test_deltas_join_to_the_full_decode(tok, replies):
         while sum(sizes) < len(ids):
             sizes.append(rng.randint(1, 4))
         assert "".join(stream(decode, ids, sizes)) == full
+        cut = ids[:rng.randrange(1, len(ids) + 1)]          # max_tokens may end the ids anywhere
+        assert "".join(stream(decode, cut, [1] * len(cut))) == decode.whole(cut) == hf_whole(tok, cut)
 
 
 def test_random_ids_split_characters_and_still_match(tok):
-    """Arbitrary byte-level ids (half characters, special tokens) decode the same incrementally."""
+    """Arbitrary byte-level ids (half characters, special tokens) decode the same incrementally,
+    less a character they leave incomplete at the end."""
     rng = random.Random(1)
     decode = fast_decode(tok)
     vocab = len(tok)
-    for _ in range(200):
+    for _ in range(300):
         ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
-        assert "".join(stream(decode, ids, [1] * len(ids))) == tok.decode(ids, skip_special_tokens=True)
+        assert "".join(stream(decode, ids, [1] * len(ids))) == hf_whole(tok, ids)
+
+
+@pytest.mark.parametrize("text, cut, want", [
+    (" 😁", 1, " "),                      # the space before a cut emoji stays
+    ("猫", 2, ""), ("ab猫", 3, "ab"),
+    (" 😁 😁", None, " 😁 😁"),
+    ("ok \ufffd", None, "ok \ufffd"),       # a U+FFFD generated as a character stays
+    ("\ufffd猫", 2, "\ufffd"),
+])
+def test_a_character_the_ids_cut_off_is_left_out(tok, text, cut, want):
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    ids = ids[:cut] if cut is not None else ids
+    assert any("\ufffd" in tok.decode([t]) for t in ids) or "\ufffd" in text
+    decode = fast_decode(tok)
+    assert decode.whole(ids) == want == hf_whole(tok, ids)
+    assert "".join(stream(decode, ids, [1] * len(ids))) == want
+    tr = TextTracker(decode, ["never"])
+    assert "".join([tr.push([t]) for t in ids] + [tr.finish()]) == want == tr.text()
 
 
 def test_each_push_decodes_a_short_window(tok, replies):
@@ -73,9 +95,10 @@ def test_each_push_decodes_a_short_window(tok, replies):
     seen = []
     base = fast_decode(tok)
 
-    def counting(ids):
+    def count(ids):
         seen.append(len(ids))
         return base(ids)
+    counting = fast_decode(tok, count)
     ids = tok(" ".join(replies[:40]), add_special_tokens=False)["input_ids"]
     assert len(ids) > 2000
     stream(counting, ids, [1] * len(ids))

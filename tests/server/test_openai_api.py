@@ -11,6 +11,7 @@ import pydantic
 import pytest
 import torch
 
+from tests.conftest import hf_whole, raw_bytes
 from tests.server.conftest import API_KEY, hf_texts
 
 
@@ -144,14 +145,6 @@ def hf_logprobs(model_dir, prompt_ids: list[int], out_ids: list[int]):
 
 
 SPLIT_TEXT = " 😁👍 猫好 \ufffd ok"     # characters of several tokens, a whole U+FFFD, plain words
-
-
-def raw_bytes(tok, tid: int) -> bytes:
-    """A token's own bytes, from its byte-level spelling (GPT-2's byte alphabet, as transformers
-    converts it)."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-    back = {c: b for b, c in bytes_to_unicode().items()}
-    return bytes(back[c] for c in tok.convert_ids_to_tokens(tid))
 
 
 def spelled(tok, tid: int) -> str:
@@ -371,11 +364,39 @@ def test_completion_logprob_tokens_are_what_each_adds_to_the_text(server, tiny_c
         text, ids, lp = c["text"], c["token_ids"], c["logprobs"]
     assert any("\ufffd" in tok.decode([t]) for t in ids), "meant to split a character"
     echo = tok.decode(prompt)
-    assert text == echo + tok.decode(ids)
+    assert text == echo + hf_whole(tok, ids)
     ref = hf_logprobs(tiny_chat_model, prompt[:1], prompt[1:] + ids)
     check_pieces(tok, prompt, lp, echo, [None, *ref[:len(prompt) - 1]], 3)
     check_pieces(tok, ids, lp, text[len(echo):], list(ref[len(prompt) - 1:]), 3, start=len(prompt))
     assert lp["text_offset"][len(prompt)] == len(echo)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_character_cut_by_max_tokens_is_left_out(server, tiny_chat_model, stream):
+    """An output that max_tokens ends inside a character has the text of HF's decode of its ids
+    less that character's bytes (vLLM leaves them out too, where the decode shows U+FFFD); the
+    space before it stays, and so does a U+FFFD generated as a character. Streamed, the deltas
+    join to that text."""
+    import asyncio
+    from transformers import AutoTokenizer
+    from tests.server.test_token_ids import post
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    lead = tok(" 😁")["input_ids"][:-1]             # a space and the emoji's first bytes
+    assert tok.decode(lead) == " \ufffd"
+    for allowed, want in ((lead, " \ufffd \ufffd "), (tok("\ufffd")["input_ids"], "\ufffd" * 3)):
+        for chat in (False, True):
+            body = {"max_tokens": 3, "temperature": 0, "allowed_token_ids": allowed, "return_token_ids": True,
+                    "stream": stream} | ({"messages": [{"role": "user", "content": "Hi"}]} if chat else
+                                         {"prompt": "Hi", "stop": ["never"]})   # a stop string: text tracked
+            got = asyncio.run(post(server.url, "/v1/chat/completions" if chat else "/v1/completions", body))
+            if stream:
+                parts = [c["choices"][0] for c in got if c["choices"]]
+                text = "".join((p["delta"].get("content") or "") if chat else p["text"] for p in parts)
+                ids = [t for p in parts for t in p.get("token_ids") or []]
+            else:
+                c = got["choices"][0]
+                text, ids = c["message"]["content"] if chat else c["text"], c["token_ids"]
+            assert len(ids) == 3 and text == want == hf_whole(tok, ids), (chat, text)
 
 
 def test_logit_bias_through_the_api(server, client, tiny_chat_model):
