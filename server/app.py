@@ -21,9 +21,9 @@ import orjson
 from aiohttp import web
 
 from tandem.engine.messages import DeviceError
-from tandem.sched.async_engine import AsyncEngine, GenerationFailed, Submission
+from tandem.sched.async_engine import AsyncEngine, Event, GenerationFailed, Submission
 from tandem.sched.llm import PromptTooLong
-from tandem.sched.request import Request, ServiceClass, error_id
+from tandem.sched.request import FinishReason, Request, ServiceClass, error_id
 from tandem.server.config import ServerConfig
 from tandem.server.cors import preflight
 from tandem.server.connections import (CLIENT_GONE, GUARD, STOP, body_read, client_gone, connections_middleware,
@@ -414,6 +414,7 @@ class Choice:
     prompt_logprobs: list | None = None     # the echoed prompt's, from the first event
     echo_sent: bool = False                 # a stream sends the echo in its first chunk
     echo_top: int = 0                       # the likeliest tokens its log probabilities list
+    echo_only: bool = False                 # max_tokens 0: the prompt alone, the token that scored it unshown
     tokens_as_ids: bool = False             # its log probabilities name tokens "token_id:<id>"
     content: ContentStream | None = None    # a streamed chat with tools: what goes out before the end
     cached_tokens: int = 0                  # prompt tokens found in the prefix cache
@@ -455,6 +456,8 @@ async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice
         record_choice(metrics, req, ch, reason, end, queue_s, n)
     try:
         async for ev in sub.events():
+            if ch.echo_only:
+                ev = prompt_alone(ev)
             now = time.monotonic()
             ch.token_ids.extend(ev.new_token_ids)
             ch.token_times.extend([now] * len(ev.new_token_ids))
@@ -485,6 +488,15 @@ async def run_choice(sub: Submission, metrics: Metrics, req: Request, ch: Choice
         if ch.finish_reason is None:
             record("abort", time.monotonic())
         raise
+
+
+def prompt_alone(ev: Event) -> Event:
+    """An event of a request that scores its prompt for ``max_tokens: 0`` (one token generated),
+    as vLLM answers one: without the token, its text and its log probabilities, and ended by
+    the length it was given ("length"), whatever ended the token."""
+    ended = ev.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+    return replace(ev, new_token_ids=[], text="", logprobs=None, stop_reason=None,
+                   finish_reason=FinishReason.LENGTH if ended else ev.finish_reason)
 
 
 def record_choice(metrics: Metrics, req: Request, ch: Choice, reason: str, end: float, queue_s: float | None,
@@ -620,7 +632,7 @@ def token_ids_json(chat: bool, ch: Choice, ids: list[int]) -> dict:
 def new_choices(p: Prepared, text_of: TokenText) -> list[Choice]:
     asked = p.gen.sampling.logprobs is not None
     return [Choice(i, prompt_ids=list(r.prompt_token_ids) if p.gen.return_token_ids else None,
-                   logprobs=[] if asked else None, tokens_as_ids=p.gen.tokens_as_ids,
+                   logprobs=[] if asked else None, tokens_as_ids=p.gen.tokens_as_ids, echo_only=p.gen.echo_only,
                    **(echo_of(r, text_of) if p.gen.echo else {}))
             for i, r in enumerate(p.requests)]
 

@@ -31,6 +31,7 @@ class GenRequest:
     max_tokens_param: str = "max_tokens"   # the field that gave it (a chat's max_completion_tokens)
     return_token_ids: bool = False  # token ids beside the text (streamed: each chunk's new ones)
     echo: bool = False              # a completion's prompt before its output (text, log probabilities)
+    echo_only: bool = False         # max_tokens 0 with echo: the prompt alone (the token that scores it unshown)
     structured_param: str | None = None   # the field that asked for structured output (errors name it)
     tools: ToolPlan | None = None   # a chat's tools: its output is parsed for calls (server.tools)
     cache_salt: str | None = None   # prefix caching: blocks are shared only with the same salt
@@ -76,7 +77,7 @@ def parse_common(body: dict, *, chat: bool, default_ttft_s: float | None,
     if max_tokens is None and not chat:
         max_tokens = 16                                      # OpenAI's completions default
     if model.get("max_tokens") is not None:
-        max_tokens = min(max_tokens or model["max_tokens"], model["max_tokens"])
+        max_tokens = model["max_tokens"] if max_tokens is None else min(max_tokens, model["max_tokens"])
     stop = _val(body, "stop", [])
     stop = [stop] if isinstance(stop, str) else stop
     min_tokens = _val(body, "min_tokens", 0)
@@ -318,14 +319,22 @@ def parse_detokenize(body: dict) -> list[int]:
 
 
 def parse_completion(body: dict, **defaults) -> GenRequest:
+    """A completion body. ``max_tokens: 0`` with ``echo`` asks for the prompt alone, scored where
+    ``logprobs`` asks (as evaluation harnesses send it, and vLLM answers it): the request runs
+    for one token, which the response leaves out."""
     validate(body, COMPLETION_BODY)
     prompt = body["prompt"]
     several = isinstance(prompt, list) and isinstance(prompt[0], (str, list))
     prompts = prompt if several else [prompt]
+    if body.get("max_tokens") == 0 and (not body.get("echo") or body.get("use_beam_search")):
+        raise bad_request("'max_tokens' must be >= 1 (got 0): 0 asks for the prompt alone, only with echo "
+                          "(and no use_beam_search)", param="max_tokens")
     sp, extra = parse_common(body, chat=False, **defaults)
     extra["echo"] = _val(body, "echo", False)
     if extra["echo"] and sp.logprobs is not None:   # the echoed prompt's log probabilities
         sp.prompt_logprobs = max(sp.logprobs, sp.prompt_logprobs or 0)
+    if sp.max_tokens == 0:
+        sp.max_tokens, extra["echo_only"] = 1, True
     if len(prompts) * extra["n"] > MAX_CHOICES:
         raise bad_request(f"{len(prompts)} prompts x n = {extra['n']} asks for more than {MAX_CHOICES} "
                           "choices", param="n")

@@ -227,6 +227,8 @@ CHAT_BODY = _body({"messages": {"type": "array", "items": MESSAGE, "minItems": 1
                    **TOOLS, **TEMPLATE},
                   ["messages"], CHAT_UNSUPPORTED)
 COMPLETION_BODY = _body({"prompt": PROMPT,
+                         "max_tokens": _int(0, MAX_TOKENS_CAP, "prompt + max_tokens must fit the context; 0 "
+                                            "only with echo: the prompt alone, scored with logprobs"),
                          "echo": {"type": "boolean", "description": "the prompt before the output, in the text "
                                   "and (with logprobs) the log probabilities: the first token's null"},
                          "logprobs": _int(0, MAX_LOGPROBS, "each output token's log probability under the "

@@ -282,6 +282,49 @@ def test_echo_scores_the_prompt_as_hf_does(server, client, tiny_chat_model):
     assert one.choices[0].logprobs.token_logprobs[0] is None and len(one.choices[0].logprobs.tokens) == 3
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(server, tiny_chat_model, stream):
+    """What lm-evaluation-harness's local-completions sends to score texts (echo, max_tokens 0,
+    logprobs 1): each prompt comes back alone, its text and HF's log probabilities (the first
+    null), with no generated token (usage 0, finish_reason "length", as vLLM answers). Without
+    echo, max_tokens 0 asks for nothing and is refused, as vLLM refuses it."""
+    import asyncio
+    from transformers import AutoTokenizer
+    from tests.server.conftest import call
+    from tests.server.test_token_ids import post
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    prompts = ["The capital of France is Paris", "Once upon a time"]
+    body = {"prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0, "stream": stream}
+    got = asyncio.run(post(server.url, "/v1/completions", body | (
+        {"stream_options": {"include_usage": True}} if stream else {})))
+    if stream:                  # each choice's chunks put together
+        usage, parts = got[-1]["usage"], [[c["choices"][0] for c in got if c["choices"] and
+                                           c["choices"][0]["index"] == i] for i in range(2)]
+        choices = [{"text": "".join(p["text"] for p in ps), "finish_reason": ps[-1]["finish_reason"],
+                    "logprobs": {k: [x for p in ps if p["logprobs"] for x in p["logprobs"][k]]
+                                 for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}}
+                   for ps in parts]
+    else:
+        usage, choices = got["usage"], got["choices"]
+    pids = [tok(p)["input_ids"] for p in prompts]
+    assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == sum(map(len, pids)), usage
+    for prompt, ids, c in zip(prompts, pids, choices):
+        lp = c["logprobs"]
+        assert c["text"] == prompt and c["finish_reason"] == "length"
+        assert lp["tokens"] == [tok.decode([t]) for t in ids] and lp["token_logprobs"][0] is None
+        ref = hf_logprobs(tiny_chat_model, ids[:1], ids[1:])
+        want = [ref[i, t].item() for i, t in enumerate(ids[1:])]
+        assert lp["token_logprobs"][1:] == pytest.approx(want, abs=2e-4)
+        assert lp["top_logprobs"][0] is None and all(1 <= len(top) <= 2 for top in lp["top_logprobs"][1:])
+    for refused in ({"prompt": "Hi", "max_tokens": 0}, {"prompt": "Hi", "max_tokens": 0, "echo": True,
+                                                        "use_beam_search": True, "n": 2}):
+        status, err = call(server, "POST", "/v1/completions", refused)
+        assert status == 400 and err["error"]["param"] == "max_tokens", err
+    status, err = call(server, "POST", "/v1/chat/completions",
+                       {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0})
+    assert status == 400 and err["error"]["param"] == "max_tokens", err
+
+
 @pytest.mark.parametrize("text", ["naïve café 東京 🙂 — ok", "\u00e9\u0301 ẞ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢"])
 def test_token_bytes_put_characters_back_together(tiny_chat_model, text):
     """Characters split over several tokens: each token alone decodes to U+FFFD, but the tokens'
