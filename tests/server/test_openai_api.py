@@ -286,8 +286,9 @@ def test_echo_scores_the_prompt_as_hf_does(server, client, tiny_chat_model):
 def test_echo_with_max_tokens_0_scores_the_prompt_alone(server, tiny_chat_model, stream):
     """What lm-evaluation-harness's local-completions sends to score texts (echo, max_tokens 0,
     logprobs 1): each prompt comes back alone, its text and HF's log probabilities (the first
-    null), with no generated token (usage 0, finish_reason "length", as vLLM answers). Without
-    echo, max_tokens 0 asks for nothing and is refused, as vLLM refuses it."""
+    null), with no generated token (finish_reason "length", as vLLM answers; usage counts no
+    completion token, where vLLM counts the one it ran). Without echo, max_tokens 0 asks for
+    nothing and is refused, as vLLM refuses it."""
     import asyncio
     from transformers import AutoTokenizer
     from tests.server.conftest import call
