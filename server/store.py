@@ -59,13 +59,15 @@ ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 # the batches whose lines are not all stored yet: they read their input file (again, after a stop)
 NEEDS_INPUT = "(status='validating' OR (status='cancelling' AND lines_stored=0))"
 
+TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "cancelling_at",
+              "cancelled_at", "expired_at")
+
 log = logging.getLogger("tandem.store")
 
 
 class StoreError(Exception):
-    """The data dir's database cannot be used (damaged): the server cannot start on it."""
-TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "cancelling_at",
-              "cancelled_at", "expired_at")
+    """The data dir's database cannot be used (damaged, or locked by another process): the
+    server cannot start on it."""
 
 
 @dataclass(frozen=True, slots=True)
