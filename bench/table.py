@@ -29,6 +29,9 @@ def run(args) -> None:
     systems = installed_only(ONLINE_SYSTEMS)
     out = RESULTS / args.out
     off, on = out.with_name("offline.json"), beside(out, "online.json")
+    if args.skip_offline and not off.is_file():      # said before the online run's hour, not after it
+        raise FileNotFoundError(f"--skip-offline: no offline results at {off} (`python -m bench offline` "
+                                f"writes them)")
     if not args.skip_offline:
         offline(argparse.Namespace(num_prompts=64, max_tokens=128, dtype="float32", devices="cpu:1",
                                    skip=["hf_generate", "hf_cb", "vllm_bfloat16"], out=str(off)))

@@ -80,7 +80,7 @@ def _online_args(monkeypatch, run) -> dict:
     return called.value.args[0]
 
 
-def test_the_peers_table_gives_the_online_bench_every_setting_its_cli_has(monkeypatch):
+def test_the_peers_table_gives_the_online_bench_every_setting_its_cli_has(monkeypatch, tmp_path):
     """`bench table` calls the online bench with a hand-built namespace; every option that
     `bench online` parses (the reference: its own command line, defaults only) must be in it,
     or the table stops with an AttributeError part way through."""
@@ -90,9 +90,23 @@ def test_the_peers_table_gives_the_online_bench_every_setting_its_cli_has(monkey
     cli = _online_args(monkeypatch, lambda: main(["online"]))
     from tandem.bench import peers
     monkeypatch.setattr(peers, "installed", lambda system: system == "tandem")
+    monkeypatch.setattr(table, "RESULTS", tmp_path)
+    (tmp_path / "offline.json").write_text('{"rows": []}')
     built = _online_args(monkeypatch, lambda: table.run(argparse.Namespace(
         rates=[1.0, 2.0], duration=30.0, drain=60.0, search=None, skip_offline=True, out="peers_table.json")))
     assert set(cli) - {"cmd"} <= set(built), sorted(set(cli) - set(built))
+
+
+def test_the_peers_table_without_the_offline_rows_it_reuses_stops_before_the_online_run(monkeypatch, tmp_path):
+    """`bench table --skip-offline` with no offline.json beside its --out: it said so only after
+    the online run (an hour at its defaults); it says so before starting it."""
+    import argparse
+    from tandem.bench import online, table
+    monkeypatch.setattr(table, "RESULTS", tmp_path)
+    monkeypatch.setattr(online, "main", lambda args: pytest.fail("the online run started"))
+    with pytest.raises(FileNotFoundError, match="--skip-offline: no offline results at"):
+        table.run(argparse.Namespace(rates=[1.0, 2.0], duration=30.0, drain=60.0, search=None, skip_offline=True,
+                                     out="peers_table.json"))
 
 
 def _online_without_load(monkeypatch, tmp_path):
