@@ -24,7 +24,7 @@ class TokenText:
         fast = getattr(tokenizer, "_tokenizer", None)      # the Rust tokenizer directly: faster
         self._decode = None if tokenizer is None else fast.decode if fast is not None else tokenizer.decode
         self._bytes = None if tokenizer is None else TokenBytes(tokenizer)
-        self.decoder = Decoder(self.decode, lambda tid: bytes(self(tid)[1]))
+        self.decoder = Decoder(self.decode, self.own_bytes)
         # a byte-level BPE vocabulary decodes ids as their tokens' bytes joined (the Rust decode
         # cleans no spaces): a sequence's pieces then follow from those bytes alone (``Pieces``)
         self.byte_level = type(getattr(fast, "decoder", None)).__name__ == "ByteLevel"

@@ -307,11 +307,12 @@ class Store:
                 # a batch cancelled while it was validating stays cancelling
                 db.execute("UPDATE batches SET status='in_progress', in_progress_at=? WHERE id=? AND "
                            "status='validating'", (int(time.time()), bid))
-            self._drop_input_bytes(db, self._input_of(db, bid))
+            self._drop_batch_input(db, bid)
 
-    @staticmethod
-    def _input_of(db: sqlite3.Connection, bid: str) -> str:
-        return db.execute("SELECT input_file_id FROM batches WHERE id=?", (bid,)).fetchone()[0]
+    def _drop_batch_input(self, db: sqlite3.Connection, bid: str) -> None:
+        """A batch's input bytes, where the file was deleted and no batch reads it any more."""
+        fid = db.execute("SELECT input_file_id FROM batches WHERE id=?", (bid,)).fetchone()[0]
+        self._drop_input_bytes(db, fid)
 
     def needs_lines(self, bid: str) -> bool:
         """Whether a batch has not stored all its lines yet (validating, or cancelled while it
@@ -329,7 +330,7 @@ class Store:
                             (int(time.time()), json.dumps({"object": "list", "data": errors}), c["total"],
                              c["completed"], c["failed"], bid))
         self._drop_lines(self.db, bid)
-        self._drop_input_bytes(self.db, self._input_of(self.db, bid))
+        self._drop_batch_input(self.db, bid)
 
     def pending_lines(self, bid: str, after: int = -1, limit: int = -1) -> list[tuple[int, str, dict]]:
         """The lines with no result yet, in order: the first ``limit`` (-1: all) after ``after``."""
@@ -377,7 +378,7 @@ class Store:
                            (final, output_file_id, error_file_id, c["total"], c["completed"], c["failed"],
                             int(time.time()), bid))
             self._drop_lines(db, bid)
-            self._drop_input_bytes(db, self._input_of(db, bid))
+            self._drop_batch_input(db, bid)
 
     @staticmethod
     def _drop_lines(db: sqlite3.Connection, bid: str) -> None:
