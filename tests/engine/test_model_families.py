@@ -7,6 +7,7 @@ linear and YaRN rotary scaling, Llama with attention biases -- generate exactly
 HF transformers' greedy tokens; configs this engine cannot compute are refused by name."""
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -77,9 +78,21 @@ def test_llama_shaped_checkpoints_match_hf(case, tmp_path):
         assert o == r, f"prompt {i} differs"
 
 
+def _count_parses(monkeypatch) -> list:
+    """The paths gguf's reader parses from now on (each GGUFReader made is one parse)."""
+    from gguf import GGUFReader
+    parses, real = [], GGUFReader.__init__
+
+    def counted(self, path, *a, **kw):
+        parses.append(Path(path))
+        real(self, path, *a, **kw)
+    monkeypatch.setattr(GGUFReader, "__init__", counted)
+    return parses
+
+
 @pytest.mark.parametrize("arch, config", [("llama", {}), ("llama", {"rope_parameters": LLAMA3}), ("qwen2", {}),
                                           ("qwen3", {"head_dim": 128}), ("phi3", {"sliding_window": WINDOW})])
-def test_gguf_files_generate_the_checkpoint_s_tokens(arch, config, tmp_path, caplog):
+def test_gguf_files_generate_the_checkpoint_s_tokens(arch, config, tmp_path, caplog, monkeypatch):
     """A GGUF of each architecture, laid out as llama.cpp's converter does (Llama's Q/K rows
     permuted, a tied head left out, the tokenizer as GGUF keys, Llama 3.1's rotary scaling as
     per-frequency divisors and Phi-3's sliding window as a key, both of which transformers' reader
@@ -96,12 +109,14 @@ def test_gguf_files_generate_the_checkpoint_s_tokens(arch, config, tmp_path, cap
     gguf = write_tiny_gguf(hf, tmp_path / "gguf" / f"tiny-{arch}.gguf", arch)
     prompts = mixed_prompts(4, 49152, seed=9, hi=40)
     chat = [{"role": "user", "content": "Write one line about the sea."}]
+    parses = _count_parses(monkeypatch)
     with LLM(str(gguf), ONE_DEVICE, dtype="float32", threads_per_worker=1, cache_dir=str(tmp_path / "cache")) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
         said = llm.chat(chat, SamplingParams(max_tokens=2))[0]
         text = llm.generate("Hello, world! 12345", SamplingParams(max_tokens=1))[0]
     assert [o.token_ids for o in outs] == hf_greedy(hf, prompts, MAX_NEW)
     assert f"converting tiny-{arch}.gguf" in caplog.text          # once, saying where and what it costs
+    assert parses == [gguf]                 # the tokenizer, config, weights and the checks share one parse
     tok = AutoTokenizer.from_pretrained(hf)
     assert said.prompt_token_ids == tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
                                                             return_dict=False)
