@@ -90,9 +90,13 @@ class BlockPool:
 
     def __init__(self, geometry: PoolGeometry, prefix_caching: bool = False):
         self.geometry = geometry
-        # pop() from the end hands out low ids first; purely cosmetic
-        self._free: list[int] = list(range(geometry.num_blocks - 1, -1, -1))
-        self._refs: list[int] = [0] * geometry.num_blocks     # tables holding each block
+        # blocks given back, handed out again last-in first-out; blocks from ``_fresh`` up were
+        # never handed out. A pool keeps books on the blocks it has used, not on all it has: a
+        # small model's pool has a million blocks, and building or checking lists of them all
+        # cost tens of milliseconds (each step, where tests check the invariants)
+        self._free: list[int] = []
+        self._fresh = 0
+        self._refs: list[int] = []          # tables holding each block below ``_fresh``
         self._num_shared = 0                 # blocks more than one table holds (prefix caching)
         self._tables: dict[str, _Table] = {}
         self.prefix = PrefixCache() if prefix_caching else None
@@ -100,11 +104,16 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks a request may take: never handed out, or named but idle (prefix caching)."""
-        return len(self._free) + (self.prefix.num_idle_blocks if self.prefix else 0)
+        return self._unheld + (self.prefix.num_idle_blocks if self.prefix else 0)
+
+    @property
+    def _unheld(self) -> int:
+        """Blocks on the free list or never handed out."""
+        return len(self._free) + self.geometry.num_blocks - self._fresh
 
     @property
     def num_used(self) -> int:
-        return self.geometry.num_blocks - len(self._free)
+        return self.geometry.num_blocks - self._unheld
 
     @property
     def usage(self) -> float:
@@ -141,11 +150,15 @@ class BlockPool:
     def _take(self, n: int) -> list[int]:
         """n blocks off the free list, forgetting the least recently used idle named ones when it
         runs dry (the caller checked n <= num_free)."""
-        while len(self._free) < n:
+        while self._unheld < n:
             self._free.extend(reversed(self.prefix.evict()))
-        new = [self._free.pop() for _ in range(n)]
+        new = [self._free.pop() for _ in range(min(n, len(self._free)))]
         for b in new:
             self._refs[b] = 1
+        fresh = n - len(new)                 # low ids first
+        new.extend(range(self._fresh, self._fresh + fresh))
+        self._fresh += fresh
+        self._refs.extend([1] * fresh)
         return new
 
     # ---- prefix caching --------------------------------------------------------------------
@@ -261,18 +274,22 @@ class BlockPool:
         free = set(self._free)
         if len(free) != len(self._free):
             raise AssertionError("a block is on the free list twice")
+        if not 0 <= self._fresh <= n or len(self._refs) != self._fresh or any(b >= self._fresh for b in free):
+            raise AssertionError(f"blocks handed out: {self._fresh} of {n}, counts kept for {len(self._refs)}, "
+                                 f"free list up to {max(free, default=None)}")
         listed: dict[int, int] = {}
         for rid, t in self._tables.items():
             if len(set(t.block_ids)) != len(t.block_ids):
                 raise AssertionError(f"{rid} lists a block twice")
             for b in t.block_ids:
                 listed[b] = listed.get(b, 0) + 1
-        # counted in C, not per block in Python: a test checks this after every step, and a pool
-        # sized from the machine's memory has hundreds of thousands of blocks
+        if any(b >= self._fresh for b in listed):
+            raise AssertionError(f"a table lists a block never handed out (from {self._fresh} up)")
+        # counted in C, not per block in Python: a test checks this after every step
         for b, k in listed.items():
             if self._refs[b] != k:
                 raise AssertionError(f"block {b}: count {self._refs[b]}, listed by {k} tables")
-        held = n - self._refs.count(0)
+        held = self._fresh - self._refs.count(0)
         if held != len(listed):     # the listed blocks' counts match, so another block has one
             b = next(b for b, r in enumerate(self._refs) if r and b not in listed)
             raise AssertionError(f"block {b}: count {self._refs[b]}, listed by 0 tables")
@@ -293,5 +310,6 @@ class BlockPool:
                     idle.update(group)
             if len(idle) != self.prefix.num_idle_blocks:
                 raise AssertionError("idle block count is off")
-        if len(free) + len(listed) + len(idle) != n:
-            raise AssertionError(f"free {len(free)} + held {len(listed)} + idle {len(idle)} != total {n}")
+        if len(free) + len(listed) + len(idle) != self._fresh:
+            raise AssertionError(f"free {len(free)} + held {len(listed)} + idle {len(idle)} != handed out "
+                                 f"{self._fresh}")

@@ -17,6 +17,34 @@ def test_grow_free_counts():
     pool.check_invariants()
 
 
+def test_blocks_given_back_are_handed_out_again_first_then_the_lowest_never_used():
+    pool = BlockPool(PoolGeometry(num_blocks=1 << 20, block_size=4))
+    assert pool.grow("a", 8).block_ids == [0, 1, 2, 3] and pool.grow("b", 4).block_ids == [4, 5]
+    pool.free("a")
+    assert pool.grow("c", 12).block_ids == [0, 1, 2, 3, 6, 7]
+    assert pool.num_free == (1 << 20) - 8 and pool.num_used == 8
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("damage", ["free twice", "free and held", "count off", "never handed out"])
+def test_the_invariant_check_finds_damaged_books(damage):
+    """Every test checks the pools after each step: the check must see what it guards."""
+    pool = BlockPool(PoolGeometry(num_blocks=64, block_size=4))
+    pool.grow("a", 8)
+    pool.grow("b", 8)
+    pool.free("b")
+    if damage == "free twice":
+        pool._free.append(pool._free[0])
+    elif damage == "free and held":
+        pool._free.append(pool.table("a")[0])
+    elif damage == "count off":
+        pool._refs[pool.table("a")[0]] = 2
+    else:
+        pool._tables["a"].block_ids.append(40)
+    with pytest.raises(AssertionError):
+        pool.check_invariants()
+
+
 def test_geometry_blocks_for():
     g = PoolGeometry(num_blocks=100, block_size=16)
     assert g.blocks_for(1) == 2 and g.blocks_for(16) == 2 and g.blocks_for(17) == 4
@@ -49,6 +77,9 @@ def test_random_operations_keep_invariants(seq):
             assert freed == -(-held.pop(rid, 0) // 4) * 2
         pool.check_invariants()
         assert pool.num_used == sum(-(-t // 4) * 2 for t in held.values())
+        tables = [pool.table(r) for r in held]
+        ids = [b for t in tables for b in t]
+        assert len(set(ids)) == len(ids) and set(ids) <= set(range(24)), "a block held twice, or not the pool's"
     for rid in list(held):
         pool.free(rid)
     assert pool.num_free == 24
