@@ -71,6 +71,8 @@ class BidirectionalPool:
         self.size = block_size
         self.blocks = [TokenBlock() for _ in range(num_token_blocks)]
         self.free_blocks: set[int] = set(range(num_token_blocks))
+        # the others: what the per-step counts scan, so a step costs what is in use, not the pool
+        self.owned: set[int] = set()
         self.seqs: dict[str, _Seq] = {}
         self.preemption_table: list[tuple[int, str, str, int]] = []   # (block, rt_id, be_id, slot)
 
@@ -101,13 +103,13 @@ class BidirectionalPool:
         return sum(self.blocks[i].rt_fill for i in s.blocks if self.blocks[i].be_id == rid)
 
     def empty_slots(self) -> int:
-        return sum(b.empty(self.size) for b in self.blocks)
+        return len(self.free_blocks) * self.size + sum(self.blocks[i].empty(self.size) for i in self.owned)
 
     def view(self) -> dict[str, int]:
         """Token-blocks by owner (rt, be, shared, free) and checkpointed tokens."""
         v = {"rt": 0, "be": 0, "shared": 0, "free": len(self.free_blocks),
              "checkpointed": sum(s.num_cpu for s in self.seqs.values())}
-        for b in self.blocks:
+        for b in map(self.blocks.__getitem__, self.owned):
             if b.rt_id and b.be_id:
                 v["shared"] += 1
             elif b.rt_id:
@@ -233,7 +235,8 @@ class BidirectionalPool:
 
     def _claim(self, seq: _Seq) -> int:
         i = self.free_blocks.pop()
-        self._undo.append(lambda: self.free_blocks.add(i))
+        self.owned.add(i)
+        self._undo.append(lambda: (self.free_blocks.add(i), self.owned.discard(i)))
         self._add_block(seq, i)
         return i
 
@@ -275,6 +278,7 @@ class BidirectionalPool:
         if b.rt_id is None and b.be_id is None:
             b.preempted = False
             self.free_blocks.add(i)
+            self.owned.discard(i)
 
     # ---- transactions: a failed grow leaves everything as it was ------------------------
     # During a grow every change logs its inverse (blocks: a copy on first touch), so undoing
@@ -312,6 +316,9 @@ class BidirectionalPool:
                 owner[s] = (rid, t)
                 if s[0] not in seq.blocks:
                     raise AssertionError(f"{rid}: token {t} in block {s[0]} not in its block list")
+        if self.owned & self.free_blocks or len(self.owned) + len(self.free_blocks) != len(self.blocks):
+            raise AssertionError(f"{len(self.owned)} blocks owned and {len(self.free_blocks)} free of "
+                                 f"{len(self.blocks)}, {len(self.owned & self.free_blocks)} both")
         for i, b in enumerate(self.blocks):
             if b.rt_fill + b.be_fill > S or b.rt_fill < 0 or b.be_fill < 0:
                 raise AssertionError(f"block {i}: fills {b.rt_fill} + {b.be_fill} exceed {S}")
@@ -358,13 +365,14 @@ class BidirBlockPool(BidirectionalPool):
     @property
     def num_be_only(self) -> int:
         """Blocks an RT request could take from BE owners (BE-only token-blocks)."""
-        return 2 * sum(1 for b in self.blocks if b.be_id is not None and b.rt_id is None)
+        return 2 * sum(1 for i in self.owned if self.blocks[i].be_id is not None and self.blocks[i].rt_id is None)
 
     @property
     def num_rt_with_room(self) -> int:
         """Blocks a BE request could fill from the other end beside an RT owner (RT-only
         token-blocks with empty slots)."""
-        return 2 * sum(1 for b in self.blocks if b.be_id is None and b.rt_id is not None and b.empty(self.size))
+        return 2 * sum(1 for b in map(self.blocks.__getitem__, self.owned)
+                       if b.be_id is None and b.rt_id is not None and b.empty(self.size))
 
     def num_blocks_of(self, rid: str) -> int:
         s = self.seqs.get(rid)

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.cache.bidir import BidirectionalPool
+from tandem.cache import PoolGeometry
+from tandem.cache.bidir import BidirBlockPool, BidirectionalPool
 
 S = 4
 
@@ -117,7 +118,7 @@ ops = st.lists(st.tuples(st.sampled_from(["grow", "grow", "grow", "free", "drop"
 @settings(max_examples=300, deadline=None)
 @given(ops, st.integers(1, 6))
 def test_random_operations_keep_invariants_and_data(operations, num_blocks):
-    p = BidirectionalPool(num_blocks, S)
+    p = BidirBlockPool(PoolGeometry(num_blocks=2 * num_blocks, block_size=S))
     memory: dict[tuple[int, int], tuple[str, int]] = {}      # what the engine's pool would hold
     cpu: dict[tuple[str, int], tuple[str, int]] = {}         # the CPU checkpoint store
     want: dict[str, int] = {}                                # tokens each live request holds
@@ -149,6 +150,7 @@ def test_random_operations_keep_invariants_and_data(operations, num_blocks):
             for c in p.drop(rid):
                 cpu[(rid, c.token)] = memory.pop((c.block, c.slot))
         p.check_invariants()
+        assert _counts(p) == _counts_over_every_block(p)
         for q, n in want.items():                            # every token is in the pool or on the CPU
             slots = p.slots_of(q)
             assert len(slots) == n
@@ -158,6 +160,22 @@ def test_random_operations_keep_invariants_and_data(operations, num_blocks):
         p.free_request(q)
     p.check_invariants()
     assert p.view()["free"] == num_blocks and not p.seqs
+
+
+def _counts(p: BidirBlockPool) -> tuple:
+    """What the scheduler reads of the pool each step (counted over the blocks in use)."""
+    v = p.view()
+    return p.num_be_only // 2, p.num_rt_with_room // 2, p.empty_slots(), v["rt"], v["be"], v["shared"]
+
+
+def _counts_over_every_block(p: BidirBlockPool) -> tuple:
+    """The same, from every block's owners and fills."""
+    bs = p.blocks
+    return (sum(b.be_id is not None and b.rt_id is None for b in bs),
+            sum(b.be_id is None and b.rt_id is not None and b.rt_fill + b.be_fill < S for b in bs),
+            sum(S - b.rt_fill - b.be_fill for b in bs), sum(b.rt_id is not None and b.be_id is None for b in bs),
+            sum(b.be_id is not None and b.rt_id is None for b in bs),
+            sum(b.be_id is not None and b.rt_id is not None for b in bs))
 
 
 def _fits_in_its_own_blocks(p: BidirectionalPool, rid: str, num_tokens: int) -> bool:
