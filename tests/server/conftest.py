@@ -63,7 +63,7 @@ def start_server(model_dir: Path, tmp: Path, *extra: str, inject: str = "",
                 if r.status == 200:
                     return Server(url, proc, model_dir.name, log)
         except OSError:
-            time.sleep(0.3)
+            time.sleep(0.1)
     proc.kill()
     raise RuntimeError(f"server did not become healthy:\n{log.read_text()}")
 

@@ -1124,7 +1124,9 @@ def test_a_chat_template_given_to_the_server_and_one_a_request_brings(tiny_chat_
     tok = AutoTokenizer.from_pretrained(tiny_chat_model)
     path = tmp_path / "chat.jinja"
     path.write_text(TEMPLATE)
-    s = start_server(tiny_chat_model, tmp_path, "--chat-template", str(path), "--trust-request-chat-template")
+    # each rendering's limit cut from 10 s to 3 (the template past it would run for hours)
+    s = start_server(tiny_chat_model, tmp_path, "--chat-template", str(path), "--trust-request-chat-template",
+                     inject="import tandem.sched.llm as m\nm.TEMPLATE_SECONDS = 3.0")
     try:
         msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
 
@@ -1143,7 +1145,7 @@ def test_a_chat_template_given_to_the_server_and_one_a_request_brings(tiny_chat_
         for bad in ("{% for m in messages %}",                      # does not compile
                     "{% if false %}x{% endif %}",                   # renders nothing
                     "{% for i in range(10 ** 9) %}{% endfor %}x",   # the sandbox's range limit
-                    # 10^10 loop turns: stopped after its 10 s (rendered in a child process)
+                    # 10^10 loop turns: stopped after its time (rendered in a child process)
                     "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"):
             code, r = call(s, "POST", "/v1/chat/completions", {"model": s.model, "messages": msgs,
                                                                "chat_template": bad})
