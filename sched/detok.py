@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import os
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -94,6 +95,26 @@ class Decoder:
         if not utf8.getstate()[0]:
             return text
         return self.decode(ids[:len(ids) - k]) + head
+
+
+def completed_piece(tid: int, before: list[int], decode: Callable[[list[int]], str],
+                    alone: Callable[[int], str]) -> str:
+    """vLLM's ``decoded_token`` for a token whose text alone (``alone``) ends in U+FFFD, a piece of
+    a character: decoded after the last 1, 2, 3 or 4 tokens ``before`` it (the sequence's, oldest
+    first), the first decode that ends cleanly, less the text of the tokens before it that end
+    cleanly alone. So the token that completes a character shows the whole character, and a token
+    that completes none shows ""."""
+    for n in range(1, min(len(before), 4) + 1):
+        ctx = before[-n:]
+        full = decode([*ctx, tid])
+        if full.endswith(REPLACEMENT):
+            continue
+        clean = len(ctx)            # the context's own pieces of the character count as this token's
+        while clean and alone(ctx[clean - 1]).endswith(REPLACEMENT):
+            clean -= 1
+        prefix = decode(ctx[:clean]) if clean else ""
+        return full[len(os.path.commonprefix([prefix, full])):]
+    return ""
 
 
 class IncrementalDetokenizer:

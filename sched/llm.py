@@ -31,7 +31,7 @@ from tandem.sched.isolated import TEMPLATE_SECONDS, IsolatedTemplates
 from tandem.sched.beam import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from tandem.sched.lengths import LengthSource, prediction_text
 from tandem.sched.cost_model import OnlineCostModel
-from tandem.sched.detok import Decoder, TokenBytes
+from tandem.sched.detok import REPLACEMENT, Decoder, TokenBytes, completed_piece
 from tandem.sched.placement import Placement
 from tandem.sched.profile_store import Profile, ProfileStore
 import tandem.sched.profiling as profiling_module
@@ -1092,7 +1092,7 @@ class LLM:
         for seq in seqs:
             seq.text = "" if self.tokenizer is None else self.detokenize(seq.tokens, skip_special_tokens)
             if seq.logprobs:
-                seq.logprobs = self._positions(seq.tokens[-len(seq.logprobs):], seq.logprobs, True)
+                seq.logprobs = self._positions(seq.tokens[-len(seq.logprobs):], seq.logprobs, True, 0)
         return seqs
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -1167,17 +1167,33 @@ class LLM:
         text = st.text_result or "" if sp.detokenize else ""
         return RequestOutput(st.req_id, st.request.prompt, st.request.prompt_token_ids,
                              list(st.output_token_ids), text, st.finish_reason.value,
-                             self._positions(st.output_token_ids, st.output_logprobs, sp.detokenize)
+                             self._positions(st.output_token_ids, st.output_logprobs, sp.detokenize, 0)
                              if sp.logprobs is not None else None,
-                             self._positions(st.request.prompt_token_ids, st.scored_prompt(), sp.detokenize)
+                             self._positions(st.request.prompt_token_ids, st.scored_prompt(), sp.detokenize, 1)
                              if sp.prompt_logprobs is not None else None,
                              st.cached_tokens or 0, st.stop_reason)
 
-    def _positions(self, ids: Sequence[int], lps: Sequence[TokenLogprobs | None], detokenize: bool) -> list:
+    def _positions(self, ids: Sequence[int], lps: Sequence[TokenLogprobs | None], detokenize: bool,
+                   first: int) -> list:
         """Each position's log probabilities as vLLM's dicts (None where none were computed), the
-        tokens' texts decoded one by one where the request wants text."""
-        text = self._token_text if detokenize and self.tokenizer is not None else _no_text
-        return [None if lp is None else PositionLogprobs.of(t, lp, text) for t, lp in zip(ids, lps)]
+        tokens' texts decoded one by one where the request wants text; a token that is part of a
+        character shows the character it completes after the tokens from ``first`` to it, or ""
+        (``completed_piece``, vLLM's correction)."""
+        if not (detokenize and self.tokenizer is not None):
+            return [None if lp is None else PositionLogprobs.of(t, lp, _no_text) for t, lp in zip(ids, lps)]
+
+        def text_at(pos: int) -> Callable[[int], str]:
+            def text(tid: int) -> str:
+                got = self._token_text(tid)
+                if not got.endswith(REPLACEMENT):
+                    return got
+                return completed_piece(tid, list(ids[max(first, pos - 4):pos]), self._decode_kept, self._token_text)
+            return text
+        return [None if lp is None else PositionLogprobs.of(t, lp, text_at(i))
+                for i, (t, lp) in enumerate(zip(ids, lps))]
+
+    def _decode_kept(self, ids: list[int]) -> str:
+        return self._decode(ids, skip_special_tokens=False)
 
     def _token_text(self, token_id: int) -> str:
         """A token decoded alone, special tokens kept (as vLLM's ``decoded_token``)."""

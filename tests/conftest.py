@@ -146,6 +146,10 @@ def _byte_alphabet() -> dict[str, int]:
     return {c: b for b, c in bytes_to_unicode().items()}
 
 
+# characters of two to four bytes that SmolLM2's vocabulary splits over several tokens
+SPLIT_PROMPT = "Hi 猫 and 😁 or 🦜🦜, ok ɐ."
+
+
 def raw_bytes(tok, tid: int) -> bytes:
     """A byte-level BPE token's own bytes, from its spelling in GPT-2's byte alphabet (as
     transformers converts it)."""

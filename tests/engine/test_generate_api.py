@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tandem import LLM, BeamSearchParams, SamplingParams
-from tests.conftest import assert_pool_free, environ_of, hf_greedy, hf_whole, mixed_prompts
+from tests.conftest import SPLIT_PROMPT, assert_pool_free, environ_of, hf_greedy, hf_whole, mixed_prompts
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -305,6 +305,25 @@ def test_a_character_cut_by_max_tokens_is_left_out_of_the_text(tiny_chat_model):
         outs += m.chat([{"role": "user", "content": "Hi"}], cut)
     assert [o.text for o in outs] == [" \ufffd \ufffd ", " \ufffd \ufffd ", "\ufffd" * 3, " \ufffd \ufffd "]
     assert [o.text for o in outs] == [hf_whole(tok, o.token_ids) for o in outs]
+
+
+def test_a_token_that_is_part_of_a_character_shows_the_character_it_completes(tiny_chat_model):
+    """Log probabilities' decoded_token for a token holding part of a character is the character
+    where it completes one (after up to four tokens) and "" where not, as vLLM corrects it: the
+    prompt tokens' texts after the first join to HF's decode of them, with no U+FFFD; alternatives
+    and generated tokens show none either."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    ids = tok(SPLIT_PROMPT)["input_ids"]
+    assert "\ufffd" in "".join(tok.decode([t]) for t in ids), "the prompt must split characters"
+    sp = SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=3, logprobs=3)
+    with LLM(str(tiny_chat_model), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1) as m:
+        (out,) = m.generate([SPLIT_PROMPT], sp)
+    scored = out.prompt_logprobs
+    assert scored[0] is None and [next(iter(at)) for at in scored[1:]] == ids[1:]
+    assert "".join(at[t].decoded_token for t, at in zip(ids[1:], scored[1:])) == tok.decode(ids[1:])
+    alternatives = [lp.decoded_token for at in [*scored[1:], *out.logprobs] for lp in at.values()]
+    assert not any(t.endswith("\ufffd") for t in alternatives)
 
 
 def test_vllm_arguments_that_ask_for_nothing_missing_are_taken(tiny_llama):

@@ -218,8 +218,8 @@ def test_logprobs_out_of_range_is_refused():
 def test_offline_logprobs_read_as_vllm_s_dicts(tiny_chat_model):
     """vLLM's offline shape: per position a dict of token id -> Logprob(logprob, rank,
     decoded_token) holding the token there and the k likeliest, the values HF's log-softmax,
-    the ranks HF's (1: the likeliest), the texts the HF tokenizer's for each token alone; the
-    prompt's too (None first), and a beam's; without text (detokenize off), no decoded_token."""
+    the ranks HF's (1: the likeliest), the texts the HF tokenizer's for each token alone (whole
+    characters here); the prompt's too (None first), and a beam's; without text (detokenize off), no decoded_token."""
     from transformers import AutoTokenizer
     from tandem import BeamSearchParams
     tok = AutoTokenizer.from_pretrained(tiny_chat_model)

@@ -11,7 +11,7 @@ import pydantic
 import pytest
 import torch
 
-from tests.conftest import hf_whole, raw_bytes
+from tests.conftest import SPLIT_PROMPT, hf_whole, raw_bytes
 from tests.server.conftest import API_KEY, hf_texts
 
 
@@ -939,6 +939,21 @@ def test_prompt_logprobs_are_hfs_with_their_ranks(server, client, tiny_chat_mode
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(**kw, stream=True, extra_body={"prompt_logprobs": 1})
     assert e.value.param == "prompt_logprobs"
+
+
+def test_prompt_logprobs_show_the_character_a_split_token_completes(server, client, tiny_chat_model):
+    """A prompt token holding part of a character shows in prompt_logprobs the character where it
+    completes one and "" where not (vLLM's correction): the tokens' texts after the first join to
+    HF's decode of them, and no entry ends in U+FFFD."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    r = client.completions.create(model=server.model, prompt=SPLIT_PROMPT, max_tokens=1,
+                                  extra_body={"prompt_logprobs": 3, "return_token_ids": True})
+    c = r.choices[0].model_extra
+    ids, got = c["prompt_token_ids"], c["prompt_logprobs"]
+    assert "\ufffd" in "".join(tok.decode([t]) for t in ids), "the prompt must split characters"
+    assert "".join(at[str(t)]["decoded_token"] for t, at in zip(ids[1:], got[1:])) == tok.decode(ids[1:])
+    assert not any(e["decoded_token"].endswith("\ufffd") for at in got[1:] for e in at.values())
 
 
 def test_text_parts_of_a_message_are_joined_by_newlines_as_vllm_does(server, client, tiny_chat_model):
