@@ -14,6 +14,7 @@ take, until the pool needs it for something else.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tandem.cache.prefix import Key, PrefixCache
@@ -172,7 +173,7 @@ class BlockPool:
         requests hold: a request attaching them takes them from nobody's free count."""
         return self.prefix.held_blocks(keys) if self.prefix else 0
 
-    def held_ids(self, keys: list[Key]) -> set[int]:
+    def held_ids(self, keys: Iterable[Key]) -> set[int]:
         """Blocks of these cached token-blocks that some request holds (the ones ``shared_blocks``
         counts)."""
         if self.prefix is None:

@@ -60,8 +60,8 @@ class PrefixCache:
 
     def longest(self, keys: Sequence[Key], limit: int) -> int:
         """How many of the leading keys, at most ``limit``, are named here."""
-        n = 0
-        while n < min(limit, len(keys)) and keys[n] in self.blocks:
+        n, end, blocks = 0, min(limit, len(keys)), self.blocks
+        while n < end and keys[n] in blocks:
             n += 1
         return n
 

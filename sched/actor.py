@@ -319,8 +319,11 @@ class DeviceActor:
         if not self._hits:
             return set()
         pool = self.pool
-        return {b for rid, hit in self._hits.items() if hit and not pool.num_blocks_of(rid)
-                for b in pool.held_ids(self._keys[rid][:hit])}
+        keys: set[Key] = set()          # waiting requests share prompt starts: each key once
+        for rid, hit in self._hits.items():
+            if hit and not pool.num_blocks_of(rid):
+                keys.update(self._keys[rid][:hit])
+        return pool.held_ids(keys)
 
     def _kept(self, rid: str, promised: set[int]) -> int:
         """Of a running request's blocks, those that preempting it would not give back as free

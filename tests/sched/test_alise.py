@@ -281,6 +281,60 @@ def test_look_ahead_admission_against_the_peak_walked_step_by_step(holders, arri
             held.pop(h)
 
 
+@given(st.lists(st.tuples(st.integers(1, 400), st.integers(1, 300), st.booleans(), st.integers(0, 3),
+                          st.booleans()), min_size=0, max_size=10),
+       st.lists(st.tuples(st.integers(1, 400), st.integers(1, 300), st.booleans(), st.integers(0, 3),
+                          st.booleans(), st.integers(0, 8)), min_size=1, max_size=10),
+       st.integers(0, 400), st.sampled_from([16, 8, 12, 1]))
+@settings(max_examples=100, deadline=None)
+def test_look_ahead_admission_asked_of_every_arrival_between_changes(holders, arrivals, free, block_size):
+    """Every arrival still waiting asked at each state of the holders (the kept sums are reused
+    between changes), then the first that fits counted and a holder dropped: each answer is
+    whether the step-by-step peak, in exact fractions, fits the pool, for any block size."""
+    from fractions import Fraction
+
+    from tandem.engine.messages import CacheType
+    from tandem.sched.alise import Footprint
+
+    def candidate(rid, x, r, hidden, level, be, blocks=0):
+        c = Candidate(rid, x, x, blocks, 0.0, not be, num_output=0, predicted=r,
+                      cache_type=CacheType.HIDDEN if hidden else CacheType.KV)
+        return c, (be, level, 0)
+
+    def peak(items):
+        return max([0] + [sum(Fraction(b * (x + k), block_size) + Fraction(b, 2) for x, r, b in items if r > k)
+                          for k in range(max(r for _, r, _ in items))])
+
+    per = lambda x: 1 if x.cache_type is CacheType.HIDDEN else 2  # noqa: E731
+    running = [candidate(f"h{i}", *h, blocks=-(-h[0] // block_size) * 2) for i, h in enumerate(holders)]
+    waiting = [candidate(f"a{i}", *a[:5], blocks=a[5]) for i, a in enumerate(arrivals)]
+    rank = {c.req_id: k for c, k in running + waiting}
+    s = Snapshot([c for c, _ in running], [], free, block_size, 2, Limits(64, 2048, True),
+                 hidden_blocks_per_token_block=1)
+    fp = Footprint(s, s.running, rank)
+    held = {c.req_id: c for c in s.running}
+    total = free + sum(c.num_blocks for c in s.running)
+    drops = [c.req_id for c, _ in running]
+    while waiting:
+        fits = []
+        for c, mine in waiting:
+            items = [(x.num_tokens, x.predicted, per(x)) for x in held.values() if rank[x.req_id][:2] <= mine[:2]]
+            want = not items or peak(items + [(c.num_tokens, c.predicted, per(c))]) <= total + c.num_blocks
+            assert fp.admits(c) == want
+            fits.append(want)
+        if True in fits:
+            c, _ = waiting.pop(fits.index(True))
+            fp.add(c)
+            held[c.req_id] = c
+            total += c.num_blocks
+        if drops:
+            h = drops.pop()
+            fp.drop(h)
+            held.pop(h)
+        elif True not in fits:
+            break
+
+
 def _gittins_by_definition(spread, a):
     """min over horizons Δ of E[min(L - a, Δ) | L > a] / P(L - a <= Δ | L > a), exactly."""
     from fractions import Fraction
