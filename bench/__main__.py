@@ -350,9 +350,13 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     pr.add_argument("--max-tokens", type=positive_int, default=1, help="output tokens per turn")
     pr.add_argument("--repeats", type=positive_int, default=2, help="runs of each setting, in turn")
     pr.add_argument("--out", default="prefix_routing.json", help=OUT_HELP)
-    ov = sub.add_parser("overhead", help="time per scheduling decision on random snapshots (no model)")
+    ov = sub.add_parser("overhead", help="time per scheduling decision on random snapshots, and per step "
+                        "with a queue of waiting requests (no model)")
     ov.add_argument("--candidates", nargs="+", type=positive_int, default=[50, 400, 1600])
     ov.add_argument("--repeats", type=positive_int, default=50)
+    ov.add_argument("--waiting", nargs="+", type=positive_int, default=[10, 100, 1000],
+                    help="queue lengths for the per-step planning of a device")
+    ov.add_argument("--steps", type=positive_int, default=60, help="steps timed at each queue length")
     ov.add_argument("--out", default="sched_overhead.json", help=OUT_HELP)
     sv = sub.add_parser("sim-validate", help="simulate the trace of the last `online` run and compare")
     sv.add_argument("--max-num-seqs", type=positive_int, default=64)

@@ -295,7 +295,7 @@ def test_a_result_of_the_wrong_kind_is_named_not_a_key_error(tmp_path):
 
 # cheap runs of the commands that write plots or nothing beside their result: argv, and the tails
 # their side files take after the result's stem
-CHEAP = {"overhead": (["overhead", "--candidates", "4", "--repeats", "1"], []),
+CHEAP = {"overhead": (["overhead", "--candidates", "4", "--repeats", "1", "--waiting", "2", "--steps", "1"], []),
          "sim": (["sim", "--num-requests", "4", "--rates", "1"], ["attainment.png"]),
          "sim-mixed": (["sim-mixed", "--num-requests", "4", "--rates", "1", "--policies", "fcfs"],
                        ["attainment.png", "rt_vs_be.png"]),
