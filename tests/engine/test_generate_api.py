@@ -7,6 +7,7 @@ import time
 import pytest
 
 from tandem import LLM, BeamSearchParams, SamplingParams
+from tandem.engine.messages import TokenLogprobs
 from tests.conftest import SPLIT_PROMPT, assert_pool_free, environ_of, hf_greedy, hf_whole, mixed_prompts
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -318,7 +319,13 @@ def test_a_token_that_is_part_of_a_character_shows_the_character_it_completes(ti
     assert "\ufffd" in "".join(tok.decode([t]) for t in ids), "the prompt must split characters"
     sp = SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=3, logprobs=3)
     with LLM(str(tiny_chat_model), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1) as m:
-        (out,) = m.generate([SPLIT_PROMPT], sp)
+        (out, cut) = m.generate([SPLIT_PROMPT, "猫 and 😁"], sp)
+        # generated ids " 猫猫" (the context runs from the first output token): by hand, the third
+        # completes " 猫" after the two before it, the sixth "猫" after the two before it
+        outputs = m._positions(tok(" 猫猫")["input_ids"], [TokenLogprobs(0.0)] * 6, True, 0)
+    assert [next(iter(at.values())).decoded_token for at in outputs] == ["", "", " 猫", "", "", "猫"]
+    # the prompt's first token (part of 猫) is no context: the third completes nothing after the second
+    assert [next(iter(at.values())).decoded_token for at in cut.prompt_logprobs[1:]] == ["", "", " and", "", " 😁"]
     scored = out.prompt_logprobs
     assert scored[0] is None and [next(iter(at)) for at in scored[1:]] == ids[1:]
     assert "".join(at[t].decoded_token for t, at in zip(ids[1:], scored[1:])) == tok.decode(ids[1:])

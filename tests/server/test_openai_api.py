@@ -954,6 +954,10 @@ def test_prompt_logprobs_show_the_character_a_split_token_completes(server, clie
     assert "\ufffd" in "".join(tok.decode([t]) for t in ids), "the prompt must split characters"
     assert "".join(at[str(t)]["decoded_token"] for t, at in zip(ids[1:], got[1:])) == tok.decode(ids[1:])
     assert not any(e["decoded_token"].endswith("\ufffd") for at in got[1:] for e in at.values())
+    c = client.completions.create(model=server.model, prompt="猫 and 😁", max_tokens=1,
+                                  extra_body={"prompt_logprobs": 0}).choices[0].model_extra
+    # by hand: the first token (part of 猫) is no context, so the third completes nothing after the second
+    assert [next(iter(at.values()))["decoded_token"] for at in c["prompt_logprobs"][1:]] == ["", "", " and", "", " 😁"]
 
 
 def test_text_parts_of_a_message_are_joined_by_newlines_as_vllm_does(server, client, tiny_chat_model):
