@@ -57,13 +57,15 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
 STARTUP_WEIGHT = 0.01   # a start-up sample's weight in the online refits, a measured step's being 1
 FEATURES = ("prefill_tokens", "prefill_attn", "decode_tokens", "decode_ctx", "hidden_blocks", "swap_in_bytes",
-            "adapters", "adapter_rows")
+            "adapters", "adapter_rows")     # StepShape's fields, in their order
+_features = attrgetter(*FEATURES)
 MIN_STEPS = 5       # measured steps a fit needs at least
 
 
@@ -77,6 +79,11 @@ class StepShape:
     swap_in_bytes: int = 0       # bytes of swapped-out caches copied back before the forward
     adapters: int = 0            # distinct LoRA adapters its requests run with
     adapter_rows: int = 0        # token rows of its requests that run with a LoRA adapter
+
+    def features(self) -> tuple:
+        """The fields in FEATURES' order (``dataclasses.astuple``'s values, without its copying:
+        a refit builds a row per kept step)."""
+        return _features(self)
 
     def add(self, num_new: int, context: int, decode: bool, hidden_blocks: int = 0,
             swap_in_bytes: int = 0, adapters: int = 0, lora: bool = False) -> "StepShape":
@@ -175,7 +182,7 @@ class CostModel:
         """
         if len(samples) < MIN_STEPS:
             raise ValueError(f"need at least {MIN_STEPS} measured steps to fit a cost model")
-        X = np.array([[1.0, *astuple(s)] for s, _ in samples])
+        X = np.array([(1.0, *s.features()) for s, _ in samples])
         y = np.array([t - (projection_seconds(projections, s.prefill_tokens + s.decode_tokens) if projections else 0.0)
                       for s, t in samples])
         scale = X.max(axis=0)

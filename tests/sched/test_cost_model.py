@@ -1,7 +1,7 @@
 """Cost model: the fit recovers known coefficients; shapes add up as defined."""
 import json
 import random
-from dataclasses import asdict, replace
+from dataclasses import asdict, astuple, replace
 
 import numpy as np
 import pytest
@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
 
-from tandem.sched.cost_model import CostModel, OnlineCostModel, StepShape, SwapModel, attn_pairs, predict_many
+from tandem.sched.cost_model import (STARTUP_WEIGHT, CostModel, OnlineCostModel, StepShape, SwapModel, attn_pairs,
+                                    predict_many)
 
 
 def causal_pairs(n: int, context: int) -> int:
@@ -25,6 +26,19 @@ def test_shape_accumulates():
     # on LoRA adapters: a prompt's rows are its new tokens, a decode's one; the adapter counts where it is new
     s = s.add(6, 6, decode=False, adapters=1, lora=True).add(1, 40, decode=True, lora=True).add(3, 9, False, lora=True)
     assert (s.prefill_tokens, s.decode_tokens, s.adapters, s.adapter_rows) == (23, 3, 1, 6 + 1 + 3)
+
+
+def test_a_shapes_features_are_its_fields_in_order_and_a_fit_reads_them_so(monkeypatch):
+    """``features`` (a refit's row per step) says what ``astuple`` does, every field in its place;
+    a fit on them is the fit on rows built with ``astuple``, to the last bit."""
+    s = StepShape(*range(11, 19))
+    assert s.features() == astuple(s) == tuple(range(11, 19))
+    rng = random.Random(1)
+    samples = [(StepShape(*(rng.randint(0, 1000) for _ in range(8))), rng.uniform(0.001, 0.1)) for _ in range(64)]
+    weights = [STARTUP_WEIGHT] * 8 + [1.0] * 56
+    fit = CostModel.fit(samples, weights=weights)
+    monkeypatch.setattr(StepShape, "features", astuple)
+    assert CostModel.fit(samples, weights=weights) == fit
 
 
 @settings(max_examples=50, deadline=None)
