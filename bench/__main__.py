@@ -14,7 +14,13 @@ USER_ERRORS = (ValueError, KeyError, FileNotFoundError, ZeroDivisionError, stati
                ServerStartError)
 OUT_HELP = "result file name, in the results dir (bench/results in a checkout, else ./tandem-bench-results)"
 # what the commands that price steps by the fitted cost model read
-FITTED_HELP = "cost_smollm2_cpu.json in the results dir, what `bench profile` writes by default"
+FITTED_HELP = "cost_smollm2_cpu.json in the results dir, what `bench profile` writes by default (--fitted: another)"
+
+
+def fitted_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fitted", default=None, metavar="FILE",
+                   help="the fitted cost model to read, as `bench profile --out FILE` wrote it (a name in the "
+                        "results dir, or a path); default: cost_smollm2_cpu.json there")
 
 
 def positive_float(text: str) -> float:
@@ -208,7 +214,8 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     pr = sub.add_parser("profile", help="fit the iteration cost model from our engine's measured steps")
     pr.add_argument("--max-num-seqs", type=positive_int, default=64)
     pr.add_argument("--out", default="cost_smollm2_cpu.json",
-                    help=OUT_HELP + " (the fitted preset, sim-validate and bros-bound read the default one)")
+                    help=OUT_HELP + " (the fitted preset, sim-tandem, sim-validate and bros-bound read the "
+                         "default one; their --fitted names another)")
     sm = sub.add_parser("sim", help="simulated FCFS at paper scale (or with the fitted cost model)")
     sm.add_argument("--rates", nargs="+", type=positive_float, default=[1, 2, 3, 4, 5, 6, 7, 8])
     sx = sub.add_parser("sim-mixed", help="simulated RT + always-pending BE jobs per policy (paper scale)")
@@ -218,6 +225,7 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     sm.add_argument("--out", default=None, help=OUT_HELP + " (default: sim_<preset>_fcfs.json); its plot beside it")
     sx.add_argument("--out", default=None, help=OUT_HELP + " (default: sim_mixed_<preset>.json); its plots beside it")
     for p in (sm, sx):
+        fitted_arg(p)
         p.add_argument("--preset", default="opt13b", choices=["opt13b", "fitted"],
                        help="opt13b: OPT-13B on an A100 (paper scale); fitted: SmolLM2 on this CPU, " + FITTED_HELP)
         p.add_argument("--num-requests", type=positive_int, default=1000)
@@ -289,6 +297,7 @@ def main(argv=None, prog: str = "python -m bench") -> None:
                      help="opt13b: OPT-13B on an A100 (paper scale); fitted: SmolLM2 on this CPU, the cost model "
                           "`python -m bench profile` fitted (its pool, KV bytes and slower host copies), "
                           + FITTED_HELP)
+    fitted_arg(stn)
     stn.add_argument("--be-scale", type=float, default=1.0,
                      help="BE prompt and output lengths scaled by this (the mixed bench's --be-scale)")
     stn.add_argument("--kv-tokens", type=positive_int, default=None,
@@ -364,11 +373,13 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     sv.add_argument("--real", default="online.json",
                     help="result file of the real run, in the results dir (`bench online`'s default --out); the "
                          "cost model: " + FITTED_HELP)
+    fitted_arg(sv)
     sv.add_argument("--out", default="sim_validate.json", help=OUT_HELP)
     bb = sub.add_parser("bros-bound", help="the most BE throughput the cost model allows at an RT latency target")
     bb.add_argument("--real", default="mixed.json",
                     help="a `mixed` result file, in the results dir (`bench mixed`'s default --out); the cost "
                          "model: " + FITTED_HELP)
+    fitted_arg(bb)
     bb.add_argument("--out", default="bros_bound.json", help=OUT_HELP)
     bb.add_argument("--duration", type=float, default=90.0, help="the mixed run's --duration")
     bb.add_argument("--max-output", type=positive_int, default=512)

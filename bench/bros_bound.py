@@ -67,7 +67,7 @@ def run(args) -> None:
     from tandem.bench.online import RESULTS, _setup
     from tandem.bench.sim_cli import load_fitted
     from tandem.bench.workloads import sharegpt_trace, synthetic_be
-    cost, *_ = load_fitted()
+    cost, *_ = load_fitted(args.fitted)
     real = json.loads(Path(RESULTS / args.real).read_text())
     if "be" not in real:
         raise SystemExit(f"--real: {args.real} is not a `bench mixed` result (it has no batch work)")

@@ -59,12 +59,16 @@ def profile(args) -> CostModel:
     return cost
 
 
-def load_fitted() -> tuple[CostModel, tuple[float, ...], tuple[float, ...]]:
+def load_fitted(name: str | None = None) -> tuple[CostModel, tuple[float, ...], tuple[float, ...]]:
     """The fitted cost model and its measured/predicted step-time ratios (decode-only steps,
-    steps with prefill work)."""
-    if not COST_FILE.is_file():
-        raise SystemExit(f"{COST_FILE} is missing: run `python -m bench profile` first (its default --out)")
-    d = json.loads(COST_FILE.read_text())
+    steps with prefill work), from ``name`` (``bench profile --out``'s: in the results dir, or a
+    path) or the default file."""
+    path = COST_FILE if name is None else RESULTS / name
+    if not path.is_file():
+        how = "`python -m bench profile` first (its default --out)" if name is None else \
+            f"`python -m bench profile --out {name}` first"
+        raise SystemExit(f"{path} is missing: run {how}")
+    d = json.loads(path.read_text())
     return CostModel(**d["cost"]), tuple(d.get("ratios", ())), tuple(d.get("ratios_prefill", ()))
 
 
@@ -95,7 +99,7 @@ def sim(args) -> None:
     out = RESULTS / (args.out or f"sim_{args.preset}_fcfs.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer()
-    cost = OPT_13B_A100 if args.preset == "opt13b" else load_fitted()[0]
+    cost = OPT_13B_A100 if args.preset == "opt13b" else load_fitted(args.fitted)[0]
     kv_tokens = OPT_13B_A100_KV_TOKENS if args.preset == "opt13b" else args.kv_tokens
     setup = SimSetup(cost, PoolGeometry(2 * kv_tokens // 16, 16),
                      SchedConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048), 2048)
@@ -121,7 +125,7 @@ def sim_mixed(args) -> None:
     out = RESULTS / (args.out or f"sim_mixed_{args.preset}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer()
-    cost = OPT_13B_A100 if args.preset == "opt13b" else load_fitted()[0]
+    cost = OPT_13B_A100 if args.preset == "opt13b" else load_fitted(args.fitted)[0]
     kv_tokens = OPT_13B_A100_KV_TOKENS if args.preset == "opt13b" else args.kv_tokens
     ttft_slo, tbt_slo, ttft0, tbt0 = slos(cost, args.ttft_factor, args.tbt_factor)
     print(f"cost model {args.preset}; SLOs TTFT {ttft_slo:.3f} s, TBT {tbt_slo:.3f} s; {args.num_requests} RT "
@@ -179,7 +183,7 @@ def sim_validate(args) -> None:
         raise ValueError(f"{args.real} holds no tandem-fcfs rows: the simulator is checked against FCFS runs "
                          "(`bench online --systems tandem-fcfs ...`)")
     tok = _tokenizer()
-    cost, ratios, ratios_prefill = load_fitted()
+    cost, ratios, ratios_prefill = load_fitted(args.fitted)
     slo, tr = real["slo"], real["trace"]
     setups = {"mean": SimSetup(cost, PoolGeometry(2 * SMOLLM2_POOL_TOKENS // 16, 16),
                                SchedConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048), 8192)}

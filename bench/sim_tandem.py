@@ -90,7 +90,7 @@ CPU_COPY_BW = 5e9
 def device(args) -> Device:
     """The device ``--preset`` names, with ``--kv-tokens``, ``--host-gbps`` and ``--slower`` where given."""
     if args.preset == "fitted":
-        cost, ratios, ratios_prefill = load_fitted()
+        cost, ratios, ratios_prefill = load_fitted(args.fitted)
         dev = Device(cost, args.kv_tokens or SMOLLM2_POOL_TOKENS, 3, 0.0, SMOLLM2_BLOCK_BYTES,
                      args.host_gbps * 1e9 if args.host_gbps is not None else CPU_COPY_BW, ratios, ratios_prefill)
     else:

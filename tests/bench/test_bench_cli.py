@@ -358,3 +358,23 @@ def test_the_peers_table_reuses_the_offline_rows_in_its_folder_and_writes_beside
     main(["table", "--skip-offline", "--rates", "1", "2", "--out", "sub/t.json"])
     assert _files(tmp_path) == ["sub/offline.json", "sub/t.json", "sub/t.md", "sub/t_online.json"]
     assert json.loads((tmp_path / "sub" / "t.json").read_text())["offline_tok_s"] == {"tandem": 200.0}
+
+
+@pytest.mark.parametrize("where", ["in the results dir", "a path"])
+def test_the_simulator_reads_the_cost_model_profile_wrote_where_fitted_says(where, monkeypatch, tmp_path):
+    """`profile --out` wrote a fitted cost model that the fitted preset, sim-validate and
+    bros-bound never read (they read the default name): `--fitted` names it, and the simulation
+    runs with its coefficients, not the default file's."""
+    from tandem.bench import output, sim_cli
+    from tandem.bench.__main__ import main
+    default = json.loads((sim_cli.COST_FILE).read_text())
+    mine = dict(default, cost={k: 2 * v for k, v in default["cost"].items()})
+    for module in (output, sim_cli):
+        monkeypatch.setattr(module, "RESULTS", tmp_path, raising=False)
+    (tmp_path / "mine.json").write_text(json.dumps(mine))
+    name = "mine.json" if where == "in the results dir" else str(tmp_path / "mine.json")
+    main(["sim", "--preset", "fitted", "--fitted", name, "--num-requests", "4", "--rates", "1", "--out", "s.json"])
+    got = json.loads((tmp_path / "s.json").read_text())["cost"]
+    assert {k: got[k] for k in mine["cost"]} == mine["cost"] != default["cost"]
+    with pytest.raises(SystemExit, match="bench profile --out other.json"):
+        main(["sim", "--preset", "fitted", "--fitted", "other.json", "--num-requests", "4", "--rates", "1"])
