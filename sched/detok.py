@@ -16,7 +16,7 @@ import functools
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 REPLACEMENT = "\ufffd"
 WINDOW = 6          # ids decoded before the release point: enough context for merges and spaces
@@ -97,20 +97,24 @@ class Decoder:
         return self.decode(ids[:len(ids) - k]) + head
 
 
-def completed_piece(tid: int, before: list[int], decode: Callable[[list[int]], str],
-                    alone: Callable[[int], str]) -> str:
-    """vLLM's ``decoded_token`` for a token whose text alone (``alone``) ends in U+FFFD, a piece of
-    a character: decoded after the last 1, 2, 3 or 4 tokens ``before`` it (the sequence's, oldest
-    first), the first decode that ends cleanly, less the text of the tokens before it that end
-    cleanly alone. So the token that completes a character shows the whole character, and a token
-    that completes none shows ""."""
-    for n in range(1, min(len(before), 4) + 1):
+def decoded_token(tid: int, ids: Sequence[int], pos: int, first: int, decode: Callable[[list[int]], str],
+                  text_alone: Callable[[int], str]) -> str:
+    """vLLM's ``decoded_token`` for ``tid`` at position ``pos`` of the sequence ``ids``: its text
+    alone, or where that ends in U+FFFD (a piece of a character), its text decoded after the last
+    1, 2, 3 or 4 tokens before it (from ``first`` on), the first decode that ends cleanly, less the
+    text of the tokens before it that end cleanly alone. So the token that completes a character
+    shows the whole character, and a token that completes none shows ""."""
+    text = text_alone(tid)
+    if not text.endswith(REPLACEMENT):
+        return text
+    before = list(ids[max(first, pos - 4):pos])
+    for n in range(1, len(before) + 1):
         ctx = before[-n:]
         full = decode([*ctx, tid])
         if full.endswith(REPLACEMENT):
             continue
         clean = len(ctx)            # the context's own pieces of the character count as this token's
-        while clean and alone(ctx[clean - 1]).endswith(REPLACEMENT):
+        while clean and text_alone(ctx[clean - 1]).endswith(REPLACEMENT):
             clean -= 1
         prefix = decode(ctx[:clean]) if clean else ""
         return full[len(os.path.commonprefix([prefix, full])):]

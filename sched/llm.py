@@ -31,7 +31,7 @@ from tandem.sched.isolated import TEMPLATE_SECONDS, IsolatedTemplates
 from tandem.sched.beam import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from tandem.sched.lengths import LengthSource, prediction_text
 from tandem.sched.cost_model import OnlineCostModel
-from tandem.sched.detok import REPLACEMENT, Decoder, TokenBytes, completed_piece
+from tandem.sched.detok import Decoder, TokenBytes, decoded_token
 from tandem.sched.placement import Placement
 from tandem.sched.profile_store import Profile, ProfileStore
 import tandem.sched.profiling as profiling_module
@@ -1178,22 +1178,14 @@ class LLM:
         """Each position's log probabilities as vLLM's dicts (None where none were computed), the
         tokens' texts decoded one by one where the request wants text; a token that is part of a
         character shows the character it completes after the tokens from ``first`` to it, or ""
-        (``completed_piece``, vLLM's correction)."""
+        (``decoded_token``, vLLM's correction)."""
         if not (detokenize and self.tokenizer is not None):
             return [None if lp is None else PositionLogprobs.of(t, lp, _no_text) for t, lp in zip(ids, lps)]
 
         def text_at(pos: int) -> Callable[[int], str]:
-            def text(tid: int) -> str:
-                got = self._token_text(tid)
-                if not got.endswith(REPLACEMENT):
-                    return got
-                return completed_piece(tid, list(ids[max(first, pos - 4):pos]), self._decode_kept, self._token_text)
-            return text
+            return lambda tid: decoded_token(tid, ids, pos, first, self.decode_prompt, self._token_text)
         return [None if lp is None else PositionLogprobs.of(t, lp, text_at(i))
                 for i, (t, lp) in enumerate(zip(ids, lps))]
-
-    def _decode_kept(self, ids: list[int]) -> str:
-        return self._decode(ids, skip_special_tokens=False)
 
     def _token_text(self, token_id: int) -> str:
         """A token decoded alone, special tokens kept (as vLLM's ``decoded_token``)."""

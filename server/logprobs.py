@@ -6,7 +6,7 @@ from __future__ import annotations
 import codecs
 
 from tandem.engine.messages import TokenLogprobs
-from tandem.sched.detok import REPLACEMENT, Decoder, IncrementalDetokenizer, TokenBytes, completed_piece
+from tandem.sched.detok import REPLACEMENT, Decoder, IncrementalDetokenizer, TokenBytes, decoded_token
 
 FLOOR = -9999.0          # what a token the model rules out (-inf) is shown as: JSON has no infinity
 
@@ -171,12 +171,10 @@ def prompt_logprobs_json(text_of: TokenText, ids: list[int], lps: list[TokenLogp
     """vLLM's ``prompt_logprobs``: per prompt token None for the first (nothing comes before it),
     then {token id (a string): {"logprob", "rank", "decoded_token"}} for the token itself and the
     ``k`` likeliest (ranks 1 to k). A token that is part of a character shows the character it
-    completes after the prompt tokens before it, or "" (``completed_piece``: vLLM's correction;
+    completes after the prompt tokens before it, or "" (``decoded_token``: vLLM's correction;
     the first prompt token, which has no entry, is no context)."""
     def entry(tid: int, lp: float, rank: int, pos: int) -> dict:
-        text = text_of(tid)[0]
-        if text.endswith(REPLACEMENT):
-            text = completed_piece(tid, ids[max(1, pos - 4):pos], text_of.decode, lambda t: text_of(t)[0])
+        text = decoded_token(tid, ids, pos, 1, text_of.decode, lambda t: text_of(t)[0])
         return {"logprob": _value(lp), "rank": rank, "decoded_token": text}
     out = []
     for pos, (tid, lp) in enumerate(zip(ids, lps, strict=True)):
