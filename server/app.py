@@ -781,9 +781,10 @@ async def stream_handler(request, engine, st, p: Prepared, choices, chat, create
 
     async def sink(ch: Choice, delta: str) -> None:
         closed = []
-        if ch.content is not None:            # content up to where a call may begin; the calls' deltas
-            closed = ch.content.call_deltas(delta, lambda: ch.text)
-            delta = ch.content.push(delta)
+        if ch.content is not None:            # content outside call blocks; the calls' deltas
+            parts = ch.content.feed(delta)
+            delta = "".join(part for part in parts if isinstance(part, str))
+            closed = [part for part in parts if isinstance(part, dict)]
         if delta or ch.echo_pending or (ch.prompt_ids is not None and len(ch.token_ids) > ch.ids_sent) or (
                 ch.logprobs is not None and len(ch.logprobs) > ch.lps_sent):
             await send(chunk(ch, delta, None))

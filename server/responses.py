@@ -7,7 +7,7 @@ JSON schema or any JSON object), function ``tools`` and ``tool_choice`` its tool
 text is an output message and each call it makes a ``function_call`` item: in the response
 object, or streamed as the API's typed events (``response.created``, ...,
 ``response.completed``) as the reply is generated. A reply with ``auto`` tools is items in the
-order it wrote them: its text up to its first call, the calls, the text after them. A reply
+order it wrote them: a message for each text before, between and after its calls. A reply
 cut off by ``max_output_tokens`` is ``incomplete``. With ``store`` (the default) a finished
 response is kept in the data dir's database (the newest ``MAX_KEPT``) for ``GET`` and
 ``DELETE /v1/responses/{id}``, and a request naming it as ``previous_response_id`` goes on
@@ -39,7 +39,7 @@ from tandem.server.protocol import chat_input, reject_unsupported
 from tandem.server.schema import (OUTPUT_LOGPROBS, RESPONSES_BODY, RESPONSES_CHAT_ONLY, RESPONSES_PASSED,
                                   RESPONSES_UNSUPPORTED, validate)
 from tandem.server.store import Store
-from tandem.server.tools import ContentStream, ToolChoice, finish_reason, lead_length
+from tandem.server.tools import ContentStream, ToolChoice, finish_reason, reply_parts
 
 # chat fields the translation writes -> the Responses fields they came from (for error messages)
 RENAMED = (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
@@ -384,7 +384,9 @@ async def _finish(engine, st, p: Prepared, body: dict, created: int, keep) -> di
     """Run a prepared request to its end and keep it: the response object."""
     ch = (await run_to_end(engine, st, p))[0]
     c = choice_json(True, ch, st.text_of, p.gen.tools)
-    response = response_json(p, body, created, c["message"], c["finish_reason"], usage(p, [ch]), lead_length(ch.text),
+    tools = p.gen.tools
+    parts = reply_parts(tools, ch.text) if tools is not None and tools.choice is ToolChoice.AUTO else None
+    response = response_json(p, body, created, c["message"], c["finish_reason"], usage(p, [ch]), parts,
                              _all_logprobs(ch, st.text_of))
     keep(response=response, reply=c["message"])
     return response
@@ -472,32 +474,40 @@ def _ids(p: Prepared) -> tuple[str, str]:
     return "resp_" + tail, "msg_" + tail
 
 
-def _text_item(p: Prepared, text: str | None, finish: str | None, after_calls: bool = False,
+def _text_item(p: Prepared, text: str | None, finish: str | None, n: int = 0,
                logprobs: list | None = None) -> dict:
-    """An output message: in progress (no ``text`` yet), else whole (with its tokens' ``logprobs``,
-    where asked). The text a reply writes after its calls is a second message."""
+    """The reply's ``n``-th output message: in progress (no ``text`` yet), else whole (with its
+    tokens' ``logprobs``, where asked). A reply writes a message before, between or after its
+    calls."""
     status = "in_progress" if text is None else "incomplete" if finish == "length" else "completed"
     content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [],
                                         "logprobs": logprobs or []}]
-    return {"id": _ids(p)[1] + ("_1" if after_calls else ""), "type": "message", "status": status,
+    return {"id": _ids(p)[1] + (f"_{n}" if n else ""), "type": "message", "status": status,
             "role": "assistant", "content": content}
 
 
-def _output(p: Prepared, message: dict, finish: str | None, lead: int, logprobs: list | None = None) -> list[dict]:
-    """A chat reply as output items, in the order it wrote them: the text before its first call
-    (its content's first ``lead`` characters), a ``function_call`` per call, and the text after
-    them. A reply that makes no call is one message, also when it is empty. Cut off by
+def _output(p: Prepared, message: dict, finish: str | None, parts: list[str | dict] | None,
+            logprobs: list | None = None) -> list[dict]:
+    """A chat reply as output items, in the order it wrote them: an ``auto`` reply's ``parts``
+    (``ContentStream.parts``: a message per text, a ``function_call`` per call), a constrained
+    reply's calls. A reply that makes no call is one message, also when it is empty. Cut off by
     ``max_output_tokens``, the item it was writing is ``incomplete`` (none, where it was a call
     whose name was not written yet). ``logprobs``: the reply's tokens' (asked only without tools)."""
     content, calls = message["content"] or "", message.get("tool_calls") or []
     if not calls:
         return [_text_item(p, content, finish, logprobs=logprobs)]
-    before, after = content[:lead], content[lead:]
-    items = [_call_item(c) for c in calls]
+    items, texts, made = [], 0, iter(calls)
+    for part in parts or [{}] * len(calls):
+        if isinstance(part, str):
+            items.append(_text_item(p, part, "stop", texts))
+            texts += 1
+        else:
+            items.append(_call_item(next(made)))
+    if finish == "length" and items[-1]["type"] == "message":
+        items[-1]["status"] = "incomplete"
     if finish == "length" and p.gen.tools.choice is not ToolChoice.AUTO and not _whole(items[-1]["arguments"]):
         items[-1]["status"] = "incomplete"      # a constrained call cut off (an auto one's block closed)
-    return ([_text_item(p, before, "stop")] if before else []) + items + (
-        [_text_item(p, after, finish, after_calls=True)] if after.strip() else [])
+    return items
 
 
 def _whole(arguments: str) -> bool:
@@ -511,15 +521,15 @@ def _whole(arguments: str) -> bool:
 
 
 def response_json(p: Prepared, body: dict, created: int, message: dict | None, finish: str | None,
-                  chat_usage: dict | None, lead: int = 0, logprobs: list | None = None) -> dict:
+                  chat_usage: dict | None, parts: list[str | dict] | None = None, logprobs: list | None = None) -> dict:
     """The response object: in progress while ``message`` (the chat's reply) is None, else with
-    its output items (``_output``) and usage."""
+    its output items (``_output``, an ``auto`` reply's from its ``parts``) and usage."""
     if message is None:
         status, details, output = "in_progress", None, []
     else:
         cut = finish == "length"
         status, details = ("incomplete", {"reason": "max_output_tokens"}) if cut else ("completed", None)
-        output = _output(p, message, finish, lead, logprobs)
+        output = _output(p, message, finish, parts, logprobs)
     fmt = (body.get("text") or {}).get("format") or {"type": "text"}
     u = None if chat_usage is None else {
         "input_tokens": chat_usage["prompt_tokens"],
@@ -551,6 +561,7 @@ class _Events:
         self.write, self.p, self.seq = write, p, 0
         self.index = 0                              # the next output item's
         self.text: dict | None = None               # the open message's place
+        self.messages = 0                           # messages opened
         self.said: list[str] = []                   # and the text it was sent, in pieces
         self.said_chars = 0
         self.said_logprobs = 0                      # and the log probabilities of its tokens
@@ -567,6 +578,7 @@ class _Events:
         return self.index - 1
 
     async def _text_opens(self, item: dict) -> None:
+        self.messages += 1
         self.text = {"item_id": item["id"], "output_index": await self._added(item | {"status": "in_progress",
                                                                                        "content": []}),
                      "content_index": 0}
@@ -579,7 +591,7 @@ class _Events:
         if not delta:
             return
         if self.text is None:
-            await self._text_opens(_text_item(self.p, None, None))
+            await self._text_opens(_text_item(self.p, None, None, self.messages))
         self.said.append(delta)
         self.said_chars += len(delta)
         self.said_logprobs += len(logprobs)
@@ -617,7 +629,7 @@ class _Events:
         (a call of an ``auto`` reply goes out whole), after the message before it."""
         if i not in self.calls:
             if self.text is not None:
-                await self.text_closes(_text_item(self.p, "".join(self.said), "stop"))
+                await self.text_closes(_text_item(self.p, "".join(self.said), "stop", self.messages - 1))
             await self.call_piece({"index": i, "id": item["call_id"], "function": {
                 "name": item["name"], "arguments": item["arguments"]}})
         index = self.calls[i][0]
@@ -678,8 +690,8 @@ async def _run_events(ev: _Events, st, p: Prepared, body: dict, created: int, ke
     added, its text (a part added, deltas, the text and part done) or its call's arguments
     (deltas and done), and it done; the response completed or incomplete. Everything goes out
     as it is generated, as a chat's stream does (``ContentStream``): text, and a constrained
-    call's arguments piece by piece; with ``auto`` tools, the text up to where a call may begin
-    and each call as its block closes; what the reply writes after its calls, at the end.
+    call's arguments piece by piece; with ``auto`` tools, the text outside call blocks as it is
+    written and each call as its block closes, text after a call in a message of its own.
     ``keep(response=, reply=)`` keeps the finished response (``_keep``). With ``background`` (a
     background response's), the response is created queued, is kept in progress from its first
     token and is kept as it ended once the data dir takes the write. Raises ApiError where
@@ -700,13 +712,13 @@ async def _run_events(ev: _Events, st, p: Prepared, body: dict, created: int, ke
             waiting.in_progress(started)
             waiting = None
             await ev.send("response.in_progress", {"response": started})
-        piece = delta if content is None else content.push(delta)
-        await ev.text_piece(piece, _new_logprobs(ch, st.text_of) if piece else ())
-        for d in content.call_deltas(delta, lambda: ch.text) if content is not None else ():
-            if tools.choice is ToolChoice.AUTO:
-                await ev.call_closes(d["index"], _call_item(d))
+        for part in [delta] if content is None else content.feed(delta):
+            if isinstance(part, str):
+                await ev.text_piece(part, _new_logprobs(ch, st.text_of) if part else ())
+            elif tools.choice is ToolChoice.AUTO:
+                await ev.call_closes(part["index"], _call_item(part))
             else:
-                await ev.call_piece(d)
+                await ev.call_piece(part)
 
     choices = new_choices(p, st.text_of)
     await all_or_none(run_choice(sub, st.metrics, r, ch, sink) for sub, r, ch in zip(p.subs, p.requests, choices))
@@ -714,7 +726,8 @@ async def _run_events(ev: _Events, st, p: Prepared, body: dict, created: int, ke
     text, calls = (ch.text, []) if content is None else content.final(ch.text)
     reply = {"role": "assistant", "content": text} | ({"tool_calls": calls} if calls else {})
     done = response_json(p, body, created, reply, finish_reason(calls, ch.finish_reason), usage(p, choices),
-                         content.sent if content is not None else 0, _all_logprobs(ch, st.text_of))
+                         content.parts() if content is not None and content.args is None else None,
+                         _all_logprobs(ch, st.text_of))
     await ev.finish(done["output"])
     if background is None:
         try:

@@ -29,7 +29,6 @@ import enum
 import json
 import re
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tandem.engine.grammar import JSON_OPTIONS, json_schema, lark_json, map_schema
@@ -125,29 +124,39 @@ class ToolPlan:
         """``<tool_call>`` blocks naming a known function with JSON arguments become calls; blocks
         that do not stay in the text, and the text around the calls is the content (None where it
         is only whitespace)."""
-        names = {f["name"] for f in self.functions}
         calls, rest, pos = [], [], 0
         for m in CALL.finditer(text):
-            try:
-                call = json.loads(m.group(1))
-            except ValueError:
-                continue
-            args = call.get("arguments", call.get("parameters")) if isinstance(call, dict) else None
-            if isinstance(args, str):           # arguments written as JSON text
-                try:
-                    args = json.loads(args)
-                except ValueError:
-                    continue
-            if not isinstance(call, dict) or call.get("name") not in names or not isinstance(args, dict):
+            call = self.call_in(m.group(0))
+            if call is None:
                 continue
             rest.append(text[pos:m.start()])
             pos = m.end()
-            calls.append(tool_call(call["name"], json.dumps(args, ensure_ascii=False)))
+            calls.append(call)
         rest.append(text[pos:])
         content = "".join(rest)
         # one call at most without parallel_tool_calls: the first (later blocks are left out
         # of the content too, as vLLM leaves them)
         return (content if content.strip() else None) if calls else text, calls if self.parallel else calls[:1]
+
+    def call_in(self, block: str) -> dict | None:
+        """The call a whole ``<tool_call>...</tool_call>`` block holds (a new id), or None where it
+        names no listed function or its arguments are not a JSON object."""
+        try:
+            call = json.loads(CALL.fullmatch(block).group(1))
+        except ValueError:
+            return None
+        args = call.get("arguments", call.get("parameters")) if isinstance(call, dict) else None
+        if isinstance(args, str):           # arguments written as JSON text
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return None
+        if not isinstance(call, dict) or call.get("name") not in self._names() or not isinstance(args, dict):
+            return None
+        return tool_call(call["name"], json.dumps(args, ensure_ascii=False))
+
+    def _names(self) -> set[str]:
+        return {f["name"] for f in self.functions}
 
 
 @dataclass(slots=True)
@@ -227,64 +236,85 @@ class ArgumentStream:
 
 @dataclass(slots=True)
 class ContentStream:
-    """What of a chat-with-tools reply a stream may send while it is generated. Content: with
-    ``auto``, the text before a ``<tool_call>`` tag, holding back what could begin one, and once
-    it is more than whitespace (a reply that is only calls has no content); nothing of a
-    constrained reply (it is a call). Each push looks at the text not sent yet only. Calls
-    (``call_deltas``): with ``auto``, each call as soon as its block closes, so a client can run
-    the first while the model writes the next; a constrained reply's calls as they are written."""
+    """What of a chat-with-tools reply a stream may send while it is generated, in the order it
+    was written (``feed``). With ``auto``: the text outside ``<tool_call>`` blocks, holding back
+    what could begin one and an open block (it may turn out not to be a call); each call as
+    soon as its block closes, so a client can run the first while the model writes the next; a
+    block that is no call, as text. Text after a call is a new part of the reply (the Responses
+    API's next message): its whitespace is held until more than whitespace follows, so the
+    lines between two calls, or after the last, make no part. Everything sent is a prefix of
+    the final content (``final``): whitespace held goes out with the text after it, or at the
+    end. A constrained reply is calls only, sent as they are written."""
     plan: ToolPlan
-    unsent: str | None = ""         # None: no more content is sent before the reply ends
-    sent: int = 0                   # characters sent (a prefix of the final content)
-    tail: str = ""                  # auto: the reply's last characters, where a closing tag may begin
+    unsent: str = ""                # auto: text not read yet: where a tag may begin, or an open block
+    held: str = ""                  # auto: content read but not sent (whitespace before a part's text)
+    open: bool = False              # auto: a part of the reply's text is being sent
+    sent: int = 0                   # characters of content sent (a prefix of the final content)
     calls_sent: int = 0             # calls sent before the reply ends: the first of its final calls
     args: ArgumentStream | None = None      # a constrained reply's calls so far
     auto_sent: list[dict] = field(default_factory=list)     # auto: the calls sent, with the ids they went out with
+    written: list[str | dict] = field(default_factory=list)     # auto: what ``feed`` gave, in order
 
     def __post_init__(self):
         if self.plan.choice in (ToolChoice.NAMED, ToolChoice.REQUIRED):
             self.args = ArgumentStream(self.plan)
 
-    def push(self, new: str) -> str:
-        """The content to send now, given the reply's ``new`` text."""
-        if self.unsent is None:
-            return ""
-        if self.plan.choice is not ToolChoice.AUTO:
-            self.unsent = None
-            return ""
-        text = self.unsent + new
-        cut = text.find(OPEN_TAG)
-        calling = cut >= 0
-        if not calling:
-            cut = len(text) - next((k for k in range(min(len(OPEN_TAG) - 1, len(text)), 0, -1)
-                                    if text.endswith(OPEN_TAG[:k])), 0)
-        if not self.sent and not text[:cut].strip():
-            cut = 0
-        out, self.unsent = text[:cut], None if calling else text[cut:]
-        self.sent += len(out)
-        return out
-
-    def call_deltas(self, new: str, reply: Callable[[], str]) -> list[dict]:
-        """The ``tool_calls`` deltas of the reply's ``new`` text, each with its ``index`` among
-        the reply's calls. Constrained: ``ArgumentStream.push``. With ``auto``, the calls of
-        ``<tool_call>`` blocks that ``new`` closed; ``reply()`` gives the whole reply so far, read
-        only when a block closed. A closed block never changes, so these are the first of the
-        calls ``parse`` finds in the whole reply."""
+    def feed(self, new: str) -> list[str | dict]:
+        """What to send of the reply's ``new`` text, in order: content as text, and ``tool_calls``
+        deltas, each with its ``index`` among the reply's calls (constrained:
+        ``ArgumentStream.push``). A closed block never changes, so these are the first of the
+        calls ``ToolPlan.parse`` finds in the whole reply."""
         if self.args is not None:
             deltas = self.args.push(new)
             self.calls_sent = len(self.args.calls)
             return deltas
-        if self.plan.choice is not ToolChoice.AUTO:
-            return []
-        seen = self.tail + new
-        self.tail = seen[-(len(CLOSE_TAG) - 1):]
-        if CLOSE_TAG not in seen:
-            return []
-        _, calls = self.plan.parse(reply())
-        self.auto_sent += calls[self.calls_sent:]
-        new = [c | {"index": i} for i, c in enumerate(calls) if i >= self.calls_sent]
-        self.calls_sent = len(calls)
-        return new
+        out: list[str | dict] = []
+        self.unsent = self._read(self.unsent + new, out)
+        self.written += out
+        return out
+
+    def _read(self, text: str, out: list[str | dict]) -> str:
+        """Read ``text`` into ``out``; the text left to read with more."""
+        while (cut := text.find(OPEN_TAG)) >= 0:
+            self._say(text[:cut], out)
+            close = text.find(CLOSE_TAG, cut)
+            if close < 0:
+                return text[cut:]
+            block, text = text[cut:close + len(CLOSE_TAG)], text[close + len(CLOSE_TAG):]
+            call = self.plan.call_in(block)
+            if call is None:
+                self._say(block, out)
+            elif self.plan.parallel or not self.auto_sent:
+                out.append(call | {"index": len(self.auto_sent)})
+                self.auto_sent.append(call)
+                self.calls_sent, self.open = len(self.auto_sent), False
+        keep = next((k for k in range(min(len(OPEN_TAG) - 1, len(text)), 0, -1) if text.endswith(OPEN_TAG[:k])), 0)
+        self._say(text[:len(text) - keep], out)
+        return text[len(text) - keep:]
+
+    def _say(self, text: str, out: list[str | dict]) -> None:
+        """Content read: sent within a part, held while a part would begin with whitespace only."""
+        self.held += text
+        if self.held and (self.open or self.held.strip()):
+            out.append(self.held)
+            self.sent += len(self.held)
+            self.held, self.open = "", True
+
+    def parts(self) -> list[str | dict]:
+        """At the reply's end, its parts in the order written: its texts (each a Responses API
+        message) and its calls, as sent; the content not sent (whitespace held, and text read
+        last: an open block, or what could have begun one) ends the last text, or is one where
+        it is more than whitespace."""
+        parts = list(self.written)
+        if (rest := self.held + self.unsent) and (self.open or rest.strip()):
+            parts.append(rest)
+        merged: list[str | dict] = []
+        for part in parts:
+            if isinstance(part, str) and merged and isinstance(merged[-1], str):
+                merged[-1] += part
+            else:
+                merged.append(part)
+        return merged
 
     def final(self, reply: str) -> tuple[str | None, list[dict]]:
         """The whole reply's (content, calls), as ``ToolPlan.parse`` gives them; the calls already
@@ -295,13 +325,11 @@ class ContentStream:
         return content, self.auto_sent + calls[len(self.auto_sent):]
 
 
-def lead_length(reply: str) -> int:
-    """How many characters of an ``auto`` reply come before its first ``<tool_call>`` tag, 0
-    where they are only whitespace: the content a stream sends before any call
-    (``ContentStream.sent``, once a call has gone out), and the content's first part."""
-    cut = reply.find(OPEN_TAG)
-    lead = reply if cut < 0 else reply[:cut]
-    return len(lead) if lead.strip() else 0
+def reply_parts(plan: ToolPlan, reply: str) -> list[str | dict]:
+    """An ``auto`` reply's parts (``ContentStream.parts``), as a stream of it sends them."""
+    stream = ContentStream(plan)
+    stream.feed(reply)
+    return stream.parts()
 
 
 def finish_reason(calls: list[dict], finish: str | None, plan: ToolPlan | None = None) -> str | None:

@@ -8,6 +8,7 @@ import pytest
 
 from tandem import LLM, BeamSearchParams, SamplingParams
 from tandem.engine.messages import TokenLogprobs
+from tandem.engine.params import StructuredOutputs
 from tests.conftest import SPLIT_PROMPT, assert_pool_free, environ_of, hf_greedy, hf_whole, mixed_prompts
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -318,8 +319,10 @@ def test_a_token_that_is_part_of_a_character_shows_the_character_it_completes(ti
     ids = tok(SPLIT_PROMPT)["input_ids"]
     assert "\ufffd" in "".join(tok.decode([t]) for t in ids), "the prompt must split characters"
     sp = SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=3, logprobs=3)
+    forced = SamplingParams(max_tokens=30, temperature=0, logprobs=0,
+                            structured_outputs=StructuredOutputs(regex="猫猫 and 😁"))
     with LLM(str(tiny_chat_model), "cpu:1", dtype="float32", kv_cache_bytes=1 << 22, threads_per_worker=1) as m:
-        (out, cut) = m.generate([SPLIT_PROMPT, "猫 and 😁"], sp)
+        (out, cut, written) = m.generate([SPLIT_PROMPT, "猫 and 😁", "Hi"], [sp, sp, forced])
         # generated ids " 猫猫" (the context runs from the first output token): by hand, the third
         # completes " 猫" after the two before it, the sixth "猫" after the two before it
         outputs = m._positions(tok(" 猫猫")["input_ids"], [TokenLogprobs(0.0)] * 6, True, 0)
@@ -331,6 +334,11 @@ def test_a_token_that_is_part_of_a_character_shows_the_character_it_completes(ti
     assert "".join(at[t].decoded_token for t, at in zip(ids[1:], scored[1:])) == tok.decode(ids[1:])
     alternatives = [lp.decoded_token for at in [*scored[1:], *out.logprobs] for lp in at.values()]
     assert not any(t.endswith("\ufffd") for t in alternatives)
+    # generated text whose first token is part of a character (the output is its own context)
+    ids = written.token_ids[:-1]        # the end token the grammar wrote last
+    assert written.token_ids[-1] == tok.eos_token_id and len(ids) > 2
+    assert written.text == tok.decode(ids) == "猫猫 and 😁" and tok.decode(ids[:1]).endswith("\ufffd")
+    assert "".join(at[t].decoded_token for t, at in zip(ids, written.logprobs)) == written.text
 
 
 def test_vllm_arguments_that_ask_for_nothing_missing_are_taken(tiny_llama):

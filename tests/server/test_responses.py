@@ -160,9 +160,9 @@ def test_only_the_call_being_written_is_incomplete():
     def call(args):
         return {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}
     whole = {"content": None, "tool_calls": [call('{"city":"Paris"}'), call('{"city":"Oslo"}')]}
-    assert [i["status"] for i in _output(p, whole, "length", 0)] == ["completed", "completed"]
+    assert [i["status"] for i in _output(p, whole, "length", None)] == ["completed", "completed"]
     cut = {"content": None, "tool_calls": [call('{"city":"Paris"}'), call('{"city":"Os')]}
-    assert [i["status"] for i in _output(p, cut, "length", 0)] == ["completed", "incomplete"]
+    assert [i["status"] for i in _output(p, cut, "length", None)] == ["completed", "incomplete"]
 
 
 def test_required_calls_stream_one_item_after_another(server, client):
@@ -231,25 +231,25 @@ def test_with_auto_tools_text_streams_as_it_is_written(server, client):
 CALL = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Oslo|Rome)"\}\}</tool_call>'
 
 
-def test_an_auto_reply_is_its_text_its_calls_and_the_text_after_them_in_that_order(server, client):
-    """A reply written as text, two calls and more text (forced by a regular expression): the
-    same text and calls as the chat API's reply, as items in the order written, whole and
-    streamed (the text before the calls token by token, each item done before the next is
+def test_an_auto_reply_is_its_texts_and_calls_in_the_order_written(server, client):
+    """A reply written as text, a call, text, a second call and more text (forced by a regular
+    expression): the same text and calls as the chat API's reply, as items in the order
+    written, whole and streamed (each text token by token, each item done before the next is
     added), and as the client's accumulator assembles them."""
-    ask = dict(model=server.model, input="Weather in Oslo and Rome?", tools=[WEATHER], max_output_tokens=120,
-               temperature=0, extra_body={"structured_outputs": {"regex": r"Sure, one moment\. " + CALL + CALL +
-                                                                          r" Done\."}})
+    ask = dict(model=server.model, input="Weather in Oslo and Rome?", tools=[WEATHER], max_output_tokens=150,
+               temperature=0, extra_body={"structured_outputs": {"regex": r"Sure, one moment\. " + CALL +
+                                                                          r" And then: " + CALL + r" Done\."}})
     chat = client.chat.completions.create(
         model=server.model, messages=[{"role": "user", "content": "Weather in Oslo and Rome?"}],
         tools=[{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}],
-        max_tokens=120, temperature=0, extra_body=ask["extra_body"]).choices[0]
-    assert chat.finish_reason == "tool_calls" and chat.message.content == "Sure, one moment.  Done."
+        max_tokens=150, temperature=0, extra_body=ask["extra_body"]).choices[0]
+    assert chat.finish_reason == "tool_calls" and chat.message.content == "Sure, one moment.  And then:  Done."
     r = client.responses.create(**ask)
-    assert [o.type for o in r.output] == ["message", "function_call", "function_call", "message"]
-    assert [o.content[0].text for o in (r.output[0], r.output[3])] == ["Sure, one moment. ", " Done."]
-    assert [(o.name, o.arguments) for o in r.output[1:3]] == [
+    assert [o.type for o in r.output] == ["message", "function_call", "message", "function_call", "message"]
+    assert [o.content[0].text for o in r.output[::2]] == ["Sure, one moment. ", " And then: ", " Done."]
+    assert [(o.name, o.arguments) for o in r.output[1::2]] == [
         (c.function.name, c.function.arguments) for c in chat.message.tool_calls]
-    assert len({o.id for o in r.output}) == 4 and r.status == "completed"
+    assert len({o.id for o in r.output}) == 5 and r.status == "completed"
 
     events = list(client.responses.create(**ask, stream=True))
     final = events[-1].response
@@ -263,8 +263,9 @@ def test_an_auto_reply_is_its_text_its_calls_and_the_text_after_them_in_that_ord
     kinds = [(e.type, getattr(e, "output_index", None)) for e in events]
     for i in range(1, len(final.output)):       # each item done before the next one is added
         assert kinds.index(("response.output_item.done", i - 1)) < kinds.index(("response.output_item.added", i))
-    first = [e.delta for e in events if e.type == "response.output_text.delta" and e.output_index == 0]
-    assert len(first) >= 2 and "".join(first) == "Sure, one moment. "
+    for i in (0, 2, 4):
+        pieces = [e.delta for e in events if e.type == "response.output_text.delta" and e.output_index == i]
+        assert len(pieces) >= 2 and "".join(pieces) == final.output[i].content[0].text
     with client.responses.stream(**ask) as s:               # the client's own accumulator
         assembled = s.get_final_response().output
     assert [(o.type, o.status, o.content[0].text if o.type == "message" else o.arguments) for o in assembled] == [

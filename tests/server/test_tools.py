@@ -6,7 +6,7 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tandem.server.tools import ContentStream, ToolChoice, ToolPlan, finish_reason, tool_call
+from tandem.server.tools import ContentStream, ToolChoice, ToolPlan, finish_reason, reply_parts, tool_call
 
 PLAN = ToolPlan(({"name": "add"}, {"name": "get_weather"}), ToolChoice.AUTO)
 CALL_ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
@@ -46,14 +46,18 @@ def test_auto_replies_split_into_content_and_calls(reply, content, calls):
     assert len({c["id"] for c in got_calls}) == len(got_calls)
 
 
+def texts(parts: list) -> str:
+    return "".join(p for p in parts if isinstance(p, str))
+
+
 @pytest.mark.parametrize("reply, content, calls", CASES)
 def test_a_stream_sends_only_what_stays_content(reply, content, calls):
     """Fed a character at a time, what a stream may send is always a prefix of the final content,
     and never a byte of a call; at the end the rest of the content completes it."""
     stream, sent = ContentStream(PLAN), ""
     for n, c in enumerate(reply):
-        sent += stream.push(c)
-        assert (content or "")[:len(sent)] == reply[:len(sent)] == sent, (n, sent)
+        sent += texts(stream.feed(c))
+        assert (content or "")[:len(sent)] == sent, (n, sent)
     assert len(sent) <= len(content or "") and stream.sent == len(sent)
 
 
@@ -63,13 +67,54 @@ def test_a_stream_sends_each_call_as_its_block_closes(reply, content, calls):
     and indexed, each at the character that closes its block (the hand-worked cases above)."""
     stream, early = ContentStream(PLAN), []
     for n, c in enumerate(reply):
-        stream.push(c)
-        for call in stream.call_deltas(c, lambda: reply[:n + 1]):
-            assert reply[:n + 1].endswith("</tool_call>"), (n, call)
-            early.append(call)
+        for call in stream.feed(c):
+            if isinstance(call, dict):
+                assert reply[:n + 1].endswith("</tool_call>"), (n, call)
+                early.append(call)
     assert [c["index"] for c in early] == list(range(len(calls)))
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in early] == calls
     assert stream.calls_sent == len(calls)
+
+
+ADD = ("add", {"a": 1, "b": 2})
+ADD5 = ("add", {"a": 5, "b": 2})
+UNKNOWN = '<tool_call>{"name": "delete_all", "arguments": {}}</tool_call>'
+PARTS = [
+    # reply, its parts: texts, and calls as (name, arguments)
+    ("Hello there.", ["Hello there."]),
+    (CALL_ADD, [ADD]),
+    # lines between calls or after the last make no text; whitespace goes with the next text
+    ("Let me check. " + CALL_ADD + "\n" + CALL_ADD.replace("1", "5") + "\n\n", ["Let me check. ", ADD, ADD5]),
+    ("\n" + CALL_ADD + "\nDone.", [ADD, "\n\nDone."]),
+    # text between calls is a text of its own, in its place
+    ("First " + CALL_ADD + " then " + CALL_ADD.replace("1", "5") + " and so.",
+     ["First ", ADD, " then ", ADD5, " and so."]),
+    # a block that is no call is text where it was written; an open block left at the end too
+    (CALL_ADD + " " + UNKNOWN, [ADD, " " + UNKNOWN]),
+    ("See: " + CALL_ADD + ' <tool_call>{"name": "add"', ["See: ", ADD, ' <tool_call>{"name": "add"']),
+    ("Not a call: <tool_call", ["Not a call: <tool_call"]),
+]
+
+
+def readable(parts: list) -> list:
+    return [p if isinstance(p, str) else (p["function"]["name"], json.loads(p["function"]["arguments"]))
+            for p in parts]
+
+
+@pytest.mark.parametrize("reply, parts", PARTS)
+def test_an_auto_reply_is_its_texts_and_calls_in_the_order_written(reply, parts):
+    """A reply's parts (what the Responses API makes its output items of), hand-worked: the same
+    read whole, a character at a time, or in pieces of three; its calls are the reply's calls,
+    and its texts the content, but for whitespace that ends it."""
+    assert readable(reply_parts(PLAN, reply)) == parts
+    for step in (1, 3):
+        stream = ContentStream(PLAN)
+        for k in range(0, len(reply), step):
+            stream.feed(reply[k:k + step])
+        assert readable(stream.parts()) == parts, step
+    content, calls = PLAN.parse(reply)
+    assert [p for p in parts if not isinstance(p, str)] == readable(calls)
+    assert (content or "").rstrip() == "".join(p for p in parts if isinstance(p, str)).rstrip()
 
 
 def accumulate(deltas: list[dict]) -> list[tuple]:
@@ -108,8 +153,9 @@ def test_required_calls_stream_their_arguments_as_written(calls, ascii_only, cut
     stream, deltas, pos = ContentStream(plan), [], 0
     for k in cuts + [len(text)]:
         piece, pos = text[pos:pos + k], pos + k
-        assert stream.push(piece) == ""
-        deltas += stream.call_deltas(piece, lambda: text[:pos])
+        got = stream.feed(piece)
+        assert all(isinstance(d, dict) for d in got)
+        deltas += got
         assert len(accumulate(deltas)) == sum(h <= pos for h in heads)      # begun as its name ends
     assert [(n, a) for _, n, a in accumulate(deltas)] == want
     assert all(json.loads(a) == c[1] for (_, _, a), c in zip(accumulate(deltas), calls))
@@ -124,13 +170,13 @@ def test_a_named_function_streams_its_arguments_from_the_first_piece():
     then each piece as it comes."""
     named = ToolPlan(({"name": "add"},), ToolChoice.NAMED, "add")
     stream, text = ContentStream(named), '{"a":1,"b":"x}\\"}'
-    assert stream.call_deltas("", lambda: "") == []
-    first = stream.call_deltas(text[:3], lambda: text[:3])
+    assert stream.feed("") == []
+    first = stream.feed(text[:3])
     assert [(d["index"], d["function"]) for d in first] == [(0, {"name": "add", "arguments": '{"a'})]
-    rest = [stream.call_deltas(c, lambda: text) for c in text[3:]]
+    rest = [stream.feed(c) for c in text[3:]]
     assert all(d == [{"index": 0, "function": {"arguments": c}}] for d, c in zip(rest, text[3:]))
     assert accumulate(first + sum(rest, [])) == [(first[0]["id"], "add", text)]
-    assert stream.push(text) == "" and stream.calls_sent == 1
+    assert stream.calls_sent == 1 and stream.sent == 0
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in named.parse(text[:5])[1]] == [("add", text[:5])]
 
 
@@ -168,9 +214,10 @@ def test_without_parallel_calls_an_auto_reply_makes_its_first_call_only():
     assert content == "Let me check. \n"
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 1, "b": 2}]
     stream, early = ContentStream(one), []
-    for n, c in enumerate(reply):
-        stream.push(c)
-        early += stream.call_deltas(c, lambda: reply[:n + 1])
+    for c in reply:
+        early += stream.feed(c)
+    assert texts(early) == "Let me check. " and texts(stream.parts()) == "Let me check. "
+    early = [d for d in early if isinstance(d, dict)]
     assert [(d["index"], json.loads(d["function"]["arguments"])) for d in early] == [(0, {"a": 1, "b": 2})]
     assert [c["id"] for c in stream.final(reply)[1]] == [early[0]["id"]]
 
