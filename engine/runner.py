@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine.attention import AttnBatch, HiddenBatch, HiddenSegment, PrefillSegment
+from tandem.engine.attention import PAGED_PREFILL_PAIRS, AttnBatch, HiddenBatch, HiddenSegment, PrefillSegment
 from tandem.engine.grammar import Vocabulary
 from tandem.engine.linear import product_seconds, row_projections, thin_rows_of, threshold_rows
 from tandem.engine.kvquant import Int8Rows, dequantize, int8_block_bytes, quantize
@@ -475,7 +475,7 @@ class ModelRunner:
             k_w.append(st.slots[0, a:b])
             v_w.append(st.slots[1, a:b])
             ctx = (st.slots[0, :a], st.slots[1, :a]) if a > 0 else (None, None)
-            segs.append(PrefillSegment(row, row + b - a, *ctx))
+            segs.append(PrefillSegment(row, row + b - a, *ctx, self._paged(st, a, b)))
             row += b - a
             if s.sample:
                 rows.append(row - 1)
@@ -503,6 +503,17 @@ class ModelRunner:
         return (to(torch.tensor(ids, dtype=torch.long)), to(torch.cat(pos)), batch,
                 to(torch.tensor(rows + extra, dtype=torch.long)), samplers, scored,
                 self._step_lora(prefills + decodes + hidden))
+
+    def _paged(self, st, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A chunk of tokens a..b-1 over a cached prefix as the compiled kernel takes it, each token
+        a query over its context (``PrefillSegment.paged``); None where the torch path serves it:
+        no prefix, a chunk too large (``PAGED_PREFILL_PAIRS``), no compiled kernel, an int8 pool,
+        the Triton kernels."""
+        n = b - a
+        if a == 0 or n * b > PAGED_PREFILL_PAIRS or self.kernel is None or self.int8 or self.triton:
+            return None
+        return (st.slots[0, :b].expand(n, b).contiguous(), st.slots[1, :b].expand(n, b).contiguous(),
+                torch.arange(a + 1, b + 1, dtype=torch.long))
 
     def _by_adapter(self, scheduled: list) -> list:
         """The requests in a stable order that puts those on the same adapter side by side."""
@@ -535,7 +546,8 @@ class ModelRunner:
         # rows the Triton kernels read through their own tables stay on the host
         dec_to = (lambda t: t) if self.triton else to  # noqa: E731
         ctx_to = dec_to if not self.int8 else to        # an int8 pool's prefills keep the torch path
-        segs = [PrefillSegment(g.start, g.end, ctx_to(g.k_ctx), ctx_to(g.v_ctx)) for g in segs]
+        segs = [PrefillSegment(g.start, g.end, ctx_to(g.k_ctx), ctx_to(g.v_ctx), g.paged if window is None else None)
+                for g in segs]
         if hb is not None:
             hb = HiddenBatch(hb.start, hb.m, to(hb.write_rows),
                              [HiddenSegment(g.start, g.end, to(g.ctx_rows), g.first, g.adapter) for g in hb.segs])
