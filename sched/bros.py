@@ -54,6 +54,7 @@ from tandem.sched.policy import Candidate, Plan, Snapshot, _blocks, _decide, fcf
 
 CostFn = Callable[[StepShape, int], float]      # (shape, slots to swap in) -> predicted seconds
 KEPT_WAIT = "waiting: chats whose next token is due take this iteration's time"
+BE_TIME_WAIT = "pending: the batch's time budget is used by RT requests"
 # why the RT requests the packing did not reach wait: what ended it (time, batch size, tokens)
 FULL_WAIT = {"time": "waiting: more urgent RT requests fill this iteration's time",
              "batch": "waiting: more urgent RT requests fill this iteration's batch size",
@@ -150,6 +151,7 @@ class Bros:
     """BROS packing with adaptive batch size; ``cost(shape, swap_slots)`` predicts an iteration."""
 
     name = "bros"
+    skip_misfits = False        # BE packing stops at the first request that does not fit (the paper's)
 
     def __init__(self, cost: CostFn, max_num_seqs: int, b_base: int | None = None,
                  min_chunk: int = 16, safeguard: bool = True, idle_budget_s: float | None = None):
@@ -459,16 +461,23 @@ class Bros:
         return plan
 
     def _pack_be(self, snap, budget, plan, rt_ready, q_rt, taken, t_res_min, tokens_left):
+        """BE work into what the RT work left (Algorithm 1's second loop), in ``_be_queue``'s order;
+        it stops at the first request that does not fit, or with ``skip_misfits`` passes over it
+        to those after it that need fewer tokens."""
         lim, t_avg = snap.limits, snap.t_avg
         be_ready: list[tuple[Candidate, int]] = []
         load = self._load(rt_ready)                 # rt_ready's and be_ready's, kept as they change
         running_ids, blocked = {c.req_id for c in snap.running}, False
+        least_misfit = math.inf                     # the fewest tokens a request passed over needed
         for b in self._be_queue(snap, plan):
             if b.req_id in plan.preempted:          # gave its blocks to a BE request ranked above it
                 continue
             n = min(b.num_tokens - b.num_computed, tokens_left)
             if n <= 0 or (n < b.num_tokens - b.num_computed and not lim.chunked_prefill):
                 break
+            if min(n, self.min_chunk) >= least_misfit:
+                plan.reasons[b.req_id] = BE_TIME_WAIT
+                continue
             if not self._admits(b, budget):
                 plan.reasons[b.req_id] = "pending: its predicted growth would not fit beside the running requests'"
                 continue
@@ -491,7 +500,10 @@ class Bros:
                 continue
             if not rt_ready:
                 budget.release(b)
-                break
+                if not self.skip_misfits:
+                    break
+                least_misfit, plan.reasons[b.req_id] = min(n, self.min_chunk), BE_TIME_WAIT
+                continue
             r, rn = rt_ready.pop()                                     # try replacing the least urgent RT
             rest = self._load(rt_ready + be_ready)
             if self._may_replace(r, self._time(rest, b, n), t_avg) and fits(rest, count - 1, n):
@@ -505,8 +517,10 @@ class Bros:
             else:
                 rt_ready.append((r, rn))
                 budget.release(b)
-                plan.reasons[b.req_id] = "pending: the batch's time budget is used by RT requests"
-                break
+                plan.reasons[b.req_id] = BE_TIME_WAIT
+                if not self.skip_misfits:
+                    break
+                least_misfit = min(n, self.min_chunk)
         return be_ready
 
 
