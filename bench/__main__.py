@@ -454,6 +454,9 @@ def main(argv=None, prog: str = "python -m bench") -> None:
     kn.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     kn.add_argument("--cpu", action="store_true",
                     help="the compiled CPU kernel on one thread against one core's copy bandwidth instead (float32 and int8)")
+    kn.add_argument("--prefill", action="store_true",
+                    help="with --cpu: a prompt chunk over a cached prefix, SDPA over the gathered prefix against "
+                         "the compiled kernel, per chunk size and prefix (<stem>_prefill.json)")
     kn.add_argument("--accuracy", action="store_true",
                     help="max abs error per kernel and dtype against float64 instead (CPU: under Triton's interpreter)")
     kn.add_argument("--hidden-batch", type=positive_int, default=8, help="requests of the hidden-cache decode case")

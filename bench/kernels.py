@@ -10,6 +10,7 @@ ratio says how close it gets to what the memory system can do.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from types import SimpleNamespace
 
@@ -243,6 +244,55 @@ def run_cpu(args) -> None:
     _print(f"one CPU thread: copy {copy / 1e9:.1f} GB/s (read + written)", rows)
     save_json(args.out, {"device": "cpu, one thread", "copy_GBps": copy / 1e9, "rows": rows})
 
+PREFILL_CHUNKS = (1, 4, 16, 64, 256)
+PREFILL_PREFIXES = (64, 300, 1000)
+
+
+def cpu_prefill_case(shape: str, n: int, prefix: int, repeats: int = 15) -> dict:
+    """One layer's attention for a prompt chunk of ``n`` tokens over ``prefix`` cached ones, the
+    context's rows scattered over the pool: SDPA over the gathered context (the torch path) and
+    the compiled kernel with each chunk token a query over its own context; the larger error
+    of the two against float64."""
+    from tandem.engine.attention import PAGED_PREFILL_PAIRS, PrefillSegment, _prefill
+    from tandem.engine.kernels import cpu_ops
+    ops = cpu_ops()
+    if ops is None:
+        raise SystemExit("bench kernels --cpu --prefill: the CPU kernel could not be built (no compiler)")
+    hkv, g, d = SHAPES[shape]
+    b, gen = prefix + n, torch.Generator().manual_seed(0)
+    pool = torch.randn(hkv, 4 * b, d, generator=gen)
+    rows = torch.randperm(2 * b, generator=gen)[:b] * 2
+    k_rows, v_rows = rows, rows + 1
+    q = torch.randn(n, hkv * g * d, generator=gen)
+    k = pool[:, k_rows[prefix:]].transpose(0, 1).reshape(n, -1)
+    v = pool[:, v_rows[prefix:]].transpose(0, 1).reshape(n, -1)
+    seg, scale = PrefillSegment(0, n, k_rows[:prefix], v_rows[:prefix]), d ** -0.5
+    kr, vr, lens = k_rows.expand(n, b).contiguous(), v_rows.expand(n, b).contiguous(), torch.arange(prefix + 1, b + 1)
+    sdpa = lambda: _prefill(q, k, v, pool, seg, hkv * g, hkv, d, scale)  # noqa: E731
+    kernel = lambda: ops.paged_decode(q.view(n, hkv, g, d).contiguous(), pool, kr, vr, lens, scale)  # noqa: E731
+    keys, vals = pool[:, k_rows].double(), pool[:, v_rows].double()            # [hkv, b, d]
+    qh = q.double().view(n, hkv, g, d).permute(1, 0, 2, 3)                       # [hkv, n, g, d]
+    s = torch.einsum("hngd,hbd->hngb", qh, keys) * scale
+    s = s.masked_fill(torch.arange(b)[None, None, None, :] > (prefix + torch.arange(n))[None, :, None, None], -math.inf)
+    ref = torch.einsum("hngb,hbd->hngd", torch.softmax(s, dim=-1), vals).permute(1, 0, 2, 3).reshape(n, -1)
+    err = max((sdpa().double() - ref).abs().max().item(), (kernel().double().reshape(n, -1) - ref).abs().max().item())
+    return {"shape": shape, "chunk": n, "prefix": prefix, "sdpa_ms": _median_s(sdpa, repeats) * 1e3,
+            "kernel_ms": _median_s(kernel, repeats) * 1e3, "kernel_serves": n * b <= PAGED_PREFILL_PAIRS,
+            "max_abs_error": err}
+
+
+def run_cpu_prefill(args) -> None:
+    """``cpu_prefill_case`` for each shape, chunk and prefix, on this process's torch threads."""
+    rows = [cpu_prefill_case(shape, n, prefix) for shape in args.shapes
+            for prefix in PREFILL_PREFIXES for n in PREFILL_CHUNKS]
+    print(f"one layer, {torch.get_num_threads()} threads, ms: SDPA over the gathered prefix / the compiled kernel")
+    print(f"{'shape':<9} {'chunk':>6} {'prefix':>7} {'SDPA':>8} {'kernel':>8}  served by")
+    for r in rows:
+        print(f"{r['shape']:<9} {r['chunk']:>6} {r['prefix']:>7} {r['sdpa_ms']:>8.3f} {r['kernel_ms']:>8.3f}  "
+              f"{'kernel' if r['kernel_serves'] else 'SDPA'}")
+    print(f"largest error of either against float64: {max(r['max_abs_error'] for r in rows):.1e}")
+    save_json(args.out.replace(".json", "_prefill.json"), {"threads": torch.get_num_threads(), "rows": rows})
+
 
 def _print(head: str, rows: list[dict]) -> None:
     print(head)
@@ -288,7 +338,7 @@ def run(args) -> None:
     if args.accuracy:
         return accuracy(args)
     if args.cpu:
-        return run_cpu(args)
+        return run_cpu_prefill(args) if args.prefill else run_cpu(args)
     if not torch.cuda.is_available():
         raise SystemExit("bench kernels: the bandwidth needs a CUDA device (--accuracy runs anywhere)")
     copy = copy_bandwidth()

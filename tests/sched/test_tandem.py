@@ -549,3 +549,21 @@ def test_a_late_prompt_keeps_within_the_idle_bound_while_a_new_prompt_can_make_i
     priced_bound = COST.predict(StepShape(prefill_tokens=400)) + 5e-5     # a step's price, not a clock reading
     plan = policy(idle_budget_s=priced_bound)(snap([], [new, late]))
     assert chunks(plan) == [("new", 10), ("late", 390)]
+
+
+def test_be_work_that_does_not_fit_passes_to_the_be_decodes_behind_it(monkeypatch):
+    """A step priced 20 ms more as soon as it holds a prompt chunk (as the engine's were), a
+    chat with 30 ms left and two running BE requests: the one ranked first (20 prompt tokens
+    left, 2 to generate) fits no chunk beside the chat's decode (10 + 20 + 1.6 + 1 ms for 16
+    tokens); the one behind it (797 tokens to generate) decodes in 12 ms. The default policy
+    passes over the first to the second; stopping at the first misfit, as BROS does, runs the
+    chat alone."""
+    def jumpy(shape, swap_slots=0):
+        return COST.predict(shape) + (0.02 if shape.prefill_tokens else 0.0)
+    rt = cand("rt", 100, 50, rt=True, out=3, slo=0.05, pending=0.02)
+    head, behind = cand("be_prompt", 40, 2, computed=20), cand("be_decode", 100, 800, out=3)
+    running = [rt, head, behind]
+    assert chunks(Tandem(jumpy, max_num_seqs=64)(snap(running, []))) == [("rt", 1), ("be_decode", 1)]
+    monkeypatch.setattr(Tandem, "skip_misfits", False)
+    plan = Tandem(jumpy, max_num_seqs=64)(snap(running, []))
+    assert chunks(plan) == [("rt", 1)] and "time budget" in plan.reasons["be_prompt"]
