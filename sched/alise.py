@@ -298,6 +298,13 @@ class Footprint:
         self._put(c.req_id, self._item(c))
         self.total += c.num_blocks
 
+    def remove(self, c: Candidate) -> None:
+        """Undo ``add(c)``: a request admitted in this plan that does not run after all."""
+        i = self._row_of.get(c.req_id)
+        if i is not None and self._keys[i] != self._GONE:
+            self.drop(c.req_id)
+            self.total -= c.num_blocks
+
     def drop(self, req_id: str) -> None:
         i = self._row_of.get(req_id)
         if i is not None:

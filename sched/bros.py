@@ -484,8 +484,10 @@ class Bros:
             if b.req_id not in running_ids and blocked:
                 plan.reasons[b.req_id] = "pending: behind a BE request that waits for blocks"
                 continue
+            before = len(plan.preempted)
             if not self._be_room(b, n, snap, budget, plan, taken):      # FindBlock
                 plan.reasons[b.req_id] = "pending: no block for it"
+                self._unadmit(b)
                 blocked = True      # no waiting request overtakes it; running ones still run
                 continue
             fits = lambda ld, count, k: (count + 1 <= self.b_curr  # noqa: E731
@@ -499,7 +501,7 @@ class Bros:
                 tokens_left -= n
                 continue
             if not rt_ready:
-                budget.release(b)
+                self._misfit(b, before, snap, budget, plan)
                 if not self.skip_misfits:
                     break
                 least_misfit, plan.reasons[b.req_id] = min(n, self.min_chunk), BE_TIME_WAIT
@@ -516,12 +518,29 @@ class Bros:
                 plan.reasons[r.req_id] = "pending: replaced by a BE request (RT slack allows it)"
             else:
                 rt_ready.append((r, rn))
-                budget.release(b)
+                self._misfit(b, before, snap, budget, plan)
                 plan.reasons[b.req_id] = BE_TIME_WAIT
                 if not self.skip_misfits:
                     break
                 least_misfit = min(n, self.min_chunk)
         return be_ready
+
+    def _misfit(self, b: Candidate, before: int, snap: Snapshot, budget: BlockBudget, plan: Plan) -> None:
+        """A BE request that found blocks but no time in this iteration gives back what it took:
+        its blocks, the requests preempted for them (``plan.preempted`` from ``before`` on) and its
+        place in admission's books (``_unadmit``)."""
+        budget.release(b)
+        if len(plan.preempted) > before:
+            running = {c.req_id: c for c in snap.running}
+            for rid in plan.preempted[before:]:
+                budget.free -= running[rid].freed()
+                plan.reasons.pop(rid, None)
+            del plan.preempted[before:]
+        self._unadmit(b)
+
+    def _unadmit(self, c: Candidate) -> None:
+        """``c`` was admitted (``_admits``) but does not run in this iteration. (Nothing is
+        counted here.)"""
 
 
 class RoundRobin:

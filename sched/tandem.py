@@ -282,6 +282,13 @@ class Tandem(Bros):
         self._held.add(c)
         return True
 
+    def _unadmit(self, c: Candidate) -> None:
+        """A request admitted in this plan that does not run after all leaves admission's books, so
+        it keeps no later request out."""
+        if self._held is not None and c.req_id not in self._running:
+            self._held.remove(c)
+            self._started.pop(c.req_id, None)
+
     def _late(self, c: Candidate, budget: BlockBudget) -> bool:
         """With swapping, an RT request before its first token whose wait has passed half its
         TTFT target (``late_after``) starts even where look-ahead admission would keep it out,

@@ -143,15 +143,16 @@ class ToolPlan:
         names no listed function or its arguments are not a JSON object."""
         try:
             call = json.loads(CALL.fullmatch(block).group(1))
-        except ValueError:
+        except (ValueError, RecursionError):      # RecursionError: JSON nested past Python's limit
             return None
         args = call.get("arguments", call.get("parameters")) if isinstance(call, dict) else None
         if isinstance(args, str):           # arguments written as JSON text
             try:
                 args = json.loads(args)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
-        if not isinstance(call, dict) or call.get("name") not in self._names() or not isinstance(args, dict):
+        name = call.get("name") if isinstance(call, dict) else None
+        if not isinstance(name, str) or name not in self._names() or not isinstance(args, dict):
             return None
         return tool_call(call["name"], json.dumps(args, ensure_ascii=False))
 

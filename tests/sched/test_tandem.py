@@ -567,3 +567,26 @@ def test_be_work_that_does_not_fit_passes_to_the_be_decodes_behind_it(monkeypatc
     monkeypatch.setattr(Tandem, "skip_misfits", False)
     plan = Tandem(jumpy, max_num_seqs=64)(snap(running, []))
     assert chunks(plan) == [("rt", 1)] and "time budget" in plan.reasons["be_prompt"]
+
+
+def test_be_work_passed_over_takes_no_blocks_and_no_place_in_admission():
+    """What a BE request that does not fit took to be considered is given back: with no free
+    block, the first-ranked batch prompt of the case above would take the blocks of the last
+    ranked running request (preempting it) and then not run; it preempts nobody, and the
+    decodes behind it all run. A waiting prompt that does not fit leaves admission's books: a
+    smaller one behind it starts as it would alone (its 10 tokens beside the chat's decode fit
+    the 10 free blocks; with the first one still counted, its predicted growth did not)."""
+    def jumpy(shape, swap_slots=0):
+        return COST.predict(shape) + (0.02 if shape.prefill_tokens else 0.0)
+    rt = cand("rt", 100, 50, rt=True, out=3, slo=0.05, pending=0.02)
+    running = [rt, cand("be_prompt", 40, 2, computed=20), cand("be_decode", 100, 800, out=3),
+               cand("last", 100, 900, out=3)]
+    plan = Tandem(jumpy, max_num_seqs=64)(snap(running, [], free=0))
+    assert chunks(plan) == [("rt", 1), ("be_decode", 1), ("last", 1)] and plan.preempted == []
+
+    def linear(shape, swap_slots=0):
+        return 0.01 + 1e-3 * shape.decode_tokens + 1.5e-3 * shape.prefill_tokens
+    big, small = cand("big", 40, 50, computed=0), cand("small", 10, 60, computed=0, arrival=1.0)
+    alone = chunks(Tandem(linear, max_num_seqs=64)(snap([rt], [small], free=20)))
+    assert alone == [("rt", 1), ("small", 10)]
+    assert chunks(Tandem(linear, max_num_seqs=64)(snap([rt], [big, small], free=20))) == alone

@@ -10,6 +10,7 @@ from tandem.server.tools import ContentStream, ToolChoice, ToolPlan, finish_reas
 
 PLAN = ToolPlan(({"name": "add"}, {"name": "get_weather"}), ToolChoice.AUTO)
 CALL_ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+DEEP = '<tool_call>{"name": "add", "arguments": {"a": ' + "[" * 3000 + "]" * 3000 + "}}</tool_call>"
 CASES = [
     # reply, content, calls as (name, arguments)
     ("Hello there.", "Hello there.", []),
@@ -34,6 +35,10 @@ CASES = [
     ('<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>',
      '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>', []),
     ("Not a call: <tool_call", "Not a call: <tool_call", []),
+    # a name that is no string, and JSON nested past Python's recursion limit, stay text
+    ('<tool_call>{"name": ["add"], "arguments": {}}</tool_call>',
+     '<tool_call>{"name": ["add"], "arguments": {}}</tool_call>', []),
+    (DEEP, DEEP, []),
 ]
 
 
