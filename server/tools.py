@@ -248,6 +248,8 @@ class ContentStream:
     end. A constrained reply is calls only, sent as they are written."""
     plan: ToolPlan
     unsent: str = ""                # auto: text not read yet: where a tag may begin, or an open block
+    later: list[str] = field(default_factory=list)     # auto: pieces after an open block's unsent start
+    tail: str = ""                  # auto: the unread text's last characters, where a closing tag may begin
     held: str = ""                  # auto: content read but not sent (whitespace before a part's text)
     open: bool = False              # auto: a part of the reply's text is being sent
     sent: int = 0                   # characters of content sent (a prefix of the final content)
@@ -269,8 +271,13 @@ class ContentStream:
             deltas = self.args.push(new)
             self.calls_sent = len(self.args.calls)
             return deltas
+        if self.unsent.startswith(OPEN_TAG) and CLOSE_TAG not in self.tail + new:
+            self.later.append(new)          # an open block is read again only once it may close
+            self.tail = (self.tail + new)[1 - len(CLOSE_TAG):]
+            return []
         out: list[str | dict] = []
-        self.unsent = self._read(self.unsent + new, out)
+        self.unsent = self._read("".join([self.unsent, *self.later, new]), out)
+        self.later, self.tail = [], self.unsent[1 - len(CLOSE_TAG):]
         self.written += out
         return out
 
@@ -307,7 +314,7 @@ class ContentStream:
         last: an open block, or what could have begun one) ends the last text, or is one where
         it is more than whitespace."""
         parts = list(self.written)
-        if (rest := self.held + self.unsent) and (self.open or rest.strip()):
+        if (rest := "".join([self.held, self.unsent, *self.later])) and (self.open or rest.strip()):
             parts.append(rest)
         merged: list[str | dict] = []
         for part in parts:
